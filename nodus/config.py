@@ -1,0 +1,178 @@
+"""Run configuration: the workload (jobs), the arm (policy, groups, sharing) and engine/trainer knobs.
+
+pydantic v2 models with ``extra="forbid"``: a typo in a YAML key is an error naming the key, never a
+silent default. Cross-field checks raise errors that name the fields and values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nodus.tasks import TASK_NAMES
+
+Policy = Literal["dedicated", "shared-sync", "overlap", "timeslice"]
+Sharing = Literal["none", "mps"]
+POLICIES: tuple[str, ...] = ("dedicated", "shared-sync", "overlap", "timeslice")
+SHARINGS: tuple[str, ...] = ("none", "mps")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field and the value."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LognormalLengths(_Model):
+    """Long-tailed response lengths: lognormal around a median, capped at max_new_tokens."""
+
+    kind: Literal["lognormal"] = "lognormal"
+    median_tokens: float = Field(gt=0)  # median response length, tokens
+    sigma: float = Field(ge=0, le=3)  # log-space spread; 0 gives a fixed length
+
+
+class FixedLengths(_Model):
+    """Every response has the same length (capped at max_new_tokens)."""
+
+    kind: Literal["fixed"] = "fixed"
+    tokens: int = Field(ge=1)
+
+
+class ReplayLengths(_Model):
+    """Lengths recorded in a real run's trace (spans JSONL), replayed per job and step."""
+
+    kind: Literal["replay"] = "replay"
+    trace: str  # path to a spans.jsonl whose generate spans carry `response_tokens`
+    job: str | None = None  # job id in the trace to replay; default: the same job id
+
+
+LengthModel = Annotated[Union[LognormalLengths, FixedLengths, ReplayLengths], Field(discriminator="kind")]
+
+
+class JobSpec(_Model):
+    """One customer's LoRA GRPO job."""
+
+    id: str | None = None  # stable job id; default "job{index}"
+    task: str  # task family, see `nodus tasks list`
+    prompts_per_step: int = Field(default=8, ge=1)
+    responses_per_prompt: int = Field(default=8, ge=1)
+    max_new_tokens: int = Field(default=256, ge=1, le=32768)
+    prompt_tokens: int | None = Field(default=None, ge=1)  # mean prompt length; default: the task's
+    steps: int = Field(default=20, ge=1)
+    lora_rank: int = Field(default=16, ge=1, le=512)
+    learning_rate: float = Field(default=1e-5, gt=0, le=1.0)
+    seed: int | None = None  # default: run seed * 1000 + job index
+    lengths: LengthModel | None = None  # response-length model; default: the task's
+
+    @model_validator(mode="after")
+    def _known_task(self) -> "JobSpec":
+        if self.task not in TASK_NAMES:
+            raise ValueError(f"task={self.task!r} is not a known task; known: {', '.join(TASK_NAMES)}")
+        return self
+
+
+class ArmSpec(_Model):
+    """How the jobs share (or don't share) the GPU."""
+
+    policy: Policy = "overlap"
+    groups: int = Field(default=2, ge=1)  # overlap: phase-offset groups; timeslice: stacks
+    sharing: Sharing = "mps"
+
+
+class EngineSpec(_Model):
+    """The one vLLM engine (or one per stack for `timeslice`)."""
+
+    max_num_seqs: int = Field(default=512, ge=1)  # continuous-batching cap on running sequences
+    max_loras: int | None = Field(default=None, ge=1)  # adapters resident at once; default: all jobs
+
+
+class TrainerSpec(_Model):
+    """The one trainer."""
+
+    max_tokens_per_microbatch: int = Field(default=32768, ge=256)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+
+
+class RunConfig(_Model):
+    """Everything one run needs; `resolved()` fills defaults that depend on other fields."""
+
+    jobs: list[JobSpec]
+    arm: ArmSpec = ArmSpec()
+    engine: EngineSpec = EngineSpec()
+    trainer: TrainerSpec = TrainerSpec()
+    seed: int = 1
+    profile: str = "h200-qwen3-0.6b"  # shipped profile name or path to a profile JSON
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        n = len(self.jobs)
+        if n == 0:
+            raise ValueError("jobs=0: a workload needs at least one job")
+        if self.arm.policy == "overlap" and self.arm.groups < 2:
+            raise ValueError(f"arm.groups={self.arm.groups} with policy='overlap': overlap needs groups >= 2 "
+                             "(one group is policy='shared-sync')")
+        if self.arm.groups > n and self.arm.policy in ("overlap", "timeslice"):
+            raise ValueError(f"arm.groups={self.arm.groups} > jobs={n}: every group needs at least one job")
+        ids = [j.id for j in self.jobs if j.id is not None]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"jobs[].id must be unique, got {ids}")
+        return self
+
+    def resolved(self) -> "RunConfig":
+        """Return a copy where every job has its id and seed filled in."""
+        jobs = []
+        for i, j in enumerate(self.jobs):
+            jobs.append(j.model_copy(update={
+                "id": j.id or f"job{i}",
+                "seed": j.seed if j.seed is not None else self.seed * 1000 + i,
+            }))
+        return self.model_copy(update={"jobs": jobs})
+
+
+def default_jobs(n: int, steps: int = 20, **job_fields) -> list[JobSpec]:
+    """n jobs cycling through the task families, the reference workload shape."""
+    if n < 1:
+        raise ConfigError(f"jobs={n}: a workload needs at least one job")
+    return [JobSpec(task=TASK_NAMES[i % len(TASK_NAMES)], steps=steps, id=f"job{i}", **job_fields)
+            for i in range(n)]
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key {loc!r}"
+        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], (dict, list)):
+            msg = f"{msg} (got {loc}={e['input']!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def build_config(data: dict, source: str = "config") -> RunConfig:
+    """Validate a dict into a resolved RunConfig, raising ConfigError with a readable message."""
+    try:
+        return RunConfig.model_validate(data).resolved()
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a YAML or JSON config file into a dict (validation happens in build_config)."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top, got {type(data).__name__}")
+    return data

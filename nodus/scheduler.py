@@ -1,0 +1,240 @@
+"""The backend-agnostic scheduler: which group generates, trains and publishes when.
+
+A pure state machine in the shape of vLLM v1's scheduler: `start()` and `on_result()` return the
+actions to issue; `drive()` glues it to a backend. It knows nothing of SimPy, torch or vLLM.
+
+Each group loops generate -> train -> publish. The trainer of a stack runs one Train (then its
+Publish) at a time; groups waiting for it queue in arrival order. The engine accepts Generate
+actions from several groups at once (continuous batching joins them).
+
+Strictly on-policy: a job's rollouts for step s are sampled from adapter version s, only after
+version s was published to the engine; the trainer consumes only rollouts tagged with the job's
+current version. Any violation raises StaleRolloutError before it can corrupt a job.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nodus.messages import (
+    Action, Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, RolloutRequest, Rollouts,
+    Span, Train, TrainDone,
+)
+
+
+class StaleRolloutError(RuntimeError):
+    """A rollout was (or would be) sampled from, or trained against, a non-current adapter."""
+
+
+class SchedulerError(RuntimeError):
+    """The backend answered with something the scheduler did not ask for."""
+
+
+@dataclass
+class _Job:
+    id: str
+    steps: int
+    version: int = 0  # adapter version = optimizer steps completed
+    published: int = 0  # newest version the engine serves
+    failed: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.failed is None and self.version < self.steps
+
+
+@dataclass
+class _Group:
+    index: int
+    stack: int
+    jobs: list[str]
+    state: str = "pending"  # pending | generating | queued | training | publishing | done
+    rollouts: tuple[Rollouts, ...] = ()
+    generations: int = 0
+
+
+@dataclass
+class Scheduler:
+    """groups: list of (stack, job ids). Groups of one stack run concurrently when `concurrent`,
+    else one after another (timeslice: each stack runs its jobs dedicated-style, in turn)."""
+
+    steps: dict[str, int]
+    groups: list[tuple[int, list[str]]]
+    concurrent: bool = True
+    stagger: bool = True  # overlap: group g starts generating when group g-1's first generation ends
+    spans: list[Span] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.jobs = {j: _Job(j, s) for j, s in self.steps.items()}
+        self._groups = [_Group(i, stack, list(ids)) for i, (stack, ids) in enumerate(self.groups)]
+        seen = [j for _, ids in self.groups for j in ids]
+        if sorted(seen) != sorted(self.jobs):
+            raise ValueError(f"every job must be in exactly one group; groups hold {seen}")
+        self._group_of = {j: g for g in self._groups for j in g.jobs}
+        self._inflight: dict[str, tuple[_Group, Action]] = {}
+        self._trainer_busy: dict[int, bool] = {}
+        self._train_queue: dict[int, deque[_Group]] = {}
+        for g in self._groups:
+            self._trainer_busy.setdefault(g.stack, False)
+            self._train_queue.setdefault(g.stack, deque())
+        self._next_id = 0
+
+    # -- public interface -------------------------------------------------------------------
+    def start(self) -> list[Action]:
+        actions: list[Action] = []
+        for stack in sorted(self._trainer_busy):
+            groups = [g for g in self._groups if g.stack == stack]
+            if not self.concurrent:
+                groups = groups[:1]
+            elif self.stagger:
+                groups = groups[:1]
+            for g in groups:
+                actions += self._generate(g)
+        return actions
+
+    def on_result(self, result: Result) -> list[Action]:
+        try:
+            g, action = self._inflight.pop(result.action_id)
+        except KeyError:
+            raise SchedulerError(f"result for unknown action {result.action_id!r}") from None
+        if isinstance(result, GenerateDone):
+            return self._on_generated(g, action, result)
+        if isinstance(result, TrainDone):
+            return self._on_trained(g, action, result)
+        if isinstance(result, PublishDone):
+            return self._on_published(g, action, result)
+        raise SchedulerError(f"unknown result type {type(result).__name__}")
+
+    def done(self) -> bool:
+        return not self._inflight and all(g.state == "done" for g in self._groups)
+
+    # -- transitions ------------------------------------------------------------------------
+    def _id(self, kind: str) -> str:
+        self._next_id += 1
+        return f"{kind}-{self._next_id}"
+
+    def _generate(self, g: _Group) -> list[Action]:
+        active = [self.jobs[j] for j in g.jobs if self.jobs[j].active]
+        if not active:
+            g.state = "done"
+            return self._after_group_done(g)
+        reqs = []
+        for job in active:
+            if job.published != job.version:
+                raise StaleRolloutError(
+                    f"job {job.id}: engine serves version {job.published} but the current adapter is "
+                    f"version {job.version}; refusing to sample")
+            reqs.append(RolloutRequest(job.id, step=job.version, adapter_version=job.version))
+        a = Generate(self._id("gen"), g.index, g.stack, tuple(reqs))
+        g.state = "generating"
+        self._inflight[a.action_id] = (g, a)
+        return [a]
+
+    def _on_generated(self, g: _Group, a: Generate, r: GenerateDone) -> list[Action]:
+        asked = {q.job_id: q for q in a.requests}
+        got = {ro.job_id: ro for ro in r.rollouts}
+        if set(got) != set(asked):
+            raise SchedulerError(f"{a.action_id}: asked rollouts for {sorted(asked)}, got {sorted(got)}")
+        for ro in r.rollouts:
+            job = self.jobs[ro.job_id]
+            if ro.adapter_version != job.version or ro.step != job.version:
+                raise StaleRolloutError(
+                    f"job {ro.job_id}: rollouts sampled from version {ro.adapter_version} for step "
+                    f"{ro.step}, but the current version is {job.version}")
+            self.spans.append(Span(ro.job_id, g.index, "generate", ro.start_s, ro.end_s, g.stack, {
+                "step": ro.step, "adapter_version": ro.adapter_version, "n_sequences": ro.n_sequences,
+                "prompt_tokens": ro.prompt_tokens, "response_tokens": list(ro.response_tokens),
+                "mean_reward": ro.mean_reward}))
+        g.rollouts = r.rollouts
+        g.generations += 1
+        g.state = "queued"
+        self._train_queue[g.stack].append(g)
+        actions = self._pump_trainer(g.stack)
+        if self.concurrent and self.stagger and g.generations == 1:
+            nxt = [h for h in self._groups if h.stack == g.stack and h.index > g.index and h.state == "pending"]
+            if nxt:
+                actions += self._generate(nxt[0])
+        return actions
+
+    def _pump_trainer(self, stack: int) -> list[Action]:
+        if self._trainer_busy[stack] or not self._train_queue[stack]:
+            return []
+        g = self._train_queue[stack].popleft()
+        expected = []
+        for ro in g.rollouts:
+            job = self.jobs[ro.job_id]
+            if ro.adapter_version != job.version:
+                raise StaleRolloutError(f"job {ro.job_id}: trainer would consume version {ro.adapter_version} "
+                                        f"rollouts but the current version is {job.version}")
+            expected.append(job.version)
+        a = Train(self._id("train"), g.index, g.stack, g.rollouts, tuple(expected))
+        g.state = "training"
+        self._trainer_busy[stack] = True
+        self._inflight[a.action_id] = (g, a)
+        return [a]
+
+    def _on_trained(self, g: _Group, a: Train, r: TrainDone) -> list[Action]:
+        ups: dict[str, JobUpdate] = {u.job_id: u for u in r.updates}
+        if set(ups) != {b.job_id for b in a.batches}:
+            raise SchedulerError(f"{a.action_id}: trained {sorted(ups)}, asked {[b.job_id for b in a.batches]}")
+        versions = []
+        for b, expected in zip(a.batches, a.expected_versions):
+            job, u = self.jobs[b.job_id], ups[b.job_id]
+            attrs = {"step": b.step, "consumed_version": b.adapter_version, "tokens": u.tokens,
+                     "loss": u.loss, "grad_norm": u.grad_norm, "jobs_in_batch": len(a.batches)}
+            if u.failed:
+                job.failed = u.failed
+                attrs["failed"] = u.failed
+            else:
+                if u.new_version != expected + 1:
+                    raise SchedulerError(f"job {b.job_id}: trainer returned version {u.new_version} "
+                                         f"after step on version {expected}")
+                job.version = u.new_version
+                versions.append((job.id, job.version))
+            attrs["new_version"] = job.version
+            self.spans.append(Span(b.job_id, g.index, "train", r.start_s, r.end_s, g.stack, attrs))
+        g.rollouts = ()
+        if not versions:
+            return self._after_publish(g)
+        a2 = Publish(self._id("pub"), g.index, g.stack, tuple(versions))
+        g.state = "publishing"
+        self._inflight[a2.action_id] = (g, a2)
+        return [a2]
+
+    def _on_published(self, g: _Group, a: Publish, r: PublishDone) -> list[Action]:
+        if set(r.versions) != set(a.versions):
+            raise SchedulerError(f"{a.action_id}: published {r.versions}, asked {a.versions}")
+        for job_id, v in r.versions:
+            self.jobs[job_id].published = v
+            self.spans.append(Span(job_id, g.index, "publish", r.start_s, r.end_s, g.stack, {"version": v}))
+        return self._after_publish(g)
+
+    def _after_publish(self, g: _Group) -> list[Action]:
+        self._trainer_busy[g.stack] = False
+        return self._pump_trainer(g.stack) + self._generate(g)
+
+    def _after_group_done(self, g: _Group) -> list[Action]:
+        # Timeslice: the stack's next job starts. Overlap: a staggered group whose predecessor had
+        # no step to run never got its cue.
+        nxt = [h for h in self._groups if h.stack == g.stack and h.state == "pending"]
+        return self._generate(nxt[0]) if nxt else []
+
+
+def drive(scheduler: Scheduler, backend, on_progress=None) -> list[Span]:
+    """Run the scheduler against a backend until every group is done; return the spans."""
+    actions = scheduler.start()
+    while True:
+        for a in actions:
+            if isinstance(a, Generate):
+                backend.generate(a)
+            elif isinstance(a, Train):
+                backend.train(a)
+            else:
+                backend.publish(a)
+        if scheduler.done():
+            return scheduler.spans
+        result = backend.wait()
+        actions = scheduler.on_result(result)
+        if on_progress is not None:
+            on_progress(scheduler)
