@@ -1,0 +1,86 @@
+"""Running an arm: plan the groups, drive the scheduler over fresh backends, account the result.
+
+`make_backend(cfg, n_stacks)` builds a backend for a (sub)workload; the runner never asks which
+kind it is. The dedicated arm runs each job alone on its own backend (its own GPU), the same
+synchronous code path with one job.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from nodus.accounting import add_slowdowns, summarize
+from nodus.backend import Backend
+from nodus.config import ArmSpec, RunConfig
+from nodus.grouping import balance_groups
+from nodus.lengths import predicted_step_tokens
+from nodus.messages import Span
+from nodus.scheduler import Scheduler, drive
+
+BackendFactory = Callable[[RunConfig, int], Backend]
+
+
+def plan(cfg: RunConfig) -> Scheduler:
+    """The scheduler for a (non-dedicated) arm: which jobs form which groups on which stack."""
+    steps = {j.id: j.steps for j in cfg.jobs}
+    work = {j.id: predicted_step_tokens(j) * j.steps for j in cfg.jobs}
+    ids = [j.id for j in cfg.jobs]
+    policy = cfg.arm.policy
+    if policy in ("shared-sync", "dedicated"):
+        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False)
+    if policy == "overlap":
+        groups = balance_groups(work, cfg.arm.groups)
+        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True)
+    if policy == "timeslice":
+        # Each stack runs its jobs one after another, dedicated-style; stacks share the GPU.
+        stacks = balance_groups(work, cfg.arm.groups)
+        return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False)
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def n_stacks(cfg: RunConfig) -> int:
+    return cfg.arm.groups if cfg.arm.policy == "timeslice" else 1
+
+
+def run_spans(cfg: RunConfig, make_backend: BackendFactory, on_progress=None) -> list[list[Span]]:
+    """The spans of each GPU's run: one run for a shared arm, one per job for dedicated."""
+    if cfg.arm.policy == "dedicated":
+        out = []
+        for job in cfg.jobs:
+            solo = cfg.model_copy(update={"jobs": [job]})
+            out.append(_one(solo, make_backend, on_progress))
+        return out
+    return [_one(cfg, make_backend, on_progress)]
+
+
+def _one(cfg: RunConfig, make_backend: BackendFactory, on_progress) -> list[Span]:
+    backend = make_backend(cfg, n_stacks(cfg))
+    try:
+        return drive(plan(cfg), backend, on_progress)
+    finally:
+        backend.close()
+
+
+def dedicated_of(cfg: RunConfig) -> RunConfig:
+    """The baseline arm for a config: the same jobs, each alone on its own GPU, no MPS."""
+    return cfg.model_copy(update={"arm": ArmSpec(policy="dedicated", groups=1, sharing="none")})
+
+
+def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
+            on_progress=None) -> tuple[dict, list[list[Span]]]:
+    """Summary (with ratio_vs_dedicated and per-job slowdowns when `baseline`) and the spans."""
+    runs = run_spans(cfg, make_backend, on_progress)
+    summary = summarize(runs)
+    summary["arm"] = {"policy": cfg.arm.policy, "groups": cfg.arm.groups, "sharing": cfg.arm.sharing}
+    summary["jobs"] = len(cfg.jobs)
+    summary["seed"] = cfg.seed
+    if baseline:
+        if cfg.arm.policy == "dedicated" and cfg.arm.sharing == "none":
+            base = summary
+        else:
+            base = summarize(run_spans(dedicated_of(cfg), make_backend))
+        summary["dedicated_steps_per_gpu_hour"] = base["steps_per_gpu_hour"]
+        summary["ratio_vs_dedicated"] = (summary["steps_per_gpu_hour"] / base["steps_per_gpu_hour"]
+                                         if base["steps_per_gpu_hour"] else None)
+        add_slowdowns(summary, base)
+    return summary, runs

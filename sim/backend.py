@@ -1,0 +1,101 @@
+"""The SimPy backend: the backend protocol over a simulated GPU, engine(s) and trainer(s).
+
+Response lengths are drawn per job and step from a stream seeded by (job seed, step), so the
+same config and seed give a byte-identical timeline whatever the arm's order of events.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import simpy
+
+from nodus.config import JobSpec, RunConfig
+from nodus.lengths import prompt_tokens, sample_response_tokens
+from nodus.messages import (
+    Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
+)
+from sim.engine import SimEngine
+from sim.gpu import SharedGPU
+from sim.profile import CostModel
+
+
+class SimBackend:
+    def __init__(self, cfg: RunConfig, cost: CostModel, n_stacks: int = 1):
+        self.cfg, self.cost = cfg, cost
+        self.env = simpy.Environment()
+        self.gpu = SharedGPU(self.env, cfg.arm.sharing, cost.profile.sharing)
+        self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
+        max_loras = cfg.engine.max_loras or len(cfg.jobs)
+        self.engines = [SimEngine(self.env, self.gpu, cost, cfg.engine.max_num_seqs, max_loras,
+                                  self._generated) for _ in range(n_stacks)]
+        self._done: deque[Result] = deque()
+        self._signal = self.env.event()
+        self._lengths: dict[str, list[int]] = {}
+
+    # -- protocol ---------------------------------------------------------------------------
+    def now(self) -> float:
+        return self.env.now
+
+    def generate(self, a: Generate) -> None:
+        batch = []
+        for r in a.requests:
+            job = self.jobs[r.job_id]
+            rng = np.random.default_rng([job.seed, r.step])
+            lengths = sample_response_tokens(job, r.step, rng)
+            batch.append((r.job_id, r.step, r.adapter_version, job.prompts_per_step,
+                          prompt_tokens(job), lengths))
+        self.engines[a.stack].submit(a.action_id, batch)
+
+    def train(self, a: Train) -> None:
+        self.env.process(self._train(a))
+
+    def publish(self, a: Publish) -> None:
+        self.env.process(self._publish(a))
+
+    def wait(self) -> Result:
+        while not self._done:
+            if self.env.peek() == math.inf:
+                raise RuntimeError("simulation stalled: no action in flight can finish")
+            self.env.run(until=self._signal)
+        return self._done.popleft()
+
+    def close(self) -> None:
+        pass
+
+    # -- internals --------------------------------------------------------------------------
+    def _finish(self, result: Result) -> None:
+        self._done.append(result)
+        if not self._signal.triggered:
+            self._signal.succeed()
+        self._signal = self.env.event()
+
+    def _generated(self, act) -> None:
+        rollouts = tuple(Rollouts(
+            job_id=r.job_id, step=r.step, adapter_version=r.version, n_sequences=len(r.lengths),
+            prompt_tokens=r.prompt_tokens_each * len(r.lengths), response_tokens=tuple(r.lengths),
+            start_s=r.start_s, end_s=r.end_s) for r in act.requests)
+        self._finish(GenerateDone(act.action_id, act.start_s, self.env.now, rollouts))
+
+    def _train(self, a: Train):
+        start = self.env.now
+        tokens = {b.job_id: b.prompt_tokens + sum(b.response_tokens) for b in a.batches}
+        total = sum(tokens.values())
+        cap = self.cfg.trainer.max_tokens_per_microbatch
+        n_mb = max(1, math.ceil(total / cap))
+        work = self.cost.train_s([total / n_mb] * n_mb, adapters=len(a.batches))
+        yield from self.gpu.work("trainer", work)
+        updates = tuple(JobUpdate(b.job_id, new_version=v + 1, tokens=tokens[b.job_id])
+                        for b, v in zip(a.batches, a.expected_versions))
+        self._finish(TrainDone(a.action_id, start, self.env.now, updates))
+
+    def _publish(self, a: Publish):
+        start = self.env.now
+        # Saving adapters is host-side work (device-to-host copy and a write); it holds the
+        # trainer but not the GPU. The engine pays its load cost at the version's first use.
+        yield self.env.timeout(self.cost.profile.publish.save_s_per_adapter * len(a.versions))
+        for job_id, v in a.versions:
+            self.engines[a.stack].publish(job_id, v)
+        self._finish(PublishDone(a.action_id, start, self.env.now, a.versions))

@@ -1,0 +1,220 @@
+"""The cost model is data: a versioned profile JSON (measured points + fitted physics-shaped models).
+
+Loading validates the file (a missing or malformed profile is a clear error naming the path and
+field). Cost functions turn a batch composition into seconds of GPU work "alone, no MPS"; the
+`rates` of the sharing section turn that work into wall time when phases co-run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nodus.config import ConfigError
+
+SCHEMA = "nodus.profile/1"
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Environment(_M):
+    gpu: str
+    model: str
+    vllm: str | None = None
+    torch: str | None = None
+    driver: str | None = None
+    date: str
+    git_commit: str | None = None
+    sources: list[str] = []
+
+
+class Curve(_M):
+    """Piecewise-linear step time (s) against batch size through measured points, one curve per
+    number of distinct adapters in the batch."""
+
+    adapters: int = Field(ge=0)
+    batch: list[int]
+    step_s: list[float]
+
+    @model_validator(mode="after")
+    def _shape(self) -> "Curve":
+        if len(self.batch) != len(self.step_s) or len(self.batch) < 2:
+            raise ValueError("batch and step_s need the same length, at least 2 points")
+        if self.batch != sorted(set(self.batch)):
+            raise ValueError("batch sizes must be strictly increasing")
+        return self
+
+
+class Linear(_M):
+    """y = a_s + b_s_per_unit * x."""
+
+    a_s: float = Field(ge=0)
+    b_s_per_unit: float = Field(ge=0)
+
+
+class Decode(_M):
+    curves: list[Curve]  # by adapters, increasing
+    s_per_context_token: float = Field(default=0.0, ge=0)  # extra step time per token of KV context
+
+
+class Prefill(_M):
+    no_lora: Linear  # x = prompt tokens admitted
+    lora: Linear
+
+
+class TrainCost(_M):
+    per_microbatch: Linear  # x = tokens in the micro-batch (fwd + bwd)
+    s_per_adapter: float = Field(ge=0)  # optimizer step + bookkeeping per adapter in the step
+    max_profiled_tokens: int = Field(ge=1)
+
+
+class PublishCost(_M):
+    save_s_per_adapter: float = Field(ge=0)  # trainer side: adapter to the engine's reach (host time)
+    engine_load_s: float = Field(ge=0)  # engine side: load a new adapter version before first use
+
+
+class Rates(_M):
+    """Progress per second, in units of 'alone without MPS' work, for each side."""
+
+    engine: float = Field(gt=0, le=2)
+    trainer: float = Field(gt=0, le=2)
+
+
+class SharingCost(_M):
+    none_corun: Rates  # engine and trainer time-slicing the GPU
+    mps_alone: Rates  # one side running alone inside its MPS share
+    mps_corun: Rates  # both running under MPS
+
+
+class Assumption(_M):
+    id: str
+    what: str
+    value: float | str | None = None
+
+
+class Profile(_M):
+    schema_: str = Field(alias="schema")
+    environment: Environment
+    decode: Decode
+    prefill: Prefill
+    train: TrainCost
+    publish: PublishCost
+    sharing: SharingCost
+    assumptions: list[Assumption] = []
+    measurements: dict = {}
+
+    @model_validator(mode="after")
+    def _schema(self) -> "Profile":
+        if self.schema_ != SCHEMA:
+            raise ValueError(f"schema={self.schema_!r}, expected {SCHEMA!r}")
+        return self
+
+
+def shipped_profiles() -> list[str]:
+    root = resources.files("calibration") / "profiles"
+    return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str) -> "CostModel":
+    """A shipped profile by name (e.g. 'h200-qwen3-0.6b') or a JSON file by path."""
+    p = Path(name_or_path)
+    if not p.exists() and not name_or_path.endswith(".json"):
+        if name_or_path not in shipped_profiles():
+            raise ConfigError(f"profile={name_or_path!r} is neither a file nor a shipped profile "
+                              f"({', '.join(shipped_profiles())})")
+        text = (resources.files("calibration") / "profiles" / f"{name_or_path}.json").read_text()
+        source = f"shipped profile {name_or_path}"
+    else:
+        if not p.is_file():
+            raise ConfigError(f"profile file {str(p)!r} does not exist")
+        text, source = p.read_text(), f"profile file {str(p)!r}"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{source} is not valid JSON: {err}") from None
+    try:
+        return CostModel(Profile.model_validate(data), source)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"{source} is malformed at {loc or '<root>'}: {first['msg']} "
+                          f"({len(err.errors())} error(s))") from None
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Linear through the points; linear extrapolation past either end along the edge segment."""
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+class CostModel:
+    """Seconds of GPU work for each phase, from a Profile. Records where it was asked to
+    extrapolate beyond the profiled region (reports list those flags)."""
+
+    def __init__(self, profile: Profile, source: str):
+        self.profile = profile
+        self.source = source
+        self.flags: set[str] = set()
+        curves = sorted(profile.decode.curves, key=lambda c: c.adapters)
+        self._curves = curves
+        self._lora_curves = [c for c in curves if c.adapters >= 1]
+        self._max_batch = max(c.batch[-1] for c in curves)
+        self._cache: dict[tuple[int, int], float] = {}
+
+    def _curve_at(self, c: Curve, batch: int) -> float:
+        return _interp(c.batch, c.step_s, batch)
+
+    def decode_step_s(self, batch: int, context_tokens: float, adapters: int) -> float:
+        """One decode step of `batch` sequences holding `context_tokens` of KV in total, with
+        `adapters` distinct LoRA adapters among them."""
+        key = (batch, adapters)
+        base = self._cache.get(key)
+        if base is None:
+            if batch > self._max_batch:
+                self.flags.add(f"decode batch {batch} > profiled {self._max_batch}")
+            if adapters == 0 or not self._lora_curves:
+                base = self._curve_at(self._curves[0], batch)
+            else:
+                lc = self._lora_curves
+                if adapters > lc[-1].adapters:
+                    self.flags.add(f"decode with {adapters} adapters > profiled {lc[-1].adapters}")
+                # Between measured adapter counts, interpolate in log2(adapters): the LoRA kernels'
+                # cost grows with the number of distinct adapter segments, sub-linearly.
+                la = math.log2(adapters)
+                pts = [(math.log2(c.adapters), self._curve_at(c, batch)) for c in lc]
+                if len(pts) == 1 or la <= pts[0][0]:
+                    base = pts[0][1]
+                elif la >= pts[-1][0]:
+                    base = pts[-1][1]
+                else:
+                    j = next(k for k in range(1, len(pts)) if pts[k][0] >= la)
+                    (x0, y0), (x1, y1) = pts[j - 1], pts[j]
+                    base = y0 + (y1 - y0) * (la - x0) / (x1 - x0)
+            self._cache[key] = base
+        return base + self.profile.decode.s_per_context_token * context_tokens
+
+    def prefill_s(self, tokens: int, lora: bool, cold: bool) -> float:
+        """Prefill of newly admitted prompt tokens; the fixed part is paid only when the engine
+        starts from idle (mid-batch admissions ride on decode steps, as chunked prefill does)."""
+        f = self.profile.prefill.lora if lora else self.profile.prefill.no_lora
+        return (f.a_s if cold else 0.0) + f.b_s_per_unit * tokens
+
+    def train_s(self, microbatch_tokens: list[int], adapters: int) -> float:
+        t = self.profile.train
+        for n in microbatch_tokens:
+            if n > t.max_profiled_tokens:
+                self.flags.add(f"train micro-batch {n} tokens > profiled {t.max_profiled_tokens}")
+        return sum(t.per_microbatch.a_s + t.per_microbatch.b_s_per_unit * n for n in microbatch_tokens) \
+            + t.s_per_adapter * adapters
+
+    def assumptions(self) -> list[dict]:
+        return [a.model_dump() for a in self.profile.assumptions]
