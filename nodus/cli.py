@@ -1,0 +1,130 @@
+"""The `nodus` command line: a thin layer over library functions (each callable from Python)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from nodus.config import POLICIES, SHARINGS, ConfigError, load_config
+
+
+def _add_arm_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML/JSON config file (default: the embedded 8-job workload)")
+    p.add_argument("--jobs", type=int, help="number of jobs (cycling through the task families)")
+    p.add_argument("--policy", choices=POLICIES, help="arm policy (default overlap)")
+    p.add_argument("--groups", type=int, help="overlap: phase-offset groups; timeslice: stacks (default 2)")
+    p.add_argument("--sharing", choices=SHARINGS, help="GPU sharing controls (default mps)")
+    p.add_argument("--steps", type=int, help="optimizer steps per job (default 20)")
+    p.add_argument("--seed", type=int, help="run seed (default 1)")
+    p.add_argument("--out", help="write config, summary, timeline and plots into this new folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def cmd_sim(a: argparse.Namespace) -> int:
+    from nodus.simulate import config_from_args, render_table, simulate
+
+    cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
+                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile)
+    summary = simulate(cfg, a.out)
+    if a.json:
+        print(json.dumps(summary, sort_keys=True, default=str))
+    else:
+        print(render_table(summary))
+        if a.out:
+            print(f"\nwrote {a.out}/ (summary.json, spans.jsonl, trace.json for Perfetto, gantt.png)")
+    return 0
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from nodus.simulate import sweep, sweep_table
+
+    result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
+                   steps=a.steps, profile=a.profile, workers=a.workers, out=a.out)
+    print(json.dumps(result, default=str) if a.json else sweep_table(result["rows"]))
+    print(f"{len(result['rows'])} runs in {result['wall_s']:.1f}s with {result['workers']} workers"
+          + (f"; wrote {a.out}/ (sweep.csv, sweep.json, sweep.png)" if a.out else ""), file=sys.stderr)
+    return 0
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from nodus.simulate import report
+
+    print(report(a.run_dir))
+    return 0
+
+
+def cmd_tasks(a: argparse.Namespace) -> int:
+    from nodus.tasks.catalog import tasks_list, tasks_sample
+
+    if a.tasks_cmd == "sample":
+        print(tasks_sample(a.task, n=a.n, seed=a.seed))
+    else:
+        print(tasks_list(as_json=a.json))
+    return 0
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from nodus.compare import compare_runs, render_compare_markdown
+
+    rep = compare_runs(a.runs, baseline=a.baseline)
+    print(json.dumps(rep, default=str) if a.json else render_compare_markdown(rep))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="nodus", description="Many LoRA GRPO jobs on one GPU: simulate, run, compare.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("sim", help="simulate one arm (and its dedicated baseline) on a profile")
+    _add_arm_flags(p)
+    p.add_argument("--profile", help="shipped profile name or profile JSON path (default h200-qwen3-0.6b)")
+    p.set_defaults(fn=cmd_sim)
+
+    p = sub.add_parser("sweep", help="simulate every arm over job counts, groups and seeds")
+    p.add_argument("--jobs", default="2,4,8,16")
+    p.add_argument("--groups", default="1,2,4")
+    p.add_argument("--policies", default="all", help="comma list of " + ",".join(POLICIES) + " or all")
+    p.add_argument("--sharing", default="none,mps")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile", default="h200-qwen3-0.6b")
+    p.add_argument("--workers", type=int, help="processes (default: CPU count)")
+    p.add_argument("--out", help="write sweep.csv, sweep.json, sweep.png into this new folder")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("tasks", help="the verifiable task families")
+    tsub = p.add_subparsers(dest="tasks_cmd")
+    tl = tsub.add_parser("list")
+    tl.add_argument("--json", action="store_true")
+    ts = tsub.add_parser("sample")
+    ts.add_argument("task")
+    ts.add_argument("-n", type=int, default=3)
+    ts.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_tasks, json=False)
+
+    p = sub.add_parser("compare", help="equal-learning comparison and gate verdict across run folders")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--baseline", help="baseline arm policy (default dedicated)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_compare)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, FileExistsError, KeyError) as err:
+        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"nodus: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""`nodus sim`, `nodus sweep` and `nodus report` as Python functions.
+
+The simulator backend is imported lazily, so `import nodus` needs neither simpy nor torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from nodus.config import POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs
+from nodus.outdir import make_out_dir, write_json
+from nodus.runner import run_arm, run_spans
+from nodus.accounting import summarize
+from nodus.timeline import plot_gantt, read_jsonl, write_chrome_trace, write_jsonl
+
+
+def config_from_args(config: dict | None = None, *, jobs: int | None = None, policy: str | None = None,
+                     groups: int | None = None, sharing: str | None = None, steps: int | None = None,
+                     seed: int | None = None, profile: str | None = None) -> RunConfig:
+    """A config file's dict (or the embedded default) with command-line overrides applied."""
+    data = dict(config or {})
+    if jobs is not None:
+        if "jobs" in data:
+            raise ConfigError(f"--jobs {jobs} and the config's jobs list both set the jobs; use one")
+        data["jobs"] = [j.model_dump(exclude_none=True) for j in default_jobs(jobs)]
+    data.setdefault("jobs", [j.model_dump(exclude_none=True) for j in default_jobs(8)])
+    if steps is not None:
+        if steps < 1:
+            raise ConfigError(f"--steps {steps}: steps must be >= 1")
+        data["jobs"] = [{**j, "steps": steps} for j in data["jobs"]]
+    arm = dict(data.get("arm", {}))
+    for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing)):
+        if val is not None:
+            arm[key] = val
+    if arm.get("policy") in ("shared-sync", "dedicated") and groups is None:
+        arm.setdefault("groups", 1)
+    data["arm"] = arm
+    if seed is not None:
+        data["seed"] = seed
+    if profile is not None:
+        data["profile"] = profile
+    return build_config(data)
+
+
+def simulate(cfg: RunConfig, out: str | Path | None = None) -> dict:
+    """Run one arm in the simulator (plus its dedicated baseline); write a run folder if `out`."""
+    from sim import backend_factory
+
+    out_dir = make_out_dir(out) if out is not None else None
+    make = backend_factory(cfg.profile)
+    summary, runs = run_arm(cfg, make)
+    summary["backend"] = "sim"
+    summary["profile"] = {"source": make.cost.source, "environment": make.cost.profile.environment.model_dump()}
+    summary["assumptions"] = make.cost.assumptions()
+    summary["outside_profile"] = sorted(make.cost.flags)
+    if out_dir is not None:
+        write_run(out_dir, cfg, summary, runs)
+    return summary
+
+
+def write_run(out_dir: Path, cfg: RunConfig, summary: dict, runs) -> None:
+    write_json(out_dir / "config.json", cfg.model_dump(mode="json"))
+    write_json(out_dir / "summary.json", summary)
+    write_jsonl(runs, out_dir / "spans.jsonl")
+    write_chrome_trace(runs, out_dir / "trace.json")
+    render_run(out_dir)
+
+
+def render_run(out_dir: Path) -> None:
+    summary = json.loads((out_dir / "summary.json").read_text())
+    runs = read_jsonl(out_dir / "spans.jsonl")
+    (out_dir / "table.md").write_text(render_table(summary) + "\n")
+    arm = summary["arm"]
+    title = f"{summary['jobs']} jobs, {arm['policy']} groups={arm['groups']} sharing={arm['sharing']}"
+    plot_gantt(runs[0], out_dir / "gantt.png", title=title + (" (GPU 0 of dedicated)" if len(runs) > 1 else ""))
+
+
+def render_table(s: dict) -> str:
+    arm = s["arm"]
+    lines = [
+        f"| {s['jobs']} jobs, {arm['policy']} (groups {arm['groups']}, sharing {arm['sharing']}) | value |",
+        "|---|---|",
+        f"| optimizer steps per GPU-hour | {s['steps_per_gpu_hour']:.1f} |",
+    ]
+    if s.get("ratio_vs_dedicated") is not None:
+        lines += [f"| dedicated GPU per job | {s['dedicated_steps_per_gpu_hour']:.1f} |",
+                  f"| ratio vs dedicated | {s['ratio_vs_dedicated']:.3f}x |"]
+    lines += [
+        f"| rollout tokens per GPU-second | {s['rollout_tokens_per_gpu_s']:.0f} |",
+        f"| GPU-seconds (window, drain included) | {s['gpu_seconds']:.1f} |",
+        f"| busy: engine / trainer / GPU | {s['busy']['engine']:.2f} / {s['busy']['trainer']:.2f} / {s['busy']['gpu']:.2f} |",
+        f"| stale rollouts | {s['stale_rollouts']} |",
+    ]
+    slow = [d.get("slowdown_vs_alone") for d in s["per_job"].values() if d.get("slowdown_vs_alone")]
+    if slow:
+        lines.append(f"| per-job slowdown vs alone: min / max | {min(slow):.2f}x / {max(slow):.2f}x |")
+    out = "\n".join(lines)
+    if s.get("assumptions"):
+        out += "\n\nProfile: " + s["profile"]["source"] + ". Assumptions used (not yet measured):\n"
+        out += "\n".join(f"- {a['id']}: {a['what']}" for a in s["assumptions"])
+    if s.get("outside_profile"):
+        out += "\n\nOutside the profiled region: " + "; ".join(s["outside_profile"])
+    return out
+
+
+# -- sweep ------------------------------------------------------------------------------------
+
+def sweep_arms(jobs: int, policies: list[str], groups: list[int], sharings: list[str]) -> list[tuple[str, int, str]]:
+    """The (policy, groups, sharing) arms a sweep runs for a job count; groups >= 2 apply to
+    overlap (phase groups) and timeslice (stacks); a group count above the job count is skipped."""
+    arms = []
+    for p in policies:
+        if p == "dedicated":
+            arms.append(("dedicated", 1, "none"))
+        elif p == "shared-sync":
+            arms += [("shared-sync", 1, s) for s in sharings]
+        else:
+            arms += [(p, g, s) for g in groups if 2 <= g <= jobs for s in sharings]
+    return arms
+
+
+def _sweep_task(args) -> dict:
+    jobs, seed, (policy, groups, sharing), steps, profile = args
+    cfg = config_from_args(jobs=jobs, policy=policy, groups=groups, sharing=sharing, steps=steps,
+                           seed=seed, profile=profile)
+    from sim import backend_factory
+
+    t0 = time.perf_counter()
+    s = summarize(run_spans(cfg, backend_factory(profile)))
+    return {"jobs": jobs, "seed": seed, "policy": policy, "groups": groups, "sharing": sharing,
+            "steps_per_gpu_hour": s["steps_per_gpu_hour"], "rollout_tokens_per_gpu_s": s["rollout_tokens_per_gpu_s"],
+            "busy_engine": s["busy"]["engine"], "busy_trainer": s["busy"]["trainer"], "busy_gpu": s["busy"]["gpu"],
+            "stale_rollouts": s["stale_rollouts"], "wall_s": time.perf_counter() - t0}
+
+
+def _parse_list(text: str, cast, name: str, choices=None) -> list:
+    try:
+        vals = [cast(x.strip()) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--{name} {text!r}: expected a comma-separated list") from None
+    if not vals:
+        raise ConfigError(f"--{name} is empty")
+    if choices is not None:
+        bad = [v for v in vals if v not in choices]
+        if bad:
+            raise ConfigError(f"--{name}: unknown {bad}; choose from {', '.join(choices)} or 'all'")
+    return vals
+
+
+def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", sharing: str = "none,mps",
+          seeds: str = "1,2,3", steps: int = 20, profile: str = "h200-qwen3-0.6b", workers: int | None = None,
+          out: str | Path | None = None, progress: bool = True) -> dict:
+    """Every arm for every job count and seed; ratios are against the dedicated arm of the same
+    job count and seed. Writes sweep.csv, sweep.json and sweep.png into `out`."""
+    job_list = _parse_list(jobs, int, "jobs")
+    if min(job_list) < 1:
+        raise ConfigError(f"--jobs {jobs}: every job count must be >= 1")
+    group_list = _parse_list(groups, int, "groups")
+    pol = list(POLICIES) if policies == "all" else _parse_list(policies, str, "policies", POLICIES)
+    if "dedicated" not in pol:
+        pol = ["dedicated"] + pol  # ratios need the baseline
+    shr = list(SHARINGS) if sharing == "all" else _parse_list(sharing, str, "sharing", SHARINGS)
+    seed_list = _parse_list(seeds, int, "seeds")
+    from sim.profile import load_profile
+
+    load_profile(profile)  # fail fast on a bad profile, before forking workers
+    out_dir = make_out_dir(out) if out is not None else None
+    tasks = [(n, sd, arm, steps, profile) for n in job_list for sd in seed_list
+             for arm in sweep_arms(n, pol, group_list, shr)]
+    tasks.sort(key=lambda t: -t[0] * (t[2][1] if t[2][0] == "overlap" else 1))  # big runs first
+    rows, t0 = [], time.perf_counter()
+    workers = workers or min(os.cpu_count() or 1, 8)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futs = [pool.submit(_sweep_task, t) for t in tasks]
+        for i, f in enumerate(as_completed(futs), 1):
+            rows.append(f.result())
+            if progress:
+                _progress(i, len(tasks), time.perf_counter() - t0)
+    if progress and sys.stderr.isatty():
+        print(file=sys.stderr)
+    base = {(r["jobs"], r["seed"]): r["steps_per_gpu_hour"] for r in rows if r["policy"] == "dedicated"}
+    for r in rows:
+        r["ratio_vs_dedicated"] = r["steps_per_gpu_hour"] / base[(r["jobs"], r["seed"])]
+    rows.sort(key=lambda r: (r["jobs"], POLICIES.index(r["policy"]), r["groups"], r["sharing"], r["seed"]))
+    result = {"profile": profile, "steps": steps, "seeds": seed_list, "rows": rows,
+              "wall_s": time.perf_counter() - t0, "workers": workers}
+    if out_dir is not None:
+        write_json(out_dir / "sweep.json", result)
+        with open(out_dir / "sweep.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        render_sweep(out_dir)
+    return result
+
+
+def _progress(i: int, n: int, elapsed: float) -> None:
+    """A bar redrawn in place on a terminal; a line per tenth of the runs in a log."""
+    width = 30
+    done = int(width * i / n)
+    line = f"sweep [{'#' * done}{'.' * (width - done)}] {i}/{n} runs {elapsed:5.1f}s"
+    if sys.stderr.isatty():
+        print("\r" + line, end="", file=sys.stderr, flush=True)
+    elif i == n or i % max(1, n // 10) == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def arm_label(r: dict) -> str:
+    g = f" g={r['groups']}" if r["policy"] in ("overlap", "timeslice") else ""
+    return f"{r['policy']}{g} {r['sharing']}" if r["policy"] != "dedicated" else "dedicated"
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """Mean ratio vs dedicated over seeds: one row per arm, one column per job count."""
+    jobs = sorted({r["jobs"] for r in rows})
+    by: dict[str, dict[int, list[float]]] = {}
+    for r in rows:
+        by.setdefault(arm_label(r), {}).setdefault(r["jobs"], []).append(r["ratio_vs_dedicated"])
+    lines = ["| arm | " + " | ".join(f"{n} jobs" for n in jobs) + " |", "|---" * (len(jobs) + 1) + "|"]
+    for label, d in by.items():
+        cells = [f"{sum(d[n]) / len(d[n]):.3f}x" if n in d else "-" for n in jobs]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_sweep(out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads((out_dir / "sweep.json").read_text())
+    rows = result["rows"]
+    (out_dir / "table.md").write_text(sweep_table(rows) + "\n")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    labels = sorted({arm_label(r) for r in rows})
+    for label in labels:
+        pts: dict[int, list[float]] = {}
+        for r in rows:
+            if arm_label(r) == label:
+                pts.setdefault(r["jobs"], []).append(r["ratio_vs_dedicated"])
+        xs = sorted(pts)
+        mean = [sum(pts[x]) / len(pts[x]) for x in xs]
+        err = [[m - min(pts[x]) for x, m in zip(xs, mean)], [max(pts[x]) - m for x, m in zip(xs, mean)]]
+        ax.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["jobs"] for r in rows}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("jobs sharing one GPU")
+    ax.set_ylabel("steps per GPU-hour / dedicated")
+    ax.set_title(f"simulated, profile {result['profile']} ({len(result['seeds'])} seeds, min-max bars)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_dir / "sweep.png", dpi=110)
+    plt.close(fig)
+
+
+def report(run_dir: str | Path) -> str:
+    """Re-render a run or sweep folder's tables and plots; returns the table."""
+    d = Path(run_dir)
+    if (d / "sweep.json").is_file():
+        render_sweep(d)
+    elif (d / "summary.json").is_file() and (d / "spans.jsonl").is_file():
+        render_run(d)
+    else:
+        raise ConfigError(f"{str(d)!r} is not a run folder (no summary.json + spans.jsonl, no sweep.json)")
+    return (d / "table.md").read_text()
