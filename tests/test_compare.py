@@ -1,0 +1,217 @@
+"""compare_runs on synthetic run folders with known effects, its errors, and the Markdown report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nodus.compare import compare_runs, load_run, render_compare_markdown
+
+N_ITEMS = 64
+
+
+def exact_half(rng: np.random.Generator, n: int = N_ITEMS) -> list[int]:
+    """n eval outcomes with accuracy exactly 0.5 in a random order."""
+    return rng.permutation([1] * (n // 2) + [0] * (n - n // 2)).tolist()
+
+
+def make_run(root, name, *, policy="dedicated", sharing="none", groups=1, seed=0, sph=100.0,
+             n_jobs=4, correct=None, reward=0.5, steps=10, rng_seed=None, **overrides) -> str:
+    """Write a run folder with summary.json; `correct(job_index, rng)` gives a job's 0/1 eval list
+    (default: exactly half right, same order in every run of this seed, so arms tie exactly)."""
+    rng = np.random.default_rng(seed if rng_seed is None else rng_seed)
+    correct = correct or (lambda j, rng: exact_half(rng))
+    per_job = {}
+    for j in range(n_jobs):
+        c = correct(j, rng)
+        per_job[f"job{j}"] = {
+            "task": "modular", "seed": 100 + j,
+            "rewards": (reward + 0.01 * rng.standard_normal(steps)).tolist(),
+            "eval": {"accuracy": float(np.mean(c)), "correct": c},
+        }
+    summary = {"policy": policy, "sharing": sharing, "groups": groups, "seed": seed,
+               "steps_per_gpu_hour": sph, "per_job": per_job, **overrides}
+    folder = root / name
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return str(folder)
+
+
+def make_arms(root, *, arm_sph=(250.0, 245.0), aa_sph=252.0, n_jobs=4, **arm_overrides) -> list[str]:
+    """Baseline (dedicated) and overlap runs on seeds 0 and 1, plus an A/A repeat of overlap seed 0;
+    arm_overrides change only the overlap runs."""
+    dirs = [make_run(root, f"base{s}", seed=s, n_jobs=n_jobs) for s in (0, 1)]
+    arm = dict(policy="overlap", sharing="mps", groups=2, n_jobs=n_jobs) | arm_overrides
+    dirs += [make_run(root, f"arm{s}", seed=s, sph=sph, **arm) for s, sph in zip((0, 1), arm_sph)]
+    if aa_sph is not None:
+        dirs.append(make_run(root, "arm0-again", seed=0, sph=aa_sph, **arm))
+    return dirs
+
+
+def arm_entry(report: dict, label: str = "overlap/mps/g2") -> dict:
+    return next(a for a in report["arms"] if a["arm"] == label)
+
+
+def test_clear_win_passes_the_gate(tmp_path):
+    report = compare_runs(make_arms(tmp_path), n_boot=2000)
+    assert report["baseline"] == "dedicated/none/g1"
+    arm = arm_entry(report)
+    assert [r["ratio"] for r in arm["per_seed"]] == pytest.approx([2.5, 2.45])
+    assert arm["per_seed"][0]["repeats"] == 2
+    assert arm["aa_spread"]["max"] == pytest.approx(2 / 251)
+    vs = arm["vs_baseline"]
+    assert vs["acc_diff"]["mean"] == 0.0 and vs["acc_diff"]["lo"] == 0.0  # identical outcomes
+    assert vs["acc_diff"]["n"] == 2 * 4 * N_ITEMS
+    assert vs["gate"]["pass"], vs["gate"]
+    assert json.loads(json.dumps(report)) == report
+
+
+def test_equal_accuracy_gives_a_ci_around_zero(tmp_path):
+    # Independent Bernoulli(0.5) outcomes in both arms: the true difference is 0.
+    def coin(j, rng):
+        return (rng.random(N_ITEMS) < 0.5).astype(int).tolist()
+
+    dirs = [make_run(tmp_path, f"base{s}", seed=s, n_jobs=8, correct=coin) for s in (0, 1)]
+    dirs += [make_run(tmp_path, f"arm{s}", seed=s, n_jobs=8, correct=coin, rng_seed=99 + s,
+                      policy="overlap", sharing="mps", groups=2) for s in (0, 1)]
+    acc = arm_entry(compare_runs(dirs, n_boot=2000))["vs_baseline"]["acc_diff"]
+    assert acc["lo"] < 0.0 < acc["hi"] and acc["mean"] != 0.0
+    assert acc["resample"] == "(job, seed) clusters"
+
+
+def test_zero_accuracy_arm_fails_the_gate(tmp_path):
+    dirs = make_arms(tmp_path, correct=lambda j, rng: [0] * N_ITEMS)
+    vs = arm_entry(compare_runs(dirs, n_boot=2000))["vs_baseline"]
+    assert vs["acc_diff"]["mean"] == pytest.approx(-0.5)
+    assert vs["acc_diff"]["hi"] < 0
+    assert not vs["gate"]["pass"]
+    assert [n for n, c in vs["gate"]["criteria"].items() if not c["pass"]] == ["acc_ci_lower"]
+
+
+def test_lower_reward_fails_the_gate(tmp_path):
+    vs = arm_entry(compare_runs(make_arms(tmp_path, reward=0.3), n_boot=2000))["vs_baseline"]
+    assert vs["reward_diff"]["mean"] == pytest.approx(-0.2, abs=0.02)
+    assert vs["reward_diff"]["n"] == 2 * 4
+    assert not vs["gate"]["criteria"]["reward_ci_lower"]["pass"] and not vs["gate"]["pass"]
+
+
+def test_rewards_compare_over_the_common_steps(tmp_path):
+    # The arm ran 20 steps, the later ones at a higher reward; only the first 10 are compared.
+    def rewarding(root, name, steps, **kw):
+        path = make_run(root, name, steps=steps, **kw)
+        data = json.loads((root / name / "summary.json").read_text())
+        for job in data["per_job"].values():
+            job["rewards"] = [0.5] * 10 + [1.0] * (steps - 10)
+        (root / name / "summary.json").write_text(json.dumps(data))
+        return path
+    dirs = [rewarding(tmp_path, "base", 10), rewarding(tmp_path, "arm", 20, policy="overlap", groups=2)]
+    vs = arm_entry(compare_runs(dirs, n_boot=200), "overlap/none/g2")["vs_baseline"]
+    assert vs["reward_diff"]["mean"] == 0.0
+
+
+def test_one_slow_seed_fails_the_ratio_criterion(tmp_path):
+    vs = arm_entry(compare_runs(make_arms(tmp_path, arm_sph=(250.0, 190.0)), n_boot=500))["vs_baseline"]
+    ratio = vs["gate"]["criteria"]["ratio_every_seed"]
+    assert ratio["value"] == pytest.approx(1.9) and not ratio["pass"]
+
+
+def test_noisy_repeats_fail_the_noise_criterion(tmp_path):
+    vs = arm_entry(compare_runs(make_arms(tmp_path, aa_sph=150.0), n_boot=500))["vs_baseline"]
+    assert vs["noise_spread"] == pytest.approx(100 / 200)
+    assert not vs["gate"]["criteria"]["gain_above_noise"]["pass"]
+
+
+def test_without_repeats_the_gate_cannot_pass(tmp_path):
+    vs = arm_entry(compare_runs(make_arms(tmp_path, aa_sph=None), n_boot=500))["vs_baseline"]
+    assert vs["noise_spread"] is None and vs["noise_source"] == "no A/A repeats"
+    assert not vs["gate"]["pass"]
+
+
+def test_baseline_repeats_count_as_noise(tmp_path):
+    dirs = make_arms(tmp_path, aa_sph=None) + [make_run(tmp_path, "base0-again", seed=0, sph=104.0)]
+    report = compare_runs(dirs, n_boot=500)
+    vs = arm_entry(report)["vs_baseline"]
+    assert vs["noise_spread"] == pytest.approx(4 / 102) and vs["gate"]["pass"]
+    # The repeat is noise only: the ratio still uses the first baseline run of seed 0.
+    assert arm_entry(report)["per_seed"][0]["ratio"] == pytest.approx(2.5)
+
+
+def test_baseline_by_label_or_policy(tmp_path):
+    dirs = make_arms(tmp_path)
+    report = compare_runs(dirs, baseline="overlap", n_boot=200)
+    assert report["baseline"] == "overlap/mps/g2"
+    assert arm_entry(report, "dedicated/none/g1")["per_seed"][0]["ratio"] == pytest.approx(0.4)
+    assert compare_runs(dirs, baseline="overlap/mps/g2", n_boot=200)["baseline"] == "overlap/mps/g2"
+
+
+def test_unpaired_seeds_are_reported_not_compared(tmp_path):
+    dirs = make_arms(tmp_path) + [make_run(tmp_path, "arm7", seed=7, sph=900.0, policy="overlap",
+                                           sharing="mps", groups=2)]
+    vs = arm_entry(compare_runs(dirs, n_boot=200))["vs_baseline"]
+    assert vs["seeds"] == [0, 1] and vs["unpaired_seeds"] == [7]
+
+
+def test_missing_dir_and_summary(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        compare_runs([str(tmp_path / "nowhere")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty/summary.json"):
+        compare_runs([str(tmp_path / "empty")])
+
+
+def test_missing_or_bad_fields_name_the_file_and_field(tmp_path):
+    make_run(tmp_path, "r", correct=lambda j, rng: [1, 0])
+    data = json.loads((tmp_path / "r" / "summary.json").read_text())
+    del data["per_job"]["job1"]["eval"]["correct"]
+    (tmp_path / "r" / "summary.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"r/summary.json: missing field 'per_job.job1.eval.correct'"):
+        load_run(tmp_path / "r")
+    make_run(tmp_path, "s", steps_per_gpu_hour="fast")
+    with pytest.raises(ValueError, match="s/summary.json: field 'steps_per_gpu_hour'"):
+        load_run(tmp_path / "s")
+    make_run(tmp_path, "t", correct=lambda j, rng: [2, 0])
+    with pytest.raises(ValueError, match="0/1"):
+        load_run(tmp_path / "t")
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "summary.json").write_text("{oops")
+    with pytest.raises(ValueError, match="u/summary.json: not valid JSON"):
+        load_run(tmp_path / "u")
+
+
+def test_no_baseline_run(tmp_path):
+    dirs = [make_run(tmp_path, "a", policy="overlap", groups=2)]
+    with pytest.raises(ValueError, match="no baseline run.*'dedicated'"):
+        compare_runs(dirs)
+
+
+def test_ambiguous_baseline_policy(tmp_path):
+    dirs = [make_run(tmp_path, "a"), make_run(tmp_path, "b", sharing="mps")]
+    with pytest.raises(ValueError, match="several arms"):
+        compare_runs(dirs)
+
+
+def test_arms_must_run_the_same_jobs_and_eval_sets(tmp_path):
+    base = make_run(tmp_path, "base")
+    fewer = make_run(tmp_path, "fewer", policy="overlap", groups=2, n_jobs=3)
+    with pytest.raises(ValueError, match="job 'job3' is in .*base but not in .*fewer"):
+        compare_runs([base, fewer])
+    short = make_run(tmp_path, "short", policy="overlap", groups=2, correct=lambda j, rng: [1] * 10)
+    with pytest.raises(ValueError, match="eval sets differ"):
+        compare_runs([base, short])
+
+
+def test_markdown_report(tmp_path):
+    text = render_compare_markdown(compare_runs(make_arms(tmp_path), n_boot=500))
+    assert "baseline `dedicated/none/g1`" in text
+    assert "| overlap/mps/g2 | 0 | 250.0 | 2.50 |" in text
+    assert "### Gate: overlap/mps/g2 PASS" in text
+    assert "| ratio_every_seed | 2.450 | 2.000 | yes |" in text
+    assert "paired 95% bootstrap CI" in text
+
+
+def test_markdown_report_of_a_failing_arm(tmp_path):
+    text = render_compare_markdown(compare_runs(make_arms(tmp_path, aa_sph=None), n_boot=200))
+    assert "### Gate: overlap/mps/g2 FAIL" in text and "no A/A repeats" in text
+    assert "| gain_above_noise | 1.475 | n/a | no |" in text
