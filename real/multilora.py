@@ -1,0 +1,226 @@
+"""Many jobs' LoRA adapters over one frozen base model, applied row by row in one shared batch.
+
+Each target ``nn.Linear`` is wrapped by ``MultiLoRALinear``, which computes
+``base(x) + bmm(bmm(x_j, A_j^T) * scale_j, B_j^T)`` for every job j of the micro-batch at once.
+The base matmul sees all rows (one big GEMM); the adapter matmuls are two ``bmm`` over a
+[jobs, rows_per_job * T, d] view of the batch, which is why rows are laid out job-major.
+
+Per step the jobs' adapters are copied into per-module stacks (``AdapterStack``): leaf tensors
+[J, r_max, d_in] and [J, d_out, r_max] that all micro-batches of the step read, and whose grads are
+split back onto each job's own parameters afterwards. Jobs of different ranks are zero-padded to
+the step's largest rank: a zero row of A and the matching zero column of B add exactly 0 to the
+output, and their gradients are (B_pad^T g) x = 0 and g (x A_pad^T) = 0, so nothing leaks between
+real and padded parts; the padded slices are dropped when the grads are split back. (Grouping by
+rank would save the padded FLOPs, which are small next to the base's.)
+
+``save_peft_adapter`` writes one job's adapter in PEFT's on-disk format (key names
+``base_model.model.<module>.lora_A.weight``), which PEFT and vLLM's LoRARequest both load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Adapter:
+    """One job's LoRA weights: per target module, A [rank, d_in] and B [d_out, rank] (PEFT layout)."""
+
+    rank: int
+    alpha: float
+    A: dict[str, nn.Parameter] = field(default_factory=dict)
+    B: dict[str, nn.Parameter] = field(default_factory=dict)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for name in self.A for p in (self.A[name], self.B[name])]
+
+
+def init_adapter(shapes: dict[str, tuple[int, int]], rank: int, alpha: float,
+                 generator: torch.Generator, device: torch.device | str,
+                 dtype: torch.dtype = torch.float32) -> Adapter:
+    """PEFT's default LoRA init: A kaiming-uniform(a=sqrt(5)) like nn.Linear, B zeros, so the
+    adapted model starts exactly at the base model. ``shapes`` maps module -> (d_in, d_out)."""
+    adapter = Adapter(rank=rank, alpha=alpha)
+    for name, (d_in, d_out) in shapes.items():
+        a = torch.empty(rank, d_in, dtype=torch.float32)
+        # Drawn on CPU in fp32 so a seed gives the same adapter on every device and dtype.
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        adapter.A[name] = nn.Parameter(a.to(device=device, dtype=dtype))
+        adapter.B[name] = nn.Parameter(torch.zeros(d_out, rank, device=device, dtype=dtype))
+    return adapter
+
+
+class AdapterStack:
+    """The adapters of one step, stacked per module into leaf tensors all micro-batches share."""
+
+    def __init__(self, adapters: list[Adapter], requires_grad: bool):
+        self.adapters = adapters
+        self.max_rank = max(a.rank for a in adapters)
+        first = adapters[0]
+        self.A: dict[str, torch.Tensor] = {}
+        self.B: dict[str, torch.Tensor] = {}
+        for name in first.A:
+            self.A[name] = _stack([a.A[name] for a in adapters], self.max_rank, dim=0).requires_grad_(requires_grad)
+            self.B[name] = _stack([a.B[name] for a in adapters], self.max_rank, dim=1).requires_grad_(requires_grad)
+        p = first.A[next(iter(first.A))]
+        self.scaling = torch.tensor([a.scaling for a in adapters], dtype=p.dtype, device=p.device)
+
+    def write_grads(self) -> None:
+        """Give each job's parameters their slice of the stacks' grads (zeros if none flowed)."""
+        for j, a in enumerate(self.adapters):
+            for name in a.A:
+                ga, gb = self.A[name].grad, self.B[name].grad
+                a.A[name].grad = torch.zeros_like(a.A[name]) if ga is None else ga[j, :a.rank].contiguous()
+                a.B[name].grad = torch.zeros_like(a.B[name]) if gb is None else gb[j, :, :a.rank].contiguous()
+
+
+def _stack(tensors: list[torch.Tensor], max_rank: int, dim: int) -> torch.Tensor:
+    if all(t.shape[dim] == max_rank for t in tensors):
+        return torch.stack([t.detach() for t in tensors])
+    shape = list(tensors[0].shape)
+    shape[dim] = max_rank
+    out = tensors[0].new_zeros([len(tensors)] + shape)
+    for j, t in enumerate(tensors):
+        out[j].narrow(dim, 0, t.shape[dim]).copy_(t.detach())
+    return out
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Which adapter each row of a job-major micro-batch uses."""
+
+    num_rows: int  # rows (sequences) in the micro-batch
+    slots: torch.Tensor | None  # [J_mb] indices into the step's stack, in row order; None: all, in order
+    rows_per_slot: int  # rows per job after padding every job to the same count
+    dest_rows: torch.Tensor | None  # [num_rows] padded-row index of each row; None: no padding needed
+
+
+def make_row_layout(slot_of_row: list[int], device: torch.device | str, num_slots: int) -> RowLayout:
+    """Layout for rows whose stack slots are given in job-major order (non-decreasing)."""
+    if any(b < a for a, b in zip(slot_of_row, slot_of_row[1:])):
+        raise ValueError("rows must be job-major: slot_of_row must be non-decreasing")
+    present = sorted(set(slot_of_row))
+    counts = [slot_of_row.count(s) for s in present]
+    per_slot = max(counts)
+    slots = None if present == list(range(num_slots)) else torch.tensor(present, device=device)
+    dest = None
+    if any(c != per_slot for c in counts):
+        # Jobs with fewer rows get zero rows in the adapter path only; the base never sees them.
+        idx = []
+        for k, c in enumerate(counts):
+            idx.extend(range(k * per_slot, k * per_slot + c))
+        dest = torch.tensor(idx, device=device)
+    return RowLayout(num_rows=len(slot_of_row), slots=slots, rows_per_slot=per_slot, dest_rows=dest)
+
+
+class Routing:
+    """Mutable state shared by all wrapped layers: the active stack and row layout (None: base only).
+
+    It stays set through backward, so recomputation under gradient checkpointing sees it too.
+    """
+
+    def __init__(self):
+        self.stack: AdapterStack | None = None
+        self.layout: RowLayout | None = None
+
+
+def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: torch.Tensor,
+               layout: RowLayout) -> torch.Tensor:
+    """sum of the row's job adapter: scale_j * x A_j^T B_j^T for x [rows, ..., d_in], A [J, r, d_in],
+    B [J, d_out, r], scaling [J]."""
+    d_in = x.shape[-1]
+    xs = x.reshape(layout.num_rows, -1, d_in)
+    tokens_per_row = xs.shape[1]
+    J = A.shape[0]
+    if layout.dest_rows is not None:
+        xs = xs.new_zeros(J * layout.rows_per_slot, tokens_per_row, d_in).index_copy(0, layout.dest_rows, xs)
+    xj = xs.reshape(J, layout.rows_per_slot * tokens_per_row, d_in)
+    h = torch.bmm(xj, A.to(x.dtype).transpose(1, 2)) * scaling.to(x.dtype)[:, None, None]
+    out = torch.bmm(h, B.to(x.dtype).transpose(1, 2))
+    out = out.reshape(J * layout.rows_per_slot, tokens_per_row, -1)
+    if layout.dest_rows is not None:
+        out = out.index_select(0, layout.dest_rows)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen nn.Linear plus, per row, the adapter of that row's job (see ``Routing``)."""
+
+    def __init__(self, base_layer: nn.Linear, name: str, routing: Routing):
+        super().__init__()
+        self.base_layer = base_layer
+        self.name = name
+        self.routing = routing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        stack, layout = self.routing.stack, self.routing.layout
+        if stack is None:
+            return y
+        A, B, scaling = stack.A[self.name], stack.B[self.name], stack.scaling
+        if layout.slots is not None:
+            A, B, scaling = A.index_select(0, layout.slots), B.index_select(0, layout.slots), scaling[layout.slots]
+        return y + lora_delta(x, A, B, scaling, layout)
+
+
+def wrap_linears(model: nn.Module, target_modules: tuple[str, ...], routing: Routing) -> dict[str, tuple[int, int]]:
+    """Replace every nn.Linear whose last name part is a target by a MultiLoRALinear, in place.
+    Returns module name -> (d_in, d_out), in model order (names as PEFT's keys use them)."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, module in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1] not in target_modules or not isinstance(module, nn.Linear):
+            continue
+        if module.bias is not None:
+            raise ValueError(f"{name} has a bias; LoRA over biased linears is not supported here")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MultiLoRALinear(module, name, routing))
+        shapes[name] = (module.in_features, module.out_features)
+    if not shapes:
+        raise ValueError(f"no nn.Linear named any of {target_modules} in the model")
+    return shapes
+
+
+def peft_state_dict(adapter: Adapter, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """PEFT's saved key names: base_model.model.<module>.lora_{A,B}.weight (no adapter name)."""
+    out = {}
+    for name in adapter.A:
+        out[f"base_model.model.{name}.lora_A.weight"] = adapter.A[name].detach().to("cpu", dtype).contiguous()
+        out[f"base_model.model.{name}.lora_B.weight"] = adapter.B[name].detach().to("cpu", dtype).contiguous()
+    return out
+
+
+def save_peft_adapter(adapter: Adapter, path: str | os.PathLike, target_modules: tuple[str, ...],
+                      base_model_name_or_path: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """Write adapter_config.json + adapter_model.safetensors as ``PeftModel.save_pretrained`` does."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.rank, "lora_alpha": adapter.alpha,
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in adapter.A} & set(target_modules)),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "base_model_name_or_path": base_model_name_or_path, "rank_pattern": {}, "alpha_pattern": {},
+    }
+    # Write to temporary names and rename, so a reader (the engine) never sees half a file.
+    tmp_w = os.path.join(path, ".adapter_model.safetensors.tmp")
+    save_file(peft_state_dict(adapter, dtype), tmp_w, metadata={"format": "pt"})
+    tmp_c = os.path.join(path, ".adapter_config.json.tmp")
+    with open(tmp_c, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp_w, os.path.join(path, "adapter_model.safetensors"))
+    os.replace(tmp_c, os.path.join(path, "adapter_config.json"))

@@ -1,0 +1,399 @@
+"""The one trainer: a frozen base model, one LoRA adapter and one AdamW per job, shared batches.
+
+``train_step`` takes several jobs' rollouts and runs them through the base model together
+(``real.multilora`` applies each row's own adapter). Each job's update is exactly the update it
+would get alone: the summed loss is the sum of per-job losses, each normalised over the job's own
+sequences/tokens of the whole step (not of a micro-batch), and since the jobs' parameters are
+disjoint, d(sum)/d(job's params) is that job's own gradient. Then per job: its own grad-norm
+clipping, its own AdamW (``torch.optim.AdamW``) with its own learning rate. A job whose loss or
+grad norm is not finite is not stepped and is reported failed; the others step normally (rows
+never mix in a transformer without batch-norm, so one job's NaN stays in that job's grads).
+
+Rows are right-padded and run without an attention mask: under causal attention real tokens
+never look at the padding after them, and no mask lets SDPA use its flash kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
+from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, init_adapter,
+                            make_row_layout, save_peft_adapter, wrap_linears)
+
+
+@dataclass
+class JobBatch:
+    """One job's rollouts for one step.
+
+    A right-padded 2-D tensor is accepted for the token fields; each row is trimmed after its
+    last completion token (left-padded prompts are not supported: pads would be attended to).
+    """
+
+    input_ids: Sequence[Sequence[int]] | torch.Tensor  # per sequence: prompt + completion token ids
+    completion_mask: Sequence[Sequence[int]] | torch.Tensor  # same shape; 1 where the token is trained on
+    advantages: Sequence[float] | torch.Tensor  # one per sequence
+    old_logprobs: Sequence[Sequence[float]] | None = None  # per sequence, one per masked-in token; None: on-policy
+    ref_logprobs: Sequence[Sequence[float]] | None = None  # same; used if the job's beta > 0 (None: base model)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One job's outcome of one train_step."""
+
+    loss: float  # the job's aggregated loss (nan/inf if that is why it failed)
+    grad_norm: float  # total L2 norm of the job's LoRA grads before clipping
+    tokens: int  # prompt + completion tokens of the job's sequences
+    completion_tokens: int  # tokens the loss is computed on
+    failed: bool  # True: not stepped, params and optimizer state unchanged
+    step: int  # optimizer steps the job has taken after this call
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A job's adapter shape, optimizer and loss settings (names as in PEFT / torch / TRL)."""
+
+    rank: int
+    alpha: float
+    lr: float
+    seed: int
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    loss_type: LossType = "grpo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0  # KL coefficient to the base model; 0 turns the KL term off
+    max_completion_length: int | None = None  # dr_grpo's constant; None: longest completion of the step
+
+
+@dataclass
+class _Job:
+    config: JobConfig
+    adapter: Adapter
+    optimizer: torch.optim.AdamW
+    generator: torch.Generator
+    step: int = 0
+
+
+@dataclass
+class _Seqs:
+    """A JobBatch validated into flat numpy form."""
+
+    ids: list[np.ndarray]  # per sequence, int64 tokens (trimmed after the last completion token)
+    positions: list[np.ndarray]  # per sequence, indices of completion tokens
+    advantages: np.ndarray  # [S] float
+    old: list[np.ndarray] | None
+    ref: list[np.ndarray] | None
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(sum(len(p) for p in self.positions))
+
+
+def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tuple[int, int]]]:
+    """Split rows (job j, sequence s) of lengths[j][s] tokens into micro-batches of at most
+    ``max_tokens`` padded tokens (rows * longest row); a longer row goes alone.
+
+    Longest rows first, so each micro-batch pads to similar lengths; rows of equal length take the
+    jobs in turn, so a micro-batch holds about as many rows of every job and the adapter bmm
+    needs no padding rows. Each micro-batch is returned job-major: sorted by (j, s).
+    """
+    order = []
+    for j, ls in enumerate(lengths):
+        for k, s in enumerate(sorted(range(len(ls)), key=lambda s: -ls[s])):
+            order.append((-ls[s], k, j, s))
+    order.sort()
+    batches: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    longest = 0
+    for neg_len, _, j, s in order:
+        if current and (len(current) + 1) * max(longest, -neg_len) > max_tokens:
+            batches.append(sorted(current))
+            current, longest = [], 0
+        current.append((j, s))
+        longest = max(longest, -neg_len)
+    if current:
+        batches.append(sorted(current))
+    return batches
+
+
+def _as_rows(x) -> list:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
+
+
+def _validate(job_id: str, batch: JobBatch, vocab_size: int) -> _Seqs:
+    ids_rows, mask_rows = _as_rows(batch.input_ids), _as_rows(batch.completion_mask)
+    adv = np.asarray(_as_rows(batch.advantages), dtype=np.float64)
+    if not (len(ids_rows) == len(mask_rows) == len(adv)) or not ids_rows:
+        raise ValueError(f"job {job_id!r}: input_ids ({len(ids_rows)}), completion_mask ({len(mask_rows)}) and "
+                         f"advantages ({len(adv)}) must have the same number (>= 1) of sequences")
+    ids, positions = [], []
+    for s, (row, m) in enumerate(zip(ids_rows, mask_rows)):
+        row, m = np.asarray(row, dtype=np.int64), np.asarray(m, dtype=bool)
+        if row.shape != m.shape:
+            raise ValueError(f"job {job_id!r} sequence {s}: {len(row)} tokens but {len(m)} mask entries")
+        pos = np.flatnonzero(m)
+        if len(pos) and pos[0] == 0:
+            raise ValueError(f"job {job_id!r} sequence {s}: the first token has no context to be predicted from")
+        row = row[: pos[-1] + 1] if len(pos) else row[:1]
+        if row.min() < 0 or row.max() >= vocab_size:
+            raise ValueError(f"job {job_id!r} sequence {s}: token ids must be in [0, {vocab_size})")
+        ids.append(row)
+        positions.append(pos)
+    return _Seqs(ids, positions, adv, _per_token(job_id, "old_logprobs", batch.old_logprobs, positions),
+                 _per_token(job_id, "ref_logprobs", batch.ref_logprobs, positions))
+
+
+def _per_token(job_id, field_name, values, positions) -> list[np.ndarray] | None:
+    if values is None:
+        return None
+    rows = [np.asarray(v, dtype=np.float64).reshape(-1) for v in _as_rows(values)]
+    if len(rows) != len(positions) or any(len(r) != len(p) for r, p in zip(rows, positions)):
+        raise ValueError(f"job {job_id!r}: {field_name} needs one value per completion token of each sequence")
+    return rows
+
+
+class MultiLoRATrainer:
+    """A frozen causal LM (any HF model with get_decoder / get_output_embeddings and a plain
+    lm_head, Qwen3 in practice) shared by many jobs' LoRA adapters."""
+
+    def __init__(self, base_model: nn.Module, target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 param_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int = 32768,
+                 logprob_chunk_tokens: int = 2048, gradient_checkpointing: bool = False,
+                 base_model_name_or_path: str | None = None):
+        if dtype is not None or device is not None:
+            base_model.to(device=device, dtype=dtype)
+        base_model.requires_grad_(False)
+        self.model = base_model
+        self.device = next(base_model.parameters()).device
+        self.target_modules = tuple(target_modules)
+        self.param_dtype = param_dtype
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.base_model_name_or_path = base_model_name_or_path
+        self.routing = Routing()
+        self.shapes = wrap_linears(base_model, self.target_modules, self.routing)
+        self.decoder = base_model.get_decoder()
+        self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
+        if gradient_checkpointing:
+            # Non-reentrant: the wrapped layers read self.routing, which stays set during backward.
+            base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base_model.train()  # HF only checkpoints in training mode; Qwen3 has no dropout
+        else:
+            base_model.eval()
+        self.jobs: dict[str, _Job] = {}
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def add_job(self, job_id: str, rank: int, alpha: float, lr: float, seed: int, weight_decay: float = 0.0,
+                max_grad_norm: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                loss_type: LossType = "grpo", epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                beta: float = 0.0, max_completion_length: int | None = None) -> None:
+        """Register a job with a fresh PEFT-initialised adapter (seeded) and a fresh AdamW."""
+        if job_id in self.jobs:
+            raise ValueError(f"job {job_id!r} already exists")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r} must be one of {LOSS_TYPES}")
+        if rank < 1:
+            raise ValueError(f"rank={rank} must be >= 1")
+        config = JobConfig(rank, alpha, lr, seed, weight_decay, max_grad_norm, tuple(betas), eps, loss_type,
+                           epsilon_low, epsilon_high, beta, max_completion_length)
+        generator = torch.Generator().manual_seed(seed)
+        adapter = init_adapter(self.shapes, rank, alpha, generator, self.device, self.param_dtype)
+        optimizer = torch.optim.AdamW(adapter.parameters(), lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay)
+        self.jobs[job_id] = _Job(config, adapter, optimizer, generator)
+
+    def remove_job(self, job_id: str) -> None:
+        self._job(job_id)
+        del self.jobs[job_id]
+
+    def set_lr(self, job_id: str, lr: float) -> None:
+        for group in self._job(job_id).optimizer.param_groups:
+            group["lr"] = lr
+
+    def adapter(self, job_id: str) -> Adapter:
+        return self._job(job_id).adapter
+
+    def _job(self, job_id: str) -> _Job:
+        if job_id not in self.jobs:
+            raise KeyError(f"unknown job {job_id!r}; known: {sorted(self.jobs)}")
+        return self.jobs[job_id]
+
+    # --- training ---------------------------------------------------------------------------
+
+    def train_step(self, batches: dict[str, JobBatch]) -> dict[str, StepStats]:
+        """One optimizer step for every job in ``batches``, all in shared micro-batches."""
+        job_ids = list(batches)
+        jobs = [self._job(j) for j in job_ids]
+        seqs = [_validate(j, batches[j], self.vocab_size) for j in job_ids]
+        for job, s in zip(jobs, seqs):
+            if job.config.beta != 0.0 and s.ref is None:
+                s.ref = self._base_logprobs(s)
+        losses = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in jobs]
+        stack = AdapterStack([job.adapter for job in jobs], requires_grad=True)
+        self.routing.stack = stack
+        try:
+            for mb in plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch):
+                logp, spans = self._forward_logprobs(mb, seqs, len(jobs))
+                total = logp.new_zeros(())
+                for k, rows, a, b in spans:
+                    loss = self._job_loss(jobs[k].config, seqs[k], rows, logp[a:b])
+                    losses[k] += loss.detach().to(torch.float64)
+                    total = total + loss
+                total.backward()
+        finally:
+            self.routing.stack = self.routing.layout = None
+        stack.write_grads()
+        return {j: self._apply_update(job, s, loss) for j, job, s, loss in zip(job_ids, jobs, seqs, losses)}
+
+    def _job_loss(self, cfg: JobConfig, seqs: _Seqs, rows: list[int], logp: torch.Tensor) -> torch.Tensor:
+        """The job's loss over its ``rows`` of one micro-batch, normalised by the whole step's counts."""
+        lengths = [len(seqs.positions[s]) for s in rows]
+        width = max(max(lengths), 1)
+        r_idx = torch.tensor(np.repeat(np.arange(len(rows)), lengths), device=self.device)
+        c_idx = torch.tensor(np.concatenate([np.arange(n) for n in lengths]), device=self.device)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device).index_put_((r_idx, c_idx), torch.tensor(True, device=self.device))
+
+        def padded(values):
+            if values is None:
+                return None
+            flat = torch.tensor(np.concatenate([values[s] for s in rows]), dtype=torch.float32, device=self.device)
+            return flat.new_zeros(len(rows), width).index_put((r_idx, c_idx), flat)
+
+        lp = logp.new_zeros(len(rows), width).index_put((r_idx, c_idx), logp)
+        adv = torch.tensor(seqs.advantages[rows], dtype=torch.float32, device=self.device)
+        ptl = per_token_loss(lp, padded(seqs.old), adv, cfg.epsilon_low, cfg.epsilon_high,
+                             padded(seqs.ref), cfg.beta)
+        longest = cfg.max_completion_length or max(len(p) for p in seqs.positions)
+        return aggregate_loss(ptl, mask, cfg.loss_type, num_seqs=len(seqs.ids),
+                              num_tokens=seqs.completion_tokens, max_completion_length=longest)
+
+    def _apply_update(self, job: _Job, seqs: _Seqs, loss: torch.Tensor) -> StepStats:
+        cfg, params = job.config, job.adapter.parameters()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        loss_value = float(loss)
+        failed = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+        if not failed:
+            job.optimizer.step()
+            job.step += 1
+        job.optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss=loss_value, grad_norm=grad_norm, tokens=int(sum(len(r) for r in seqs.ids)),
+                         completion_tokens=seqs.completion_tokens, failed=failed, step=job.step)
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def _forward_logprobs(self, mb: list[tuple[int, int]], seqs: list[_Seqs], num_slots: int):
+        """Run one job-major micro-batch; return the completion tokens' logprobs, flat in row
+        order, and per job present (slot, its sequence indices, start, end) into that vector."""
+        width = max(len(seqs[k].ids[s]) for k, s in mb)
+        ids = np.zeros((len(mb), width), dtype=np.int64)  # pad id 0: its outputs are never read
+        hidden_idx, targets, spans = [], [], []
+        offset = 0
+        for i, (k, s) in enumerate(mb):
+            row, pos = seqs[k].ids[s], seqs[k].positions[s]
+            ids[i, : len(row)] = row
+            hidden_idx.append(i * width + pos - 1)  # the token at t is predicted from position t-1
+            targets.append(row[pos])
+            if not spans or spans[-1][0] != k:
+                spans.append([k, [], offset, offset])
+            spans[-1][1].append(s)
+            offset += len(pos)
+            spans[-1][3] = offset
+        if self.routing.stack is not None:
+            self.routing.layout = make_row_layout([k for k, _ in mb], self.device, num_slots)
+        ids_t = torch.from_numpy(ids).to(self.device)
+        hidden = self.decoder(input_ids=ids_t, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(
+            0, torch.from_numpy(np.concatenate(hidden_idx)).to(self.device))
+        weight = self.model.get_output_embeddings().weight
+        logp = token_logprobs(hidden, weight, torch.from_numpy(np.concatenate(targets)).to(self.device),
+                              self.logprob_chunk_tokens)
+        return logp, spans
+
+    @torch.no_grad()
+    def _logprobs_many(self, seqs: list[_Seqs], adapters: list[Adapter] | None) -> list[list[torch.Tensor]]:
+        out = [[None] * len(s.ids) for s in seqs]
+        self.routing.stack = AdapterStack(adapters, requires_grad=False) if adapters else None
+        try:
+            for mb in plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch):
+                logp, spans = self._forward_logprobs(mb, seqs, len(seqs))
+                for k, rows, a, _ in spans:
+                    for s in rows:
+                        n = len(seqs[k].positions[s])
+                        out[k][s] = logp[a:a + n].float().cpu()
+                        a += n
+        finally:
+            self.routing.stack = self.routing.layout = None
+        return out
+
+    def _base_logprobs(self, seqs: _Seqs) -> list[np.ndarray]:
+        return [t.double().numpy() for t in self._logprobs_many([seqs], None)[0]]
+
+    def logprobs(self, job_id: str | None, batch: JobBatch) -> list[torch.Tensor]:
+        """Per sequence, fp32 logprobs of its completion tokens (mask == 1) under the job's current
+        adapter (job_id None: the base model), the layout ``JobBatch.old_logprobs`` takes."""
+        seqs = [_validate(job_id or "<base>", batch, self.vocab_size)]
+        adapters = None if job_id is None else [self._job(job_id).adapter]
+        return self._logprobs_many(seqs, adapters)[0]
+
+    def logprobs_many(self, batches: dict[str, JobBatch]) -> dict[str, list[torch.Tensor]]:
+        """``logprobs`` for several jobs in shared micro-batches."""
+        job_ids = list(batches)
+        seqs = [_validate(j, batches[j], self.vocab_size) for j in job_ids]
+        out = self._logprobs_many(seqs, [self._job(j).adapter for j in job_ids])
+        return dict(zip(job_ids, out))
+
+    # --- persistence ------------------------------------------------------------------------
+
+    def save_adapter(self, job_id: str, path: str, dtype: torch.dtype = torch.float32) -> None:
+        """PEFT format (adapter_config.json + adapter_model.safetensors), loadable by
+        ``peft.PeftModel.from_pretrained`` and vLLM's ``LoRARequest``."""
+        save_peft_adapter(self._job(job_id).adapter, path, self.target_modules, self.base_model_name_or_path, dtype)
+
+    def state_dict_job(self, job_id: str) -> dict:
+        """Everything to resume the job: config, adapter, optimizer state, step count, RNG. CPU copies."""
+        job = self._job(job_id)
+        return {
+            "config": asdict(job.config),
+            "A": {n: p.detach().cpu().clone() for n, p in job.adapter.A.items()},
+            "B": {n: p.detach().cpu().clone() for n, p in job.adapter.B.items()},
+            # deepcopy: state_dict() returns the live moment tensors, which later steps mutate.
+            "optimizer": _to_cpu(copy.deepcopy(job.optimizer.state_dict())),
+            "step": job.step,
+            "rng": job.generator.get_state(),
+        }
+
+    def load_state_job(self, job_id: str, state: dict) -> None:
+        """Create (or replace) ``job_id`` from a ``state_dict_job`` checkpoint."""
+        self.jobs.pop(job_id, None)
+        config = dict(state["config"])
+        self.add_job(job_id, **config)
+        job = self.jobs[job_id]
+        with torch.no_grad():
+            for n in job.adapter.A:
+                job.adapter.A[n].copy_(state["A"][n])
+                job.adapter.B[n].copy_(state["B"][n])
+        job.optimizer.load_state_dict(state["optimizer"])
+        job.step = int(state["step"])
+        job.generator.set_state(state["rng"])
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
