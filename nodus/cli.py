@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--json", action="store_true")
     ts = tsub.add_parser("sample")
     ts.add_argument("task")
-    ts.add_argument("-n", type=int, default=3)
+    ts.add_argument("-n", "--n", type=int, default=3, dest="n")
     ts.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tasks, json=False)
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileExistsError, KeyError) as err:
+    except (ConfigError, FileExistsError, FileNotFoundError, KeyError, ValueError) as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"nodus: error: {msg}", file=sys.stderr)
         return 2

@@ -1,0 +1,57 @@
+"""The CLI end to end, as a user types it, and the import boundary of the core."""
+
+import json
+import subprocess
+import sys
+
+from nodus.cli import main
+
+
+def test_import_nodus_pulls_in_neither_simpy_nor_torch():
+    code = ("import sys, nodus, nodus.config, nodus.scheduler, nodus.runner, nodus.accounting, "
+            "nodus.timeline, nodus.simulate, nodus.cli, nodus.grouping, nodus.lengths; "
+            "bad = [m for m in ('simpy', 'torch', 'vllm') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_sim_json(capsys):
+    assert main(["sim", "--jobs", "4", "--steps", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for k in ("steps_per_gpu_hour", "ratio_vs_dedicated", "stale_rollouts", "busy", "per_job", "assumptions"):
+        assert k in d
+    assert d["stale_rollouts"] == 0 and len(d["per_job"]) == 4
+
+
+def test_sim_out_folder_refuses_overwrite_and_report_rerenders(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["sim", "--jobs", "2", "--steps", "2", "--out", str(out)]) == 0
+    for f in ("config.json", "summary.json", "spans.jsonl", "trace.json", "gantt.png", "table.md"):
+        assert (out / f).is_file(), f
+    trace = json.loads((out / "trace.json").read_text())
+    assert any(e["ph"] == "X" for e in trace["traceEvents"])
+    assert main(["sim", "--jobs", "2", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    (out / "gantt.png").unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "gantt.png").is_file()
+
+
+def test_bad_input_exits_2_with_named_field(capsys):
+    assert main(["sim", "--jobs", "2", "--groups", "3"]) == 2
+    assert "arm.groups=3" in capsys.readouterr().err
+    assert main(["sim", "--profile", "nope"]) == 2
+    assert "profile='nope'" in capsys.readouterr().err
+    assert main(["report", "/nonexistent"]) == 2
+
+
+def test_sweep_writes_csv_json_plot(tmp_path, capsys):
+    out = tmp_path / "sw"
+    assert main(["sweep", "--jobs", "2,4", "--groups", "1,2", "--seeds", "1", "--steps", "2",
+                 "--workers", "2", "--out", str(out)]) == 0
+    d = json.loads((out / "sweep.json").read_text())
+    assert {r["jobs"] for r in d["rows"]} == {2, 4}
+    assert all(r["stale_rollouts"] == 0 for r in d["rows"])
+    assert all(r["ratio_vs_dedicated"] == 1.0 for r in d["rows"] if r["policy"] == "dedicated")
+    assert (out / "sweep.png").stat().st_size > 1000 and (out / "sweep.csv").is_file()
+    assert main(["sweep", "--policies", "bogus"]) == 2

@@ -1,0 +1,79 @@
+"""Config errors name the field and the value; defaults resolve deterministically."""
+
+import pytest
+
+from nodus.config import ConfigError, build_config, load_config
+from nodus.simulate import config_from_args
+
+
+def _err(data) -> str:
+    with pytest.raises(ConfigError) as e:
+        build_config(data)
+    return str(e.value)
+
+
+def test_unknown_key_is_an_error_naming_it():
+    msg = _err({"jobs": [{"task": "gsm8k", "stepz": 3}]})
+    assert "jobs.0.stepz" in msg and "unknown key" in msg
+
+
+def test_unknown_top_level_key():
+    assert "arms" in _err({"jobs": [{"task": "gsm8k"}], "arms": {}})
+
+
+def test_zero_jobs():
+    assert "jobs=0" in _err({"jobs": []})
+
+
+def test_groups_more_than_jobs():
+    msg = _err({"jobs": [{"task": "gsm8k"}] * 2, "arm": {"policy": "overlap", "groups": 3}})
+    assert "arm.groups=3" in msg and "jobs=2" in msg
+
+
+def test_overlap_needs_two_groups():
+    assert "groups >= 2" in _err({"jobs": [{"task": "gsm8k"}] * 2, "arm": {"policy": "overlap", "groups": 1}})
+
+
+def test_steps_below_one():
+    msg = _err({"jobs": [{"task": "gsm8k", "steps": 0}]})
+    assert "jobs.0.steps" in msg and "got jobs.0.steps=0" in msg
+
+
+def test_unknown_task_and_policy():
+    assert "task='gsm9k'" in _err({"jobs": [{"task": "gsm9k"}]})
+    assert "arm.policy" in _err({"jobs": [{"task": "gsm8k"}], "arm": {"policy": "overlapp"}})
+
+
+def test_duplicate_job_ids():
+    assert "unique" in _err({"jobs": [{"task": "gsm8k", "id": "a"}, {"task": "sorting", "id": "a"}]})
+
+
+def test_resolved_fills_ids_and_seeds():
+    cfg = build_config({"jobs": [{"task": "gsm8k"}, {"task": "sorting", "seed": 7}], "seed": 3})
+    assert [j.id for j in cfg.jobs] == ["job0", "job1"]
+    assert [j.seed for j in cfg.jobs] == [3000, 7]
+
+
+def test_cli_overrides_and_conflicts():
+    cfg = config_from_args(jobs=4, policy="shared-sync", steps=5, seed=2)
+    assert len(cfg.jobs) == 4 and cfg.arm.groups == 1 and all(j.steps == 5 for j in cfg.jobs)
+    with pytest.raises(ConfigError, match="--jobs 4 and the config's jobs"):
+        config_from_args({"jobs": [{"task": "gsm8k"}]}, jobs=4)
+    with pytest.raises(ConfigError, match="--steps 0"):
+        config_from_args(steps=0)
+
+
+def test_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("jobs: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(lst)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("jobs:\n  - task: gsm8k\n    steps: 2\narm: {policy: shared-sync, groups: 1, sharing: none}\n")
+    assert config_from_args(load_config(ok)).jobs[0].steps == 2

@@ -1,0 +1,42 @@
+"""Profiles: shipped one loads; missing or malformed files are clear errors; cost shapes."""
+
+import json
+
+import pytest
+
+from nodus.config import ConfigError
+from sim.profile import load_profile, shipped_profiles
+
+
+def test_shipped_profile_loads_with_environment_and_assumptions():
+    assert "h200-qwen3-0.6b" in shipped_profiles()
+    cm = load_profile("h200-qwen3-0.6b")
+    env = cm.profile.environment
+    assert env.gpu == "NVIDIA H200" and env.vllm and env.date
+    assert {a["id"] for a in cm.assumptions()} >= {"decode-context", "trainer-batched-rate"}
+
+
+def test_missing_and_malformed_profiles(tmp_path):
+    with pytest.raises(ConfigError, match="neither a file nor a shipped profile"):
+        load_profile("h100-nothing")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_profile(str(tmp_path / "p.json"))
+    p = tmp_path / "p.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_profile(str(p))
+    good = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    del good["decode"]
+    p.write_text(json.dumps(good))
+    with pytest.raises(ConfigError, match="malformed at decode"):
+        load_profile(str(p))
+
+
+def test_decode_cost_grows_with_batch_and_adapters_and_flags_extrapolation():
+    cm = load_profile("h200-qwen3-0.6b")
+    assert cm.decode_step_s(64, 0, 0) < cm.decode_step_s(512, 0, 0)
+    assert cm.decode_step_s(64, 0, 0) < cm.decode_step_s(64, 0, 1) <= cm.decode_step_s(64, 0, 4) <= cm.decode_step_s(64, 0, 8)
+    assert cm.decode_step_s(512, 0, 8) == pytest.approx(0.010575691734374892)
+    assert not cm.flags
+    cm.decode_step_s(2048, 0, 16)
+    assert any("2048" in f for f in cm.flags) and any("16 adapters" in f for f in cm.flags)

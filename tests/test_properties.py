@@ -1,0 +1,72 @@
+"""Scheduler invariants over random workloads, run through the simulator (hypothesis)."""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nodus.accounting import audit_on_policy, job_overlaps
+from nodus.config import build_config
+from nodus.runner import run_spans
+from nodus.tasks import TASK_NAMES
+from sim import backend_factory
+
+FACTORY = backend_factory("h200-qwen3-0.6b")
+
+workloads = st.fixed_dictionaries({
+    "n": st.integers(1, 6),
+    "steps": st.lists(st.integers(1, 3), min_size=6, max_size=6),
+    "tasks": st.lists(st.sampled_from(TASK_NAMES), min_size=6, max_size=6),
+    "prompts": st.integers(1, 3),
+    "responses": st.integers(1, 4),
+    "max_new": st.integers(1, 64),
+    "policy": st.sampled_from(["shared-sync", "overlap", "timeslice", "dedicated"]),
+    "groups": st.integers(1, 4),
+    "sharing": st.sampled_from(["none", "mps"]),
+    "max_num_seqs": st.integers(1, 16),
+    "seed": st.integers(0, 10),
+})
+
+
+def _cfg(w):
+    n = w["n"]
+    groups = max(2, min(w["groups"], n)) if w["policy"] in ("overlap", "timeslice") and n >= 2 else 1
+    policy = w["policy"] if (w["policy"] not in ("overlap",) or n >= 2) else "shared-sync"
+    return build_config({
+        "jobs": [{"task": w["tasks"][i], "steps": w["steps"][i], "prompts_per_step": w["prompts"],
+                  "responses_per_prompt": w["responses"], "max_new_tokens": w["max_new"]} for i in range(n)],
+        "arm": {"policy": policy, "groups": groups, "sharing": w["sharing"]},
+        "engine": {"max_num_seqs": w["max_num_seqs"]},
+        "seed": w["seed"]})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads)
+def test_invariants(w):
+    cfg = _cfg(w)
+    runs = run_spans(cfg, FACTORY)
+    spans = [s for r in runs for s in r]
+    # On-policy, and a job's own phases never overlap.
+    assert audit_on_policy(spans) == []
+    assert job_overlaps(spans) == []
+    # Every started phase ends, after it started; every job ran all its steps.
+    assert all(s.end_s >= s.start_s for s in spans)
+    for j in cfg.jobs:
+        trains = [s for s in spans if s.job == j.id and s.phase == "train"]
+        assert [s.attrs["step"] for s in sorted(trains, key=lambda s: s.start_s)] == list(range(j.steps))
+    # Work is conserved: every sampled response is generated once and trained on once.
+    for s in spans:
+        if s.phase == "generate":
+            assert len(s.attrs["response_tokens"]) == s.attrs["n_sequences"]
+            assert all(1 <= x <= cfg.jobs[0].max_new_tokens for x in s.attrs["response_tokens"])
+    gen = {(s.job, s.attrs["step"]): s.attrs["prompt_tokens"] + sum(s.attrs["response_tokens"])
+           for s in spans if s.phase == "generate"}
+    tr = {(s.job, s.attrs["step"]): s.attrs["tokens"] for s in spans if s.phase == "train"}
+    assert gen == tr
+
+
+@settings(max_examples=15, deadline=None)
+@given(workloads)
+def test_same_seed_same_timeline(w):
+    cfg = _cfg(w)
+    a = [s.to_dict() for r in run_spans(cfg, FACTORY) for s in r]
+    b = [s.to_dict() for r in run_spans(cfg, FACTORY) for s in r]
+    assert a == b

@@ -1,0 +1,117 @@
+"""The scheduler, driven by hand-made results: no GPU, no SimPy."""
+
+import dataclasses
+
+import pytest
+
+from factories import ScriptedBackend
+from nodus.accounting import audit_on_policy, job_overlaps
+from nodus.grouping import balance_groups
+from nodus.messages import Generate, Publish, Span, Train
+from nodus.scheduler import Scheduler, SchedulerError, StaleRolloutError, drive
+
+
+def _sched(n=4, steps=2, groups=2, **kw):
+    ids = [f"j{i}" for i in range(n)]
+    parts = [ids[g::groups] for g in range(groups)]
+    return Scheduler({j: steps for j in ids}, [(0, p) for p in parts], **kw)
+
+
+def test_sync_loop_generate_train_publish_in_order():
+    s = Scheduler({"a": 2, "b": 2}, [(0, ["a", "b"])], stagger=False)
+    b = ScriptedBackend()
+    spans = drive(s, b)
+    kinds = [type(a).__name__ for a in b.log]
+    assert kinds == ["Generate", "Train", "Publish"] * 2
+    assert s.done()
+    assert not audit_on_policy(spans) and not job_overlaps(spans)
+    assert [r.adapter_version for r in b.log[3].requests] == [1, 1]
+
+
+def test_overlap_staggers_groups_and_trainer_runs_one_group_at_a_time():
+    s = _sched(n=4, steps=3, groups=2)
+    b = ScriptedBackend()
+    drive(s, b)
+    first = b.log[0]
+    assert isinstance(first, Generate) and first.group == 0
+    # Group 1 starts generating only after group 0's first generation finished.
+    g1 = next(i for i, a in enumerate(b.log) if isinstance(a, Generate) and a.group == 1)
+    assert g1 > 0
+    # Train and publish alternate: never two trains without a publish between them.
+    tp = [type(a).__name__ for a in b.log if isinstance(a, (Train, Publish))]
+    assert all(x != y for x, y in zip(tp, tp[1:]))
+    assert sum(isinstance(a, Train) for a in b.log) == 2 * 3
+
+
+def test_stale_rollout_from_engine_raises():
+    def tamper(ros):
+        return tuple(dataclasses.replace(r, adapter_version=r.adapter_version - 1) if r.step == 1 else r
+                     for r in ros)
+
+    with pytest.raises(StaleRolloutError, match="version 0"):
+        drive(_sched(n=2, steps=3, groups=1, stagger=False), ScriptedBackend(tamper=tamper))
+
+
+def test_missing_rollouts_are_an_error():
+    with pytest.raises(SchedulerError, match="asked rollouts"):
+        drive(_sched(n=2, steps=1, groups=1), ScriptedBackend(tamper=lambda ros: ros[:1]))
+
+
+def test_unknown_result_is_an_error():
+    s = _sched()
+    s.start()
+    from nodus.messages import PublishDone
+
+    with pytest.raises(SchedulerError, match="unknown action"):
+        s.on_result(PublishDone("nope", 0, 0, ()))
+
+
+def test_failed_job_stops_and_others_continue():
+    from nodus.messages import JobUpdate, TrainDone
+
+    class FailingBackend(ScriptedBackend):
+        def wait(self):
+            r = super().wait()
+            if isinstance(r, TrainDone):
+                r = TrainDone(r.action_id, r.start_s, r.end_s, tuple(
+                    dataclasses.replace(u, failed="loss is NaN") if u.job_id == "j0" else u for u in r.updates))
+            return r
+
+    s = _sched(n=2, steps=3, groups=1)
+    spans = drive(s, FailingBackend())
+    assert s.jobs["j0"].failed == "loss is NaN" and s.jobs["j0"].version == 0
+    assert s.jobs["j1"].version == 3
+    assert not audit_on_policy(spans)
+
+
+def test_timeslice_runs_each_stacks_jobs_one_after_another():
+    s = Scheduler({"a": 2, "b": 2, "c": 2}, [(0, ["a"]), (0, ["b"]), (1, ["c"])], concurrent=False)
+    b = ScriptedBackend()
+    spans = drive(s, b)
+    a_end = max(x.end_s for x in spans if x.job == "a")
+    b_start = min(x.start_s for x in spans if x.job == "b")
+    assert b_start >= a_end
+    assert {a.stack for a in b.log} == {0, 1}
+
+
+def test_audit_catches_bad_timelines():
+    ok = [Span("j", 0, "generate", 0, 1, attrs={"step": 0, "adapter_version": 0}),
+          Span("j", 0, "train", 1, 2, attrs={"step": 0, "consumed_version": 0}),
+          Span("j", 0, "publish", 2, 3, attrs={"version": 1}),
+          Span("j", 0, "generate", 3, 4, attrs={"step": 1, "adapter_version": 1})]
+    assert audit_on_policy(ok) == []
+    early = ok[:3] + [Span("j", 0, "generate", 2.5, 4, attrs={"step": 1, "adapter_version": 1})]
+    assert any("before version 1 was published" in p for p in audit_on_policy(early))
+    old = ok[:3] + [Span("j", 0, "generate", 3, 4, attrs={"step": 1, "adapter_version": 0})]
+    assert any("sampled from version 0" in p for p in audit_on_policy(old))
+    assert job_overlaps(early)
+
+
+def test_balance_groups_by_work_not_round_robin():
+    # Round-robin over [10, 1, 10, 1] would give {10, 10} and {1, 1}.
+    groups = balance_groups({"a": 10, "b": 1, "c": 10, "d": 1}, 2)
+    loads = sorted(sum({"a": 10, "b": 1, "c": 10, "d": 1}[j] for j in g) for g in groups)
+    assert loads == [11, 11]
+    assert all(groups)
+    with pytest.raises(ValueError, match="groups=3"):
+        balance_groups({"a": 1, "b": 1}, 3)

@@ -1,0 +1,97 @@
+"""Simulator behaviour: sharing rates, arm orderings that follow from the profile, golden runs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nodus.accounting import union_length
+from nodus.simulate import config_from_args, simulate
+from sim.gpu import sharing_rates
+from sim.profile import load_profile
+
+GOLDEN = Path(__file__).parent / "golden"
+SCENARIOS = {
+    "overlap8_mps": dict(jobs=8, policy="overlap", groups=2, sharing="mps", steps=4, seed=1),
+    "sync8_none": dict(jobs=8, policy="shared-sync", sharing="none", steps=4, seed=1),
+    "timeslice4_none": dict(jobs=4, policy="timeslice", groups=2, sharing="none", steps=3, seed=2),
+    "overlap16_g4_mps": dict(jobs=16, policy="overlap", groups=4, sharing="mps", steps=3, seed=3),
+}
+KEYS = ("steps_per_gpu_hour", "ratio_vs_dedicated", "rollout_tokens_per_gpu_s", "gpu_seconds", "busy",
+        "stale_rollouts", "steps")
+
+
+def golden_summary(name: str) -> dict:
+    s = simulate(config_from_args(**SCENARIOS[name]))
+    flat = {k: s[k] for k in KEYS if k != "busy"}
+    flat.update({f"busy_{k}": v for k, v in s["busy"].items()})
+    return flat
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_golden(name):
+    """Stored summaries; regenerate deliberately with `python tests/golden/regen.py`."""
+    want = json.loads((GOLDEN / f"{name}.json").read_text())
+    got = golden_summary(name)
+    assert got["stale_rollouts"] == 0
+    assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_sharing_rates_reproduce_the_measured_pair():
+    cost = load_profile("h200-qwen3-0.6b").profile.sharing
+    assert sharing_rates(["engine"], "none", cost) == [1.0]
+    assert sharing_rates(["engine", "trainer"], "mps", cost) == [cost.mps_corun.engine, cost.mps_corun.trainer]
+    assert sharing_rates(["trainer"], "mps", cost) == [cost.mps_alone.trainer]
+    four = sharing_rates(["engine", "trainer", "engine", "trainer"], "none", cost)
+    assert sum(four) == pytest.approx(cost.none_corun.engine + cost.none_corun.trainer)
+
+
+def test_arm_ordering_follows_from_the_profile():
+    """Sharing one engine and trainer beats dedicated; MPS without overlap only pays its alone
+    penalty; overlap pays only with MPS (the measured co-run rates say so)."""
+    r = {k: simulate(config_from_args(jobs=8, steps=4, **v))["ratio_vs_dedicated"] for k, v in {
+        "sync": dict(policy="shared-sync", sharing="none"),
+        "sync_mps": dict(policy="shared-sync", sharing="mps"),
+        "overlap_none": dict(policy="overlap", groups=2, sharing="none"),
+        "overlap_mps": dict(policy="overlap", groups=2, sharing="mps")}.items()}
+    assert r["sync"] > 1.0
+    assert r["sync_mps"] < r["sync"]
+    assert r["overlap_mps"] > r["overlap_none"]
+    assert r["overlap_mps"] > r["sync"]
+
+
+def test_profile_changes_move_the_prediction(tmp_path):
+    """Nothing is hard-coded: a 5x faster trainer in the profile raises steps per GPU-hour."""
+    prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    prof["train"]["per_microbatch"]["b_s_per_unit"] /= 5
+    p = tmp_path / "fast.json"
+    p.write_text(json.dumps(prof))
+    slow = simulate(config_from_args(jobs=4, steps=3))
+    fast = simulate(config_from_args(jobs=4, steps=3, profile=str(p)))
+    assert fast["steps_per_gpu_hour"] > 1.3 * slow["steps_per_gpu_hour"]
+
+
+def test_engine_batches_jobs_together():
+    """Shared-sync generation of 8 jobs takes far less than 8 dedicated generations."""
+    s = simulate(config_from_args(jobs=8, steps=2, policy="shared-sync", sharing="none"))
+    assert s["per_job"]["job0"]["slowdown_vs_alone"] < 8
+
+
+def test_replayed_lengths_follow_the_trace(tmp_path):
+    out = tmp_path / "run"
+    simulate(config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="none"), out)
+    trace = out / "spans.jsonl"
+    cfg = config_from_args({"jobs": [{"task": "gsm8k", "id": "job0", "steps": 2,
+                                      "lengths": {"kind": "replay", "trace": str(trace)}}]},
+                           policy="shared-sync", sharing="none")
+    r = simulate(cfg, tmp_path / "replay")
+    orig = [json.loads(x) for x in trace.read_text().splitlines()]
+    rep = [json.loads(x) for x in (tmp_path / "replay" / "spans.jsonl").read_text().splitlines()]
+    want = {d["attrs"]["step"]: d["attrs"]["response_tokens"] for d in orig if d["phase"] == "generate" and d["job"] == "job0"}
+    got = {d["attrs"]["step"]: d["attrs"]["response_tokens"] for d in rep if d["phase"] == "generate"}
+    assert got == want and r["stale_rollouts"] == 0
+
+
+def test_union_length():
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
+    assert union_length([]) == 0
