@@ -29,5 +29,12 @@ class Backend(Protocol):
     def wait(self) -> Result:
         """Block until the next started action finishes and return its result."""
 
+    def evaluate(self) -> dict[str, dict]:
+        """Each job's held-out eval of its current adapter ({job: {"accuracy", "correct"}});
+        empty when the backend has no model to evaluate (the simulator)."""
+
+    def diagnostics(self) -> dict:
+        """Backend-specific evidence for the run's report (e.g. logprob agreement); may be empty."""
+
     def close(self) -> None:
         """Release engines, trainers, processes and sharing daemons."""

@@ -42,21 +42,22 @@ def n_stacks(cfg: RunConfig) -> int:
     return cfg.arm.groups if cfg.arm.policy == "timeslice" else 1
 
 
-def run_spans(cfg: RunConfig, make_backend: BackendFactory, on_progress=None) -> list[list[Span]]:
-    """The spans of each GPU's run: one run for a shared arm, one per job for dedicated."""
-    if cfg.arm.policy == "dedicated":
-        out = []
-        for job in cfg.jobs:
-            solo = cfg.model_copy(update={"jobs": [job]})
-            out.append(_one(solo, make_backend, on_progress))
-        return out
-    return [_one(cfg, make_backend, on_progress)]
+def run_spans(cfg: RunConfig, make_backend: BackendFactory, on_progress=None,
+              extras: dict | None = None) -> list[list[Span]]:
+    """The spans of each GPU's run: one run for a shared arm, one per job for dedicated.
+    `extras`, if given, collects each job's final eval and the backends' diagnostics."""
+    solos = [cfg.model_copy(update={"jobs": [j]}) for j in cfg.jobs] if cfg.arm.policy == "dedicated" else [cfg]
+    return [_one(c, make_backend, on_progress, extras) for c in solos]
 
 
-def _one(cfg: RunConfig, make_backend: BackendFactory, on_progress) -> list[Span]:
+def _one(cfg: RunConfig, make_backend: BackendFactory, on_progress, extras: dict | None) -> list[Span]:
     backend = make_backend(cfg, n_stacks(cfg))
     try:
-        return drive(plan(cfg), backend, on_progress)
+        spans = drive(plan(cfg), backend, on_progress)
+        if extras is not None:
+            extras.setdefault("eval", {}).update(backend.evaluate())
+            extras.setdefault("diagnostics", []).append(backend.diagnostics())
+        return spans
     finally:
         backend.close()
 
@@ -69,9 +70,17 @@ def dedicated_of(cfg: RunConfig) -> RunConfig:
 def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
             on_progress=None) -> tuple[dict, list[list[Span]]]:
     """Summary (with ratio_vs_dedicated and per-job slowdowns when `baseline`) and the spans."""
-    runs = run_spans(cfg, make_backend, on_progress)
+    extras: dict = {}
+    runs = run_spans(cfg, make_backend, on_progress, extras)
     summary = summarize(runs)
+    for job, ev in extras.get("eval", {}).items():
+        summary["per_job"][job]["eval"] = ev
+    for job in cfg.jobs:
+        summary["per_job"][job.id].update(task=job.task, seed=job.seed)
+    summary["diagnostics"] = extras.get("diagnostics", [])
     summary["arm"] = {"policy": cfg.arm.policy, "groups": cfg.arm.groups, "sharing": cfg.arm.sharing}
+    # Flat copies of the arm, the layout `nodus compare` reads.
+    summary.update(policy=cfg.arm.policy, groups=cfg.arm.groups, sharing=cfg.arm.sharing)
     summary["jobs"] = len(cfg.jobs)
     summary["seed"] = cfg.seed
     if baseline:

@@ -62,6 +62,12 @@ class SimBackend:
             self.env.run(until=self._signal)
         return self._done.popleft()
 
+    def evaluate(self) -> dict[str, dict]:
+        return {}
+
+    def diagnostics(self) -> dict:
+        return {"outside_profile": sorted(self.cost.flags)}
+
     def close(self) -> None:
         pass
 

@@ -58,5 +58,11 @@ class ScriptedBackend:
                 JobUpdate(b.job_id, v + 1, tokens=66) for b, v in zip(a.batches, a.expected_versions)))
         return PublishDone(a.action_id, start, self.t, a.versions)
 
+    def evaluate(self) -> dict:
+        return {}
+
+    def diagnostics(self) -> dict:
+        return {}
+
     def close(self) -> None:
         pass
