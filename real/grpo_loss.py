@@ -96,18 +96,20 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens):
         want_grad = ctx.needs_input_grad[0]
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_grad else None
+        # Softmax in at least fp32: bf16 logits lose the small probabilities' mass.
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if want_grad else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
             t = targets[start:end]
-            logits = (hidden[start:end] @ weight.T).float()
+            logits = (hidden[start:end] @ weight.T).to(acc)
             lse = torch.logsumexp(logits, dim=-1)
             out[start:end] = logits.gather(1, t[:, None]).squeeze(1) - lse
             if want_grad:
                 probs = logits.sub_(lse[:, None]).exp_()  # in place: the chunk's logits are done
-                expected = (probs.to(weight.dtype) @ weight).float()
-                grad_hidden[start:end] = weight[t].float() - expected
+                expected = (probs.to(weight.dtype) @ weight).to(acc)
+                grad_hidden[start:end] = weight[t].to(acc) - expected
         ctx.save_for_backward(grad_hidden if want_grad else None)
         ctx.hidden_dtype = hidden.dtype
         return out
@@ -122,7 +124,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                    chunk_tokens: int = 2048) -> torch.Tensor:
-    """Logprob of each target token, fp32 [N], from hidden states [N, d] and a frozen output
+    """Logprob of each target token, [N] in fp32 (fp64 for fp64 hidden), from hidden states [N, d] and a frozen output
     embedding [V, d], with peak memory chunk_tokens * V instead of N * V."""
     if weight.requires_grad:
         raise ValueError("token_logprobs gives no gradient to the output embedding; freeze it")

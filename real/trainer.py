@@ -268,11 +268,11 @@ class MultiLoRATrainer:
         def padded(values):
             if values is None:
                 return None
-            flat = torch.tensor(np.concatenate([values[s] for s in rows]), dtype=torch.float32, device=self.device)
+            flat = torch.tensor(np.concatenate([values[s] for s in rows]), dtype=logp.dtype, device=self.device)
             return flat.new_zeros(len(rows), width).index_put((r_idx, c_idx), flat)
 
         lp = logp.new_zeros(len(rows), width).index_put((r_idx, c_idx), logp)
-        adv = torch.tensor(seqs.advantages[rows], dtype=torch.float32, device=self.device)
+        adv = torch.tensor(seqs.advantages[rows], dtype=logp.dtype, device=self.device)
         ptl = per_token_loss(lp, padded(seqs.old), adv, cfg.epsilon_low, cfg.epsilon_high,
                              padded(seqs.ref), cfg.beta)
         longest = cfg.max_completion_length or max(len(p) for p in seqs.positions)
@@ -331,7 +331,7 @@ class MultiLoRATrainer:
                 for k, rows, a, _ in spans:
                     for s in rows:
                         n = len(seqs[k].positions[s])
-                        out[k][s] = logp[a:a + n].float().cpu()
+                        out[k][s] = logp[a:a + n].cpu()
                         a += n
         finally:
             self.routing.stack = self.routing.layout = None
@@ -341,11 +341,24 @@ class MultiLoRATrainer:
         return [t.double().numpy() for t in self._logprobs_many([seqs], None)[0]]
 
     def logprobs(self, job_id: str | None, batch: JobBatch) -> list[torch.Tensor]:
-        """Per sequence, fp32 logprobs of its completion tokens (mask == 1) under the job's current
+        """Per sequence, fp32 (fp64 for an fp64 model) logprobs of its completion tokens (mask == 1) under the job's current
         adapter (job_id None: the base model), the layout ``JobBatch.old_logprobs`` takes."""
         seqs = [_validate(job_id or "<base>", batch, self.vocab_size)]
         adapters = None if job_id is None else [self._job(job_id).adapter]
         return self._logprobs_many(seqs, adapters)[0]
+
+    @torch.no_grad()
+    def logits(self, job_id: str | None, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [R, T, V] of right-padded rows under one job's adapter (None:
+        the base). For checks on small inputs; training never materialises these."""
+        ids = input_ids.to(self.device)
+        if job_id is not None:
+            self.routing.stack = AdapterStack([self._job(job_id).adapter], requires_grad=False)
+            self.routing.layout = make_row_layout([0] * ids.shape[0], self.device, 1)
+        try:
+            return self.model(input_ids=ids, use_cache=False).logits
+        finally:
+            self.routing.stack = self.routing.layout = None
 
     def logprobs_many(self, batches: dict[str, JobBatch]) -> dict[str, list[torch.Tensor]]:
         """``logprobs`` for several jobs in shared micro-batches."""
