@@ -107,6 +107,11 @@ class RowLayout:
     rows_per_slot: int  # rows per job after padding every job to the same count
     dest_rows: torch.Tensor | None  # [num_rows] padded-row index of each row; None: no padding needed
 
+    def to(self, put) -> "RowLayout":
+        """The same layout with its index tensors passed through ``put`` (e.g. to a device)."""
+        return RowLayout(self.num_rows, None if self.slots is None else put(self.slots), self.rows_per_slot,
+                         None if self.dest_rows is None else put(self.dest_rows))
+
 
 def make_row_layout(slot_of_row: list[int], device: torch.device | str, num_slots: int) -> RowLayout:
     """Layout for rows whose stack slots are given in job-major order (non-decreasing)."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
-from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, init_adapter,
+from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, RowLayout, init_adapter,
                             make_row_layout, save_peft_adapter, wrap_linears)
 
 
@@ -97,6 +97,32 @@ class _Seqs:
     @property
     def completion_tokens(self) -> int:
         return int(sum(len(p) for p in self.positions))
+
+
+@dataclass
+class _JobSpan:
+    """One job's rows within a micro-batch, with its loss inputs laid out [rows, width]."""
+
+    slot: int  # the job's index in the step (its slot in the adapter stack)
+    rows: list[int]  # the job's sequence indices, in row order
+    start: int  # first of its completion tokens in the micro-batch's flat logprob vector
+    end: int
+    index: tuple[torch.Tensor, torch.Tensor]  # (row, column) of each of those tokens
+    mask: torch.Tensor  # [rows, width] bool
+    advantages: torch.Tensor  # [rows]
+    old: torch.Tensor | None  # [rows, width] old logprobs, or None (on-policy)
+    ref: torch.Tensor | None  # [rows, width] reference logprobs, or None
+
+
+@dataclass
+class _MicroBatch:
+    """Device tensors for one job-major micro-batch."""
+
+    input_ids: torch.Tensor  # [R, T] right-padded
+    hidden_index: torch.Tensor  # [M] flat position (row * T + t - 1) predicting each completion token
+    targets: torch.Tensor  # [M] the completion tokens
+    layout: RowLayout
+    spans: list[_JobSpan]
 
 
 def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tuple[int, int]]]:
@@ -176,6 +202,8 @@ class MultiLoRATrainer:
         base_model.requires_grad_(False)
         self.model = base_model
         self.device = next(base_model.parameters()).device
+        # Logprobs and the loss in at least fp32 (fp64 if the model is fp64, for exactness tests).
+        self.logp_dtype = torch.promote_types(next(base_model.parameters()).dtype, torch.float32)
         self.target_modules = tuple(target_modules)
         self.param_dtype = param_dtype
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
@@ -240,15 +268,20 @@ class MultiLoRATrainer:
         for job, s in zip(jobs, seqs):
             if job.config.beta != 0.0 and s.ref is None:
                 s.ref = self._base_logprobs(s)
+        # Everything copied to the device up front: a copy between kernels would make the host
+        # wait for the GPU, and the GPU then idle while the host queues the next kernels.
+        plan = [self._prepare(mb, seqs) for mb in
+                plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
         losses = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in jobs]
         stack = AdapterStack([job.adapter for job in jobs], requires_grad=True)
         self.routing.stack = stack
         try:
-            for mb in plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch):
-                logp, spans = self._forward_logprobs(mb, seqs, len(jobs))
+            for mb in plan:
+                logp = self._forward_logprobs(mb)
                 total = logp.new_zeros(())
-                for k, rows, a, b in spans:
-                    loss = self._job_loss(jobs[k].config, seqs[k], rows, logp[a:b])
+                for span in mb.spans:
+                    k = span.slot
+                    loss = self._job_loss(jobs[k].config, seqs[k], span, logp[span.start:span.end])
                     losses[k] += loss.detach().to(torch.float64)
                     total = total + loss
                 total.backward()
@@ -257,26 +290,12 @@ class MultiLoRATrainer:
         stack.write_grads()
         return {j: self._apply_update(job, s, loss) for j, job, s, loss in zip(job_ids, jobs, seqs, losses)}
 
-    def _job_loss(self, cfg: JobConfig, seqs: _Seqs, rows: list[int], logp: torch.Tensor) -> torch.Tensor:
-        """The job's loss over its ``rows`` of one micro-batch, normalised by the whole step's counts."""
-        lengths = [len(seqs.positions[s]) for s in rows]
-        width = max(max(lengths), 1)
-        r_idx = torch.tensor(np.repeat(np.arange(len(rows)), lengths), device=self.device)
-        c_idx = torch.tensor(np.concatenate([np.arange(n) for n in lengths]), device=self.device)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device).index_put_((r_idx, c_idx), torch.tensor(True, device=self.device))
-
-        def padded(values):
-            if values is None:
-                return None
-            flat = torch.tensor(np.concatenate([values[s] for s in rows]), dtype=logp.dtype, device=self.device)
-            return flat.new_zeros(len(rows), width).index_put((r_idx, c_idx), flat)
-
-        lp = logp.new_zeros(len(rows), width).index_put((r_idx, c_idx), logp)
-        adv = torch.tensor(seqs.advantages[rows], dtype=logp.dtype, device=self.device)
-        ptl = per_token_loss(lp, padded(seqs.old), adv, cfg.epsilon_low, cfg.epsilon_high,
-                             padded(seqs.ref), cfg.beta)
+    def _job_loss(self, cfg: JobConfig, seqs: _Seqs, span: "_JobSpan", logp: torch.Tensor) -> torch.Tensor:
+        """The job's loss over its rows of one micro-batch, normalised by the whole step's counts."""
+        lp = logp.new_zeros(span.mask.shape).index_put(span.index, logp)
+        ptl = per_token_loss(lp, span.old, span.advantages, cfg.epsilon_low, cfg.epsilon_high, span.ref, cfg.beta)
         longest = cfg.max_completion_length or max(len(p) for p in seqs.positions)
-        return aggregate_loss(ptl, mask, cfg.loss_type, num_seqs=len(seqs.ids),
+        return aggregate_loss(ptl, span.mask, cfg.loss_type, num_seqs=len(seqs.ids),
                               num_tokens=seqs.completion_tokens, max_completion_length=longest)
 
     def _apply_update(self, job: _Job, seqs: _Seqs, loss: torch.Tensor) -> StepStats:
@@ -293,45 +312,76 @@ class MultiLoRATrainer:
 
     # --- forward ----------------------------------------------------------------------------
 
-    def _forward_logprobs(self, mb: list[tuple[int, int]], seqs: list[_Seqs], num_slots: int):
-        """Run one job-major micro-batch; return the completion tokens' logprobs, flat in row
-        order, and per job present (slot, its sequence indices, start, end) into that vector."""
+    def _prepare(self, mb: list[tuple[int, int]], seqs: list[_Seqs]) -> "_MicroBatch":
+        """Device tensors for one job-major micro-batch of rows (slot k, sequence s)."""
         width = max(len(seqs[k].ids[s]) for k, s in mb)
         ids = np.zeros((len(mb), width), dtype=np.int64)  # pad id 0: its outputs are never read
-        hidden_idx, targets, spans = [], [], []
-        offset = 0
+        hidden_idx, targets = [], []
         for i, (k, s) in enumerate(mb):
             row, pos = seqs[k].ids[s], seqs[k].positions[s]
             ids[i, : len(row)] = row
             hidden_idx.append(i * width + pos - 1)  # the token at t is predicted from position t-1
             targets.append(row[pos])
-            if not spans or spans[-1][0] != k:
-                spans.append([k, [], offset, offset])
-            spans[-1][1].append(s)
-            offset += len(pos)
-            spans[-1][3] = offset
+        spans, offset = [], 0
+        for k in sorted({k for k, _ in mb}):
+            rows = [s for kk, s in mb if kk == k]
+            spans.append(self._span(k, rows, seqs[k], offset))
+            offset = spans[-1].end
+        return _MicroBatch(
+            input_ids=self._put(torch.from_numpy(ids)),
+            hidden_index=self._put(torch.from_numpy(np.concatenate(hidden_idx))),
+            targets=self._put(torch.from_numpy(np.concatenate(targets))),
+            layout=make_row_layout([k for k, _ in mb], "cpu", len(seqs)).to(self._put),
+            spans=spans)
+
+    def _span(self, slot: int, rows: list[int], seqs: _Seqs, start: int) -> "_JobSpan":
+        lengths = [len(seqs.positions[s]) for s in rows]
+        width = max(max(lengths), 1)
+        r_idx = torch.from_numpy(np.repeat(np.arange(len(rows)), lengths))
+        c_idx = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]).astype(np.int64))
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        mask[r_idx, c_idx] = True
+
+        def padded(values):
+            if values is None:
+                return None
+            out = torch.zeros(len(rows), width, dtype=self.logp_dtype)
+            out[r_idx, c_idx] = torch.from_numpy(np.concatenate([values[s] for s in rows])).to(self.logp_dtype)
+            return self._put(out)
+
+        return _JobSpan(slot=slot, start=start, end=start + sum(lengths),
+                        index=(self._put(r_idx), self._put(c_idx)), mask=self._put(mask),
+                        advantages=self._put(torch.from_numpy(seqs.advantages[rows]).to(self.logp_dtype)),
+                        old=padded(seqs.old), ref=padded(seqs.ref), rows=rows)
+
+    def _put(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _forward_logprobs(self, mb: "_MicroBatch") -> torch.Tensor:
+        """Logprobs of the micro-batch's completion tokens, flat in row order."""
         if self.routing.stack is not None:
-            self.routing.layout = make_row_layout([k for k, _ in mb], self.device, num_slots)
-        ids_t = torch.from_numpy(ids).to(self.device)
-        hidden = self.decoder(input_ids=ids_t, use_cache=False).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(
-            0, torch.from_numpy(np.concatenate(hidden_idx)).to(self.device))
+            self.routing.layout = mb.layout
+        hidden = self.decoder(input_ids=mb.input_ids, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
         weight = self.model.get_output_embeddings().weight
-        logp = token_logprobs(hidden, weight, torch.from_numpy(np.concatenate(targets)).to(self.device),
-                              self.logprob_chunk_tokens)
-        return logp, spans
+        return token_logprobs(hidden, weight, mb.targets, self.logprob_chunk_tokens)
 
     @torch.no_grad()
     def _logprobs_many(self, seqs: list[_Seqs], adapters: list[Adapter] | None) -> list[list[torch.Tensor]]:
         out = [[None] * len(s.ids) for s in seqs]
+        plan = [self._prepare(mb, seqs) for mb in
+                plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
         self.routing.stack = AdapterStack(adapters, requires_grad=False) if adapters else None
         try:
-            for mb in plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch):
-                logp, spans = self._forward_logprobs(mb, seqs, len(seqs))
-                for k, rows, a, _ in spans:
-                    for s in rows:
-                        n = len(seqs[k].positions[s])
-                        out[k][s] = logp[a:a + n].cpu()
+            for mb in plan:
+                logp = self._forward_logprobs(mb).cpu()
+                for span in mb.spans:
+                    a = span.start
+                    for s in span.rows:
+                        n = len(seqs[span.slot].positions[s])
+                        out[span.slot][s] = logp[a:a + n]
                         a += n
         finally:
             self.routing.stack = self.routing.layout = None
