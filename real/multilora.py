@@ -144,8 +144,8 @@ class Routing:
 
 def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: torch.Tensor,
                layout: RowLayout) -> torch.Tensor:
-    """sum of the row's job adapter: scale_j * x A_j^T B_j^T for x [rows, ..., d_in], A [J, r, d_in],
-    B [J, d_out, r], scaling [J]."""
+    """Each row's own job's adapter output, scale_j * x A_j^T B_j^T, for job-major x
+    [rows, ..., d_in], A [J, r, d_in], B [J, d_out, r], scaling [J]: two bmm over all jobs."""
     d_in = x.shape[-1]
     xs = x.reshape(layout.num_rows, -1, d_in)
     tokens_per_row = xs.shape[1]

@@ -262,6 +262,8 @@ class MultiLoRATrainer:
 
     def train_step(self, batches: dict[str, JobBatch]) -> dict[str, StepStats]:
         """One optimizer step for every job in ``batches``, all in shared micro-batches."""
+        if not batches:
+            return {}
         job_ids = list(batches)
         jobs = [self._job(j) for j in job_ids]
         seqs = [_validate(j, batches[j], self.vocab_size) for j in job_ids]

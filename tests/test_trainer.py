@@ -245,6 +245,36 @@ def test_checkpoint_round_trip_resumes_exactly():
         assert max_rel_diff(params(b, j), params(a, j)) == 0.0
 
 
+def test_padded_tensor_input_equals_ragged_lists():
+    trainer = make_trainer({"a": JOBS["a"]})
+    batch = make_batch(*SHAPES["a"], seed=3)
+    width = max(len(r) for r in batch.input_ids)
+    ids = torch.zeros(len(batch.input_ids), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (row, m) in enumerate(zip(batch.input_ids, batch.completion_mask)):
+        ids[i, :len(row)], mask[i, :len(m)] = torch.tensor(row), torch.tensor(m)
+    padded = JobBatch(ids, mask, torch.tensor(batch.advantages))
+    for got, want in zip(trainer.logprobs("a", padded), trainer.logprobs("a", batch)):
+        torch.testing.assert_close(got, want)
+
+
+def test_sequence_without_completion_tokens_counts_in_grpo_mean_only():
+    batch = make_batch(*SHAPES["a"], seed=4)
+    empty = JobBatch(list(batch.input_ids) + [[5, 6, 7]], list(batch.completion_mask) + [[0, 0, 0]],
+                     list(batch.advantages) + [1.0])
+    stats = make_trainer({"a": JOBS["a"]}).train_step({"a": empty})["a"]
+    assert not stats.failed and stats.completion_tokens == sum(map(sum, batch.completion_mask))
+
+
+def test_gradient_checkpointing_gives_the_same_update():
+    step1, _ = two_step_data()
+    plain, checkpointed = make_trainer(), make_trainer(gradient_checkpointing=True)
+    plain.train_step(step1)
+    checkpointed.train_step(step1)
+    for j in JOBS:
+        assert rel_diff(params(checkpointed, j), params(plain, j)) <= 1e-6
+
+
 def test_remove_job():
     trainer = make_trainer()
     trainer.remove_job("b")
