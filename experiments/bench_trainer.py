@@ -253,10 +253,12 @@ def bench_peft(args, batch, device, dtype) -> dict:
 
     tokens, completion = batch_tokens({"peft": batch})
     reset_peak(device)
+    resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
     log(f"peft: one adapter, {tokens:,} tokens, {args.peft_mb_seqs} sequences per micro-batch")
     times = timed(step, device, args.warmup, args.iters)
+    # peak_gib includes the trainer's model, still resident: resident_before_gib says how much.
     row = throughput("peft_one_adapter", times, tokens, completion, device, adapters=1,
-                     mb_seqs=args.peft_mb_seqs)
+                     mb_seqs=args.peft_mb_seqs, resident_before_gib=None if resident is None else round(resident, 2))
     del model, opt
     return row
 
@@ -458,12 +460,10 @@ def main(argv=None) -> dict:
         run_section(result, "per_job_loop", lambda: bench_loop(args, trainer, batches, device), out)
     run_section(result, "equivalence", lambda: bench_equivalence(args, trainer, batches, device, dtype), out)
     run_section(result, "save", lambda: bench_save(args, trainer, job_ids, device), out)
+    if args.peft:  # before fused: that one patches transformers' Qwen3 rotary function globally
+        run_section(result, "peft", lambda: bench_peft(args, batches[job_ids[0]], device, dtype), out)
     if args.fused:
         run_section(result, "fused", lambda: bench_fused(args, trainer, batches, device), out)
-    if args.peft:
-        del trainer, base
-        reset_peak(device)
-        run_section(result, "peft", lambda: bench_peft(args, batches[job_ids[0]], device, dtype), out)
 
     result["summary"] = summarize(result)
     out.write_text(json.dumps(result, indent=2) + "\n")

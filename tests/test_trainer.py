@@ -39,7 +39,7 @@ SHAPES = {"a": (4, 9, 14), "b": (6, 5, 20), "c": (3, 12, 16)}  # sequences, shor
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """The tiny model's ops are microseconds long: with several OpenMP threads on a shared, loaded
-    CPU the threads' barriers cost more than the work (measured 10-50x slower)."""
+    CPU the threads' barriers cost more than the work (measured 10-100x slower here)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
