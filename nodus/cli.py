@@ -47,6 +47,25 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(a: argparse.Namespace) -> int:
+    from nodus.realrun import run
+    from nodus.simulate import config_from_args, render_table
+
+    cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
+                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile)
+    opts = None
+    if a.backend == "real":
+        from real.backend import RealOptions
+
+        opts = RealOptions(model=a.model, mode=a.mode, device=a.device, dtype=a.dtype, load_format=a.load_format,
+                           engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
+                           audit_logprobs=not a.no_audit, engine_thread_pct=a.engine_thread_pct,
+                           trainer_thread_pct=a.trainer_thread_pct, checkpoint_dir=a.checkpoint_dir)
+    summary = run(cfg, backend=a.backend, opts=opts, out=a.out, baseline=not a.no_baseline)
+    print(json.dumps(summary, sort_keys=True, default=str) if a.json else render_table(summary))
+    return 0
+
+
 def cmd_report(a: argparse.Namespace) -> int:
     from nodus.simulate import report
 
@@ -93,6 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write sweep.csv, sweep.json, sweep.png into this new folder")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("run", help="run one arm through the real backend (vLLM + multi-LoRA trainer) or the sim")
+    _add_arm_flags(p)
+    p.add_argument("--backend", choices=("real", "sim"), default="real")
+    p.add_argument("--model", default="tiny", help="local folder or hub name; 'tiny': a tiny Qwen3 made locally")
+    p.add_argument("--mode", choices=("tasks", "synthetic"), default="tasks",
+                   help="tasks: text prompts and verifiable rewards; synthetic: token ids, lengths forced "
+                        "to the length model (timing runs with random weights)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--engine-memory", type=float, default=0.45, help="engine's share of GPU memory")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster start, slower decode)")
+    p.add_argument("--engine-thread-pct", type=int, help="MPS active thread percentage of the engine")
+    p.add_argument("--trainer-thread-pct", type=int, help="MPS active thread percentage of the trainer")
+    p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
+    p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
+    p.add_argument("--no-baseline", action="store_true", help="don't also run the dedicated baseline")
+    p.add_argument("--profile", help=argparse.SUPPRESS)
+    p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
     p.add_argument("run_dir")

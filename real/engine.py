@@ -191,7 +191,16 @@ class MultiLoRAEngine:
         its job's published version. vLLM runs at most max_loras distinct adapters per step;
         more jobs than that still finish, in more steps.
         """
+        prompts, params, loras, shape = self._expand(requests)
+        start_s = self._clock()
+        outputs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        end_s = self._clock()
+        return self._batches(requests, shape, outputs, start_s, end_s)
+
+    def _expand(self, requests: Sequence[GenRequest]):
+        """One vLLM request per response (so each can have its own seed and forced length)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         for r in requests:
             self._check_request(r)
@@ -200,25 +209,81 @@ class MultiLoRAEngine:
             lora = self._published[r.job_id].request
             for i, prompt in enumerate(r.prompts):
                 for j in range(r.n):
-                    forced = (None if r.forced_lengths is None
-                              else int(r.forced_lengths[i * r.n + j]))
+                    forced = None if r.forced_lengths is None else int(r.forced_lengths[i * r.n + j])
                     prompts.append(self._prompt(prompt))
                     params.append(SamplingParams(
                         n=1, temperature=r.temperature, seed=response_seed(r.seed, i, j),
                         max_tokens=forced or r.max_new_tokens, min_tokens=forced or 0,
-                        ignore_eos=forced is not None, logprobs=0, detokenize=self.has_tokenizer))
+                        ignore_eos=forced is not None, logprobs=0, detokenize=self.has_tokenizer,
+                        # Only finished outputs: per-step partial outputs of every running
+                        # sequence would cost Python time on each decode step.
+                        output_kind=RequestOutputKind.FINAL_ONLY))
                     loras.append(lora)
             shape.append((len(r.prompts), r.n))
-        start_s = self._clock()
-        outputs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        end_s = self._clock()
+        return prompts, params, loras, shape
 
+    def _batches(self, requests, shape, outputs, start_s, end_s) -> list[RolloutBatch]:
         batches, k = [], 0
         for r, (n_prompts, n) in zip(requests, shape):
             outs = outputs[k:k + n_prompts * n]
             k += n_prompts * n
             batches.append(self._batch(r, outs, n_prompts, n, start_s, end_s))
         return batches
+
+    # ------------------------------------------------- stepping (continuous batching across calls)
+
+    def submit(self, tag: str, requests: Sequence[GenRequest]) -> None:
+        """Add requests to the running batch without waiting; `step` returns them when done.
+        Requests of several tags decode together, and `publish` may run between steps."""
+        prompts, params, loras, shape = self._expand(requests)
+        engine = self.llm.llm_engine
+        pending = getattr(self, "_pending", None)
+        if pending is None:
+            pending = self._pending = {}
+        n = len(prompts)
+        rec = {"requests": list(requests), "shape": shape, "outputs": [None] * n, "left": n,
+               "start": self._clock(), "ends": {}, "left_per_job": {}}
+        k = 0
+        for r, (n_prompts, nn) in zip(requests, shape):
+            rec["left_per_job"][r.job_id] = rec["left_per_job"].get(r.job_id, 0) + n_prompts * nn
+        owners = [r.job_id for r, (n_prompts, nn) in zip(requests, shape) for _ in range(n_prompts * nn)]
+        pending[tag] = rec
+        for k, (prompt, sp, lora) in enumerate(zip(prompts, params, loras)):
+            engine.add_request(f"{tag}#{k}#{owners[k]}", prompt, sp, lora_request=lora)
+
+    def has_unfinished(self) -> bool:
+        return bool(getattr(self, "_pending", None))
+
+    def step(self) -> list[tuple[str, list[RolloutBatch], dict[str, float]]]:
+        """One engine step; returns (tag, batches, per-job end time) for each tag now complete."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished:
+                continue
+            tag, k, job = out.request_id.rsplit("#", 2)
+            rec = self._pending[tag]
+            rec["outputs"][int(k)] = out
+            rec["left"] -= 1
+            rec["left_per_job"][job] -= 1
+            if rec["left_per_job"][job] == 0:
+                rec["ends"][job] = self._clock()
+            if rec["left"] == 0:
+                del self._pending[tag]
+                end = self._clock()
+                done.append((tag, self._batches(rec["requests"], rec["shape"], rec["outputs"], rec["start"], end),
+                             rec["ends"]))
+        return done
+
+    def forget(self, job_ids: Sequence[str]) -> None:
+        """Drop the jobs' adapters and versions (a run ended); their ids may be registered anew."""
+        for job_id in job_ids:
+            p = self._published.pop(job_id, None)
+            if p is not None and self.hotload == "fresh_id":
+                try:
+                    self.llm.llm_engine.remove_lora(p.request.lora_int_id)
+                except Exception:  # noqa: BLE001 - already evicted from vLLM's cache
+                    pass
+            self._job_ids.pop(job_id, None)
 
     def _check_request(self, r: GenRequest) -> None:
         published = self.current_version(r.job_id)

@@ -1,0 +1,147 @@
+"""Every arm through the real backend on one GPU, with the simulator's prediction beside each.
+
+    PYTHONPATH=/opt/nodus-site:. python experiments/gpu_arms.py --out $OUT/arms --jobs 8 --steps 5 --seeds 1
+
+Timing runs: a Qwen3-0.6B-shaped model with random weights saved once (so engine and trainer hold
+the same weights and the logprob audit means something), token-id prompts, response lengths
+forced to each task's length model (`--mode synthetic`). Arms that share a sharing mode and stack
+count share one set of processes (engine start is not billed to any arm). Writes per-arm run
+folders, `arms.json` (per arm, per seed: steps_per_gpu_hour, ratio_vs_dedicated, ...) and the
+simulator's prediction for the same configurations under `--profile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
+    "dedicated": ("dedicated", 1, "none"),
+    "shared-sync": ("shared-sync", 1, "none"),
+    "overlap": ("overlap", 2, "none"),
+    "overlap+mps": ("overlap", 2, "mps"),
+    "shared-sync+mps": ("shared-sync", 1, "mps"),
+    "timeslice": ("timeslice", 2, "none"),
+}
+
+
+def make_random_model(path: Path, shape: str) -> Path:
+    """Save a random-weight Qwen3 of the given shape (config + safetensors, no tokenizer)."""
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    shapes = {
+        "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                           max_position_embeddings=4096),
+        "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=512, vocab_size=4096, tie_word_embeddings=True,
+                      max_position_embeddings=2048),
+    }
+    cfg = Qwen3Config(**shapes[shape], torch_dtype="bfloat16", rope_theta=1e6)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    # Small init keeps random logits tame (sampling from near-uniform is fine for timing).
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/nodus-qwen3-0.6b-random"))
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seeds", default="1")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--engine-memory", type=float, default=0.35)
+    ap.add_argument("--profile", default="h200-qwen3-0.6b")
+    ap.add_argument("--mode", default="synthetic")
+    args = ap.parse_args()
+
+    from nodus.realrun import ClusterPool
+    from nodus.runner import run_arm
+    from nodus.simulate import config_from_args, simulate, write_run
+    from real.backend import RealOptions
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
+    opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
+                       enforce_eager=args.enforce_eager, audit_logprobs=True, evaluate=args.mode == "tasks")
+    names = [a for a in args.arms.split(",") if a]
+    order = sorted(names, key=lambda n: (ARMS[n][2], ARMS[n][0] == "timeslice"))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results: dict = {"jobs": args.jobs, "steps": args.steps, "model_shape": args.shape, "arms": {},
+                     "startup_s": {}, "logprob_agreement": {}}
+    pool = ClusterPool(opts)
+    t_all = time.monotonic()
+    try:
+        for name in order:
+            policy, groups, sharing = ARMS[name]
+            g = args.groups if policy in ("overlap", "timeslice") else groups
+            for seed in seeds:
+                cfg = config_from_args(jobs=args.jobs, policy=policy, groups=g, sharing=sharing, steps=args.steps,
+                                       seed=seed)
+                t0 = time.monotonic()
+                summary, runs = run_arm(cfg, pool, baseline=False)
+                summary["wall_s"] = time.monotonic() - t0
+                run_dir = args.out / f"{name}-s{seed}"
+                if run_dir.exists():
+                    run_dir = args.out / f"{name}-s{seed}-{int(time.time())}"
+                run_dir.mkdir(parents=True)
+                write_run(run_dir, cfg, summary, runs)
+                pred = simulate(config_from_args(jobs=args.jobs, policy=policy, groups=g, sharing=sharing,
+                                                 steps=args.steps, seed=seed, profile=args.profile))
+                audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
+                results["arms"].setdefault(name, {})[str(seed)] = {
+                    "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
+                    "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
+                    "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
+                    "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
+                    "logprob_max_abs": max((a["max_abs"] for a in audit), default=None),
+                    "logprob_mean_abs": (sum(a["mean_abs"] for a in audit) / len(audit)) if audit else None,
+                }
+                print(f"[{time.monotonic() - t_all:6.1f}s] {name} seed {seed}: "
+                      f"{summary['steps_per_gpu_hour']:.0f} steps/GPU-h (sim {pred['steps_per_gpu_hour']:.0f}), "
+                      f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s", flush=True)
+                (args.out / "arms.json").write_text(json.dumps(results, indent=1))
+            results["startup_s"].update(pool.startup_s())
+    finally:
+        pool.close()
+    for name, per in results["arms"].items():
+        for seed, d in per.items():
+            base = results["arms"].get("dedicated", {}).get(seed)
+            d["ratio_vs_dedicated"] = d["steps_per_gpu_hour"] / base["steps_per_gpu_hour"] if base else None
+            d["sim_ratio_vs_dedicated"] = (d["sim_steps_per_gpu_hour"] / base["sim_steps_per_gpu_hour"]
+                                           if base else None)
+    results["env"] = _env()
+    (args.out / "arms.json").write_text(json.dumps(results, indent=1))
+    print(json.dumps({n: {s: (round(d["steps_per_gpu_hour"]), d["ratio_vs_dedicated"]) for s, d in per.items()}
+                      for n, per in results["arms"].items()}))
+
+
+def _env() -> dict:
+    env = {"date": time.strftime("%Y-%m-%d"), "git_commit": os.environ.get("NODUS_COMMIT")}
+    try:
+        import torch
+
+        env.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+        import vllm
+
+        env["vllm"] = vllm.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+if __name__ == "__main__":
+    main()

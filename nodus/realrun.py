@@ -1,0 +1,73 @@
+"""`nodus run`: one arm through the real backend (vLLM engine + multi-LoRA trainer), or the sim.
+
+The real backend is imported lazily (it needs torch and vLLM). Its processes are started once per
+(sharing mode, stacks) and reused by the arm and its dedicated baseline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nodus.config import RunConfig
+from nodus.outdir import make_out_dir
+from nodus.runner import run_arm
+
+
+class ClusterPool:
+    """A `make_backend(cfg, n_stacks)` over real clusters, one per (sharing, stacks)."""
+
+    def __init__(self, opts):
+        self.opts = opts
+        self.clusters: dict[tuple, object] = {}
+
+    def __call__(self, cfg: RunConfig, n_stacks: int):
+        from real.backend import Cluster, RealBackend
+
+        key = (cfg.arm.sharing, n_stacks)
+        if key not in self.clusters:
+            # One cluster at a time holds the GPU: start the next only after the last is gone.
+            self.close()
+            self.clusters[key] = Cluster(
+                self.opts, cfg.arm.sharing, n_stacks, max_loras=cfg.engine.max_loras or len(cfg.jobs),
+                max_rank=max(j.lora_rank for j in cfg.jobs), max_num_seqs=cfg.engine.max_num_seqs,
+                max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch, seed=cfg.seed)
+        return RealBackend(self.clusters[key], cfg)
+
+    def startup_s(self) -> dict:
+        return {f"{k[0]}-{k[1]}": c.startup_s for k, c in self.clusters.items()}
+
+    def close(self) -> None:
+        for c in self.clusters.values():
+            c.close()
+        self.clusters.clear()
+
+
+def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None = None,
+        baseline: bool = True) -> dict:
+    """Run one arm (and, with `baseline`, its dedicated baseline) and return the summary; write a
+    run folder (config, summary, spans, trace, Gantt, learning curves) if `out`."""
+    from nodus.simulate import simulate, write_run
+
+    if backend == "sim":
+        return simulate(cfg, out)
+    if backend != "real":
+        raise ValueError(f"--backend {backend!r}: choose real or sim")
+    from real.backend import RealOptions
+
+    opts = opts or RealOptions()
+    out_dir = make_out_dir(out) if out is not None else None
+    pool = ClusterPool(opts)
+    # A dedicated-GPU-per-job baseline must not share a cluster with the MPS arm's sharing mode:
+    # run_arm asks the pool for a sharing='none' backend, which restarts the processes.
+    try:
+        summary, runs = run_arm(cfg, pool, baseline=baseline)
+    finally:
+        startup = pool.startup_s()
+        pool.close()
+    summary["backend"] = "real"
+    summary["model"] = opts.model
+    summary["mode"] = opts.mode
+    summary["startup_s"] = startup
+    if out_dir is not None:
+        write_run(out_dir, cfg, summary, runs)
+    return summary

