@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--engine-memory", type=float, default=0.35)
     ap.add_argument("--profile", default="h200-qwen3-0.6b")
     ap.add_argument("--mode", default="synthetic")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step per job")
+    ap.add_argument("--responses", type=int, default=8, help="responses per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     args = ap.parse_args()
 
     from nodus.realrun import ClusterPool
@@ -77,6 +80,11 @@ def main() -> None:
     model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
     opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
                        enforce_eager=args.enforce_eager, audit_logprobs=True, evaluate=args.mode == "tasks")
+    from nodus.config import default_jobs
+
+    workload = {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
+        args.jobs, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
+        max_new_tokens=args.max_new_tokens)]}
     names = [a for a in args.arms.split(",") if a]
     order = sorted(names, key=lambda n: (ARMS[n][2], ARMS[n][0] == "timeslice"))
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -89,7 +97,7 @@ def main() -> None:
             policy, groups, sharing = ARMS[name]
             g = args.groups if policy in ("overlap", "timeslice") else groups
             for seed in seeds:
-                cfg = config_from_args(jobs=args.jobs, policy=policy, groups=g, sharing=sharing, steps=args.steps,
+                cfg = config_from_args(workload, policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
                 t0 = time.monotonic()
                 summary, runs = run_arm(cfg, pool, baseline=False)
@@ -99,7 +107,7 @@ def main() -> None:
                     run_dir = args.out / f"{name}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
                 write_run(run_dir, cfg, summary, runs)
-                pred = simulate(config_from_args(jobs=args.jobs, policy=policy, groups=g, sharing=sharing,
+                pred = simulate(config_from_args(workload, policy=policy, groups=g, sharing=sharing,
                                                  steps=args.steps, seed=seed, profile=args.profile))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 results["arms"].setdefault(name, {})[str(seed)] = {
