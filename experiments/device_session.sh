@@ -13,7 +13,7 @@ case "${1:-arms}" in
   arms)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out /tmp/arms --jobs "${JOBS:-8}" --steps "${STEPS:-4}" \
-      --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" > "$OUT/arms.log" 2>&1
+      --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" ${ARMS_EXTRA:-} > "$OUT/arms.log" 2>&1
     echo "gpu_arms rc=$?"
     cp /tmp/arms/arms.json "$OUT/" 2>/dev/null
     tar czf "$OUT/arms_runs.tgz" -C /tmp arms 2>/dev/null ;;

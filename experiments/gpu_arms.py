@@ -84,7 +84,9 @@ def main() -> None:
 
     workload = {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
         args.jobs, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
-        max_new_tokens=args.max_new_tokens)]}
+        max_new_tokens=args.max_new_tokens)],
+        # 16k-token micro-batches: the trainer peaks at ~46 GiB beside the engine's share (32k: ~80 GiB).
+        "trainer": {"max_tokens_per_microbatch": 16384}}
     names = [a for a in args.arms.split(",") if a]
     order = sorted(names, key=lambda n: (ARMS[n][2], ARMS[n][0] == "timeslice"))
     seeds = [int(s) for s in args.seeds.split(",")]
