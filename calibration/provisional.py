@@ -1,6 +1,7 @@
 """Build the provisional shipped profile from the first H200 measurements (shared/data).
 
-    python -m calibration.provisional ../shared/data --out calibration/profiles/h200-qwen3-0.6b.json
+    python -m calibration.provisional ../shared/data --out calibration/profiles/h200-qwen3-0.6b.json \
+        --trainer-bench experiments/results/h200/bench_trainer_h200.json
 
 Fits are relative-error least squares (a 10 ms step mispredicted by 1 ms matters as much as a
 100 ms one by 10 ms). Every parameter that no measurement backs is listed under `assumptions`,
@@ -24,6 +25,25 @@ def fit_linear_rel(x: list[float], y: list[float]) -> tuple[float, float]:
     if a < 0:  # clamp to a non-negative intercept, refit the slope alone
         a, b = 0.0, float(np.sum(x / y) / np.sum((x / y) ** 2))
     return float(a), float(b)
+
+
+def apply_trainer_bench(prof: dict, bench: dict, name: str = "multi_8x_mb16384") -> dict:
+    """Replace the trainer and adapter-save assumptions with nodus's own batched trainer, measured
+    by experiments/bench_trainer.py (8 adapters in shared 16k-token micro-batches, AdamW included)."""
+    run = next(r for r in bench["multi"] if r["name"] == name)
+    s_per_token = sum(run["step_s"]) / len(run["step_s"]) / run["tokens"]
+    prof["train"] = {"per_microbatch": {"a_s": 0.0, "b_s_per_unit": s_per_token}, "s_per_adapter": 0.0,
+                     "max_profiled_tokens": run["mb_tokens"]}
+    prof["publish"]["save_s_per_adapter"] = bench["save"]["mean_s"]
+    gone = {"trainer-batched-rate", "trainer-per-adapter", "publish-save"}
+    prof["assumptions"] = [a for a in prof["assumptions"] if a["id"] not in gone]
+    prof["assumptions"].append({"id": "trainer-alone", "value": None,
+                                "what": "trainer step time measured alone (benchmark, no engine beside it, eager "
+                                        "kernels, no logprob audit); co-running is the sharing section's job"})
+    prof["environment"]["sources"].append(f"bench_trainer ({bench['env']['date'][:10]}, torch {bench['env']['torch']})")
+    prof["measurements"]["trainer_bench"] = {"name": name, "step_s": run["step_s"], "tokens": run["tokens"],
+                                             "adapters": run["adapters"], "save": bench["save"]}
+    return prof
 
 
 def build(data_dir: Path) -> dict:
@@ -93,8 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("data_dir", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--trainer-bench", type=Path, help="bench_trainer JSON to take the trainer rate from")
     args = ap.parse_args(argv)
     prof = build(args.data_dir)
+    if args.trainer_bench:
+        prof = apply_trainer_bench(prof, json.loads(args.trainer_bench.read_text()))
     args.out.write_text(json.dumps(prof, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -79,7 +79,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
     opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
-                       enforce_eager=args.enforce_eager, audit_logprobs=True, evaluate=args.mode == "tasks")
+                       enforce_eager=args.enforce_eager, audit_logprobs=True, evaluate=args.mode == "tasks",
+                       seeded_sampling=args.mode == "tasks")
     from nodus.config import default_jobs
 
     workload = {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
@@ -88,7 +89,8 @@ def main() -> None:
         # 16k-token micro-batches: the trainer peaks at ~46 GiB beside the engine's share (32k: ~80 GiB).
         "trainer": {"max_tokens_per_microbatch": 16384}}
     names = [a for a in args.arms.split(",") if a]
-    order = sorted(names, key=lambda n: (ARMS[n][2], ARMS[n][0] == "timeslice"))
+    # Arms needing the same processes run together; the baseline (no MPS) first.
+    order = sorted(names, key=lambda n: (ARMS[n][2] != "none", ARMS[n][0] == "timeslice", ARMS[n][0] != "dedicated"))
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict = {"jobs": args.jobs, "steps": args.steps, "model_shape": args.shape, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}

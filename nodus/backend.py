@@ -29,6 +29,9 @@ class Backend(Protocol):
     def wait(self) -> Result:
         """Block until the next started action finishes and return its result."""
 
+    def start_versions(self) -> dict[str, int]:
+        """Each job's adapter version at the start: its last checkpointed step when resumed."""
+
     def evaluate(self) -> dict[str, dict]:
         """Each job's held-out eval of its current adapter ({job: {"accuracy", "correct"}});
         empty when the backend has no model to evaluate (the simulator)."""

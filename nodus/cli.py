@@ -60,7 +60,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         opts = RealOptions(model=a.model, mode=a.mode, device=a.device, dtype=a.dtype, load_format=a.load_format,
                            engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
                            audit_logprobs=not a.no_audit, engine_thread_pct=a.engine_thread_pct,
-                           trainer_thread_pct=a.trainer_thread_pct, checkpoint_dir=a.checkpoint_dir)
+                           trainer_thread_pct=a.trainer_thread_pct, checkpoint_dir=a.checkpoint_dir,
+                           seeded_sampling=not a.unseeded)
     summary = run(cfg, backend=a.backend, opts=opts, out=a.out, baseline=not a.no_baseline)
     print(json.dumps(summary, sort_keys=True, default=str) if a.json else render_table(summary))
     return 0
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-thread-pct", type=int, help="MPS active thread percentage of the trainer")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
+    p.add_argument("--unseeded", action="store_true",
+                   help="no per-response sampling seeds (faster on GPU; rollouts not reproducible)")
     p.add_argument("--no-baseline", action="store_true", help="don't also run the dedicated baseline")
     p.add_argument("--profile", help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_run)

@@ -20,21 +20,24 @@ from nodus.scheduler import Scheduler, drive
 BackendFactory = Callable[[RunConfig, int], Backend]
 
 
-def plan(cfg: RunConfig) -> Scheduler:
-    """The scheduler for a (non-dedicated) arm: which jobs form which groups on which stack."""
+def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Scheduler:
+    """The scheduler for a (non-dedicated) arm: which jobs form which groups on which stack.
+    `start_versions`: jobs resumed from checkpoints start at their last completed step."""
+    sv = dict(start_versions or {})
     steps = {j.id: j.steps for j in cfg.jobs}
     work = {j.id: predicted_step_tokens(j) * j.steps for j in cfg.jobs}
     ids = [j.id for j in cfg.jobs]
     policy = cfg.arm.policy
     if policy in ("shared-sync", "dedicated"):
-        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False)
+        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv)
     if policy == "overlap":
         groups = balance_groups(work, cfg.arm.groups)
-        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True)
+        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, start_versions=sv)
     if policy == "timeslice":
         # Each stack runs its jobs one after another, dedicated-style; stacks share the GPU.
         stacks = balance_groups(work, cfg.arm.groups)
-        return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False)
+        return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False,
+                         start_versions=sv)
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -53,7 +56,7 @@ def run_spans(cfg: RunConfig, make_backend: BackendFactory, on_progress=None,
 def _one(cfg: RunConfig, make_backend: BackendFactory, on_progress, extras: dict | None) -> list[Span]:
     backend = make_backend(cfg, n_stacks(cfg))
     try:
-        spans = drive(plan(cfg), backend, on_progress)
+        spans = drive(plan(cfg, backend.start_versions()), backend, on_progress)
         if extras is not None:
             extras.setdefault("eval", {}).update(backend.evaluate())
             extras.setdefault("diagnostics", []).append(backend.diagnostics())

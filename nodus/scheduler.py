@@ -63,10 +63,14 @@ class Scheduler:
     groups: list[tuple[int, list[str]]]
     concurrent: bool = True
     stagger: bool = True  # overlap: group g starts generating when group g-1's first generation ends
+    start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
     spans: list[Span] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.jobs = {j: _Job(j, s) for j, s in self.steps.items()}
+        for j, v in self.start_versions.items():
+            # A resumed job starts from its checkpoint, already published to the engine.
+            self.jobs[j].version = self.jobs[j].published = v
         self._groups = [_Group(i, stack, list(ids)) for i, (stack, ids) in enumerate(self.groups)]
         seen = [j for _, ids in self.groups for j in ids]
         if sorted(seen) != sorted(self.jobs):
@@ -83,6 +87,10 @@ class Scheduler:
     # -- public interface -------------------------------------------------------------------
     def start(self) -> list[Action]:
         actions: list[Action] = []
+        for j, v in sorted(self.start_versions.items()):
+            if v > 0:
+                self.spans.append(Span(j, self._group_of[j].index, "publish", 0.0, 0.0,
+                                       self._group_of[j].stack, {"version": v, "resumed": True}))
         for stack in sorted(self._trainer_busy):
             groups = [g for g in self._groups if g.stack == stack]
             if not self.concurrent:

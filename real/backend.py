@@ -46,6 +46,9 @@ class RealOptions:
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     max_model_len: int | None = None
     evaluate: bool = True  # final eval on each job's held-out set (tasks mode)
+    # A seed per response makes rollouts reproducible, but vLLM samples seeded requests one
+    # generator at a time (a Python loop per decode step): timing runs turn it off.
+    seeded_sampling: bool = True
     start_timeout_s: float = 900.0
 
 
@@ -178,22 +181,32 @@ class RealBackend:
         self._local: deque[Result] = deque()
         self.failed: dict[str, str] = {}
         self.audit: list[dict] = []
-        self._versions = {j.id: 0 for j in cfg.jobs}  # newest version published, and on which stack
-        self._stack_of = {j.id: 0 for j in cfg.jobs}
+        self._stack_of = {j.id: 0 for j in cfg.jobs}  # the stack whose engine has the newest version
         from real.trainer import JobConfig  # noqa: F401 - fail early when torch is missing
 
+        self._start: dict[str, int] = {}
         for s in range(cluster.n_stacks):
             pubs = []
             for j in cfg.jobs:
-                path = self._path(j.id, 0, s)
-                cluster.trainers[s].put(("add", "add", j.id, _job_config(j, cfg), path))
-                cluster.get()
-                pubs.append((j.id, 0, path))
+                ckpt = os.path.join(self.opts.checkpoint_dir or "", f"{j.id}.pt")
+                if self.opts.checkpoint_dir and os.path.isfile(ckpt):
+                    # Resume: the job's adapter, optimizer, RNG and step from its last completed step.
+                    cluster.trainers[s].put(("load", "load", j.id, ckpt, self._path(j.id, "{v}", s)))
+                else:
+                    cluster.trainers[s].put(("add", "add", j.id, _job_config(j, cfg), self._path(j.id, "{v}", s)))
+                v = self._start[j.id] = cluster.get()[2]
+                if v > j.steps:
+                    raise ValueError(f"job {j.id}: checkpoint is at step {v} but the job has steps={j.steps}")
+                pubs.append((j.id, v, self._path(j.id, v, s)))
             cluster.engines[s].put(("publish", "setup", pubs))
             cluster.get()
+        self._versions = dict(self._start)
         self.t0 = time.monotonic()
 
-    def _path(self, job_id: str, version: int, stack: int) -> str:
+    def start_versions(self) -> dict[str, int]:
+        return dict(self._start)
+
+    def _path(self, job_id: str, version, stack: int) -> str:
         return os.path.join(self.adapter_root, f"s{stack}", job_id, f"v{version}")
 
     # -- protocol ---------------------------------------------------------------------------
@@ -210,7 +223,8 @@ class RealBackend:
             sps[r.job_id] = sp
             reqs.append(GenRequest(job_id=r.job_id, adapter_version=r.adapter_version, prompts=list(sp.prompts),
                                    n=job.responses_per_prompt, max_new_tokens=job.max_new_tokens,
-                                   temperature=self.opts.temperature, seed=step_seed(job.seed, r.step),
+                                   temperature=self.opts.temperature,
+                                   seed=step_seed(job.seed, r.step) if self.opts.seeded_sampling else None,
                                    forced_lengths=sp.forced_lengths))
         self._pending[a.action_id] = (a, sps)
         self.c.engines[a.stack].put(("gen", a.action_id, reqs))

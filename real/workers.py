@@ -129,8 +129,14 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 _, tag, job_id, cfg, path = cmd
                 trainer.add_job(job_id, rank=cfg.rank, alpha=cfg.alpha, lr=cfg.lr, seed=cfg.seed,
                                 max_grad_norm=cfg.max_grad_norm, loss_type=cfg.loss_type)
-                trainer.save_adapter(job_id, path)
-                outbox.put(("added", tag))
+                trainer.save_adapter(job_id, path.format(v=0))
+                outbox.put(("added", tag, 0))
+            elif kind == "load":
+                _, tag, job_id, ckpt, path = cmd
+                state = torch.load(ckpt, map_location="cpu", weights_only=False)
+                trainer.load_state_job(job_id, state)
+                trainer.save_adapter(job_id, path.format(v=int(state["step"])))
+                outbox.put(("added", tag, int(state["step"])))
             elif kind == "remove":
                 for job_id in cmd[2]:
                     trainer.remove_job(job_id)

@@ -62,6 +62,9 @@ class SimBackend:
             self.env.run(until=self._signal)
         return self._done.popleft()
 
+    def start_versions(self) -> dict:
+        return {}
+
     def evaluate(self) -> dict[str, dict]:
         return {}
 

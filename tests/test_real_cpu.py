@@ -52,3 +52,47 @@ def test_per_step_rewards_and_eval_are_reported(overlap_run):
         d = s["per_job"][job]
         assert len(d["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in d["rewards"])
         assert len(d["eval"]["correct"]) == 64 and d["eval"]["version"] == 2
+
+
+def _small_cfg(jobs: int, steps: int, policy: str = "shared-sync"):
+    from nodus.config import build_config
+
+    return build_config({
+        "jobs": [{"task": t, "steps": steps, "prompts_per_step": 2, "responses_per_prompt": 2, "max_new_tokens": 8}
+                 for t in ("modular", "sorting")[:jobs]],
+        "arm": {"policy": policy, "groups": 1, "sharing": "none"}})
+
+
+def test_a_raising_reward_fails_that_job_only(monkeypatch):
+    import real.backend
+    from nodus.realrun import run
+    from real.backend import RealOptions
+
+    real_rewards = real.backend.rewards
+
+    def flaky(job, step, sp, texts, n):
+        if job.id == "job1":
+            raise ZeroDivisionError("customer reward bug")
+        return real_rewards(job, step, sp, texts, n)
+
+    monkeypatch.setattr(real.backend, "rewards", flaky)
+    s = run(_small_cfg(2, 2), opts=RealOptions(model="tiny", evaluate=False), baseline=False)
+    assert s["per_job"]["job0"]["steps"] == 2
+    assert s["per_job"]["job1"]["steps"] == 0
+    assert "customer reward bug" in s["diagnostics"][0]["failed"]["job1"]
+    assert s["stale_rollouts"] == 0
+
+
+def test_killed_run_resumes_from_its_last_completed_step(tmp_path):
+    from nodus.realrun import run
+    from real.backend import RealOptions
+
+    opts = RealOptions(model="tiny", evaluate=False, checkpoint_dir=str(tmp_path / "ckpt"))
+    first = run(_small_cfg(1, 1), opts=opts, baseline=False, out=tmp_path / "a")
+    assert first["steps"] == 1 and (tmp_path / "ckpt" / "job0.pt").is_file()
+    # The same job asked for 3 steps: it resumes at step 1 and runs steps 1 and 2 only.
+    second = run(_small_cfg(1, 3), opts=opts, baseline=False, out=tmp_path / "b")
+    spans = [x for r in read_jsonl(tmp_path / "b" / "spans.jsonl") for x in r]
+    assert sorted(x.attrs["step"] for x in spans if x.phase == "train") == [1, 2]
+    assert [x.attrs["adapter_version"] for x in spans if x.phase == "generate"] == [1, 2]
+    assert second["steps"] == 2 and audit_on_policy(spans) == []
