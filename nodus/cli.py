@@ -92,6 +92,19 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate(a: argparse.Namespace) -> int:
+    from calibration.validate import render_markdown, validate
+    from nodus.outdir import make_out_dir, write_json
+
+    rep = validate(a.runs, profile=a.profile, fit_max_jobs=a.fit_max_jobs)
+    if a.out:
+        out = make_out_dir(a.out)
+        write_json(out / "validation.json", rep)
+        (out / "validation.md").write_text(render_markdown(rep) + "\n")
+    print(json.dumps(rep, default=str) if a.json else render_markdown(rep))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nodus", description="Many LoRA GRPO jobs on one GPU: simulate, run, compare.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -135,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="don't also run the dedicated baseline")
     p.add_argument("--profile", help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("validate", help="simulate recorded runs' configurations and report the prediction error")
+    p.add_argument("runs", nargs="+", help="run folders written by nodus run --out")
+    p.add_argument("--profile", default="h200-qwen3-0.6b")
+    p.add_argument("--fit-max-jobs", type=int, default=4, help="runs with more jobs are held out")
+    p.add_argument("--out", help="write validation.json and validation.md into this new folder")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
     p.add_argument("run_dir")

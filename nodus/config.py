@@ -67,6 +67,7 @@ class JobSpec(_Model):
     learning_rate: float = Field(default=1e-5, gt=0, le=1.0)
     seed: int | None = None  # default: run seed * 1000 + job index
     lengths: LengthModel | None = None  # response-length model; default: the task's
+    group: int | None = Field(default=None, ge=0)  # pin to a group (overlap) or stack (timeslice)
 
     @model_validator(mode="after")
     def _known_task(self) -> "JobSpec":
@@ -118,6 +119,12 @@ class RunConfig(_Model):
                              "(one group is policy='shared-sync')")
         if self.arm.groups > n and self.arm.policy in ("overlap", "timeslice"):
             raise ValueError(f"arm.groups={self.arm.groups} > jobs={n}: every group needs at least one job")
+        pinned = [j.group for j in self.jobs if j.group is not None]
+        if pinned and self.arm.policy in ("overlap", "timeslice"):
+            if len(pinned) != n:
+                raise ValueError("jobs[].group: pin every job to a group or none")
+            if max(pinned) >= self.arm.groups or len(set(pinned)) != self.arm.groups:
+                raise ValueError(f"jobs[].group={sorted(set(pinned))} must use each of groups 0..{self.arm.groups - 1}")
         ids = [j.id for j in self.jobs if j.id is not None]
         if len(ids) != len(set(ids)):
             raise ValueError(f"jobs[].id must be unique, got {ids}")

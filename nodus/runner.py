@@ -28,14 +28,21 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
     work = {j.id: predicted_step_tokens(j) * j.steps for j in cfg.jobs}
     ids = [j.id for j in cfg.jobs]
     policy = cfg.arm.policy
+    pinned = all(j.group is not None for j in cfg.jobs)
+
+    def split() -> list[list[str]]:
+        if pinned:
+            return [[j.id for j in cfg.jobs if j.group == g] for g in range(cfg.arm.groups)]
+        return balance_groups(work, cfg.arm.groups)
+
     if policy in ("shared-sync", "dedicated"):
         return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv)
     if policy == "overlap":
-        groups = balance_groups(work, cfg.arm.groups)
+        groups = split()
         return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, start_versions=sv)
     if policy == "timeslice":
         # Each stack runs its jobs one after another, dedicated-style; stacks share the GPU.
-        stacks = balance_groups(work, cfg.arm.groups)
+        stacks = split()
         return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False,
                          start_versions=sv)
     raise ValueError(f"unknown policy {policy!r}")

@@ -77,3 +77,15 @@ def test_config_files(tmp_path):
     ok = tmp_path / "ok.yaml"
     ok.write_text("jobs:\n  - task: gsm8k\n    steps: 2\narm: {policy: shared-sync, groups: 1, sharing: none}\n")
     assert config_from_args(load_config(ok)).jobs[0].steps == 2
+
+
+def test_group_pins():
+    jobs = [{"task": "gsm8k", "group": g} for g in (0, 1, 1)]
+    cfg = build_config({"jobs": jobs, "arm": {"policy": "overlap", "groups": 2}})
+    from nodus.runner import plan
+
+    assert [g.jobs for g in plan(cfg)._groups] == [["job0"], ["job1", "job2"]]
+    assert "pin every job" in _err({"jobs": [{"task": "gsm8k", "group": 0}, {"task": "gsm8k"}],
+                                    "arm": {"policy": "overlap", "groups": 2}})
+    assert "groups 0..1" in _err({"jobs": [{"task": "gsm8k", "group": 0}, {"task": "gsm8k", "group": 0}],
+                                  "arm": {"policy": "overlap", "groups": 2}})

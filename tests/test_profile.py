@@ -13,7 +13,8 @@ def test_shipped_profile_loads_with_environment_and_assumptions():
     cm = load_profile("h200-qwen3-0.6b")
     env = cm.profile.environment
     assert env.gpu == "NVIDIA H200" and env.vllm and env.date
-    assert {a["id"] for a in cm.assumptions()} >= {"decode-context", "trainer-batched-rate"}
+    assert {a["id"] for a in cm.assumptions()} >= {"decode-context", "sharing-constant"}
+    assert cm.profile.measurements["trainer_bench"]["adapters"] == 8  # measured, not assumed
 
 
 def test_missing_and_malformed_profiles(tmp_path):

@@ -1,0 +1,40 @@
+"""nodus validate: the simulator scored against recorded runs (here: runs the simulator recorded,
+so replaying their lengths must reproduce them)."""
+
+import pytest
+
+from calibration.validate import error_stats, kendall_tau, validate
+from nodus.cli import main
+from nodus.config import ConfigError
+from nodus.simulate import config_from_args, simulate
+
+
+def test_error_stats_and_kendall_tau_on_known_values():
+    e = error_stats([110, 90, 100], [100, 100, 100])
+    assert e["mape"] == pytest.approx(0.2 / 3) and e["worst"] == pytest.approx(0.1) and e["bias"] == pytest.approx(0)
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    assert kendall_tau([1], [1]) is None
+
+
+def test_replaying_a_recorded_run_reproduces_it(tmp_path):
+    runs = []
+    for jobs, policy in ((2, "shared-sync"), (8, "overlap")):
+        out = tmp_path / f"{policy}{jobs}"
+        simulate(config_from_args(jobs=jobs, steps=3, policy=policy, sharing="mps"), out)
+        runs.append(out)
+    rep = validate(runs, profile="h200-qwen3-0.6b")
+    assert rep["heldout_mape_replay"] == pytest.approx(0, abs=1e-9)  # same lengths, same model
+    assert rep["heldout_replay"]["n"] == 1 and rep["all_replay"]["n"] == 2
+    assert rep["kendall_tau"] is None  # one held-out run: no ranking
+    assert rep["all_replay"]["kendall_tau"] == 1.0
+    assert rep["heldout_mape_sampled"] < 0.2
+
+
+def test_validate_cli_and_bad_folder(tmp_path, capsys):
+    out = tmp_path / "r"
+    simulate(config_from_args(jobs=2, steps=2), out)
+    assert main(["validate", str(out), "--out", str(tmp_path / "v")]) == 0
+    assert (tmp_path / "v" / "validation.json").is_file()
+    with pytest.raises(ConfigError, match="not a recorded run"):
+        validate([tmp_path], profile="h200-qwen3-0.6b")
