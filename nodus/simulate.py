@@ -17,7 +17,7 @@ from nodus.config import POLICIES, SHARINGS, ConfigError, RunConfig, build_confi
 from nodus.outdir import make_out_dir, write_json
 from nodus.runner import run_arm, run_spans
 from nodus.accounting import summarize
-from nodus.timeline import plot_gantt, read_jsonl, write_chrome_trace, write_jsonl
+from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, write_chrome_trace, write_jsonl
 
 
 def config_from_args(config: dict | None = None, *, jobs: int | None = None, policy: str | None = None,
@@ -79,6 +79,7 @@ def render_run(out_dir: Path) -> None:
     arm = summary["arm"]
     title = f"{summary['jobs']} jobs, {arm['policy']} groups={arm['groups']} sharing={arm['sharing']}"
     plot_gantt(runs[0], out_dir / "gantt.png", title=title + (" (GPU 0 of dedicated)" if len(runs) > 1 else ""))
+    plot_learning_curves(summary["per_job"], out_dir / "learning_curves.png", title=title)
 
 
 def render_table(s: dict) -> str:
@@ -97,6 +98,14 @@ def render_table(s: dict) -> str:
         f"| busy: engine / trainer / GPU | {s['busy']['engine']:.2f} / {s['busy']['trainer']:.2f} / {s['busy']['gpu']:.2f} |",
         f"| stale rollouts | {s['stale_rollouts']} |",
     ]
+    evals = [d["eval"]["accuracy"] for d in s["per_job"].values() if d.get("eval")]
+    if evals:
+        lines.append(f"| final eval accuracy, mean over jobs | {sum(evals) / len(evals):.3f} |")
+    rewards = [d["rewards"] for d in s["per_job"].values() if d.get("rewards")]
+    if rewards:
+        first = sum(r[0] for r in rewards) / len(rewards)
+        last = sum(r[-1] for r in rewards) / len(rewards)
+        lines.append(f"| mean training reward, first / last step | {first:.3f} / {last:.3f} |")
     slow = [d.get("slowdown_vs_alone") for d in s["per_job"].values() if d.get("slowdown_vs_alone")]
     if slow:
         lines.append(f"| per-job slowdown vs alone: min / max | {min(slow):.2f}x / {max(slow):.2f}x |")

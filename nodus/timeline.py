@@ -94,3 +94,32 @@ def plot_gantt(spans: list[Span], path: Path, title: str = "", max_s: float | No
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_learning_curves(per_job: dict, path: Path, title: str = "") -> bool:
+    """Mean training reward per step for each job (final eval accuracy in the legend); False when
+    the run recorded no rewards (the simulator)."""
+    curves = {j: d.get("rewards") or [] for j, d in per_job.items()}
+    if not any(curves.values()):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for job, rewards in sorted(curves.items()):
+        d = per_job[job]
+        acc = d.get("eval", {}).get("accuracy")
+        label = f"{job} ({d.get('task', '?')})" + (f", eval {acc:.2f}" if acc is not None else "")
+        ax.plot(range(len(rewards)), rewards, marker="o", ms=3, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean training reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -46,6 +46,9 @@ class TrainerSpec:
 def _apply_env(env: dict) -> None:
     for k, v in env.items():
         os.environ[k] = str(v)
+    # Library logs (vLLM's INFO lines) go to stderr: the controller's stdout stays machine-readable
+    # (`nodus run --json`).
+    os.dup2(2, 1)
 
 
 def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:

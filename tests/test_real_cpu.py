@@ -52,6 +52,7 @@ def test_per_step_rewards_and_eval_are_reported(overlap_run):
         d = s["per_job"][job]
         assert len(d["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in d["rewards"])
         assert len(d["eval"]["correct"]) == 64 and d["eval"]["version"] == 2
+    assert (overlap_run / "learning_curves.png").stat().st_size > 1000
 
 
 def _small_cfg(jobs: int, steps: int, policy: str = "shared-sync"):
