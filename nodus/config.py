@@ -68,6 +68,8 @@ class JobSpec(_Model):
     seed: int | None = None  # default: run seed * 1000 + job index
     lengths: LengthModel | None = None  # response-length model; default: the task's
     group: int | None = Field(default=None, ge=0)  # pin to a group (overlap) or stack (timeslice)
+    prompt_pool: int | None = Field(default=None, ge=1)  # a finite training set of this many items
+                                                         # (default: fresh items every step)
 
     @model_validator(mode="after")
     def _known_task(self) -> "JobSpec":
