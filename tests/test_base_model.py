@@ -1,8 +1,9 @@
 """The self-trained base model: corrupted answers score 0, and a short CPU pretraining run gives a
 model that transformers loads, that answers in the `#### answer` format and is right sometimes.
 
-The slow test trains with a small budget (200 steps, ~2 min on one CPU thread) through
-`ensure_tiny_base`, so it also checks the cache: a second call returns the folder untrained.
+The slow test uses the full tiny recipe through `ensure_tiny_base` (trained once per machine,
+~5 min on one CPU thread, then cached; the CPU learning test uses the same folder), so it also
+checks the cache: a second call returns the folder untrained.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import pytest
 from nodus.tasks import TASK_NAMES, get_task, train_items
 from nodus.tasks.base import ANSWER_MARK
 
-TEST_STEPS = 200
 
 
 def test_corrupted_answers_are_wrong_and_well_formed():
@@ -50,18 +50,21 @@ def test_tiny_base_trains_loads_and_answers(tmp_path):
     from real.base_model import REPORT_NAME, ensure_tiny_base, format_prompt
     from nodus.tasks import eval_set
 
-    path = ensure_tiny_base(tmp_path, steps=TEST_STEPS, eval_samples=2, log=lambda s: None)
+    path = ensure_tiny_base(log=lambda s: None)
     report = json.loads((path / REPORT_NAME).read_text())
     acc = report["accuracy"]
-    print(f"\ntiny base, {TEST_STEPS} steps: {report['params']} params, {report['size_mb']} MB, "
+    print(f"\ntiny base: {report['params']} params, {report['size_mb']} MB, "
           f"train {report['train_s']} s, eval {report['eval_s']} s; sampled accuracy "
           + ", ".join(f"{k} {v:.2f}" for k, v in acc.items()))
     assert set(acc) == set(TASK_NAMES)
     assert max(acc.values()) > 0.0  # learned something
     assert all(v < 1.0 for v in acc.values())  # and left something for RL
+    # The recipe's aim: sampled accuracy between ~5% and 60%, so RL has something to learn
+    # (linalg stays at 0 with this budget; the run is deterministic).
+    assert sum(0.05 <= v <= 0.6 for v in acc.values()) >= 6, acc
     assert report["config"]["tie_word_embeddings"] and report["config"]["head_dim"] >= 32
 
-    assert ensure_tiny_base(tmp_path, steps=TEST_STEPS, eval_samples=2) == path  # cached
+    assert ensure_tiny_base() == path  # cached
 
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
@@ -74,4 +77,4 @@ def test_tiny_base_trains_loads_and_answers(tmp_path):
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     formatted = [t for t in texts if t.rstrip().splitlines() and
                  t.rstrip().splitlines()[-1].startswith(ANSWER_MARK)]
-    assert len(formatted) >= 4, texts  # most families end in '#### answer' after 200 steps
+    assert len(formatted) >= 6, texts  # most families end in the answer format
