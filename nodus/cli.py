@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except BrokenPipeError:  # `nodus sim | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
     except (ConfigError, FileExistsError, FileNotFoundError, KeyError, ValueError) as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"nodus: error: {msg}", file=sys.stderr)
