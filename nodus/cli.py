@@ -105,6 +105,18 @@ def cmd_validate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from calibration.measure import calibrate
+
+    ints = lambda t: tuple(int(x) for x in t.split(","))  # noqa: E731
+    calibrate(a.model, a.out, base=a.base, batches=ints(a.batches), adapter_counts=ints(a.adapters),
+              prompt_tokens=ints(a.prompt_tokens), lengths=ints(a.lengths), train_tokens=ints(a.train_tokens),
+              device=a.device, enforce_eager=a.enforce_eager,
+              log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nodus", description="Many LoRA GRPO jobs on one GPU: simulate, run, compare.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -156,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write validation.json and validation.md into this new folder")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("calibrate", help="measure engine and trainer costs into a profile (GPU; CPU for smoke tests)")
+    p.add_argument("--model", required=True, help="local model folder (weights saved, e.g. random)")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
+    p.add_argument("--base", default="h200-qwen3-0.6b", help="profile whose sharing section is kept")
+    p.add_argument("--batches", default="8,64,256,512")
+    p.add_argument("--adapters", default="1,8")
+    p.add_argument("--prompt-tokens", default="64,256", help="two prompt lengths (KV context cost)")
+    p.add_argument("--lengths", default="16,64", help="two forced response lengths per point")
+    p.add_argument("--train-tokens", default="4096,16384")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--enforce-eager", action="store_true")
+    p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
     p.add_argument("run_dir")

@@ -163,7 +163,7 @@ class CostModel:
     def __init__(self, profile: Profile, source: str):
         self.profile = profile
         self.source = source
-        self.flags: set[str] = set()
+        self._beyond: dict[str, float] = {}  # what was extrapolated -> largest value asked
         curves = sorted(profile.decode.curves, key=lambda c: c.adapters)
         self._curves = curves
         self._lora_curves = [c for c in curves if c.adapters >= 1]
@@ -180,13 +180,13 @@ class CostModel:
         base = self._cache.get(key)
         if base is None:
             if batch > self._max_batch:
-                self.flags.add(f"decode batch {batch} > profiled {self._max_batch}")
+                self._note("decode batch", batch, self._max_batch)
             if adapters == 0 or not self._lora_curves:
                 base = self._curve_at(self._curves[0], batch)
             else:
                 lc = self._lora_curves
                 if adapters > lc[-1].adapters:
-                    self.flags.add(f"decode with {adapters} adapters > profiled {lc[-1].adapters}")
+                    self._note("decode adapters", adapters, lc[-1].adapters)
                 # Between measured adapter counts, interpolate in log2(adapters): the LoRA kernels'
                 # cost grows with the number of distinct adapter segments, sub-linearly.
                 la = math.log2(adapters)
@@ -212,9 +212,22 @@ class CostModel:
         t = self.profile.train
         for n in microbatch_tokens:
             if n > t.max_profiled_tokens:
-                self.flags.add(f"train micro-batch {n} tokens > profiled {t.max_profiled_tokens}")
+                self._note("train micro-batch tokens", n, t.max_profiled_tokens)
         return sum(t.per_microbatch.a_s + t.per_microbatch.b_s_per_unit * n for n in microbatch_tokens) \
             + t.s_per_adapter * adapters
+
+    def _note(self, what: str, value: float, limit: float) -> None:
+        key = f"{what}|{limit}"
+        self._beyond[key] = max(self._beyond.get(key, value), value)
+
+    @property
+    def flags(self) -> set[str]:
+        """Where predictions extrapolated past the profiled region, one line per quantity."""
+        out = set()
+        for key, v in self._beyond.items():
+            what, limit = key.split("|")
+            out.add(f"{what} up to {v:g} > profiled {limit}")
+        return out
 
     def assumptions(self) -> list[dict]:
         return [a.model_dump() for a in self.profile.assumptions]

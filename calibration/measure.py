@@ -1,0 +1,195 @@
+"""`nodus calibrate`: measure a profile's engine and trainer costs with the real backend's parts.
+
+    nodus calibrate --model PATH --out PROFILE.json [--base h200-qwen3-0.6b] [--batches 8,64,256,512]
+
+In one process (no co-running): decode step time against running batch and distinct adapters
+(two forced response lengths per point; the difference cancels prefill and call overhead), KV
+context cost (two prompt lengths), prefill against tokens, trainer step against tokens and
+adapters, adapter save and engine load. Fits go into the profile schema the simulator reads;
+the sharing section (co-run and MPS rates, two processes) is kept from `--base` and stays listed
+as an assumption of this profile until measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from calibration.provisional import fit_linear_rel
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _requests(adapters: int, batch: int, prompt_tokens: int, length: int, vocab: int, rng):
+    from real.engine import GenRequest
+
+    per = [batch // adapters + (1 if a < batch % adapters else 0) for a in range(adapters)]
+    reqs = []
+    for a, n in enumerate(per):
+        if n == 0:
+            continue
+        prompts = [[int(t) for t in rng.integers(1, max(2, vocab - 1), size=prompt_tokens)] for _ in range(n)]
+        reqs.append(GenRequest(job_id=f"cal{a}", adapter_version=0, prompts=prompts, n=1, max_new_tokens=length,
+                               temperature=1.0, seed=None, forced_lengths=[length] * n))
+    return reqs
+
+
+def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_tokens: tuple[int, int],
+            lengths: tuple[int, int], train_tokens: list[int], device: str, dtype: str, rank: int = 16,
+            engine_memory: float = 0.4, enforce_eager: bool = False, log=print) -> dict:
+    """Raw timings (seconds) from one engine and one trainer in this process."""
+    import torch
+
+    from real.engine import MultiLoRAEngine
+    from real.workers import load_base_model
+    from real.trainer import JobBatch, MultiLoRATrainer
+
+    tdtype = getattr(torch, dtype)
+    base = load_base_model(model, "auto", tdtype, device)
+    trainer = MultiLoRATrainer(base, device=device, max_tokens_per_microbatch=max(train_tokens),
+                               base_model_name_or_path=model)
+    vocab = trainer.vocab_size
+    ad_dir = Path(tempfile.mkdtemp(prefix="nodus-cal-"))
+    n_ad = max(adapter_counts)
+    save_s = []
+    for a in range(n_ad):
+        trainer.add_job(f"cal{a}", rank=rank, alpha=2 * rank, lr=1e-5, seed=a)
+        t0 = time.perf_counter()
+        trainer.save_adapter(f"cal{a}", str(ad_dir / f"cal{a}" / "v0"))
+        save_s.append(time.perf_counter() - t0)
+    eng = MultiLoRAEngine(model, max_loras=n_ad, max_lora_rank=rank, max_num_seqs=max(batches),
+                          gpu_memory_utilization=engine_memory, enforce_eager=enforce_eager,
+                          skip_tokenizer_init=True, dtype=dtype if device != "cpu" else "float32",
+                          **({"max_num_batched_tokens": 65536} if device == "cpu" else {}))
+    load_s = [eng.publish(f"cal{a}", 0, ad_dir / f"cal{a}" / "v0") for a in range(n_ad)]
+    rng = np.random.default_rng(0)
+
+    def timed(reqs) -> float:
+        t0 = time.perf_counter()
+        eng.generate(reqs)
+        return time.perf_counter() - t0
+
+    timed(_requests(1, 2, prompt_tokens[0], 2, vocab, rng))  # warm-up (kernel compiles, graphs)
+    decode, context, prefill = [], [], []
+    l1, l2 = lengths
+    for a in adapter_counts:
+        for b in batches:
+            t1 = timed(_requests(a, b, prompt_tokens[0], l1, vocab, rng))
+            t2 = timed(_requests(a, b, prompt_tokens[0], l2, vocab, rng))
+            step = max((t2 - t1) / (l2 - l1), 1e-6)
+            decode.append({"batch": b, "adapters": a, "step_s": step, "t_short_s": t1, "t_long_s": t2})
+            prefill.append({"tokens": b * prompt_tokens[0], "adapters": a, "s": max(t1 - l1 * step, 0.0)})
+            log(f"decode batch {b:4d} adapters {a}: {step * 1e3:.2f} ms/step")
+        b = batches[-1]
+        t1 = timed(_requests(a, b, prompt_tokens[1], l1, vocab, rng))
+        t2 = timed(_requests(a, b, prompt_tokens[1], l2, vocab, rng))
+        step_long = max((t2 - t1) / (l2 - l1), 1e-6)
+        step_short = next(d["step_s"] for d in decode if d["batch"] == b and d["adapters"] == a)
+        context.append({"batch": b, "adapters": a, "prompt_tokens": list(prompt_tokens),
+                        "step_s": [step_short, step_long],
+                        "s_per_context_token": max((step_long - step_short) / (b * (prompt_tokens[1] - prompt_tokens[0])), 0.0)})
+        prefill.append({"tokens": b * prompt_tokens[1], "adapters": a, "s": max(t1 - l1 * step_long, 0.0)})
+    eng.close()
+
+    train = []
+    seq = 256
+    for a in adapter_counts:
+        for tokens in train_tokens:
+            n_seq = max(a, tokens // seq)
+            batches_ = {}
+            for j in range(a):
+                rows = n_seq // a
+                ids = [[int(t) for t in rng.integers(1, vocab - 1, size=seq)] for _ in range(rows)]
+                mask = [[0] * 64 + [1] * (seq - 64) for _ in range(rows)]
+                batches_[f"cal{j}"] = JobBatch(input_ids=ids, completion_mask=mask,
+                                               advantages=rng.standard_normal(rows).tolist())
+            trainer.train_step(batches_)  # warm-up at this shape
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            trainer.train_step(batches_)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            s = time.perf_counter() - t0
+            train.append({"tokens": (n_seq // a) * a * seq, "adapters": a, "s": s})
+            log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
+    return {"decode": decode, "context": context, "prefill": prefill, "train": train,
+            "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens)}
+
+
+def fit_profile(raw: dict, base: dict, env: dict) -> dict:
+    """A profile: measured curves and fits from `raw`, the sharing section from `base`."""
+    curves = []
+    for a in sorted({d["adapters"] for d in raw["decode"]}):
+        pts = sorted((d["batch"], d["step_s"]) for d in raw["decode"] if d["adapters"] == a)
+        curves.append({"adapters": a, "batch": [p[0] for p in pts], "step_s": [p[1] for p in pts]})
+    pre = raw["prefill"]
+    pa, pb = fit_linear_rel([p["tokens"] for p in pre], [max(p["s"], 1e-6) for p in pre])
+    # Trainer: seconds = b * tokens + c * adapters, relative-error least squares.
+    tr = raw["train"]
+    A = np.array([[t["tokens"] / t["s"], t["adapters"] / t["s"]] for t in tr])
+    (tb, tc), *_ = np.linalg.lstsq(A, np.ones(len(tr)), rcond=None)
+    tb, tc = max(float(tb), 1e-12), max(float(tc), 0.0)
+    ctx = float(np.median([c["s_per_context_token"] for c in raw["context"]])) if raw["context"] else 0.0
+    kept = [a for a in base.get("assumptions", []) if a["id"] in ("sharing-constant", "sharing-many-clients")]
+    return {
+        "schema": "nodus.profile/1",
+        "environment": env,
+        "decode": {"curves": curves, "s_per_context_token": ctx},
+        "prefill": {"no_lora": {"a_s": pa, "b_s_per_unit": pb}, "lora": {"a_s": pa, "b_s_per_unit": pb}},
+        "train": {"per_microbatch": {"a_s": 0.0, "b_s_per_unit": tb}, "s_per_adapter": tc,
+                  "max_profiled_tokens": raw["train_mb_tokens"]},
+        "publish": {"save_s_per_adapter": float(np.median(raw["save_s"])),
+                    "engine_load_s": float(np.median(raw["load_s"]))},
+        "sharing": base["sharing"],
+        "assumptions": kept + [{"id": "sharing-from-base", "value": None,
+                                "what": "co-run and MPS rates are the base profile's, not measured in this calibration"},
+                               {"id": "prefill-lora-any", "value": None,
+                                "what": "prefill measured with LoRA adapters only; used for every adapter count"}],
+        "measurements": {"calibrate": raw},
+    }
+
+
+def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batches=(8, 64, 256, 512),
+              adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
+              train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
+              log=print) -> dict:
+    from sim.profile import Profile, load_profile
+
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"--out {str(out)!r} exists; calibrate never overwrites a profile")
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dtype = ("bfloat16" if device == "cuda" else "float32") if dtype == "auto" else dtype
+    base_prof = json.loads(load_profile(base).profile.model_dump_json(by_alias=True))
+    raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
+                  list(train_tokens), device, dtype, enforce_eager=enforce_eager, log=log)
+    env = {"gpu": torch.cuda.get_device_name(0) if device == "cuda" else f"cpu ({platform.processor() or 'unknown'})",
+           "model": os.path.basename(os.path.normpath(model)), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "git_commit": _git_commit(), "sources": ["nodus calibrate"]}
+    try:
+        import vllm
+
+        env["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    prof = fit_profile(raw, base_prof, env)
+    Profile.model_validate(prof)  # the simulator must be able to read what we write
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    return prof
