@@ -1,6 +1,6 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|arms
+#   bash experiments/device_session.sh trainer|arms|calibrate
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -10,6 +10,10 @@ case "${1:-arms}" in
   trainer)
     timeout 300 python experiments/bench_trainer.py --out "$OUT/bench_trainer_h200.json" --no-loop --iters 2 \
       --mb-tokens 16384 32768 > "$OUT/bench_trainer.log" 2>&1; echo "bench_trainer rc=$?" ;;
+  calibrate)
+    python -c "from pathlib import Path; from experiments.gpu_arms import make_random_model; make_random_model(Path('/tmp/nodus-qwen3-0.6b-random'), 'qwen3-0.6b')"
+    timeout 420 python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \
+      > "$OUT/calibrate.log" 2>&1; echo "calibrate rc=$?" ;;
   arms)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out /tmp/arms --jobs "${JOBS:-8}" --steps "${STEPS:-4}" \
