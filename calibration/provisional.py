@@ -18,13 +18,19 @@ import numpy as np
 
 
 def fit_linear_rel(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Minimise sum(((a + b x) / y - 1)^2) over a, b >= 0."""
+    """Minimise sum(((a + b x) / y - 1)^2) over a, b >= 0 (noisy timings can pull either below 0:
+    then the best fit on the boundary, a = 0 or b = 0, is taken)."""
     x, y = np.asarray(x, float), np.asarray(y, float)
+
+    def loss(a: float, b: float) -> float:
+        return float(np.sum(((a + b * x) / y - 1) ** 2))
+
     A = np.stack([1.0 / y, x / y], axis=1)
     (a, b), *_ = np.linalg.lstsq(A, np.ones_like(y), rcond=None)
-    if a < 0:  # clamp to a non-negative intercept, refit the slope alone
-        a, b = 0.0, float(np.sum(x / y) / np.sum((x / y) ** 2))
-    return float(a), float(b)
+    candidates = [(float(a), float(b))] if a >= 0 and b >= 0 else []
+    candidates.append((0.0, float(np.sum(x / y) / np.sum((x / y) ** 2))))  # through the origin
+    candidates.append((float(np.sum(1 / y) / np.sum(1 / y ** 2)), 0.0))  # constant
+    return min(candidates, key=lambda ab: loss(*ab))
 
 
 def apply_trainer_bench(prof: dict, bench: dict, name: str = "multi_8x_mb16384") -> dict:

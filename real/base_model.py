@@ -32,8 +32,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -43,7 +41,7 @@ import numpy as np
 
 from nodus.tasks import TASK_NAMES, eval_set, get_task, solution_text, train_items
 from nodus.tasks.base import ANSWER_MARK, Item
-from real.tiny import EOS_TOKEN, UNK_TOKEN, build_char_tokenizer, char_vocab, padded_vocab_size
+from real.tiny import EOS_TOKEN, UNK_TOKEN, build_char_tokenizer, building, char_vocab, padded_vocab_size
 
 REPORT_NAME = "base_model.json"
 _FORMAT = 1  # bump when what train_base writes for the same spec changes (invalidates caches)
@@ -425,16 +423,6 @@ def ensure_tiny_base(cache_dir: str | os.PathLike | None = None, seed: int = 0,
     path = root / f"tiny-base-{spec.key()}-t{cpu_threads}"
     if (path / REPORT_NAME).exists():
         return path
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=root))
-    try:
+    with building(path, ready=lambda p: (p / REPORT_NAME).exists()) as tmp:
         _train_into(tmp, spec, "cpu", log, cpu_threads)
-        if (path / REPORT_NAME).exists():  # another process finished first
-            return path
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -13,7 +13,9 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 EOS_TOKEN = "<|endoftext|>"  # end of sequence and padding
 UNK_TOKEN = "<|unk|>"  # any character outside printable ASCII + newline
@@ -118,9 +120,7 @@ def make_tiny_model(path: str | os.PathLike, vocab_size: int | None = None, seed
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with building(path, ready=lambda p: _read_stamp(p) == stamp) as tmp:
         config = Qwen3Config(**cfg)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).to(torch.float32)
@@ -129,15 +129,24 @@ def make_tiny_model(path: str | os.PathLike, vocab_size: int | None = None, seed
                          bos_token_id=cfg["bos_token_id"]).save_pretrained(tmp)
         build_char_tokenizer(tmp, model_max_length=cfg["max_position_embeddings"])
         (tmp / _STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
-        if _read_stamp(path) == stamp:  # another builder won the race
-            return path
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+    return path
+
+
+@contextmanager
+def building(path: Path, ready: Callable[[Path], bool]) -> Iterator[Path]:
+    """Build a model folder in a temporary sibling and rename it into place, unless `ready(path)`
+    says another builder finished first; a crash never leaves a half-written folder at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        if not ready(path):
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def _read_stamp(path: Path) -> dict | None:

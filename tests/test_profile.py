@@ -41,3 +41,14 @@ def test_decode_cost_grows_with_batch_and_adapters_and_flags_extrapolation():
     assert not cm.flags
     cm.decode_step_s(2048, 0, 16)
     assert cm.flags == {"decode batch up to 2048 > profiled 1024", "decode adapters up to 16 > profiled 8"}
+
+
+def test_fit_linear_rel_stays_non_negative():
+    from calibration.provisional import fit_linear_rel
+
+    a, b = fit_linear_rel([1, 2, 4], [3.0, 5.0, 9.0])  # exactly 1 + 2x
+    assert a == pytest.approx(1) and b == pytest.approx(2)
+    a, b = fit_linear_rel([1, 2, 4], [5.0, 4.9, 4.8])  # falling: noise around a constant
+    assert b == 0 and a == pytest.approx(4.9, rel=0.02)
+    a, b = fit_linear_rel([100, 200, 400], [0.9, 2.1, 4.0])  # negative intercept: through the origin
+    assert a == 0 and b > 0

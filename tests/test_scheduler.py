@@ -67,7 +67,7 @@ def test_unknown_result_is_an_error():
 
 
 def test_failed_job_stops_and_others_continue():
-    from nodus.messages import JobUpdate, TrainDone
+    from nodus.messages import TrainDone
 
     class FailingBackend(ScriptedBackend):
         def wait(self):
