@@ -249,7 +249,7 @@ def render_sweep(out_dir: Path) -> None:
     (out_dir / "table.md").write_text(sweep_table(rows) + "\n")
     fig, ax = plt.subplots(figsize=(9, 5.5))
     labels = sorted({arm_label(r) for r in rows})
-    for label in labels:
+    for i, label in enumerate(labels):
         pts: dict[int, list[float]] = {}
         for r in rows:
             if arm_label(r) == label:
@@ -257,7 +257,8 @@ def render_sweep(out_dir: Path) -> None:
         xs = sorted(pts)
         mean = [sum(pts[x]) / len(pts[x]) for x in xs]
         err = [[m - min(pts[x]) for x, m in zip(xs, mean)], [max(pts[x]) - m for x, m in zip(xs, mean)]]
-        ax.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=label)
+        # Past ten arms the default colours repeat: tell them apart by line style.
+        ax.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=label, linestyle="-" if i < 10 else "--")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["jobs"] for r in rows}))
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
