@@ -24,6 +24,7 @@ from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
 from real.mps import MPSDaemon
+from nodus.lengths import prompt_tokens as prompt_tokens_of
 from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
 
 
@@ -49,6 +50,7 @@ class RealOptions:
     # A seed per response makes rollouts reproducible, but vLLM samples seeded requests one
     # generator at a time (a Python loop per decode step): timing runs turn it off.
     seeded_sampling: bool = True
+    warmup: bool = True  # one short generation per job and one scratch train step before the clock starts
     start_timeout_s: float = 900.0
 
 
@@ -201,7 +203,30 @@ class RealBackend:
             cluster.engines[s].put(("publish", "setup", pubs))
             cluster.get()
         self._versions = dict(self._start)
+        if self.opts.warmup:
+            self._warm_up()
         self.t0 = time.monotonic()
+
+    def _warm_up(self) -> None:
+        """Untimed: first-use kernel compiles (LoRA kernels for each adapter, sampler) and the
+        trainer's first step at the run's shape happen here, not in the first billed step."""
+        from real.engine import GenRequest
+
+        jobs = self.cfg.jobs
+        seq = max(prompt_tokens_of(j) + j.max_new_tokens for j in jobs)
+        rows = max(1, min(sum(j.prompts_per_step * j.responses_per_prompt for j in jobs),
+                          self.cfg.trainer.max_tokens_per_microbatch // seq))
+        for s in range(self.c.n_stacks):
+            reqs = []
+            for j in jobs:
+                sp = step_prompts(j, 0, self.opts.mode, self.c.vocab_size)
+                reqs.append(GenRequest(job_id=j.id, adapter_version=self._start[j.id], prompts=[sp.prompts[0]], n=1,
+                                       max_new_tokens=4, temperature=1.0,
+                                       forced_lengths=[4] if sp.forced_lengths else None))
+            self.c.engines[s].put(("eval", "warmup", reqs))
+            self.c.trainers[s].put(("warmup", "warmup", max(j.lora_rank for j in jobs), rows, seq))
+            self.c.get()
+            self.c.get()
 
     def start_versions(self) -> dict[str, int]:
         return dict(self._start)

@@ -140,6 +140,24 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 trainer.load_state_job(job_id, state)
                 trainer.save_adapter(job_id, path.format(v=int(state["step"])))
                 outbox.put(("added", tag, int(state["step"])))
+            elif kind == "warmup":
+                # A scratch job trains one step at the run's shape, so kernel selection, allocator
+                # growth and compilation are not billed to the first real step. Real jobs untouched.
+                _, tag, rank, rows, seq = cmd
+                import numpy as np
+
+                from real.trainer import JobBatch
+
+                rng = np.random.default_rng(0)
+                trainer.add_job("__warmup__", rank=rank, alpha=2 * rank, lr=1e-6, seed=0)
+                ids = [[int(t) for t in rng.integers(1, trainer.vocab_size - 1, size=seq)] for _ in range(rows)]
+                mask = [[0] * (seq // 2) + [1] * (seq - seq // 2) for _ in range(rows)]
+                trainer.train_step({"__warmup__": JobBatch(input_ids=ids, completion_mask=mask,
+                                                           advantages=rng.standard_normal(rows).tolist())})
+                trainer.remove_job("__warmup__")
+                if spec.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                outbox.put(("warmed", tag))
             elif kind == "remove":
                 for job_id in cmd[2]:
                     trainer.remove_job(job_id)
