@@ -1,6 +1,6 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|arms|calibrate
+#   bash experiments/device_session.sh trainer|arms|calibrate|engine
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -14,6 +14,10 @@ case "${1:-arms}" in
     python -c "from pathlib import Path; from experiments.gpu_arms import make_random_model; make_random_model(Path('/tmp/nodus-qwen3-0.6b-random'), 'qwen3-0.6b')"
     timeout 420 python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \
       > "$OUT/calibrate.log" 2>&1; echo "calibrate rc=$?" ;;
+  engine)
+    python -c "from pathlib import Path; from experiments.gpu_arms import make_random_model; make_random_model(Path('/tmp/nodus-qwen3-0.6b-random'), 'qwen3-0.6b')"
+    timeout 400 python experiments/bench_engine_loop.py --model /tmp/nodus-qwen3-0.6b-random --batch 512 --adapters 8 \
+      --out "$OUT/engine_loop_h200.json" > "$OUT/engine_loop.log" 2>&1; echo "engine_loop rc=$?" ;;
   arms)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out /tmp/arms --jobs "${JOBS:-8}" --steps "${STEPS:-4}" \
