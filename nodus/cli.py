@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `nodus sim | head`: the reader left; not an error
         sys.stderr.close()
         return 0
-    except (ConfigError, FileExistsError, FileNotFoundError, KeyError, ValueError) as err:
+    except (ConfigError, FileExistsError, FileNotFoundError, KeyError, ValueError, RuntimeError) as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"nodus: error: {msg}", file=sys.stderr)
         return 2

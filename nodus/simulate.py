@@ -38,6 +38,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
     for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing)):
         if val is not None:
             arm[key] = val
+    if "policy" not in arm and len(data["jobs"]) == 1:
+        arm["policy"] = "shared-sync"  # one job cannot be split into phase-offset groups
     if arm.get("policy") in ("shared-sync", "dedicated") and groups is None:
         arm.setdefault("groups", 1)
     data["arm"] = arm

@@ -54,12 +54,57 @@ class RealOptions:
     start_timeout_s: float = 900.0
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
+
+
+class BackendConfigError(ValueError):
+    """The real backend cannot run this configuration; the message names the setting."""
+
+
 def resolve_model(model: str) -> str:
+    """'tiny', a local folder with a config.json, or a hub name (loaded where a hub is reachable)."""
     if model == "tiny":
         from real.tiny import make_tiny_model
 
         return str(make_tiny_model(os.path.join(tempfile.gettempdir(), "nodus-tiny-model")))
+    if os.path.exists(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise BackendConfigError(f"--model {model!r}: the folder has no config.json; vLLM cannot load it")
+        return model
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise BackendConfigError(f"--model {model!r}: no such folder, and not a hub name (owner/name)")
     return model
+
+
+def engine_lora_rank(max_job_rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds every job's adapter."""
+    for r in VLLM_LORA_RANKS:
+        if r >= max_job_rank:
+            return r
+    raise BackendConfigError(f"lora_rank={max_job_rank} is above the engine's maximum ({VLLM_LORA_RANKS[-1]})")
+
+
+def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float = 50.0) -> None:
+    """Refuse before starting anything if the engine share plus a trainer cannot fit in free memory."""
+    import shutil as _sh
+    import subprocess
+
+    if _sh.which("nvidia-smi") is None:
+        return
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.strip():
+        return
+    free_mib, total_mib = (float(v) for v in out.stdout.splitlines()[0].split(","))
+    need = engine_memory * total_mib
+    if need > free_mib:
+        raise BackendConfigError(
+            f"--engine-memory {engine_memory}: the engine(s) need {need / 1024:.1f} GiB but only "
+            f"{free_mib / 1024:.1f} GiB of {total_mib / 1024:.1f} GiB is free")
+    if need + n_stacks * trainer_gib * 1024 > free_mib:
+        print(f"nodus: warning: engine share {need / 1024:.1f} GiB + ~{trainer_gib:.0f} GiB per trainer may not fit "
+              f"in {free_mib / 1024:.1f} GiB free; lower --engine-memory or trainer.max_tokens_per_microbatch",
+              flush=True)
 
 
 def _device(opts: RealOptions) -> str:
@@ -83,6 +128,9 @@ class Cluster:
         self.opts, self.sharing, self.n_stacks = opts, sharing, n_stacks
         self.model = resolve_model(opts.model)
         self.device = _device(opts)
+        max_rank = engine_lora_rank(max_rank)
+        if self.device == "cuda":
+            check_gpu_memory(opts.engine_memory, n_stacks)
         dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
         self.vocab_size = _vocab_size(self.model)
         self.mps = MPSDaemon().start() if sharing == "mps" else None

@@ -89,3 +89,9 @@ def test_group_pins():
                                     "arm": {"policy": "overlap", "groups": 2}})
     assert "groups 0..1" in _err({"jobs": [{"task": "gsm8k", "group": 0}, {"task": "gsm8k", "group": 0}],
                                   "arm": {"policy": "overlap", "groups": 2}})
+
+
+def test_one_job_defaults_to_shared_sync_but_explicit_overlap_is_an_error():
+    assert config_from_args(jobs=1).arm.policy == "shared-sync"
+    with pytest.raises(ConfigError, match="groups >= 2|arm.groups=2 > jobs=1"):
+        config_from_args(jobs=1, policy="overlap")

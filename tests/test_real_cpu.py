@@ -97,3 +97,19 @@ def test_killed_run_resumes_from_its_last_completed_step(tmp_path):
     assert sorted(x.attrs["step"] for x in spans if x.phase == "train") == [1, 2]
     assert [x.attrs["adapter_version"] for x in spans if x.phase == "generate"] == [1, 2]
     assert second["steps"] == 2 and audit_on_policy(spans) == []
+
+
+def test_bad_models_and_ranks_are_clear_errors(tmp_path, capsys):
+    from real.backend import BackendConfigError, engine_lora_rank, resolve_model
+
+    assert engine_lora_rank(16) == 16 and engine_lora_rank(20) == 32 and engine_lora_rank(2) == 8
+    with pytest.raises(BackendConfigError, match="above the engine's maximum"):
+        engine_lora_rank(1024)
+    with pytest.raises(BackendConfigError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(BackendConfigError, match="no such folder"):
+        resolve_model(str(tmp_path / "missing"))
+    assert resolve_model("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"  # a hub name passes through
+    assert main(["run", "--backend", "real", "--model", str(tmp_path / "missing"), "--jobs", "1", "--steps", "1",
+                 "--no-baseline"]) == 2
+    assert "no such folder" in capsys.readouterr().err
