@@ -113,3 +113,13 @@ def test_bad_models_and_ranks_are_clear_errors(tmp_path, capsys):
     assert main(["run", "--backend", "real", "--model", str(tmp_path / "missing"), "--jobs", "1", "--steps", "1",
                  "--no-baseline"]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_mps_without_cuda_mps_binaries_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    if shutil.which("nvidia-cuda-mps-control"):
+        pytest.skip("this machine has CUDA MPS")
+    assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "2", "--steps", "1", "--sharing", "mps",
+                 "--no-baseline"]) == 2
+    assert "nvidia-cuda-mps-control" in capsys.readouterr().err
