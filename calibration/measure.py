@@ -82,21 +82,25 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         eng.generate(reqs)
         return time.perf_counter() - t0
 
+    l1, l2 = lengths
+
+    def step_time(a: int, b: int, p: int) -> tuple[float, float, float]:
+        """(decode step, short call, long call): the two lengths' difference cancels prefill
+        and call overhead."""
+        t1 = timed(_requests(a, b, p, l1, vocab, rng))
+        t2 = timed(_requests(a, b, p, l2, vocab, rng))
+        return max((t2 - t1) / (l2 - l1), 1e-6), t1, t2
+
     timed(_requests(1, 2, prompt_tokens[0], 2, vocab, rng))  # warm-up (kernel compiles, graphs)
     decode, context, prefill = [], [], []
-    l1, l2 = lengths
     for a in adapter_counts:
         for b in batches:
-            t1 = timed(_requests(a, b, prompt_tokens[0], l1, vocab, rng))
-            t2 = timed(_requests(a, b, prompt_tokens[0], l2, vocab, rng))
-            step = max((t2 - t1) / (l2 - l1), 1e-6)
+            step, t1, t2 = step_time(a, b, prompt_tokens[0])
             decode.append({"batch": b, "adapters": a, "step_s": step, "t_short_s": t1, "t_long_s": t2})
             prefill.append({"tokens": b * prompt_tokens[0], "adapters": a, "s": max(t1 - l1 * step, 0.0)})
             log(f"decode batch {b:4d} adapters {a}: {step * 1e3:.2f} ms/step")
         b = batches[-1]
-        t1 = timed(_requests(a, b, prompt_tokens[1], l1, vocab, rng))
-        t2 = timed(_requests(a, b, prompt_tokens[1], l2, vocab, rng))
-        step_long = max((t2 - t1) / (l2 - l1), 1e-6)
+        step_long, t1, _ = step_time(a, b, prompt_tokens[1])
         step_short = next(d["step_s"] for d in decode if d["batch"] == b and d["adapters"] == a)
         context.append({"batch": b, "adapters": a, "prompt_tokens": list(prompt_tokens),
                         "step_s": [step_short, step_long],

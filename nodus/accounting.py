@@ -10,9 +10,6 @@ from collections import defaultdict
 
 from nodus.messages import Span
 
-GPU_PHASES = ("generate", "train")
-
-
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by the intervals (overlaps counted once)."""
     total, end = 0.0, float("-inf")
@@ -33,14 +30,11 @@ def completed_steps(spans: list[Span]) -> int:
     return sum(1 for s in spans if s.phase == "train" and not s.attrs.get("failed"))
 
 
-def busy_fractions(spans: list[Span], window: float) -> dict[str, float]:
-    """Fraction of the window the engine, the trainer and the GPU (either) were busy."""
-    if window <= 0:
-        return {"engine": 0.0, "trainer": 0.0, "gpu": 0.0}
+def busy_seconds(spans: list[Span]) -> dict[str, float]:
+    """Seconds the engine, the trainer and the GPU (either of them) were busy."""
     gen = [(s.start_s, s.end_s) for s in spans if s.phase == "generate"]
     tr = [(s.start_s, s.end_s) for s in spans if s.phase == "train"]
-    return {"engine": union_length(gen) / window, "trainer": union_length(tr) / window,
-            "gpu": union_length(gen + tr) / window}
+    return {"engine": union_length(gen), "trainer": union_length(tr), "gpu": union_length(gen + tr)}
 
 
 def audit_on_policy(spans: list[Span]) -> list[str]:
@@ -120,8 +114,8 @@ def summarize(runs: list[list[Span]]) -> dict:
     tokens = sum(sum(s.attrs.get("response_tokens", [])) for r in runs for s in r if s.phase == "generate")
     busy = {"engine": 0.0, "trainer": 0.0, "gpu": 0.0}
     for r in runs:
-        for k, v in busy_fractions(r, window_s(r)).items():
-            busy[k] += v * window_s(r)
+        for k, v in busy_seconds(r).items():
+            busy[k] += v
     jobs: dict[str, dict] = {}
     for r in runs:
         jobs.update(per_job(r))

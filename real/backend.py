@@ -232,8 +232,6 @@ class RealBackend:
         self.failed: dict[str, str] = {}
         self.audit: list[dict] = []
         self._stack_of = {j.id: 0 for j in cfg.jobs}  # the stack whose engine has the newest version
-        from real.trainer import JobConfig  # noqa: F401 - fail early when torch is missing
-
         self._start: dict[str, int] = {}
         for s in range(cluster.n_stacks):
             pubs = []

@@ -38,8 +38,8 @@ def step_prompts(job: JobSpec, step: int, mode: str, vocab_size: int) -> StepPro
             # A finite training set, drawn once from the job's seed; each step samples from it.
             pool = train_items(job.task, seed=job.seed, n=job.prompt_pool)
             pick = np.random.default_rng(seed).permutation(len(pool))
-            items = tuple(pool[i % len(pool)] for i in (list(pick) * (job.prompts_per_step // len(pool) + 1))[
-                :job.prompts_per_step])
+            repeats = job.prompts_per_step // len(pool) + 1
+            items = tuple(pool[i] for i in (list(pick) * repeats)[:job.prompts_per_step])
         else:
             items = tuple(train_items(job.task, seed=seed, n=job.prompts_per_step))
         task = get_task(job.task)
