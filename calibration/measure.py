@@ -47,6 +47,14 @@ def _requests(adapters: int, batch: int, prompt_tokens: int, length: int, vocab:
     return reqs
 
 
+def _timed_no_lora(eng, reqs) -> float:
+    """Seconds for the requests' prompts sampled with no LoRA request (the base model alone)."""
+    prompts, params, _, _ = eng._expand(reqs)
+    t0 = time.perf_counter()
+    eng.llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
 def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_tokens: tuple[int, int],
             lengths: tuple[int, int], train_tokens: list[int], device: str, dtype: str, rank: int = 16,
             engine_memory: float = 0.4, enforce_eager: bool = False, log=print) -> dict:
@@ -106,6 +114,12 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
                         "step_s": [step_short, step_long],
                         "s_per_context_token": max((step_long - step_short) / (b * (prompt_tokens[1] - prompt_tokens[0])), 0.0)})
         prefill.append({"tokens": b * prompt_tokens[1], "adapters": a, "s": max(t1 - l1 * step_long, 0.0)})
+    # The same decode with no adapter at all (the LoRA overhead against the plain model).
+    no_lora = []
+    for b in (batches[0], batches[-1]):
+        t = [_timed_no_lora(eng, _requests(1, b, prompt_tokens[0], n, vocab, rng)) for n in (l1, l2)]
+        no_lora.append({"batch": b, "step_s": max((t[1] - t[0]) / (l2 - l1), 1e-6)})
+        log(f"decode batch {b:4d} no LoRA: {no_lora[-1]['step_s'] * 1e3:.2f} ms/step")
     eng.close()
 
     train = []
@@ -130,7 +144,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             s = time.perf_counter() - t0
             train.append({"tokens": (n_seq // a) * a * seq, "adapters": a, "s": s})
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
-    return {"decode": decode, "context": context, "prefill": prefill, "train": train,
+    return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
             "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens)}
 
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|arms|calibrate|engine
+#   bash experiments/device_session.sh trainer|arms|calibrate|engine|learn
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -16,7 +16,7 @@ case "${1:-arms}" in
       --mb-tokens 16384 32768 > "$OUT/bench_trainer.log" 2>&1; echo "bench_trainer rc=$?" ;;
   calibrate)
     random_model
-    timeout 420 python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \
+    timeout "${CAL_TIMEOUT:-420}" python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \
       > "$OUT/calibrate.log" 2>&1; echo "calibrate rc=$?" ;;
   engine)
     random_model
@@ -29,5 +29,23 @@ case "${1:-arms}" in
     echo "gpu_arms rc=$?"
     cp /tmp/arms/arms.json "$OUT/" 2>/dev/null
     tar czf "$OUT/arms_runs.tgz" -C /tmp arms 2>/dev/null ;;
+  learn)
+    # Equal learning: the project's tiny base (carried in .device/tiny-base), 8 jobs (one per task
+    # family) x 20 steps, dedicated (twice: A/A) against overlap+MPS, 2 seeds; then the small base
+    # trained on this GPU (its per-family sampled accuracy is the check).
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+    timeout "${LEARN_TIMEOUT:-330}" python experiments/gpu_arms.py --out /tmp/learn --mode tasks \
+      --model-dir "${LEARN_MODEL:-.device/tiny-base}" --enforce-eager --jobs 8 --steps "${STEPS:-20}" \
+      --seeds "${SEEDS:-1,2}" --arms dedicated,overlap+mps --aa --max-new-tokens 80 \
+      --job-fields '{"learning_rate": 1e-3, "prompt_pool": 8}' ${ARMS_EXTRA:-} > "$OUT/learn.log" 2>&1
+    echo "learn rc=$?"
+    cp /tmp/learn/arms.json "$OUT/learn.json" 2>/dev/null
+    tar czf "$OUT/learn_runs.tgz" -C /tmp learn 2>/dev/null
+    if [ "${SMALL_BASE_TIMEOUT:-240}" -gt 0 ]; then
+      timeout "${SMALL_BASE_TIMEOUT:-240}" python experiments/train_base.py --size small --device cuda \
+        --out /tmp/small-base > "$OUT/small_base.log" 2>&1
+      echo "small_base rc=$?"
+      cp /tmp/small-base/base_model.json "$OUT/small_base.json" 2>/dev/null
+    fi ;;
 esac
 grep -v " INFO \| WARNING \|it/s\]" "$OUT"/*.log | tail -25

@@ -68,6 +68,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step per job")
     ap.add_argument("--responses", type=int, default=8, help="responses per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--job-fields", type=json.loads, default={},
+                    help='JSON of extra job fields, e.g. \'{"learning_rate": 1e-3, "prompt_pool": 8}\'')
+    ap.add_argument("--aa", action="store_true",
+                    help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
+    ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
+                    help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
 
     from nodus.realrun import ClusterPool
@@ -79,19 +85,22 @@ def main() -> None:
     model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
     opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
                        enforce_eager=args.enforce_eager, audit_logprobs=True, evaluate=args.mode == "tasks",
-                       seeded_sampling=args.mode == "tasks")
+                       seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
     from nodus.config import default_jobs
 
     workload = {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
         args.jobs, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
-        max_new_tokens=args.max_new_tokens)],
+        max_new_tokens=args.max_new_tokens, **args.job_fields)],
         # 16k-token micro-batches: the trainer peaks at ~46 GiB beside the engine's share (32k: ~80 GiB).
         "trainer": {"max_tokens_per_microbatch": 16384}}
     names = [a for a in args.arms.split(",") if a]
-    # Arms needing the same processes run together; the baseline (no MPS) first.
-    order = sorted(names, key=lambda n: (ARMS[n][2] != "none", ARMS[n][0] == "timeslice", ARMS[n][0] != "dedicated"))
+    # Arms needing the same processes run together; the baseline (no MPS) first, timeslice (two
+    # stacks: two engines to start) last.
+    order = sorted(names, key=lambda n: (ARMS[n][0] == "timeslice", ARMS[n][2] != "none", ARMS[n][0] != "dedicated"))
     seeds = [int(s) for s in args.seeds.split(",")]
-    results: dict = {"jobs": args.jobs, "steps": args.steps, "model_shape": args.shape, "arms": {},
+    results: dict = {"jobs": args.jobs, "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
+                     "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
+                     "job_fields": args.job_fields, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}
     pool = ClusterPool(opts)
     t_all = time.monotonic()
@@ -99,13 +108,14 @@ def main() -> None:
         for name in order:
             policy, groups, sharing = ARMS[name]
             g = args.groups if policy in ("overlap", "timeslice") else groups
-            for seed in seeds:
+            repeats = [""] + (["-aa"] if args.aa and name == "dedicated" else [])
+            for seed, rep in ((s, r) for s in seeds for r in repeats):
                 cfg = config_from_args(workload, policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
                 t0 = time.monotonic()
                 summary, runs = run_arm(cfg, pool, baseline=False)
                 summary["wall_s"] = time.monotonic() - t0
-                run_dir = args.out / f"{name}-s{seed}"
+                run_dir = args.out / f"{name}{rep}-s{seed}"
                 if run_dir.exists():
                     run_dir = args.out / f"{name}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
@@ -113,15 +123,19 @@ def main() -> None:
                 pred = simulate(config_from_args(workload, policy=policy, groups=g, sharing=sharing,
                                                  steps=args.steps, seed=seed, profile=args.profile))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
-                results["arms"].setdefault(name, {})[str(seed)] = {
+                per_job = summary.get("per_job", {})
+                results["arms"].setdefault(name + rep, {})[str(seed)] = {
                     "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
                     "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
                     "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
                     "logprob_max_abs": max((a["max_abs"] for a in audit), default=None),
                     "logprob_mean_abs": (sum(a["mean_abs"] for a in audit) / len(audit)) if audit else None,
+                    "eval_accuracy": {j: d["eval"]["accuracy"] for j, d in per_job.items() if d.get("eval")},
+                    "mean_reward": {j: sum(d["rewards"]) / len(d["rewards"])
+                                    for j, d in per_job.items() if d.get("rewards")},
                 }
-                print(f"[{time.monotonic() - t_all:6.1f}s] {name} seed {seed}: "
+                print(f"[{time.monotonic() - t_all:6.1f}s] {name}{rep} seed {seed}: "
                       f"{summary['steps_per_gpu_hour']:.0f} steps/GPU-h (sim {pred['steps_per_gpu_hour']:.0f}), "
                       f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s", flush=True)
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))
