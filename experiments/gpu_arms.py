@@ -102,7 +102,7 @@ def main() -> None:
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}
-    pool = ClusterPool(opts)
+    pool = ClusterPool(opts, min_loras=args.jobs)
     t_all = time.monotonic()
     try:
         for name in order:

@@ -16,19 +16,26 @@ from nodus.runner import run_arm
 class ClusterPool:
     """A `make_backend(cfg, n_stacks)` over real clusters, one per (sharing, stacks)."""
 
-    def __init__(self, opts):
+    def __init__(self, opts, min_loras: int = 1):
+        """`min_loras`: engine adapter slots to reserve, so that a cluster first asked for by a
+        one-job (dedicated) run still serves the shared arms' jobs all at once."""
         self.opts = opts
+        self.min_loras = min_loras
         self.clusters: dict[tuple, object] = {}
+        self._capacity: dict[tuple, int] = {}
 
     def __call__(self, cfg: RunConfig, n_stacks: int):
         from real.backend import Cluster, RealBackend
 
         key = (cfg.arm.sharing, n_stacks)
-        if key not in self.clusters:
+        loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
+        if key not in self.clusters or self._capacity[key] < loras:
             # One cluster at a time holds the GPU: start the next only after the last is gone.
+            # A cluster too small for this run (fewer adapter slots) is restarted larger.
             self.close()
+            self._capacity[key] = loras
             self.clusters[key] = Cluster(
-                self.opts, cfg.arm.sharing, n_stacks, max_loras=cfg.engine.max_loras or len(cfg.jobs),
+                self.opts, cfg.arm.sharing, n_stacks, max_loras=loras,
                 max_rank=max(j.lora_rank for j in cfg.jobs), max_num_seqs=cfg.engine.max_num_seqs,
                 max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch, seed=cfg.seed)
         return RealBackend(self.clusters[key], cfg)
@@ -56,7 +63,7 @@ def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None
 
     opts = opts or RealOptions()
     out_dir = make_out_dir(out) if out is not None else None
-    pool = ClusterPool(opts)
+    pool = ClusterPool(opts, min_loras=cfg.engine.max_loras or len(cfg.jobs))
     # A dedicated-GPU-per-job baseline must not share a cluster with the MPS arm's sharing mode:
     # run_arm asks the pool for a sharing='none' backend, which restarts the processes.
     try:
