@@ -26,6 +26,10 @@ from calibration.provisional import fit_linear_rel
 
 
 def _git_commit() -> str | None:
+    """The commit measured: $NODUS_COMMIT where the tree travelled without its history (the device
+    session sets it), else git's HEAD."""
+    if os.environ.get("NODUS_COMMIT"):
+        return os.environ["NODUS_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip() or None

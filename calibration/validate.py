@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from nodus.config import ConfigError, build_config
-from nodus.simulate import simulate
+from nodus.runner import run_arm
+
+PHASES = ("generate", "train", "publish")
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float | None:
@@ -39,8 +41,9 @@ def error_stats(pred: list[float], meas: list[float]) -> dict:
 
 
 def _phase_means(spans: list[dict]) -> dict[str, float]:
+    """Mean seconds of each phase's actions (generate per job, train/publish per group)."""
     out = {}
-    for ph in ("generate", "train", "publish"):
+    for ph in PHASES:
         # One span per action: jobs of a group share train/publish spans.
         d = {(s["gpu"], s["group"], s["start_s"], s["end_s"]) for s in spans if s["phase"] == ph}
         if d:
@@ -58,6 +61,21 @@ def load_recorded(run_dir: Path) -> tuple[dict, dict, list[dict]]:
     return cfg, summary, spans
 
 
+def jobs_per_gpu(cfg: dict) -> int:
+    """Jobs sharing one GPU in a recorded run (a dedicated arm is one job per GPU)."""
+    return 1 if cfg["arm"]["policy"] == "dedicated" else len(cfg["jobs"])
+
+
+def _simulate(cfg: dict, source: str) -> dict:
+    """The simulator's summary of a configuration, with its own per-phase mean times."""
+    from sim import backend_factory
+
+    summary, runs = run_arm(build_config(cfg, source), backend_factory(cfg["profile"]))
+    spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
+    return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
+            "phase_s": _phase_means(spans), "outside_profile": summary.get("outside_profile", [])}
+
+
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
     rows = []
     for rd in map(Path, runs):
@@ -71,14 +89,14 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         jobs = [dict(j, group=groups.get(j["id"])) for j in cfg["jobs"]]
         replay_cfg = dict(cfg, jobs=[dict(j, lengths={"kind": "replay", "trace": trace, "job": j["id"]}) for j in jobs])
         sampled_cfg = dict(cfg, jobs=[dict(j, lengths=None) for j in jobs])
-        rep = simulate(build_config(replay_cfg, f"{rd}/config.json"))
-        sam = simulate(build_config(sampled_cfg, f"{rd}/config.json"))
+        rep = _simulate(replay_cfg, f"{rd}/config.json")
+        sam = _simulate(sampled_cfg, f"{rd}/config.json")
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": meas.get("arm"),
-               "heldout": len(cfg["jobs"]) > fit_max_jobs,
+               "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
                             "phase_s": _phase_means(spans)},
-               "replay": {"steps_per_gpu_hour": rep["steps_per_gpu_hour"], "busy": rep["busy"]},
-               "sampled": {"steps_per_gpu_hour": sam["steps_per_gpu_hour"], "busy": sam["busy"]},
+               "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
+               "sampled": {k: sam[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "outside_profile": sorted(set(rep["outside_profile"]) | set(sam["outside_profile"]))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
@@ -88,6 +106,21 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         for mode in ("replay", "sampled"):
             pred = [r[mode]["steps_per_gpu_hour"] for r in sel]
             report[f"{split}_{mode}"] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)}
+    # Per phase (mean seconds of its actions) and per busy fraction: the same error statistics,
+    # which say where a steps-per-GPU-hour error comes from.
+    for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
+        sel = [r for r in rows if keep(r)]
+        for mode in ("replay", "sampled"):
+            per = {}
+            for ph in PHASES:
+                pairs = [(r[mode]["phase_s"][ph], r["measured"]["phase_s"][ph]) for r in sel
+                         if ph in r[mode]["phase_s"] and r["measured"]["phase_s"].get(ph)]
+                per[f"{ph}_s"] = error_stats([a for a, _ in pairs], [b for _, b in pairs])
+            for side in ("engine", "trainer", "gpu"):
+                pairs = [(r[mode]["busy"][side], r["measured"]["busy"][side]) for r in sel
+                         if side in r[mode]["busy"] and r["measured"]["busy"].get(side)]
+                per[f"busy_{side}"] = error_stats([a for a, _ in pairs], [b for _, b in pairs])
+            report[f"{split}_{mode}_components"] = per
     h = report["heldout_replay"]
     report.update(heldout_mape_replay=h["mape"], heldout_mape_sampled=report["heldout_sampled"]["mape"],
                   worst=h["worst"], bias=h["bias"], kendall_tau=h["kendall_tau"])
@@ -96,7 +129,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
 
 def render_markdown(rep: dict) -> str:
     lines = [f"Simulator (profile `{rep['profile']}`) against recorded runs; held out: more than "
-             f"{rep['fit_max_jobs']} jobs.", "",
+             f"{rep['fit_max_jobs']} jobs per GPU.", "",
              "| run | jobs | arm | measured steps/GPU-h | replay | sampled | held out |", "|---|---|---|---|---|---|---|"]
     for r in rep["rows"]:
         arm = r["arm"] or {}
@@ -112,4 +145,55 @@ def render_markdown(rep: dict) -> str:
             fmt = (lambda x: "-" if x is None else f"{x:.1%}")
             tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
             lines.append(f"| {split} | {mode} | {fmt(e['mape'])} | {fmt(e['worst'])} | {fmt(e['bias'])} | {tau} | {e['n']} |")
+    lines += ["", "Per phase (mean seconds of a phase's actions) and busy fraction, replayed lengths:", "",
+              "| run | " + " | ".join(f"{ph} s meas / sim" for ph in PHASES) + " | busy engine meas / sim | busy trainer meas / sim |",
+              "|---|" + "---|" * (len(PHASES) + 2)]
+    for r in rep["rows"]:
+        m, p = r["measured"], r["replay"]
+        cells = [f"{m['phase_s'].get(ph, float('nan')):.3f} / {p['phase_s'].get(ph, float('nan')):.3f}" for ph in PHASES]
+        cells += [f"{m['busy'].get(side, float('nan')):.2f} / {p['busy'].get(side, float('nan')):.2f}"
+                  for side in ("engine", "trainer")]
+        lines.append(f"| {Path(r['run']).name} | " + " | ".join(cells) + " |")
+    comp = rep.get("all_replay_components", {})
+    if comp:
+        lines += ["", "| component (all runs, replay) | MAPE | bias | n |", "|---|---|---|---|"]
+        for name, e in comp.items():
+            if e["n"]:
+                lines.append(f"| {name} | {e['mape']:.1%} | {e['bias']:+.1%} | {e['n']} |")
     return "\n".join(lines)
+
+
+def plot_validation(rep: dict, path: Path) -> None:
+    """Predicted (replayed and sampled lengths) against measured steps per GPU-hour, one point per
+    run, held-out runs filled; the diagonal is a perfect prediction, the band +-8%."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    meas = [r["measured"]["steps_per_gpu_hour"] for r in rep["rows"]]
+    top = max(meas + [r[m]["steps_per_gpu_hour"] for r in rep["rows"] for m in ("replay", "sampled")]) * 1.1
+    ax.plot([0, top], [0, top], color="grey", lw=1)
+    ax.fill_between([0, top], [0, top * 0.92], [0, top * 1.08], color="grey", alpha=0.15, label="+-8%")
+    for mode, marker in (("replay", "o"), ("sampled", "^")):
+        for r in rep["rows"]:
+            arm = r.get("arm") or {}
+            ax.scatter(r["measured"]["steps_per_gpu_hour"], r[mode]["steps_per_gpu_hour"], marker=marker,
+                       facecolors="C0" if r["heldout"] else "none", edgecolors="C0")
+            if mode == "replay":
+                ax.annotate(f"{arm.get('policy')}/{arm.get('sharing')}", (r["measured"]["steps_per_gpu_hour"],
+                            r[mode]["steps_per_gpu_hour"]), fontsize=7, xytext=(4, -8), textcoords="offset points")
+    ax.scatter([], [], marker="o", color="C0", label="replayed lengths (filled: held out)")
+    ax.scatter([], [], marker="^", color="C0", label="sampled lengths")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured steps per GPU-hour")
+    ax.set_ylabel("simulated steps per GPU-hour")
+    h = rep.get("heldout_replay") or {}
+    mape = "-" if h.get("mape") is None else f"{h['mape']:.1%}"
+    ax.set_title(f"{Path(str(rep['profile'])).stem}: held-out MAPE {mape}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -93,7 +93,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
-    from calibration.validate import render_markdown, validate
+    from calibration.validate import plot_validation, render_markdown, validate
     from nodus.outdir import make_out_dir, write_json
 
     rep = validate(a.runs, profile=a.profile, fit_max_jobs=a.fit_max_jobs)
@@ -101,6 +101,7 @@ def cmd_validate(a: argparse.Namespace) -> int:
         out = make_out_dir(a.out)
         write_json(out / "validation.json", rep)
         (out / "validation.md").write_text(render_markdown(rep) + "\n")
+        plot_validation(rep, out / "validation.png")
     print(json.dumps(rep, default=str) if a.json else render_markdown(rep))
     return 0
 
@@ -113,6 +114,20 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
               prompt_tokens=ints(a.prompt_tokens), lengths=ints(a.lengths), train_tokens=ints(a.train_tokens),
               device=a.device, enforce_eager=a.enforce_eager,
               log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
+    return 0
+
+
+def cmd_fit(a: argparse.Namespace) -> int:
+    from calibration.fit_runs import fit_to_file
+
+    prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs)
+    f = prof["measurements"]["fit_runs"]
+    t = f["train_fit"]
+    print(f"fitted on {len(f['runs'])} run(s), {f['train_steps']} train steps (held out: {len(f['held_out'])}): "
+          f"train = {t['a_s_per_microbatch']:.4f} s/micro-batch + {t['b_s_per_padded_token'] * 1e6:.3f} us/padded token "
+          f"+ {t['c_s_per_adapter']:.4f} s/adapter (fit MAPE {t['mape']:.1%}, worst {t['worst']:.1%}); "
+          f"publish {f['publish_s_per_adapter']} s/adapter")
     print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
     return 0
 
@@ -181,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true")
     p.set_defaults(fn=cmd_calibrate)
+
+    p = sub.add_parser("fit", help="refit a profile's trainer and publish costs from recorded real runs")
+    p.add_argument("runs", nargs="+", help="run folders written by nodus run --out")
+    p.add_argument("--base", default="h200-qwen3-0.6b", help="profile whose other sections are kept")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
+    p.add_argument("--fit-max-jobs", type=int, default=4,
+                   help="use only runs with at most this many jobs per GPU (the rest stay held out)")
+    p.set_defaults(fn=cmd_fit)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
     p.add_argument("run_dir")

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nodus.microbatch import plan_microbatches  # noqa: F401 (re-exported)
 from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
 from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, RowLayout, init_adapter,
                             make_row_layout, save_peft_adapter, wrap_linears)
@@ -93,6 +94,7 @@ class _Seqs:
     advantages: np.ndarray  # [S] float
     old: list[np.ndarray] | None
     ref: list[np.ndarray] | None
+    audit: list[np.ndarray] | None = None  # logprobs to compare the training forward's against
 
     @property
     def completion_tokens(self) -> int:
@@ -112,6 +114,7 @@ class _JobSpan:
     advantages: torch.Tensor  # [rows]
     old: torch.Tensor | None  # [rows, width] old logprobs, or None (on-policy)
     ref: torch.Tensor | None  # [rows, width] reference logprobs, or None
+    audit: torch.Tensor | None = None  # [rows, width] logprobs to audit against, or None
 
 
 @dataclass
@@ -123,33 +126,6 @@ class _MicroBatch:
     targets: torch.Tensor  # [M] the completion tokens
     layout: RowLayout
     spans: list[_JobSpan]
-
-
-def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tuple[int, int]]]:
-    """Split rows (job j, sequence s) of lengths[j][s] tokens into micro-batches of at most
-    ``max_tokens`` padded tokens (rows * longest row); a longer row goes alone.
-
-    Longest rows first, so each micro-batch pads to similar lengths; rows of equal length take the
-    jobs in turn, so a micro-batch holds about as many rows of every job and the adapter bmm
-    needs no padding rows. Each micro-batch is returned job-major: sorted by (j, s).
-    """
-    order = []
-    for j, ls in enumerate(lengths):
-        for k, s in enumerate(sorted(range(len(ls)), key=lambda s: -ls[s])):
-            order.append((-ls[s], k, j, s))
-    order.sort()
-    batches: list[list[tuple[int, int]]] = []
-    current: list[tuple[int, int]] = []
-    longest = 0
-    for neg_len, _, j, s in order:
-        if current and (len(current) + 1) * max(longest, -neg_len) > max_tokens:
-            batches.append(sorted(current))
-            current, longest = [], 0
-        current.append((j, s))
-        longest = max(longest, -neg_len)
-    if current:
-        batches.append(sorted(current))
-    return batches
 
 
 def _as_rows(x) -> list:
@@ -260,13 +236,27 @@ class MultiLoRATrainer:
 
     # --- training ---------------------------------------------------------------------------
 
-    def train_step(self, batches: dict[str, JobBatch]) -> dict[str, StepStats]:
-        """One optimizer step for every job in ``batches``, all in shared micro-batches."""
+    def train_step(self, batches: dict[str, JobBatch],
+                   audit: dict[str, list] | None = None) -> dict[str, StepStats]:
+        """One optimizer step for every job in ``batches``, all in shared micro-batches.
+
+        ``audit`` (job -> per sequence, one logprob per completion token, e.g. the engine's of the
+        sampled tokens): compared against the training forward's own logprobs, which are the
+        job's pre-update adapter's, at no extra forward; the result is left in ``last_audit``
+        (job -> max_abs, mean_abs)."""
+        self.last_audit: dict[str, dict[str, float]] = {}
         if not batches:
             return {}
         job_ids = list(batches)
         jobs = [self._job(j) for j in job_ids]
         seqs = [_validate(j, batches[j], self.vocab_size) for j in job_ids]
+        for j, s in zip(job_ids, seqs):
+            if audit and audit.get(j) is not None:
+                try:
+                    s.audit = _per_token(j, "audit logprobs", audit[j], s.positions)
+                except ValueError:  # the audit is a diagnostic: a malformed one never stops training
+                    s.audit = None
+        audit_acc = {k: [] for k, s in enumerate(seqs) if s.audit is not None}
         for job, s in zip(jobs, seqs):
             if job.config.beta != 0.0 and s.ref is None:
                 s.ref = self._base_logprobs(s)
@@ -284,12 +274,20 @@ class MultiLoRATrainer:
                 for span in mb.spans:
                     k = span.slot
                     loss = self._job_loss(jobs[k].config, seqs[k], span, logp[span.start:span.end])
+                    if span.audit is not None and span.end > span.start:
+                        d = (logp[span.start:span.end].detach() - span.audit[span.index]).abs()
+                        audit_acc[k].append(torch.stack([d.max(), d.sum(), d.new_tensor(d.numel())]))
                     losses[k] += loss.detach().to(torch.float64)
                     total = total + loss
                 total.backward()
         finally:
             self.routing.stack = self.routing.layout = None
         stack.write_grads()
+        for k, parts in audit_acc.items():
+            if parts:
+                t = torch.stack(parts).double().cpu()
+                self.last_audit[job_ids[k]] = {"max_abs": float(t[:, 0].max()),
+                                               "mean_abs": float(t[:, 1].sum() / t[:, 2].sum())}
         return {j: self._apply_update(job, s, loss) for j, job, s, loss in zip(job_ids, jobs, seqs, losses)}
 
     def _job_loss(self, cfg: JobConfig, seqs: _Seqs, span: "_JobSpan", logp: torch.Tensor) -> torch.Tensor:
@@ -354,7 +352,7 @@ class MultiLoRATrainer:
         return _JobSpan(slot=slot, start=start, end=start + sum(lengths),
                         index=(self._put(r_idx), self._put(c_idx)), mask=self._put(mask),
                         advantages=self._put(torch.from_numpy(seqs.advantages[rows]).to(self.logp_dtype)),
-                        old=padded(seqs.old), ref=padded(seqs.ref), rows=rows)
+                        old=padded(seqs.old), ref=padded(seqs.ref), rows=rows, audit=padded(seqs.audit))
 
     def _put(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":

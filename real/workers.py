@@ -165,9 +165,9 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
             elif kind == "train":
                 _, tag, batches, paths, engine_logprobs, ckpt_dir = cmd
                 start = time.monotonic()
-                # The audit costs one extra forward: on for proof runs, off for throughput runs.
-                agreement = logprob_agreement(trainer, batches, engine_logprobs) if engine_logprobs else {}
-                stats = trainer.train_step(batches)
+                # The audit reads the training forward's own logprobs (no extra forward).
+                stats = trainer.train_step(batches, audit=engine_logprobs or None)
+                agreement = trainer.last_audit
                 for job_id, st in stats.items():
                     if not st.failed:
                         trainer.save_adapter(job_id, paths[job_id])
@@ -205,18 +205,3 @@ def save_checkpoint(trainer, job_id: str, ckpt_dir: str) -> None:
     torch.save(trainer.state_dict_job(job_id), path + ".tmp")
     os.replace(path + ".tmp", path)
 
-
-def logprob_agreement(trainer, batches, engine_logprobs) -> dict:
-    """Max and mean |trainer logprob - engine logprob| of the sampled tokens, per job."""
-    import torch
-
-    out = {}
-    with torch.no_grad():
-        mine_all = trainer.logprobs_many({j: b for j, b in batches.items() if j in engine_logprobs})
-    for job_id, mine in mine_all.items():
-        diffs = [(m.float().cpu() - torch.tensor(o, dtype=torch.float32)).abs()
-                 for m, o in zip(mine, engine_logprobs[job_id]) if len(o)]
-        if diffs:
-            d = torch.cat(diffs)
-            out[job_id] = {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
-    return out

@@ -63,7 +63,9 @@ def test_arm_ordering_follows_from_the_profile():
 def test_profile_changes_move_the_prediction(tmp_path):
     """Nothing is hard-coded: a 5x faster trainer in the profile raises steps per GPU-hour."""
     prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    prof["train"]["per_microbatch"]["a_s"] /= 5
     prof["train"]["per_microbatch"]["b_s_per_unit"] /= 5
+    prof["train"]["s_per_adapter"] /= 5
     p = tmp_path / "fast.json"
     p.write_text(json.dumps(prof))
     slow = simulate(config_from_args(jobs=4, steps=3))

@@ -329,3 +329,24 @@ def test_plan_microbatches_respects_budget_and_covers_every_row():
 def test_plan_microbatches_interleaves_jobs_of_equal_lengths():
     plan = plan_microbatches([[10] * 8, [10] * 8], max_tokens=40)
     assert all([j for j, _ in mb].count(0) == 2 for mb in plan)
+
+
+def test_audit_compares_the_training_forward_with_given_logprobs():
+    """The audit reads the training forward's logprobs (the pre-update adapter's): against those
+    logprobs themselves it is exactly 0; against shifted ones it finds the shift."""
+    trainer = make_trainer()
+    batches = make_batches(seed=5)
+    mine = {j: [t.double().numpy() for t in trainer.logprobs(j, b)] for j, b in batches.items()}
+    probe = copy.deepcopy(trainer)
+    probe.train_step(batches, audit=mine)
+    assert set(probe.last_audit) == set(batches)
+    for j, a in probe.last_audit.items():
+        assert a["max_abs"] < 1e-5 and a["mean_abs"] < 1e-6, (j, a)
+    shifted = {"a": [x + 0.25 for x in mine["a"]]}
+    trainer.train_step(batches, audit=shifted)
+    assert set(trainer.last_audit) == {"a"}
+    assert trainer.last_audit["a"]["max_abs"] == pytest.approx(0.25, abs=1e-5)
+    assert trainer.last_audit["a"]["mean_abs"] == pytest.approx(0.25, abs=1e-5)
+    # A malformed audit (wrong token counts) is skipped; training still steps.
+    trainer.train_step(batches, audit={"a": [[0.0]] * len(mine["a"])})
+    assert trainer.last_audit == {} and trainer.jobs["a"].step == 2

@@ -29,12 +29,15 @@ def test_replaying_a_recorded_run_reproduces_it(tmp_path):
     assert rep["kendall_tau"] is None  # one held-out run: no ranking
     assert rep["all_replay"]["kendall_tau"] == 1.0
     assert rep["heldout_mape_sampled"] < 0.2
+    # Replayed, every phase and busy fraction is reproduced too.
+    for name, e in rep["all_replay_components"].items():
+        assert e["n"] == 2 and e["mape"] == pytest.approx(0, abs=1e-9), name
 
 
 def test_validate_cli_and_bad_folder(tmp_path, capsys):
     out = tmp_path / "r"
     simulate(config_from_args(jobs=2, steps=2), out)
     assert main(["validate", str(out), "--out", str(tmp_path / "v")]) == 0
-    assert (tmp_path / "v" / "validation.json").is_file()
+    assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "validation.png").is_file()
     with pytest.raises(ConfigError, match="not a recorded run"):
         validate([tmp_path], profile="h200-qwen3-0.6b")

@@ -1,0 +1,135 @@
+"""`nodus fit`: refit a profile's trainer and publish costs from recorded real runs.
+
+    nodus fit RUN_DIR... --base PROFILE --out PROFILE.json [--fit-max-jobs 4]
+
+A microbenchmark (`nodus calibrate`) times the trainer on uniform rows and nothing else; a real
+step also pads long-tailed rows, saves every adapter inside the train phase and computes its
+audit. This fits what the simulator charges for those phases on the runs themselves, using only
+runs with at most `fit_max_jobs` jobs per GPU (a dedicated arm is one job per GPU), so that the
+shared 8- and 16-job runs stay held out for `nodus validate`.
+
+Train: seconds = a * micro-batches + b * padded tokens + c * adapters, relative-error least
+squares, non-negative, with the micro-batches packed exactly as the trainer packs them
+(`nodus.microbatch`). When every fitted step has the same adapter count, c cannot be told from a
+and is kept from the base profile. Publish: the controller's wait per published adapter.
+Everything else (decode, prefill, sharing) is kept from the base profile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from calibration.validate import jobs_per_gpu, load_recorded
+from nodus.config import ConfigError
+from nodus.microbatch import padded_tokens
+
+
+def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
+    """Per train action of a run: its micro-batches' padded tokens, adapter count and seconds;
+    and the run's publish waits per adapter."""
+    cfg, _, spans = load_recorded(run_dir)
+    cap = cfg["trainer"]["max_tokens_per_microbatch"]
+    gen = {(s["gpu"], s["job"], s["attrs"].get("step")): s for s in spans if s["phase"] == "generate"}
+    actions: dict[tuple, list[dict]] = {}
+    for s in spans:
+        if s["phase"] in ("train", "publish"):
+            actions.setdefault((s["phase"], s["gpu"], s["group"], s["start_s"], s["end_s"]), []).append(s)
+    samples, publish = [], []
+    for (phase, gpu, _, start, end), members in sorted(actions.items()):
+        if phase == "publish":
+            publish.append((end - start) / len(members))
+            continue
+        rows = []
+        for m in members:
+            g = gen.get((gpu, m["job"], m["attrs"].get("step")))
+            if g is None:
+                raise ConfigError(f"{run_dir}: train span of {m['job']} step {m['attrs'].get('step')} "
+                                  "has no generate span to take its rows from")
+            each = g["attrs"]["prompt_tokens"] / max(g["attrs"]["n_sequences"], 1)
+            rows.append([round(each) + r for r in g["attrs"]["response_tokens"]])
+        mbs = padded_tokens(rows, cap)
+        samples.append({"microbatches": len(mbs), "padded_tokens": sum(mbs), "adapters": len(members),
+                        "s": end - start})
+    return samples, publish
+
+
+def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin sum(((X w - y) / y)^2) over w >= 0: the best unconstrained fit over every subset
+    of free coefficients (few columns, so exhaustive)."""
+    A, t = X / y[:, None], np.ones(len(y))
+    best, best_err = np.zeros(X.shape[1]), float(np.sum(t ** 2))
+    for k in range(1, X.shape[1] + 1):
+        for cols in itertools.combinations(range(X.shape[1]), k):
+            w, *_ = np.linalg.lstsq(A[:, cols], t, rcond=None)
+            if np.any(w < 0):
+                continue
+            full = np.zeros(X.shape[1])
+            full[list(cols)] = w
+            err = float(np.sum((A @ full - t) ** 2))
+            if err < best_err:
+                best, best_err = full, err
+    return best
+
+
+def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
+    """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
+    from sim.profile import Profile, load_profile
+
+    used, skipped, samples, publish = [], [], [], []
+    for rd in map(Path, runs):
+        cfg, _, _ = load_recorded(rd)
+        if jobs_per_gpu(cfg) > fit_max_jobs:
+            skipped.append(str(rd))
+            continue
+        s, p = train_samples(rd)
+        samples += s
+        publish += p
+        used.append(str(rd))
+    if len(samples) < 3:
+        raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
+                          f"(need >= 3); held out: {skipped}")
+    prof = json.loads(load_profile(base).profile.model_dump_json(by_alias=True))
+    y = np.array([s["s"] for s in samples])
+    mb = np.array([s["microbatches"] for s in samples], dtype=float)
+    tok = np.array([s["padded_tokens"] for s in samples], dtype=float)
+    ad = np.array([s["adapters"] for s in samples], dtype=float)
+    if len(set(ad)) > 1:
+        a, b, c = nonneg_rel_lstsq(np.stack([mb, tok, ad], 1), y)
+        c_source = "fitted"
+    else:
+        c = prof["train"]["s_per_adapter"]
+        a, b = nonneg_rel_lstsq(np.stack([mb, tok], 1), y - c * ad)
+        c_source = "base profile (one adapter count in the fitted runs)"
+    pred = a * mb + b * tok + c * ad
+    rel = (pred - y) / y
+    prof["train"]["per_microbatch"] = {"a_s": float(a), "b_s_per_unit": float(b)}
+    prof["train"]["s_per_adapter"] = float(c)
+    prof["train"]["max_profiled_tokens"] = int(max(tok.max(), prof["train"].get("max_profiled_tokens") or 0))
+    if publish:
+        prof["publish"]["save_s_per_adapter"] = float(np.median(publish))
+    env = dict(prof.get("environment") or {})
+    env["sources"] = list(env.get("sources") or []) + [f"nodus fit on {len(used)} run(s)"]
+    prof["environment"] = env
+    prof.setdefault("measurements", {})["fit_runs"] = {
+        "runs": used, "held_out": skipped, "fit_max_jobs": fit_max_jobs, "train_steps": len(samples),
+        "train_fit": {"a_s_per_microbatch": float(a), "b_s_per_padded_token": float(b),
+                      "c_s_per_adapter": float(c), "c_source": c_source,
+                      "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel)))},
+        "publish_s_per_adapter": float(np.median(publish)) if publish else None,
+        "padded_tokens_range": [int(tok.min()), int(tok.max())]}
+    Profile.model_validate(prof)
+    return prof
+
+
+def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4) -> dict:
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"--out {str(out)!r} exists; nodus fit never overwrites a profile")
+    prof = fit(runs, base, fit_max_jobs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    return prof

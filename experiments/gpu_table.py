@@ -1,0 +1,141 @@
+"""The measured arms table from real-backend run folders, with the simulator's prediction beside
+each point.
+
+    python experiments/gpu_table.py RUN_DIR... --out experiments/results/paper_table_gpu [--profile h200-qwen3-0.6b]
+
+Groups runs by arm (policy, groups, sharing), job count and seed; the first dedicated run of a
+(jobs, seed) is the baseline, a second one its A/A repeat. Per arm and seed: steps per GPU-hour,
+ratio to dedicated, rollout tokens per GPU-second, busy fractions, stale rollouts, and the
+simulator's steps per GPU-hour for the same configuration replaying the run's response lengths.
+Writes <out>.json (per arm, per seed: steps_per_gpu_hour, ratio_vs_dedicated, ...), <out>.md and
+<out>.png (measured and simulated bars per arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+REFERENCE = {  # the published study's ratios (8 jobs unless named); for the comparison column only
+    "overlap/mps/g2": 2.137, "shared-sync/none/g1": 1.762, "overlap/none/g2": 1.639,
+    "shared-sync/mps/g1": 1.630, "timeslice/none/g2": 1.033,
+}
+
+
+def arm_label(arm: dict) -> str:
+    return f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
+
+
+def build(runs: list[Path], profile: str) -> dict:
+    from calibration.validate import _simulate, load_recorded
+
+    table: dict = {"profile": profile, "arms": {}, "aa": {}}
+    baselines: dict[tuple[int, int], float] = {}
+    rows = []
+    for rd in runs:
+        cfg, summary, spans = load_recorded(rd)
+        jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
+        pol = cfg["arm"]["policy"]
+        key = "group" if pol == "overlap" else "stack"
+        groups = {s["job"]: s[key] for s in spans} if pol in ("overlap", "timeslice") else {}
+        trace = str((rd / "spans.jsonl").resolve())
+        replay = dict(cfg, profile=profile, jobs=[dict(j, group=groups.get(j["id"]), lengths={
+            "kind": "replay", "trace": trace, "job": j["id"]}) for j in cfg["jobs"]])
+        sim = _simulate(replay, f"{rd}/config.json")
+        rows.append((rd, cfg, summary, jobs, seed, sim))
+        if pol == "dedicated":
+            if (jobs, seed) in baselines:
+                first = baselines[(jobs, seed)]
+                table["aa"][f"{jobs}-s{seed}"] = {"runs": [first, summary["steps_per_gpu_hour"]],
+                                                  "rel_diff": abs(first - summary["steps_per_gpu_hour"])
+                                                  / ((first + summary["steps_per_gpu_hour"]) / 2)}
+            else:
+                baselines[(jobs, seed)] = summary["steps_per_gpu_hour"]
+    sim_base: dict[tuple[int, int], float] = {}
+    for rd, cfg, summary, jobs, seed, sim in rows:
+        if cfg["arm"]["policy"] == "dedicated":
+            sim_base.setdefault((jobs, seed), sim["steps_per_gpu_hour"])
+    for rd, cfg, summary, jobs, seed, sim in rows:
+        label = arm_label(cfg["arm"]) + ("" if jobs == 8 else f"/{jobs}jobs")
+        per = table["arms"].setdefault(label, {})
+        if str(seed) in per:  # an A/A repeat: already counted above
+            continue
+        base = baselines.get((jobs, seed))
+        sbase = sim_base.get((jobs, seed))
+        per[str(seed)] = {
+            "run": str(rd), "jobs": jobs, "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
+            "ratio_vs_dedicated": summary["steps_per_gpu_hour"] / base if base else None,
+            "rollout_tokens_per_gpu_s": summary.get("rollout_tokens_per_gpu_s"), "busy": summary.get("busy"),
+            "stale_rollouts": summary.get("stale_rollouts"),
+            "sim_steps_per_gpu_hour": sim["steps_per_gpu_hour"],
+            "sim_ratio_vs_dedicated": sim["steps_per_gpu_hour"] / sbase if sbase else None,
+            "reference_ratio": REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8 else None,
+        }
+    return table
+
+
+def render(table: dict) -> str:
+    lines = [f"Measured on the GPU; simulator on profile `{table['profile']}` replaying each run's lengths.", "",
+             "| arm | seed | steps/GPU-h | ratio vs dedicated | reference ratio | sim steps/GPU-h | sim ratio | "
+             "busy engine / trainer / GPU | stale |", "|---|---|---|---|---|---|---|---|---|"]
+    f = (lambda x, p=2: "-" if x is None else f"{x:.{p}f}")
+    for label, per in table["arms"].items():
+        for seed, d in sorted(per.items()):
+            b = d.get("busy") or {}
+            lines.append(f"| {label} | {seed} | {d['steps_per_gpu_hour']:.0f} | {f(d['ratio_vs_dedicated'])} | "
+                         f"{f(d['reference_ratio'], 3)} | {d['sim_steps_per_gpu_hour']:.0f} | "
+                         f"{f(d['sim_ratio_vs_dedicated'])} | {f(b.get('engine'))} / {f(b.get('trainer'))} / "
+                         f"{f(b.get('gpu'))} | {d['stale_rollouts']} |")
+    for k, aa in table["aa"].items():
+        lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
+                     f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")
+    return "\n".join(lines)
+
+
+def plot(table: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, meas, sim = [], [], []
+    for label, per in table["arms"].items():
+        for seed, d in sorted(per.items()):
+            labels.append(f"{label}\ns{seed}")
+            meas.append(d["steps_per_gpu_hour"])
+            sim.append(d["sim_steps_per_gpu_hour"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], meas, width=0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], sim, width=0.4, label="simulated", alpha=0.6)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("optimizer steps per GPU-hour")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--out", required=True, help="path prefix: writes <out>.json, <out>.md, <out>.png")
+    ap.add_argument("--profile", default="h200-qwen3-0.6b")
+    a = ap.parse_args(argv)
+    table = build(a.runs, a.profile)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(table) + "\n")
+    plot(table, out.with_suffix(".png"))
+    print(render(table))
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""How the trainer packs a step's rows into micro-batches; pure Python, shared by the real trainer
+and the simulator (which charges the padded tokens this plan gives)."""
+
+from __future__ import annotations
+
+
+def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tuple[int, int]]]:
+    """Split rows (job j, sequence s) of lengths[j][s] tokens into micro-batches of at most
+    ``max_tokens`` padded tokens (rows * longest row); a longer row goes alone.
+
+    Longest rows first, so each micro-batch pads to similar lengths; rows of equal length take the
+    jobs in turn, so a micro-batch holds about as many rows of every job and the adapter bmm
+    needs no padding rows. Each micro-batch is returned job-major: sorted by (j, s).
+    """
+    order = []
+    for j, ls in enumerate(lengths):
+        for k, s in enumerate(sorted(range(len(ls)), key=lambda s: -ls[s])):
+            order.append((-ls[s], k, j, s))
+    order.sort()
+    batches: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    longest = 0
+    for neg_len, _, j, s in order:
+        if current and (len(current) + 1) * max(longest, -neg_len) > max_tokens:
+            batches.append(sorted(current))
+            current, longest = [], 0
+        current.append((j, s))
+        longest = max(longest, -neg_len)
+    if current:
+        batches.append(sorted(current))
+    return batches
+
+
+def padded_tokens(lengths: list[list[int]], max_tokens: int) -> list[int]:
+    """Padded tokens (rows x longest row) of each micro-batch of ``plan_microbatches``."""
+    return [len(mb) * max(lengths[j][s] for j, s in mb) for mb in plan_microbatches(lengths, max_tokens)]
