@@ -54,6 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--length-spread", type=float, default=0.0,
                    help="0: every sequence is --seq-tokens long; f: lengths uniform in [(1-f)L, L]")
+    p.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform",
+                   help="longtail: response lengths lognormal (median 100, sigma 0.8, <= seq-tokens minus "
+                        "prompt), like the reference workload's; uniform: see --length-spread")
+    p.add_argument("--layouts", default="auto",
+                   help="comma list of trainer LoRA layouts to measure multi with (auto, masked, padded)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--mb-tokens", type=int, nargs="+", default=[16384, 32768],
                    help="max padded tokens per micro-batch; one multi measurement per value")
@@ -113,8 +118,13 @@ def make_batch(args, n_seqs, vocab, seed):
     from real.trainer import JobBatch
 
     rng = np.random.default_rng(seed)
-    lo = max(args.prompt_tokens + 1, int(round(args.seq_tokens * (1 - args.length_spread))))
-    lengths = rng.integers(lo, args.seq_tokens + 1, n_seqs)
+    if args.lengths == "longtail":
+        room = args.seq_tokens - args.prompt_tokens
+        resp = np.clip(np.round(rng.lognormal(np.log(min(100, room)), 0.8, n_seqs)), 1, room).astype(int)
+        lengths = args.prompt_tokens + resp
+    else:
+        lo = max(args.prompt_tokens + 1, int(round(args.seq_tokens * (1 - args.length_spread))))
+        lengths = rng.integers(lo, args.seq_tokens + 1, n_seqs)
     ids = [rng.integers(0, vocab, n).tolist() for n in lengths]
     mask = [[0] * args.prompt_tokens + [1] * (n - args.prompt_tokens) for n in lengths]
     return JobBatch(ids, mask, rng.normal(size=n_seqs).tolist())
@@ -172,16 +182,20 @@ def bench_multi(args, trainer, batches, device) -> list[dict]:
 
     tokens, completion = batch_tokens(batches)
     rows = []
-    for mb_tokens in args.mb_tokens:
-        trainer.max_tokens_per_microbatch = mb_tokens
-        plan = plan_microbatches([[len(r) for r in b.input_ids] for b in batches.values()], mb_tokens)
-        padded = sum(len(mb) * max(len(batches[list(batches)[j]].input_ids[s]) for j, s in mb) for mb in plan)
-        reset_peak(device)
-        log(f"multi: {len(batches)} adapters, {tokens:,} tokens, mb {mb_tokens}: {len(plan)} micro-batches")
-        times = timed(lambda: trainer.train_step(batches), device, args.warmup, args.iters)
-        rows.append(throughput(f"multi_{len(batches)}x_mb{mb_tokens}", times, tokens, completion, device,
-                               adapters=len(batches), mb_tokens=mb_tokens, microbatches=len(plan),
-                               padded_tokens=padded))
+    for layout in [x for x in args.layouts.split(",") if x]:
+        trainer.routing.layout_mode = layout
+        for mb_tokens in args.mb_tokens:
+            trainer.max_tokens_per_microbatch = mb_tokens
+            plan = plan_microbatches([[len(r) for r in b.input_ids] for b in batches.values()], mb_tokens)
+            padded = sum(len(mb) * max(len(batches[list(batches)[j]].input_ids[s]) for j, s in mb) for mb in plan)
+            reset_peak(device)
+            log(f"multi ({layout}): {len(batches)} adapters, {tokens:,} tokens, mb {mb_tokens}: "
+                f"{len(plan)} micro-batches")
+            times = timed(lambda: trainer.train_step(batches), device, args.warmup, args.iters)
+            rows.append(throughput(f"multi_{len(batches)}x_mb{mb_tokens}_{layout}", times, tokens, completion,
+                                   device, adapters=len(batches), mb_tokens=mb_tokens, microbatches=len(plan),
+                                   padded_tokens=padded, layout=layout))
+    trainer.routing.layout_mode = "auto"
     return rows
 
 

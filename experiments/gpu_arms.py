@@ -72,6 +72,8 @@ def main() -> None:
                     help='JSON of extra job fields, e.g. \'{"learning_rate": 1e-3, "prompt_pool": 8}\'')
     ap.add_argument("--aa", action="store_true",
                     help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
+    ap.add_argument("--lora-layout", default="padded", choices=("padded", "masked", "auto"))
+    ap.add_argument("--no-audit", action="store_true", help="skip the logprob audit (it reads the training forward: little cost)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
@@ -84,7 +86,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
     opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
-                       enforce_eager=args.enforce_eager, audit_logprobs=True, evaluate=args.mode == "tasks",
+                       enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit,
+                       lora_layout=args.lora_layout, evaluate=args.mode == "tasks",
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
     from nodus.config import default_jobs
 
@@ -100,7 +103,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict = {"jobs": args.jobs, "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
-                     "job_fields": args.job_fields, "arms": {},
+                     "job_fields": args.job_fields, "lora_layout": args.lora_layout, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}
     pool = ClusterPool(opts, min_loras=args.jobs)
     t_all = time.monotonic()

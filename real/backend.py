@@ -51,6 +51,7 @@ class RealOptions:
     # generator at a time (a Python loop per decode step): timing runs turn it off.
     seeded_sampling: bool = True
     warmup: bool = True  # one short generation per job and one scratch train step before the clock starts
+    lora_layout: str = "padded"  # trainer's multi-adapter path: padded | masked | auto (see MultiLoRATrainer)
     start_timeout_s: float = 900.0
 
 
@@ -154,7 +155,7 @@ class Cluster:
                                max_num_batched_tokens=65536 if self.device == "cpu" else None)
             tspec = TrainerSpec(self.model, device=self.device, dtype=dtype,
                                 max_tokens_per_microbatch=max_tokens_per_microbatch,
-                                load_format=load_format, seed=seed, env=t_env)
+                                load_format=load_format, seed=seed, env=t_env, lora_layout=opts.lora_layout)
             ein, tin = ctx.Queue(), ctx.Queue()
             pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"), daemon=True)
             pt = ctx.Process(target=trainer_main, args=(tspec, tin, self.outbox, f"trainer{s}"), daemon=True)

@@ -106,11 +106,14 @@ class RowLayout:
     slots: torch.Tensor | None  # [J_mb] indices into the step's stack, in row order; None: all, in order
     rows_per_slot: int  # rows per job after padding every job to the same count
     dest_rows: torch.Tensor | None  # [num_rows] padded-row index of each row; None: no padding needed
+    local_slot: torch.Tensor | None = None  # [num_rows] each row's job among the micro-batch's J_mb
+    num_local: int = 1  # J_mb: distinct jobs in the micro-batch
 
     def to(self, put) -> "RowLayout":
         """The same layout with its index tensors passed through ``put`` (e.g. to a device)."""
-        return RowLayout(self.num_rows, None if self.slots is None else put(self.slots), self.rows_per_slot,
-                         None if self.dest_rows is None else put(self.dest_rows))
+        opt = (lambda t: None if t is None else put(t))
+        return RowLayout(self.num_rows, opt(self.slots), self.rows_per_slot, opt(self.dest_rows),
+                         opt(self.local_slot), self.num_local)
 
 
 def make_row_layout(slot_of_row: list[int], device: torch.device | str, num_slots: int) -> RowLayout:
@@ -128,18 +131,62 @@ def make_row_layout(slot_of_row: list[int], device: torch.device | str, num_slot
         for k, c in enumerate(counts):
             idx.extend(range(k * per_slot, k * per_slot + c))
         dest = torch.tensor(idx, device=device)
-    return RowLayout(num_rows=len(slot_of_row), slots=slots, rows_per_slot=per_slot, dest_rows=dest)
+    local = torch.tensor([present.index(k) for k in slot_of_row], device=device)
+    return RowLayout(num_rows=len(slot_of_row), slots=slots, rows_per_slot=per_slot, dest_rows=dest,
+                     local_slot=local, num_local=len(present))
+
+
+LORA_LAYOUTS = ("auto", "masked", "padded")
+# "auto" takes the masked path in a layer while the micro-batch's adapters span at most this
+# fraction of the layer's input width in rank columns (the masked path's extra FLOPs).
+AUTO_MASKED_MAX_FRACTION = 1 / 8
 
 
 class Routing:
     """Mutable state shared by all wrapped layers: the active stack and row layout (None: base only).
 
     It stays set through backward, so recomputation under gradient checkpointing sees it too.
+    ``layout_mode`` picks how rows reach their adapters (see ``lora_delta`` and ``lora_delta_masked``).
     """
 
-    def __init__(self):
+    def __init__(self, layout_mode: str = "padded"):
+        if layout_mode not in LORA_LAYOUTS:
+            raise ValueError(f"lora_layout={layout_mode!r}; expected one of {LORA_LAYOUTS}")
+        self.layout_mode = layout_mode
         self.stack: AdapterStack | None = None
-        self.layout: RowLayout | None = None
+        self._layout: RowLayout | None = None
+        self._coef: dict = {}
+        self.mixed_masked = False  # set once a micro-batch of several adapters took the masked path
+
+    @property
+    def layout(self) -> RowLayout | None:
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: RowLayout | None) -> None:
+        self._layout = layout
+        self._coef = {}
+
+    def masked(self, d_in: int) -> bool:
+        """Whether this micro-batch takes the masked path in a layer of input width ``d_in``."""
+        if self.layout_mode != "auto":
+            masked = self.layout_mode == "masked"
+        else:
+            masked = self._layout.num_local * self.stack.max_rank <= AUTO_MASKED_MAX_FRACTION * d_in
+        self.mixed_masked |= masked and self._layout.num_local > 1
+        return masked
+
+    def coef(self, scaling: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, 1, J_mb * r]: each row's own job's scale on its own rank columns, 0 elsewhere.
+        The same for every wrapped layer of the micro-batch, so built once."""
+        key = dtype
+        if key not in self._coef:
+            lay, r = self._layout, self.stack.max_rank
+            local = lay.local_slot
+            coef = scaling.new_zeros(lay.num_rows, lay.num_local, r)
+            coef[torch.arange(lay.num_rows, device=local.device), local] = scaling[local].to(coef.dtype)[:, None]
+            self._coef[key] = coef.reshape(lay.num_rows, 1, lay.num_local * r).to(dtype)
+        return self._coef[key]
 
 
 def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: torch.Tensor,
@@ -161,6 +208,22 @@ def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: torch
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def lora_delta_masked(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                      coef: torch.Tensor) -> torch.Tensor:
+    """y + each row's own adapter output, without regrouping rows: x [rows, ..., d_in] times every
+    micro-batch adapter's A at once (A [J, r, d_in] as one [J*r, d_in] matrix), each row's columns
+    of the other adapters zeroed and its own scaled by ``coef`` [rows, 1, J*r], then one GEMM with
+    every B side by side ([d_out, J*r]) accumulated onto y. Dense GEMMs with J*r inner columns and
+    no copies of x, against ``lora_delta``'s padded [J, rows, d] regrouping; the zeroed columns add
+    exactly 0 to a row's output and pass no gradient to the other adapters."""
+    J, r, d_in = A.shape
+    h = torch.matmul(x, A.to(x.dtype).reshape(J * r, d_in).t())
+    h = h.reshape(coef.shape[0], -1, J * r) * coef
+    Bm = B.to(x.dtype).permute(1, 0, 2).reshape(B.shape[1], J * r)
+    out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, J * r), Bm.t())
+    return out.reshape(y.shape)
+
+
 class MultiLoRALinear(nn.Module):
     """A frozen nn.Linear plus, per row, the adapter of that row's job (see ``Routing``)."""
 
@@ -178,6 +241,8 @@ class MultiLoRALinear(nn.Module):
         A, B, scaling = stack.A[self.name], stack.B[self.name], stack.scaling
         if layout.slots is not None:
             A, B, scaling = A.index_select(0, layout.slots), B.index_select(0, layout.slots), scaling[layout.slots]
+        if self.routing.masked(x.shape[-1]):
+            return lora_delta_masked(x, y, A, B, self.routing.coef(scaling, x.dtype))
         return y + lora_delta(x, A, B, scaling, layout)
 
 

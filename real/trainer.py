@@ -172,7 +172,13 @@ class MultiLoRATrainer:
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  param_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int = 32768,
                  logprob_chunk_tokens: int = 2048, gradient_checkpointing: bool = False,
-                 base_model_name_or_path: str | None = None):
+                 base_model_name_or_path: str | None = None, lora_layout: str = "padded"):
+        """``lora_layout``: how each row reaches its own adapter in a mixed micro-batch —
+        "padded" (rows regrouped per adapter into a padded [J, rows, d] batch for bmm; the one
+        measured on the H200), "masked" (every adapter's A at once, other adapters' columns
+        zeroed; dense GEMMs, no regrouping, J_mb * rank extra inner columns), or "auto" (masked
+        in a layer while J_mb * rank <= d_in / 8). Same function; which is faster is a GPU
+        measurement (`experiments/bench_trainer.py --layouts`)."""
         if dtype is not None or device is not None:
             base_model.to(device=device, dtype=dtype)
         base_model.requires_grad_(False)
@@ -185,7 +191,7 @@ class MultiLoRATrainer:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.base_model_name_or_path = base_model_name_or_path
-        self.routing = Routing()
+        self.routing = Routing(lora_layout)
         self.shapes = wrap_linears(base_model, self.target_modules, self.routing)
         self.decoder = base_model.get_decoder()
         self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
@@ -264,9 +270,36 @@ class MultiLoRATrainer:
         # wait for the GPU, and the GPU then idle while the host queues the next kernels.
         plan = [self._prepare(mb, seqs) for mb in
                 plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
+        losses = self._backward(plan, jobs, seqs, audit_acc)
+        norms = [self._clip(job) for job in jobs]
+        finite = [math.isfinite(float(loss)) and math.isfinite(n) for loss, n in zip(losses, norms)]
+        if self.routing.mixed_masked and not all(finite):
+            # On the masked path a job's non-finite gradient reaches the other adapters of its
+            # micro-batches (0 * nan in their B gradients). Faults are rare: redo the step's
+            # gradients on the padded path, which keeps every adapter's rows apart.
+            for job in jobs:
+                job.optimizer.zero_grad(set_to_none=True)
+            audit_acc = {k: [] for k in audit_acc}
+            mode, self.routing.layout_mode = self.routing.layout_mode, "padded"
+            try:
+                losses = self._backward(plan, jobs, seqs, audit_acc)
+            finally:
+                self.routing.layout_mode = mode
+            norms = [self._clip(job) for job in jobs]
+        for k, parts in audit_acc.items():
+            if parts:
+                t = torch.stack(parts).double().cpu()
+                self.last_audit[job_ids[k]] = {"max_abs": float(t[:, 0].max()),
+                                               "mean_abs": float(t[:, 1].sum() / t[:, 2].sum())}
+        return {j: self._apply_update(job, s, loss, norm)
+                for j, job, s, loss, norm in zip(job_ids, jobs, seqs, losses, norms)}
+
+    def _backward(self, plan, jobs, seqs, audit_acc) -> list[torch.Tensor]:
+        """Forward and backward over every micro-batch; each job's loss and its grads in place."""
         losses = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in jobs]
         stack = AdapterStack([job.adapter for job in jobs], requires_grad=True)
         self.routing.stack = stack
+        self.routing.mixed_masked = False
         try:
             for mb in plan:
                 logp = self._forward_logprobs(mb)
@@ -283,12 +316,12 @@ class MultiLoRATrainer:
         finally:
             self.routing.stack = self.routing.layout = None
         stack.write_grads()
-        for k, parts in audit_acc.items():
-            if parts:
-                t = torch.stack(parts).double().cpu()
-                self.last_audit[job_ids[k]] = {"max_abs": float(t[:, 0].max()),
-                                               "mean_abs": float(t[:, 1].sum() / t[:, 2].sum())}
-        return {j: self._apply_update(job, s, loss) for j, job, s, loss in zip(job_ids, jobs, seqs, losses)}
+        return losses
+
+    @staticmethod
+    def _clip(job: _Job) -> float:
+        """Clip the job's grads to its max norm; the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(job.adapter.parameters(), job.config.max_grad_norm))
 
     def _job_loss(self, cfg: JobConfig, seqs: _Seqs, span: "_JobSpan", logp: torch.Tensor) -> torch.Tensor:
         """The job's loss over its rows of one micro-batch, normalised by the whole step's counts."""
@@ -298,9 +331,7 @@ class MultiLoRATrainer:
         return aggregate_loss(ptl, span.mask, cfg.loss_type, num_seqs=len(seqs.ids),
                               num_tokens=seqs.completion_tokens, max_completion_length=longest)
 
-    def _apply_update(self, job: _Job, seqs: _Seqs, loss: torch.Tensor) -> StepStats:
-        cfg, params = job.config, job.adapter.parameters()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+    def _apply_update(self, job: _Job, seqs: _Seqs, loss: torch.Tensor, grad_norm: float) -> StepStats:
         loss_value = float(loss)
         failed = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if not failed:

@@ -41,6 +41,7 @@ class TrainerSpec:
     load_format: str  # "dummy": random weights from the model's config
     seed: int
     env: dict = field(default_factory=dict)
+    lora_layout: str = "padded"
 
 
 def _apply_env(env: dict) -> None:
@@ -116,7 +117,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         dtype = getattr(torch, spec.dtype)
         model = load_base_model(spec.model, spec.load_format, dtype, spec.device)
         trainer = MultiLoRATrainer(model, device=spec.device, max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
-                                   base_model_name_or_path=spec.model)
+                                   base_model_name_or_path=spec.model, lora_layout=spec.lora_layout)
         outbox.put(("ready", name, time.monotonic() - t0))
     except Exception:  # noqa: BLE001
         outbox.put(("error", name, traceback.format_exc()))

@@ -285,13 +285,16 @@ def test_remove_job():
 
 # --- faults -------------------------------------------------------------------------------------
 
-def test_nan_job_fails_alone_and_keeps_its_params():
+@pytest.mark.parametrize("layout", ["masked", "padded"])
+def test_nan_job_fails_alone_and_keeps_its_params(layout):
+    """On the masked path a NaN gradient would reach the other adapters of its micro-batch; the
+    trainer then redoes the step's gradients on the padded path, so the others still step."""
     step1, step2 = two_step_data()
     poisoned = dict(step2)
     bad = step2["b"]
     poisoned["b"] = JobBatch(bad.input_ids, bad.completion_mask, [float("nan")] * len(bad.advantages),
                              old_logprobs=bad.old_logprobs)
-    trainer = make_trainer(max_tokens_per_microbatch=48)
+    trainer = make_trainer(max_tokens_per_microbatch=48, lora_layout=layout)
     trainer.train_step(step1)
     before = {j: params(trainer, j) for j in JOBS}
     opt_before = copy.deepcopy(trainer.jobs["b"].optimizer.state_dict())
@@ -305,7 +308,7 @@ def test_nan_job_fails_alone_and_keeps_its_params():
         for key in s:
             assert torch.equal(s[key], opt_after["state"][i][key])
     # The others' updates are exactly those of a step without the failed job.
-    clean = make_trainer(max_tokens_per_microbatch=48)
+    clean = make_trainer(max_tokens_per_microbatch=48, lora_layout=layout)
     clean.train_step(step1)
     clean.train_step({j: step2[j] for j in ("a", "c")})
     for j in ("a", "c"):
@@ -350,3 +353,40 @@ def test_audit_compares_the_training_forward_with_given_logprobs():
     # A malformed audit (wrong token counts) is skipped; training still steps.
     trainer.train_step(batches, audit={"a": [[0.0]] * len(mine["a"])})
     assert trainer.last_audit == {} and trainer.jobs["a"].step == 2
+
+
+@pytest.mark.parametrize("mb_tokens", [4096, 48])
+def test_masked_and_padded_lora_layouts_give_the_same_update(mb_tokens):
+    """The two ways rows reach their own adapter (all adapters' A at once with other jobs'
+    columns zeroed, or rows regrouped into a padded [J, rows, d] bmm) are the same function:
+    logprobs and two steps' updates agree to fp64 rounding, with mixed ranks and uneven rows."""
+    step1, step2 = two_step_data()
+    trainers = {m: make_trainer(dtype=torch.float64, lora_layout=m, max_tokens_per_microbatch=mb_tokens)
+                for m in ("masked", "padded")}
+    for t in trainers.values():
+        t.train_step(step1)
+    lp = {m: t.logprobs("b", step2["b"]) for m, t in trainers.items()}
+    for got, want in zip(lp["masked"], lp["padded"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for t in trainers.values():
+        t.train_step(step2)
+    for j in JOBS:
+        assert max_rel_diff(params(trainers["masked"], j), params(trainers["padded"], j)) < 1e-10
+
+
+def test_auto_layout_switches_on_rank_columns():
+    from real.multilora import Routing, make_row_layout
+
+    class Stack:
+        max_rank = 16
+
+    r = Routing("auto")
+    r.stack = Stack()
+    r.layout = make_row_layout([0, 0, 1, 2, 3, 4, 5, 6, 7], "cpu", 8)  # 8 jobs x rank 16 = 128 columns
+    assert r.masked(1024) and not r.masked(512)  # Qwen3-0.6B's q/k/v input is 1024 wide
+    assert r.mixed_masked
+    r.layout = make_row_layout([0, 0, 0], "cpu", 1)
+    assert r.masked(128)  # one adapter: no extra columns beyond its rank... within 1/8 of 128
+    assert Routing().layout_mode == "padded"
+    with pytest.raises(ValueError, match="lora_layout"):
+        Routing("fast")
