@@ -12,8 +12,12 @@ random_model() {
 }
 case "${1:-arms}" in
   trainer)
-    timeout 300 python experiments/bench_trainer.py --out "$OUT/bench_trainer_h200.json" --no-loop --iters 2 \
-      --mb-tokens 16384 32768 > "$OUT/bench_trainer.log" 2>&1; echo "bench_trainer rc=$?" ;;
+    # Both multi-adapter layouts on the reference workload's long-tailed lengths (8 jobs x 64
+    # sequences, prompt 140, responses lognormal median 100, <= 256 new tokens).
+    timeout "${TRAINER_TIMEOUT:-300}" python experiments/bench_trainer.py --out "$OUT/bench_trainer_h200.json" \
+      --no-loop --no-peft --iters 2 --lengths longtail --prompt-tokens 140 --seq-tokens 396 \
+      --layouts "${LAYOUTS:-padded,masked,auto}" --mb-tokens 16384 32768 > "$OUT/bench_trainer.log" 2>&1
+    echo "bench_trainer rc=$?" ;;
   calibrate)
     random_model
     timeout "${CAL_TIMEOUT:-420}" python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \

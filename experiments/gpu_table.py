@@ -6,7 +6,8 @@ each point.
 Groups runs by arm (policy, groups, sharing), job count and seed; the first dedicated run of a
 (jobs, seed) is the baseline, a second one its A/A repeat. Per arm and seed: steps per GPU-hour,
 ratio to dedicated, rollout tokens per GPU-second, busy fractions, stale rollouts, and the
-simulator's steps per GPU-hour for the same configuration replaying the run's response lengths.
+simulator's steps per GPU-hour for the same configuration replaying the run's response lengths, and
+each job's slowdown (its finish time over its finish time alone, from the dedicated run).
 Writes <out>.json (per arm, per seed: steps_per_gpu_hour, ratio_vs_dedicated, ...), <out>.md and
 <out>.png (measured and simulated bars per arm).
 """
@@ -55,6 +56,10 @@ def build(runs: list[Path], profile: str) -> dict:
                                                   / ((first + summary["steps_per_gpu_hour"]) / 2)}
             else:
                 baselines[(jobs, seed)] = summary["steps_per_gpu_hour"]
+    ded_summary: dict[tuple[int, int], dict] = {}  # the first dedicated run of each (jobs, seed)
+    for rd, cfg, summary, jobs, seed, sim in rows:
+        if cfg["arm"]["policy"] == "dedicated":
+            ded_summary.setdefault((jobs, seed), summary)
     sim_base: dict[tuple[int, int], float] = {}
     for rd, cfg, summary, jobs, seed, sim in rows:
         if cfg["arm"]["policy"] == "dedicated":
@@ -66,11 +71,15 @@ def build(runs: list[Path], profile: str) -> dict:
             continue
         base = baselines.get((jobs, seed))
         sbase = sim_base.get((jobs, seed))
+        alone = ded_summary.get((jobs, seed), {}).get("per_job", {})
+        slow = [d["finish_s"] / alone[j]["finish_s"] for j, d in summary.get("per_job", {}).items()
+                if alone.get(j, {}).get("finish_s")]
         per[str(seed)] = {
             "run": str(rd), "jobs": jobs, "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
             "ratio_vs_dedicated": summary["steps_per_gpu_hour"] / base if base else None,
             "rollout_tokens_per_gpu_s": summary.get("rollout_tokens_per_gpu_s"), "busy": summary.get("busy"),
             "stale_rollouts": summary.get("stale_rollouts"),
+            "slowdown_vs_alone": {"min": min(slow), "max": max(slow)} if slow else None,
             "sim_steps_per_gpu_hour": sim["steps_per_gpu_hour"],
             "sim_ratio_vs_dedicated": sim["steps_per_gpu_hour"] / sbase if sbase else None,
             "reference_ratio": REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8 else None,
@@ -81,7 +90,7 @@ def build(runs: list[Path], profile: str) -> dict:
 def render(table: dict) -> str:
     lines = [f"Measured on the GPU; simulator on profile `{table['profile']}` replaying each run's lengths.", "",
              "| arm | seed | steps/GPU-h | ratio vs dedicated | reference ratio | sim steps/GPU-h | sim ratio | "
-             "busy engine / trainer / GPU | stale |", "|---|---|---|---|---|---|---|---|---|"]
+             "busy engine / trainer / GPU | per-job slowdown min-max | stale |", "|---|---|---|---|---|---|---|---|---|---|"]
     f = (lambda x, p=2: "-" if x is None else f"{x:.{p}f}")
     for label, per in table["arms"].items():
         for seed, d in sorted(per.items()):
@@ -89,11 +98,16 @@ def render(table: dict) -> str:
             lines.append(f"| {label} | {seed} | {d['steps_per_gpu_hour']:.0f} | {f(d['ratio_vs_dedicated'])} | "
                          f"{f(d['reference_ratio'], 3)} | {d['sim_steps_per_gpu_hour']:.0f} | "
                          f"{f(d['sim_ratio_vs_dedicated'])} | {f(b.get('engine'))} / {f(b.get('trainer'))} / "
-                         f"{f(b.get('gpu'))} | {d['stale_rollouts']} |")
+                         f"{f(b.get('gpu'))} | {_slow(d)} | {d['stale_rollouts']} |")
     for k, aa in table["aa"].items():
         lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
                      f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")
     return "\n".join(lines)
+
+
+def _slow(d: dict) -> str:
+    s = d.get("slowdown_vs_alone")
+    return "-" if not s else f"{s['min']:.2f}-{s['max']:.2f}x"
 
 
 def plot(table: dict, path: Path) -> None:
