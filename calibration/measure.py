@@ -61,7 +61,7 @@ def _timed_no_lora(eng, reqs) -> float:
 
 def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_tokens: tuple[int, int],
             lengths: tuple[int, int], train_tokens: list[int], device: str, dtype: str, rank: int = 16,
-            engine_memory: float = 0.4, enforce_eager: bool = False, log=print) -> dict:
+            engine_memory: float = 0.4, enforce_eager: bool = False, repeats: int = 3, log=print) -> dict:
     """Raw timings (seconds) from one engine and one trainer in this process."""
     import torch
 
@@ -96,11 +96,15 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
 
     l1, l2 = lengths
 
-    def step_time(a: int, b: int, p: int) -> tuple[float, float, float]:
-        """(decode step, short call, long call): the two lengths' difference cancels prefill
-        and call overhead."""
-        t1 = timed(_requests(a, b, p, l1, vocab, rng))
-        t2 = timed(_requests(a, b, p, l2, vocab, rng))
+    def step_time(a: int, b: int, p: int, time_fn=None) -> tuple[float, float, float]:
+        """(decode step, short call, long call), medians over `repeats` interleaved pairs: the
+        two lengths' difference cancels prefill and call overhead."""
+        time_fn = time_fn or timed
+        t1s, t2s = [], []
+        for _ in range(repeats):
+            t1s.append(time_fn(_requests(a, b, p, l1, vocab, rng)))
+            t2s.append(time_fn(_requests(a, b, p, l2, vocab, rng)))
+        t1, t2 = float(np.median(t1s)), float(np.median(t2s))
         return max((t2 - t1) / (l2 - l1), 1e-6), t1, t2
 
     timed(_requests(1, 2, prompt_tokens[0], 2, vocab, rng))  # warm-up (kernel compiles, graphs)
@@ -121,8 +125,8 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     # The same decode with no adapter at all (the LoRA overhead against the plain model).
     no_lora = []
     for b in (batches[0], batches[-1]):
-        t = [_timed_no_lora(eng, _requests(1, b, prompt_tokens[0], n, vocab, rng)) for n in (l1, l2)]
-        no_lora.append({"batch": b, "step_s": max((t[1] - t[0]) / (l2 - l1), 1e-6)})
+        step, _, _ = step_time(1, b, prompt_tokens[0], time_fn=lambda reqs: _timed_no_lora(eng, reqs))
+        no_lora.append({"batch": b, "step_s": step})
         log(f"decode batch {b:4d} no LoRA: {no_lora[-1]['step_s'] * 1e3:.2f} ms/step")
     eng.close()
 
@@ -188,7 +192,7 @@ def fit_profile(raw: dict, base: dict, env: dict) -> dict:
 def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batches=(8, 64, 256, 512),
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
               train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
-              log=print) -> dict:
+              repeats: int = 3, log=print) -> dict:
     from sim.profile import Profile, load_profile
 
     out = Path(out)
@@ -200,7 +204,7 @@ def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batche
     dtype = ("bfloat16" if device == "cuda" else "float32") if dtype == "auto" else dtype
     base_prof = json.loads(load_profile(base).profile.model_dump_json(by_alias=True))
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
-                  list(train_tokens), device, dtype, enforce_eager=enforce_eager, log=log)
+                  list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log)
     env = {"gpu": torch.cuda.get_device_name(0) if device == "cuda" else f"cpu ({platform.processor() or 'unknown'})",
            "model": os.path.basename(os.path.normpath(model)), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "git_commit": _git_commit(), "sources": ["nodus calibrate"]}

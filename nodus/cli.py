@@ -112,7 +112,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     ints = lambda t: tuple(int(x) for x in t.split(","))  # noqa: E731
     calibrate(a.model, a.out, base=a.base, batches=ints(a.batches), adapter_counts=ints(a.adapters),
               prompt_tokens=ints(a.prompt_tokens), lengths=ints(a.lengths), train_tokens=ints(a.train_tokens),
-              device=a.device, enforce_eager=a.enforce_eager,
+              device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats,
               log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
     return 0
@@ -195,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", default="64,256", help="two prompt lengths (KV context cost)")
     p.add_argument("--lengths", default="16,64", help="two forced response lengths per point")
     p.add_argument("--train-tokens", default="4096,16384")
+    p.add_argument("--repeats", type=int, default=3, help="timed pairs per decode point (median)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true")
     p.set_defaults(fn=cmd_calibrate)
