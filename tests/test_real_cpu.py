@@ -123,3 +123,19 @@ def test_mps_without_cuda_mps_binaries_is_a_clear_error(tmp_path, capsys, monkey
     assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "2", "--steps", "1", "--sharing", "mps",
                  "--no-baseline"]) == 2
     assert "nvidia-cuda-mps-control" in capsys.readouterr().err
+
+
+def test_timeslice_two_stacks_start_one_engine_at_a_time():
+    """Two stacks (two engines, two trainers) with the GPU's start order: each engine alone while
+    it sizes its KV cache, then the trainers; both stacks' jobs run on-policy."""
+    from nodus.config import build_config
+    from nodus.realrun import run
+    from real.backend import RealOptions
+
+    cfg = build_config({
+        "jobs": [{"task": t, "steps": 1, "prompts_per_step": 2, "responses_per_prompt": 2, "max_new_tokens": 8}
+                 for t in ("modular", "sorting")],
+        "arm": {"policy": "timeslice", "groups": 2, "sharing": "none"}})
+    s = run(cfg, opts=RealOptions(model="tiny", evaluate=False, staggered_start=True), baseline=False)
+    assert set(s["startup_s"]["none-2"]) == {"engine0", "engine1", "trainer0", "trainer1"}
+    assert s["steps"] == 2 and s["stale_rollouts"] == 0
