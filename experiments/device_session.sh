@@ -1,6 +1,6 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|arms|calibrate|engine|learn
+#   bash experiments/device_session.sh trainer|arms|calibrate|sharing|engine|learn
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -22,6 +22,12 @@ case "${1:-arms}" in
     random_model
     timeout "${CAL_TIMEOUT:-420}" python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \
       > "$OUT/calibrate.log" 2>&1; echo "calibrate rc=$?" ;;
+  sharing)
+    # Engine and trainer as two processes, alone and co-running, without and with MPS (~6 min).
+    random_model
+    timeout "${SHARING_TIMEOUT:-480}" python -m nodus.cli calibrate-sharing --model /tmp/nodus-qwen3-0.6b-random \
+      --base "${SHARING_BASE:-h200-qwen3-0.6b}" --out "$OUT/h200-sharing.json" > "$OUT/sharing.log" 2>&1
+    echo "calibrate-sharing rc=$?" ;;
   engine)
     random_model
     timeout 400 python experiments/bench_engine_loop.py --model /tmp/nodus-qwen3-0.6b-random --batch 512 --adapters 8 \

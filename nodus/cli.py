@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from nodus.config import POLICIES, SHARINGS, ConfigError, load_config
 
@@ -118,6 +119,36 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
+    from calibration.corun import apply_sharing, measure_sharing
+    from sim.profile import Profile, load_profile
+
+    out = Path(a.out)
+    if out.exists():
+        raise FileExistsError(f"--out {a.out!r} exists; calibrate never overwrites a profile")
+    modes = tuple(m for m in a.modes.split(",") if m)
+    bad = [m for m in modes if m not in ("none", "mps")]
+    if bad or "none" not in modes:
+        raise ConfigError(f"--modes {a.modes!r}: choose from none,mps, with none (the rates' unit) included")
+    base = json.loads(load_profile(a.base).profile.model_dump_json(by_alias=True))
+    ints = lambda t: tuple(int(x) for x in t.split(","))  # noqa: E731
+    measured = measure_sharing(a.model, modes=modes, batches=ints(a.batches), train_tokens=ints(a.train_tokens),
+                               prompt=a.prompt_tokens, length=a.length, repeats=a.repeats, device=a.device,
+                               engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+    prof = apply_sharing(base, measured)
+    env = prof.setdefault("environment", {})
+    env["sources"] = list(env.get("sources") or []) + [f"nodus calibrate-sharing ({','.join(modes)})"]
+    Profile.model_validate(prof)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    r = measured["rates"]
+    print(" ".join(f"{k} engine {r[k]['engine']:.3f} trainer {r[k]['trainer']:.3f};" for k in
+                   ("none_corun", "mps_alone", "mps_corun") if k in r))
+    print(f"wrote {a.out}")
+    return 0
+
+
 def cmd_fit(a: argparse.Namespace) -> int:
     from calibration.fit_runs import fit_to_file
 
@@ -199,6 +230,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true")
     p.set_defaults(fn=cmd_calibrate)
+
+    p = sub.add_parser("calibrate-sharing",
+                       help="measure engine and trainer co-running in two processes (no MPS, MPS) into a profile")
+    p.add_argument("--model", required=True, help="local model folder (weights saved, e.g. random)")
+    p.add_argument("--base", default="h200-qwen3-0.6b", help="profile whose other sections are kept")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
+    p.add_argument("--modes", default="none,mps", help="sharing modes to measure; none is the unit")
+    p.add_argument("--batches", default="64,256,512", help="engine batch buckets")
+    p.add_argument("--train-tokens", default="16384,49152", help="trainer step token buckets")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--length", type=int, default=128, help="forced response length")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--engine-memory", type=float, default=0.35)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--enforce-eager", action="store_true")
+    p.set_defaults(fn=cmd_calibrate_sharing)
 
     p = sub.add_parser("fit", help="refit a profile's trainer and publish costs from recorded real runs")
     p.add_argument("runs", nargs="+", help="run folders written by nodus run --out")

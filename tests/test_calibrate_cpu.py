@@ -33,3 +33,49 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path):
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert any(a["id"] == "sharing-from-base" for a in s["assumptions"])
     assert main(["calibrate", "--model", str(model), "--out", str(out)]) == 2  # never overwrites
+
+
+def test_sharing_rates_and_profile_update_from_known_timings():
+    from calibration.corun import apply_sharing, sharing_rates
+    from sim.profile import load_profile
+
+    none = [{"batch": b, "tokens": t, "engine_alone_s": 1.0, "trainer_alone_s": 2.0,
+             "engine_corun_s": 2.0 * k, "trainer_corun_s": 2.5} for k, (b, t) in enumerate([(64, 1), (512, 1)], 1)]
+    mps = [dict(r, engine_alone_s=1.25, trainer_alone_s=2.0, engine_corun_s=1.6, trainer_corun_s=2.2) for r in none]
+    rates = sharing_rates({"none": none, "mps": mps})
+    assert rates["none_corun"] == {"engine": pytest.approx(0.375), "trainer": pytest.approx(0.8)}  # median of 1/2, 1/4
+    assert rates["none_corun_range"]["engine"] == [0.25, 0.5]
+    assert rates["mps_alone"] == {"engine": pytest.approx(0.8), "trainer": pytest.approx(1.0)}
+    assert rates["mps_corun"] == {"engine": pytest.approx(1 / 1.6), "trainer": pytest.approx(2 / 2.2)}
+    with pytest.raises(ValueError, match="mode 'none'"):
+        sharing_rates({"mps": mps})
+    prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    full = apply_sharing(json.loads(json.dumps(prof)), {"rates": rates})
+    assert full["sharing"]["mps_alone"]["engine"] == pytest.approx(0.8)
+    assert not any(a["id"] == "sharing-from-base" for a in full["assumptions"])
+    part = apply_sharing(json.loads(json.dumps(prof)), {"rates": sharing_rates({"none": none})})
+    base_from = next(a for a in part["assumptions"] if a["id"] == "sharing-from-base")
+    assert "mps_alone, mps_corun" in base_from["what"]
+    assert part["sharing"]["mps_corun"] == prof["sharing"]["mps_corun"]
+
+
+def test_calibrate_sharing_measures_two_processes_on_the_cpu(tmp_path, capsys):
+    """Engine and trainer as two processes (no MPS on a CPU): alone and co-running timings, rates
+    into a profile the simulator reads."""
+    from real.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "shared.json"
+    assert main(["calibrate-sharing", "--model", str(model), "--out", str(out), "--modes", "none",
+                 "--batches", "8", "--train-tokens", "512,1024", "--prompt-tokens", "16", "--length", "8",
+                 "--repeats", "1", "--device", "cpu"]) == 0
+    prof = json.loads(out.read_text())
+    raw = prof["measurements"]["sharing"]["raw"]["none"]
+    assert [(r["batch"], r["tokens"]) for r in raw] == [(8, 512), (8, 1024)]
+    assert all(r[k] > 0 for r in raw for k in ("engine_alone_s", "engine_corun_s", "trainer_alone_s", "trainer_corun_s"))
+    assert 0 < prof["sharing"]["none_corun"]["engine"] and 0 < prof["sharing"]["none_corun"]["trainer"]
+    assert prof["environment"]["sources"][-1] == "nodus calibrate-sharing (none)"
+    s = simulate(config_from_args(jobs=2, steps=2, policy="overlap", groups=2, sharing="none", profile=str(out)))
+    assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
+    assert main(["calibrate-sharing", "--model", str(model), "--out", str(tmp_path / "x.json"), "--modes", "mps"]) == 2
+    assert "none (the rates' unit)" in capsys.readouterr().err

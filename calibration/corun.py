@@ -1,0 +1,208 @@
+"""Engine and trainer sharing one GPU, measured the way the real backend runs them: two processes.
+
+For each sharing mode (`none`: the driver time-slices them; `mps`: the backend's own MPS daemon)
+and each bucket (engine batch, trainer tokens), three timings:
+
+- the engine alone: one generation of `batch` sequences (prompt and forced response lengths);
+- the trainer alone: one step of `tokens` tokens over 8 adapters (saves included, as in a run);
+- each side while the other is kept busy: the trainer steps back to back while the engine
+  generates once, and the engine generates back to back while the trainer steps once.
+
+Rates are in the simulator's unit, work done per second relative to that side alone with no MPS:
+`none_corun` = alone(none) / corun(none), `mps_alone` = alone(none) / alone(mps), `mps_corun` =
+alone(none) / corun(mps). The profile takes the median over buckets; each bucket's rates stay in
+its measurements, so the spread across batch sizes and token counts is on record.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIDES = ("engine", "trainer")
+
+
+class _Pair:
+    """One engine and one trainer process (a one-stack Cluster) with 8 calibration jobs."""
+
+    def __init__(self, model: str, sharing: str, device: str, max_batch: int, mb_tokens: int,
+                 engine_memory: float, enforce_eager: bool, adapters: int = 8, rank: int = 16, log=print):
+        from real.backend import Cluster, RealOptions
+        from real.trainer import JobConfig
+
+        opts = RealOptions(model=model, mode="synthetic", device=device, engine_memory=engine_memory,
+                           enforce_eager=enforce_eager, warmup=False)
+        self.c = Cluster(opts, sharing, 1, max_loras=adapters, max_rank=rank, max_num_seqs=max_batch,
+                         max_tokens_per_microbatch=mb_tokens)
+        self.vocab = self.c.vocab_size
+        self.jobs = [f"cal{a}" for a in range(adapters)]
+        self.dir = Path(tempfile.mkdtemp(prefix="nodus-corun-"))
+        self._n = 0
+        for a, job in enumerate(self.jobs):
+            path = str(self.dir / job / "v{v}")
+            self.c.trainers[0].put(("add", self._tag(), job, JobConfig(rank=rank, alpha=2 * rank, lr=1e-6, seed=a),
+                                    path))
+            self._wait("added")
+        self.c.engines[0].put(("publish", self._tag(), [(j, 0, str(self.dir / j / "v0")) for j in self.jobs]))
+        self._wait("published")
+        self.rng = np.random.default_rng(0)
+        self.log = log
+
+    def _tag(self) -> str:
+        self._n += 1
+        return f"c{self._n}"
+
+    def _wait(self, kind: str):
+        while True:
+            msg = self.c.get(timeout=1800)
+            if msg[0] == kind:
+                return msg
+
+    def gen_request(self, batch: int, prompt: int, length: int):
+        from real.engine import GenRequest
+
+        per = [batch // len(self.jobs) + (1 if a < batch % len(self.jobs) else 0) for a in range(len(self.jobs))]
+        return [GenRequest(job_id=j, adapter_version=0, n=1, max_new_tokens=length, temperature=1.0, seed=None,
+                           prompts=[[int(t) for t in self.rng.integers(1, self.vocab - 1, prompt)] for _ in range(n)],
+                           forced_lengths=[length] * n) for j, n in zip(self.jobs, per) if n]
+
+    def train_batches(self, tokens: int, seq: int = 256):
+        from real.trainer import JobBatch
+
+        rows = max(1, tokens // seq // len(self.jobs))
+        batches, paths = {}, {}
+        for j in self.jobs:
+            ids = [[int(t) for t in self.rng.integers(1, self.vocab - 1, seq)] for _ in range(rows)]
+            batches[j] = JobBatch(input_ids=ids, completion_mask=[[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
+                                  advantages=self.rng.standard_normal(rows).tolist())
+            paths[j] = str(self.dir / j / "scratch")
+        return batches, paths
+
+    def send(self, side: str, work) -> str:
+        tag = self._tag()
+        if side == "engine":
+            self.c.engines[0].put(("gen", tag, work))
+        else:
+            self.c.trainers[0].put(("train", tag, work[0], work[1], None, None))
+        return tag
+
+    def alone(self, side: str, work, repeats: int) -> float:
+        done = {"engine": "generated", "trainer": "trained"}[side]
+        times = []
+        for _ in range(repeats):
+            t0 = time.monotonic()
+            self.send(side, work)
+            self._wait(done)
+            times.append(time.monotonic() - t0)
+        return float(np.median(times))
+
+    def corun(self, fg: str, fg_work, bg_work, repeats: int) -> float:
+        """Seconds of one `fg` task while the other side runs back to back."""
+        bg = "trainer" if fg == "engine" else "engine"
+        done = {"engine": "generated", "trainer": "trained"}
+        times = []
+        for _ in range(repeats):
+            bg_tag = self.send(bg, bg_work)
+            time.sleep(0.05)  # the background is running before the foreground starts
+            t0 = time.monotonic()
+            fg_tag = self.send(fg, fg_work)
+            end = None
+            while end is None:
+                msg = self.c.get(timeout=1800)
+                if msg[0] == done[fg] and msg[1] == fg_tag:
+                    end = time.monotonic()
+                elif msg[0] == done[bg] and msg[1] == bg_tag:
+                    bg_tag = self.send(bg, bg_work)
+            times.append(end - t0)
+            while True:  # drain the last background task
+                msg = self.c.get(timeout=1800)
+                if msg[0] == done[bg] and msg[1] == bg_tag:
+                    break
+        return float(np.median(times))
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def measure_sharing(model: str, modes=("none", "mps"), batches=(64, 256, 512), train_tokens=(16384, 49152),
+                    prompt: int = 128, length: int = 128, repeats: int = 2, device: str = "auto",
+                    engine_memory: float = 0.35, enforce_eager: bool = False, mb_tokens: int = 16384,
+                    log=print) -> dict:
+    """Raw timings per mode and bucket, and the rates the profile's sharing section takes."""
+    raw: dict = {}
+    for mode in modes:
+        pair = _Pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager, log=log)
+        try:
+            gen = {b: pair.gen_request(b, prompt, length) for b in batches}
+            train = {t: pair.train_batches(t) for t in train_tokens}
+            # Warm-up at every shape (kernel selection, graphs, allocator growth): not timed.
+            for w in gen.values():
+                pair.alone("engine", w, 1)
+            for w in train.values():
+                pair.alone("trainer", w, 1)
+            rows = []
+            for b in batches:
+                for t in train_tokens:
+                    e_alone = pair.alone("engine", gen[b], repeats)
+                    t_alone = pair.alone("trainer", train[t], repeats)
+                    e_co = pair.corun("engine", gen[b], train[t], repeats)
+                    t_co = pair.corun("trainer", train[t], gen[b], repeats)
+                    rows.append({"batch": b, "tokens": t, "engine_alone_s": e_alone, "trainer_alone_s": t_alone,
+                                 "engine_corun_s": e_co, "trainer_corun_s": t_co})
+                    log(f"{mode}: batch {b} / {t} tokens: engine {e_alone:.3f} s alone, {e_co:.3f} s co-running; "
+                        f"trainer {t_alone:.3f} s alone, {t_co:.3f} s co-running")
+            raw[mode] = rows
+        finally:
+            pair.close()
+    return {"raw": raw, "rates": sharing_rates(raw),
+            "settings": {"batches": list(batches), "train_tokens": list(train_tokens), "prompt": prompt,
+                         "length": length, "repeats": repeats, "engine_memory": engine_memory}}
+
+
+def sharing_rates(raw: dict) -> dict:
+    """Per bucket and as medians: the profile's none_corun, mps_alone and mps_corun rates.
+    Needs the `none` mode (the unit); `mps` rates only where `mps` was measured."""
+    if "none" not in raw:
+        raise ValueError("sharing rates are relative to running alone without MPS: measure mode 'none'")
+    base = {(r["batch"], r["tokens"]): r for r in raw["none"]}
+    per_bucket = []
+    for key, r in base.items():
+        row = {"batch": key[0], "tokens": key[1],
+               "none_corun": {s: r[f"{s}_alone_s"] / r[f"{s}_corun_s"] for s in SIDES}}
+        m = next((x for x in raw.get("mps", []) if (x["batch"], x["tokens"]) == key), None)
+        if m is not None:
+            row["mps_alone"] = {s: r[f"{s}_alone_s"] / m[f"{s}_alone_s"] for s in SIDES}
+            row["mps_corun"] = {s: r[f"{s}_alone_s"] / m[f"{s}_corun_s"] for s in SIDES}
+        per_bucket.append(row)
+    out = {"per_bucket": per_bucket}
+    for name in ("none_corun", "mps_alone", "mps_corun"):
+        vals = [b[name] for b in per_bucket if name in b]
+        if vals:
+            out[name] = {s: float(np.median([v[s] for v in vals])) for s in SIDES}
+            out[name + "_range"] = {s: [float(min(v[s] for v in vals)), float(max(v[s] for v in vals))]
+                                    for s in SIDES}
+    return out
+
+
+def apply_sharing(profile: dict, measured: dict) -> dict:
+    """The profile with its sharing section's measured parts replaced, and its assumptions updated."""
+    rates = measured["rates"]
+    got = [k for k in ("none_corun", "mps_alone", "mps_corun") if k in rates]
+    for k in got:
+        profile["sharing"][k] = dict(rates[k])
+    profile.setdefault("measurements", {})["sharing"] = measured
+    all_rates = {"none_corun", "mps_alone", "mps_corun"}
+    keep = [a for a in profile.get("assumptions", []) if a["id"] != "sharing-from-base"]
+    if set(got) != all_rates:
+        keep.append({"id": "sharing-from-base", "value": None,
+                     "what": f"sharing rates not measured in this calibration "
+                             f"({', '.join(sorted(all_rates - set(got)))}) are the base profile's"})
+    for a in keep:
+        if a["id"] == "sharing-constant":
+            a["what"] = ("co-run and MPS rates are medians over the measured batch/token buckets "
+                         "(per-bucket rates under measurements.sharing), used for every batch size and token count")
+    profile["assumptions"] = keep
+    return profile
