@@ -8,10 +8,11 @@ audit. This fits what the simulator charges for those phases on the runs themsel
 runs with at most `fit_max_jobs` jobs per GPU (a dedicated arm is one job per GPU), so that the
 shared 8- and 16-job runs stay held out for `nodus validate`.
 
-Train: seconds = a * micro-batches + b * padded tokens + c * adapters, relative-error least
-squares, non-negative, with the micro-batches packed exactly as the trainer packs them
-(`nodus.microbatch`). When every fitted step has the same adapter count, c cannot be told from a
-and is kept from the base profile. Publish: the controller's wait per published adapter.
+Train: seconds = a * micro-batches + b * padded tokens + c * adapters + d * regroup tokens,
+relative-error least squares, non-negative, with the micro-batches packed exactly as the trainer
+packs them (`nodus.microbatch`). When every fitted step has the same adapter count, c cannot be
+told from a and is kept from the base profile; runs with one job per step never regroup, which
+leaves d at 0. Publish: the controller's wait per published adapter.
 Everything else (decode, prefill, sharing) is kept from the base profile.
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from calibration.validate import jobs_per_gpu, load_recorded
 from nodus.config import ConfigError
-from nodus.microbatch import padded_tokens
+from nodus.microbatch import microbatch_costs
 
 
 def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
@@ -51,9 +52,9 @@ def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
                                   "has no generate span to take its rows from")
             each = g["attrs"]["prompt_tokens"] / max(g["attrs"]["n_sequences"], 1)
             rows.append([round(each) + r for r in g["attrs"]["response_tokens"]])
-        mbs = padded_tokens(rows, cap)
-        samples.append({"microbatches": len(mbs), "padded_tokens": sum(mbs), "adapters": len(members),
-                        "s": end - start})
+        mbs, regroup = microbatch_costs(rows, cap)
+        samples.append({"microbatches": len(mbs), "padded_tokens": sum(mbs), "regroup_tokens": regroup,
+                        "adapters": len(members), "s": end - start})
     return samples, publish
 
 
@@ -97,17 +98,28 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     mb = np.array([s["microbatches"] for s in samples], dtype=float)
     tok = np.array([s["padded_tokens"] for s in samples], dtype=float)
     ad = np.array([s["adapters"] for s in samples], dtype=float)
+    rg = np.array([s["regroup_tokens"] for s in samples], dtype=float)
+    # A coefficient is fitted only where the runs vary its feature apart from the others: one
+    # adapter count everywhere leaves c to the base profile, no regrouping leaves d at 0.
+    cols, names = [mb, tok], ["a", "b"]
     if len(set(ad)) > 1:
-        a, b, c = nonneg_rel_lstsq(np.stack([mb, tok, ad], 1), y)
-        c_source = "fitted"
-    else:
-        c = prof["train"]["s_per_adapter"]
-        a, b = nonneg_rel_lstsq(np.stack([mb, tok], 1), y - c * ad)
-        c_source = "base profile (one adapter count in the fitted runs)"
-    pred = a * mb + b * tok + c * ad
+        cols.append(ad)
+        names.append("c")
+    if rg.max() > 0:
+        cols.append(rg)
+        names.append("d")
+    base_c = prof["train"]["s_per_adapter"]
+    target = y if "c" in names else y - base_c * ad
+    w = dict(zip(names, nonneg_rel_lstsq(np.stack(cols, 1), target)))
+    a, b = w["a"], w["b"]
+    c = w.get("c", base_c)
+    d = w.get("d", 0.0)
+    c_source = "fitted" if "c" in names else "base profile (one adapter count in the fitted runs)"
+    pred = a * mb + b * tok + c * ad + d * rg
     rel = (pred - y) / y
     prof["train"]["per_microbatch"] = {"a_s": float(a), "b_s_per_unit": float(b)}
     prof["train"]["s_per_adapter"] = float(c)
+    prof["train"]["s_per_regroup_token"] = float(d)
     prof["train"]["max_profiled_tokens"] = int(max(tok.max(), prof["train"].get("max_profiled_tokens") or 0))
     if publish:
         prof["publish"]["save_s_per_adapter"] = float(np.median(publish))
@@ -118,6 +130,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         "runs": used, "held_out": skipped, "fit_max_jobs": fit_max_jobs, "train_steps": len(samples),
         "train_fit": {"a_s_per_microbatch": float(a), "b_s_per_padded_token": float(b),
                       "c_s_per_adapter": float(c), "c_source": c_source,
+                      "d_s_per_regroup_token": float(d),
+                      "d_source": "fitted" if "d" in names else "0 (no regrouping in the fitted runs)",
                       "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel)))},
         "publish_s_per_adapter": float(np.median(publish)) if publish else None,
         "padded_tokens_range": [int(tok.min()), int(tok.max())]}

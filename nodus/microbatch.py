@@ -31,6 +31,16 @@ def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tu
     return batches
 
 
-def padded_tokens(lengths: list[list[int]], max_tokens: int) -> list[int]:
-    """Padded tokens (rows x longest row) of each micro-batch of ``plan_microbatches``."""
-    return [len(mb) * max(lengths[j][s] for j, s in mb) for mb in plan_microbatches(lengths, max_tokens)]
+def microbatch_costs(lengths: list[list[int]], max_tokens: int) -> tuple[list[int], int]:
+    """The padded tokens of each micro-batch, and the tokens the trainer's padded multi-adapter
+    layout adds by regrouping: each micro-batch's jobs padded to its busiest job's row count
+    (J_mb x most rows of one job x longest row, minus the micro-batch's own padded tokens)."""
+    padded, regroup = [], 0
+    for mb in plan_microbatches(lengths, max_tokens):
+        longest = max(lengths[j][s] for j, s in mb)
+        counts: dict[int, int] = {}
+        for j, _ in mb:
+            counts[j] = counts.get(j, 0) + 1
+        padded.append(len(mb) * longest)
+        regroup += (len(counts) * max(counts.values()) - len(mb)) * longest
+    return padded, regroup

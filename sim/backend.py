@@ -14,7 +14,7 @@ import simpy
 
 from nodus.config import JobSpec, RunConfig
 from nodus.lengths import prompt_tokens, sample_response_tokens
-from nodus.microbatch import padded_tokens
+from nodus.microbatch import microbatch_costs
 from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
@@ -95,8 +95,8 @@ class SimBackend:
         # The real trainer's packing: rows (prompt + response) longest first into micro-batches
         # of at most the cap in padded tokens; the cost is charged on the padded tokens.
         rows = [[round(b.prompt_tokens / max(b.n_sequences, 1)) + r for r in b.response_tokens] for b in a.batches]
-        work = self.cost.train_s(padded_tokens(rows, self.cfg.trainer.max_tokens_per_microbatch),
-                                 adapters=len(a.batches))
+        padded, regroup = microbatch_costs(rows, self.cfg.trainer.max_tokens_per_microbatch)
+        work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup)
         yield from self.gpu.work("trainer", work)
         updates = tuple(JobUpdate(b.job_id, new_version=v + 1, tokens=tokens[b.job_id])
                         for b, v in zip(a.batches, a.expected_versions))

@@ -73,6 +73,9 @@ class TrainCost(_M):
     per_microbatch: Linear  # x = tokens in the micro-batch (fwd + bwd)
     s_per_adapter: float = Field(ge=0)  # optimizer step + bookkeeping per adapter in the step
     max_profiled_tokens: int = Field(ge=1)
+    # Per token of the padded layout's regrouping beyond the micro-batch's own padded tokens
+    # (jobs spread unevenly over a micro-batch are padded to the busiest job's row count).
+    s_per_regroup_token: float = Field(default=0.0, ge=0)
 
 
 class PublishCost(_M):
@@ -208,13 +211,15 @@ class CostModel:
         f = self.profile.prefill.lora if lora else self.profile.prefill.no_lora
         return (f.a_s if cold else 0.0) + f.b_s_per_unit * tokens
 
-    def train_s(self, microbatch_tokens: list[int], adapters: int) -> float:
+    def train_s(self, microbatch_tokens: list[int], adapters: int, regroup_tokens: int = 0) -> float:
+        """One train step: per micro-batch (padded tokens), per adapter, and per token of the
+        multi-adapter regrouping beyond the padded tokens."""
         t = self.profile.train
         for n in microbatch_tokens:
             if n > t.max_profiled_tokens:
                 self._note("train micro-batch tokens", n, t.max_profiled_tokens)
         return sum(t.per_microbatch.a_s + t.per_microbatch.b_s_per_unit * n for n in microbatch_tokens) \
-            + t.s_per_adapter * adapters
+            + t.s_per_adapter * adapters + t.s_per_regroup_token * regroup_tokens
 
     def _note(self, what: str, value: float, limit: float) -> None:
         key = f"{what}|{limit}"

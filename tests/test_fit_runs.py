@@ -17,6 +17,7 @@ def _profile_with(tmp_path, name, **train):
     prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
     prof["train"]["per_microbatch"] = {"a_s": train["a"], "b_s_per_unit": train["b"]}
     prof["train"]["s_per_adapter"] = train["c"]
+    prof["train"]["s_per_regroup_token"] = train.get("d", 0.0)
     prof["publish"]["save_s_per_adapter"] = train["save"]
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(prof))
@@ -71,3 +72,26 @@ def test_fit_cli_refuses_too_few_steps_and_existing_out(tmp_path, capsys):
     assert "fitted on 1 run(s), 4 train steps" in capsys.readouterr().out
     assert main(["fit", str(ded), "--out", str(out)]) != 0
     assert "never overwrites" in capsys.readouterr().err
+
+
+def test_fit_on_two_to_four_job_runs_recovers_every_train_coefficient(tmp_path):
+    """Shared steps of 2-4 jobs vary the adapter count and regroup rows: all four coefficients are
+    identifiable, and the fit gives the recording profile's back; 8 jobs stay held out."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.05, d=4e-6, save=0.04)
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.001, d=0.0, save=0.2)
+    runs = []
+    for jobs in (2, 3, 4, 8):
+        out = tmp_path / f"sync{jobs}"
+        simulate(config_from_args(jobs=jobs, steps=3, policy="shared-sync", sharing="none", profile=truth,
+                                  seed=jobs), out)
+        runs.append(out)
+    samples, _ = train_samples(runs[2])
+    assert any(s["regroup_tokens"] > 0 for s in samples)
+    prof = fit(runs, base=wrong)
+    f = prof["measurements"]["fit_runs"]
+    assert f["held_out"] == [str(runs[3])] and f["train_fit"]["c_source"] == "fitted"
+    t = prof["train"]
+    assert t["per_microbatch"]["a_s"] == pytest.approx(0.1, rel=1e-6)
+    assert t["per_microbatch"]["b_s_per_unit"] == pytest.approx(1.5e-5, rel=1e-6)
+    assert t["s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
+    assert t["s_per_regroup_token"] == pytest.approx(4e-6, rel=1e-6)
