@@ -34,23 +34,26 @@ case "${1:-arms}" in
       --out "$OUT/engine_loop_h200.json" > "$OUT/engine_loop.log" 2>&1; echo "engine_loop rc=$?" ;;
   arms)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-    timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out /tmp/arms --jobs "${JOBS:-8}" --steps "${STEPS:-4}" \
+    # A fresh folder per call: a warm machine keeps /tmp between calls.
+    D=/tmp/arms-$(date +%s); mkdir -p "$D"
+    timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
       --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" ${ARMS_EXTRA:-} > "$OUT/arms.log" 2>&1
     echo "gpu_arms rc=$?"
-    cp /tmp/arms/arms.json "$OUT/" 2>/dev/null
-    tar czf "$OUT/arms_runs.tgz" -C /tmp arms 2>/dev/null ;;
+    cp "$D/arms/arms.json" "$OUT/" 2>/dev/null
+    tar czf "$OUT/arms_runs.tgz" -C "$D" arms 2>/dev/null ;;
   learn)
     # Equal learning: the project's tiny base (carried in .device/tiny-base), 8 jobs (one per task
     # family) x 20 steps, dedicated (twice: A/A) against overlap+MPS, 2 seeds; then the small base
     # trained on this GPU (its per-family sampled accuracy is the check).
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-    timeout "${LEARN_TIMEOUT:-330}" python experiments/gpu_arms.py --out /tmp/learn --mode tasks \
+    D=/tmp/learn-$(date +%s); mkdir -p "$D"
+    timeout "${LEARN_TIMEOUT:-330}" python experiments/gpu_arms.py --out "$D/learn" --mode tasks \
       --model-dir "${LEARN_MODEL:-.device/tiny-base}" --enforce-eager --jobs 8 --steps "${STEPS:-20}" \
       --seeds "${SEEDS:-1,2}" --arms dedicated,overlap+mps --aa --max-new-tokens 80 \
       --job-fields '{"learning_rate": 1e-3, "prompt_pool": 8}' ${ARMS_EXTRA:-} > "$OUT/learn.log" 2>&1
     echo "learn rc=$?"
-    cp /tmp/learn/arms.json "$OUT/learn.json" 2>/dev/null
-    tar czf "$OUT/learn_runs.tgz" -C /tmp learn 2>/dev/null
+    cp "$D/learn/arms.json" "$OUT/learn.json" 2>/dev/null
+    tar czf "$OUT/learn_runs.tgz" -C "$D" learn 2>/dev/null
     if [ "${SMALL_BASE_TIMEOUT:-240}" -gt 0 ]; then
       timeout "${SMALL_BASE_TIMEOUT:-240}" python experiments/train_base.py --size small --device cuda \
         --out /tmp/small-base > "$OUT/small_base.log" 2>&1

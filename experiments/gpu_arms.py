@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/nodus-qwen3-0.6b-random"))
     ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--jobs", default="8", help="job count, or a comma list (runs each arm at each count)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seeds", default="1")
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -91,43 +91,50 @@ def main() -> None:
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
     from nodus.config import default_jobs
 
-    workload = {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
-        args.jobs, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
-        max_new_tokens=args.max_new_tokens, **args.job_fields)],
-        # 16k-token micro-batches: the trainer peaks at ~46 GiB beside the engine's share (32k: ~80 GiB).
-        "trainer": {"max_tokens_per_microbatch": 16384}}
+    job_counts = [int(x) for x in str(args.jobs).split(",") if x]
+
+    def workload(n: int) -> dict:
+        return {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
+            n, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
+            max_new_tokens=args.max_new_tokens, **args.job_fields)],
+            # 16k-token micro-batches: the trainer peaks at ~46 GiB beside the engine's share (32k: ~80 GiB).
+            "trainer": {"max_tokens_per_microbatch": 16384}}
+
+    def suffix(n: int) -> str:  # arm keys and run folders name the job count when there are several
+        return f"-j{n}" if len(job_counts) > 1 else ""
     names = [a for a in args.arms.split(",") if a]
     # Arms needing the same processes run together; the baseline (no MPS) first, timeslice (two
     # stacks: two engines to start) last.
     order = sorted(names, key=lambda n: (ARMS[n][0] == "timeslice", ARMS[n][2] != "none", ARMS[n][0] != "dedicated"))
     seeds = [int(s) for s in args.seeds.split(",")]
-    results: dict = {"jobs": args.jobs, "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
+    results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}
-    pool = ClusterPool(opts, min_loras=args.jobs)
+    pool = ClusterPool(opts, min_loras=max(job_counts))
     t_all = time.monotonic()
     try:
         for name in order:
             policy, groups, sharing = ARMS[name]
             g = args.groups if policy in ("overlap", "timeslice") else groups
             repeats = [""] + (["-aa"] if args.aa and name == "dedicated" else [])
-            for seed, rep in ((s, r) for s in seeds for r in repeats):
-                cfg = config_from_args(workload, policy=policy, groups=g, sharing=sharing, steps=args.steps,
+            for n, seed, rep in ((n, s, r) for n in job_counts for s in seeds for r in repeats):
+                key = f"{name}{rep}{suffix(n)}"
+                cfg = config_from_args(workload(n), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
                 t0 = time.monotonic()
                 summary, runs = run_arm(cfg, pool, baseline=False)
                 summary["wall_s"] = time.monotonic() - t0
-                run_dir = args.out / f"{name}{rep}-s{seed}"
+                run_dir = args.out / f"{key}-s{seed}"
                 if run_dir.exists():
-                    run_dir = args.out / f"{name}-s{seed}-{int(time.time())}"
+                    run_dir = args.out / f"{key}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
                 write_run(run_dir, cfg, summary, runs)
-                pred = simulate(config_from_args(workload, policy=policy, groups=g, sharing=sharing,
+                pred = simulate(config_from_args(workload(n), policy=policy, groups=g, sharing=sharing,
                                                  steps=args.steps, seed=seed, profile=args.profile))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 per_job = summary.get("per_job", {})
-                results["arms"].setdefault(name + rep, {})[str(seed)] = {
+                results["arms"].setdefault(key, {})[str(seed)] = {
                     "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
                     "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
@@ -138,7 +145,7 @@ def main() -> None:
                     "mean_reward": {j: sum(d["rewards"]) / len(d["rewards"])
                                     for j, d in per_job.items() if d.get("rewards")},
                 }
-                print(f"[{time.monotonic() - t_all:6.1f}s] {name}{rep} seed {seed}: "
+                print(f"[{time.monotonic() - t_all:6.1f}s] {key} seed {seed}: "
                       f"{summary['steps_per_gpu_hour']:.0f} steps/GPU-h (sim {pred['steps_per_gpu_hour']:.0f}), "
                       f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s", flush=True)
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))
@@ -146,8 +153,9 @@ def main() -> None:
     finally:
         pool.close()
     for name, per in results["arms"].items():
+        count = name.rsplit("-j", 1)[1] if "-j" in name else None
         for seed, d in per.items():
-            base = results["arms"].get("dedicated", {}).get(seed)
+            base = results["arms"].get("dedicated" + (f"-j{count}" if count else ""), {}).get(seed)
             d["ratio_vs_dedicated"] = d["steps_per_gpu_hour"] / base["steps_per_gpu_hour"] if base else None
             d["sim_ratio_vs_dedicated"] = (d["sim_steps_per_gpu_hour"] / base["sim_steps_per_gpu_hour"]
                                            if base else None)
