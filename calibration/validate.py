@@ -2,7 +2,7 @@
 
 For each recorded run folder (config.json, summary.json, spans.jsonl from `nodus run`), the
 simulator runs the same configuration twice: replaying the run's own response lengths, and
-sampling them from the length models. Errors are relative to the measured value; runs with more
+sampling fresh ones from the length models (other seeds than the run's). Errors are relative to the measured value; runs with more
 than `fit_max_jobs` jobs are held out (the calibration fits on 1-4 jobs only).
 """
 
@@ -17,6 +17,7 @@ from nodus.config import ConfigError, build_config
 from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
+SAMPLE_SEED_OFFSET = 7919  # sampled lengths: the recorded jobs' seeds plus this
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float | None:
@@ -88,7 +89,10 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         groups = {s["job"]: s[group_key] for s in spans} if pol in ("overlap", "timeslice") else {}
         jobs = [dict(j, group=groups.get(j["id"])) for j in cfg["jobs"]]
         replay_cfg = dict(cfg, jobs=[dict(j, lengths={"kind": "replay", "trace": trace, "job": j["id"]}) for j in jobs])
-        sampled_cfg = dict(cfg, jobs=[dict(j, lengths=None) for j in jobs])
+        # Fresh draws from the length models: the jobs' seeds moved, so a synthetic run, whose
+        # forced lengths came from the same models and seeds, is not simply replayed.
+        sampled_cfg = dict(cfg, jobs=[dict(j, lengths=None, seed=int(j.get("seed") or 0) + SAMPLE_SEED_OFFSET)
+                                      for j in jobs])
         rep = _simulate(replay_cfg, f"{rd}/config.json")
         sam = _simulate(sampled_cfg, f"{rd}/config.json")
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": meas.get("arm"),
