@@ -181,13 +181,12 @@ def plot_validation(rep: dict, path: Path) -> None:
     ax.plot([0, top], [0, top], color="grey", lw=1)
     ax.fill_between([0, top], [0, top * 0.92], [0, top * 1.08], color="grey", alpha=0.15, label="+-8%")
     for mode, marker in (("replay", "o"), ("sampled", "^")):
-        for r in rep["rows"]:
-            arm = r.get("arm") or {}
+        for i, r in enumerate(rep["rows"]):
             ax.scatter(r["measured"]["steps_per_gpu_hour"], r[mode]["steps_per_gpu_hour"], marker=marker,
                        facecolors="C0" if r["heldout"] else "none", edgecolors="C0")
             if mode == "replay":
-                ax.annotate(f"{arm.get('policy')}/{arm.get('sharing')}", (r["measured"]["steps_per_gpu_hour"],
-                            r[mode]["steps_per_gpu_hour"]), fontsize=7, xytext=(4, -8), textcoords="offset points")
+                ax.annotate(Path(r["run"]).name, (r["measured"]["steps_per_gpu_hour"], r[mode]["steps_per_gpu_hour"]),
+                            fontsize=7, xytext=(4, -10 if i % 2 == 0 else 4), textcoords="offset points")
     ax.scatter([], [], marker="o", color="C0", label="replayed lengths (filled: held out)")
     ax.scatter([], [], marker="^", color="C0", label="sampled lengths")
     ax.set_xlim(0, top)
@@ -196,7 +195,8 @@ def plot_validation(rep: dict, path: Path) -> None:
     ax.set_ylabel("simulated steps per GPU-hour")
     h = rep.get("heldout_replay") or {}
     mape = "-" if h.get("mape") is None else f"{h['mape']:.1%}"
-    ax.set_title(f"{Path(str(rep['profile'])).stem}: held-out MAPE {mape}", fontsize=10)
+    name = Path(str(rep["profile"])).name.removesuffix(".json")
+    ax.set_title(f"{name}: held-out MAPE {mape}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
