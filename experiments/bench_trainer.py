@@ -363,41 +363,14 @@ def bench_save(args, trainer, job_ids, device) -> dict:
     return row
 
 
-def fuse_elementwise(model) -> list[str]:
-    """torch.compile the memory-bound pieces of each decoder layer, leaving the matmuls (and the
-    LoRA routing, whose per-step objects would make dynamo recompile) eager: RMSNorms, the rotary
-    embedding and SiLU(gate) * up. Returns what was compiled."""
-    import types
-
-    import torch
-    import torch.nn.functional as F
-    from transformers.models.qwen3 import modeling_qwen3
-
-    done = []
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    for m in norms:
-        m.compile(dynamic=True)
-    done.append(f"{len(norms)} RMSNorm")
-    modeling_qwen3.apply_rotary_pos_emb = torch.compile(modeling_qwen3.apply_rotary_pos_emb, dynamic=True)
-    done.append("apply_rotary_pos_emb")
-    silu_mul = torch.compile(lambda gate, up: F.silu(gate) * up, dynamic=True)
-
-    def mlp_forward(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-
-    mlps = [m for m in model.modules() if type(m).__name__ == "Qwen3MLP"]
-    for m in mlps:
-        m.forward = types.MethodType(mlp_forward, m)
-    done.append(f"{len(mlps)} MLP silu*up")
-    return done
-
-
 def bench_fused(args, trainer, batches, device) -> dict:
     """The best multi configuration again, with the elementwise ops compiled."""
     mb_tokens = args.fused_mb_tokens or max(args.mb_tokens)
     probe_job = next(iter(batches))
     probe = batches[probe_job]
     eager = trainer.logprobs(probe_job, probe)
+    from real.fuse import fuse_elementwise
+
     compiled = fuse_elementwise(trainer.model)
     log(f"fused: compiled {compiled}; the first calls compile (a minute or two)")
     fused = trainer.logprobs(probe_job, probe)

@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--aa", action="store_true",
                     help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
     ap.add_argument("--lora-layout", default="padded", choices=("padded", "masked", "auto"))
+    ap.add_argument("--trainer-compile", action="store_true", help="compile the trainer's element-wise ops")
     ap.add_argument("--no-audit", action="store_true", help="skip the logprob audit (it reads the training forward: little cost)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
@@ -87,7 +88,7 @@ def main() -> None:
     model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
     opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
                        enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit,
-                       lora_layout=args.lora_layout, evaluate=args.mode == "tasks",
+                       lora_layout=args.lora_layout, trainer_compile=args.trainer_compile, evaluate=args.mode == "tasks",
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
     from nodus.config import default_jobs
 
@@ -109,7 +110,8 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
-                     "job_fields": args.job_fields, "lora_layout": args.lora_layout, "arms": {},
+                     "job_fields": args.job_fields, "lora_layout": args.lora_layout,
+                     "trainer_compile": args.trainer_compile, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}
     pool = ClusterPool(opts, min_loras=max(job_counts))
     t_all = time.monotonic()

@@ -62,7 +62,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                            engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
                            audit_logprobs=not a.no_audit, engine_thread_pct=a.engine_thread_pct,
                            trainer_thread_pct=a.trainer_thread_pct, checkpoint_dir=a.checkpoint_dir,
-                           seeded_sampling=not a.unseeded, lora_layout=a.lora_layout)
+                           seeded_sampling=not a.unseeded, lora_layout=a.lora_layout,
+                           trainer_compile=a.trainer_compile)
     summary = run(cfg, backend=a.backend, opts=opts, out=a.out, baseline=not a.no_baseline)
     print(json.dumps(summary, sort_keys=True, default=str) if a.json else render_table(summary))
     return 0
@@ -202,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-thread-pct", type=int, help="MPS active thread percentage of the trainer")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
+    p.add_argument("--trainer-compile", action="store_true",
+                   help="torch.compile the trainer's element-wise ops (RMSNorm, rotary, SiLU*up); compiles at start-up")
     p.add_argument("--lora-layout", default="padded", choices=("padded", "masked", "auto"),
                    help="trainer's multi-adapter path (same update; speed differs by GPU and shape)")
     p.add_argument("--unseeded", action="store_true",

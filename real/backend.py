@@ -53,6 +53,7 @@ class RealOptions:
     warmup: bool = True  # one short generation per job and one scratch train step before the clock starts
     lora_layout: str = "padded"  # trainer's multi-adapter path: padded | masked | auto (see MultiLoRATrainer)
     staggered_start: bool | None = None  # engines one at a time, then trainers (default: on a GPU)
+    trainer_compile: bool = False  # torch.compile the trainer's RMSNorm, rotary and SiLU*up (real/fuse.py)
     start_timeout_s: float = 900.0
 
 
@@ -156,7 +157,8 @@ class Cluster:
                                max_num_batched_tokens=65536 if self.device == "cpu" else None)
             tspec = TrainerSpec(self.model, device=self.device, dtype=dtype,
                                 max_tokens_per_microbatch=max_tokens_per_microbatch,
-                                load_format=load_format, seed=seed, env=t_env, lora_layout=opts.lora_layout)
+                                load_format=load_format, seed=seed, env=t_env, lora_layout=opts.lora_layout,
+                                compile_elementwise=opts.trainer_compile)
             ein, tin = ctx.Queue(), ctx.Queue()
             pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"), daemon=True)
             pt = ctx.Process(target=trainer_main, args=(tspec, tin, self.outbox, f"trainer{s}"), daemon=True)
@@ -165,6 +167,7 @@ class Cluster:
             self.procs += [pe, pt]
         self.closed = False
         self.startup_s: dict[str, float] = {}
+        self.worker_info: dict[str, dict] = {}  # what a worker reports at start (trainer: layout, compiled ops)
         self._t0 = time.monotonic()
         engines, trainers = self.procs[0::2], self.procs[1::2]
         staggered = opts.staggered_start if opts.staggered_start is not None else self.device == "cuda"
@@ -198,6 +201,8 @@ class Cluster:
             if msg[0] != "ready":
                 raise RuntimeError(f"worker start: unexpected {msg[0]}")
             self.startup_s[msg[1]] = msg[2]
+            if len(msg) > 3:
+                self.worker_info[msg[1]] = msg[3]
 
     def get(self, timeout: float = 3600.0):
         """Next worker message; raises with the worker's traceback if one failed or died."""
@@ -434,7 +439,8 @@ class RealBackend:
         return out
 
     def diagnostics(self) -> dict:
-        return {"logprob_agreement": list(self.audit), "failed": dict(self.failed)}
+        return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
+                "workers": dict(self.c.worker_info)}
 
     def close(self) -> None:
         if self.c.closed:

@@ -42,6 +42,7 @@ class TrainerSpec:
     seed: int
     env: dict = field(default_factory=dict)
     lora_layout: str = "padded"
+    compile_elementwise: bool = False
 
 
 def _apply_env(env: dict) -> None:
@@ -118,7 +119,12 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         model = load_base_model(spec.model, spec.load_format, dtype, spec.device)
         trainer = MultiLoRATrainer(model, device=spec.device, max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
                                    base_model_name_or_path=spec.model, lora_layout=spec.lora_layout)
-        outbox.put(("ready", name, time.monotonic() - t0))
+        info = {"lora_layout": spec.lora_layout}
+        if spec.compile_elementwise:
+            from real.fuse import fuse_elementwise
+
+            info["compiled"] = fuse_elementwise(model)
+        outbox.put(("ready", name, time.monotonic() - t0, info))
     except Exception:  # noqa: BLE001
         outbox.put(("error", name, traceback.format_exc()))
         return

@@ -139,3 +139,17 @@ def test_timeslice_two_stacks_start_one_engine_at_a_time():
     s = run(cfg, opts=RealOptions(model="tiny", evaluate=False, staggered_start=True), baseline=False)
     assert set(s["startup_s"]["none-2"]) == {"engine0", "engine1", "trainer0", "trainer1"}
     assert s["steps"] == 2 and s["stale_rollouts"] == 0
+
+
+def test_trainer_compile_option_reaches_the_trainer_process():
+    """--trainer-compile: the trainer process compiles its element-wise ops in the untimed warm-up
+    and the run goes on as usual (logprob audit inside the bf16/fp32 agreement)."""
+    from nodus.realrun import run
+    from real.backend import RealOptions
+
+    s = run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False, trainer_compile=True), baseline=False)
+    assert s["steps"] == 1 and s["stale_rollouts"] == 0
+    audit = s["diagnostics"][0]["logprob_agreement"]
+    assert audit and max(a["max_abs"] for a in audit) < 1e-3
+    trainer = s["diagnostics"][0]["workers"]["trainer0"]
+    assert trainer["lora_layout"] == "padded" and any("RMSNorm" in c for c in trainer["compiled"])

@@ -390,3 +390,29 @@ def test_auto_layout_switches_on_rank_columns():
     assert Routing().layout_mode == "padded"
     with pytest.raises(ValueError, match="lora_layout"):
         Routing("fast")
+
+
+@pytest.mark.slow
+def test_compiled_elementwise_ops_keep_logprobs_and_updates():
+    """--trainer-compile: RMSNorm, rotary and SiLU*up through torch.compile give the eager
+    trainer's logprobs and update (fp32, to compiler rounding)."""
+    from real.fuse import fuse_elementwise
+
+    try:
+        import torch._inductor.config  # noqa: F401
+    except ImportError:
+        pytest.skip("no inductor")
+    step1, _ = two_step_data()
+    eager, fused = make_trainer(), make_trainer()
+    done = fuse_elementwise(fused.model)
+    assert any("RMSNorm" in d for d in done) and any("MLP" in d for d in done)
+    try:
+        got = fused.logprobs("a", step1["a"])
+    except Exception as err:  # noqa: BLE001 - a machine without a C++ compiler cannot build kernels
+        pytest.skip(f"torch.compile unavailable here: {type(err).__name__}")
+    for g, w in zip(got, eager.logprobs("a", step1["a"])):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    eager.train_step(step1)
+    fused.train_step(step1)
+    for j in JOBS:  # the fp32 tolerance of the batched-vs-solo proof
+        assert rel_diff(params(fused, j), params(eager, j)) < 1e-5
