@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seeds", default="1")
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--groups", default="2", help="overlap groups, or a comma list (overlap arms run at each)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--engine-memory", type=float, default=0.35)
     ap.add_argument("--profile", default="h200-qwen3-0.6b")
@@ -118,10 +118,13 @@ def main() -> None:
     try:
         for name in order:
             policy, groups, sharing = ARMS[name]
-            g = args.groups if policy in ("overlap", "timeslice") else groups
+            group_counts = [int(x) for x in str(args.groups).split(",") if x]
+            gs = group_counts if policy == "overlap" else [group_counts[0] if policy == "timeslice" else groups]
             repeats = [""] + (["-aa"] if args.aa and name == "dedicated" else [])
-            for n, seed, rep in ((n, s, r) for n in job_counts for s in seeds for r in repeats):
-                key = f"{name}{rep}{suffix(n)}"
+            for g, n, seed, rep in ((g, n, s, r) for g in gs for n in job_counts for s in seeds for r in repeats):
+                if g > n:
+                    continue  # more groups than jobs
+                key = f"{name}{rep}{f'-g{g}' if policy == 'overlap' and len(gs) > 1 else ''}{suffix(n)}"
                 cfg = config_from_args(workload(n), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
                 t0 = time.monotonic()
