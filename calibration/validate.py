@@ -158,6 +158,10 @@ def render_markdown(rep: dict) -> str:
         cells += [f"{m['busy'].get(side, float('nan')):.2f} / {p['busy'].get(side, float('nan')):.2f}"
                   for side in ("engine", "trainer")]
         lines.append(f"| {Path(r['run']).name} | " + " | ".join(cells) + " |")
+    flagged = [(Path(r["run"]).name, r["outside_profile"]) for r in rep["rows"] if r.get("outside_profile")]
+    if flagged:
+        lines += ["", "Predicted outside the profiled region (extrapolated):"]
+        lines += [f"- {name}: {'; '.join(flags)}" for name, flags in flagged]
     comp = rep.get("all_replay_components", {})
     if comp:
         lines += ["", "| component (all runs, replay) | MAPE | bias | n |", "|---|---|---|---|"]

@@ -41,3 +41,21 @@ def test_validate_cli_and_bad_folder(tmp_path, capsys):
     assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "validation.png").is_file()
     with pytest.raises(ConfigError, match="not a recorded run"):
         validate([tmp_path], profile="h200-qwen3-0.6b")
+
+
+def test_extrapolated_predictions_are_flagged_in_the_report(tmp_path):
+    import json
+
+    from calibration.validate import render_markdown
+    from sim.profile import load_profile
+
+    prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    prof["train"]["max_profiled_tokens"] = 1000  # every real micro-batch is larger
+    path = tmp_path / "narrow.json"
+    path.write_text(json.dumps(prof))
+    out = tmp_path / "run"
+    simulate(config_from_args(jobs=2, steps=2), out)
+    rep = validate([out], profile=str(path))
+    assert any("train micro-batch tokens" in f for f in rep["rows"][0]["outside_profile"])
+    md = render_markdown(rep)
+    assert "outside the profiled region" in md and "train micro-batch tokens" in md
