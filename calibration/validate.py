@@ -71,10 +71,11 @@ def _simulate(cfg: dict, source: str) -> dict:
     """The simulator's summary of a configuration, with its own per-phase mean times."""
     from sim import backend_factory
 
-    summary, runs = run_arm(build_config(cfg, source), backend_factory(cfg["profile"]))
+    make = backend_factory(cfg["profile"])
+    summary, runs = run_arm(build_config(cfg, source), make)
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
-            "phase_s": _phase_means(spans), "outside_profile": summary.get("outside_profile", [])}
+            "phase_s": _phase_means(spans), "outside_profile": sorted(make.cost.flags)}
 
 
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
