@@ -214,8 +214,9 @@ def lora_delta_masked(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torc
     micro-batch adapter's A at once (A [J, r, d_in] as one [J*r, d_in] matrix), each row's columns
     of the other adapters zeroed and its own scaled by ``coef`` [rows, 1, J*r], then one GEMM with
     every B side by side ([d_out, J*r]) accumulated onto y. Dense GEMMs with J*r inner columns and
-    no copies of x, against ``lora_delta``'s padded [J, rows, d] regrouping; the zeroed columns add
-    exactly 0 to a row's output and pass no gradient to the other adapters."""
+    no copies of x, against ``lora_delta``'s padded [J, rows, d] regrouping. The zeroed columns add
+    exactly 0 to a row's output and, for finite values, no gradient to the other adapters; a
+    non-finite gradient reaches them as 0 * nan (the trainer redoes such a step on the padded path)."""
     J, r, d_in = A.shape
     h = torch.matmul(x, A.to(x.dtype).reshape(J * r, d_in).t())
     h = h.reshape(coef.shape[0], -1, J * r) * coef
