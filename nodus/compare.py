@@ -162,6 +162,12 @@ def _ci_dict(ci: tuple[float, float, float], n: int, resample: str) -> dict:
     return {"mean": ci[0], "lo": ci[1], "hi": ci[2], "n": n, "resample": resample}
 
 
+def _throughput(runs: list[RunSummary]) -> float:
+    """A seed's steps per GPU-hour: the mean over its repeats, so the order runs are named in
+    (a shell glob puts `dedicated-aa` before `dedicated`) never picks the baseline."""
+    return float(np.mean([r.steps_per_gpu_hour for r in runs]))
+
+
 def _per_seed_rows(seeds: dict[int, list[RunSummary]], base_seeds: dict[int, list[RunSummary]]):
     rows = []
     for seed, runs in sorted(seeds.items()):
@@ -171,8 +177,8 @@ def _per_seed_rows(seeds: dict[int, list[RunSummary]], base_seeds: dict[int, lis
             "seed": seed,
             "run": run.path,
             "repeats": len(runs),
-            "steps_per_gpu_hour": run.steps_per_gpu_hour,
-            "ratio": run.steps_per_gpu_hour / base[0].steps_per_gpu_hour if base else None,
+            "steps_per_gpu_hour": _throughput(runs),
+            "ratio": _throughput(runs) / _throughput(base) if base else None,
             "accuracy": float(np.mean([j.accuracy for j in run.jobs.values()])),
             "mean_reward": float(np.mean([np.mean(j.rewards) if j.rewards else np.nan
                                           for j in run.jobs.values()])),
@@ -257,7 +263,7 @@ def _vs_baseline(seeds, base_seeds, aa, label, base_label, n_boot, alpha, boot_s
     ratios, acc, labels, reward = [], [], [], []
     for seed in common:
         arm_run, base_run = seeds[seed][0], base_seeds[seed][0]
-        ratios.append(arm_run.steps_per_gpu_hour / base_run.steps_per_gpu_hour)
+        ratios.append(_throughput(seeds[seed]) / _throughput(base_seeds[seed]))
         a, lab, r = _pair_learning(arm_run, base_run)
         acc += a
         labels += lab

@@ -58,7 +58,8 @@ def test_clear_win_passes_the_gate(tmp_path):
     report = compare_runs(make_arms(tmp_path), n_boot=2000)
     assert report["baseline"] == "dedicated/none/g1"
     arm = arm_entry(report)
-    assert [r["ratio"] for r in arm["per_seed"]] == pytest.approx([2.5, 2.45])
+    # Seed 0 ran twice (250 and 252): its throughput is the repeats' mean.
+    assert [r["ratio"] for r in arm["per_seed"]] == pytest.approx([2.51, 2.45])
     assert arm["per_seed"][0]["repeats"] == 2
     assert arm["aa_spread"]["max"] == pytest.approx(2 / 251)
     vs = arm["vs_baseline"]
@@ -134,15 +135,17 @@ def test_baseline_repeats_count_as_noise(tmp_path):
     report = compare_runs(dirs, n_boot=500)
     vs = arm_entry(report)["vs_baseline"]
     assert vs["noise_spread"] == pytest.approx(4 / 102) and vs["gate"]["pass"]
-    # The repeat is noise only: the ratio still uses the first baseline run of seed 0.
-    assert arm_entry(report)["per_seed"][0]["ratio"] == pytest.approx(2.5)
+    # The baseline's repeats are averaged (100 and 104): whichever is named first.
+    assert arm_entry(report)["per_seed"][0]["ratio"] == pytest.approx(250 / 102)
+    flipped = compare_runs(list(reversed(dirs)), n_boot=500)
+    assert arm_entry(flipped)["per_seed"][0]["ratio"] == pytest.approx(250 / 102)
 
 
 def test_baseline_by_label_or_policy(tmp_path):
     dirs = make_arms(tmp_path)
     report = compare_runs(dirs, baseline="overlap", n_boot=200)
     assert report["baseline"] == "overlap/mps/g2"
-    assert arm_entry(report, "dedicated/none/g1")["per_seed"][0]["ratio"] == pytest.approx(0.4)
+    assert arm_entry(report, "dedicated/none/g1")["per_seed"][0]["ratio"] == pytest.approx(100 / 251)
     assert compare_runs(dirs, baseline="overlap/mps/g2", n_boot=200)["baseline"] == "overlap/mps/g2"
 
 
@@ -205,7 +208,7 @@ def test_arms_must_run_the_same_jobs_and_eval_sets(tmp_path):
 def test_markdown_report(tmp_path):
     text = render_compare_markdown(compare_runs(make_arms(tmp_path), n_boot=500))
     assert "baseline `dedicated/none/g1`" in text
-    assert "| overlap/mps/g2 | 0 | 250.0 | 2.50 |" in text
+    assert "| overlap/mps/g2 | 0 | 251.0 | 2.51 |" in text
     assert "### Gate: overlap/mps/g2 PASS" in text
     assert "| ratio_every_seed | 2.450 | 2.000 | yes |" in text
     assert "paired 95% bootstrap CI" in text
