@@ -206,3 +206,25 @@ def plot_validation(rep: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | None = None) -> dict:
+    """The profile with `rep`'s held-out errors as its `validation`, written to `out` (a new file,
+    or the same path as a profile file being annotated in place)."""
+    from sim.profile import Profile, load_profile
+
+    out = Path(out)
+    if out.exists() and not (Path(profile).exists() and out.resolve() == Path(profile).resolve()):
+        raise FileExistsError(f"--annotate {str(out)!r} exists and is not the profile being annotated")
+    prof = json.loads(load_profile(profile).profile.model_dump_json(by_alias=True))
+    held = [r for r in rep["rows"] if r["heldout"]]
+    h = rep["heldout_replay"]
+    prof["validation"] = {
+        "heldout_mape": h["mape"], "heldout_bias": h["bias"], "heldout_worst": h["worst"],
+        "kendall_tau": h["kendall_tau"], "heldout_runs": len(held),
+        "configurations": sorted({f"{r['jobs']} jobs {r['arm']['policy']} g={r['arm']['groups']} {r['arm']['sharing']}"
+                                  for r in held if r.get("arm")}),
+        "report": report}
+    Profile.model_validate(prof)
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    return prof

@@ -104,6 +104,12 @@ def cmd_validate(a: argparse.Namespace) -> int:
         write_json(out / "validation.json", rep)
         (out / "validation.md").write_text(render_markdown(rep) + "\n")
         plot_validation(rep, out / "validation.png")
+    if a.annotate:
+        from calibration.validate import annotate_profile
+
+        annotate_profile(a.profile, rep, a.annotate, report=a.report_path or (str(Path(a.out) / "validation.md")
+                                                                              if a.out else None))
+        print(f"wrote {a.annotate} (the profile with this validation's error bar)", file=sys.stderr)
     print(json.dumps(rep, default=str) if a.json else render_markdown(rep))
     return 0
 
@@ -216,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="simulate recorded runs' configurations and report the prediction error")
     p.add_argument("runs", nargs="+", help="run folders written by nodus run --out")
     p.add_argument("--profile", default="h200-qwen3-0.6b")
-    p.add_argument("--fit-max-jobs", type=int, default=4, help="runs with more jobs are held out")
+    p.add_argument("--fit-max-jobs", type=int, default=4, help="runs with more jobs per GPU are held out")
+    p.add_argument("--annotate", metavar="PROFILE_OUT",
+                   help="write the profile with this validation's held-out error (every sim report prints it)")
+    p.add_argument("--report-path", help="where the report will live, recorded in the annotation")
     p.add_argument("--out", help="write validation.json and validation.md into this new folder")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_validate)

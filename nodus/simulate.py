@@ -60,6 +60,7 @@ def simulate(cfg: RunConfig, out: str | Path | None = None) -> dict:
     summary["backend"] = "sim"
     summary["profile"] = {"source": make.cost.source, "environment": make.cost.profile.environment.model_dump()}
     summary["assumptions"] = make.cost.assumptions()
+    summary["profile_validation"] = make.cost.validation()
     summary["outside_profile"] = sorted(make.cost.flags)
     if out_dir is not None:
         write_run(out_dir, cfg, summary, runs)
@@ -115,6 +116,13 @@ def render_table(s: dict) -> str:
     if s.get("assumptions"):
         out += "\n\nProfile: " + s["profile"]["source"] + ". Assumptions used (not yet measured):\n"
         out += "\n".join(f"- {a['id']}: {a['what']}" for a in s["assumptions"])
+    v = s.get("profile_validation")
+    if v and v.get("heldout_mape") is not None:
+        out += (f"\n\nThis profile against {v['heldout_runs']} held-out real runs: steps per GPU-hour "
+                f"MAPE {v['heldout_mape']:.1%}, bias {v['heldout_bias']:+.1%}, worst {v['heldout_worst']:.1%}"
+                + (f" ({v['report']})" if v.get("report") else "") + ".")
+    elif s.get("backend") == "sim":
+        out += "\n\nThis profile carries no validation against real runs (nodus validate --annotate)."
     if s.get("outside_profile"):
         out += "\n\nOutside the profiled region: " + "; ".join(s["outside_profile"])
     return out

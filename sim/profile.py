@@ -102,6 +102,19 @@ class Assumption(_M):
     value: float | str | None = None
 
 
+class Validation(_M):
+    """How well this profile predicted recorded real runs it was not fitted on (`nodus validate
+    --annotate`): the error bar every prediction on it carries."""
+
+    heldout_mape: float | None = None  # steps per GPU-hour, replayed lengths
+    heldout_bias: float | None = None  # signed: + means the simulator predicts more than measured
+    heldout_worst: float | None = None
+    kendall_tau: float | None = None
+    heldout_runs: int = 0
+    configurations: list[str] = []  # the held-out runs' arms, e.g. "8 jobs overlap g=2 mps"
+    report: str | None = None  # where the full report is
+
+
 class Profile(_M):
     schema_: str = Field(alias="schema")
     environment: Environment
@@ -112,6 +125,7 @@ class Profile(_M):
     sharing: SharingCost
     assumptions: list[Assumption] = []
     measurements: dict = {}
+    validation: Validation | None = None
 
     @model_validator(mode="after")
     def _schema(self) -> "Profile":
@@ -236,3 +250,7 @@ class CostModel:
 
     def assumptions(self) -> list[dict]:
         return [a.model_dump() for a in self.profile.assumptions]
+
+    def validation(self) -> dict | None:
+        v = self.profile.validation
+        return v.model_dump() if v is not None else None

@@ -59,3 +59,25 @@ def test_extrapolated_predictions_are_flagged_in_the_report(tmp_path):
     assert any("train micro-batch tokens" in f for f in rep["rows"][0]["outside_profile"])
     md = render_markdown(rep)
     assert "outside the profiled region" in md and "train micro-batch tokens" in md
+
+
+def test_annotated_profile_carries_its_error_bar_into_every_report(tmp_path, capsys):
+    runs = []
+    for jobs, policy in ((1, "dedicated"), (8, "overlap")):
+        out = tmp_path / f"{policy}{jobs}"
+        simulate(config_from_args(jobs=jobs, steps=2, policy=policy, sharing="mps"), out)
+        runs.append(str(out))
+    annotated = tmp_path / "annotated.json"
+    assert main(["validate", *runs, "--annotate", str(annotated), "--report-path", "reports/v.md"]) == 0
+    v = __import__("json").loads(annotated.read_text())["validation"]
+    assert v["heldout_runs"] == 1 and v["heldout_mape"] == pytest.approx(0, abs=1e-9)
+    assert v["configurations"] == ["8 jobs overlap g=2 mps"] and v["report"] == "reports/v.md"
+    capsys.readouterr()
+    assert main(["sim", "--jobs", "2", "--steps", "2", "--profile", str(annotated)]) == 0
+    assert "against 1 held-out real runs: steps per GPU-hour MAPE 0.0%" in capsys.readouterr().out
+    # Another existing file is never overwritten; the annotated profile itself may be.
+    other = tmp_path / "other.json"
+    other.write_text("{}")
+    assert main(["validate", *runs, "--annotate", str(other)]) != 0
+    assert "not the profile being annotated" in capsys.readouterr().err
+    assert main(["validate", *runs, "--profile", str(annotated), "--annotate", str(annotated)]) == 0
