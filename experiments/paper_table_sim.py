@@ -30,12 +30,12 @@ def main() -> None:
     ap.add_argument("--profile", default="h200-qwen3-0.6b")
     ap.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = ap.parse_args()
-    table, scaling, assumptions = {}, {}, None
+    table, scaling, assumptions, validation = {}, {}, None, None
     for name, arm in ARMS.items():
         table[name] = {}
         for seed in SEEDS:
             s = simulate(config_from_args(jobs=8, seed=seed, profile=args.profile, **arm))
-            assumptions = s["assumptions"]
+            assumptions, validation = s["assumptions"], s.get("profile_validation")
             table[name][seed] = {k: s[k] for k in ("steps_per_gpu_hour", "ratio_vs_dedicated",
                                                     "dedicated_steps_per_gpu_hour", "stale_rollouts")}
     for name in ("overlap+mps (nodus)", "shared-sync"):
@@ -46,7 +46,8 @@ def main() -> None:
             scaling[name][jobs] = sum(rs) / len(rs)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"profile": args.profile, "workload": "8 prompts x 8 responses, <= 256 new tokens, 20 steps",
-              "seeds": list(SEEDS), "arms": table, "scaling_ratio_mean": scaling, "assumptions": assumptions}
+              "seeds": list(SEEDS), "arms": table, "scaling_ratio_mean": scaling, "assumptions": assumptions,
+              "profile_validation": validation}
     (args.out / "paper_table_sim.json").write_text(json.dumps(result, indent=1) + "\n")
     md = [f"Predicted by the simulator on profile `{args.profile}` (8 jobs, 20 steps each; ratio to a dedicated GPU per job).",
           "", "| arm | seed 1 | seed 2 | seed 3 | mean | steps/GPU-h (mean) |", "|---|---|---|---|---|---|"]
@@ -57,6 +58,11 @@ def main() -> None:
     md += ["", "| arm | 2 jobs | 4 jobs | 8 jobs | 16 jobs |", "|---|---|---|---|---|"]
     for name, per in scaling.items():
         md.append(f"| {name} | " + " | ".join(f"{per[j]:.3f}" for j in (2, 4, 8, 16)) + " |")
+    if validation and validation.get("heldout_mape") is not None:
+        md += ["", f"Error bar: this profile against {validation['heldout_runs']} held-out H200 runs "
+                   f"({', '.join(validation['configurations'])}): steps per GPU-hour MAPE "
+                   f"{validation['heldout_mape']:.1%}, bias {validation['heldout_bias']:+.1%} "
+                   f"(`{validation['report']}`)."]
     md += ["", "Assumptions of this profile (not yet measured):"] + [f"- {a['id']}: {a['what']}" for a in assumptions]
     (args.out / "paper_table_sim.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
