@@ -6,6 +6,18 @@ set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
 export NODUS_COMMIT=$(cat .device_commit 2>/dev/null || echo unknown)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# vLLM's torch.compile cache from an earlier session (an engine starts in ~45 s with it, ~80 s
+# without): carry .device/vllm-cache.tgz to use it; each call offers the cache back when small.
+if [ -f .device/vllm-cache.tgz ] && [ ! -d ~/.cache/vllm/torch_compile_cache ]; then
+  mkdir -p ~/.cache && tar xzf .device/vllm-cache.tgz -C ~/.cache && echo "vLLM compile cache restored"
+fi
+save_cache() {
+  if [ -d ~/.cache/vllm/torch_compile_cache ]; then
+    tar czf /tmp/vllm-cache.tgz -C ~/.cache vllm/torch_compile_cache 2>/dev/null
+    if [ "$(stat -c %s /tmp/vllm-cache.tgz)" -lt 15000000 ]; then cp /tmp/vllm-cache.tgz "$OUT/"; fi
+  fi
+}
+trap save_cache EXIT
 # A Qwen3-0.6B-shaped model with saved random weights (engine and trainer load the same ones).
 random_model() {
   python -c "from pathlib import Path; from experiments.gpu_arms import make_random_model; make_random_model(Path('/tmp/nodus-qwen3-0.6b-random'), 'qwen3-0.6b')"
