@@ -265,12 +265,25 @@ def wrap_linears(model: nn.Module, target_modules: tuple[str, ...], routing: Rou
     return shapes
 
 
-def peft_state_dict(adapter: Adapter, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """PEFT's saved key names: base_model.model.<module>.lora_{A,B}.weight (no adapter name)."""
-    out = {}
+def peft_state_dict(adapter: Adapter, dtype: torch.dtype = torch.float32,
+                    one_copy: bool | None = None) -> dict[str, torch.Tensor]:
+    """PEFT's saved key names: base_model.model.<module>.lora_{A,B}.weight (no adapter name).
+
+    On a GPU every tensor goes to the host in one copy (one flat buffer, cast to ``dtype`` on the
+    device): a copy per tensor would wait on the GPU ~400 times per adapter. ``one_copy`` forces
+    either way (default: on a GPU)."""
+    names, tensors = [], []
     for name in adapter.A:
-        out[f"base_model.model.{name}.lora_A.weight"] = adapter.A[name].detach().to("cpu", dtype).contiguous()
-        out[f"base_model.model.{name}.lora_B.weight"] = adapter.B[name].detach().to("cpu", dtype).contiguous()
+        names += [f"base_model.model.{name}.lora_A.weight", f"base_model.model.{name}.lora_B.weight"]
+        tensors += [adapter.A[name].detach(), adapter.B[name].detach()]
+    if not (one_copy if one_copy is not None else tensors[0].device.type != "cpu"):
+        return {n: t.to("cpu", dtype).contiguous() for n, t in zip(names, tensors)}
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype).cpu()
+    out, offset = {}, 0
+    for n, t in zip(names, tensors):
+        # Each its own storage: safetensors refuses tensors that share memory.
+        out[n] = flat[offset:offset + t.numel()].view(t.shape).clone()
+        offset += t.numel()
     return out
 
 

@@ -119,7 +119,10 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         model = load_base_model(spec.model, spec.load_format, dtype, spec.device)
         trainer = MultiLoRATrainer(model, device=spec.device, max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
                                    base_model_name_or_path=spec.model, lora_layout=spec.lora_layout)
-        info = {"lora_layout": spec.lora_layout}
+        # Adapters for the engine in the model's dtype: the engine casts them to it on load anyway
+        # (the same rounding), and a bf16 file is half the bytes to write and read.
+        save_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype)}
         if spec.compile_elementwise:
             from real.fuse import fuse_elementwise
 
@@ -139,13 +142,13 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 _, tag, job_id, cfg, path = cmd
                 trainer.add_job(job_id, rank=cfg.rank, alpha=cfg.alpha, lr=cfg.lr, seed=cfg.seed,
                                 max_grad_norm=cfg.max_grad_norm, loss_type=cfg.loss_type)
-                trainer.save_adapter(job_id, path.format(v=0))
+                trainer.save_adapter(job_id, path.format(v=0), dtype=save_dtype)
                 outbox.put(("added", tag, 0))
             elif kind == "load":
                 _, tag, job_id, ckpt, path = cmd
                 state = torch.load(ckpt, map_location="cpu", weights_only=False)
                 trainer.load_state_job(job_id, state)
-                trainer.save_adapter(job_id, path.format(v=int(state["step"])))
+                trainer.save_adapter(job_id, path.format(v=int(state["step"])), dtype=save_dtype)
                 outbox.put(("added", tag, int(state["step"])))
             elif kind == "warmup":
                 # A scratch job trains one step at the run's shape, so kernel selection, allocator
@@ -177,7 +180,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 agreement = trainer.last_audit
                 for job_id, st in stats.items():
                     if not st.failed:
-                        trainer.save_adapter(job_id, paths[job_id])
+                        trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype)
                         if ckpt_dir:
                             save_checkpoint(trainer, job_id, ckpt_dir)
                 if spec.device.startswith("cuda"):

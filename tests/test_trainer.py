@@ -427,3 +427,22 @@ def _compiled_vs_eager(fuse_elementwise):
     fused.train_step(step1)
     for j in JOBS:  # the fp32 tolerance of the batched-vs-solo proof
         assert rel_diff(params(fused, j), params(eager, j)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adapter_leaves_the_device_in_one_copy_with_the_same_tensors(dtype):
+    """The GPU save path (one flat copy, cast before it) gives exactly the per-tensor path's
+    tensors, each in its own storage (safetensors refuses shared memory), in fp32 or bf16."""
+    from safetensors.torch import save
+
+    from real.multilora import peft_state_dict
+
+    trainer = make_trainer()
+    trainer.train_step(two_step_data()[0])
+    adapter = trainer.adapter("b")
+    one = peft_state_dict(adapter, dtype, one_copy=True)
+    each = peft_state_dict(adapter, dtype, one_copy=False)
+    assert list(one) == list(each)
+    for k in each:
+        assert one[k].dtype == dtype and torch.equal(one[k], each[k])
+    save(one)  # raises if any two share memory
