@@ -346,21 +346,29 @@ def bench_equivalence(args, trainer, batches, device, dtype) -> dict:
 
 
 def bench_save(args, trainer, job_ids, device) -> dict:
+    """Adapter save per job, in fp32 and in the model's dtype (what the real backend now writes)."""
+    import torch
+
     root = Path(args.save_dir) if Path(args.save_dir).is_dir() else Path(tempfile.gettempdir())
-    folder = Path(tempfile.mkdtemp(prefix="nodus_bench_save_", dir=root))
-    times, size = [], 0
-    try:
-        for job_id in job_ids:
-            t0 = time.perf_counter()
-            trainer.save_adapter(job_id, str(folder / job_id))
-            times.append(time.perf_counter() - t0)
-            size = sum(f.stat().st_size for f in (folder / job_id).iterdir())
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    row = {"dir": str(root), "per_job_s": [round(t, 4) for t in times], "mean_s": round(sum(times) / len(times), 4),
-           "max_s": round(max(times), 4), "bytes_per_adapter": size}
-    log(f"save: mean {row['mean_s']} s, max {row['max_s']} s per adapter ({size / 2**20:.1f} MiB)")
-    return row
+    model_dtype = next(trainer.model.parameters()).dtype
+    rows = {}
+    for dtype in dict.fromkeys([torch.float32, model_dtype]):
+        folder = Path(tempfile.mkdtemp(prefix="nodus_bench_save_", dir=root))
+        times, size = [], 0
+        try:
+            for job_id in job_ids:
+                t0 = time.perf_counter()
+                trainer.save_adapter(job_id, str(folder / job_id), dtype=dtype)
+                times.append(time.perf_counter() - t0)
+                size = sum(f.stat().st_size for f in (folder / job_id).iterdir())
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        row = {"dir": str(root), "dtype": str(dtype), "per_job_s": [round(t, 4) for t in times],
+               "mean_s": round(sum(times) / len(times), 4), "max_s": round(max(times), 4), "bytes_per_adapter": size}
+        log(f"save ({dtype}): mean {row['mean_s']} s, max {row['max_s']} s per adapter ({size / 2**20:.1f} MiB)")
+        rows[str(dtype).removeprefix("torch.")] = row
+    first = next(iter(rows.values()))
+    return {**first, "by_dtype": rows}
 
 
 def bench_fused(args, trainer, batches, device) -> dict:
