@@ -22,14 +22,18 @@ from pathlib import Path
 
 import numpy as np
 
+from calibration.measure import _requests, _train_batches
+
 SIDES = ("engine", "trainer")
+RATES = ("none_corun", "mps_alone", "mps_corun")  # the profile's sharing section
+DONE = {"engine": "generated", "trainer": "trained"}  # each side's answer to a task
 
 
 class _Pair:
     """One engine and one trainer process (a one-stack Cluster) with 8 calibration jobs."""
 
     def __init__(self, model: str, sharing: str, device: str, max_batch: int, mb_tokens: int,
-                 engine_memory: float, enforce_eager: bool, adapters: int = 8, rank: int = 16, log=print):
+                 engine_memory: float, enforce_eager: bool, adapters: int = 8, rank: int = 16):
         from real.backend import Cluster, RealOptions
         from real.trainer import JobConfig
 
@@ -49,7 +53,6 @@ class _Pair:
         self.c.engines[0].put(("publish", self._tag(), [(j, 0, str(self.dir / j / "v0")) for j in self.jobs]))
         self._wait("published")
         self.rng = np.random.default_rng(0)
-        self.log = log
 
     def _tag(self) -> str:
         self._n += 1
@@ -62,24 +65,11 @@ class _Pair:
                 return msg
 
     def gen_request(self, batch: int, prompt: int, length: int):
-        from real.engine import GenRequest
+        return _requests(len(self.jobs), batch, prompt, length, self.vocab, self.rng)
 
-        per = [batch // len(self.jobs) + (1 if a < batch % len(self.jobs) else 0) for a in range(len(self.jobs))]
-        return [GenRequest(job_id=j, adapter_version=0, n=1, max_new_tokens=length, temperature=1.0, seed=None,
-                           prompts=[[int(t) for t in self.rng.integers(1, self.vocab - 1, prompt)] for _ in range(n)],
-                           forced_lengths=[length] * n) for j, n in zip(self.jobs, per) if n]
-
-    def train_batches(self, tokens: int, seq: int = 256):
-        from real.trainer import JobBatch
-
-        rows = max(1, tokens // seq // len(self.jobs))
-        batches, paths = {}, {}
-        for j in self.jobs:
-            ids = [[int(t) for t in self.rng.integers(1, self.vocab - 1, seq)] for _ in range(rows)]
-            batches[j] = JobBatch(input_ids=ids, completion_mask=[[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
-                                  advantages=self.rng.standard_normal(rows).tolist())
-            paths[j] = str(self.dir / j / "scratch")
-        return batches, paths
+    def train_batches(self, tokens: int):
+        batches = _train_batches(len(self.jobs), tokens, self.vocab, self.rng)
+        return batches, {j: str(self.dir / j / "scratch") for j in batches}
 
     def send(self, side: str, work) -> str:
         tag = self._tag()
@@ -90,19 +80,17 @@ class _Pair:
         return tag
 
     def alone(self, side: str, work, repeats: int) -> float:
-        done = {"engine": "generated", "trainer": "trained"}[side]
         times = []
         for _ in range(repeats):
             t0 = time.monotonic()
             self.send(side, work)
-            self._wait(done)
+            self._wait(DONE[side])
             times.append(time.monotonic() - t0)
         return float(np.median(times))
 
     def corun(self, fg: str, fg_work, bg_work, repeats: int) -> float:
         """Seconds of one `fg` task while the other side runs back to back."""
         bg = "trainer" if fg == "engine" else "engine"
-        done = {"engine": "generated", "trainer": "trained"}
         times = []
         for _ in range(repeats):
             bg_tag = self.send(bg, bg_work)
@@ -112,14 +100,14 @@ class _Pair:
             end = None
             while end is None:
                 msg = self.c.get(timeout=1800)
-                if msg[0] == done[fg] and msg[1] == fg_tag:
+                if msg[0] == DONE[fg] and msg[1] == fg_tag:
                     end = time.monotonic()
-                elif msg[0] == done[bg] and msg[1] == bg_tag:
+                elif msg[0] == DONE[bg] and msg[1] == bg_tag:
                     bg_tag = self.send(bg, bg_work)
             times.append(end - t0)
             while True:  # drain the last background task
                 msg = self.c.get(timeout=1800)
-                if msg[0] == done[bg] and msg[1] == bg_tag:
+                if msg[0] == DONE[bg] and msg[1] == bg_tag:
                     break
         return float(np.median(times))
 
@@ -134,7 +122,7 @@ def measure_sharing(model: str, modes=("none", "mps"), batches=(64, 256, 512), t
     """Raw timings per mode and bucket, and the rates the profile's sharing section takes."""
     raw: dict = {}
     for mode in modes:
-        pair = _Pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager, log=log)
+        pair = _Pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager)
         try:
             gen = {b: pair.gen_request(b, prompt, length) for b in batches}
             train = {t: pair.train_batches(t) for t in train_tokens}
@@ -178,7 +166,7 @@ def sharing_rates(raw: dict) -> dict:
             row["mps_corun"] = {s: r[f"{s}_alone_s"] / m[f"{s}_corun_s"] for s in SIDES}
         per_bucket.append(row)
     out = {"per_bucket": per_bucket}
-    for name in ("none_corun", "mps_alone", "mps_corun"):
+    for name in RATES:
         vals = [b[name] for b in per_bucket if name in b]
         if vals:
             out[name] = {s: float(np.median([v[s] for v in vals])) for s in SIDES}
@@ -190,19 +178,35 @@ def sharing_rates(raw: dict) -> dict:
 def apply_sharing(profile: dict, measured: dict) -> dict:
     """The profile with its sharing section's measured parts replaced, and its assumptions updated."""
     rates = measured["rates"]
-    got = [k for k in ("none_corun", "mps_alone", "mps_corun") if k in rates]
+    got = [k for k in RATES if k in rates]
     for k in got:
         profile["sharing"][k] = dict(rates[k])
     profile.setdefault("measurements", {})["sharing"] = measured
-    all_rates = {"none_corun", "mps_alone", "mps_corun"}
     keep = [a for a in profile.get("assumptions", []) if a["id"] != "sharing-from-base"]
-    if set(got) != all_rates:
+    if len(got) != len(RATES):
         keep.append({"id": "sharing-from-base", "value": None,
                      "what": f"sharing rates not measured in this calibration "
-                             f"({', '.join(sorted(all_rates - set(got)))}) are the base profile's"})
+                             f"({', '.join(sorted(set(RATES) - set(got)))}) are the base profile's"})
     for a in keep:
         if a["id"] == "sharing-constant":
             a["what"] = ("co-run and MPS rates are medians over the measured batch/token buckets "
                          "(per-bucket rates under measurements.sharing), used for every batch size and token count")
     profile["assumptions"] = keep
     return profile
+
+
+def calibrate_sharing(model: str, base: str, out: str | Path, modes=("none", "mps"), log=print, **settings) -> dict:
+    """`nodus calibrate-sharing`: measure, then write the base profile with the measured rates."""
+    from sim.profile import add_source, profile_dict, refuse_existing, write_profile
+
+    refuse_existing(out, "calibrate")
+    if any(m not in ("none", "mps") for m in modes) or "none" not in modes:
+        from nodus.config import ConfigError
+
+        raise ConfigError(f"--modes {','.join(modes)!r}: choose from none,mps, with none (the rates' unit) included")
+    prof = profile_dict(base)
+    measured = measure_sharing(model, modes=modes, log=log, **settings)
+    apply_sharing(prof, measured)
+    add_source(prof, f"nodus calibrate-sharing ({','.join(modes)})")
+    write_profile(prof, out, "calibrate")
+    return prof

@@ -19,7 +19,6 @@ Everything else (decode, prefill, sharing) is kept from the base profile.
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +77,7 @@ def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
-    from sim.profile import Profile, load_profile
+    from sim.profile import Profile, add_source, profile_dict
 
     used, skipped, samples, publish = [], [], [], []
     for rd in map(Path, runs):
@@ -93,7 +92,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
                           f"(need >= 3); held out: {skipped}")
-    prof = json.loads(load_profile(base).profile.model_dump_json(by_alias=True))
+    prof = profile_dict(base)
     y = np.array([s["s"] for s in samples])
     mb = np.array([s["microbatches"] for s in samples], dtype=float)
     tok = np.array([s["padded_tokens"] for s in samples], dtype=float)
@@ -123,9 +122,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     prof["train"]["max_profiled_tokens"] = int(max(tok.max(), prof["train"].get("max_profiled_tokens") or 0))
     if publish:
         prof["publish"]["save_s_per_adapter"] = float(np.median(publish))
-    env = dict(prof.get("environment") or {})
-    env["sources"] = list(env.get("sources") or []) + [f"nodus fit on {len(used)} run(s)"]
-    prof["environment"] = env
+    add_source(prof, f"nodus fit on {len(used)} run(s)")
     prof.setdefault("measurements", {})["fit_runs"] = {
         "runs": used, "held_out": skipped, "fit_max_jobs": fit_max_jobs, "train_steps": len(samples),
         "train_fit": {"a_s_per_microbatch": float(a), "b_s_per_padded_token": float(b),
@@ -140,10 +137,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
 
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4) -> dict:
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"--out {str(out)!r} exists; nodus fit never overwrites a profile")
+    from sim.profile import refuse_existing, write_profile
+
+    refuse_existing(out, "nodus fit")
     prof = fit(runs, base, fit_max_jobs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prof, indent=1) + "\n")
+    write_profile(prof, out, "nodus fit")
     return prof

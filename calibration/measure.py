@@ -12,7 +12,6 @@ as an assumption of this profile until measured.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -35,6 +34,34 @@ def _git_commit() -> str | None:
                               check=True).stdout.strip() or None
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def _train_batches(adapters: int, tokens: int, vocab: int, rng, seq: int = 256) -> dict:
+    """About `tokens` tokens of random rows of `seq` tokens (the first quarter prompt) split evenly
+    over the calibration jobs cal0..cal{adapters-1}."""
+    from real.trainer import JobBatch
+
+    rows = max(1, tokens // seq // adapters)
+    return {f"cal{j}": JobBatch(input_ids=[[int(t) for t in rng.integers(1, vocab - 1, size=seq)] for _ in range(rows)],
+                                completion_mask=[[0] * (seq // 4) + [1] * (seq - seq // 4)] * rows,
+                                advantages=rng.standard_normal(rows).tolist())
+            for j in range(adapters)}
+
+
+def environment(device: str) -> dict:
+    """The header of a measurement: GPU (or CPU), torch and vLLM versions, date, git commit."""
+    import torch
+
+    env = {"gpu": torch.cuda.get_device_name(0) if device.startswith("cuda")
+           else f"cpu ({platform.processor() or 'unknown'})",
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "git_commit": _git_commit()}
+    try:
+        import vllm
+
+        env["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    return env
 
 
 def _requests(adapters: int, batch: int, prompt_tokens: int, length: int, vocab: int, rng):
@@ -67,7 +94,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
 
     from real.engine import MultiLoRAEngine
     from real.workers import load_base_model
-    from real.trainer import JobBatch, MultiLoRATrainer
+    from real.trainer import MultiLoRATrainer
 
     tdtype = getattr(torch, dtype)
     base = load_base_model(model, "auto", tdtype, device)
@@ -131,17 +158,9 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     eng.close()
 
     train = []
-    seq = 256
     for a in adapter_counts:
         for tokens in train_tokens:
-            n_seq = max(a, tokens // seq)
-            batches_ = {}
-            for j in range(a):
-                rows = n_seq // a
-                ids = [[int(t) for t in rng.integers(1, vocab - 1, size=seq)] for _ in range(rows)]
-                mask = [[0] * 64 + [1] * (seq - 64) for _ in range(rows)]
-                batches_[f"cal{j}"] = JobBatch(input_ids=ids, completion_mask=mask,
-                                               advantages=rng.standard_normal(rows).tolist())
+            batches_ = _train_batches(a, tokens, vocab, rng)
             trainer.train_step(batches_)  # warm-up at this shape
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -150,7 +169,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             s = time.perf_counter() - t0
-            train.append({"tokens": (n_seq // a) * a * seq, "adapters": a, "s": s})
+            train.append({"tokens": sum(len(r) for b in batches_.values() for r in b.input_ids), "adapters": a, "s": s})
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
             "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens)}
@@ -193,29 +212,17 @@ def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batche
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
               train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
               repeats: int = 3, log=print) -> dict:
-    from sim.profile import Profile, load_profile
+    from sim.profile import profile_dict, refuse_existing, write_profile
 
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"--out {str(out)!r} exists; calibrate never overwrites a profile")
+    refuse_existing(out, "calibrate")
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dtype = ("bfloat16" if device == "cuda" else "float32") if dtype == "auto" else dtype
-    base_prof = json.loads(load_profile(base).profile.model_dump_json(by_alias=True))
+    base_prof = profile_dict(base)
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
                   list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log)
-    env = {"gpu": torch.cuda.get_device_name(0) if device == "cuda" else f"cpu ({platform.processor() or 'unknown'})",
-           "model": os.path.basename(os.path.normpath(model)), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "git_commit": _git_commit(), "sources": ["nodus calibrate"]}
-    try:
-        import vllm
-
-        env["vllm"] = vllm.__version__
-    except ImportError:
-        pass
+    env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": ["nodus calibrate"]}
     prof = fit_profile(raw, base_prof, env)
-    Profile.model_validate(prof)  # the simulator must be able to read what we write
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prof, indent=1) + "\n")
+    write_profile(prof, out, "calibrate")
     return prof

@@ -211,12 +211,13 @@ def plot_validation(rep: dict, path: Path) -> None:
 def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | None = None) -> dict:
     """The profile with `rep`'s held-out errors as its `validation`, written to `out` (a new file,
     or the same path as a profile file being annotated in place)."""
-    from sim.profile import Profile, load_profile
+    from sim.profile import profile_dict, write_profile
 
     out = Path(out)
-    if out.exists() and not (Path(profile).exists() and out.resolve() == Path(profile).resolve()):
+    in_place = Path(profile).exists() and out.resolve() == Path(profile).resolve()
+    if out.exists() and not in_place:
         raise FileExistsError(f"--annotate {str(out)!r} exists and is not the profile being annotated")
-    prof = json.loads(load_profile(profile).profile.model_dump_json(by_alias=True))
+    prof = profile_dict(profile)
     held = [r for r in rep["rows"] if r["heldout"]]
     h = rep["heldout_replay"]
     prof["validation"] = {
@@ -225,6 +226,5 @@ def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | Non
         "configurations": sorted({f"{r['jobs']} jobs {r['arm']['policy']} g={r['arm']['groups']} {r['arm']['sharing']}"
                                   for r in held if r.get("arm")}),
         "report": report}
-    Profile.model_validate(prof)
-    out.write_text(json.dumps(prof, indent=1) + "\n")
+    write_profile(prof, out, "nodus validate --annotate", overwrite=in_place)
     return prof

@@ -114,12 +114,15 @@ def cmd_validate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from calibration.measure import calibrate
 
-    ints = lambda t: tuple(int(x) for x in t.split(","))  # noqa: E731
-    calibrate(a.model, a.out, base=a.base, batches=ints(a.batches), adapter_counts=ints(a.adapters),
-              prompt_tokens=ints(a.prompt_tokens), lengths=ints(a.lengths), train_tokens=ints(a.train_tokens),
+    calibrate(a.model, a.out, base=a.base, batches=_ints(a.batches), adapter_counts=_ints(a.adapters),
+              prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
               device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats,
               log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
@@ -127,31 +130,14 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
-    from calibration.corun import apply_sharing, measure_sharing
-    from sim.profile import Profile, load_profile
+    from calibration.corun import RATES, calibrate_sharing
 
-    out = Path(a.out)
-    if out.exists():
-        raise FileExistsError(f"--out {a.out!r} exists; calibrate never overwrites a profile")
-    modes = tuple(m for m in a.modes.split(",") if m)
-    bad = [m for m in modes if m not in ("none", "mps")]
-    if bad or "none" not in modes:
-        raise ConfigError(f"--modes {a.modes!r}: choose from none,mps, with none (the rates' unit) included")
-    base = json.loads(load_profile(a.base).profile.model_dump_json(by_alias=True))
-    ints = lambda t: tuple(int(x) for x in t.split(","))  # noqa: E731
-    measured = measure_sharing(a.model, modes=modes, batches=ints(a.batches), train_tokens=ints(a.train_tokens),
-                               prompt=a.prompt_tokens, length=a.length, repeats=a.repeats, device=a.device,
-                               engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
-                               log=lambda m: print(m, file=sys.stderr, flush=True))
-    prof = apply_sharing(base, measured)
-    env = prof.setdefault("environment", {})
-    env["sources"] = list(env.get("sources") or []) + [f"nodus calibrate-sharing ({','.join(modes)})"]
-    Profile.model_validate(prof)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prof, indent=1) + "\n")
-    r = measured["rates"]
-    print(" ".join(f"{k} engine {r[k]['engine']:.3f} trainer {r[k]['trainer']:.3f};" for k in
-                   ("none_corun", "mps_alone", "mps_corun") if k in r))
+    prof = calibrate_sharing(a.model, a.base, a.out, modes=tuple(m for m in a.modes.split(",") if m),
+                             batches=_ints(a.batches), train_tokens=_ints(a.train_tokens), prompt=a.prompt_tokens,
+                             length=a.length, repeats=a.repeats, device=a.device, engine_memory=a.engine_memory,
+                             enforce_eager=a.enforce_eager, log=lambda m: print(m, file=sys.stderr, flush=True))
+    r = prof["measurements"]["sharing"]["rates"]
+    print(" ".join(f"{k} engine {r[k]['engine']:.3f} trainer {r[k]['trainer']:.3f};" for k in RATES if k in r))
     print(f"wrote {a.out}")
     return 0
 

@@ -165,6 +165,34 @@ def load_profile(name_or_path: str) -> "CostModel":
                           f"({len(err.errors())} error(s))") from None
 
 
+def profile_dict(name_or_path: str) -> dict:
+    """A shipped or file profile as a JSON-ready dict (validated), for tools that derive a new one."""
+    return json.loads(load_profile(name_or_path).profile.model_dump_json(by_alias=True))
+
+
+def add_source(prof: dict, source: str) -> None:
+    """Record in the profile's environment header that `source` made or changed it."""
+    env = prof.setdefault("environment", {})
+    env["sources"] = list(env.get("sources") or []) + [source]
+
+
+def refuse_existing(out: str | Path, tool: str) -> None:
+    """Profiles are never overwritten: check before any costly measuring."""
+    if Path(out).exists():
+        raise FileExistsError(f"--out {str(out)!r} exists; {tool} never overwrites a profile")
+
+
+def write_profile(prof: dict, out: str | Path, tool: str, overwrite: bool = False) -> None:
+    """Validate (the simulator must be able to read it) and write a profile; a file that exists is
+    never replaced unless `overwrite`."""
+    if not overwrite:
+        refuse_existing(out, tool)
+    Profile.model_validate(prof)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+
+
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
     """Linear through the points; linear extrapolation past either end along the edge segment."""
     i = bisect.bisect_left(xs, x)
