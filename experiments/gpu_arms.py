@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -164,24 +163,14 @@ def main() -> None:
             d["ratio_vs_dedicated"] = d["steps_per_gpu_hour"] / base["steps_per_gpu_hour"] if base else None
             d["sim_ratio_vs_dedicated"] = (d["sim_steps_per_gpu_hour"] / base["sim_steps_per_gpu_hour"]
                                            if base else None)
-    results["env"] = _env()
+    import torch
+
+    from calibration.measure import environment
+
+    results["env"] = environment("cuda" if torch.cuda.is_available() else "cpu")
     (args.out / "arms.json").write_text(json.dumps(results, indent=1))
     print(json.dumps({n: {s: (round(d["steps_per_gpu_hour"]), d["ratio_vs_dedicated"]) for s, d in per.items()}
                       for n, per in results["arms"].items()}))
-
-
-def _env() -> dict:
-    env = {"date": time.strftime("%Y-%m-%d"), "git_commit": os.environ.get("NODUS_COMMIT")}
-    try:
-        import torch
-
-        env.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-        import vllm
-
-        env["vllm"] = vllm.__version__
-    except Exception:  # noqa: BLE001
-        pass
-    return env
 
 
 if __name__ == "__main__":
