@@ -2,8 +2,9 @@
 
 For each recorded run folder (config.json, summary.json, spans.jsonl from `nodus run`), the
 simulator runs the same configuration twice: replaying the run's own response lengths, and
-sampling fresh ones from the length models (other seeds than the run's). Errors are relative to the measured value; runs with more
-than `fit_max_jobs` jobs are held out (the calibration fits on 1-4 jobs only).
+sampling fresh ones from the length models (other seeds than the run's). Errors are relative to
+the measured value; runs with more than `fit_max_jobs` jobs per GPU are held out (the
+calibration fits on 1-4 jobs per GPU only).
 """
 
 from __future__ import annotations
@@ -78,22 +79,29 @@ def _simulate(cfg: dict, source: str) -> dict:
             "phase_s": _phase_means(spans), "outside_profile": sorted(make.cost.flags)}
 
 
+def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tuple[dict, dict]:
+    """A recorded run's configuration for the simulator on `profile`, in the run's own grouping
+    (not a re-balance over the replayed lengths): replaying its response lengths, and sampling
+    fresh ones."""
+    trace = str((rd / "spans.jsonl").resolve())
+    pol = cfg["arm"]["policy"]
+    group_key = "group" if pol == "overlap" else "stack"
+    groups = {s["job"]: s[group_key] for s in spans} if pol in ("overlap", "timeslice") else {}
+    jobs = [dict(j, group=groups.get(j["id"])) for j in cfg["jobs"]]
+    replay = dict(cfg, profile=profile,
+                  jobs=[dict(j, lengths={"kind": "replay", "trace": trace, "job": j["id"]}) for j in jobs])
+    # Fresh draws from the length models: the jobs' seeds moved, so a synthetic run, whose
+    # forced lengths came from the same models and seeds, is not simply replayed.
+    sampled = dict(cfg, profile=profile,
+                   jobs=[dict(j, lengths=None, seed=int(j.get("seed") or 0) + SAMPLE_SEED_OFFSET) for j in jobs])
+    return replay, sampled
+
+
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
     rows = []
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
-        cfg["profile"] = profile
-        trace = str((rd / "spans.jsonl").resolve())
-        # The recorded run's grouping, not a re-balance over the replayed lengths.
-        pol = cfg["arm"]["policy"]
-        group_key = "group" if pol == "overlap" else "stack"
-        groups = {s["job"]: s[group_key] for s in spans} if pol in ("overlap", "timeslice") else {}
-        jobs = [dict(j, group=groups.get(j["id"])) for j in cfg["jobs"]]
-        replay_cfg = dict(cfg, jobs=[dict(j, lengths={"kind": "replay", "trace": trace, "job": j["id"]}) for j in jobs])
-        # Fresh draws from the length models: the jobs' seeds moved, so a synthetic run, whose
-        # forced lengths came from the same models and seeds, is not simply replayed.
-        sampled_cfg = dict(cfg, jobs=[dict(j, lengths=None, seed=int(j.get("seed") or 0) + SAMPLE_SEED_OFFSET)
-                                      for j in jobs])
+        replay_cfg, sampled_cfg = recorded_configs(rd, cfg, spans, profile)
         rep = _simulate(replay_cfg, f"{rd}/config.json")
         sam = _simulate(sampled_cfg, f"{rd}/config.json")
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": meas.get("arm"),
@@ -111,11 +119,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         for mode in ("replay", "sampled"):
             pred = [r[mode]["steps_per_gpu_hour"] for r in sel]
             report[f"{split}_{mode}"] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)}
-    # Per phase (mean seconds of its actions) and per busy fraction: the same error statistics,
-    # which say where a steps-per-GPU-hour error comes from.
-    for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
-        sel = [r for r in rows if keep(r)]
-        for mode in ("replay", "sampled"):
+            # Per phase (mean seconds of its actions) and per busy fraction: the same error
+            # statistics, which say where a steps-per-GPU-hour error comes from.
             per = {}
             for ph in PHASES:
                 pairs = [(r[mode]["phase_s"][ph], r["measured"]["phase_s"][ph]) for r in sel

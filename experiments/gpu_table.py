@@ -33,41 +33,32 @@ def arm_label(arm: dict) -> str:
 
 
 def build(runs: list[Path], profile: str) -> dict:
-    from calibration.validate import _simulate, load_recorded
+    from calibration.validate import _simulate, load_recorded, recorded_configs
+    from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "arms": {}, "aa": {}}
-    baselines: dict[tuple[int, int], float] = {}  # first dedicated run's, then the repeats' mean
-    ded_runs: dict[tuple[int, int], list[float]] = {}
     rows = []
+    # Per (jobs, seed), over its dedicated runs: steps per GPU-hour, each job's finish time alone,
+    # and the simulator's dedicated prediction.
+    ded_sph: dict[tuple[int, int], list[float]] = {}
+    alone_finish: dict[tuple[int, int], dict[str, list[float]]] = {}
+    sim_base: dict[tuple[int, int], float] = {}
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
-        pol = cfg["arm"]["policy"]
-        key = "group" if pol == "overlap" else "stack"
-        groups = {s["job"]: s[key] for s in spans} if pol in ("overlap", "timeslice") else {}
-        trace = str((rd / "spans.jsonl").resolve())
-        replay = dict(cfg, profile=profile, jobs=[dict(j, group=groups.get(j["id"]), lengths={
-            "kind": "replay", "trace": trace, "job": j["id"]}) for j in cfg["jobs"]])
-        sim = _simulate(replay, f"{rd}/config.json")
+        sim = _simulate(recorded_configs(rd, cfg, spans, profile)[0], f"{rd}/config.json")
         rows.append((rd, cfg, summary, jobs, seed, sim))
-        if pol == "dedicated":
-            ded_runs.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
-    for (jobs, seed), vals in ded_runs.items():
-        # The baseline is the mean over the dedicated repeats: the order runs are named in
-        # never decides it; two repeats also give the A/A spread.
-        baselines[(jobs, seed)] = sum(vals) / len(vals)
-        if len(vals) >= 2:
-            table["aa"][f"{jobs}-s{seed}"] = {"runs": vals[:2],
-                                              "rel_diff": abs(vals[0] - vals[1]) / ((vals[0] + vals[1]) / 2)}
-    alone_finish: dict[tuple[int, int], dict[str, list[float]]] = {}  # per job, over dedicated repeats
-    for rd, cfg, summary, jobs, seed, sim in rows:
         if cfg["arm"]["policy"] == "dedicated":
+            ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
                 alone_finish.setdefault((jobs, seed), {}).setdefault(j, []).append(d["finish_s"])
-    sim_base: dict[tuple[int, int], float] = {}
-    for rd, cfg, summary, jobs, seed, sim in rows:
-        if cfg["arm"]["policy"] == "dedicated":
             sim_base.setdefault((jobs, seed), sim["steps_per_gpu_hour"])
+    # The baseline is the mean over the dedicated repeats: the order runs are named in never
+    # decides it; two repeats also give the A/A spread.
+    baselines = {k: sum(v) / len(v) for k, v in ded_sph.items()}
+    for (jobs, seed), vals in ded_sph.items():
+        if len(vals) >= 2:
+            table["aa"][f"{jobs}-s{seed}"] = {"runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
     for rd, cfg, summary, jobs, seed, sim in rows:
         label = arm_label(cfg["arm"]) + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
