@@ -25,7 +25,7 @@ import numpy as np
 
 from calibration.validate import jobs_per_gpu, load_recorded
 from nodus.config import ConfigError
-from nodus.microbatch import microbatch_costs
+from nodus.microbatch import microbatch_costs, step_rows
 
 
 def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
@@ -49,8 +49,7 @@ def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
             if g is None:
                 raise ConfigError(f"{run_dir}: train span of {m['job']} step {m['attrs'].get('step')} "
                                   "has no generate span to take its rows from")
-            each = g["attrs"]["prompt_tokens"] / max(g["attrs"]["n_sequences"], 1)
-            rows.append([round(each) + r for r in g["attrs"]["response_tokens"]])
+            rows.append(step_rows(g["attrs"]["prompt_tokens"], g["attrs"]["n_sequences"], g["attrs"]["response_tokens"]))
         mbs, regroup = microbatch_costs(rows, cap)
         samples.append({"microbatches": len(mbs), "padded_tokens": sum(mbs), "regroup_tokens": regroup,
                         "adapters": len(members), "s": end - start})

@@ -3,6 +3,15 @@ and the simulator (which charges the padded tokens this plan gives)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+
+def step_rows(prompt_tokens: int, n_sequences: int, response_tokens) -> list[int]:
+    """One job's rows of a train step (prompt + response tokens each) from its rollouts' totals,
+    the prompt split evenly: how the simulator and `nodus fit` both see a recorded step."""
+    each = round(prompt_tokens / max(n_sequences, 1))
+    return [each + r for r in response_tokens]
+
 
 def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tuple[int, int]]]:
     """Split rows (job j, sequence s) of lengths[j][s] tokens into micro-batches of at most
@@ -38,9 +47,7 @@ def microbatch_costs(lengths: list[list[int]], max_tokens: int) -> tuple[list[in
     padded, regroup = [], 0
     for mb in plan_microbatches(lengths, max_tokens):
         longest = max(lengths[j][s] for j, s in mb)
-        counts: dict[int, int] = {}
-        for j, _ in mb:
-            counts[j] = counts.get(j, 0) + 1
+        counts = Counter(j for j, _ in mb)
         padded.append(len(mb) * longest)
         regroup += (len(counts) * max(counts.values()) - len(mb)) * longest
     return padded, regroup

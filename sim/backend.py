@@ -14,7 +14,7 @@ import simpy
 
 from nodus.config import JobSpec, RunConfig
 from nodus.lengths import prompt_tokens, sample_response_tokens
-from nodus.microbatch import microbatch_costs
+from nodus.microbatch import microbatch_costs, step_rows
 from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
@@ -94,7 +94,7 @@ class SimBackend:
         tokens = {b.job_id: b.prompt_tokens + sum(b.response_tokens) for b in a.batches}
         # The real trainer's packing: rows (prompt + response) longest first into micro-batches
         # of at most the cap in padded tokens; the cost is charged on the padded tokens.
-        rows = [[round(b.prompt_tokens / max(b.n_sequences, 1)) + r for r in b.response_tokens] for b in a.batches]
+        rows = [step_rows(b.prompt_tokens, b.n_sequences, b.response_tokens) for b in a.batches]
         padded, regroup = microbatch_costs(rows, self.cfg.trainer.max_tokens_per_microbatch)
         work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup)
         yield from self.gpu.work("trainer", work)
