@@ -22,18 +22,16 @@ class ClusterPool:
         self.opts = opts
         self.min_loras = min_loras
         self.clusters: dict[tuple, object] = {}
-        self._capacity: dict[tuple, int] = {}
 
     def __call__(self, cfg: RunConfig, n_stacks: int):
         from real.backend import Cluster, RealBackend
 
         key = (cfg.arm.sharing, n_stacks)
         loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
-        if key not in self.clusters or self._capacity[key] < loras:
+        if key not in self.clusters or self.clusters[key].max_loras < loras:
             # One cluster at a time holds the GPU: start the next only after the last is gone.
             # A cluster too small for this run (fewer adapter slots) is restarted larger.
             self.close()
-            self._capacity[key] = loras
             self.clusters[key] = Cluster(
                 self.opts, cfg.arm.sharing, n_stacks, max_loras=loras,
                 max_rank=max(j.lora_rank for j in cfg.jobs), max_num_seqs=cfg.engine.max_num_seqs,

@@ -128,7 +128,7 @@ class Cluster:
                  max_num_seqs: int, max_tokens_per_microbatch: int, seed: int = 0):
         from real.workers import EngineSpec, TrainerSpec, engine_main, trainer_main
 
-        self.opts, self.sharing, self.n_stacks = opts, sharing, n_stacks
+        self.opts, self.sharing, self.n_stacks, self.max_loras = opts, sharing, n_stacks, max_loras
         self.model = resolve_model(opts.model)
         self.device = _device(opts)
         max_rank = engine_lora_rank(max_rank)
