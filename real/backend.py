@@ -388,9 +388,9 @@ class RealBackend:
                     self.failed[b.job_id] = reason
                 ups.append(JobUpdate(b.job_id, v if st.failed else v + 1, tokens=st.tokens,
                                      loss=float(st.loss), grad_norm=float(st.grad_norm), failed=reason))
+            versions = {b.job_id: v for b, v in zip(a.batches, a.expected_versions)}
             for job_id, d in agreement.items():
-                self.audit.append({"job": job_id, "version": dict(zip([b.job_id for b in a.batches],
-                                                                       a.expected_versions))[job_id], **d})
+                self.audit.append({"job": job_id, "version": versions[job_id], **d})
             return TrainDone(a.action_id, start - self.t0, end - self.t0, tuple(ups))
         if kind == "published":
             for j, v in msg[4]:
