@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peft-mb-seqs", type=int, default=16, help="PEFT baseline sequences per micro-batch")
     p.add_argument("--save-dir", default="/dev/shm")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over one multi step per layout: where the time goes (top kernels, "
+                        "the trainer's phases, GPU-busy fraction)")
     args = p.parse_args(argv)
     if args.tiny:
         args.seqs_per_job, args.seq_tokens, args.prompt_tokens = 4, 32, 8
@@ -394,6 +397,54 @@ def bench_fused(args, trainer, batches, device) -> dict:
                       max_abs_logprob_diff_vs_eager=logprob_diff)
 
 
+def bench_profile(args, trainer, batches, device) -> list[dict]:
+    """One train_step per layout under torch.profiler: the step's wall time, the GPU's kernel time
+    (their ratio says whether the step is launch-bound), the trainer's own phases
+    (``record_function`` labels in real/trainer.py) and the kernels that take the most time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    trainer.max_tokens_per_microbatch = max(args.mb_tokens)
+    rows = []
+    for layout in [x for x in args.layouts.split(",") if x]:
+        trainer.routing.layout_mode = layout
+        trainer.train_step(batches)  # warm
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            trainer.train_step(batches)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wall = time.perf_counter() - t0
+        events = prof.key_averages()
+
+        def dev_us(e):
+            return getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
+
+        kernel_us = sum(dev_us(e) for e in events)
+        phases = {e.key: {"cpu_s": round(e.cpu_time_total / 1e6, 4), "calls": e.count,
+                          "device_s": round((getattr(e, "device_time_total", 0) or 0) / 1e6, 4)}
+                  for e in events if e.key.startswith("nodus.")}
+        top = sorted(events, key=dev_us, reverse=True)[:30]
+        cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+        row = {"layout": layout, "wall_s": round(wall, 4), "kernel_s": round(kernel_us / 1e6, 4),
+               "gpu_busy": round(kernel_us / 1e6 / wall, 3), "phases": phases,
+               "top_kernels": [{"name": e.key[:120], "s": round(dev_us(e) / 1e6, 4), "calls": e.count}
+                               for e in top],
+               "top_cpu_ops": [{"name": e.key[:120], "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4),
+                                "calls": e.count} for e in cpu_top]}
+        log(f"profile ({layout}): wall {wall:.3f} s, kernels {row['kernel_s']} s, busy {row['gpu_busy']}")
+        for k in row["top_kernels"][:12]:
+            log(f"    {k['s']:.4f} s  x{k['calls']:5d}  {k['name']}")
+        for name, ph in phases.items():
+            log(f"    phase {name}: cpu {ph['cpu_s']} s x{ph['calls']}")
+        rows.append(row)
+    trainer.routing.layout_mode = "auto"
+    return rows
+
+
 def run_section(result, name, fn, out: Path) -> None:
     """Run one measurement; an error (out of memory, a compile failure) is recorded, not fatal,
     and the results so far are written after every section so a killed run still leaves data."""
@@ -450,6 +501,8 @@ def main(argv=None) -> dict:
     batches = {j: make_batch(args, args.seqs_per_job, trainer.vocab_size, seed=i) for i, j in enumerate(job_ids)}
 
     run_section(result, "multi", lambda: bench_multi(args, trainer, batches, device), out)
+    if args.profile:
+        run_section(result, "profile", lambda: bench_profile(args, trainer, batches, device), out)
     run_section(result, "one_adapter", lambda: bench_one_adapter(args, trainer, batches, device), out)
     if not args.no_loop:
         run_section(result, "per_job_loop", lambda: bench_loop(args, trainer, batches, device), out)

@@ -28,7 +28,7 @@ case "${1:-arms}" in
     # sequences, prompt 140, responses lognormal median 100, <= 256 new tokens).
     timeout "${TRAINER_TIMEOUT:-300}" python experiments/bench_trainer.py --out "$OUT/bench_trainer_h200.json" \
       --no-loop --no-peft --iters 2 --lengths longtail --prompt-tokens 140 --seq-tokens 396 \
-      --layouts "${LAYOUTS:-padded,masked,auto}" --mb-tokens 16384 32768 > "$OUT/bench_trainer.log" 2>&1
+      --layouts "${LAYOUTS:-padded,masked,auto}" --mb-tokens ${MB_TOKENS:-16384 32768} ${TRAINER_EXTRA:-} > "$OUT/bench_trainer.log" 2>&1
     echo "bench_trainer rc=$?" ;;
   calibrate)
     random_model
@@ -61,7 +61,7 @@ case "${1:-arms}" in
     D=/tmp/learn-$(date +%s); mkdir -p "$D"
     timeout "${LEARN_TIMEOUT:-330}" python experiments/gpu_arms.py --out "$D/learn" --mode tasks \
       --model-dir "${LEARN_MODEL:-.device/tiny-base}" --enforce-eager --jobs 8 --steps "${STEPS:-20}" \
-      --seeds "${SEEDS:-1,2}" --arms dedicated,overlap+mps --aa --max-new-tokens 80 \
+      --seeds "${SEEDS:-1,2}" --arms dedicated,overlap+mps ${LEARN_AA---aa} --max-new-tokens 80 \
       --job-fields '{"learning_rate": 1e-3, "prompt_pool": 8}' ${ARMS_EXTRA:-} > "$OUT/learn.log" 2>&1
     echo "learn rc=$?"
     cp "$D/learn/arms.json" "$OUT/learn.json" 2>/dev/null

@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from nodus.microbatch import plan_microbatches  # noqa: F401 (re-exported)
 from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
@@ -268,10 +269,13 @@ class MultiLoRATrainer:
                 s.ref = self._base_logprobs(s)
         # Everything copied to the device up front: a copy between kernels would make the host
         # wait for the GPU, and the GPU then idle while the host queues the next kernels.
-        plan = [self._prepare(mb, seqs) for mb in
-                plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
-        losses = self._backward(plan, jobs, seqs, audit_acc)
-        norms = [self._clip(job) for job in jobs]
+        with record_function("nodus.prepare"):
+            plan = [self._prepare(mb, seqs) for mb in
+                    plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
+        with record_function("nodus.forward_backward"):
+            losses = self._backward(plan, jobs, seqs, audit_acc)
+        with record_function("nodus.clip"):
+            norms = [self._clip(job) for job in jobs]
         finite = [math.isfinite(float(loss)) and math.isfinite(n) for loss, n in zip(losses, norms)]
         if self.routing.mixed_masked and not all(finite):
             # On the masked path a job's non-finite gradient reaches the other adapters of its
@@ -291,8 +295,9 @@ class MultiLoRATrainer:
                 t = torch.stack(parts).double().cpu()
                 self.last_audit[job_ids[k]] = {"max_abs": float(t[:, 0].max()),
                                                "mean_abs": float(t[:, 1].sum() / t[:, 2].sum())}
-        return {j: self._apply_update(job, s, loss, norm)
-                for j, job, s, loss, norm in zip(job_ids, jobs, seqs, losses, norms)}
+        with record_function("nodus.optimizer"):
+            return {j: self._apply_update(job, s, loss, norm)
+                    for j, job, s, loss, norm in zip(job_ids, jobs, seqs, losses, norms)}
 
     def _backward(self, plan, jobs, seqs, audit_acc) -> list[torch.Tensor]:
         """Forward and backward over every micro-batch; each job's loss and its grads in place."""
@@ -302,7 +307,8 @@ class MultiLoRATrainer:
         self.routing.mixed_masked = False
         try:
             for mb in plan:
-                logp = self._forward_logprobs(mb)
+                with record_function("nodus.forward"):
+                    logp = self._forward_logprobs(mb)
                 total = logp.new_zeros(())
                 for span in mb.spans:
                     k = span.slot
@@ -312,7 +318,8 @@ class MultiLoRATrainer:
                         audit_acc[k].append(torch.stack([d.max(), d.sum(), d.new_tensor(d.numel())]))
                     losses[k] += loss.detach().to(torch.float64)
                     total = total + loss
-                total.backward()
+                with record_function("nodus.backward"):
+                    total.backward()
         finally:
             self.routing.stack = self.routing.layout = None
         stack.write_grads()
