@@ -423,7 +423,11 @@ def bench_profile(args, trainer, batches, device) -> list[dict]:
         def dev_us(e):
             return getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
 
-        kernel_us = sum(dev_us(e) for e in events)
+        # GPU time: the kernels and copies themselves (the ops and labels above them would count it twice).
+        from torch.autograd import DeviceType
+
+        kernel_us = sum(e.self_device_time_total for e in prof.events()
+                        if getattr(e, "device_type", None) == DeviceType.CUDA)
         phases = {e.key: {"cpu_s": round(e.cpu_time_total / 1e6, 4), "calls": e.count,
                           "device_s": round((getattr(e, "device_time_total", 0) or 0) / 1e6, 4)}
                   for e in events if e.key.startswith("nodus.")}

@@ -48,11 +48,13 @@ case "${1:-arms}" in
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
     # A fresh folder per call: a warm machine keeps /tmp between calls.
     D=/tmp/arms-$(date +%s); mkdir -p "$D"
+    # TAG names this invocation's files, so one call can run several (e.g. TAG=-ts ARMS=timeslice).
+    T=${TAG:-}
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
-      --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" ${ARMS_EXTRA:-} > "$OUT/arms.log" 2>&1
+      --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" ${ARMS_EXTRA:-} > "$OUT/arms$T.log" 2>&1
     echo "gpu_arms rc=$?"
-    cp "$D/arms/arms.json" "$OUT/" 2>/dev/null
-    tar czf "$OUT/arms_runs.tgz" -C "$D" arms 2>/dev/null ;;
+    cp "$D/arms/arms.json" "$OUT/arms$T.json" 2>/dev/null
+    tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;
   learn)
     # Equal learning: the project's tiny base (carried in .device/tiny-base), 8 jobs (one per task
     # family) x 20 steps, dedicated (twice: A/A) against overlap+MPS, 2 seeds; then the small base

@@ -71,8 +71,9 @@ def main() -> None:
                     help='JSON of extra job fields, e.g. \'{"learning_rate": 1e-3, "prompt_pool": 8}\'')
     ap.add_argument("--aa", action="store_true",
                     help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
-    ap.add_argument("--lora-layout", default="padded", choices=("padded", "masked", "auto"))
-    ap.add_argument("--trainer-compile", action="store_true", help="compile the trainer's element-wise ops")
+    ap.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"))
+    ap.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile the trainer's element-wise ops (default: on, on a GPU)")
     ap.add_argument("--no-audit", action="store_true", help="skip the logprob audit (it reads the training forward: little cost)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")

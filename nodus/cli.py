@@ -195,10 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-thread-pct", type=int, help="MPS active thread percentage of the trainer")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
-    p.add_argument("--trainer-compile", action="store_true",
-                   help="torch.compile the trainer's element-wise ops (RMSNorm, rotary, SiLU*up); compiles at start-up")
-    p.add_argument("--lora-layout", default="padded", choices=("padded", "masked", "auto"),
-                   help="trainer's multi-adapter path (same update; speed differs by GPU and shape)")
+    p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the trainer's element-wise ops (RMSNorm, rotary, SiLU*up); compiles at "
+                        "start-up (default: on a GPU, where it measured 1.44x on the H200; off on a CPU)")
+    p.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"),
+                   help="trainer's multi-adapter path (same update; masked measured 1.21x padded on the H200)")
     p.add_argument("--unseeded", action="store_true",
                    help="no per-response sampling seeds (faster on GPU; rollouts not reproducible)")
     p.add_argument("--no-baseline", action="store_true", help="don't also run the dedicated baseline")

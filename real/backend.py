@@ -51,9 +51,9 @@ class RealOptions:
     # generator at a time (a Python loop per decode step): timing runs turn it off.
     seeded_sampling: bool = True
     warmup: bool = True  # one short generation per job and one scratch train step before the clock starts
-    lora_layout: str = "padded"  # trainer's multi-adapter path: padded | masked | auto (see MultiLoRATrainer)
+    lora_layout: str = "masked"  # trainer's multi-adapter path: padded | masked | auto (see MultiLoRATrainer)
     staggered_start: bool | None = None  # engines one at a time, then trainers (default: on a GPU)
-    trainer_compile: bool = False  # torch.compile the trainer's RMSNorm, rotary and SiLU*up (real/fuse.py)
+    trainer_compile: bool | None = None  # torch.compile the trainer's RMSNorm, rotary, SiLU*up (real/fuse.py); None: on a GPU
     start_timeout_s: float = 900.0
 
 

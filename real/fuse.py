@@ -1,9 +1,10 @@
 """Fused element-wise pieces of a Qwen3 decoder for the trainer (torch.compile).
 
 On the H200 the batched 8-adapter step went from 39.6k to 54.8k tokens/s with these compiled
-(`experiments/results/h200/README.md`), the logprobs moving by at most 0.047 in bf16 (the
-engine-vs-trainer agreement's size). Off by default in runs (`--trainer-compile` turns it on):
-compiling costs a minute or two at start-up, inside the untimed warm-up.
+(`experiments/results/h200/README.md`), and with the masked layout from 48.4k to 69.7k
+(`experiments/results/h200/session3/`), the logprobs moving by at most 0.047 in bf16 (the
+engine-vs-trainer agreement's size). On by default on a GPU (`--no-trainer-compile` turns it
+off): compiling costs ~10-20 s at start-up, inside the untimed warm-up. Off on a CPU.
 """
 
 from __future__ import annotations

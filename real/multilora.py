@@ -149,7 +149,7 @@ class Routing:
     ``layout_mode`` picks how rows reach their adapters (see ``lora_delta`` and ``lora_delta_masked``).
     """
 
-    def __init__(self, layout_mode: str = "padded"):
+    def __init__(self, layout_mode: str = "masked"):
         if layout_mode not in LORA_LAYOUTS:
             raise ValueError(f"lora_layout={layout_mode!r}; expected one of {LORA_LAYOUTS}")
         self.layout_mode = layout_mode

@@ -41,8 +41,8 @@ class TrainerSpec:
     load_format: str  # "dummy": random weights from the model's config
     seed: int
     env: dict = field(default_factory=dict)
-    lora_layout: str = "padded"
-    compile_elementwise: bool = False
+    lora_layout: str = "masked"
+    compile_elementwise: bool | None = None  # None: on a GPU
 
 
 def _apply_env(env: dict) -> None:
@@ -123,7 +123,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         # (the same rounding), and a bf16 file is half the bytes to write and read.
         save_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype)}
-        if spec.compile_elementwise:
+        if spec.compile_elementwise or (spec.compile_elementwise is None and trainer.device.type == "cuda"):
             from real.fuse import fuse_elementwise
 
             info["compiled"] = fuse_elementwise(model)

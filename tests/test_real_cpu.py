@@ -152,4 +152,4 @@ def test_trainer_compile_option_reaches_the_trainer_process():
     audit = s["diagnostics"][0]["logprob_agreement"]
     assert audit and max(a["max_abs"] for a in audit) < 1e-3
     trainer = s["diagnostics"][0]["workers"]["trainer0"]
-    assert trainer["lora_layout"] == "padded" and any("RMSNorm" in c for c in trainer["compiled"])
+    assert trainer["lora_layout"] == "masked" and any("RMSNorm" in c for c in trainer["compiled"])

@@ -387,7 +387,7 @@ def test_auto_layout_switches_on_rank_columns():
     assert r.mixed_masked
     r.layout = make_row_layout([0, 0, 0], "cpu", 1)
     assert r.masked(128)  # one adapter: no extra columns beyond its rank... within 1/8 of 128
-    assert Routing().layout_mode == "padded"
+    assert Routing().layout_mode == "masked"
     with pytest.raises(ValueError, match="lora_layout"):
         Routing("fast")
 
