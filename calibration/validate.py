@@ -76,7 +76,9 @@ def _simulate(cfg: dict, source: str) -> dict:
     summary, runs = run_arm(build_config(cfg, source), make)
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
-            "phase_s": _phase_means(spans), "outside_profile": sorted(make.cost.flags)}
+            "phase_s": _phase_means(spans), "outside_profile": sorted(make.cost.flags),
+            "per_job": {j: {"steps": d["steps"], "finish_s": d["finish_s"]}
+                        for j, d in summary.get("per_job", {}).items()}}
 
 
 def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tuple[dict, dict]:

@@ -26,6 +26,7 @@ REFERENCE = {  # the published study's ratios (8 jobs unless named); for the com
     "overlap/mps/g2": 2.137, "shared-sync/none/g1": 1.762, "overlap/none/g2": 1.639,
     "shared-sync/mps/g1": 1.630, "timeslice/none/g2": 1.033,
 }
+REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}  # its 2- and 4-job points
 
 
 def arm_label(arm: dict) -> str:
@@ -43,6 +44,8 @@ def build(runs: list[Path], profile: str) -> dict:
     ded_sph: dict[tuple[int, int], list[float]] = {}
     alone_finish: dict[tuple[int, int], dict[str, list[float]]] = {}
     sim_base: dict[tuple[int, int], float] = {}
+    ded_steps: dict[tuple[int, int], dict[str, int]] = {}
+    sim_alone: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
@@ -52,7 +55,10 @@ def build(runs: list[Path], profile: str) -> dict:
             ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
                 alone_finish.setdefault((jobs, seed), {}).setdefault(j, []).append(d["finish_s"])
+                ded_steps.setdefault((jobs, seed), {})[j] = d["steps"]
             sim_base.setdefault((jobs, seed), sim["steps_per_gpu_hour"])
+            sim_alone.setdefault((jobs, seed), {j: (d["steps"], d["finish_s"])
+                                                for j, d in sim.get("per_job", {}).items()})
     # The baseline is the mean over the dedicated repeats: the order runs are named in never
     # decides it; two repeats also give the A/A spread.
     baselines = {k: sum(v) / len(v) for k, v in ded_sph.items()}
@@ -67,6 +73,12 @@ def build(runs: list[Path], profile: str) -> dict:
         base = baselines.get((jobs, seed))
         sbase = sim_base.get((jobs, seed))
         alone = {j: sum(v) / len(v) for j, v in alone_finish.get((jobs, seed), {}).items()}
+        if base is None:
+            # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
+            # one holding the same jobs gives the baseline over just these jobs (their steps over
+            # their GPU-seconds alone).
+            base, sbase, alone = _subset_baseline(set(summary.get("per_job", {})), seed, alone_finish,
+                                                  ded_steps, sim_alone)
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         sph = base if cfg["arm"]["policy"] == "dedicated" else summary["steps_per_gpu_hour"]
         per[str(seed)] = {
@@ -79,9 +91,25 @@ def build(runs: list[Path], profile: str) -> dict:
                                   if slow and cfg["arm"]["policy"] != "dedicated" else None),
             "sim_steps_per_gpu_hour": sim["steps_per_gpu_hour"],
             "sim_ratio_vs_dedicated": sim["steps_per_gpu_hour"] / sbase if sbase else None,
-            "reference_ratio": REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8 else None,
+            "reference_ratio": (REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8
+                                else REFERENCE_SCALING.get((arm_label(cfg["arm"]), jobs))),
         }
     return table
+
+
+def _subset_baseline(job_ids: set[str], seed: int, alone_finish: dict, ded_steps: dict, sim_alone: dict):
+    """(measured baseline, simulated baseline, each job's mean finish alone) over ``job_ids``, from
+    the smallest dedicated run of ``seed`` that holds them all; (None, None, {}) if none does."""
+    keys = sorted(k for k, per in alone_finish.items() if k[1] == seed and job_ids and job_ids <= set(per))
+    if not keys:
+        return None, None, {}
+    key = keys[0]
+    alone = {j: sum(v) / len(v) for j, v in alone_finish[key].items() if j in job_ids}
+    base = 3600 * sum(ded_steps[key][j] for j in job_ids) / sum(alone.values())
+    sim = sim_alone.get(key, {})
+    sbase = (3600 * sum(sim[j][0] for j in job_ids) / sum(sim[j][1] for j in job_ids)
+             if job_ids <= set(sim) else None)
+    return base, sbase, alone
 
 
 def render(table: dict) -> str:

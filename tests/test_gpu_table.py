@@ -29,3 +29,22 @@ def test_gpu_table_ratios_aa_and_sim_beside(tmp_path):
     assert table["aa"]["4-s2"]["rel_diff"] == pytest.approx(0.0)  # the simulator is deterministic
     assert ovl["slowdown_vs_alone"]["min"] > 1.0
     assert all((tmp_path / "t" / f"table.{ext}").is_file() for ext in ("json", "md", "png"))
+
+
+def test_gpu_table_takes_a_smaller_runs_baseline_from_a_larger_dedicated_run(tmp_path):
+    """A 2-job shared run next to a 4-job dedicated run only: the baseline is the dedicated run's
+    first two jobs (their steps over their GPU-seconds alone), for measured and simulated alike."""
+    from experiments.gpu_table import main
+
+    for name, jobs, kw in (("ded4", 4, dict(policy="dedicated", sharing="none")),
+                           ("ovl2", 2, dict(policy="overlap", groups=2, sharing="mps"))):
+        simulate(config_from_args(jobs=jobs, steps=3, seed=5, **kw), tmp_path / name)
+    table = main([str(tmp_path / "ded4"), str(tmp_path / "ovl2"), "--out", str(tmp_path / "t")])
+    ded = json.loads((tmp_path / "ded4" / "summary.json").read_text())["per_job"]
+    ovl = json.loads((tmp_path / "ovl2" / "summary.json").read_text())
+    two = [ded[j] for j in ovl["per_job"]]
+    base = 3600 * sum(d["steps"] for d in two) / sum(d["finish_s"] for d in two)
+    row = table["arms"]["overlap/mps/g2/2jobs"]["5"]
+    assert row["ratio_vs_dedicated"] == pytest.approx(ovl["steps_per_gpu_hour"] / base)
+    assert row["sim_ratio_vs_dedicated"] == pytest.approx(row["ratio_vs_dedicated"], rel=1e-9)
+    assert row["slowdown_vs_alone"]["min"] > 1.0
