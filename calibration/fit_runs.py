@@ -13,7 +13,15 @@ relative-error least squares, non-negative, with the micro-batches packed exactl
 packs them (`nodus.microbatch`). When every fitted step has the same adapter count, c cannot be
 told from a and is kept from the base profile; runs with one job per step never regroup, which
 leaves d at 0. Publish: the controller's wait per published adapter.
-Everything else (decode, prefill, sharing) is kept from the base profile.
+
+The simulator's work is seconds alone without MPS; a recorded train step that overlapped the
+engine ran at a sharing rate. Each step is split into its time alone and its time beside a
+generation on the same GPU, and its work is rate_alone * alone + rate_corun * co-run. Under MPS
+both rates are unknowns of the same linear fit (they are identifiable because dedicated runs, one
+job alone without MPS, pin the cost model); a rate whose time is under 15% of its mode's steps is
+kept from the base profile. The engine's MPS rates come the same way from generations that a
+dedicated run made alone: the same job, step and response lengths, its alone time the work.
+Decode and prefill are kept from the base profile, and so is any rate the runs do not cover.
 """
 
 from __future__ import annotations
@@ -28,10 +36,62 @@ from nodus.config import ConfigError
 from nodus.microbatch import microbatch_costs, step_rows
 
 
-def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
-    """Per train action of a run: its micro-batches' padded tokens, adapter count and seconds;
-    and the run's publish waits per adapter."""
+MIN_RATE_SHARE = 0.15  # a sharing rate is fitted only where this share of its mode's time exercises it
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(start: float, end: float, merged: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
+
+
+def _busy(spans: list[dict], phase: str) -> dict[int, list[tuple[float, float]]]:
+    """Per GPU, the merged intervals in which some action of ``phase`` ran."""
+    per: dict[int, list[tuple[float, float]]] = {}
+    for s in spans:
+        if s["phase"] == phase:
+            per.setdefault(s["gpu"], []).append((s["start_s"], s["end_s"]))
+    return {g: _merged(v) for g, v in per.items()}
+
+
+def generate_samples(run_dir: Path) -> list[dict]:
+    """Per one-job generate action of a run: job, step, response lengths, seconds, and the
+    seconds of it that a train step on the same GPU overlapped."""
     cfg, _, spans = load_recorded(run_dir)
+    train = _busy(spans, "train")
+    out = []
+    for s in spans:
+        if s["phase"] != "generate":
+            continue
+        together = [m for m in spans if m["phase"] == "generate" and m["gpu"] == s["gpu"]
+                    and m["start_s"] == s["start_s"] and m["end_s"] == s["end_s"]]
+        if len(together) != 1:
+            continue  # several jobs' requests in one generation: no one-job alone time to match
+        others = [(m["start_s"], m["end_s"]) for m in spans if m["phase"] == "generate" and m["gpu"] == s["gpu"]
+                  and m is not s]
+        if _overlap(s["start_s"], s["end_s"], _merged(others)) > 0:
+            continue  # shared engine batches with another group's requests (continuous batching)
+        dur = s["end_s"] - s["start_s"]
+        corun = _overlap(s["start_s"], s["end_s"], train.get(s["gpu"], []))
+        out.append({"job": s["job"], "step": s["attrs"].get("step"),
+                    "lengths": tuple(s["attrs"].get("response_tokens") or ()), "s": dur,
+                    "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"]})
+    return out
+
+
+def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
+    """Per train action of a run: its micro-batches' padded tokens, adapter count and seconds
+    (alone and beside a generation on its GPU); and the run's publish waits per adapter."""
+    cfg, _, spans = load_recorded(run_dir)
+    engine = _busy(spans, "generate")
     cap = cfg["trainer"]["max_tokens_per_microbatch"]
     gen = {(s["gpu"], s["job"], s["attrs"].get("step")): s for s in spans if s["phase"] == "generate"}
     actions: dict[tuple, list[dict]] = {}
@@ -51,15 +111,18 @@ def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
                                   "has no generate span to take its rows from")
             rows.append(step_rows(g["attrs"]["prompt_tokens"], g["attrs"]["n_sequences"], g["attrs"]["response_tokens"]))
         mbs, regroup = microbatch_costs(rows, cap)
+        corun = _overlap(start, end, engine.get(gpu, []))
         samples.append({"microbatches": len(mbs), "padded_tokens": sum(mbs), "regroup_tokens": regroup,
-                        "adapters": len(members), "s": end - start})
+                        "adapters": len(members), "s": end - start, "alone_s": end - start - corun,
+                        "corun_s": corun, "sharing": cfg["arm"]["sharing"]})
     return samples, publish
 
 
-def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin sum(((X w - y) / y)^2) over w >= 0: the best unconstrained fit over every subset
-    of free coefficients (few columns, so exhaustive)."""
-    A, t = X / y[:, None], np.ones(len(y))
+def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+    """argmin sum(((X w - y) / scale)^2) over w >= 0 (scale defaults to y: relative error): the
+    best unconstrained fit over every subset of free coefficients (few columns, so exhaustive)."""
+    scale = y if scale is None else scale
+    A, t = X / scale[:, None], y / scale
     best, best_err = np.zeros(X.shape[1]), float(np.sum(t ** 2))
     for k in range(1, X.shape[1] + 1):
         for cols in itertools.combinations(range(X.shape[1]), k):
@@ -78,7 +141,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
     from sim.profile import Profile, add_source, profile_dict
 
-    used, skipped, samples, publish = [], [], [], []
+    used, skipped, samples, publish, gens = [], [], [], [], []
     for rd in map(Path, runs):
         cfg, _, _ = load_recorded(rd)
         if jobs_per_gpu(cfg) > fit_max_jobs:
@@ -87,6 +150,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         s, p = train_samples(rd)
         samples += s
         publish += p
+        gens += [dict(g, dedicated=cfg["arm"]["policy"] == "dedicated") for g in generate_samples(rd)]
         used.append(str(rd))
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
@@ -107,20 +171,63 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         cols.append(rg)
         names.append("d")
     base_c = prof["train"]["s_per_adapter"]
-    target = y if "c" in names else y - base_c * ad
-    w = dict(zip(names, nonneg_rel_lstsq(np.stack(cols, 1), target)))
+    # Work (seconds alone, no MPS) = rate_alone * alone_s + rate_corun * corun_s, per sharing mode.
+    # Known rates move to the right-hand side; unknown ones become columns with -time.
+    sharing = prof["sharing"]
+    mode = np.array([s["sharing"] for s in samples])
+    alone = np.array([s["alone_s"] for s in samples])
+    corun = np.array([s["corun_s"] for s in samples])
+    rhs = np.zeros(len(y))
+    rates: dict[str, float] = {}
+    rate_cols: list[str] = []
+    for m, alone_key, corun_key in (("none", None, "none_corun"), ("mps", "mps_alone", "mps_corun")):
+        sel = mode == m
+        if not sel.any():
+            continue
+        for key, t in ((alone_key, alone), (corun_key, corun)):
+            t_m = np.where(sel, t, 0.0)
+            if key is None:  # alone without MPS: the work itself
+                rhs += t_m
+            elif t_m.sum() >= MIN_RATE_SHARE * y[sel].sum():
+                cols.append(-t_m)
+                names.append(f"{key}.trainer")
+                rate_cols.append(f"{key}.trainer")
+            else:
+                rhs += sharing[key]["trainer"] * t_m
+    if not (rhs > 0).any():
+        raise ConfigError("nodus fit: every fitted train step ran beside the engine or under MPS; "
+                          "a run with the trainer alone without MPS (a dedicated arm) pins the cost model")
+    if "c" not in names:
+        rhs = rhs - base_c * ad
+    w = dict(zip(names, nonneg_rel_lstsq(np.stack(cols, 1), rhs, scale=y)))
     a, b = w["a"], w["b"]
     c = w.get("c", base_c)
     d = w.get("d", 0.0)
+    for key in rate_cols:
+        rates[key] = float(w[key])
+        sharing[key.split(".")[0]]["trainer"] = float(w[key])
     c_source = "fitted" if "c" in names else "base profile (one adapter count in the fitted runs)"
-    pred = a * mb + b * tok + c * ad + d * rg
+    work = a * mb + b * tok + c * ad + d * rg
+    # The step's predicted seconds: its work at the rates it ran under.
+    r_alone = np.where(mode == "mps", sharing["mps_alone"]["trainer"], 1.0)
+    r_corun = np.where(mode == "mps", sharing["mps_corun"]["trainer"], sharing["none_corun"]["trainer"])
+    alone_frac = np.where(y > 0, alone / y, 1.0)
+    pred = work / (alone_frac * r_alone + (1 - alone_frac) * r_corun)
     rel = (pred - y) / y
+    rates.update(_engine_rates(gens, sharing))
     prof["train"]["per_microbatch"] = {"a_s": float(a), "b_s_per_unit": float(b)}
     prof["train"]["s_per_adapter"] = float(c)
     prof["train"]["s_per_regroup_token"] = float(d)
     prof["train"]["max_profiled_tokens"] = int(max(tok.max(), prof["train"].get("max_profiled_tokens") or 0))
     if publish:
         prof["publish"]["save_s_per_adapter"] = float(np.median(publish))
+    if rates:
+        keep = [x for x in prof.get("assumptions", []) if x["id"] != "sharing-from-base"]
+        fitted = ", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items()))
+        keep.append({"id": "sharing-partly-fitted", "value": None,
+                     "what": f"sharing rates fitted on recorded runs by nodus fit ({fitted}); "
+                             "the others are the base profile's"})
+        prof["assumptions"] = keep
     add_source(prof, f"nodus fit on {len(used)} run(s)")
     prof.setdefault("measurements", {})["fit_runs"] = {
         "runs": used, "held_out": skipped, "fit_max_jobs": fit_max_jobs, "train_steps": len(samples),
@@ -129,10 +236,40 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
                       "d_s_per_regroup_token": float(d),
                       "d_source": "fitted" if "d" in names else "0 (no regrouping in the fitted runs)",
                       "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel)))},
+        "sharing_fit": rates,
         "publish_s_per_adapter": float(np.median(publish)) if publish else None,
         "padded_tokens_range": [int(tok.min()), int(tok.max())]}
     Profile.model_validate(prof)
     return prof
+
+
+def _engine_rates(gens: list[dict], sharing: dict) -> dict[str, float]:
+    """The engine's MPS rates from one-job generations matched to the same job's same step with
+    the same response lengths in a dedicated run (alone, no MPS: its seconds are the work)."""
+    alone = {(g["job"], g["step"], g["lengths"]): g["s"] for g in gens if g["dedicated"] and g["sharing"] == "none"}
+    rows = [(g, alone[(g["job"], g["step"], g["lengths"])]) for g in gens
+            if g["sharing"] == "mps" and (g["job"], g["step"], g["lengths"]) in alone]
+    if len(rows) < 3:
+        return {}
+    work = np.array([w for _, w in rows])
+    t_alone = np.array([g["alone_s"] for g, _ in rows])
+    t_corun = np.array([g["corun_s"] for g, _ in rows])
+    total = t_alone.sum() + t_corun.sum()
+    cols, names, rhs = [], [], work.copy()
+    for key, t in (("mps_alone", t_alone), ("mps_corun", t_corun)):
+        if t.sum() >= MIN_RATE_SHARE * total:
+            cols.append(t)
+            names.append(key)
+        else:
+            rhs = rhs - sharing[key]["engine"] * t
+    if not cols:
+        return {}
+    w = nonneg_rel_lstsq(np.stack(cols, 1), rhs, scale=work)
+    out = {}
+    for key, v in zip(names, w):
+        sharing[key]["engine"] = float(v)
+        out[f"{key}.engine"] = float(v)
+    return out
 
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4) -> dict:

@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--aa", action="store_true",
                     help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
     ap.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"))
+    ap.add_argument("--mb-tokens", type=int, default=16384,
+                    help="trainer micro-batch cap in padded tokens (fewer, larger micro-batches: less "
+                         "per-micro-batch overhead, more memory)")
     ap.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile the trainer's element-wise ops (default: on, on a GPU)")
     ap.add_argument("--no-audit", action="store_true", help="skip the logprob audit (it reads the training forward: little cost)")
@@ -98,8 +101,9 @@ def main() -> None:
         return {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
             n, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
             max_new_tokens=args.max_new_tokens, **args.job_fields)],
-            # 16k-token micro-batches: the trainer peaks at ~46 GiB beside the engine's share (32k: ~80 GiB).
-            "trainer": {"max_tokens_per_microbatch": 16384}}
+            # 16k-token micro-batches by default: the trainer peaks at ~46 GiB beside the engine's
+            # share, room for timeslice's two trainers (32k: 64 GiB masked, 91 GiB padded, alone).
+            "trainer": {"max_tokens_per_microbatch": args.mb_tokens}}
 
     def suffix(n: int) -> str:  # arm keys and run folders name the job count when there are several
         return f"-j{n}" if len(job_counts) > 1 else ""
@@ -111,7 +115,7 @@ def main() -> None:
     results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
-                     "trainer_compile": args.trainer_compile, "arms": {},
+                     "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}
     pool = ClusterPool(opts, min_loras=max(job_counts))
     t_all = time.monotonic()

@@ -95,3 +95,41 @@ def test_fit_on_two_to_four_job_runs_recovers_every_train_coefficient(tmp_path):
     assert t["per_microbatch"]["b_s_per_unit"] == pytest.approx(1.5e-5, rel=1e-6)
     assert t["s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
     assert t["s_per_regroup_token"] == pytest.approx(4e-6, rel=1e-6)
+
+
+def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
+    """Overlap+MPS runs of 2 and 4 jobs beside a dedicated run: the fit splits each train step and
+    each one-job generation into its time alone and beside the other side, and gives back the
+    recording profile's MPS rates of trainer and engine with its train costs."""
+    truth = _profile_with(tmp_path, "truth", a=0.12, b=2e-5, c=0.03, save=0.04)
+    prof = json.loads(open(truth).read())
+    prof["sharing"]["mps_alone"] = {"engine": 0.9, "trainer": 0.85}
+    prof["sharing"]["mps_corun"] = {"engine": 0.62, "trainer": 0.55}
+    open(truth, "w").write(json.dumps(prof))
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.001, save=0.2)
+    runs = [tmp_path / "ded", tmp_path / "ded-mps"]
+    simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="none", profile=truth, seed=3), runs[0])
+    # Dedicated under MPS: one-job generations alone in the MPS share, matched to the plain ones.
+    simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="mps", profile=truth, seed=3), runs[1])
+    for jobs in (2, 4):
+        runs.append(tmp_path / f"ovl{jobs}")
+        simulate(config_from_args(jobs=jobs, steps=4, policy="overlap", groups=2, sharing="mps", profile=truth,
+                                  seed=3), runs[-1])
+    samples, _ = train_samples(runs[2])
+    assert any(s["corun_s"] > 0 for s in samples) and all(s["sharing"] == "mps" for s in samples)
+    base = json.loads(open(wrong).read())
+    base["sharing"]["mps_alone"] = {"engine": 0.5, "trainer": 0.3}
+    open(wrong, "w").write(json.dumps(base))
+    fitted = fit(runs, base=wrong)
+    rates = fitted["measurements"]["fit_runs"]["sharing_fit"]
+    assert rates["mps_corun.trainer"] == pytest.approx(0.55, rel=1e-6)
+    assert rates["mps_alone.trainer"] == pytest.approx(0.85, rel=1e-6)  # the dedicated MPS run's steps
+    assert fitted["sharing"]["mps_corun"]["trainer"] == pytest.approx(0.55, rel=1e-6)
+    # The engine's MPS share alone, from generations no other group's requests joined (the base
+    # had 0.5); its co-run rate, with no such generation beside a train step, stays the base's.
+    assert rates["mps_alone.engine"] == pytest.approx(0.9, rel=2e-3)
+    assert "mps_corun.engine" not in rates
+    assert fitted["train"]["per_microbatch"]["a_s"] == pytest.approx(0.12, rel=1e-3)
+    assert fitted["train"]["s_per_adapter"] == pytest.approx(0.03, rel=1e-3)
+    assert any(a["id"] == "sharing-partly-fitted" for a in fitted["assumptions"])
+    assert not any(a["id"] == "sharing-from-base" for a in fitted["assumptions"])

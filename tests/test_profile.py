@@ -13,12 +13,13 @@ def test_shipped_profile_loads_with_environment_and_assumptions():
     cm = load_profile("h200-qwen3-0.6b")
     env = cm.profile.environment
     assert env.gpu == "NVIDIA H200" and env.vllm and env.date
-    # Measured on the H200 by `nodus calibrate`, trainer and publish refitted by `nodus fit` on
-    # one-job-per-GPU runs; what is still assumed is listed.
+    # Measured on the H200 by `nodus calibrate`, trainer, publish and the trainer's MPS co-run rate
+    # refitted by `nodus fit` on runs of at most 4 jobs per GPU; what is still assumed is listed.
     assert env.git_commit and {"nodus calibrate"} <= set(env.sources) and any("nodus fit" in x for x in env.sources)
-    assert {a["id"] for a in cm.assumptions()} >= {"sharing-constant", "sharing-from-base"}
+    assert {a["id"] for a in cm.assumptions()} >= {"sharing-constant", "sharing-partly-fitted"}
     fit = cm.profile.measurements["fit_runs"]
     assert fit["held_out"] == [] and fit["train_steps"] >= 40
+    assert fit["sharing_fit"]["mps_corun.trainer"] == cm.profile.sharing.mps_corun.trainer
     assert {d["adapters"] for d in cm.profile.measurements["calibrate"]["decode"]} == {1, 8}
     # The first, provisional profile stays shipped under its own name.
     prov = load_profile("h200-qwen3-0.6b-provisional")
