@@ -72,6 +72,10 @@ def main() -> None:
     ap.add_argument("--aa", action="store_true",
                     help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
     ap.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"))
+    ap.add_argument("--aa-mb-tokens", type=int, default=None,
+                    help="the A/A repeat's micro-batch cap (default: the same): a repeat that differs only "
+                         "in batching measures the learning noise bf16 rounding leaves (nodus compare's "
+                         "aa_learning)")
     ap.add_argument("--mb-tokens", type=int, default=16384,
                     help="trainer micro-batch cap in padded tokens (fewer, larger micro-batches: less "
                          "per-micro-batch overhead, more memory)")
@@ -97,13 +101,13 @@ def main() -> None:
 
     job_counts = [int(x) for x in str(args.jobs).split(",") if x]
 
-    def workload(n: int) -> dict:
+    def workload(n: int, mb_tokens: int | None = None) -> dict:
         return {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
             n, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
             max_new_tokens=args.max_new_tokens, **args.job_fields)],
             # 16k-token micro-batches by default: the trainer peaks at ~46 GiB beside the engine's
             # share, room for timeslice's two trainers (32k: 64 GiB masked, 91 GiB padded, alone).
-            "trainer": {"max_tokens_per_microbatch": args.mb_tokens}}
+            "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens}}
 
     def suffix(n: int) -> str:  # arm keys and run folders name the job count when there are several
         return f"-j{n}" if len(job_counts) > 1 else ""
@@ -115,7 +119,8 @@ def main() -> None:
     results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
-                     "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens, "arms": {},
+                     "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
+                     "aa_mb_tokens": args.aa_mb_tokens, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}
     pool = ClusterPool(opts, min_loras=max(job_counts))
     t_all = time.monotonic()
@@ -129,7 +134,10 @@ def main() -> None:
                 if g > n:
                     continue  # more groups than jobs
                 key = f"{name}{rep}{f'-g{g}' if policy == 'overlap' and len(gs) > 1 else ''}{suffix(n)}"
-                cfg = config_from_args(workload(n), policy=policy, groups=g, sharing=sharing, steps=args.steps,
+                # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
+                # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
+                mb = args.aa_mb_tokens if rep else None
+                cfg = config_from_args(workload(n, mb), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
                 t0 = time.monotonic()
                 summary, runs = run_arm(cfg, pool, baseline=False)

@@ -4,7 +4,9 @@ A run folder holds `summary.json` (written by a backend): policy, sharing, group
 steps_per_gpu_hour and per_job {job_id: {task, seed, rewards: [per-step mean reward],
 eval: {accuracy, correct: [0/1 per eval item, in eval-set order]}}}. Runs group into arms by
 (policy, sharing, groups). Within an arm the first run of a seed (in the order given) is the one
-compared; a second run of the same arm and seed is its A/A repeat and only measures noise.
+compared; a second run of the same arm and seed is its A/A repeat and only measures noise: its
+throughput against the first run's (the A/A spread) and its learning against the first run's
+(`aa_learning`, the same paired CIs; the learning noise floor when the repeat differs in batching).
 
 Pairing, always within one seed: eval correctness per (job, eval item), arm minus baseline;
 training reward per job, the mean over the steps both runs have. The accuracy CI resamples whole
@@ -196,6 +198,30 @@ def _aa(seeds: dict[int, list[RunSummary]]) -> dict | None:
     return spread
 
 
+def _aa_learning(seeds: dict[int, list[RunSummary]], n_boot: int, alpha: float, boot_seed: int) -> dict | None:
+    """Learning differences between an arm's repeat and its first run, over the seeds that have
+    one: the same paired CIs as against the baseline. Repeats that differ in nothing (seeded
+    sampling, the same batching) give exactly 0; repeats that differ in batching only (e.g.
+    `gpu_arms.py --aa-mb-tokens`) give the learning noise floor bf16 rounding leaves."""
+    acc, labels, reward, used = [], [], [], []
+    for seed, runs in sorted(seeds.items()):
+        if len(runs) >= 2:
+            a, lab, r = _pair_learning(runs[1], runs[0])
+            acc += a
+            labels += lab
+            reward += r
+            used.append(seed)
+    if not used:
+        return None
+    clustered = len(set(labels)) >= MIN_CLUSTERS
+    return {"seeds": used,
+            "acc_diff": _ci_dict(paired_bootstrap_ci(acc, n_boot, alpha, boot_seed,
+                                                     clusters=labels if clustered else None),
+                                 len(acc), "(job, seed) clusters" if clustered else "eval items"),
+            "reward_diff": _ci_dict(paired_bootstrap_ci(reward, n_boot, alpha, boot_seed),
+                                    len(reward), "(job, seed) pairs")}
+
+
 def compare_runs(
     run_dirs: list[str],
     baseline: str | None = None,
@@ -227,7 +253,7 @@ def compare_runs(
         entry = {"arm": label, "policy": first.policy, "sharing": first.sharing,
                  "groups": first.groups, "baseline": label == base_label,
                  "per_seed": _per_seed_rows(seeds, base_seeds), "aa_spread": aa[label],
-                 "vs_baseline": None}
+                 "aa_learning": _aa_learning(seeds, n_boot, alpha, boot_seed), "vs_baseline": None}
         if label != base_label:
             entry["vs_baseline"] = _vs_baseline(seeds, base_seeds, aa, label, base_label,
                                                 n_boot, alpha, boot_seed,
@@ -320,8 +346,13 @@ def render_compare_markdown(report: dict) -> str:
     for arm in report["arms"]:
         vs = arm["vs_baseline"]
         if vs is None:
-            aa = arm["aa_spread"]
-            lines.append(f"| {arm['arm']} (baseline) | | | | {_f(aa['max'] if aa else None)} | |")
+            aa, aal = arm["aa_spread"], arm["aa_learning"]
+            if aal:  # the baseline's repeat against its first run: the learning noise floor
+                lines.append(f"| {arm['arm']} (baseline; its A/A repeat) | {' '.join(map(str, aal['seeds']))} | "
+                             f"{_ci_text(aal['acc_diff'])} | {_ci_text(aal['reward_diff'])} | "
+                             f"{_f(aa['max'] if aa else None)} | |")
+            else:
+                lines.append(f"| {arm['arm']} (baseline) | | | | {_f(aa['max'] if aa else None)} | |")
             continue
         lines.append(f"| {arm['arm']} | {' '.join(map(str, vs['seeds'])) or 'none'} | "
                      f"{_ci_text(vs['acc_diff'])} | {_ci_text(vs['reward_diff'])} | "

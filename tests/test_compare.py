@@ -218,3 +218,27 @@ def test_markdown_report_of_a_failing_arm(tmp_path):
     text = render_compare_markdown(compare_runs(make_arms(tmp_path, aa_sph=None), n_boot=200))
     assert "### Gate: overlap/mps/g2 FAIL" in text and "no A/A repeats" in text
     assert "| gain_above_noise | 1.475 | n/a | no |" in text
+
+
+def test_a_repeat_reports_its_learning_against_the_first_run(tmp_path):
+    """The baseline's A/A repeat: identical outcomes give exactly 0; a repeat that got 8 of 64
+    items per job wrong that the first run got right gives -0.125, the learning noise floor the
+    report puts beside the arm's own difference."""
+    dirs = make_arms(tmp_path, aa_sph=None) + [make_run(tmp_path, "base0-same", seed=0)]
+    aal = arm_entry(compare_runs(dirs, n_boot=500), "dedicated/none/g1")["aa_learning"]
+    assert aal["seeds"] == [0] and aal["acc_diff"]["mean"] == 0.0 and aal["acc_diff"]["lo"] == 0.0
+
+    def worse(j, rng):  # base0's outcomes (same rng), with its first 8 right answers lost
+        c = exact_half(rng)
+        lost = [i for i, x in enumerate(c) if x][:8]
+        return [0 if i in lost else x for i, x in enumerate(c)]
+
+    (tmp_path / "b").mkdir()
+    dirs = make_arms(tmp_path / "b", aa_sph=None)
+    dirs.append(make_run(tmp_path / "b", "base0-batching", seed=0, correct=worse))
+    report = compare_runs(dirs, n_boot=500)
+    aal = arm_entry(report, "dedicated/none/g1")["aa_learning"]
+    assert aal["acc_diff"]["mean"] == pytest.approx(-8 / 64)
+    assert aal["acc_diff"]["hi"] < 0
+    assert "its A/A repeat" in render_compare_markdown(report)
+    assert arm_entry(report)["aa_learning"] is None  # the arm has no repeat here
