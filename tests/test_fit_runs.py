@@ -69,7 +69,9 @@ def test_fit_cli_refuses_too_few_steps_and_existing_out(tmp_path, capsys):
     simulate(config_from_args(jobs=2, steps=2, policy="dedicated", sharing="none"), ded)
     out = tmp_path / "p.json"
     assert main(["fit", str(ded), "--out", str(out)]) == 0
-    assert "fitted on 1 run(s), 4 train steps" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "fitted on 1 run(s), 4 train steps" in out_text
+    assert "sharing rates fitted: none" in out_text  # a dedicated run never co-runs nor uses MPS
     assert main(["fit", str(ded), "--out", str(out)]) != 0
     assert "never overwrites" in capsys.readouterr().err
 
