@@ -72,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure with RMSNorm, rotary and SiLU*up compiled (torch.compile)")
     p.add_argument("--fused-mb-tokens", type=int, default=None, help="micro-batch for --fused (default: largest)")
+    p.add_argument("--fused-layout", default="masked", choices=("padded", "masked", "auto"),
+                   help="multi-adapter layout for --fused")
     p.add_argument("--peft-mb-seqs", type=int, default=16, help="PEFT baseline sequences per micro-batch")
     p.add_argument("--save-dir", default="/dev/shm")
     p.add_argument("--seed", type=int, default=0)
@@ -198,7 +200,6 @@ def bench_multi(args, trainer, batches, device) -> list[dict]:
             rows.append(throughput(f"multi_{len(batches)}x_mb{mb_tokens}_{layout}", times, tokens, completion,
                                    device, adapters=len(batches), mb_tokens=mb_tokens, microbatches=len(plan),
                                    padded_tokens=padded, layout=layout))
-    trainer.routing.layout_mode = "auto"
     return rows
 
 
@@ -391,62 +392,70 @@ def bench_fused(args, trainer, batches, device) -> dict:
     trainer.max_tokens_per_microbatch = mb_tokens
     tokens, completion = batch_tokens(batches)
     reset_peak(device)
+    trainer.routing.layout_mode = args.fused_layout
     times = timed(lambda: trainer.train_step(batches), device, max(args.warmup, 2), args.iters)
-    return throughput(f"multi_{len(batches)}x_mb{mb_tokens}_fused", times, tokens, completion, device,
-                      adapters=len(batches), mb_tokens=mb_tokens, compiled=compiled,
-                      max_abs_logprob_diff_vs_eager=logprob_diff)
+    row = throughput(f"multi_{len(batches)}x_mb{mb_tokens}_fused_{args.fused_layout}", times, tokens, completion,
+                     device, adapters=len(batches), mb_tokens=mb_tokens, compiled=compiled,
+                     layout=args.fused_layout, max_abs_logprob_diff_vs_eager=logprob_diff)
+    if args.profile:  # with the element-wise work fused, what is left: GEMMs, launches, the loss
+        row["profile"] = profile_step(trainer, batches, device, f"{args.fused_layout}+compiled")
+    return row
 
 
 def bench_profile(args, trainer, batches, device) -> list[dict]:
-    """One train_step per layout under torch.profiler: the step's wall time, the GPU's kernel time
-    (their ratio says whether the step is launch-bound), the trainer's own phases
-    (``record_function`` labels in real/trainer.py) and the kernels that take the most time."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    """One train_step per layout under torch.profiler (see ``profile_step``)."""
     trainer.max_tokens_per_microbatch = max(args.mb_tokens)
+    mode = trainer.routing.layout_mode
     rows = []
     for layout in [x for x in args.layouts.split(",") if x]:
         trainer.routing.layout_mode = layout
-        trainer.train_step(batches)  # warm
+        rows.append(profile_step(trainer, batches, device, layout))
+    trainer.routing.layout_mode = mode
+    return rows
+
+
+def profile_step(trainer, batches, device, label: str) -> dict:
+    """One train_step under torch.profiler: the step's wall time, the GPU's kernel time (their
+    ratio says whether the step is launch-bound), the trainer's own phases (``record_function``
+    labels in real/trainer.py) and the kernels and host ops that take the most time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    trainer.train_step(batches)  # warm
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        trainer.train_step(batches)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            trainer.train_step(batches)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            wall = time.perf_counter() - t0
-        events = prof.key_averages()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
 
-        def dev_us(e):
-            return getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
+    def dev_us(e):
+        return getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
 
-        # GPU time: the kernels and copies themselves (the ops and labels above them would count it twice).
-        from torch.autograd import DeviceType
-
-        kernel_us = sum(e.self_device_time_total for e in prof.events()
-                        if getattr(e, "device_type", None) == DeviceType.CUDA)
-        phases = {e.key: {"cpu_s": round(e.cpu_time_total / 1e6, 4), "calls": e.count,
-                          "device_s": round((getattr(e, "device_time_total", 0) or 0) / 1e6, 4)}
-                  for e in events if e.key.startswith("nodus.")}
-        top = sorted(events, key=dev_us, reverse=True)[:30]
-        cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-        row = {"layout": layout, "wall_s": round(wall, 4), "kernel_s": round(kernel_us / 1e6, 4),
-               "gpu_busy": round(kernel_us / 1e6 / wall, 3), "phases": phases,
-               "top_kernels": [{"name": e.key[:120], "s": round(dev_us(e) / 1e6, 4), "calls": e.count}
-                               for e in top],
-               "top_cpu_ops": [{"name": e.key[:120], "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4),
-                                "calls": e.count} for e in cpu_top]}
-        log(f"profile ({layout}): wall {wall:.3f} s, kernels {row['kernel_s']} s, busy {row['gpu_busy']}")
-        for k in row["top_kernels"][:12]:
-            log(f"    {k['s']:.4f} s  x{k['calls']:5d}  {k['name']}")
-        for name, ph in phases.items():
-            log(f"    phase {name}: cpu {ph['cpu_s']} s x{ph['calls']}")
-        rows.append(row)
-    trainer.routing.layout_mode = "auto"
-    return rows
+    # GPU time: the kernels and copies themselves (the ops and labels above them would count it twice).
+    kernel_us = sum(e.self_device_time_total for e in prof.events()
+                    if getattr(e, "device_type", None) == DeviceType.CUDA)
+    phases = {e.key: {"cpu_s": round(e.cpu_time_total / 1e6, 4), "calls": e.count,
+                      "device_s": round((getattr(e, "device_time_total", 0) or 0) / 1e6, 4)}
+              for e in events if e.key.startswith("nodus.")}
+    top = sorted(events, key=dev_us, reverse=True)[:30]
+    cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    row = {"layout": label, "wall_s": round(wall, 4), "kernel_s": round(kernel_us / 1e6, 4),
+           "gpu_busy": round(kernel_us / 1e6 / wall, 3), "phases": phases,
+           "top_kernels": [{"name": e.key[:120], "s": round(dev_us(e) / 1e6, 4), "calls": e.count} for e in top],
+           "top_cpu_ops": [{"name": e.key[:120], "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4),
+                            "calls": e.count} for e in cpu_top]}
+    log(f"profile ({label}): wall {wall:.3f} s, kernels {row['kernel_s']} s, busy {row['gpu_busy']}")
+    for k in row["top_kernels"][:12]:
+        log(f"    {k['s']:.4f} s  x{k['calls']:5d}  {k['name']}")
+    for name, ph in phases.items():
+        log(f"    phase {name}: cpu {ph['cpu_s']} s x{ph['calls']}")
+    return row
 
 
 def run_section(result, name, fn, out: Path) -> None:

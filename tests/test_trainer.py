@@ -12,6 +12,7 @@ parameter by a visibly different amount; per-element comparisons then show ~1e-4
 therefore compares each job's whole parameter vector: ||p - p_ref|| / ||p_ref||.
 """
 
+import json
 import copy
 
 import numpy as np
@@ -446,3 +447,22 @@ def test_adapter_leaves_the_device_in_one_copy_with_the_same_tensors(dtype):
     for k in each:
         assert one[k].dtype == dtype and torch.equal(one[k], each[k])
     save(one)  # raises if any two share memory
+
+
+@pytest.mark.slow
+def test_bench_trainer_smoke_with_profile(tmp_path):
+    """experiments/bench_trainer.py on the CPU with a tiny model: both layouts timed, profiled
+    (the trainer's phase labels appear), the batched update checked against solo updates."""
+    from experiments.bench_trainer import main
+
+    out = tmp_path / "bench.json"
+    r = main(["--tiny", "--out", str(out), "--no-loop", "--no-peft", "--no-fused", "--iters", "1",
+              "--lengths", "longtail", "--prompt-tokens", "20", "--seq-tokens", "60", "--layouts", "padded,masked",
+              "--mb-tokens", "512", "--profile"])
+    assert {row["layout"] for row in r["multi"]} == {"padded", "masked"}
+    assert all(row["tokens_per_s_mean"] > 0 for row in r["multi"])
+    prof = r["profile"]
+    assert [p["layout"] for p in prof] == ["padded", "masked"]
+    assert {"nodus.forward", "nodus.backward", "nodus.optimizer"} <= set(prof[0]["phases"])
+    assert r["equivalence"] and "error" not in r["equivalence"]
+    assert json.loads(out.read_text())["summary"]["multi_best_tokens_per_s"] > 0
