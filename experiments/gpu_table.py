@@ -34,7 +34,7 @@ def arm_label(arm: dict) -> str:
 
 
 def build(runs: list[Path], profile: str) -> dict:
-    from calibration.validate import _simulate, load_recorded, recorded_configs
+    from calibration.validate import _phase_means, _simulate, load_recorded, recorded_configs
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "arms": {}, "aa": {}}
@@ -46,8 +46,10 @@ def build(runs: list[Path], profile: str) -> dict:
     sim_base: dict[tuple[int, int], float] = {}
     ded_steps: dict[tuple[int, int], dict[str, int]] = {}
     sim_alone: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}
+    spans_of: dict = {}
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
+        spans_of[rd] = spans
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
         sim = _simulate(recorded_configs(rd, cfg, spans, profile)[0], f"{rd}/config.json")
         rows.append((rd, cfg, summary, jobs, seed, sim))
@@ -93,8 +95,39 @@ def build(runs: list[Path], profile: str) -> dict:
             "sim_ratio_vs_dedicated": sim["steps_per_gpu_hour"] / sbase if sbase else None,
             "reference_ratio": (REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8
                                 else REFERENCE_SCALING.get((arm_label(cfg["arm"]), jobs))),
+            "phase_s": _phase_means(spans_of[rd]),
         }
+    table["factors"] = factors(table)
     return table
+
+
+# Where the ratio comes from: each step of the ladder dedicated -> shared-sync -> overlap ->
+# overlap + MPS changes one thing, so its ratio is that thing's factor (their product is the total).
+FACTORS = (
+    ("batching", "shared-sync/none/g1", "dedicated/none/g1",
+     "one engine and one trainer for every job (shared-sync over dedicated)"),
+    ("overlap", "overlap/none/g2", "shared-sync/none/g1",
+     "two phase-offset groups, no sharing controls (overlap over shared-sync)"),
+    ("mps_with_overlap", "overlap/mps/g2", "overlap/none/g2", "MPS under overlap (overlap + MPS over overlap)"),
+    ("mps_without_overlap", "shared-sync/mps/g1", "shared-sync/none/g1",
+     "MPS with nothing to co-run (shared-sync + MPS over shared-sync)"),
+    ("total", "overlap/mps/g2", "dedicated/none/g1", "overlap + MPS over dedicated"),
+)
+
+
+def factors(table: dict) -> dict:
+    """Per job count and seed, each factor of the ladder that both its runs were measured for."""
+    by: dict[tuple[int, str], dict[str, float]] = {}
+    for label, per in table["arms"].items():
+        arm = label.rsplit("/", 1)[0] if label.endswith("jobs") else label  # "overlap/mps/g2/4jobs"
+        for seed, d in per.items():
+            by.setdefault((d["jobs"], seed), {})[arm] = d["steps_per_gpu_hour"]
+    out: dict = {}
+    for (jobs, seed), sph in sorted(by.items()):
+        row = {name: sph[num] / sph[den] for name, num, den, _ in FACTORS if num in sph and den in sph}
+        if row:
+            out.setdefault(str(jobs), {})[seed] = row
+    return out
 
 
 def _subset_baseline(job_ids: set[str], seed: int, alone_finish: dict, ded_steps: dict, sim_alone: dict):
@@ -124,6 +157,21 @@ def render(table: dict) -> str:
                          f"{f(d['reference_ratio'], 3)} | {d['sim_steps_per_gpu_hour']:.0f} | "
                          f"{f(d['sim_ratio_vs_dedicated'])} | {f(b.get('engine'))} / {f(b.get('trainer'))} / "
                          f"{f(b.get('gpu'))} | {_slow(d)} | {d['stale_rollouts']} |")
+    if table.get("factors"):
+        lines += ["", "Where the ratio comes from (each factor: one arm over the arm that differs from it in one thing):", "",
+                  "| jobs | seed | " + " | ".join(name for name, *_ in FACTORS) + " |",
+                  "|---|---|" + "---|" * len(FACTORS)]
+        for count, per in table["factors"].items():
+            for seed, row in sorted(per.items()):
+                lines.append(f"| {count} | {seed} | " + " | ".join(f(row.get(name)) for name, *_ in FACTORS) + " |")
+        lines += [""] + [f"- {name}: {what}" for name, _, _, what in FACTORS]
+        lines += ["", "Mean seconds per phase action (generate / train / publish) behind those factors:", "",
+                  "| arm | seed | generate s | train s | publish s |", "|---|---|---|---|---|"]
+        for label, per in table["arms"].items():
+            for seed, d in sorted(per.items()):
+                ph = d.get("phase_s") or {}
+                lines.append(f"| {label} | {seed} | {f(ph.get('generate'), 3)} | {f(ph.get('train'), 3)} | "
+                             f"{f(ph.get('publish'), 3)} |")
     for k, aa in table["aa"].items():
         lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
                      f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")

@@ -48,3 +48,26 @@ def test_gpu_table_takes_a_smaller_runs_baseline_from_a_larger_dedicated_run(tmp
     assert row["ratio_vs_dedicated"] == pytest.approx(ovl["steps_per_gpu_hour"] / base)
     assert row["sim_ratio_vs_dedicated"] == pytest.approx(row["ratio_vs_dedicated"], rel=1e-9)
     assert row["slowdown_vs_alone"]["min"] > 1.0
+
+
+def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):
+    """The ladder dedicated -> shared-sync -> overlap -> overlap + MPS: each factor is one arm
+    over the arm that differs from it in one thing, and their product is the total ratio."""
+    from experiments.gpu_table import main
+
+    runs = []
+    for name, kw in (("ded", dict(policy="dedicated", sharing="none")),
+                     ("sync", dict(policy="shared-sync", sharing="none")),
+                     ("ovl", dict(policy="overlap", groups=2, sharing="none")),
+                     ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))):
+        simulate(config_from_args(jobs=4, steps=3, seed=1, **kw), tmp_path / name)
+        runs.append(str(tmp_path / name))
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    f = table["factors"]["4"]["1"]
+    sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"]
+           for k in ("ded", "sync", "ovl", "ovl-mps")}
+    assert f["batching"] == pytest.approx(sph["sync"] / sph["ded"])
+    assert f["overlap"] == pytest.approx(sph["ovl"] / sph["sync"])
+    assert f["batching"] * f["overlap"] * f["mps_with_overlap"] == pytest.approx(f["total"])
+    assert "mps_without_overlap" not in f  # no shared-sync + MPS run
+    assert "Where the ratio comes from" in (tmp_path / "t.md").read_text()
