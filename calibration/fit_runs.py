@@ -235,7 +235,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
                       "c_s_per_adapter": float(c), "c_source": c_source,
                       "d_s_per_regroup_token": float(d),
                       "d_source": "fitted" if "d" in names else "0 (no regrouping in the fitted runs)",
-                      "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel)))},
+                      "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel))),
+                      # Fitted terms the non-negative fit pinned at 0: what the runs did not
+                      # separate (e.g. padded tokens that only moved with the micro-batch count).
+                      "at_zero": [n for n in names if w[n] == 0.0]},
         "sharing_fit": rates,
         "publish_s_per_adapter": float(np.median(publish)) if publish else None,
         "padded_tokens_range": [int(tok.min()), int(tok.max())]}

@@ -153,6 +153,9 @@ def cmd_fit(a: argparse.Namespace) -> int:
           f"+ {t['c_s_per_adapter']:.4f} s/adapter + {t['d_s_per_regroup_token'] * 1e6:.3f} us/regroup token "
           f"(fit MAPE {t['mape']:.1%}, worst {t['worst']:.1%}); "
           f"publish {f['publish_s_per_adapter']} s/adapter")
+    if t.get("at_zero"):
+        print(f"note: fitted at 0: {', '.join(t['at_zero'])} — these runs do not vary that term apart from the "
+              "others; runs of other sizes would pin it")
     rates = f.get("sharing_fit") or {}
     print("sharing rates fitted: " + (", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items()))
                                       if rates else "none (the runs leave every rate to the base profile)"))
