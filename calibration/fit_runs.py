@@ -141,9 +141,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
     from sim.profile import Profile, add_source, profile_dict
 
-    used, skipped, samples, publish, gens = [], [], [], [], []
+    used, skipped, samples, publish, gens, commits = [], [], [], [], [], set()
     for rd in map(Path, runs):
-        cfg, _, _ = load_recorded(rd)
+        cfg, summary, _ = load_recorded(rd)
         if jobs_per_gpu(cfg) > fit_max_jobs:
             skipped.append(str(rd))
             continue
@@ -152,6 +152,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         publish += p
         gens += [dict(g, dedicated=cfg["arm"]["policy"] == "dedicated") for g in generate_samples(rd)]
         used.append(str(rd))
+        commits.add(summary.get("git_commit") or "unrecorded")
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
                           f"(need >= 3); held out: {skipped}")
@@ -240,6 +241,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
                       # separate (e.g. padded tokens that only moved with the micro-batch count).
                       "at_zero": [n for n in names if w[n] == 0.0]},
         "sharing_fit": rates,
+        "run_commits": sorted(commits),  # the code the fitted runs came from
         "publish_s_per_adapter": float(np.median(publish)) if publish else None,
         "padded_tokens_range": [int(tok.min()), int(tok.max())]}
     Profile.model_validate(prof)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -22,18 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from calibration.provisional import fit_linear_rel
+from nodus.outdir import git_commit
 
 
-def _git_commit() -> str | None:
-    """The commit measured: $NODUS_COMMIT where the tree travelled without its history (the device
-    session sets it), else git's HEAD."""
-    if os.environ.get("NODUS_COMMIT"):
-        return os.environ["NODUS_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
+_git_commit = git_commit  # the commit measured (nodus.outdir.git_commit)
 
 
 def _train_batches(adapters: int, tokens: int, vocab: int, rng, seq: int = 256) -> dict:

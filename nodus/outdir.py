@@ -3,7 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
+
+
+def git_commit() -> str | None:
+    """The code a run or measurement came from: $NODUS_COMMIT where the tree travelled without
+    its history (the device session sets it), else git's HEAD; None outside a checkout."""
+    if os.environ.get("NODUS_COMMIT"):
+        return os.environ["NODUS_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 class OutputExistsError(FileExistsError):

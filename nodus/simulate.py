@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from nodus.config import POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs
-from nodus.outdir import make_out_dir, write_json
+from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import run_arm, run_spans
 from nodus.accounting import summarize
 from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, write_chrome_trace, write_jsonl
@@ -69,7 +69,8 @@ def simulate(cfg: RunConfig, out: str | Path | None = None) -> dict:
 
 def write_run(out_dir: Path, cfg: RunConfig, summary: dict, runs) -> None:
     write_json(out_dir / "config.json", cfg.model_dump(mode="json"))
-    write_json(out_dir / "summary.json", summary)
+    # Which code made the run: a profile fitted on it names it (nodus fit).
+    write_json(out_dir / "summary.json", {**summary, "git_commit": summary.get("git_commit") or git_commit()})
     write_jsonl(runs, out_dir / "spans.jsonl")
     write_chrome_trace(runs, out_dir / "trace.json")
     render_run(out_dir)

@@ -52,6 +52,9 @@ def test_fit_recovers_the_profile_that_recorded_the_runs(tmp_path):
     assert prof["train"]["per_microbatch"]["b_s_per_unit"] == pytest.approx(2e-5, rel=1e-6)
     assert "base profile" in f["train_fit"]["c_source"]  # one adapter per step: c not identifiable
     assert f["train_fit"]["at_zero"] == []  # a and b both pinned by the data
+    # Run folders name the code that made them, and the fit keeps that provenance.
+    assert f["run_commits"] == [json.loads((ded / "summary.json").read_text())["git_commit"]]
+    assert f["run_commits"][0] not in (None, "unrecorded")
     assert prof["publish"]["save_s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
     # The fitted profile predicts the held-out shared run it never saw.
     out = tmp_path / "fitted.json"
