@@ -172,10 +172,37 @@ def render(table: dict) -> str:
                 ph = d.get("phase_s") or {}
                 lines.append(f"| {label} | {seed} | {f(ph.get('generate'), 3)} | {f(ph.get('train'), 3)} | "
                              f"{f(ph.get('publish'), 3)} |")
+    if table.get("learning"):
+        lines += _render_learning(table["learning"])
     for k, aa in table["aa"].items():
         lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
                      f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")
     return "\n".join(lines)
+
+
+def learning_guard(report: dict, source: str) -> dict:
+    """Per compared arm of a `nodus compare` report: seeds, paired CIs, gate verdict."""
+    out = {"source": source, "baseline": report["baseline"], "arms": {}}
+    for arm in report["arms"]:
+        vs = arm.get("vs_baseline")
+        if vs:
+            out["arms"][arm["arm"]] = {"seeds": vs["seeds"], "ratios": vs["ratios"], "acc_diff": vs["acc_diff"],
+                                       "reward_diff": vs["reward_diff"], "gate_pass": vs["gate"]["pass"],
+                                       "failed": [k for k, c in vs["gate"]["criteria"].items() if not c["pass"]]}
+    return out
+
+
+def _render_learning(guard: dict) -> list[str]:
+    def ci(c):
+        return "-" if not c else f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+
+    lines = ["", f"Learning guard (`{guard['source']}`, baseline {guard['baseline']}; paired 95% CIs):", "",
+             "| arm | seeds | ratios | eval accuracy diff | mean reward diff | gate |", "|---|---|---|---|---|---|"]
+    for arm, g in guard["arms"].items():
+        verdict = "PASS" if g["gate_pass"] else f"FAIL ({', '.join(g['failed'])})"
+        lines.append(f"| {arm} | {' '.join(map(str, g['seeds']))} | {' / '.join(f'{r:.2f}' for r in g['ratios'])} | "
+                     f"{ci(g['acc_diff'])} | {ci(g['reward_diff'])} | {verdict} |")
+    return lines
 
 
 def _slow(d: dict) -> str:
@@ -213,8 +240,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", required=True, help="path prefix: writes <out>.json, <out>.md, <out>.png")
     ap.add_argument("--profile", default="h200-qwen3-0.6b")
+    ap.add_argument("--learning", type=Path,
+                    help="a `nodus compare --json` report of learning runs: its gate verdicts join the table")
     a = ap.parse_args(argv)
     table = build(a.runs, a.profile)
+    if a.learning:
+        table["learning"] = learning_guard(json.loads(a.learning.read_text()), str(a.learning))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")

@@ -71,3 +71,21 @@ def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):
     assert f["batching"] * f["overlap"] * f["mps_with_overlap"] == pytest.approx(f["total"])
     assert "mps_without_overlap" not in f  # no shared-sync + MPS run
     assert "Where the ratio comes from" in (tmp_path / "t.md").read_text()
+
+
+def test_learning_guard_joins_the_table():
+    """A `nodus compare` report's verdicts, per compared arm, with the criteria that failed."""
+    from experiments.gpu_table import _render_learning, learning_guard
+
+    ci = {"mean": -0.02, "lo": -0.06, "hi": 0.01, "n": 128, "resample": "(job, seed) clusters"}
+    report = {"baseline": "dedicated/none/g1", "arms": [
+        {"arm": "dedicated/none/g1", "vs_baseline": None},
+        {"arm": "overlap/mps/g2", "vs_baseline": {
+            "seeds": [1, 2], "ratios": [2.2, 3.1], "acc_diff": ci, "reward_diff": ci,
+            "gate": {"pass": False, "criteria": {"ratio_every_seed": {"pass": True},
+                                                 "acc_ci_lower": {"pass": False}}}}}]}
+    guard = learning_guard(report, "compare.json")
+    assert list(guard["arms"]) == ["overlap/mps/g2"]
+    assert guard["arms"]["overlap/mps/g2"]["failed"] == ["acc_ci_lower"]
+    text = "\n".join(_render_learning(guard))
+    assert "FAIL (acc_ci_lower)" in text and "-0.020 [-0.060, +0.010]" in text
