@@ -1,6 +1,6 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|arms|calibrate|sharing|engine|learn
+#   bash experiments/device_session.sh trainer|arms|calibrate|sharing|engine|learn|small-base
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -55,6 +55,14 @@ case "${1:-arms}" in
     echo "gpu_arms rc=$?"
     cp "$D/arms/arms.json" "$OUT/arms$T.json" 2>/dev/null
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;
+  small-base)
+    # The 25M small base for GPU learning runs (~2.5 min); a later call on the warm machine learns
+    # on it with LEARN_MODEL=/tmp/small-base (the folder stays while the machine is held).
+    rm -rf /tmp/small-base
+    timeout "${SMALL_BASE_TIMEOUT:-240}" python experiments/train_base.py --size small --device cuda \
+      --out /tmp/small-base > "$OUT/small_base.log" 2>&1
+    echo "small_base rc=$?"
+    cp /tmp/small-base/base_model.json "$OUT/small_base.json" 2>/dev/null ;;
   learn)
     # Equal learning: the project's tiny base (carried in .device/tiny-base), 8 jobs (one per task
     # family) x 20 steps, dedicated (twice: A/A) against overlap+MPS, 2 seeds; then the small base
