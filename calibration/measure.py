@@ -91,6 +91,13 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     base = load_base_model(model, "auto", tdtype, device)
     trainer = MultiLoRATrainer(base, device=device, max_tokens_per_microbatch=max(train_tokens),
                                base_model_name_or_path=model)
+    # The trainer the runs use: on a GPU its element-wise ops compiled (the warm-up step before each
+    # timed one compiles them), the default multi-adapter layout.
+    compiled = []
+    if device.startswith("cuda"):
+        from real.fuse import fuse_elementwise
+
+        compiled = fuse_elementwise(base)
     vocab = trainer.vocab_size
     ad_dir = Path(tempfile.mkdtemp(prefix="nodus-cal-"))
     n_ad = max(adapter_counts)
@@ -163,7 +170,8 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             train.append({"tokens": sum(len(r) for b in batches_.values() for r in b.input_ids), "adapters": a, "s": s})
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
-            "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens)}
+            "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens),
+            "trainer": {"lora_layout": trainer.routing.layout_mode, "compiled": compiled}}
 
 
 def fit_profile(raw: dict, base: dict, env: dict) -> dict:

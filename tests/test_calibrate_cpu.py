@@ -29,6 +29,8 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path):
     raw = prof["measurements"]["calibrate"]
     assert [d["batch"] for d in raw["decode_no_lora"]] == [4, 16] and all(d["step_s"] > 0 for d in raw["decode_no_lora"])
     assert prof["environment"]["sources"] == ["nodus calibrate"]
+    # The trainer measured is the runs' trainer: default layout; compiled only on a GPU.
+    assert raw["trainer"] == {"lora_layout": "masked", "compiled": []}
     s = simulate(config_from_args(jobs=2, steps=2, profile=str(out)))
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert any(a["id"] == "sharing-from-base" for a in s["assumptions"])
