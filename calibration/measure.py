@@ -24,9 +24,6 @@ from calibration.provisional import fit_linear_rel
 from nodus.outdir import git_commit
 
 
-_git_commit = git_commit  # the commit measured (nodus.outdir.git_commit)
-
-
 def _train_batches(adapters: int, tokens: int, vocab: int, rng, seq: int = 256) -> dict:
     """About `tokens` tokens of random rows of `seq` tokens (the first quarter prompt) split evenly
     over the calibration jobs cal0..cal{adapters-1}."""
@@ -45,7 +42,7 @@ def environment(device: str) -> dict:
 
     env = {"gpu": torch.cuda.get_device_name(0) if device.startswith("cuda")
            else f"cpu ({platform.processor() or 'unknown'})",
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "git_commit": _git_commit()}
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit()}
     try:
         import vllm
 

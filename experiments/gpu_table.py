@@ -46,13 +46,11 @@ def build(runs: list[Path], profile: str) -> dict:
     sim_base: dict[tuple[int, int], float] = {}
     ded_steps: dict[tuple[int, int], dict[str, int]] = {}
     sim_alone: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}
-    spans_of: dict = {}
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
-        spans_of[rd] = spans
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
         sim = _simulate(recorded_configs(rd, cfg, spans, profile)[0], f"{rd}/config.json")
-        rows.append((rd, cfg, summary, jobs, seed, sim))
+        rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans)))
         if cfg["arm"]["policy"] == "dedicated":
             ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
@@ -67,7 +65,7 @@ def build(runs: list[Path], profile: str) -> dict:
     for (jobs, seed), vals in ded_sph.items():
         if len(vals) >= 2:
             table["aa"][f"{jobs}-s{seed}"] = {"runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
-    for rd, cfg, summary, jobs, seed, sim in rows:
+    for rd, cfg, summary, jobs, seed, sim, phase_s in rows:
         label = arm_label(cfg["arm"]) + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
         if str(seed) in per:  # an A/A repeat: already counted above
@@ -95,7 +93,7 @@ def build(runs: list[Path], profile: str) -> dict:
             "sim_ratio_vs_dedicated": sim["steps_per_gpu_hour"] / sbase if sbase else None,
             "reference_ratio": (REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8
                                 else REFERENCE_SCALING.get((arm_label(cfg["arm"]), jobs))),
-            "phase_s": _phase_means(spans_of[rd]),
+            "phase_s": phase_s,
         }
     table["factors"] = factors(table)
     return table
