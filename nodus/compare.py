@@ -213,13 +213,18 @@ def _aa_learning(seeds: dict[int, list[RunSummary]], n_boot: int, alpha: float, 
             used.append(seed)
     if not used:
         return None
+    acc_ci, reward_ci = _learning_cis(acc, labels, reward, n_boot, alpha, boot_seed)
+    return {"seeds": used, "acc_diff": acc_ci, "reward_diff": reward_ci}
+
+
+def _learning_cis(acc, labels, reward, n_boot, alpha, boot_seed) -> tuple[dict, dict]:
+    """Paired bootstrap CIs of the accuracy differences (whole (job, seed) clusters when there are
+    enough, else single items) and of the per-job reward differences."""
     clustered = len(set(labels)) >= MIN_CLUSTERS
-    return {"seeds": used,
-            "acc_diff": _ci_dict(paired_bootstrap_ci(acc, n_boot, alpha, boot_seed,
-                                                     clusters=labels if clustered else None),
-                                 len(acc), "(job, seed) clusters" if clustered else "eval items"),
-            "reward_diff": _ci_dict(paired_bootstrap_ci(reward, n_boot, alpha, boot_seed),
-                                    len(reward), "(job, seed) pairs")}
+    acc_ci = _ci_dict(paired_bootstrap_ci(acc, n_boot, alpha, boot_seed, clusters=labels if clustered else None),
+                      len(acc), "(job, seed) clusters" if clustered else "eval items")
+    reward_ci = _ci_dict(paired_bootstrap_ci(reward, n_boot, alpha, boot_seed), len(reward), "(job, seed) pairs")
+    return acc_ci, reward_ci
 
 
 def compare_runs(
@@ -296,12 +301,7 @@ def _vs_baseline(seeds, base_seeds, aa, label, base_label, n_boot, alpha, boot_s
         reward += r
     acc_ci = reward_ci = None
     if common:
-        clustered = len(set(labels)) >= MIN_CLUSTERS
-        acc_ci = _ci_dict(
-            paired_bootstrap_ci(acc, n_boot, alpha, boot_seed, clusters=labels if clustered else None),
-            len(acc), "(job, seed) clusters" if clustered else "eval items")
-        reward_ci = _ci_dict(paired_bootstrap_ci(reward, n_boot, alpha, boot_seed),
-                             len(reward), "(job, seed) pairs")
+        acc_ci, reward_ci = _learning_cis(acc, labels, reward, n_boot, alpha, boot_seed)
     spread, source = _noise(aa, label, base_label)
 
     def as_tuple(ci):
