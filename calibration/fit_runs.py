@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.validate import jobs_per_gpu, load_recorded
+from nodus.accounting import union_length
 from nodus.config import ConfigError
 from nodus.microbatch import microbatch_costs, step_rows
 
@@ -39,67 +40,57 @@ from nodus.microbatch import microbatch_costs, step_rows
 MIN_RATE_SHARE = 0.15  # a sharing rate is fitted only where this share of its mode's time exercises it
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
+    """Seconds of [start, end] that some interval covers (overlaps among them counted once)."""
+    return union_length([(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start])
 
 
-def _overlap(start: float, end: float, merged: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
+def _actions(spans: list[dict], phases: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    """Spans grouped into actions: (phase, gpu, group, start, end) -> the jobs' spans of that action."""
+    actions: dict[tuple, list[dict]] = {}
+    for s in spans:
+        if s["phase"] in phases:
+            actions.setdefault((s["phase"], s["gpu"], s["group"], s["start_s"], s["end_s"]), []).append(s)
+    return actions
 
 
 def _busy(spans: list[dict], phase: str) -> dict[int, list[tuple[float, float]]]:
-    """Per GPU, the merged intervals in which some action of ``phase`` ran."""
+    """Per GPU, the intervals in which an action of ``phase`` ran."""
     per: dict[int, list[tuple[float, float]]] = {}
-    for s in spans:
-        if s["phase"] == phase:
-            per.setdefault(s["gpu"], []).append((s["start_s"], s["end_s"]))
-    return {g: _merged(v) for g, v in per.items()}
+    for _, gpu, _, start, end in _actions(spans, (phase,)):
+        per.setdefault(gpu, []).append((start, end))
+    return per
 
 
-def generate_samples(run_dir: Path) -> list[dict]:
+def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]:
     """Per one-job generate action of a run: job, step, response lengths, seconds, and the
-    seconds of it that a train step on the same GPU overlapped."""
-    cfg, _, spans = load_recorded(run_dir)
-    train = _busy(spans, "train")
+    seconds of it that a train step on the same GPU overlapped. ``recorded``: the run's
+    ``load_recorded`` result, when the caller has it already."""
+    cfg, _, spans = recorded or load_recorded(run_dir)
+    train, gens = _busy(spans, "train"), _busy(spans, "generate")
     out = []
-    for s in spans:
-        if s["phase"] != "generate":
-            continue
-        together = [m for m in spans if m["phase"] == "generate" and m["gpu"] == s["gpu"]
-                    and m["start_s"] == s["start_s"] and m["end_s"] == s["end_s"]]
-        if len(together) != 1:
+    for (_, gpu, _, start, end), members in _actions(spans, ("generate",)).items():
+        if len(members) != 1 or gens[gpu].count((start, end)) > 1:
             continue  # several jobs' requests in one generation: no one-job alone time to match
-        others = [(m["start_s"], m["end_s"]) for m in spans if m["phase"] == "generate" and m["gpu"] == s["gpu"]
-                  and m is not s]
-        if _overlap(s["start_s"], s["end_s"], _merged(others)) > 0:
+        if _overlap(start, end, [iv for iv in gens[gpu] if iv != (start, end)]) > 0:
             continue  # shared engine batches with another group's requests (continuous batching)
-        dur = s["end_s"] - s["start_s"]
-        corun = _overlap(s["start_s"], s["end_s"], train.get(s["gpu"], []))
+        s, dur = members[0], end - start
+        corun = _overlap(start, end, train.get(gpu, []))
         out.append({"job": s["job"], "step": s["attrs"].get("step"),
                     "lengths": tuple(s["attrs"].get("response_tokens") or ()), "s": dur,
                     "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"]})
     return out
 
 
-def train_samples(run_dir: Path) -> tuple[list[dict], list[float]]:
+def train_samples(run_dir: Path, recorded: tuple | None = None) -> tuple[list[dict], list[float]]:
     """Per train action of a run: its micro-batches' padded tokens, adapter count and seconds
     (alone and beside a generation on its GPU); and the run's publish waits per adapter."""
-    cfg, _, spans = load_recorded(run_dir)
+    cfg, _, spans = recorded or load_recorded(run_dir)
     engine = _busy(spans, "generate")
     cap = cfg["trainer"]["max_tokens_per_microbatch"]
     gen = {(s["gpu"], s["job"], s["attrs"].get("step")): s for s in spans if s["phase"] == "generate"}
-    actions: dict[tuple, list[dict]] = {}
-    for s in spans:
-        if s["phase"] in ("train", "publish"):
-            actions.setdefault((s["phase"], s["gpu"], s["group"], s["start_s"], s["end_s"]), []).append(s)
     samples, publish = [], []
-    for (phase, gpu, _, start, end), members in sorted(actions.items()):
+    for (phase, gpu, _, start, end), members in sorted(_actions(spans, ("train", "publish")).items()):
         if phase == "publish":
             publish.append((end - start) / len(members))
             continue
@@ -143,14 +134,15 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
 
     used, skipped, samples, publish, gens, commits = [], [], [], [], [], set()
     for rd in map(Path, runs):
-        cfg, summary, _ = load_recorded(rd)
+        recorded = load_recorded(rd)
+        cfg, summary, _ = recorded
         if jobs_per_gpu(cfg) > fit_max_jobs:
             skipped.append(str(rd))
             continue
-        s, p = train_samples(rd)
+        s, p = train_samples(rd, recorded)
         samples += s
         publish += p
-        gens += [dict(g, dedicated=cfg["arm"]["policy"] == "dedicated") for g in generate_samples(rd)]
+        gens += [dict(g, dedicated=cfg["arm"]["policy"] == "dedicated") for g in generate_samples(rd, recorded)]
         used.append(str(rd))
         commits.add(summary.get("git_commit") or "unrecorded")
     if len(samples) < 3:
