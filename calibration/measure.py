@@ -90,11 +90,9 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
                                base_model_name_or_path=model)
     # The trainer the runs use: on a GPU its element-wise ops compiled (the warm-up step before each
     # timed one compiles them), the default multi-adapter layout.
-    compiled = []
-    if device.startswith("cuda"):
-        from real.fuse import fuse_elementwise
+    from real.fuse import compile_wanted, fuse_elementwise
 
-        compiled = fuse_elementwise(base)
+    compiled = fuse_elementwise(base) if compile_wanted(None, device) else []
     vocab = trainer.vocab_size
     ad_dir = Path(tempfile.mkdtemp(prefix="nodus-cal-"))
     n_ad = max(adapter_counts)

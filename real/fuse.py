@@ -10,6 +10,11 @@ off): compiling costs ~10-20 s at start-up, inside the untimed warm-up. Off on a
 from __future__ import annotations
 
 
+def compile_wanted(flag: bool | None, device) -> bool:
+    """Whether the trainer compiles: as asked, and by default (None) on a GPU only."""
+    return flag if flag is not None else str(device).startswith("cuda")
+
+
 def fuse_elementwise(model) -> list[str]:
     """torch.compile the memory-bound pieces of each decoder layer, leaving the matmuls (and the
     LoRA routing, whose per-step objects would make dynamo recompile) eager: RMSNorms, the rotary

@@ -111,6 +111,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     try:
         import torch
 
+        from real.fuse import compile_wanted, fuse_elementwise
         from real.trainer import MultiLoRATrainer
 
         t0 = time.monotonic()
@@ -123,9 +124,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         # (the same rounding), and a bf16 file is half the bytes to write and read.
         save_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype)}
-        if spec.compile_elementwise or (spec.compile_elementwise is None and trainer.device.type == "cuda"):
-            from real.fuse import fuse_elementwise
-
+        if compile_wanted(spec.compile_elementwise, trainer.device):
             info["compiled"] = fuse_elementwise(model)
         outbox.put(("ready", name, time.monotonic() - t0, info))
     except Exception:  # noqa: BLE001
