@@ -22,6 +22,15 @@ trap save_cache EXIT
 random_model() {
   python -c "from pathlib import Path; from experiments.gpu_arms import make_random_model; make_random_model(Path('/tmp/nodus-qwen3-0.6b-random'), 'qwen3-0.6b')"
 }
+# The 25M small base trained on this GPU into /tmp/small-base (its per-family sampled accuracy,
+# small_base.json, is the check).
+small_base() {
+  rm -rf /tmp/small-base
+  timeout "${SMALL_BASE_TIMEOUT:-240}" python experiments/train_base.py --size small --device cuda \
+    --out /tmp/small-base > "$OUT/small_base.log" 2>&1
+  echo "small_base rc=$?"
+  cp /tmp/small-base/base_model.json "$OUT/small_base.json" 2>/dev/null
+}
 case "${1:-arms}" in
   trainer)
     # Both multi-adapter layouts on the reference workload's long-tailed lengths (8 jobs x 64
@@ -58,11 +67,7 @@ case "${1:-arms}" in
   small-base)
     # The 25M small base for GPU learning runs (~2.5 min); a later call on the warm machine learns
     # on it with LEARN_MODEL=/tmp/small-base (the folder stays while the machine is held).
-    rm -rf /tmp/small-base
-    timeout "${SMALL_BASE_TIMEOUT:-240}" python experiments/train_base.py --size small --device cuda \
-      --out /tmp/small-base > "$OUT/small_base.log" 2>&1
-    echo "small_base rc=$?"
-    cp /tmp/small-base/base_model.json "$OUT/small_base.json" 2>/dev/null ;;
+    small_base ;;
   learn)
     # Equal learning: the project's tiny base (carried in .device/tiny-base), 8 jobs (one per task
     # family) x 20 steps, dedicated (twice: A/A) against overlap+MPS, 2 seeds; then the small base
@@ -76,11 +81,6 @@ case "${1:-arms}" in
     echo "learn rc=$?"
     cp "$D/learn/arms.json" "$OUT/learn.json" 2>/dev/null
     tar czf "$OUT/learn_runs.tgz" -C "$D" learn 2>/dev/null
-    if [ "${SMALL_BASE_TIMEOUT:-240}" -gt 0 ]; then
-      timeout "${SMALL_BASE_TIMEOUT:-240}" python experiments/train_base.py --size small --device cuda \
-        --out /tmp/small-base > "$OUT/small_base.log" 2>&1
-      echo "small_base rc=$?"
-      cp /tmp/small-base/base_model.json "$OUT/small_base.json" 2>/dev/null
-    fi ;;
+    if [ "${SMALL_BASE_TIMEOUT:-240}" -gt 0 ]; then small_base; fi ;;
 esac
 grep -v " INFO \| WARNING \|it/s\]" "$OUT"/*.log | tail -25
