@@ -12,6 +12,8 @@ if [ -f .device/vllm-cache.tgz ] && [ ! -d ~/.cache/vllm/torch_compile_cache ]; 
   mkdir -p ~/.cache && tar xzf .device/vllm-cache.tgz -C ~/.cache && echo "vLLM compile cache restored"
 fi
 save_cache() {
+  # SAVE_CACHE=0: another invocation running beside this one (the other GPU) offers it.
+  [ "${SAVE_CACHE:-1}" = 1 ] || return 0
   if [ -d ~/.cache/vllm/torch_compile_cache ]; then
     tar czf /tmp/vllm-cache.tgz -C ~/.cache vllm/torch_compile_cache 2>/dev/null
     if [ "$(stat -c %s /tmp/vllm-cache.tgz)" -lt 15000000 ]; then cp /tmp/vllm-cache.tgz "$OUT/"; fi
@@ -55,14 +57,16 @@ case "${1:-arms}" in
       --out "$OUT/engine_loop_h200.json" > "$OUT/engine_loop.log" 2>&1; echo "engine_loop rc=$?" ;;
   arms)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-    # A fresh folder per call: a warm machine keeps /tmp between calls.
-    D=/tmp/arms-$(date +%s); mkdir -p "$D"
-    # TAG names this invocation's files, so one call can run several (e.g. TAG=-ts ARMS=timeslice).
+    # A fresh folder per invocation: a warm machine keeps /tmp between calls, and two invocations
+    # may run side by side (one per GPU: CUDA_VISIBLE_DEVICES, distinct TAGs).
+    D=$(mktemp -d /tmp/arms-XXXXXX); mkdir -p "$D/arms"
+    # TAG names this invocation's one output file (the device returns 8 files a call), so one
+    # call can run several invocations: arms_runs$TAG.tgz holds arms.json, arms.log and the runs.
     T=${TAG:-}
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
-      --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" ${ARMS_EXTRA:-} > "$OUT/arms$T.log" 2>&1
-    echo "gpu_arms rc=$?"
-    cp "$D/arms/arms.json" "$OUT/arms$T.json" 2>/dev/null
+      --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
+    echo "gpu_arms$T rc=$?"
+    grep "steps/GPU-h\|Error\|error:" "$D/arms/arms.log" | tail -12
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;
   small-base)
     # The 25M small base for GPU learning runs (~2.5 min); a later call on the warm machine learns
@@ -73,14 +77,16 @@ case "${1:-arms}" in
     # family) x 20 steps, dedicated (twice: A/A) against overlap+MPS, 2 seeds; then the small base
     # trained on this GPU (its per-family sampled accuracy is the check).
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-    D=/tmp/learn-$(date +%s); mkdir -p "$D"
+    D=$(mktemp -d /tmp/learn-XXXXXX)
+    T=${TAG:-}
     timeout "${LEARN_TIMEOUT:-330}" python experiments/gpu_arms.py --out "$D/learn" --mode tasks \
       --model-dir "${LEARN_MODEL:-.device/tiny-base}" --enforce-eager --jobs 8 --steps "${STEPS:-20}" \
       --seeds "${SEEDS:-1,2}" --arms dedicated,overlap+mps ${LEARN_AA---aa} --max-new-tokens 80 \
-      --job-fields '{"learning_rate": 1e-3, "prompt_pool": 8}' ${ARMS_EXTRA:-} > "$OUT/learn.log" 2>&1
-    echo "learn rc=$?"
-    cp "$D/learn/arms.json" "$OUT/learn.json" 2>/dev/null
-    tar czf "$OUT/learn_runs.tgz" -C "$D" learn 2>/dev/null
+      --job-fields '{"learning_rate": 1e-3, "prompt_pool": 8}' ${ARMS_EXTRA:-} > "$D/learn.log" 2>&1
+    echo "learn$T rc=$?"
+    grep "steps/GPU-h\|Error\|error:" "$D/learn.log" | tail -8
+    mv "$D/learn.log" "$D/learn/" 2>/dev/null
+    tar czf "$OUT/learn_runs$T.tgz" -C "$D" learn 2>/dev/null
     if [ "${SMALL_BASE_TIMEOUT:-240}" -gt 0 ]; then small_base; fi ;;
 esac
-grep -v " INFO \| WARNING \|it/s\]" "$OUT"/*.log | tail -25
+grep -v " INFO \| WARNING \|it/s\]" "$OUT"/*.log 2>/dev/null | tail -25

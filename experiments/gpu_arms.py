@@ -71,6 +71,10 @@ def main() -> None:
                     help='JSON of extra job fields, e.g. \'{"learning_rate": 1e-3, "prompt_pool": 8}\'')
     ap.add_argument("--aa", action="store_true",
                     help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
+    ap.add_argument("--aa-seeds", default=None,
+                    help="with --aa: the seeds to repeat the dedicated arm on (default: every seed)")
+    ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
+                    help="MPS client priority of the trainer in the MPS arms (their keys get -lowpri)")
     ap.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"))
     ap.add_argument("--aa-mb-tokens", type=int, default=None,
                     help="the A/A repeat's micro-batch cap (default: the same): a repeat that differs only "
@@ -95,7 +99,8 @@ def main() -> None:
     model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
     opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
                        enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit,
-                       lora_layout=args.lora_layout, trainer_compile=args.trainer_compile, evaluate=args.mode == "tasks",
+                       lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
+                       trainer_compile=args.trainer_compile, evaluate=args.mode == "tasks",
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
     from nodus.config import default_jobs
 
@@ -120,7 +125,7 @@ def main() -> None:
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
                      "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
-                     "aa_mb_tokens": args.aa_mb_tokens, "arms": {},
+                     "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}}
     pool = ClusterPool(opts, min_loras=max(job_counts))
     t_all = time.monotonic()
@@ -130,10 +135,12 @@ def main() -> None:
             group_counts = [int(x) for x in str(args.groups).split(",") if x]
             gs = group_counts if policy == "overlap" else [group_counts[0] if policy == "timeslice" else groups]
             repeats = [""] + (["-aa"] if args.aa and name == "dedicated" else [])
+            aa_seeds = seeds if args.aa_seeds is None else [int(s) for s in args.aa_seeds.split(",")]
             for g, n, seed, rep in ((g, n, s, r) for g in gs for n in job_counts for s in seeds for r in repeats):
-                if g > n:
-                    continue  # more groups than jobs
-                key = f"{name}{rep}{f'-g{g}' if policy == 'overlap' and len(gs) > 1 else ''}{suffix(n)}"
+                if g > n or (rep and seed not in aa_seeds):
+                    continue  # more groups than jobs; an A/A repeat on a seed not asked for
+                variant = "-lowpri" if sharing == "mps" and args.trainer_priority != "normal" else ""
+                key = f"{name}{variant}{rep}{f'-g{g}' if policy == 'overlap' and len(gs) > 1 else ''}{suffix(n)}"
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else None

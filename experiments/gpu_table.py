@@ -29,8 +29,18 @@ REFERENCE = {  # the published study's ratios (8 jobs unless named); for the com
 REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}  # its 2- and 4-job points
 
 
-def arm_label(arm: dict) -> str:
-    return f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
+def arm_label(arm: dict, summary: dict | None = None) -> str:
+    """policy/sharing/groups, plus the MPS settings a run changed from the defaults (+lowpri: the
+    trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages)."""
+    label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
+    controls = next((d["sharing_controls"] for d in (summary or {}).get("diagnostics", [])
+                     if d.get("sharing_controls")), {})
+    if controls.get("trainer_priority", "normal") != "normal":
+        label += "+lowpri"
+    for side in ("engine", "trainer"):
+        if controls.get(f"{side}_thread_pct"):
+            label += f"+{side[0]}{controls[f'{side}_thread_pct']}"
+    return label
 
 
 def build(runs: list[Path], profile: str) -> dict:
@@ -46,6 +56,7 @@ def build(runs: list[Path], profile: str) -> dict:
     sim_base: dict[tuple[int, int], float] = {}
     ded_steps: dict[tuple[int, int], dict[str, int]] = {}
     sim_alone: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}
+    ded_task: dict[tuple[int, int], dict[str, str]] = {}
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
@@ -55,6 +66,7 @@ def build(runs: list[Path], profile: str) -> dict:
             ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
                 alone_finish.setdefault((jobs, seed), {}).setdefault(j, []).append(d["finish_s"])
+                ded_task.setdefault((jobs, seed), {})[j] = d.get("task")
                 ded_steps.setdefault((jobs, seed), {})[j] = d["steps"]
             sim_base.setdefault((jobs, seed), sim["steps_per_gpu_hour"])
             sim_alone.setdefault((jobs, seed), {j: (d["steps"], d["finish_s"])
@@ -66,7 +78,7 @@ def build(runs: list[Path], profile: str) -> dict:
         if len(vals) >= 2:
             table["aa"][f"{jobs}-s{seed}"] = {"runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
     for rd, cfg, summary, jobs, seed, sim, phase_s in rows:
-        label = arm_label(cfg["arm"]) + ("" if jobs == 8 else f"/{jobs}jobs")
+        label = arm_label(cfg["arm"], summary) + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
         if str(seed) in per:  # an A/A repeat: already counted above
             continue
@@ -77,8 +89,11 @@ def build(runs: list[Path], profile: str) -> dict:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
             # their GPU-seconds alone).
-            base, sbase, alone = _subset_baseline(set(summary.get("per_job", {})), seed, alone_finish,
-                                                  ded_steps, sim_alone)
+            base, sbase, alone, by_task = _subset_baseline(
+                {j: d.get("task") for j, d in summary.get("per_job", {}).items()}, seed, alone_finish,
+                ded_steps, sim_alone, ded_task)
+        else:
+            by_task = False
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         sph = base if cfg["arm"]["policy"] == "dedicated" else summary["steps_per_gpu_hour"]
         per[str(seed)] = {
@@ -94,6 +109,8 @@ def build(runs: list[Path], profile: str) -> dict:
             "reference_ratio": (REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8
                                 else REFERENCE_SCALING.get((arm_label(cfg["arm"]), jobs))),
             "phase_s": phase_s,
+            # True: some jobs had no dedicated run and took a same-task job's (same length model).
+            "baseline_by_task": by_task,
         }
     table["factors"] = factors(table)
     return table
@@ -109,6 +126,8 @@ FACTORS = (
     ("mps_with_overlap", "overlap/mps/g2", "overlap/none/g2", "MPS under overlap (overlap + MPS over overlap)"),
     ("mps_without_overlap", "shared-sync/mps/g1", "shared-sync/none/g1",
      "MPS with nothing to co-run (shared-sync + MPS over shared-sync)"),
+    ("trainer_low_priority", "overlap/mps/g2+lowpri", "overlap/mps/g2",
+     "the trainer at below-normal MPS client priority (over overlap + MPS at normal priority)"),
     ("total", "overlap/mps/g2", "dedicated/none/g1", "overlap + MPS over dedicated"),
 )
 
@@ -128,19 +147,35 @@ def factors(table: dict) -> dict:
     return out
 
 
-def _subset_baseline(job_ids: set[str], seed: int, alone_finish: dict, ded_steps: dict, sim_alone: dict):
-    """(measured baseline, simulated baseline, each job's mean finish alone) over ``job_ids``, from
-    the smallest dedicated run of ``seed`` that holds them all; (None, None, {}) if none does."""
-    keys = sorted(k for k, per in alone_finish.items() if k[1] == seed and job_ids and job_ids <= set(per))
-    if not keys:
-        return None, None, {}
-    key = keys[0]
-    alone = {j: sum(v) / len(v) for j, v in alone_finish[key].items() if j in job_ids}
-    base = 3600 * sum(ded_steps[key][j] for j in job_ids) / sum(alone.values())
+def _subset_baseline(jobs: dict[str, str], seed: int, alone_finish: dict, ded_steps: dict, sim_alone: dict,
+                     ded_task: dict):
+    """(measured baseline, simulated baseline, each job's mean finish alone, by_task) over the jobs
+    (id -> task), from the smallest dedicated run of ``seed`` that holds them all; failing that,
+    from the largest one, each job it lacks standing in for by a job of the same task there (the
+    same length model: its time alone is the same in expectation; ``by_task`` True). (None, None,
+    {}, False) if neither works."""
+    job_ids = set(jobs)
+    runs = sorted(k for k in alone_finish if k[1] == seed)
+    holding = [k for k in runs if job_ids and job_ids <= set(alone_finish[k])]
+    by_task = not holding
+    if holding:
+        key, stand_in = holding[0], {j: j for j in job_ids}
+    elif runs:
+        key = runs[-1]
+        first_of_task: dict[str, str] = {}
+        for j in sorted(ded_task.get(key, {}), key=lambda j: (len(j), j)):
+            first_of_task.setdefault(ded_task[key][j], j)
+        stand_in = {j: j if j in alone_finish[key] else first_of_task.get(t) for j, t in jobs.items()}
+        if not job_ids or None in stand_in.values():
+            return None, None, {}, False
+    else:
+        return None, None, {}, False
+    alone = {j: sum(alone_finish[key][s]) / len(alone_finish[key][s]) for j, s in stand_in.items()}
+    base = 3600 * sum(ded_steps[key][s] for s in stand_in.values()) / sum(alone.values())
     sim = sim_alone.get(key, {})
-    sbase = (3600 * sum(sim[j][0] for j in job_ids) / sum(sim[j][1] for j in job_ids)
-             if job_ids <= set(sim) else None)
-    return base, sbase, alone
+    sbase = (3600 * sum(sim[s][0] for s in stand_in.values()) / sum(sim[s][1] for s in stand_in.values())
+             if set(stand_in.values()) <= set(sim) else None)
+    return base, sbase, alone, by_task
 
 
 def render(table: dict) -> str:

@@ -61,7 +61,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         opts = RealOptions(model=a.model, mode=a.mode, device=a.device, dtype=a.dtype, load_format=a.load_format,
                            engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
                            audit_logprobs=not a.no_audit, engine_thread_pct=a.engine_thread_pct,
-                           trainer_thread_pct=a.trainer_thread_pct, checkpoint_dir=a.checkpoint_dir,
+                           trainer_thread_pct=a.trainer_thread_pct, trainer_priority=a.trainer_priority,
+                           checkpoint_dir=a.checkpoint_dir,
                            seeded_sampling=not a.unseeded, lora_layout=a.lora_layout,
                            trainer_compile=a.trainer_compile)
     summary = run(cfg, backend=a.backend, opts=opts, out=a.out, baseline=not a.no_baseline)
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster start, slower decode)")
     p.add_argument("--engine-thread-pct", type=int, help="MPS active thread percentage of the engine")
     p.add_argument("--trainer-thread-pct", type=int, help="MPS active thread percentage of the trainer")
+    p.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
+                   help="MPS client priority of the trainer: below-normal lets the engine's kernels go first")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
     p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,

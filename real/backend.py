@@ -43,6 +43,9 @@ class RealOptions:
     audit_logprobs: bool = True  # compare trainer vs engine logprobs of sampled tokens each step
     engine_thread_pct: int | None = None  # MPS active thread percentage for the engine process
     trainer_thread_pct: int | None = None
+    # MPS client priority of the trainer: "below-normal" lets the engine's decode kernels (the
+    # overlap arm's critical path) go first when both processes have work queued.
+    trainer_priority: str = "normal"  # normal | below-normal
     adapter_dir: str | None = None  # default: /dev/shm when present (fast publish)
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     max_model_len: int | None = None
@@ -56,6 +59,23 @@ class RealOptions:
     trainer_compile: bool | None = None  # torch.compile the trainer's RMSNorm, rotary, SiLU*up (real/fuse.py); None: on a GPU
     start_timeout_s: float = 900.0
 
+    def __post_init__(self) -> None:
+        if self.trainer_priority not in MPS_PRIORITIES:
+            raise ValueError(f"trainer_priority={self.trainer_priority!r}: choose one of {sorted(MPS_PRIORITIES)}")
+        for name in ("engine_thread_pct", "trainer_thread_pct"):
+            pct = getattr(self, name)
+            if pct is not None and not 1 <= pct <= 100:
+                raise ValueError(f"{name}={pct}: an MPS active thread percentage is 1-100")
+
+    def sharing_controls(self, sharing: str) -> dict:
+        """The MPS settings a run under `sharing` used (recorded with its diagnostics)."""
+        if sharing != "mps":
+            return {}
+        return {"engine_thread_pct": self.engine_thread_pct, "trainer_thread_pct": self.trainer_thread_pct,
+                "trainer_priority": self.trainer_priority}
+
+
+MPS_PRIORITIES = {"normal": 0, "below-normal": 1}  # CUDA_MPS_CLIENT_PRIORITY values
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
 
@@ -85,6 +105,19 @@ def engine_lora_rank(max_job_rank: int) -> int:
         if r >= max_job_rank:
             return r
     raise BackendConfigError(f"lora_rank={max_job_rank} is above the engine's maximum ({VLLM_LORA_RANKS[-1]})")
+
+
+def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
+    """The engine's and the trainer's extra environment: the MPS daemon's pipe (empty without
+    MPS) and, under MPS only, each side's active thread percentage and the trainer's priority."""
+    if not mps_env:
+        return {}, {}
+    engine = {**mps_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(opts.engine_thread_pct)}
+                            if opts.engine_thread_pct else {})}
+    trainer = {**mps_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(opts.trainer_thread_pct)}
+                             if opts.trainer_thread_pct else {}),
+               "CUDA_MPS_CLIENT_PRIORITY": str(MPS_PRIORITIES[opts.trainer_priority])}
+    return engine, trainer
 
 
 def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float = 50.0) -> None:
@@ -143,10 +176,7 @@ class Cluster:
         base_env = dict(self.mps.env) if self.mps else {}
         load_format = "dummy" if opts.load_format == "dummy" else "auto"
         for s in range(n_stacks):
-            e_env = {**base_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": opts.engine_thread_pct}
-                                    if self.mps and opts.engine_thread_pct else {})}
-            t_env = {**base_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": opts.trainer_thread_pct}
-                                    if self.mps and opts.trainer_thread_pct else {})}
+            e_env, t_env = process_envs(opts, base_env)
             espec = EngineSpec(self.model, max_loras=max_loras, max_lora_rank=max_rank, max_num_seqs=max_num_seqs,
                                gpu_memory_utilization=opts.engine_memory / n_stacks,
                                enforce_eager=opts.enforce_eager, load_format=load_format,
@@ -440,7 +470,8 @@ class RealBackend:
 
     def diagnostics(self) -> dict:
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
-                "workers": dict(self.c.worker_info)}
+                "workers": dict(self.c.worker_info),
+                "sharing_controls": self.c.opts.sharing_controls(self.c.sharing)}
 
     def close(self) -> None:
         if self.c.closed:

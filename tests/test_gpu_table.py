@@ -50,6 +50,38 @@ def test_gpu_table_takes_a_smaller_runs_baseline_from_a_larger_dedicated_run(tmp
     assert row["slowdown_vs_alone"]["min"] > 1.0
 
 
+def test_gpu_table_takes_a_larger_runs_baseline_by_task(tmp_path):
+    """16 shared jobs beside an 8-job dedicated run: jobs 8-15 have no dedicated run, each stands
+    in with the dedicated job of its task (same length model); the row says so."""
+    from experiments.gpu_table import main
+
+    for name, jobs, kw in (("ded8", 8, dict(policy="dedicated", sharing="none")),
+                           ("ovl16", 16, dict(policy="overlap", groups=2, sharing="mps"))):
+        simulate(config_from_args(jobs=jobs, steps=2, seed=3, **kw), tmp_path / name)
+    table = main([str(tmp_path / "ded8"), str(tmp_path / "ovl16"), "--out", str(tmp_path / "t")])
+    ded = json.loads((tmp_path / "ded8" / "summary.json").read_text())["per_job"]
+    ovl = json.loads((tmp_path / "ovl16" / "summary.json").read_text())
+    by_task = {d["task"]: j for j, d in sorted(ded.items(), reverse=True)}  # ids job0-7: one per task
+    assert len(by_task) == 8
+    stand_in = [by_task[d["task"]] for d in ovl["per_job"].values()]
+    base = 3600 * sum(ded[j]["steps"] for j in stand_in) / sum(ded[j]["finish_s"] for j in stand_in)
+    row = table["arms"]["overlap/mps/g2/16jobs"]["3"]
+    assert row["baseline_by_task"] is True
+    assert row["ratio_vs_dedicated"] == pytest.approx(ovl["steps_per_gpu_hour"] / base)
+    assert table["arms"]["dedicated/none/g1"]["3"]["baseline_by_task"] is False
+
+
+def test_arm_label_names_changed_mps_settings():
+    from experiments.gpu_table import arm_label
+
+    arm = {"policy": "overlap", "sharing": "mps", "groups": 2}
+    assert arm_label(arm) == "overlap/mps/g2"
+    controls = {"trainer_priority": "below-normal", "engine_thread_pct": None, "trainer_thread_pct": 60}
+    assert arm_label(arm, {"diagnostics": [{"sharing_controls": controls}]}) == "overlap/mps/g2+lowpri+t60"
+    default = {"trainer_priority": "normal", "engine_thread_pct": None, "trainer_thread_pct": None}
+    assert arm_label(arm, {"diagnostics": [{"sharing_controls": default}]}) == "overlap/mps/g2"
+
+
 def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):
     """The ladder dedicated -> shared-sync -> overlap -> overlap + MPS: each factor is one arm
     over the arm that differs from it in one thing, and their product is the total ratio."""

@@ -153,3 +153,23 @@ def test_trainer_compile_option_reaches_the_trainer_process():
     assert audit and max(a["max_abs"] for a in audit) < 1e-3
     trainer = s["diagnostics"][0]["workers"]["trainer0"]
     assert trainer["lora_layout"] == "masked" and any("RMSNorm" in c for c in trainer["compiled"])
+
+
+def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
+    """Under MPS the trainer gets its client priority and each side its thread percentage; without
+    MPS neither process gets any MPS variable (no daemon to talk to)."""
+    from real.backend import RealOptions, process_envs
+
+    pipe = {"CUDA_MPS_PIPE_DIRECTORY": "/p", "CUDA_MPS_LOG_DIRECTORY": "/l"}
+    opts = RealOptions(trainer_priority="below-normal", engine_thread_pct=70)
+    engine, trainer = process_envs(opts, pipe)
+    assert engine == {**pipe, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70"}
+    assert trainer == {**pipe, "CUDA_MPS_CLIENT_PRIORITY": "1"}
+    assert process_envs(RealOptions(), pipe)[1]["CUDA_MPS_CLIENT_PRIORITY"] == "0"
+    assert process_envs(opts, {}) == ({}, {})
+    assert opts.sharing_controls("mps")["trainer_priority"] == "below-normal"
+    assert opts.sharing_controls("none") == {}
+    with pytest.raises(ValueError, match="trainer_priority='high'"):
+        RealOptions(trainer_priority="high")
+    with pytest.raises(ValueError, match="trainer_thread_pct=0"):
+        RealOptions(trainer_thread_pct=0)
