@@ -222,6 +222,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
                              "the others are the base profile's"})
         prof["assumptions"] = keep
     add_source(prof, f"nodus fit on {len(used)} run(s)")
+    # The base's error bar measured the base, not this fit: every sim report prints a profile's
+    # validation, so a refitted profile has none until `nodus validate --annotate` gives it one.
+    prof.pop("validation", None)
     prof.setdefault("measurements", {})["fit_runs"] = {
         "runs": used, "held_out": skipped, "fit_max_jobs": fit_max_jobs, "train_steps": len(samples),
         "train_fit": {"a_s_per_microbatch": float(a), "b_s_per_padded_token": float(b),

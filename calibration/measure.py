@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.provisional import fit_linear_rel
-from nodus.outdir import git_commit
+from nodus.outdir import git_commit, host
 
 
 def _train_batches(adapters: int, tokens: int, vocab: int, rng, seq: int = 256) -> dict:
@@ -42,7 +42,8 @@ def environment(device: str) -> dict:
 
     env = {"gpu": torch.cuda.get_device_name(0) if device.startswith("cuda")
            else f"cpu ({platform.processor() or 'unknown'})",
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit()}
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit(),
+           "host": host()}
     try:
         import vllm
 

@@ -133,10 +133,49 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                          if side in r[mode]["busy"] and r["measured"]["busy"].get(side)]
                 per[f"busy_{side}"] = error_stats([a for a, _ in pairs], [b for _, b in pairs])
             report[f"{split}_{mode}_components"] = per
+    report["noise"] = measurement_noise(rows)
+    for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
+        report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
     h = report["heldout_replay"]
     report.update(heldout_mape_replay=h["mape"], heldout_mape_sampled=report["heldout_sampled"]["mape"],
                   worst=h["worst"], bias=h["bias"], kendall_tau=h["kendall_tau"])
     return report
+
+
+def config_key(row: dict) -> tuple:
+    """Runs of one configuration: the same arm and job count (seeds and repeats differ)."""
+    arm = row["arm"] or {}
+    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"])
+
+
+def measurement_noise(rows: list[dict]) -> dict:
+    """How far the measured steps per GPU-hour of runs of one configuration (other seeds, A/A
+    repeats) lie from their configuration's mean: the error a perfect simulator would still show
+    against single runs, the floor under any per-run MAPE."""
+    by: dict[tuple, list[float]] = {}
+    for r in rows:
+        by.setdefault(config_key(r), []).append(r["measured"]["steps_per_gpu_hour"])
+    rel = [abs(x - np.mean(v)) / np.mean(v) for v in by.values() if len(v) >= 2 for x in v]
+    spread = [(max(v) - min(v)) / np.mean(v) for v in by.values() if len(v) >= 2]
+    return {"mape_floor": float(np.mean(rel)) if rel else None,
+            "max_spread": float(max(spread)) if spread else None,
+            "configs": len(spread), "runs": len(rel)}
+
+
+def per_config_errors(rows: list[dict]) -> dict:
+    """The simulator against each configuration's mean over its runs (seeds, repeats): the
+    per-run noise averages out here, as it does for a planner's question about the configuration."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault(config_key(r), []).append(r)
+    out: dict = {}
+    for mode in ("replay", "sampled"):
+        meas = [float(np.mean([r["measured"]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
+        pred = [float(np.mean([r[mode]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
+        out[mode] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)}
+    out["configs"] = ["{}/{}/g{}/{}jobs".format(*k) for k in by]
+    out["runs_per_config"] = [len(v) for v in by.values()]
+    return out
 
 
 def render_markdown(rep: dict) -> str:
@@ -157,6 +196,23 @@ def render_markdown(rep: dict) -> str:
             fmt = (lambda x: "-" if x is None else f"{x:.1%}")
             tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
             lines.append(f"| {split} | {mode} | {fmt(e['mape'])} | {fmt(e['worst'])} | {fmt(e['bias'])} | {tau} | {e['n']} |")
+    pc = [(split, rep.get(f"{split}_per_config")) for split in ("heldout", "all")]
+    if any(p and p["replay"]["n"] for _, p in pc):
+        lines += ["", "Against each configuration's mean over its runs (seeds, repeats):", "",
+                  "| split | lengths | configurations | MAPE | worst | bias | Kendall tau |", "|---|---|---|---|---|---|---|"]
+        for split, p in pc:
+            for mode in ("replay", "sampled"):
+                e = p[mode]
+                if e["n"]:
+                    tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
+                    lines.append(f"| {split} | {mode} | {e['n']} | {e['mape']:.1%} | {e['worst']:.1%} | "
+                                 f"{e['bias']:+.1%} | {tau} |")
+    noise = rep.get("noise") or {}
+    if noise.get("runs"):
+        lines += ["", f"Measurement noise: runs of one configuration lie {noise['mape_floor']:.1%} from their "
+                  f"configuration's mean on average (widest spread {noise['max_spread']:.1%}; "
+                  f"{noise['configs']} configurations, {noise['runs']} runs): no simulator's per-run MAPE "
+                  "can fall below that floor on these runs."]
     lines += ["", "Per phase (mean seconds of a phase's actions) and busy fraction, replayed lengths:", "",
               "| run | " + " | ".join(f"{ph} s meas / sim" for ph in PHASES) + " | busy engine meas / sim | busy trainer meas / sim |",
               "|---|" + "---|" * (len(PHASES) + 2)]

@@ -43,11 +43,20 @@ def arm_label(arm: dict, summary: dict | None = None) -> str:
     return label
 
 
-def build(runs: list[Path], profile: str) -> dict:
+def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = None,
+          notes: list[str] | None = None) -> dict:
+    """`run_profiles`: run-folder path prefix -> profile for the runs under it (runs made on
+    another host are simulated on that host's profile); the rest use `profile`."""
     from calibration.validate import _phase_means, _simulate, load_recorded, recorded_configs
     from nodus.stats import aa_spread
 
-    table: dict = {"profile": profile, "arms": {}, "aa": {}}
+    table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
+                   "arms": {}, "aa": {}}
+
+    def profile_of(rd: Path) -> str:
+        hits = [p for prefix, p in (run_profiles or {}).items() if str(rd).startswith(prefix)]
+        return hits[0] if hits else profile
+
     rows = []
     # Per (jobs, seed), over its dedicated runs: steps per GPU-hour, each job's finish time alone,
     # and the simulator's dedicated prediction.
@@ -60,7 +69,7 @@ def build(runs: list[Path], profile: str) -> dict:
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
-        sim = _simulate(recorded_configs(rd, cfg, spans, profile)[0], f"{rd}/config.json")
+        sim = _simulate(recorded_configs(rd, cfg, spans, profile_of(rd))[0], f"{rd}/config.json")
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans)))
         if cfg["arm"]["policy"] == "dedicated":
             ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
@@ -111,6 +120,7 @@ def build(runs: list[Path], profile: str) -> dict:
             "phase_s": phase_s,
             # True: some jobs had no dedicated run and took a same-task job's (same length model).
             "baseline_by_task": by_task,
+            "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
     return table
@@ -179,9 +189,11 @@ def _subset_baseline(jobs: dict[str, str], seed: int, alone_finish: dict, ded_st
 
 
 def render(table: dict) -> str:
-    lines = [f"Measured on the GPU; simulator on profile `{table['profile']}` replaying each run's lengths.", "",
-             "| arm | seed | steps/GPU-h | ratio vs dedicated | reference ratio | sim steps/GPU-h | sim ratio | "
-             "busy engine / trainer / GPU | per-job slowdown min-max | stale |", "|---|---|---|---|---|---|---|---|---|---|"]
+    others = "".join(f"; runs under `{k}` on `{v}`" for k, v in (table.get("run_profiles") or {}).items())
+    lines = [f"Measured on the GPU; simulator on profile `{table['profile']}`{others}, replaying each run's lengths.", ""]
+    lines += [f"- {n}" for n in table.get("notes") or []] + ([""] if table.get("notes") else [])
+    lines += ["| arm | seed | steps/GPU-h | ratio vs dedicated | reference ratio | sim steps/GPU-h | sim ratio | "
+              "busy engine / trainer / GPU | per-job slowdown min-max | stale |", "|---|---|---|---|---|---|---|---|---|---|"]
     f = (lambda x, p=2: "-" if x is None else f"{x:.{p}f}")
     for label, per in table["arms"].items():
         for seed, d in sorted(per.items()):
@@ -273,10 +285,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", required=True, help="path prefix: writes <out>.json, <out>.md, <out>.png")
     ap.add_argument("--profile", default="h200-qwen3-0.6b")
+    ap.add_argument("--run-profile", action="append", default=[], metavar="PREFIX=PROFILE",
+                    help="simulate the runs whose folder path starts with PREFIX on PROFILE (e.g. runs made "
+                         "on another host, on that host's profile); repeatable")
+    ap.add_argument("--note", action="append", default=[], help="a line for the table's notes; repeatable")
     ap.add_argument("--learning", type=Path,
                     help="a `nodus compare --json` report of learning runs: its gate verdicts join the table")
     a = ap.parse_args(argv)
-    table = build(a.runs, a.profile)
+    run_profiles = {}
+    for item in a.run_profile:
+        prefix, sep, prof = item.partition("=")
+        if not sep or not prefix or not prof:
+            ap.error(f"--run-profile {item!r}: expected PREFIX=PROFILE")
+        run_profiles[prefix] = prof
+    table = build(a.runs, a.profile, run_profiles, a.note)
     if a.learning:
         table["learning"] = learning_guard(json.loads(a.learning.read_text()), str(a.learning))
     out = Path(a.out)

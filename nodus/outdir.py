@@ -20,6 +20,23 @@ def git_commit() -> str | None:
         return None
 
 
+def host() -> dict:
+    """The machine a run or measurement ran on, beyond its GPU: its CPU model, logical cores and
+    whether /dev/shm (the fast adapter publish path) exists. The real backend's phases are host-
+    bound in part (launches, adapter save/load): the same GPU behind another CPU measured up to
+    1.5x slower trains and 3x slower publishes (experiments/results/h200/session4)."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    import platform
+
+    return {"cpu": model or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "dev_shm": os.path.isdir("/dev/shm")}
+
+
 class OutputExistsError(FileExistsError):
     """The output folder already holds files; runs never overwrite one."""
 

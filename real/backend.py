@@ -23,8 +23,9 @@ from nodus.grpo import group_advantages
 from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
-from real.mps import MPSDaemon
 from nodus.lengths import prompt_tokens as prompt_tokens_of
+from nodus.outdir import host
+from real.mps import MPSDaemon
 from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
 
 
@@ -471,7 +472,7 @@ class RealBackend:
     def diagnostics(self) -> dict:
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
                 "workers": dict(self.c.worker_info),
-                "sharing_controls": self.c.opts.sharing_controls(self.c.sharing)}
+                "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host()}
 
     def close(self) -> None:
         if self.c.closed:

@@ -32,6 +32,7 @@ class Environment(_M):
     driver: str | None = None
     date: str
     git_commit: str | None = None
+    host: dict | None = None  # CPU, cores, /dev/shm (nodus.outdir.host): the phases are host-bound in part
     sources: list[str] = []
 
 

@@ -39,6 +39,11 @@ def test_nonneg_rel_lstsq_recovers_exact_and_clamps_negative():
 def test_fit_recovers_the_profile_that_recorded_the_runs(tmp_path):
     truth = _profile_with(tmp_path, "truth", a=0.15, b=2e-5, c=0.01, save=0.05)
     wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.01, save=0.2)
+    annotated = json.loads(open(wrong).read())
+    annotated["validation"] = {"heldout_mape": 0.2, "report": "the base's report"}
+    wrong = tmp_path / "wrong-annotated.json"
+    wrong.write_text(json.dumps(annotated))
+    wrong = str(wrong)
     ded = tmp_path / "ded"
     simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="none", profile=truth), ded)
     shared = tmp_path / "shared"
@@ -56,6 +61,7 @@ def test_fit_recovers_the_profile_that_recorded_the_runs(tmp_path):
     assert f["run_commits"] == [json.loads((ded / "summary.json").read_text())["git_commit"]]
     assert f["run_commits"][0] not in (None, "unrecorded")
     assert prof["publish"]["save_s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
+    assert "validation" not in prof  # the base's error bar is not the fit's
     # The fitted profile predicts the held-out shared run it never saw.
     out = tmp_path / "fitted.json"
     out.write_text(json.dumps(prof))

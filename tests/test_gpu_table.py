@@ -121,3 +121,31 @@ def test_learning_guard_joins_the_table():
     assert guard["arms"]["overlap/mps/g2"]["failed"] == ["acc_ci_lower"]
     text = "\n".join(_render_learning(guard))
     assert "FAIL (acc_ci_lower)" in text and "-0.020 [-0.060, +0.010]" in text
+
+
+def test_runs_under_a_prefix_are_simulated_on_their_own_profile(tmp_path):
+    """Runs made on another host go to that host's profile: replaying a run the simulator
+    recorded on profile B is exact on B, not on the default profile."""
+    from experiments.gpu_table import main
+    from sim.profile import load_profile
+
+    prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    prof["train"]["per_microbatch"]["a_s"] *= 3  # a slower host's trainer
+    other = tmp_path / "hostb.json"
+    other.write_text(json.dumps(prof))
+    simulate(config_from_args(jobs=2, steps=2, seed=4, policy="dedicated", sharing="none", profile=str(other)),
+             tmp_path / "hostb" / "ded")
+    simulate(config_from_args(jobs=2, steps=2, seed=4, policy="overlap", groups=2, sharing="mps",
+                              profile=str(other)), tmp_path / "hostb" / "ovl")
+    runs = [str(tmp_path / "hostb" / "ded"), str(tmp_path / "hostb" / "ovl")]
+    table = main(runs + ["--out", str(tmp_path / "t"), "--run-profile", f"{tmp_path / 'hostb'}={other}",
+                         "--note", "seed 4 ran on host B"])
+    row = table["arms"]["overlap/mps/g2/2jobs"]["4"]
+    measured = json.loads((tmp_path / "hostb" / "ovl" / "summary.json").read_text())["steps_per_gpu_hour"]
+    assert row["sim_profile"] == str(other)
+    assert row["sim_steps_per_gpu_hour"] == pytest.approx(measured, rel=1e-9)
+    default = main(runs + ["--out", str(tmp_path / "t2")])["arms"]["overlap/mps/g2/2jobs"]["4"]
+    assert default["sim_steps_per_gpu_hour"] != pytest.approx(measured, rel=1e-3)
+    assert "- seed 4 ran on host B" in (tmp_path / "t.md").read_text()
+    with pytest.raises(SystemExit):
+        main(runs + ["--out", str(tmp_path / "t3"), "--run-profile", "no-equals-sign"])

@@ -81,3 +81,25 @@ def test_annotated_profile_carries_its_error_bar_into_every_report(tmp_path, cap
     assert main(["validate", *runs, "--annotate", str(other)]) != 0
     assert "not the profile being annotated" in capsys.readouterr().err
     assert main(["validate", *runs, "--profile", str(annotated), "--annotate", str(annotated)]) == 0
+
+
+def test_noise_floor_and_per_configuration_errors_on_known_values():
+    """Two seeds of one configuration measured 90 and 110 (mean 100): each run lies 10% from the
+    mean, the floor under any per-run MAPE; a prediction of 100 for both is 10% off per run and
+    exact against the configuration's mean."""
+    from calibration.validate import measurement_noise, per_config_errors
+
+    def row(meas, pred, seed, policy="overlap"):
+        out = {"arm": {"policy": policy, "groups": 2, "sharing": "mps"}, "jobs": 8, "seed": seed,
+               "measured": {"steps_per_gpu_hour": meas}}
+        return {**out, "replay": {"steps_per_gpu_hour": pred}, "sampled": {"steps_per_gpu_hour": pred}}
+
+    rows = [row(90, 100, 1), row(110, 100, 2), row(50, 60, 1, policy="shared-sync")]
+    noise = measurement_noise(rows)
+    assert noise["mape_floor"] == pytest.approx(0.10) and noise["max_spread"] == pytest.approx(0.20)
+    assert noise["configs"] == 1 and noise["runs"] == 2  # the single shared-sync run has no spread
+    pc = per_config_errors(rows)
+    assert pc["replay"]["n"] == 2 and pc["runs_per_config"] == [2, 1]
+    assert pc["replay"]["mape"] == pytest.approx((0.0 + 0.2) / 2)  # 100 vs 100; 60 vs 50
+    assert pc["replay"]["kendall_tau"] == pytest.approx(1.0)
+    assert measurement_noise(rows[2:])["mape_floor"] is None
