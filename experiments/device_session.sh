@@ -57,11 +57,13 @@ case "${1:-arms}" in
       --out "$OUT/engine_loop_h200.json" > "$OUT/engine_loop.log" 2>&1; echo "engine_loop rc=$?" ;;
   arms)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-    # A fresh folder per invocation: a warm machine keeps /tmp between calls, and two invocations
-    # may run side by side (one per GPU: CUDA_VISIBLE_DEVICES, distinct TAGs).
+    # A fresh folder per invocation: a warm machine keeps /tmp between calls. Never time two
+    # invocations side by side, even on two GPUs of one host: the phases are host-bound in part,
+    # and session 4's side-by-side runs measured half the throughput (results/h200/session4).
     D=$(mktemp -d /tmp/arms-XXXXXX); mkdir -p "$D/arms"
     # TAG names this invocation's one output file (the device returns 8 files a call), so one
-    # call can run several invocations: arms_runs$TAG.tgz holds arms.json, arms.log and the runs.
+    # call can run several invocations one after another: arms_runs$TAG.tgz holds arms.json,
+    # arms.log and the runs.
     T=${TAG:-}
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
       --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
