@@ -73,6 +73,10 @@ def main() -> None:
                     help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
     ap.add_argument("--aa-seeds", default=None,
                     help="with --aa: the seeds to repeat the dedicated arm on (default: every seed)")
+    ap.add_argument("--prime", action=argparse.BooleanOptionalAction, default=True,
+                    help="before the first measured run on each new set of processes, run that arm for one "
+                         "step and discard it (compiles and first-use costs land there: session 4's first "
+                         "runs measured up to 20%% slower than their repeats)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
                     help="MPS client priority of the trainer in the MPS arms (their keys get -lowpri)")
     ap.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"))
@@ -91,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from nodus.realrun import ClusterPool
-    from nodus.runner import run_arm
+    from nodus.runner import n_stacks, run_arm
     from nodus.simulate import config_from_args, simulate, write_run
     from real.backend import RealOptions
 
@@ -126,7 +130,7 @@ def main() -> None:
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
                      "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority, "arms": {},
-                     "startup_s": {}, "logprob_agreement": {}}
+                     "startup_s": {}, "logprob_agreement": {}, "primed": []}
     pool = ClusterPool(opts, min_loras=max(job_counts))
     t_all = time.monotonic()
     try:
@@ -146,6 +150,14 @@ def main() -> None:
                 mb = args.aa_mb_tokens if rep else None
                 cfg = config_from_args(workload(n, mb), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
+                if args.prime and (sharing, n_stacks(cfg)) not in pool.clusters:
+                    # New processes: one discarded step of this arm takes the compiles first.
+                    t0 = time.monotonic()
+                    run_arm(cfg.model_copy(update={"jobs": [j.model_copy(update={"steps": 1}) for j in cfg.jobs]}),
+                            pool, baseline=False)
+                    results["primed"].append({"arm": key, "seed": seed, "wall_s": time.monotonic() - t0})
+                    print(f"[{time.monotonic() - t_all:6.1f}s] primed {key} (discarded): "
+                          f"{time.monotonic() - t0:.1f}s", flush=True)
                 t0 = time.monotonic()
                 summary, runs = run_arm(cfg, pool, baseline=False)
                 summary["wall_s"] = time.monotonic() - t0
