@@ -175,12 +175,29 @@ def sharing_rates(raw: dict) -> dict:
     return out
 
 
+def corun_by_engine_batch(per_bucket: list[dict]) -> list[dict]:
+    """The profile's `sharing.corun_by_engine_batch`: per measured engine batch, the median over
+    the train-token buckets of each co-run rate."""
+    out = []
+    for batch in sorted({b["batch"] for b in per_bucket}):
+        rows = [b for b in per_bucket if b["batch"] == batch]
+        entry: dict = {"batch": int(batch)}
+        for name in ("none_corun", "mps_corun"):
+            vals = [r[name] for r in rows if name in r]
+            if vals:
+                entry[name] = {s: float(np.median([v[s] for v in vals])) for s in SIDES}
+        out.append(entry)
+    return out
+
+
 def apply_sharing(profile: dict, measured: dict) -> dict:
     """The profile with its sharing section's measured parts replaced, and its assumptions updated."""
     rates = measured["rates"]
     got = [k for k in RATES if k in rates]
     for k in got:
         profile["sharing"][k] = dict(rates[k])
+    if rates.get("per_bucket"):
+        profile["sharing"]["corun_by_engine_batch"] = corun_by_engine_batch(rates["per_bucket"])
     profile.setdefault("measurements", {})["sharing"] = measured
     keep = [a for a in profile.get("assumptions", []) if a["id"] != "sharing-from-base"]
     if len(got) != len(RATES):
@@ -189,8 +206,9 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
                              f"({', '.join(sorted(set(RATES) - set(got)))}) are the base profile's"})
     for a in keep:
         if a["id"] == "sharing-constant":
-            a["what"] = ("co-run and MPS rates are medians over the measured batch/token buckets "
-                         "(per-bucket rates under measurements.sharing), used for every batch size and token count")
+            a["what"] = ("co-run rates by the engine's running batch (medians over the measured train-token "
+                         "buckets, linear between the measured batches); the MPS-alone rates are medians over "
+                         "every bucket (per-bucket rates under measurements.sharing)")
     profile["assumptions"] = keep
     return profile
 

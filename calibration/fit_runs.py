@@ -214,12 +214,15 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     prof["train"]["max_profiled_tokens"] = int(max(tok.max(), prof["train"].get("max_profiled_tokens") or 0))
     if publish:
         prof["publish"]["save_s_per_adapter"] = float(np.median(publish))
+    dropped = _drop_refitted_batch_rates(sharing, rates)
     if rates:
         keep = [x for x in prof.get("assumptions", []) if x["id"] != "sharing-from-base"]
         fitted = ", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items()))
         keep.append({"id": "sharing-partly-fitted", "value": None,
                      "what": f"sharing rates fitted on recorded runs by nodus fit ({fitted}); "
-                             "the others are the base profile's"})
+                             "the others are the base profile's"
+                             + (f"; the base's by-engine-batch {', '.join(dropped)} rates gave way to them"
+                                if dropped else "")})
         prof["assumptions"] = keep
     add_source(prof, f"nodus fit on {len(used)} run(s)")
     # The base's error bar measured the base, not this fit: every sim report prints a profile's
@@ -270,6 +273,22 @@ def _engine_rates(gens: list[dict], sharing: dict) -> dict[str, float]:
         sharing[key]["engine"] = float(v)
         out[f"{key}.engine"] = float(v)
     return out
+
+
+def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[str]:
+    """A co-run mode whose rates the runs refitted (constants) no longer takes them by engine batch
+    from the base: the simulator would prefer the table and ignore the fit. Returns those modes."""
+    modes = sorted({k.split(".")[0] for k in rates if k.split(".")[0] in ("none_corun", "mps_corun")})
+    table = sharing.get("corun_by_engine_batch") or []
+    dropped = [m for m in modes if any(e.get(m) for e in table)]
+    kept = []
+    for e in table:
+        e = {k: v for k, v in e.items() if k not in modes}
+        if any(e.get(m) for m in ("none_corun", "mps_corun")):
+            kept.append(e)
+    if table:
+        sharing["corun_by_engine_batch"] = kept
+    return dropped
 
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4) -> dict:

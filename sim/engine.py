@@ -135,12 +135,12 @@ class SimEngine:
             k = finishes[0] - step
             tau = cost.decode_step_s(running, ctx + running * (k - 1) / 2, len(adapters))
             can_admit = running < self.max_num_seqs
-            done = yield from self.gpu.work("engine", k * tau, self._arrival if can_admit else None)
+            done = yield from self.gpu.work("engine", k * tau, self._arrival if can_admit else None, batch=running)
             n = k
             if done < k * tau - 1e-12:
                 n = min(k, math.ceil(done / tau - 1e-9))
                 if n * tau > done:  # finish the step in flight; arrivals join after it
-                    yield from self.gpu.work("engine", n * tau - done)
+                    yield from self.gpu.work("engine", n * tau - done, batch=running)
             step += n
             ctx += running * n
             self.steps_run += n

@@ -14,18 +14,38 @@ import simpy
 from sim.profile import Rates, SharingCost
 
 
-def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost) -> list[float]:
+def pair_rates(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> Rates:
+    """The engine-and-trainer pair's co-run rates: by the engine's running batch where the profile
+    has them for this mode (linear between measured batches, the end points' beyond), else the
+    mode's constants."""
+    name = "none_corun" if sharing == "none" else "mps_corun"
+    pts = [(b.batch, getattr(b, name)) for b in sorted(cost.corun_by_engine_batch, key=lambda b: b.batch)
+           if getattr(b, name) is not None]
+    if not pts or engine_batch is None:
+        return getattr(cost, name)
+    if engine_batch <= pts[0][0]:
+        return pts[0][1]
+    if engine_batch >= pts[-1][0]:
+        return pts[-1][1]
+    i = next(k for k, (b, _) in enumerate(pts) if b >= engine_batch)
+    (b0, r0), (b1, r1) = pts[i - 1], pts[i]
+    w = (engine_batch - b0) / (b1 - b0)
+    return Rates(engine=r0.engine + w * (r1.engine - r0.engine), trainer=r0.trainer + w * (r1.trainer - r0.trainer))
+
+
+def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batch: int | None = None) -> list[float]:
     """Progress rate of each running client ('engine' or 'trainer').
 
     Alone: full speed without MPS, the MPS share's speed with it. Co-running: the measured pair's
-    rates; for more than two clients the pair's combined rate is split in proportion to the pair's
-    per-kind rates (an assumption the profile names).
+    rates (by the running engine batch where the profile has them); for more than two clients the
+    pair's combined rate is split in proportion to the pair's per-kind rates (an assumption the
+    profile names).
     """
     if not kinds:
         return []
     if len(kinds) == 1:
         return [1.0 if sharing == "none" else getattr(cost.mps_alone, kinds[0])]
-    pair: Rates = cost.none_corun if sharing == "none" else cost.mps_corun
+    pair: Rates = pair_rates(sharing, cost, engine_batch)
     if len(kinds) == 2 and set(kinds) == {"engine", "trainer"}:
         return [getattr(pair, k) for k in kinds]
     combined = pair.engine + pair.trainer
@@ -40,23 +60,30 @@ class SharedGPU:
         self.sharing = sharing
         self.cost = cost
         self._active: dict[int, str] = {}
+        self._batch: dict[int, int] = {}  # engine clients' running decode batch, where given
         self._rates: dict[int, float] = {}
         self._changed = env.event()
         self._ids = count()
 
     def _update(self) -> None:
         ids = list(self._active)
-        self._rates = dict(zip(ids, sharing_rates([self._active[i] for i in ids], self.sharing, self.cost)))
+        batches = [b for i, b in self._batch.items() if i in self._active]
+        engine_batch = max(batches) if batches else None
+        self._rates = dict(zip(ids, sharing_rates([self._active[i] for i in ids], self.sharing, self.cost,
+                                                  engine_batch)))
         old, self._changed = self._changed, self.env.event()
         old.succeed()
 
-    def work(self, kind: str, work_s: float, interrupt: simpy.Event | None = None):
+    def work(self, kind: str, work_s: float, interrupt: simpy.Event | None = None, batch: int | None = None):
         """Process generator: run `work_s` of work; returns the work done, which is less than
-        asked only if `interrupt` fired first."""
+        asked only if `interrupt` fired first. `batch`: an engine's running decode batch (the
+        co-run rates may depend on it)."""
         if work_s <= 0:
             return 0.0
         me = next(self._ids)
         self._active[me] = kind
+        if batch is not None:
+            self._batch[me] = batch
         self._update()
         remaining = work_s
         try:
@@ -77,5 +104,6 @@ class SharedGPU:
                     break
         finally:
             del self._active[me]
+            self._batch.pop(me, None)
             self._update()
         return work_s - remaining

@@ -91,10 +91,25 @@ class Rates(_M):
     trainer: float = Field(gt=0, le=2)
 
 
+class BatchRates(_M):
+    """The engine-and-trainer pair's co-run rates while the engine decodes `batch` sequences."""
+
+    batch: int = Field(ge=1)
+    none_corun: Rates | None = None
+    mps_corun: Rates | None = None
+
+
 class SharingCost(_M):
     none_corun: Rates  # engine and trainer time-slicing the GPU
     mps_alone: Rates  # one side running alone inside its MPS share
     mps_corun: Rates  # both running under MPS
+    # The pair's co-run rates by the engine's running batch (calibrate-sharing's buckets). A small
+    # decode batch is launch-bound: its many short steps slow a co-running trainer more than a
+    # large batch's few long ones do (session 3's runs: the same trainer 1.8x slower beside a
+    # 64-sequence generation, 1.05x beside 256). Where given for a mode, the simulator takes the
+    # pair's rates from here, linear in batch between points, the end points' beyond them; else
+    # the constants above.
+    corun_by_engine_batch: list[BatchRates] = []
 
 
 class Assumption(_M):

@@ -37,7 +37,7 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path):
     assert main(["calibrate", "--model", str(model), "--out", str(out)]) == 2  # never overwrites
 
 
-def test_sharing_rates_and_profile_update_from_known_timings():
+def test_sharing_rates_and_profile_update_from_known_timings(tmp_path):
     from calibration.corun import apply_sharing, sharing_rates
     from sim.profile import load_profile
 
@@ -55,6 +55,14 @@ def test_sharing_rates_and_profile_update_from_known_timings():
     full = apply_sharing(json.loads(json.dumps(prof)), {"rates": rates})
     assert full["sharing"]["mps_alone"]["engine"] == pytest.approx(0.8)
     assert not any(a["id"] == "sharing-from-base" for a in full["assumptions"])
+    # Co-run rates by the engine's batch: the launch-bound small batch and the large one apart.
+    by = full["sharing"]["corun_by_engine_batch"]
+    assert [e["batch"] for e in by] == [64, 512]
+    assert by[0]["none_corun"] == {"engine": pytest.approx(0.5), "trainer": pytest.approx(0.8)}
+    assert by[1]["none_corun"]["engine"] == pytest.approx(0.25)
+    assert by[1]["mps_corun"] == {"engine": pytest.approx(1 / 1.6), "trainer": pytest.approx(2 / 2.2)}
+    (tmp_path / "p.json").write_text(json.dumps(full))
+    load_profile(str(tmp_path / "p.json"))  # the simulator reads it
     part = apply_sharing(json.loads(json.dumps(prof)), {"rates": sharing_rates({"none": none})})
     base_from = next(a for a in part["assumptions"] if a["id"] == "sharing-from-base")
     assert "mps_alone, mps_corun" in base_from["what"]

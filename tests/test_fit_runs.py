@@ -145,3 +145,18 @@ def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
     assert fitted["train"]["s_per_adapter"] == pytest.approx(0.03, rel=1e-3)
     assert any(a["id"] == "sharing-partly-fitted" for a in fitted["assumptions"])
     assert not any(a["id"] == "sharing-from-base" for a in fitted["assumptions"])
+
+
+def test_refitted_corun_rates_replace_the_bases_by_batch_rates():
+    """A base calibrated by engine batch, runs that refit the MPS co-run rate: the simulator would
+    read the table before the constant, so the fit drops the table's MPS entries (and keeps the
+    time-slicing ones it did not refit)."""
+    from calibration.fit_runs import _drop_refitted_batch_rates
+
+    sharing = {"corun_by_engine_batch": [
+        {"batch": 64, "mps_corun": {"engine": 0.9, "trainer": 0.5}, "none_corun": {"engine": 0.5, "trainer": 0.5}},
+        {"batch": 256, "mps_corun": {"engine": 0.7, "trainer": 0.9}}]}
+    assert _drop_refitted_batch_rates(sharing, {"mps_corun.trainer": 0.6, "mps_alone.engine": 0.9}) == ["mps_corun"]
+    assert sharing["corun_by_engine_batch"] == [{"batch": 64, "none_corun": {"engine": 0.5, "trainer": 0.5}}]
+    assert _drop_refitted_batch_rates(sharing, {"mps_alone.trainer": 0.8}) == []
+    assert _drop_refitted_batch_rates({}, {"mps_corun.trainer": 0.6}) == []

@@ -7,8 +7,8 @@ import pytest
 
 from nodus.accounting import union_length
 from nodus.simulate import config_from_args, simulate
-from sim.gpu import sharing_rates
-from sim.profile import load_profile
+from sim.gpu import pair_rates, sharing_rates
+from sim.profile import BatchRates, load_profile
 
 GOLDEN = Path(__file__).parent / "golden"
 SCENARIOS = {
@@ -44,6 +44,48 @@ def test_sharing_rates_reproduce_the_measured_pair():
     assert sharing_rates(["trainer"], "mps", cost) == [cost.mps_alone.trainer]
     four = sharing_rates(["engine", "trainer", "engine", "trainer"], "none", cost)
     assert sum(four) == pytest.approx(cost.none_corun.engine + cost.none_corun.trainer)
+
+
+def _with_batch_rates(cost, table):
+    return cost.model_copy(update={"corun_by_engine_batch": [BatchRates(**e) for e in table]})
+
+
+def test_corun_rates_follow_the_engine_batch_between_measured_points():
+    cost = _with_batch_rates(load_profile("h200-qwen3-0.6b").profile.sharing, [
+        {"batch": 64, "mps_corun": {"engine": 0.9, "trainer": 0.5}},
+        {"batch": 256, "mps_corun": {"engine": 0.7, "trainer": 0.9}}])
+    assert pair_rates("mps", cost, 64).trainer == pytest.approx(0.5)
+    assert pair_rates("mps", cost, 160).trainer == pytest.approx(0.7)  # halfway
+    assert pair_rates("mps", cost, 16).trainer == pytest.approx(0.5)  # the end points' beyond them
+    assert pair_rates("mps", cost, 1024).engine == pytest.approx(0.7)
+    assert pair_rates("mps", cost, None) == cost.mps_corun  # no batch known: the constants
+    assert pair_rates("none", cost, 64) == cost.none_corun  # no table for this mode
+    assert sharing_rates(["engine", "trainer"], "mps", cost, 160) == pytest.approx([0.8, 0.7])
+
+
+def test_trainer_beside_a_small_decode_batch_is_slower_than_beside_a_large_one():
+    """One train step of 1 s of work beside an engine decoding 64 vs 256 sequences: the rate
+    table makes the first take 1/0.5 s, the second 1/0.9 s."""
+    import simpy
+
+    from sim.gpu import SharedGPU
+
+    cost = _with_batch_rates(load_profile("h200-qwen3-0.6b").profile.sharing, [
+        {"batch": 64, "mps_corun": {"engine": 0.9, "trainer": 0.5}},
+        {"batch": 256, "mps_corun": {"engine": 0.7, "trainer": 0.9}}])
+    took = {}
+    for batch in (64, 256):
+        env = simpy.Environment()
+        gpu = SharedGPU(env, "mps", cost)
+        env.process(gpu.work("engine", 100.0, batch=batch))
+
+        def train(env=env, gpu=gpu, batch=batch):
+            t0 = env.now
+            yield from gpu.work("trainer", 1.0)
+            took[batch] = env.now - t0
+        env.process(train())
+        env.run(until=50)
+    assert took[64] == pytest.approx(2.0) and took[256] == pytest.approx(1 / 0.9)
 
 
 def test_arm_ordering_follows_from_the_profile(tmp_path):
