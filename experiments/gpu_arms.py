@@ -27,6 +27,21 @@ ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
 }
 
 
+def parse_arm(text: str) -> tuple[str, int | None, int | None]:
+    """'overlap+mps:j16:g3' -> ('overlap+mps', 16, 3); a bare name leaves jobs and groups to
+    --jobs and --groups."""
+    name, *opts = text.strip().split(":")
+    if name not in ARMS:
+        raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
+    jobs = groups = None
+    for o in opts:
+        if len(o) > 1 and o[0] in "jg" and o[1:].isdigit() and int(o[1:]) >= 1:
+            jobs, groups = (int(o[1:]), groups) if o[0] == "j" else (jobs, int(o[1:]))
+        else:
+            raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count) or gG (groups)")
+    return name, jobs, groups
+
+
 def make_random_model(path: Path, shape: str) -> Path:
     """Save a random-weight Qwen3 of the given shape (config + safetensors, no tokenizer)."""
     if (path / "config.json").is_file():
@@ -58,7 +73,9 @@ def main() -> None:
     ap.add_argument("--jobs", default="8", help="job count, or a comma list (runs each arm at each count)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seeds", default="1")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help="comma list of arms; NAME:jN:gG runs that arm at N jobs and G groups "
+                         "(e.g. shared-sync:j4,overlap+mps:j16:g3)")
     ap.add_argument("--groups", default="2", help="overlap groups, or a comma list (overlap arms run at each)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--engine-memory", type=float, default=0.35)
@@ -119,11 +136,14 @@ def main() -> None:
             "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens}}
 
     def suffix(n: int) -> str:  # arm keys and run folders name the job count when there are several
-        return f"-j{n}" if len(job_counts) > 1 else ""
-    names = [a for a in args.arms.split(",") if a]
+        return f"-j{n}" if len(job_counts) > 1 or n != job_counts[0] else ""
+    # An arm may name its own job count and groups (NAME:jN:gG), so that one invocation (one set
+    # of processes per sharing mode) runs e.g. the 8-job table and the 2/4/16-job scaling points.
+    specs = [parse_arm(a) for a in args.arms.split(",") if a]
     # Arms needing the same processes run together; the baseline (no MPS) first, timeslice (two
     # stacks: two engines to start) last.
-    order = sorted(names, key=lambda n: (ARMS[n][0] == "timeslice", ARMS[n][2] != "none", ARMS[n][0] != "dedicated"))
+    order = sorted(specs, key=lambda sp: (ARMS[sp[0]][0] == "timeslice", ARMS[sp[0]][2] != "none",
+                                          ARMS[sp[0]][0] != "dedicated"))
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
@@ -131,20 +151,25 @@ def main() -> None:
                      "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
-    pool = ClusterPool(opts, min_loras=max(job_counts))
+    pool = ClusterPool(opts, min_loras=max(job_counts + [sp[1] for sp in specs if sp[1]]))
     t_all = time.monotonic()
     try:
-        for name in order:
+        for name, arm_jobs, arm_groups in order:
             policy, groups, sharing = ARMS[name]
             group_counts = [int(x) for x in str(args.groups).split(",") if x]
-            gs = group_counts if policy == "overlap" else [group_counts[0] if policy == "timeslice" else groups]
+            if arm_groups:
+                gs = [arm_groups]
+            else:
+                gs = group_counts if policy == "overlap" else [group_counts[0] if policy == "timeslice" else groups]
+            counts = [arm_jobs] if arm_jobs else job_counts
             repeats = [""] + (["-aa"] if args.aa and name == "dedicated" else [])
             aa_seeds = seeds if args.aa_seeds is None else [int(s) for s in args.aa_seeds.split(",")]
-            for g, n, seed, rep in ((g, n, s, r) for g in gs for n in job_counts for s in seeds for r in repeats):
+            for g, n, seed, rep in ((g, n, s, r) for g in gs for n in counts for s in seeds for r in repeats):
                 if g > n or (rep and seed not in aa_seeds):
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
                 variant = "-lowpri" if sharing == "mps" and args.trainer_priority != "normal" else ""
-                key = f"{name}{variant}{rep}{f'-g{g}' if policy == 'overlap' and len(gs) > 1 else ''}{suffix(n)}"
+                named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
+                key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{suffix(n)}"
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else None

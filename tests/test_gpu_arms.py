@@ -1,0 +1,19 @@
+"""experiments/gpu_arms.py's arm specs: NAME[:jN][:gG]."""
+
+import pytest
+
+from experiments.gpu_arms import parse_arm
+
+
+def test_arm_specs_name_their_own_job_count_and_groups():
+    assert parse_arm("overlap+mps") == ("overlap+mps", None, None)
+    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None)
+    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3)
+    assert parse_arm("overlap:g4:j16") == ("overlap", 16, 4)
+
+
+@pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),
+                                       ("overlap:j0", "'j0' is not jN"), ("overlap:j", "'j' is not jN")])
+def test_bad_arm_specs_are_clear_errors(bad, says):
+    with pytest.raises(SystemExit, match=says):
+        parse_arm(bad)
