@@ -27,19 +27,25 @@ ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
 }
 
 
-def parse_arm(text: str) -> tuple[str, int | None, int | None]:
-    """'overlap+mps:j16:g3' -> ('overlap+mps', 16, 3); a bare name leaves jobs and groups to
-    --jobs and --groups."""
+def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None]:
+    """'overlap+mps:j16:g3:s1' -> ('overlap+mps', 16, 3, [1]); a bare name leaves jobs, groups and
+    seeds to --jobs, --groups and --seeds (sN may repeat: :s1:s2)."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
     jobs = groups = None
+    seeds: list[int] | None = None
     for o in opts:
-        if len(o) > 1 and o[0] in "jg" and o[1:].isdigit() and int(o[1:]) >= 1:
-            jobs, groups = (int(o[1:]), groups) if o[0] == "j" else (jobs, int(o[1:]))
+        if len(o) > 1 and o[0] in "jgs" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s"):
+            if o[0] == "j":
+                jobs = int(o[1:])
+            elif o[0] == "g":
+                groups = int(o[1:])
+            else:
+                seeds = (seeds or []) + [int(o[1:])]
         else:
-            raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count) or gG (groups)")
-    return name, jobs, groups
+            raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups) or sN (seed)")
+    return name, jobs, groups, seeds
 
 
 def make_random_model(path: Path, shape: str) -> Path:
@@ -74,8 +80,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seeds", default="1")
     ap.add_argument("--arms", default=",".join(ARMS),
-                    help="comma list of arms; NAME:jN:gG runs that arm at N jobs and G groups "
-                         "(e.g. shared-sync:j4,overlap+mps:j16:g3)")
+                    help="comma list of arms; NAME:jN:gG:sS runs that arm at N jobs, G groups, on seed S "
+                         "only (e.g. shared-sync:j4,overlap+mps:j16:g3:s1)")
     ap.add_argument("--groups", default="2", help="overlap groups, or a comma list (overlap arms run at each)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--engine-memory", type=float, default=0.35)
@@ -154,7 +160,7 @@ def main() -> None:
     pool = ClusterPool(opts, min_loras=max(job_counts + [sp[1] for sp in specs if sp[1]]))
     t_all = time.monotonic()
     try:
-        for name, arm_jobs, arm_groups in order:
+        for name, arm_jobs, arm_groups, arm_seeds in order:
             policy, groups, sharing = ARMS[name]
             group_counts = [int(x) for x in str(args.groups).split(",") if x]
             if arm_groups:
@@ -164,7 +170,8 @@ def main() -> None:
             counts = [arm_jobs] if arm_jobs else job_counts
             repeats = [""] + (["-aa"] if args.aa and name == "dedicated" else [])
             aa_seeds = seeds if args.aa_seeds is None else [int(s) for s in args.aa_seeds.split(",")]
-            for g, n, seed, rep in ((g, n, s, r) for g in gs for n in counts for s in seeds for r in repeats):
+            for g, n, seed, rep in ((g, n, s, r) for g in gs for n in counts for s in arm_seeds or seeds
+                                    for r in repeats):
                 if g > n or (rep and seed not in aa_seeds):
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
                 variant = "-lowpri" if sharing == "mps" and args.trainer_priority != "normal" else ""

@@ -6,10 +6,10 @@ from experiments.gpu_arms import parse_arm
 
 
 def test_arm_specs_name_their_own_job_count_and_groups():
-    assert parse_arm("overlap+mps") == ("overlap+mps", None, None)
-    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None)
-    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3)
-    assert parse_arm("overlap:g4:j16") == ("overlap", 16, 4)
+    assert parse_arm("overlap+mps") == ("overlap+mps", None, None, None)
+    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None, None)
+    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3, None)
+    assert parse_arm("overlap:g4:j16:s1:s3") == ("overlap", 16, 4, [1, 3])
 
 
 @pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),
