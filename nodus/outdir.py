@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -31,8 +32,6 @@ def host() -> dict:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     except OSError:
         pass
-    import platform
-
     return {"cpu": model or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "dev_shm": os.path.isdir("/dev/shm")}
 

@@ -103,12 +103,11 @@ class SharingCost(_M):
     none_corun: Rates  # engine and trainer time-slicing the GPU
     mps_alone: Rates  # one side running alone inside its MPS share
     mps_corun: Rates  # both running under MPS
-    # The pair's co-run rates by the engine's running batch (calibrate-sharing's buckets). A small
-    # decode batch is launch-bound: its many short steps slow a co-running trainer more than a
-    # large batch's few long ones do (session 3's runs: the same trainer 1.8x slower beside a
-    # 64-sequence generation, 1.05x beside 256). Where given for a mode, the simulator takes the
-    # pair's rates from here, linear in batch between points, the end points' beyond them; else
-    # the constants above.
+    # The pair's co-run rates by the engine's running batch (calibrate-sharing's buckets): one
+    # constant per mode cannot say that the rates move with the batch (session 3's runs, fitted
+    # one at a time: the trainer's MPS co-run rate 0.50 beside one-job generations, 0.67 beside
+    # two-job ones). Where given for a mode, the simulator takes the pair's rates from here,
+    # linear in batch between points, the end points' beyond them; else the constants above.
     corun_by_engine_batch: list[BatchRates] = []
 
 
