@@ -100,6 +100,8 @@ def main() -> None:
                     help="before the first measured run on each new set of processes, run that arm for one "
                          "step and discard it (compiles and first-use costs land there: session 4's first "
                          "runs measured up to 20%% slower than their repeats)")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
                     help="MPS client priority of the trainer in the MPS arms (their keys get -lowpri)")
     ap.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"))
@@ -117,16 +119,23 @@ def main() -> None:
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
 
+    from nodus.cli import env_pairs
+    from nodus.config import ConfigError
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
     from nodus.simulate import config_from_args, simulate, write_run
     from real.backend import RealOptions
 
+    try:
+        engine_env = tuple(env_pairs(args.engine_env))
+    except ConfigError as err:
+        raise SystemExit(str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
     opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
                        enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit,
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
+                       engine_env=engine_env,
                        trainer_compile=args.trainer_compile, evaluate=args.mode == "tasks",
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
     from nodus.config import default_jobs
@@ -155,7 +164,8 @@ def main() -> None:
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
                      "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
-                     "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority, "arms": {},
+                     "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
+                     "engine_env": args.engine_env, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
     pool = ClusterPool(opts, min_loras=max(job_counts + [sp[1] for sp in specs if sp[1]]))
     t_all = time.monotonic()

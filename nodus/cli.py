@@ -62,6 +62,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                            engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
                            audit_logprobs=not a.no_audit, engine_thread_pct=a.engine_thread_pct,
                            trainer_thread_pct=a.trainer_thread_pct, trainer_priority=a.trainer_priority,
+                           engine_env=tuple(env_pairs(a.engine_env)),
                            checkpoint_dir=a.checkpoint_dir,
                            seeded_sampling=not a.unseeded, lora_layout=a.lora_layout,
                            trainer_compile=a.trainer_compile)
@@ -164,6 +165,17 @@ def cmd_fit(a: argparse.Namespace) -> int:
     return 0
 
 
+def env_pairs(items: list[str]) -> list[tuple[str, str]]:
+    """NAME=VALUE strings (--engine-env) as pairs; anything else is a clear error."""
+    out = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--engine-env {item!r}: expected NAME=VALUE")
+        out.append((name, value))
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nodus", description="Many LoRA GRPO jobs on one GPU: simulate, run, compare.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -202,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-thread-pct", type=int, help="MPS active thread percentage of the trainer")
     p.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
                    help="MPS client priority of the trainer: below-normal lets the engine's kernels go first")
+    p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the engine processes, e.g. "
+                        "VLLM_TUNED_CONFIG_FOLDER=DIR (tuned multi-LoRA kernel configs); repeatable")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
     p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,

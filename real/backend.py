@@ -47,6 +47,9 @@ class RealOptions:
     # MPS client priority of the trainer: "below-normal" lets the engine's decode kernels (the
     # overlap arm's critical path) go first when both processes have work queued.
     trainer_priority: str = "normal"  # normal | below-normal
+    # Extra environment for the engine processes, e.g. VLLM_TUNED_CONFIG_FOLDER (vLLM's tuned
+    # multi-LoRA Triton kernel configs: without it they run default ones) or VLLM_ATTENTION_BACKEND.
+    engine_env: tuple[tuple[str, str], ...] = ()
     adapter_dir: str | None = None  # default: /dev/shm when present (fast publish)
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     max_model_len: int | None = None
@@ -63,6 +66,10 @@ class RealOptions:
     def __post_init__(self) -> None:
         if self.trainer_priority not in MPS_PRIORITIES:
             raise ValueError(f"trainer_priority={self.trainer_priority!r}: choose one of {sorted(MPS_PRIORITIES)}")
+        for key, _ in self.engine_env:
+            if not key or "=" in key or key.startswith("CUDA_MPS_"):
+                raise ValueError(f"engine_env: {key!r} is not a variable name the engine may set "
+                                 "(MPS variables come from the sharing settings)")
         for name in ("engine_thread_pct", "trainer_thread_pct"):
             pct = getattr(self, name)
             if pct is not None and not 1 <= pct <= 100:
@@ -109,12 +116,14 @@ def engine_lora_rank(max_job_rank: int) -> int:
 
 
 def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
-    """The engine's and the trainer's extra environment: the MPS daemon's pipe (empty without
-    MPS) and, under MPS only, each side's active thread percentage and the trainer's priority."""
+    """The engine's and the trainer's extra environment: the engine's own (`engine_env`), the MPS
+    daemon's pipe (none without MPS) and, under MPS only, each side's active thread percentage
+    and the trainer's priority."""
+    extra = dict(opts.engine_env)
     if not mps_env:
-        return {}, {}
-    engine = {**mps_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(opts.engine_thread_pct)}
-                            if opts.engine_thread_pct else {})}
+        return extra, {}
+    engine = {**extra, **mps_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(opts.engine_thread_pct)}
+                                     if opts.engine_thread_pct else {})}
     trainer = {**mps_env, **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(opts.trainer_thread_pct)}
                              if opts.trainer_thread_pct else {}),
                "CUDA_MPS_CLIENT_PRIORITY": str(MPS_PRIORITIES[opts.trainer_priority])}
@@ -472,7 +481,8 @@ class RealBackend:
     def diagnostics(self) -> dict:
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
                 "workers": dict(self.c.worker_info),
-                "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host()}
+                "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
+                "engine_env": dict(self.c.opts.engine_env)}
 
     def close(self) -> None:
         if self.c.closed:

@@ -43,6 +43,8 @@ def test_bad_input_exits_2_with_named_field(capsys):
     assert main(["sim", "--profile", "nope"]) == 2
     assert "profile='nope'" in capsys.readouterr().err
     assert main(["report", "/nonexistent"]) == 2
+    assert main(["run", "--backend", "real", "--jobs", "1", "--engine-env", "NO_VALUE"]) == 2
+    assert "--engine-env 'NO_VALUE': expected NAME=VALUE" in capsys.readouterr().err
 
 
 def test_sweep_writes_csv_json_plot(tmp_path, capsys):
