@@ -22,6 +22,24 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
+def cmd_profiles(a: argparse.Namespace) -> int:
+    from sim.profile import profile_summaries
+
+    rows = profile_summaries()
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    pct = (lambda x: "-" if x is None else f"{x:.1%}")
+    print("| profile | GPU | host | date | held-out MAPE | bias | held-out runs | assumptions | report |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
+              f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {r['assumptions']} | {r['report'] or '-'} |")
+    print("\nA profile describes the host it was measured on, not only its GPU model: pick the one "
+          "measured where the jobs will run (nodus sim --profile NAME).")
+    return 0
+
+
 def cmd_sim(a: argparse.Namespace) -> int:
     from nodus.simulate import config_from_args, render_table, simulate
 
@@ -184,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_arm_flags(p)
     p.add_argument("--profile", help="shipped profile name or profile JSON path (default h200-qwen3-0.6b)")
     p.set_defaults(fn=cmd_sim)
+
+    p = sub.add_parser("profiles", help="the shipped simulator profiles: where measured, and their error bars")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_profiles)
 
     p = sub.add_parser("sweep", help="simulate every arm over job counts, groups and seeds")
     p.add_argument("--jobs", default="2,4,8,16")

@@ -154,6 +154,22 @@ def shipped_profiles() -> list[str]:
     return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
 
 
+def profile_summaries() -> list[dict]:
+    """One line of facts per shipped profile: what it was measured on, and its error bar."""
+    out = []
+    for name in shipped_profiles():
+        p = load_profile(name).profile
+        env, v = p.environment, p.validation
+        host = env.host or {}
+        out.append({
+            "name": name, "gpu": env.gpu, "model": env.model, "date": env.date, "git_commit": env.git_commit,
+            "host": " / ".join(str(host[k]) for k in ("cpu", "cpus") if host.get(k)) or host.get("note"),
+            "heldout_mape": v.heldout_mape if v else None, "heldout_bias": v.heldout_bias if v else None,
+            "heldout_runs": v.heldout_runs if v else 0, "report": v.report if v else None,
+            "assumptions": len(p.assumptions)})
+    return out
+
+
 def load_profile(name_or_path: str) -> "CostModel":
     """A shipped profile by name (e.g. 'h200-qwen3-0.6b') or a JSON file by path."""
     p = Path(name_or_path)

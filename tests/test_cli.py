@@ -57,3 +57,18 @@ def test_sweep_writes_csv_json_plot(tmp_path, capsys):
     assert all(r["ratio_vs_dedicated"] == 1.0 for r in d["rows"] if r["policy"] == "dedicated")
     assert (out / "sweep.png").stat().st_size > 1000 and (out / "sweep.csv").is_file()
     assert main(["sweep", "--policies", "bogus"]) == 2
+
+
+def test_profiles_lists_each_shipped_profile_with_its_error_bar(capsys):
+    import json as _json
+
+    from sim.profile import shipped_profiles
+
+    assert main(["profiles", "--json"]) == 0
+    rows = {r["name"]: r for r in _json.loads(capsys.readouterr().out)}
+    assert set(rows) == set(shipped_profiles())
+    shipped = rows["h200-qwen3-0.6b"]
+    assert shipped["gpu"] == "NVIDIA H200" and shipped["heldout_runs"] >= 1
+    assert 0 < shipped["heldout_mape"] < 1 and shipped["report"].endswith(".md")
+    assert main(["profiles"]) == 0
+    assert "| h200-qwen3-0.6b |" in capsys.readouterr().out
