@@ -118,12 +118,8 @@ def render_table(s: dict) -> str:
         out += "\n\nProfile: " + s["profile"]["source"] + ". Assumptions used (not yet measured):\n"
         out += "\n".join(f"- {a['id']}: {a['what']}" for a in s["assumptions"])
     v = s.get("profile_validation")
-    if v and v.get("heldout_mape") is not None:
-        out += (f"\n\nThis profile against {v['heldout_runs']} held-out real runs: steps per GPU-hour "
-                f"MAPE {v['heldout_mape']:.1%}, bias {v['heldout_bias']:+.1%}, worst {v['heldout_worst']:.1%}"
-                + (f" ({v['report']})" if v.get("report") else "") + ".")
-    elif s.get("backend") == "sim":
-        out += "\n\nThis profile carries no validation against real runs (nodus validate --annotate)."
+    if (v and v.get("heldout_mape") is not None) or s.get("backend") == "sim":
+        out += "\n\n" + error_bar_line(v)
     if s.get("outside_profile"):
         out += "\n\nOutside the profiled region: " + "; ".join(s["outside_profile"])
     return out
@@ -189,7 +185,7 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     seed_list = _parse_list(seeds, int, "seeds")
     from sim.profile import load_profile
 
-    load_profile(profile)  # fail fast on a bad profile, before forking workers
+    validation = load_profile(profile).validation()  # fails fast on a bad profile, before forking workers
     out_dir = make_out_dir(out) if out is not None else None
     tasks = [(n, sd, arm, steps, profile) for n in job_list for sd in seed_list
              for arm in sweep_arms(n, pol, group_list, shr)]
@@ -208,8 +204,8 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     for r in rows:
         r["ratio_vs_dedicated"] = r["steps_per_gpu_hour"] / base[(r["jobs"], r["seed"])]
     rows.sort(key=lambda r: (r["jobs"], POLICIES.index(r["policy"]), r["groups"], r["sharing"], r["seed"]))
-    result = {"profile": profile, "steps": steps, "seeds": seed_list, "rows": rows,
-              "wall_s": time.perf_counter() - t0, "workers": workers}
+    result = {"profile": profile, "profile_validation": validation, "steps": steps, "seeds": seed_list,
+              "rows": rows, "wall_s": time.perf_counter() - t0, "workers": workers}
     if out_dir is not None:
         write_json(out_dir / "sweep.json", result)
         with open(out_dir / "sweep.csv", "w", newline="") as f:
@@ -236,8 +232,19 @@ def arm_label(r: dict) -> str:
     return f"{r['policy']}{g} {r['sharing']}" if r["policy"] != "dedicated" else "dedicated"
 
 
-def sweep_table(rows: list[dict]) -> str:
-    """Mean ratio vs dedicated over seeds: one row per arm, one column per job count."""
+def error_bar_line(validation: dict | None) -> str:
+    """What a prediction on this profile is worth: its held-out error against real runs."""
+    v = validation or {}
+    if v.get("heldout_mape") is None:
+        return "This profile carries no validation against real runs (nodus validate --annotate)."
+    return (f"This profile against {v.get('heldout_runs', 0)} held-out real runs: steps per GPU-hour "
+            f"MAPE {v['heldout_mape']:.1%}, bias {v['heldout_bias']:+.1%}, worst {v['heldout_worst']:.1%}"
+            + (f" ({v['report']})" if v.get("report") else "") + ".")
+
+
+def sweep_table(rows: list[dict], validation: dict | None = None) -> str:
+    """Mean ratio vs dedicated over seeds: one row per arm, one column per job count; with the
+    profile's error bar under it when `validation` is given."""
     jobs = sorted({r["jobs"] for r in rows})
     by: dict[str, dict[int, list[float]]] = {}
     for r in rows:
@@ -246,6 +253,8 @@ def sweep_table(rows: list[dict]) -> str:
     for label, d in by.items():
         cells = [f"{sum(d[n]) / len(d[n]):.3f}x" if n in d else "-" for n in jobs]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if validation is not None:
+        lines += ["", error_bar_line(validation)]
     return "\n".join(lines)
 
 
@@ -257,7 +266,7 @@ def render_sweep(out_dir: Path) -> None:
 
     result = json.loads((out_dir / "sweep.json").read_text())
     rows = result["rows"]
-    (out_dir / "table.md").write_text(sweep_table(rows) + "\n")
+    (out_dir / "table.md").write_text(sweep_table(rows, result.get("profile_validation") or {}) + "\n")
     fig, ax = plt.subplots(figsize=(9, 5.5))
     labels = sorted({arm_label(r) for r in rows})
     for i, label in enumerate(labels):
@@ -275,7 +284,11 @@ def render_sweep(out_dir: Path) -> None:
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("jobs sharing one GPU")
     ax.set_ylabel("steps per GPU-hour / dedicated")
-    ax.set_title(f"simulated, profile {result['profile']} ({len(result['seeds'])} seeds, min-max bars)")
+    v = result.get("profile_validation") or {}
+    bar = (f"; profile's held-out error {v['heldout_mape']:.0%}" if v.get("heldout_mape") is not None
+           else "; profile not validated")
+    ax.set_title(f"simulated, profile {result['profile']} ({len(result['seeds'])} seeds, min-max bars{bar})",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

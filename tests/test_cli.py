@@ -56,6 +56,10 @@ def test_sweep_writes_csv_json_plot(tmp_path, capsys):
     assert all(r["stale_rollouts"] == 0 for r in d["rows"])
     assert all(r["ratio_vs_dedicated"] == 1.0 for r in d["rows"] if r["policy"] == "dedicated")
     assert (out / "sweep.png").stat().st_size > 1000 and (out / "sweep.csv").is_file()
+    # A planner reads the prediction with the profile's error bar beside it.
+    assert d["profile_validation"]["heldout_mape"] > 0
+    assert "held-out real runs: steps per GPU-hour MAPE" in (out / "table.md").read_text()
+    assert "held-out real runs" in capsys.readouterr().out
     assert main(["sweep", "--policies", "bogus"]) == 2
 
 
