@@ -77,13 +77,15 @@ case "${1:-arms}" in
   learn)
     # Equal learning: the project's tiny base (carried in .device/tiny-base), 8 jobs (one per task
     # family) x 20 steps, dedicated (twice: A/A) against overlap+MPS, 2 seeds; then the small base
-    # trained on this GPU (its per-family sampled accuracy is the check).
+    # trained on this GPU (its per-family sampled accuracy is the check). No priming step: these
+    # runs measure learning (eager engine and trainer, nothing to compile), and a primed run
+    # would also evaluate every job.
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
     D=$(mktemp -d /tmp/learn-XXXXXX)
     T=${TAG:-}
     timeout "${LEARN_TIMEOUT:-330}" python experiments/gpu_arms.py --out "$D/learn" --mode tasks \
       --model-dir "${LEARN_MODEL:-.device/tiny-base}" --enforce-eager --jobs 8 --steps "${STEPS:-20}" \
-      --seeds "${SEEDS:-1,2}" --arms dedicated,overlap+mps ${LEARN_AA---aa} --max-new-tokens 80 \
+      --seeds "${SEEDS:-1,2}" --arms dedicated,overlap+mps ${LEARN_AA---aa} --max-new-tokens 80 --no-prime \
       --job-fields '{"learning_rate": 1e-3, "prompt_pool": 8}' ${ARMS_EXTRA:-} > "$D/learn.log" 2>&1
     echo "learn$T rc=$?"
     grep "steps/GPU-h\|Error\|error:" "$D/learn.log" | tail -8
