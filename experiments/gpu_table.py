@@ -89,7 +89,11 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     for rd, cfg, summary, jobs, seed, sim, phase_s in rows:
         label = arm_label(cfg["arm"], summary) + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
-        if str(seed) in per:  # an A/A repeat: already counted above
+        if str(seed) in per:  # an A/A repeat: its throughput is in the baseline's mean already;
+            prev = per[str(seed)]  # its phase times join the row's mean, its folder the row's runs
+            prev["repeats"] = prev.get("repeats", [prev["run"]]) + [str(rd)]
+            n = len(prev["repeats"])
+            prev["phase_s"] = {k: (v * (n - 1) + phase_s.get(k, v)) / n for k, v in prev["phase_s"].items()}
             continue
         base = baselines.get((jobs, seed))
         sbase = sim_base.get((jobs, seed))

@@ -27,6 +27,7 @@ def test_gpu_table_ratios_aa_and_sim_beside(tmp_path):
     # Runs the simulator recorded, replayed on the same profile: the prediction is the measurement.
     assert ovl["sim_steps_per_gpu_hour"] == pytest.approx(measured, rel=1e-9)
     assert table["aa"]["4-s2"]["rel_diff"] == pytest.approx(0.0)  # the simulator is deterministic
+    assert ded["repeats"] == [runs[0], runs[1]]  # both dedicated runs: one row, phase times their mean
     assert ovl["slowdown_vs_alone"]["min"] > 1.0
     assert all((tmp_path / "t" / f"table.{ext}").is_file() for ext in ("json", "md", "png"))
 
