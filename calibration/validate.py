@@ -148,13 +148,18 @@ def config_key(row: dict) -> tuple:
     return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"])
 
 
+def _by_config(rows: list[dict]) -> dict[tuple, list[dict]]:
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault(config_key(r), []).append(r)
+    return by
+
+
 def measurement_noise(rows: list[dict]) -> dict:
     """How far the measured steps per GPU-hour of runs of one configuration (other seeds, A/A
     repeats) lie from their configuration's mean: the error a perfect simulator would still show
     against single runs, the floor under any per-run MAPE."""
-    by: dict[tuple, list[float]] = {}
-    for r in rows:
-        by.setdefault(config_key(r), []).append(r["measured"]["steps_per_gpu_hour"])
+    by = {k: [r["measured"]["steps_per_gpu_hour"] for r in v] for k, v in _by_config(rows).items()}
     rel = [abs(x - np.mean(v)) / np.mean(v) for v in by.values() if len(v) >= 2 for x in v]
     spread = [(max(v) - min(v)) / np.mean(v) for v in by.values() if len(v) >= 2]
     return {"mape_floor": float(np.mean(rel)) if rel else None,
@@ -165,9 +170,7 @@ def measurement_noise(rows: list[dict]) -> dict:
 def per_config_errors(rows: list[dict]) -> dict:
     """The simulator against each configuration's mean over its runs (seeds, repeats): the
     per-run noise averages out here, as it does for a planner's question about the configuration."""
-    by: dict[tuple, list[dict]] = {}
-    for r in rows:
-        by.setdefault(config_key(r), []).append(r)
+    by = _by_config(rows)
     out: dict = {}
     for mode in ("replay", "sampled"):
         meas = [float(np.mean([r["measured"]["steps_per_gpu_hour"] for r in v])) for v in by.values()]

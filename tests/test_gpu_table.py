@@ -32,17 +32,24 @@ def test_gpu_table_ratios_aa_and_sim_beside(tmp_path):
     assert all((tmp_path / "t" / f"table.{ext}").is_file() for ext in ("json", "md", "png"))
 
 
+def _dedicated_beside_overlap(tmp_path, ded_jobs: int, shared_jobs: int, steps: int, seed: int):
+    """A simulated dedicated run and an overlap + MPS run of another job count, tabulated: (the
+    table, the dedicated run's per-job summaries, the overlap run's summary)."""
+    from experiments.gpu_table import main
+
+    ded, ovl = tmp_path / "ded", tmp_path / "ovl"
+    simulate(config_from_args(jobs=ded_jobs, steps=steps, seed=seed, policy="dedicated", sharing="none"), ded)
+    simulate(config_from_args(jobs=shared_jobs, steps=steps, seed=seed, policy="overlap", groups=2, sharing="mps"),
+             ovl)
+    table = main([str(ded), str(ovl), "--out", str(tmp_path / "t")])
+    return (table, json.loads((ded / "summary.json").read_text())["per_job"],
+            json.loads((ovl / "summary.json").read_text()))
+
+
 def test_gpu_table_takes_a_smaller_runs_baseline_from_a_larger_dedicated_run(tmp_path):
     """A 2-job shared run next to a 4-job dedicated run only: the baseline is the dedicated run's
     first two jobs (their steps over their GPU-seconds alone), for measured and simulated alike."""
-    from experiments.gpu_table import main
-
-    for name, jobs, kw in (("ded4", 4, dict(policy="dedicated", sharing="none")),
-                           ("ovl2", 2, dict(policy="overlap", groups=2, sharing="mps"))):
-        simulate(config_from_args(jobs=jobs, steps=3, seed=5, **kw), tmp_path / name)
-    table = main([str(tmp_path / "ded4"), str(tmp_path / "ovl2"), "--out", str(tmp_path / "t")])
-    ded = json.loads((tmp_path / "ded4" / "summary.json").read_text())["per_job"]
-    ovl = json.loads((tmp_path / "ovl2" / "summary.json").read_text())
+    table, ded, ovl = _dedicated_beside_overlap(tmp_path, ded_jobs=4, shared_jobs=2, steps=3, seed=5)
     two = [ded[j] for j in ovl["per_job"]]
     base = 3600 * sum(d["steps"] for d in two) / sum(d["finish_s"] for d in two)
     row = table["arms"]["overlap/mps/g2/2jobs"]["5"]
@@ -54,14 +61,7 @@ def test_gpu_table_takes_a_smaller_runs_baseline_from_a_larger_dedicated_run(tmp
 def test_gpu_table_takes_a_larger_runs_baseline_by_task(tmp_path):
     """16 shared jobs beside an 8-job dedicated run: jobs 8-15 have no dedicated run, each stands
     in with the dedicated job of its task (same length model); the row says so."""
-    from experiments.gpu_table import main
-
-    for name, jobs, kw in (("ded8", 8, dict(policy="dedicated", sharing="none")),
-                           ("ovl16", 16, dict(policy="overlap", groups=2, sharing="mps"))):
-        simulate(config_from_args(jobs=jobs, steps=2, seed=3, **kw), tmp_path / name)
-    table = main([str(tmp_path / "ded8"), str(tmp_path / "ovl16"), "--out", str(tmp_path / "t")])
-    ded = json.loads((tmp_path / "ded8" / "summary.json").read_text())["per_job"]
-    ovl = json.loads((tmp_path / "ovl16" / "summary.json").read_text())
+    table, ded, ovl = _dedicated_beside_overlap(tmp_path, ded_jobs=8, shared_jobs=16, steps=2, seed=3)
     by_task = {d["task"]: j for j, d in sorted(ded.items(), reverse=True)}  # ids job0-7: one per task
     assert len(by_task) == 8
     stand_in = [by_task[d["task"]] for d in ovl["per_job"].values()]
