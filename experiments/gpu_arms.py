@@ -27,25 +27,30 @@ ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
 }
 
 
-def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None]:
-    """'overlap+mps:j16:g3:s1' -> ('overlap+mps', 16, 3, [1]); a bare name leaves jobs, groups and
-    seeds to --jobs, --groups and --seeds (sN may repeat: :s1:s2)."""
+def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None]:
+    """'overlap+mps:j16:g3:s1:m32768' -> ('overlap+mps', 16, 3, [1], 32768); a bare name leaves
+    jobs, groups, seeds and micro-batch tokens to --jobs, --groups, --seeds and --mb-tokens (sN may
+    repeat: :s1:s2)."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
-    jobs = groups = None
+    jobs = groups = mb = None
     seeds: list[int] | None = None
     for o in opts:
-        if len(o) > 1 and o[0] in "jgs" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s"):
+        if len(o) > 1 and o[0] in "jgsm" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s") \
+                and (o[0] != "m" or int(o[1:]) >= 256):
             if o[0] == "j":
                 jobs = int(o[1:])
             elif o[0] == "g":
                 groups = int(o[1:])
+            elif o[0] == "m":
+                mb = int(o[1:])
             else:
                 seeds = (seeds or []) + [int(o[1:])]
         else:
-            raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups) or sN (seed)")
-    return name, jobs, groups, seeds
+            raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups), sN (seed) "
+                             "or mN (trainer micro-batch tokens, >= 256)")
+    return name, jobs, groups, seeds, mb
 
 
 def make_random_model(path: Path, shape: str) -> Path:
@@ -170,7 +175,8 @@ def main() -> None:
     pool = ClusterPool(opts, min_loras=max(job_counts + [sp[1] for sp in specs if sp[1]]))
     t_all = time.monotonic()
     try:
-        for name, arm_jobs, arm_groups, arm_seeds in order:
+        primed: set = set()
+        for name, arm_jobs, arm_groups, arm_seeds, arm_mb in order:
             policy, groups, sharing = ARMS[name]
             group_counts = [int(x) for x in str(args.groups).split(",") if x]
             if arm_groups:
@@ -186,14 +192,18 @@ def main() -> None:
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
                 variant = "-lowpri" if sharing == "mps" and args.trainer_priority != "normal" else ""
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
-                key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{suffix(n)}"
+                mb_key = f"-mb{arm_mb // 1024}k" if arm_mb and arm_mb != args.mb_tokens else ""
+                key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{suffix(n)}"
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
-                mb = args.aa_mb_tokens if rep else None
+                mb = args.aa_mb_tokens if rep else arm_mb
                 cfg = config_from_args(workload(n, mb), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
-                if args.prime and (sharing, n_stacks(cfg)) not in pool.clusters:
-                    # New processes: one discarded step of this arm takes the compiles first.
+                shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch)
+                if args.prime and ((sharing, n_stacks(cfg)) not in pool.clusters or shape not in primed):
+                    # New processes (or a micro-batch size they have not trained at): one discarded
+                    # step of this arm takes the compiles first.
+                    primed.add(shape)
                     t0 = time.monotonic()
                     run_arm(cfg.model_copy(update={"jobs": [j.model_copy(update={"steps": 1}) for j in cfg.jobs]}),
                             pool, baseline=False)

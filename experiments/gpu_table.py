@@ -29,10 +29,17 @@ REFERENCE = {  # the published study's ratios (8 jobs unless named); for the com
 REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}  # its 2- and 4-job points
 
 
-def arm_label(arm: dict, summary: dict | None = None) -> str:
-    """policy/sharing/groups, plus the MPS settings a run changed from the defaults (+lowpri: the
-    trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages)."""
+DEFAULT_MB_TOKENS = 16384  # the trainer's default micro-batch (nodus.config.TrainerSpec)
+
+
+def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
+    """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
+    trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
+    +mb<k>k: the trainer's micro-batch tokens)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
+    mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MB_TOKENS)
+    if mb != DEFAULT_MB_TOKENS:
+        label += f"+mb{mb // 1024}k" if mb % 1024 == 0 else f"+mb{mb}"
     controls = next((d["sharing_controls"] for d in (summary or {}).get("diagnostics", [])
                      if d.get("sharing_controls")), {})
     if controls.get("trainer_priority", "normal") != "normal":
@@ -87,7 +94,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         if len(vals) >= 2:
             table["aa"][f"{jobs}-s{seed}"] = {"runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
     for rd, cfg, summary, jobs, seed, sim, phase_s in rows:
-        label = arm_label(cfg["arm"], summary) + ("" if jobs == 8 else f"/{jobs}jobs")
+        label = arm_label(cfg["arm"], summary, cfg.get("trainer")) + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
         if str(seed) in per:  # an A/A repeat: its throughput is in the baseline's mean already;
             prev = per[str(seed)]  # its phase times join the row's mean, its folder the row's runs
@@ -142,6 +149,8 @@ FACTORS = (
      "MPS with nothing to co-run (shared-sync + MPS over shared-sync)"),
     ("trainer_low_priority", "overlap/mps/g2+lowpri", "overlap/mps/g2",
      "the trainer at below-normal MPS client priority (over overlap + MPS at normal priority)"),
+    ("trainer_microbatch_32k", "overlap/mps/g2+mb32k", "overlap/mps/g2",
+     "the trainer's micro-batches at 32k tokens instead of 16k (under overlap + MPS)"),
     ("total", "overlap/mps/g2", "dedicated/none/g1", "overlap + MPS over dedicated"),
 )
 

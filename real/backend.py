@@ -305,6 +305,7 @@ class RealBackend:
         self._local: deque[Result] = deque()
         self.failed: dict[str, str] = {}
         self.audit: list[dict] = []
+        self.microbatches: list[int] = []  # micro-batches per train step, in order
         self._stack_of = {j.id: 0 for j in cfg.jobs}  # the stack whose engine has the newest version
         self._start: dict[str, int] = {}
         for s in range(cluster.n_stacks):
@@ -399,8 +400,10 @@ class RealBackend:
             now = self.now()
             self._local.append(TrainDone(a.action_id, now, now, tuple(failed)))
             return
+        # The run's own micro-batch size: a pooled cluster's trainer serves runs that ask for others.
         self.c.trainers[a.stack].put(("train", a.action_id, batches, paths,
-                                      elp if self.opts.audit_logprobs else None, self.opts.checkpoint_dir))
+                                      elp if self.opts.audit_logprobs else None, self.opts.checkpoint_dir,
+                                      self.cfg.trainer.max_tokens_per_microbatch))
 
     def publish(self, a: Publish) -> None:
         self._pending[a.action_id] = (a, None)
@@ -416,7 +419,8 @@ class RealBackend:
         if kind == "generated":
             return self._generated(a, extra, msg[2], msg[3])
         if kind == "trained":
-            _, _, start, end, stats, agreement = msg
+            _, _, start, end, stats, agreement, n_mb = msg
+            self.microbatches.append(n_mb)
             ups = list(extra)
             for b, v in zip(a.batches, a.expected_versions):
                 st = stats.get(b.job_id)
@@ -480,7 +484,7 @@ class RealBackend:
 
     def diagnostics(self) -> dict:
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
-                "workers": dict(self.c.worker_info),
+                "workers": dict(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
                 "engine_env": dict(self.c.opts.engine_env)}
 

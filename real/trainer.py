@@ -191,6 +191,7 @@ class MultiLoRATrainer:
         self.target_modules = tuple(target_modules)
         self.param_dtype = param_dtype
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.last_microbatches = 0  # micro-batches of the last train_step
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.base_model_name_or_path = base_model_name_or_path
         self.routing = Routing(lora_layout)
@@ -273,6 +274,7 @@ class MultiLoRATrainer:
         with record_function("nodus.prepare"):
             plan = [self._prepare(mb, seqs) for mb in
                     plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
+        self.last_microbatches = len(plan)
         with record_function("nodus.forward_backward"):
             losses = self._backward(plan, jobs, seqs, audit_acc)
         with record_function("nodus.clip"):

@@ -106,7 +106,7 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
 
 def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     """Commands: ("add", tag, job_id, JobConfig, save_path) saves version 0;
-    ("train", tag, {job: JobBatch}, {job: save_path}); ("remove", tag, [job]); ("stop",)."""
+    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir, mb_tokens); ("remove", tag, [job]); ("stop",)."""
     _apply_env(spec.env)
     try:
         import torch
@@ -172,8 +172,9 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                     trainer.remove_job(job_id)
                 outbox.put(("removed", cmd[1]))
             elif kind == "train":
-                _, tag, batches, paths, engine_logprobs, ckpt_dir = cmd
+                _, tag, batches, paths, engine_logprobs, ckpt_dir, mb_tokens = cmd
                 start = time.monotonic()
+                trainer.max_tokens_per_microbatch = mb_tokens
                 # The audit reads the training forward's own logprobs (no extra forward).
                 stats = trainer.train_step(batches, audit=engine_logprobs or None)
                 agreement = trainer.last_audit
@@ -184,7 +185,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                             save_checkpoint(trainer, job_id, ckpt_dir)
                 if spec.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                outbox.put(("trained", tag, start, time.monotonic(), stats, agreement))
+                outbox.put(("trained", tag, start, time.monotonic(), stats, agreement, trainer.last_microbatches))
         except Exception:  # noqa: BLE001
             outbox.put(("error", name, traceback.format_exc()))
             return

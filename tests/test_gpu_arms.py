@@ -1,4 +1,4 @@
-"""experiments/gpu_arms.py's arm specs: NAME[:jN][:gG]."""
+"""experiments/gpu_arms.py's arm specs: NAME[:jN][:gG][:sS][:mN]."""
 
 import pytest
 
@@ -6,14 +6,16 @@ from experiments.gpu_arms import parse_arm
 
 
 def test_arm_specs_name_their_own_job_count_and_groups():
-    assert parse_arm("overlap+mps") == ("overlap+mps", None, None, None)
-    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None, None)
-    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3, None)
-    assert parse_arm("overlap:g4:j16:s1:s3") == ("overlap", 16, 4, [1, 3])
+    assert parse_arm("overlap+mps") == ("overlap+mps", None, None, None, None)
+    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None, None, None)
+    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3, None, None)
+    assert parse_arm("overlap:g4:j16:s1:s3") == ("overlap", 16, 4, [1, 3], None)
+    assert parse_arm("overlap+mps:m32768:s2") == ("overlap+mps", None, None, [2], 32768)
 
 
 @pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),
-                                       ("overlap:j0", "'j0' is not jN"), ("overlap:j", "'j' is not jN")])
+                                       ("overlap:j0", "'j0' is not jN"), ("overlap:j", "'j' is not jN"),
+                                       ("overlap:m128", "'m128' is not jN.*>= 256")])
 def test_bad_arm_specs_are_clear_errors(bad, says):
     with pytest.raises(SystemExit, match=says):
         parse_arm(bad)

@@ -150,3 +150,12 @@ def test_runs_under_a_prefix_are_simulated_on_their_own_profile(tmp_path):
     assert "- seed 4 ran on host B" in (tmp_path / "t.md").read_text()
     with pytest.raises(SystemExit):
         main(runs + ["--out", str(tmp_path / "t3"), "--run-profile", "no-equals-sign"])
+
+
+def test_a_run_at_another_micro_batch_size_is_its_own_row():
+    from experiments.gpu_table import arm_label
+
+    arm = {"policy": "overlap", "sharing": "mps", "groups": 2}
+    assert arm_label(arm, None, {"max_tokens_per_microbatch": 16384}) == "overlap/mps/g2"
+    assert arm_label(arm, None, {"max_tokens_per_microbatch": 32768}) == "overlap/mps/g2+mb32k"
+    assert arm_label(arm, None, {"max_tokens_per_microbatch": 5000}) == "overlap/mps/g2+mb5000"

@@ -178,3 +178,28 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
         RealOptions(trainer_priority="high")
     with pytest.raises(ValueError, match="trainer_thread_pct=0"):
         RealOptions(trainer_thread_pct=0)
+
+
+def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size():
+    """A cluster started for one run serves the next: the next run's
+    trainer.max_tokens_per_microbatch reaches the trainer process (it kept the first run's)."""
+    from nodus.realrun import ClusterPool
+    from nodus.runner import run_arm
+    from real.backend import RealOptions
+
+    def cfg(mb):
+        c = _small_cfg(2, 1)
+        jobs = [j.model_copy(update={"responses_per_prompt": 8}) for j in c.jobs]
+        return c.model_copy(update={"jobs": jobs, "trainer": c.trainer.model_copy(
+            update={"max_tokens_per_microbatch": mb})})
+
+    pool = ClusterPool(RealOptions(model="tiny", evaluate=False))
+    try:
+        big, _ = run_arm(cfg(16384), pool, baseline=False)
+        small, _ = run_arm(cfg(256), pool, baseline=False)
+    finally:
+        pool.close()
+    assert len(pool.clusters) == 0  # closed; both runs used one cluster (asserted below)
+    assert big["diagnostics"][0]["trainer_microbatches"] == [1]
+    assert small["diagnostics"][0]["trainer_microbatches"][0] >= 3
+    assert big["diagnostics"][0]["workers"] == small["diagnostics"][0]["workers"]
