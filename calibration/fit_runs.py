@@ -76,8 +76,10 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
             continue  # shared engine batches with another group's requests (continuous batching)
         s, dur = members[0], end - start
         corun = _overlap(start, end, train.get(gpu, []))
+        spec = next((j for j in cfg["jobs"] if j.get("id") == s["job"]), {})
         out.append({"job": s["job"], "step": s["attrs"].get("step"),
                     "lengths": tuple(s["attrs"].get("response_tokens") or ()), "s": dur,
+                    "prompts": spec.get("prompts_per_step", 8), "prompt_tokens": s["attrs"].get("prompt_tokens"),
                     "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"]})
     return out
 
@@ -132,7 +134,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
     from sim.profile import Profile, add_source, profile_dict
 
-    used, skipped, samples, publish, gens, commits = [], [], [], [], [], set()
+    used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     for rd in map(Path, runs):
         recorded = load_recorded(rd)
         cfg, summary, _ = recorded
@@ -145,6 +147,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         gens += [dict(g, dedicated=cfg["arm"]["policy"] == "dedicated") for g in generate_samples(rd, recorded)]
         used.append(str(rd))
         commits.add(summary.get("git_commit") or "unrecorded")
+        for d in summary.get("diagnostics", []):
+            if d.get("host") and d["host"] not in hosts:
+                hosts.append(d["host"])
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
                           f"(need >= 3); held out: {skipped}")
@@ -207,6 +212,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     alone_frac = np.where(y > 0, alone / y, 1.0)
     pred = work / (alone_frac * r_alone + (1 - alone_frac) * r_corun)
     rel = (pred - y) / y
+    decode_fit = _decode_scale(gens, prof)
     rates.update(_engine_rates(gens, sharing))
     prof["train"]["per_microbatch"] = {"a_s": float(a), "b_s_per_unit": float(b)}
     prof["train"]["s_per_adapter"] = float(c)
@@ -225,6 +231,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
                                 if dropped else "")})
         prof["assumptions"] = keep
     add_source(prof, f"nodus fit on {len(used)} run(s)")
+    # The fitted costs are the runs' host's (launch-bound train steps, per-step engine work).
+    if len(hosts) == 1:
+        prof["environment"]["host"] = hosts[0]
+    elif hosts:
+        prof["environment"]["host"] = {"hosts": hosts, "note": "the fitted runs came from several hosts"}
     # The base's error bar measured the base, not this fit: every sim report prints a profile's
     # validation, so a refitted profile has none until `nodus validate --annotate` gives it one.
     prof.pop("validation", None)
@@ -241,9 +252,62 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         "sharing_fit": rates,
         "run_commits": sorted(commits),  # the code the fitted runs came from
         "publish_s_per_adapter": float(np.median(publish)) if publish else None,
+        "decode_fit": decode_fit,
         "padded_tokens_range": [int(tok.min()), int(tok.max())]}
     Profile.model_validate(prof)
     return prof
+
+
+def _alone_generation_s(prof: dict, prompts: int, prompt_tokens_each: int, lengths: tuple, scale: float) -> float:
+    """Seconds the simulator's engine takes for one job's generation alone on the GPU (no MPS),
+    with every decode step at ``scale`` times the profile's curves."""
+    import simpy
+
+    from sim.engine import SimEngine
+    from sim.gpu import SharedGPU
+    from sim.profile import CostModel, Profile
+
+    p = dict(prof, decode=dict(prof["decode"], scale=scale))
+    model = Profile.model_validate(p)
+    env = simpy.Environment()
+    ends: list[float] = []
+    eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"), max_num_seqs=len(lengths),
+                    max_loras=1, on_done=lambda action: ends.append(env.now))
+    eng.publish("job", 1)
+
+    def submit():  # after the engine's loop went idle, as between a run's steps (a cold prefill)
+        yield env.timeout(0)
+        eng.submit("gen", [("job", 0, 1, prompts, prompt_tokens_each, list(lengths))])
+    env.process(submit())
+    env.run()
+    return ends[0]
+
+
+def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
+    """decode.scale from the dedicated runs' generations (one job alone, no MPS): seconds =
+    fixed (prefill, adapter load) + scale * decode, relative-error least squares. Sets it in
+    ``prof`` and returns the fit's summary; None (scale kept) without such generations."""
+    rows = [g for g in gens if g["dedicated"] and g["sharing"] == "none" and g["lengths"] and g["prompt_tokens"]]
+    if len(rows) < 3:
+        return None
+    fixed, dec, y = [], [], []
+    for g in rows:
+        each = max(1, round(g["prompt_tokens"] / len(g["lengths"])))
+        t1 = _alone_generation_s(prof, g["prompts"], each, g["lengths"], 1.0)
+        t2 = _alone_generation_s(prof, g["prompts"], each, g["lengths"], 2.0)
+        dec.append(t2 - t1)
+        fixed.append(t1 - (t2 - t1))
+        y.append(g["s"])
+    fixed_a, dec_a, y_a = np.array(fixed), np.array(dec), np.array(y)
+    base_scale = prof["decode"].get("scale", 1.0)
+    (scale,) = nonneg_rel_lstsq(dec_a[:, None], y_a - fixed_a, scale=y_a)
+    scale = float(scale) if scale > 0 else base_scale
+    before = (fixed_a + dec_a) / y_a - 1
+    after = (fixed_a + scale * dec_a) / y_a - 1
+    prof["decode"]["scale"] = scale
+    return {"scale": scale, "generations": len(rows), "base_scale": base_scale,
+            "mape_before": float(np.mean(np.abs(before))), "mape_after": float(np.mean(np.abs(after))),
+            "bias_before": float(np.mean(before)), "bias_after": float(np.mean(after))}
 
 
 def _engine_rates(gens: list[dict], sharing: dict) -> dict[str, float]:

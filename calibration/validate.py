@@ -107,6 +107,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         rep = _simulate(replay_cfg, f"{rd}/config.json")
         sam = _simulate(sampled_cfg, f"{rd}/config.json")
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": meas.get("arm"),
+               "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
                             "phase_s": _phase_means(spans)},
@@ -142,10 +143,22 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     return report
 
 
+DEFAULT_MB_TOKENS = 16384  # nodus.config.TrainerSpec's default
+
+
 def config_key(row: dict) -> tuple:
-    """Runs of one configuration: the same arm and job count (seeds and repeats differ)."""
+    """Runs of one configuration: the same arm, job count and trainer micro-batch size (seeds and
+    repeats differ)."""
     arm = row["arm"] or {}
-    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"])
+    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"], row.get("mb_tokens"))
+
+
+def config_label(row: dict) -> str:
+    """'8 jobs overlap g=2 mps', plus ' mb=32768' for a trainer micro-batch other than the default."""
+    arm = row["arm"]
+    mb = row.get("mb_tokens")
+    return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
+            + (f" mb={mb}" if mb and mb != DEFAULT_MB_TOKENS else ""))
 
 
 def _by_config(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -176,7 +189,7 @@ def per_config_errors(rows: list[dict]) -> dict:
         meas = [float(np.mean([r["measured"]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
         pred = [float(np.mean([r[mode]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
         out[mode] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)}
-    out["configs"] = ["{}/{}/g{}/{}jobs".format(*k) for k in by]
+    out["configs"] = [config_label(v[0]) if v[0].get("arm") else "{}/{}/g{}/{}jobs".format(*k) for k, v in by.items()]
     out["runs_per_config"] = [len(v) for v in by.values()]
     return out
 
@@ -280,7 +293,11 @@ def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | Non
     from sim.profile import profile_dict, write_profile
 
     out = Path(out)
-    in_place = Path(profile).exists() and out.resolve() == Path(profile).resolve()
+    src = Path(profile)
+    if not src.exists() and not profile.endswith(".json"):  # a shipped profile by name: its file
+        from importlib import resources
+        src = Path(str(resources.files("calibration") / "profiles" / f"{profile}.json"))
+    in_place = src.exists() and out.resolve() == src.resolve()
     if out.exists() and not in_place:
         raise FileExistsError(f"--annotate {str(out)!r} exists and is not the profile being annotated")
     prof = profile_dict(profile)
@@ -289,8 +306,7 @@ def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | Non
     prof["validation"] = {
         "heldout_mape": h["mape"], "heldout_bias": h["bias"], "heldout_worst": h["worst"],
         "kendall_tau": h["kendall_tau"], "heldout_runs": len(held),
-        "configurations": sorted({f"{r['jobs']} jobs {r['arm']['policy']} g={r['arm']['groups']} {r['arm']['sharing']}"
-                                  for r in held if r.get("arm")}),
+        "configurations": sorted({config_label(r) for r in held if r.get("arm")}),
         "report": report}
     write_profile(prof, out, "nodus validate --annotate", overwrite=in_place)
     return prof

@@ -177,6 +177,10 @@ def cmd_fit(a: argparse.Namespace) -> int:
     if t.get("at_zero"):
         print(f"note: fitted at 0: {', '.join(t['at_zero'])} — these runs do not vary that term apart from the "
               "others; runs of other sizes would pin it")
+    d = f.get("decode_fit")
+    print(f"decode steps x {d['scale']:.3f} (dedicated generations: {d['generations']}; their error "
+          f"{d['mape_before']:.1%} -> {d['mape_after']:.1%}, bias {d['bias_before']:+.1%} -> {d['bias_after']:+.1%})"
+          if d else "decode: kept from the base (no dedicated generations to fit it on)")
     rates = f.get("sharing_fit") or {}
     print("sharing rates fitted: " + (", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items()))
                                       if rates else "none (the runs leave every rate to the base profile)"))

@@ -91,13 +91,12 @@ class SimEngine:
         running, ctx = 0, 0
         adapters: Counter[str] = Counter()
         while True:
+            # Cold: the engine starts from idle (nothing running), also for a run's first requests.
+            cold = not running
             if not running and not self.waiting:
                 if self._arrival.triggered:
                     self._arrival = env.event()
                 yield self._arrival
-                cold = True
-            else:
-                cold = False
             if self._arrival.triggered:
                 self._arrival = env.event()
             # Admit whole prompts, first come first served, within max_num_seqs and max_loras.

@@ -63,6 +63,10 @@ class Linear(_M):
 class Decode(_M):
     curves: list[Curve]  # by adapters, increasing
     s_per_context_token: float = Field(default=0.0, ge=0)  # extra step time per token of KV context
+    # Multiplier on every decode step: the curves are a microbenchmark's on the host that ran it;
+    # `nodus fit` sets this from a host's dedicated runs (the engine's per-step host work moves
+    # with the host, not the GPU).
+    scale: float = Field(default=1.0, gt=0)
 
 
 class Prefill(_M):
@@ -276,7 +280,7 @@ class CostModel:
                     (x0, y0), (x1, y1) = pts[j - 1], pts[j]
                     base = y0 + (y1 - y0) * (la - x0) / (x1 - x0)
             self._cache[key] = base
-        return base + self.profile.decode.s_per_context_token * context_tokens
+        return (base + self.profile.decode.s_per_context_token * context_tokens) * self.profile.decode.scale
 
     def prefill_s(self, tokens: int, lora: bool, cold: bool) -> float:
         """Prefill of newly admitted prompt tokens; the fixed part is paid only when the engine

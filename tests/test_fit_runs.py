@@ -19,6 +19,7 @@ def _profile_with(tmp_path, name, **train):
     prof["train"]["s_per_adapter"] = train["c"]
     prof["train"]["s_per_regroup_token"] = train.get("d", 0.0)
     prof["publish"]["save_s_per_adapter"] = train["save"]
+    prof["decode"]["scale"] = train.get("decode_scale", 1.0)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(prof))
     return str(path)
@@ -37,7 +38,7 @@ def test_nonneg_rel_lstsq_recovers_exact_and_clamps_negative():
 
 
 def test_fit_recovers_the_profile_that_recorded_the_runs(tmp_path):
-    truth = _profile_with(tmp_path, "truth", a=0.15, b=2e-5, c=0.01, save=0.05)
+    truth = _profile_with(tmp_path, "truth", a=0.15, b=2e-5, c=0.01, save=0.05, decode_scale=1.25)
     wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.01, save=0.2)
     annotated = json.loads(open(wrong).read())
     annotated["validation"] = {"heldout_mape": 0.2, "report": "the base's report"}
@@ -50,7 +51,12 @@ def test_fit_recovers_the_profile_that_recorded_the_runs(tmp_path):
     simulate(config_from_args(jobs=8, steps=3, policy="overlap", groups=2, sharing="mps", profile=truth), shared)
     samples, publish = train_samples(ded)
     assert len(samples) == 16 and all(s["adapters"] == 1 for s in samples)
+    summary = json.loads((ded / "summary.json").read_text())
+    host = {"cpu": "Some CPU", "cpus": 16, "dev_shm": True}  # a real run records its host
+    summary["diagnostics"] = summary.get("diagnostics", []) + [{"host": host}]
+    (ded / "summary.json").write_text(json.dumps(summary))
     prof = fit([ded, shared], base=wrong, fit_max_jobs=4)
+    assert prof["environment"]["host"] == host  # the fitted costs are that host's
     f = prof["measurements"]["fit_runs"]
     assert f["runs"] == [str(ded)] and f["held_out"] == [str(shared)]  # 8 jobs on one GPU: held out
     assert prof["train"]["per_microbatch"]["a_s"] == pytest.approx(0.15, rel=1e-6)
@@ -61,6 +67,10 @@ def test_fit_recovers_the_profile_that_recorded_the_runs(tmp_path):
     assert f["run_commits"] == [json.loads((ded / "summary.json").read_text())["git_commit"]]
     assert f["run_commits"][0] not in (None, "unrecorded")
     assert prof["publish"]["save_s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
+    # The engine's decode steps on the runs' host: 1.25x the base's curves, from the dedicated
+    # generations alone (one job, no MPS).
+    assert prof["decode"]["scale"] == pytest.approx(1.25, rel=1e-6)
+    assert f["decode_fit"]["mape_after"] == pytest.approx(0, abs=1e-9) and f["decode_fit"]["bias_before"] < -0.1
     assert "validation" not in prof  # the base's error bar is not the fit's
     # The fitted profile predicts the held-out shared run it never saw.
     out = tmp_path / "fitted.json"

@@ -103,3 +103,12 @@ def test_noise_floor_and_per_configuration_errors_on_known_values():
     assert pc["replay"]["mape"] == pytest.approx((0.0 + 0.2) / 2)  # 100 vs 100; 60 vs 50
     assert pc["replay"]["kendall_tau"] == pytest.approx(1.0)
     assert measurement_noise(rows[2:])["mape_floor"] is None
+
+
+def test_runs_at_another_micro_batch_size_are_another_configuration():
+    from calibration.validate import config_key, config_label
+
+    arm = {"policy": "overlap", "groups": 2, "sharing": "mps"}
+    a, b = ({"arm": arm, "jobs": 8, "mb_tokens": mb} for mb in (16384, 32768))
+    assert config_key(a) != config_key(b)
+    assert config_label(a) == "8 jobs overlap g=2 mps" and config_label(b) == "8 jobs overlap g=2 mps mb=32768"
