@@ -106,7 +106,7 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
 
 def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     """Commands: ("add", tag, job_id, JobConfig, save_path) saves version 0;
-    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir, mb_tokens); ("remove", tag, [job]); ("stop",)."""
+    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir[, mb_tokens]); ("remove", tag, [job]); ("stop",)."""
     _apply_env(spec.env)
     try:
         import torch
@@ -172,9 +172,10 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                     trainer.remove_job(job_id)
                 outbox.put(("removed", cmd[1]))
             elif kind == "train":
-                _, tag, batches, paths, engine_logprobs, ckpt_dir, mb_tokens = cmd
+                _, tag, batches, paths, engine_logprobs, ckpt_dir, *mb_tokens = cmd
                 start = time.monotonic()
-                trainer.max_tokens_per_microbatch = mb_tokens
+                if mb_tokens:  # the run's own size (a pooled cluster serves runs asking for others)
+                    trainer.max_tokens_per_microbatch = mb_tokens[0]
                 # The audit reads the training forward's own logprobs (no extra forward).
                 stats = trainer.train_step(batches, audit=engine_logprobs or None)
                 agreement = trainer.last_audit
