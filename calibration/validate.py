@@ -90,6 +90,9 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
     group_key = "group" if pol == "overlap" else "stack"
     groups = {s["job"]: s[group_key] for s in spans} if pol in ("overlap", "timeslice") else {}
     jobs = [dict(j, group=groups.get(j["id"])) for j in cfg["jobs"]]
+    # The scheduler the run had: runs recorded before the field existed held the trainer until
+    # each publish was done.
+    cfg = dict(cfg, arm=dict(cfg["arm"], trainer_waits_for_publish=cfg["arm"].get("trainer_waits_for_publish", True)))
     replay = dict(cfg, profile=profile,
                   jobs=[dict(j, lengths={"kind": "replay", "trace": trace, "job": j["id"]}) for j in jobs])
     # Fresh draws from the length models: the jobs' seeds moved, so a synthetic run, whose

@@ -27,17 +27,21 @@ ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
 }
 
 
-def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None]:
-    """'overlap+mps:j16:g3:s1:m32768' -> ('overlap+mps', 16, 3, [1], 32768); a bare name leaves
-    jobs, groups, seeds and micro-batch tokens to --jobs, --groups, --seeds and --mb-tokens (sN may
-    repeat: :s1:s2)."""
+def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool]:
+    """'overlap+mps:j16:g3:s1:m32768:wait' -> ('overlap+mps', 16, 3, [1], 32768, True); a bare name
+    leaves jobs, groups, seeds and micro-batch tokens to --jobs, --groups, --seeds and --mb-tokens
+    (sN may repeat: :s1:s2); `wait`: the trainer waits for each publish (the scheduler every run
+    before session 6 had: arm.trainer_waits_for_publish)."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
     jobs = groups = mb = None
+    wait = False
     seeds: list[int] | None = None
     for o in opts:
-        if len(o) > 1 and o[0] in "jgsm" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s") \
+        if o == "wait":
+            wait = True
+        elif len(o) > 1 and o[0] in "jgsm" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s") \
                 and (o[0] != "m" or int(o[1:]) >= 256):
             if o[0] == "j":
                 jobs = int(o[1:])
@@ -48,9 +52,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             else:
                 seeds = (seeds or []) + [int(o[1:])]
         else:
-            raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups), sN (seed) "
-                             "or mN (trainer micro-batch tokens, >= 256)")
-    return name, jobs, groups, seeds, mb
+            raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups), sN (seed), "
+                             "mN (trainer micro-batch tokens, >= 256) or wait (trainer waits for publish)")
+    return name, jobs, groups, seeds, mb, wait
 
 
 def make_random_model(path: Path, shape: str) -> Path:
@@ -147,8 +151,9 @@ def main() -> None:
 
     job_counts = [int(x) for x in str(args.jobs).split(",") if x]
 
-    def workload(n: int, mb_tokens: int | None = None) -> dict:
-        return {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
+    def workload(n: int, mb_tokens: int | None = None, wait: bool = False) -> dict:
+        return {"arm": {"trainer_waits_for_publish": wait},
+                "jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
             n, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
             max_new_tokens=args.max_new_tokens, **args.job_fields)],
             # 16k-token micro-batches by default: the trainer peaks at ~46 GiB beside the engine's
@@ -176,7 +181,7 @@ def main() -> None:
     t_all = time.monotonic()
     try:
         primed: set = set()
-        for name, arm_jobs, arm_groups, arm_seeds, arm_mb in order:
+        for name, arm_jobs, arm_groups, arm_seeds, arm_mb, arm_wait in order:
             policy, groups, sharing = ARMS[name]
             group_counts = [int(x) for x in str(args.groups).split(",") if x]
             if arm_groups:
@@ -193,11 +198,11 @@ def main() -> None:
                 variant = "-lowpri" if sharing == "mps" and args.trainer_priority != "normal" else ""
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-mb{arm_mb // 1024}k" if arm_mb and arm_mb != args.mb_tokens else ""
-                key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{suffix(n)}"
+                key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'-waitpub' if arm_wait else ''}{suffix(n)}"
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else arm_mb
-                cfg = config_from_args(workload(n, mb), policy=policy, groups=g, sharing=sharing, steps=args.steps,
+                cfg = config_from_args(workload(n, mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
                 shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch)
                 if args.prime and ((sharing, n_stacks(cfg)) not in pool.clusters or shape not in primed):
@@ -205,7 +210,9 @@ def main() -> None:
                     # step of this arm takes the compiles first.
                     primed.add(shape)
                     t0 = time.monotonic()
-                    run_arm(cfg.model_copy(update={"jobs": [j.model_copy(update={"steps": 1}) for j in cfg.jobs]}),
+                    # Dedicated runs its jobs one at a time on the same processes: one job primes them.
+                    prime_jobs = cfg.jobs[:1] if policy == "dedicated" else cfg.jobs
+                    run_arm(cfg.model_copy(update={"jobs": [j.model_copy(update={"steps": 1}) for j in prime_jobs]}),
                             pool, baseline=False)
                     results["primed"].append({"arm": key, "seed": seed, "wall_s": time.monotonic() - t0})
                     print(f"[{time.monotonic() - t_all:6.1f}s] primed {key} (discarded): "
@@ -218,7 +225,7 @@ def main() -> None:
                     run_dir = args.out / f"{key}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
                 write_run(run_dir, cfg, summary, runs)
-                pred = simulate(config_from_args(workload(n), policy=policy, groups=g, sharing=sharing,
+                pred = simulate(config_from_args(workload(n, arm_mb, arm_wait), policy=policy, groups=g, sharing=sharing,
                                                  steps=args.steps, seed=seed, profile=args.profile))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 per_job = summary.get("per_job", {})

@@ -35,8 +35,11 @@ DEFAULT_MB_TOKENS = 16384  # the trainer's default micro-batch (nodus.config.Tra
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
-    +mb<k>k: the trainer's micro-batch tokens)."""
+    +mb<k>k: the trainer's micro-batch tokens; +waitpub: the trainer waited for each publish, as
+    it did in every run recorded before the field existed, which carry no label for it)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
+    if arm.get("trainer_waits_for_publish"):  # set only by runs that chose it (earlier runs: absent)
+        label += "+waitpub"
     mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MB_TOKENS)
     if mb != DEFAULT_MB_TOKENS:
         label += f"+mb{mb // 1024}k" if mb % 1024 == 0 else f"+mb{mb}"
@@ -151,6 +154,9 @@ FACTORS = (
      "the trainer at below-normal MPS client priority (over overlap + MPS at normal priority)"),
     ("trainer_microbatch_32k", "overlap/mps/g2+mb32k", "overlap/mps/g2",
      "the trainer's micro-batches at 32k tokens instead of 16k (under overlap + MPS)"),
+    ("trainer_freed_at_train", "overlap/mps/g2", "overlap/mps/g2+waitpub",
+     "the trainer takes the next group's train while the engine loads the last one's adapters "
+     "(over waiting for that publish, under overlap + MPS)"),
     ("total", "overlap/mps/g2", "dedicated/none/g1", "overlap + MPS over dedicated"),
 )
 

@@ -84,6 +84,10 @@ class ArmSpec(_Model):
     policy: Policy = "overlap"
     groups: int = Field(default=2, ge=1)  # overlap: phase-offset groups; timeslice: stacks
     sharing: Sharing = "mps"
+    # The trainer waits for a group's Publish (the engine loading its new adapters) before it takes
+    # the next group's Train. False (default): it takes it as soon as the Train ended with the
+    # adapters saved; runs recorded before this field existed behaved as True.
+    trainer_waits_for_publish: bool = False
 
 
 class EngineSpec(_Model):

@@ -29,6 +29,7 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
     ids = [j.id for j in cfg.jobs]
     policy = cfg.arm.policy
     pinned = all(j.group is not None for j in cfg.jobs)
+    waits = cfg.arm.trainer_waits_for_publish
 
     def split() -> list[list[str]]:
         if pinned:
@@ -36,15 +37,16 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
         return balance_groups(work, cfg.arm.groups)
 
     if policy in ("shared-sync", "dedicated"):
-        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv)
+        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv, trainer_waits_for_publish=waits)
     if policy == "overlap":
         groups = split()
-        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, start_versions=sv)
+        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, start_versions=sv,
+                         trainer_waits_for_publish=waits)
     if policy == "timeslice":
         # Each stack runs its jobs one after another, dedicated-style; stacks share the GPU.
         stacks = split()
         return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False,
-                         start_versions=sv)
+                         start_versions=sv, trainer_waits_for_publish=waits)
     raise ValueError(f"unknown policy {policy!r}")
 
 

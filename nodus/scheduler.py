@@ -3,9 +3,11 @@
 A pure state machine in the shape of vLLM v1's scheduler: `start()` and `on_result()` return the
 actions to issue; `drive()` glues it to a backend. It knows nothing of SimPy, torch or vLLM.
 
-Each group loops generate -> train -> publish. The trainer of a stack runs one Train (then its
-Publish) at a time; groups waiting for it queue in arrival order. The engine accepts Generate
-actions from several groups at once (continuous batching joins them).
+Each group loops generate -> train -> publish. The trainer of a stack runs one Train at a time;
+groups waiting for it queue in arrival order. A Train ends with its adapters saved, so the trainer
+takes the next group's Train while the engine loads them (the Publish): a group's own next
+Generate still waits for its Publish. The engine accepts Generate actions from several groups at
+once (continuous batching joins them).
 
 Strictly on-policy: a job's rollouts for step s are sampled from adapter version s, only after
 version s was published to the engine; the trainer consumes only rollouts tagged with the job's
@@ -63,6 +65,7 @@ class Scheduler:
     groups: list[tuple[int, list[str]]]
     concurrent: bool = True
     stagger: bool = True  # overlap: group g starts generating when group g-1's first generation ends
+    trainer_waits_for_publish: bool = False  # hold the trainer until a group's Publish is done
     start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
     spans: list[Span] = field(default_factory=list)
 
@@ -204,11 +207,16 @@ class Scheduler:
             self.spans.append(Span(b.job_id, g.index, "train", r.start_s, r.end_s, g.stack, attrs))
         g.rollouts = ()
         if not versions:
-            return self._after_publish(g)
+            self._trainer_busy[g.stack] = False
+            return self._pump_trainer(g.stack) + self._generate(g)
         a2 = Publish(self._id("pub"), g.index, g.stack, tuple(versions))
         g.state = "publishing"
         self._inflight[a2.action_id] = (g, a2)
-        return [a2]
+        if self.trainer_waits_for_publish:
+            return [a2]
+        # The trainer's part is done (the adapters are saved): it takes the next queued group now.
+        self._trainer_busy[g.stack] = False
+        return [a2] + self._pump_trainer(g.stack)
 
     def _on_published(self, g: _Group, a: Publish, r: PublishDone) -> list[Action]:
         if set(r.versions) != set(a.versions):
@@ -216,11 +224,10 @@ class Scheduler:
         for job_id, v in r.versions:
             self.jobs[job_id].published = v
             self.spans.append(Span(job_id, g.index, "publish", r.start_s, r.end_s, g.stack, {"version": v}))
-        return self._after_publish(g)
-
-    def _after_publish(self, g: _Group) -> list[Action]:
-        self._trainer_busy[g.stack] = False
-        return self._pump_trainer(g.stack) + self._generate(g)
+        if self.trainer_waits_for_publish:
+            self._trainer_busy[g.stack] = False
+            return self._pump_trainer(g.stack) + self._generate(g)
+        return self._generate(g)
 
     def _after_group_done(self, g: _Group) -> list[Action]:
         # Timeslice: the stack's next job starts. Overlap: a staggered group whose predecessor had

@@ -43,6 +43,47 @@ def test_overlap_staggers_groups_and_trainer_runs_one_group_at_a_time():
     assert sum(isinstance(a, Train) for a in b.log) == 2 * 3
 
 
+def test_trainer_takes_the_next_group_while_the_engine_loads_the_last_ones_adapters():
+    """A Train ends with its adapters saved: the next queued group's Train is issued with the
+    finished group's Publish, not after it; that group's own next Generate waits for the Publish."""
+    s = _sched(n=2, steps=2, groups=2)
+    b = ScriptedBackend()
+
+    def finish(action):  # the backend's answer to one action, as drive() would get it
+        b.queue.clear()
+        b.queue.append(action)
+        return s.on_result(b.wait())
+
+    (gen0,) = s.start()
+    train0, gen1 = finish(gen0)
+    assert isinstance(train0, Train) and isinstance(gen1, Generate) and gen1.group == 1
+    assert finish(gen1) == []  # group 1's rollouts queue: the trainer is busy with group 0
+    pub0, train1 = finish(train0)
+    assert isinstance(pub0, Publish) and pub0.group == 0
+    assert isinstance(train1, Train) and train1.group == 1  # not held back by group 0's publish
+    (gen0_next,) = finish(pub0)  # group 0 samples again only once its new adapter is published
+    assert isinstance(gen0_next, Generate) and gen0_next.group == 0
+    assert [r.adapter_version for r in gen0_next.requests] == [1]
+
+
+def test_trainer_waits_for_publish_holds_the_next_train_until_the_engine_loaded():
+    """The older scheduler (arm.trainer_waits_for_publish, how runs before it were recorded)."""
+    s = _sched(n=2, steps=2, groups=2, trainer_waits_for_publish=True)
+    b = ScriptedBackend()
+
+    def finish(action):
+        b.queue.clear()
+        b.queue.append(action)
+        return s.on_result(b.wait())
+
+    (gen0,) = s.start()
+    train0, gen1 = finish(gen0)
+    assert finish(gen1) == []
+    (pub0,) = finish(train0)
+    train1, gen0_next = finish(pub0)
+    assert isinstance(train1, Train) and train1.group == 1 and isinstance(gen0_next, Generate)
+
+
 def test_stale_rollout_from_engine_raises():
     def tamper(ros):
         return tuple(dataclasses.replace(r, adapter_version=r.adapter_version - 1) if r.step == 1 else r

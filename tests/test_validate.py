@@ -112,3 +112,22 @@ def test_runs_at_another_micro_batch_size_are_another_configuration():
     a, b = ({"arm": arm, "jobs": 8, "mb_tokens": mb} for mb in (16384, 32768))
     assert config_key(a) != config_key(b)
     assert config_label(a) == "8 jobs overlap g=2 mps" and config_label(b) == "8 jobs overlap g=2 mps mb=32768"
+
+
+def test_runs_recorded_before_the_trainer_stopped_waiting_for_publish_replay_that_scheduler(tmp_path):
+    """A run folder whose config has no arm.trainer_waits_for_publish came from the scheduler that
+    held the trainer until each publish ended: validate simulates it that way, newer runs as recorded."""
+    import json
+
+    from calibration.validate import load_recorded, recorded_configs
+    from nodus.simulate import config_from_args, simulate
+
+    rd = tmp_path / "run"
+    simulate(config_from_args(jobs=4, steps=2, policy="overlap", groups=2, sharing="mps"), rd)
+    cfg, _, spans = load_recorded(rd)
+    assert cfg["arm"]["trainer_waits_for_publish"] is False
+    assert recorded_configs(rd, cfg, spans, "h200-qwen3-0.6b")[0]["arm"]["trainer_waits_for_publish"] is False
+    old = json.loads(json.dumps(cfg))
+    del old["arm"]["trainer_waits_for_publish"]
+    for c in recorded_configs(rd, old, spans, "h200-qwen3-0.6b"):
+        assert c["arm"]["trainer_waits_for_publish"] is True
