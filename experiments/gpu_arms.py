@@ -197,7 +197,8 @@ def main() -> None:
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
                 variant = "-lowpri" if sharing == "mps" and args.trainer_priority != "normal" else ""
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
-                mb_key = f"-mb{arm_mb // 1024}k" if arm_mb and arm_mb != args.mb_tokens else ""
+                mb_key = ("" if not arm_mb or arm_mb == args.mb_tokens
+                          else f"-mb{arm_mb // 1024}k" if arm_mb % 1024 == 0 else f"-mb{arm_mb}")
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'-waitpub' if arm_wait else ''}{suffix(n)}"
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
