@@ -8,9 +8,10 @@ audit. This fits what the simulator charges for those phases on the runs themsel
 runs with at most `fit_max_jobs` jobs per GPU (a dedicated arm is one job per GPU), so that the
 shared 8- and 16-job runs stay held out for `nodus validate`.
 
-Train: seconds = a * micro-batches + b * padded tokens + c * adapters + d * regroup tokens,
-relative-error least squares, non-negative, with the micro-batches packed exactly as the trainer
-packs them (`nodus.microbatch`). When every fitted step has the same adapter count, c cannot be
+Train: seconds = a * micro-batches + b * padded tokens + c * adapters + d * extra tokens of the
+runs' multi-adapter layout (padded: regrouping; masked: each token times the other adapters of its
+micro-batch), relative-error least squares, non-negative, with the micro-batches packed exactly as
+the trainer packs them (`nodus.microbatch`); the profile records which layout d is of. When every fitted step has the same adapter count, c cannot be
 told from a and is kept from the base profile; runs with one job per step never regroup, which
 leaves d at 0. Publish: the controller's wait per published adapter.
 
@@ -84,10 +85,24 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
     return out
 
 
-def train_samples(run_dir: Path, recorded: tuple | None = None) -> tuple[list[dict], list[float]]:
-    """Per train action of a run: its micro-batches' padded tokens, adapter count and seconds
-    (alone and beside a generation on its GPU); and the run's publish waits per adapter."""
-    cfg, _, spans = recorded or load_recorded(run_dir)
+def trainer_layout(summary: dict) -> str:
+    """The multi-adapter layout a run's trainer used (its workers' diagnostics): masked or padded;
+    `auto` counts as masked (it takes the masked path while a micro-batch has few adapters); a run
+    without it (the simulator's) as padded, the layout profiles assumed before they named one."""
+    for d in summary.get("diagnostics", []):
+        for name, info in (d.get("workers") or {}).items():
+            if name.startswith("trainer") and isinstance(info, dict) and info.get("lora_layout"):
+                return "padded" if info["lora_layout"] == "padded" else "masked"
+    return "padded"
+
+
+def train_samples(run_dir: Path, recorded: tuple | None = None,
+                  layout: str | None = None) -> tuple[list[dict], list[float]]:
+    """Per train action of a run: its micro-batches' padded tokens, extra tokens of its trainer's
+    multi-adapter layout (``layout``, default the run's own), adapter count and seconds (alone and
+    beside a generation on its GPU); and the run's publish waits per adapter."""
+    cfg, summary, spans = recorded or load_recorded(run_dir)
+    layout = layout or trainer_layout(summary)
     engine = _busy(spans, "generate")
     cap = cfg["trainer"]["max_tokens_per_microbatch"]
     gen = {(s["gpu"], s["job"], s["attrs"].get("step")): s for s in spans if s["phase"] == "generate"}
@@ -103,7 +118,7 @@ def train_samples(run_dir: Path, recorded: tuple | None = None) -> tuple[list[di
                 raise ConfigError(f"{run_dir}: train span of {m['job']} step {m['attrs'].get('step')} "
                                   "has no generate span to take its rows from")
             rows.append(step_rows(g["attrs"]["prompt_tokens"], g["attrs"]["n_sequences"], g["attrs"]["response_tokens"]))
-        mbs, regroup = microbatch_costs(rows, cap)
+        mbs, regroup = microbatch_costs(rows, cap, layout)
         corun = _overlap(start, end, engine.get(gpu, []))
         samples.append({"microbatches": len(mbs), "padded_tokens": sum(mbs), "regroup_tokens": regroup,
                         "adapters": len(members), "s": end - start, "alone_s": end - start - corun,
@@ -135,13 +150,16 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     from sim.profile import Profile, add_source, profile_dict
 
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
+    layouts: dict[str, list[str]] = {}
     for rd in map(Path, runs):
         recorded = load_recorded(rd)
         cfg, summary, _ = recorded
         if jobs_per_gpu(cfg) > fit_max_jobs:
             skipped.append(str(rd))
             continue
-        s, p = train_samples(rd, recorded)
+        layout = trainer_layout(summary)
+        layouts.setdefault(layout, []).append(str(rd))
+        s, p = train_samples(rd, recorded, layout)
         samples += s
         publish += p
         gens += [dict(g, dedicated=cfg["arm"]["policy"] == "dedicated") for g in generate_samples(rd, recorded)]
@@ -150,6 +168,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         for d in summary.get("diagnostics", []):
             if d.get("host") and d["host"] not in hosts:
                 hosts.append(d["host"])
+    if len(layouts) > 1:
+        raise ConfigError("nodus fit: the runs' trainers used different multi-adapter layouts ("
+                          + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layouts.items()))
+                          + "); fit the runs of one layout")
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
                           f"(need >= 3); held out: {skipped}")
@@ -217,6 +239,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     prof["train"]["per_microbatch"] = {"a_s": float(a), "b_s_per_unit": float(b)}
     prof["train"]["s_per_adapter"] = float(c)
     prof["train"]["s_per_regroup_token"] = float(d)
+    prof["train"]["extra_tokens_layout"] = next(iter(layouts), "padded")
     prof["train"]["max_profiled_tokens"] = int(max(tok.max(), prof["train"].get("max_profiled_tokens") or 0))
     if publish:
         prof["publish"]["save_s_per_adapter"] = float(np.median(publish))
@@ -244,7 +267,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         "train_fit": {"a_s_per_microbatch": float(a), "b_s_per_padded_token": float(b),
                       "c_s_per_adapter": float(c), "c_source": c_source,
                       "d_s_per_regroup_token": float(d),
-                      "d_source": "fitted" if "d" in names else "0 (no regrouping in the fitted runs)",
+                      "d_source": "fitted" if "d" in names else "0 (no multi-adapter micro-batch in the fitted runs)",
+                      "d_layout": prof["train"]["extra_tokens_layout"],
                       "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel))),
                       # Fitted terms the non-negative fit pinned at 0: what the runs did not
                       # separate (e.g. padded tokens that only moved with the micro-batch count).

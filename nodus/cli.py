@@ -171,7 +171,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
     t = f["train_fit"]
     print(f"fitted on {len(f['runs'])} run(s), {f['train_steps']} train steps (held out: {len(f['held_out'])}): "
           f"train = {t['a_s_per_microbatch']:.4f} s/micro-batch + {t['b_s_per_padded_token'] * 1e6:.3f} us/padded token "
-          f"+ {t['c_s_per_adapter']:.4f} s/adapter + {t['d_s_per_regroup_token'] * 1e6:.3f} us/regroup token "
+          f"+ {t['c_s_per_adapter']:.4f} s/adapter + {t['d_s_per_regroup_token'] * 1e6:.3f} us/extra token "
+          f"({t.get('d_layout', 'padded')} layout) "
           f"(fit MAPE {t['mape']:.1%}, worst {t['worst']:.1%}); "
           f"publish {f['publish_s_per_adapter']} s/adapter")
     if t.get("at_zero"):

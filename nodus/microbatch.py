@@ -40,14 +40,21 @@ def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tu
     return batches
 
 
-def microbatch_costs(lengths: list[list[int]], max_tokens: int) -> tuple[list[int], int]:
-    """The padded tokens of each micro-batch, and the tokens the trainer's padded multi-adapter
-    layout adds by regrouping: each micro-batch's jobs padded to its busiest job's row count
-    (J_mb x most rows of one job x longest row, minus the micro-batch's own padded tokens)."""
-    padded, regroup = [], 0
+def microbatch_costs(lengths: list[list[int]], max_tokens: int, layout: str = "padded") -> tuple[list[int], int]:
+    """The padded tokens of each micro-batch, and the extra tokens the trainer's multi-adapter
+    layout works on beyond them. ``padded``: regrouping, each micro-batch's jobs padded to its
+    busiest job's row count (J_mb x most rows of one job x longest row, minus the micro-batch's own
+    padded tokens). ``masked``: every row meets every adapter of its micro-batch in the LoRA GEMMs
+    (J_mb x r inner columns), so the micro-batch's padded tokens x (J_mb - 1) extra adapter-tokens."""
+    if layout not in ("padded", "masked"):
+        raise ValueError(f"layout={layout!r}: padded or masked")
+    padded, extra = [], 0
     for mb in plan_microbatches(lengths, max_tokens):
         longest = max(lengths[j][s] for j, s in mb)
         counts = Counter(j for j, _ in mb)
         padded.append(len(mb) * longest)
-        regroup += (len(counts) * max(counts.values()) - len(mb)) * longest
-    return padded, regroup
+        if layout == "padded":
+            extra += (len(counts) * max(counts.values()) - len(mb)) * longest
+        else:
+            extra += len(mb) * longest * (len(counts) - 1)
+    return padded, extra

@@ -95,7 +95,8 @@ class SimBackend:
         # The real trainer's packing: rows (prompt + response) longest first into micro-batches
         # of at most the cap in padded tokens; the cost is charged on the padded tokens.
         rows = [step_rows(b.prompt_tokens, b.n_sequences, b.response_tokens) for b in a.batches]
-        padded, regroup = microbatch_costs(rows, self.cfg.trainer.max_tokens_per_microbatch)
+        padded, regroup = microbatch_costs(rows, self.cfg.trainer.max_tokens_per_microbatch,
+                                           self.cost.profile.train.extra_tokens_layout)
         work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup)
         yield from self.gpu.work("trainer", work)
         updates = tuple(JobUpdate(b.job_id, new_version=v + 1, tokens=tokens[b.job_id])

@@ -12,6 +12,7 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -78,9 +79,12 @@ class TrainCost(_M):
     per_microbatch: Linear  # x = tokens in the micro-batch (fwd + bwd)
     s_per_adapter: float = Field(ge=0)  # optimizer step + bookkeeping per adapter in the step
     max_profiled_tokens: int = Field(ge=1)
-    # Per token of the padded layout's regrouping beyond the micro-batch's own padded tokens
-    # (jobs spread unevenly over a micro-batch are padded to the busiest job's row count).
+    # Per extra token of the multi-adapter layout (`nodus.microbatch.microbatch_costs`): for
+    # `padded`, the regrouping beyond the micro-batch's own padded tokens (jobs spread unevenly over
+    # a micro-batch are padded to the busiest job's row count); for `masked`, each token times the
+    # other adapters of its micro-batch (the LoRA GEMMs' extra inner columns).
     s_per_regroup_token: float = Field(default=0.0, ge=0)
+    extra_tokens_layout: Literal["padded", "masked"] = "padded"  # the trainer layout that term is of
 
 
 class PublishCost(_M):

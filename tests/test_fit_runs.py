@@ -20,6 +20,7 @@ def _profile_with(tmp_path, name, **train):
     prof["train"]["s_per_regroup_token"] = train.get("d", 0.0)
     prof["publish"]["save_s_per_adapter"] = train["save"]
     prof["decode"]["scale"] = train.get("decode_scale", 1.0)
+    prof["train"]["extra_tokens_layout"] = train.get("layout", "padded")
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(prof))
     return str(path)
@@ -117,6 +118,46 @@ def test_fit_on_two_to_four_job_runs_recovers_every_train_coefficient(tmp_path):
     assert t["per_microbatch"]["b_s_per_unit"] == pytest.approx(1.5e-5, rel=1e-6)
     assert t["s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
     assert t["s_per_regroup_token"] == pytest.approx(4e-6, rel=1e-6)
+
+
+def test_extra_tokens_of_each_multi_adapter_layout():
+    from nodus.microbatch import microbatch_costs
+
+    rows = [[10, 10], [10]]  # job 0: two rows of 10 tokens, job 1: one; all in one micro-batch
+    assert microbatch_costs(rows, 100, "padded") == ([30], 10)  # job 1 padded to 2 rows
+    assert microbatch_costs(rows, 100, "masked") == ([30], 30)  # each row meets the other adapter
+    assert microbatch_costs([[10, 10]], 100, "masked") == ([20], 0)  # one adapter: nothing extra
+    with pytest.raises(ValueError, match="layout='bmm'"):
+        microbatch_costs(rows, 100, "bmm")
+
+
+def _mark_layout(run, layout):
+    """A real run records its trainer's layout among its workers' diagnostics."""
+    summary = json.loads((run / "summary.json").read_text())
+    summary["diagnostics"] = [{"workers": {"trainer0": {"lora_layout": layout}}}]
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_fit_on_masked_layout_runs_fits_its_extra_tokens_and_refuses_mixed_layouts(tmp_path):
+    """The masked layout's extra work (tokens x other adapters of the micro-batch) is the term a
+    masked trainer's runs pin; the profile records the layout, and the simulator charges it."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.05, d=2e-6, save=0.04, layout="masked")
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.001, d=0.0, save=0.2)
+    runs = []
+    for jobs in (2, 3, 4):
+        out = tmp_path / f"sync{jobs}"
+        simulate(config_from_args(jobs=jobs, steps=3, policy="shared-sync", sharing="none", profile=truth,
+                                  seed=jobs), out)
+        _mark_layout(out, "auto" if jobs == 3 else "masked")  # auto takes the masked path
+        runs.append(out)
+    prof = fit(runs, base=wrong)
+    t = prof["train"]
+    assert t["extra_tokens_layout"] == "masked"
+    assert t["s_per_regroup_token"] == pytest.approx(2e-6, rel=1e-6)
+    assert t["s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
+    _mark_layout(runs[0], "padded")
+    with pytest.raises(ConfigError, match="different multi-adapter layouts"):
+        fit(runs, base=wrong)
 
 
 def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
