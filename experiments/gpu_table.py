@@ -241,6 +241,9 @@ def render(table: dict) -> str:
     for k, aa in table["aa"].items():
         lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
                      f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")
+    for seed, name in sorted((table.get("timelines") or {}).items()):
+        lines.append(f"\nTimelines of seed {seed}'s 8-job arms on one time axis (each factor as a shorter "
+                     f"timeline for the same optimizer steps): `{name}`")
     return "\n".join(lines)
 
 
@@ -299,6 +302,58 @@ def plot(table: dict, path: Path) -> None:
     plt.close(fig)
 
 
+LADDER = ("dedicated/none/g1", "shared-sync/none/g1", "overlap/none/g2", "overlap/mps/g2")
+
+
+def plot_timelines(table: dict, seed: str, path: Path) -> list[str]:
+    """One panel per 8-job arm of the factor ladder measured on ``seed``, on one time axis: each
+    group's generate (engine), train and publish (trainer) actions, so each factor's gain shows as
+    a shorter timeline for the same 40 optimizer steps. Returns the arms drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from nodus.timeline import read_jsonl
+
+    arms = [a for a in LADDER if seed in table["arms"].get(a, {})]
+    if not arms:
+        return []
+    colors = {"generate": "tab:blue", "train": "tab:orange", "publish": "tab:green"}
+    fig, axes = plt.subplots(len(arms), 1, figsize=(12, 1.3 + 1.1 * len(arms)), sharex=True, squeeze=False)
+    for ax, arm in zip(axes[:, 0], arms):
+        d = table["arms"][arm][seed]
+        acts = {(sp.phase, gpu, sp.group, sp.start_s, sp.end_s)
+                for gpu, spans in enumerate(read_jsonl(Path(d["run"]) / "spans.jsonl")) for sp in spans
+                if sp.phase in colors and sp.end_s > sp.start_s}
+        if arm.startswith("dedicated"):
+            # One GPU per job: its jobs' timelines one after another (the GPU-seconds it bills).
+            offset, shifted = 0.0, []
+            for gpu in sorted({a[1] for a in acts}):
+                mine = [a for a in acts if a[1] == gpu]
+                t0 = min(a[3] for a in mine)
+                shifted += [(a[0], 0, 0, a[3] - t0 + offset, a[4] - t0 + offset) for a in mine]
+                offset += max(a[4] for a in mine) - t0
+            acts = set(shifted)
+        groups = sorted({a[2] for a in acts})
+        for phase, _, group, start, end in acts:
+            row = groups.index(group) * 2 + (0 if phase == "generate" else 1)
+            ax.barh(row, end - start, left=start, color=colors[phase], height=0.8)
+        ax.set_yticks(range(2 * len(groups)))
+        ax.set_yticklabels([f"g{g} {side}" for g in groups for side in ("engine", "trainer")], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{arm}: {d['steps_per_gpu_hour']:.0f} steps/GPU-h ({d['ratio_vs_dedicated']:.2f}x)"
+                     if d.get("ratio_vs_dedicated") else f"{arm}: {d['steps_per_gpu_hour']:.0f} steps/GPU-h",
+                     fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("seconds (dedicated: its jobs' GPUs one after another)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    axes[0, 0].legend(handles, list(colors), fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return arms
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
@@ -310,6 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--note", action="append", default=[], help="a line for the table's notes; repeatable")
     ap.add_argument("--learning", type=Path,
                     help="a `nodus compare --json` report of learning runs: its gate verdicts join the table")
+    ap.add_argument("--timelines", action="append", default=[], metavar="SEED",
+                    help="draw the 8-job arms of this seed on one time axis (<out>_timelines_s<SEED>.png); repeatable")
     a = ap.parse_args(argv)
     run_profiles = {}
     for item in a.run_profile:
@@ -325,6 +382,14 @@ def main(argv: list[str] | None = None) -> dict:
     out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
     out.with_suffix(".md").write_text(render(table) + "\n")
     plot(table, out.with_suffix(".png"))
+    for seed in a.timelines:
+        path = out.with_name(f"{out.name}_timelines_s{seed}.png")
+        if not plot_timelines(table, str(seed), path):
+            ap.error(f"--timelines {seed}: no 8-job run of {', '.join(LADDER)} on that seed")
+        table.setdefault("timelines", {})[str(seed)] = path.name
+    if a.timelines:
+        out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
+        out.with_suffix(".md").write_text(render(table) + "\n")
     print(render(table))
     return table
 

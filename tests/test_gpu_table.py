@@ -168,3 +168,19 @@ def test_a_run_whose_trainer_waited_for_publish_is_its_own_row():
     assert arm_label(dict(arm, trainer_waits_for_publish=True)) == "overlap/mps/g2+waitpub"
     assert arm_label(dict(arm, trainer_waits_for_publish=False)) == "overlap/mps/g2"
     assert arm_label(arm) == "overlap/mps/g2"  # recorded before the field: no label
+
+
+def test_timelines_draw_a_seeds_ladder_arms_on_one_axis(tmp_path):
+    from experiments.gpu_table import main, plot_timelines
+
+    runs = []
+    for name, kw in (("ded", dict(policy="dedicated", sharing="none")),
+                     ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))):
+        simulate(config_from_args(jobs=8, steps=2, seed=1, **kw), tmp_path / name)
+        runs.append(str(tmp_path / name))
+    table = main(runs + ["--out", str(tmp_path / "t"), "--timelines", "1"])
+    assert table["timelines"] == {"1": "t_timelines_s1.png"} and (tmp_path / "t_timelines_s1.png").stat().st_size > 0
+    assert "t_timelines_s1.png" in (tmp_path / "t.md").read_text()
+    assert plot_timelines(table, "1", tmp_path / "x.png") == ["dedicated/none/g1", "overlap/mps/g2"]
+    with pytest.raises(SystemExit):
+        main(runs + ["--out", str(tmp_path / "u"), "--timelines", "7"])  # no run on seed 7
