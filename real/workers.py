@@ -106,7 +106,8 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
 
 def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     """Commands: ("add", tag, job_id, JobConfig, save_path) saves version 0;
-    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir[, mb_tokens]); ("remove", tag, [job]); ("stop",)."""
+    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir[, mb_tokens]);
+    ("remove", tag, [job]); ("stop",)."""
     _apply_env(spec.env)
     try:
         import torch
