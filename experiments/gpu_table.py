@@ -212,14 +212,16 @@ def render(table: dict) -> str:
     lines = [f"Measured on the GPU; simulator on profile `{table['profile']}`{others}, replaying each run's lengths.", ""]
     lines += [f"- {n}" for n in table.get("notes") or []] + ([""] if table.get("notes") else [])
     lines += ["| arm | seed | steps/GPU-h | ratio vs dedicated | reference ratio | sim steps/GPU-h | sim ratio | "
-              "busy engine / trainer / GPU | per-job slowdown min-max | stale |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "rollout tokens/GPU-s | busy engine / trainer / GPU | per-job slowdown min-max | stale |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = (lambda x, p=2: "-" if x is None else f"{x:.{p}f}")
     for label, per in table["arms"].items():
         for seed, d in sorted(per.items()):
             b = d.get("busy") or {}
             lines.append(f"| {label} | {seed} | {d['steps_per_gpu_hour']:.0f} | {f(d['ratio_vs_dedicated'])} | "
                          f"{f(d['reference_ratio'], 3)} | {d['sim_steps_per_gpu_hour']:.0f} | "
-                         f"{f(d['sim_ratio_vs_dedicated'])} | {f(b.get('engine'))} / {f(b.get('trainer'))} / "
+                         f"{f(d['sim_ratio_vs_dedicated'])} | {f(d.get('rollout_tokens_per_gpu_s'), 0)} | "
+                         f"{f(b.get('engine'))} / {f(b.get('trainer'))} / "
                          f"{f(b.get('gpu'))} | {_slow(d)} | {d['stale_rollouts']} |")
     if table.get("factors"):
         lines += ["", "Where the ratio comes from (each factor: one arm over the arm that differs from it in one thing):", "",
