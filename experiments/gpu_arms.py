@@ -80,6 +80,18 @@ def make_random_model(path: Path, shape: str) -> Path:
     return path
 
 
+def _options(args, model, engine_env):
+    from real.backend import RealOptions
+
+    return RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
+                       enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit,
+                       lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
+                       engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
+                       engine_env=engine_env,
+                       trainer_compile=args.trainer_compile, evaluate=args.mode == "tasks",
+                       seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -109,6 +121,10 @@ def main() -> None:
                     help="before the first measured run on each new set of processes, run that arm for one "
                          "step and discard it (compiles and first-use costs land there: session 4's first "
                          "runs measured up to 20%% slower than their repeats)")
+    ap.add_argument("--engine-thread-pct", type=int, default=None,
+                    help="MPS active thread percentage of the engine (MPS arms; run keys get -e<pct>)")
+    ap.add_argument("--trainer-thread-pct", type=int, default=None,
+                    help="MPS active thread percentage of the trainer (MPS arms; run keys get -t<pct>)")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
@@ -133,20 +149,15 @@ def main() -> None:
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
     from nodus.simulate import config_from_args, simulate, write_run
-    from real.backend import RealOptions
 
     try:
         engine_env = tuple(env_pairs(args.engine_env))
-    except ConfigError as err:
-        raise SystemExit(str(err))
+        opts = _options(args, args.model_dir, engine_env)  # bad settings fail before any model is made
+    except (ConfigError, ValueError) as err:
+        raise SystemExit(f"gpu_arms: {err}")
     args.out.mkdir(parents=True, exist_ok=True)
-    model = make_random_model(args.model_dir, args.shape) if args.mode == "synthetic" else args.model_dir
-    opts = RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
-                       enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit,
-                       lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
-                       engine_env=engine_env,
-                       trainer_compile=args.trainer_compile, evaluate=args.mode == "tasks",
-                       seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
+    if args.mode == "synthetic":
+        make_random_model(args.model_dir, args.shape)
     from nodus.config import default_jobs
 
     job_counts = [int(x) for x in str(args.jobs).split(",") if x]
@@ -175,6 +186,7 @@ def main() -> None:
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
                      "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
+                     "engine_thread_pct": args.engine_thread_pct, "trainer_thread_pct": args.trainer_thread_pct,
                      "engine_env": args.engine_env, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
     pool = ClusterPool(opts, min_loras=max(job_counts + [sp[1] for sp in specs if sp[1]]))
@@ -195,7 +207,11 @@ def main() -> None:
                                     for r in repeats):
                 if g > n or (rep and seed not in aa_seeds):
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
-                variant = "-lowpri" if sharing == "mps" and args.trainer_priority != "normal" else ""
+                variant = ""
+                if sharing == "mps":
+                    variant += "-lowpri" if args.trainer_priority != "normal" else ""
+                    variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""
+                    variant += f"-t{args.trainer_thread_pct}" if args.trainer_thread_pct else ""
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = ("" if not arm_mb or arm_mb == args.mb_tokens
                           else f"-mb{arm_mb // 1024}k" if arm_mb % 1024 == 0 else f"-mb{arm_mb}")

@@ -20,3 +20,17 @@ def test_arm_specs_name_their_own_job_count_and_groups():
 def test_bad_arm_specs_are_clear_errors(bad, says):
     with pytest.raises(SystemExit, match=says):
         parse_arm(bad)
+
+
+@pytest.mark.parametrize("flag, says", [("--engine-thread-pct=150", "engine_thread_pct"),
+                                        ("--trainer-thread-pct=0", "trainer_thread_pct")])
+def test_bad_mps_thread_percentages_stop_before_any_work(tmp_path, monkeypatch, flag, says):
+    import sys
+
+    from experiments import gpu_arms
+
+    monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "out"), flag,
+                                      "--model-dir", str(tmp_path / "model")])
+    with pytest.raises(SystemExit, match=says):
+        gpu_arms.main()
+    assert not (tmp_path / "model").exists() and not (tmp_path / "out").exists()
