@@ -174,7 +174,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
           f"+ {t['c_s_per_adapter']:.4f} s/adapter + {t['d_s_per_regroup_token'] * 1e6:.3f} us/extra token "
           f"({t.get('d_layout', 'padded')} layout) "
           f"(fit MAPE {t['mape']:.1%}, worst {t['worst']:.1%}); "
-          f"publish {f['publish_s_per_adapter']} s/adapter")
+          + (f"publish {f['publish_s_per_adapter']:.4f} s/adapter" if f["publish_s_per_adapter"] is not None
+             else "publish kept from the base (no publish in the fitted runs)"))
     if t.get("at_zero"):
         print(f"note: fitted at 0: {', '.join(t['at_zero'])} — these runs do not vary that term apart from the "
               "others; runs of other sizes would pin it")

@@ -131,3 +131,28 @@ def test_runs_recorded_before_the_trainer_stopped_waiting_for_publish_replay_tha
     del old["arm"]["trainer_waits_for_publish"]
     for c in recorded_configs(rd, old, spans, "h200-qwen3-0.6b"):
         assert c["arm"]["trainer_waits_for_publish"] is True
+
+
+def test_annotate_a_shipped_profile_named_by_name_writes_its_own_file(tmp_path, monkeypatch):
+    """`nodus validate --profile NAME --annotate <that profile's file>` annotates it in place; any
+    other existing file is refused."""
+    import importlib.resources
+    import json
+    import shutil
+
+    import pytest
+
+    from calibration.validate import annotate_profile
+
+    shipped = importlib.resources.files("calibration") / "profiles" / "h200-qwen3-0.6b.json"
+    (tmp_path / "profiles").mkdir()
+    mine = tmp_path / "profiles" / "mine.json"
+    shutil.copy(str(shipped), mine)
+    monkeypatch.setattr(importlib.resources, "files", lambda pkg: tmp_path)
+    rep = {"rows": [], "heldout_replay": {"mape": 0.1, "bias": 0.01, "worst": 0.2, "kendall_tau": 0.5}}
+    annotate_profile("mine", rep, mine, report="r.md")
+    assert json.loads(mine.read_text())["validation"]["heldout_mape"] == 0.1
+    other = tmp_path / "other.json"
+    other.write_text("{}")
+    with pytest.raises(FileExistsError, match="not the profile being annotated"):
+        annotate_profile("mine", rep, other)
