@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
-from nodus.config import POLICIES, SHARINGS, ConfigError, load_config
+from nodus.config import POLICIES, SHARINGS, ConfigError, RunConfig, load_config
 
 
 def _add_arm_flags(p: argparse.ArgumentParser) -> None:
@@ -40,12 +41,38 @@ def cmd_profiles(a: argparse.Namespace) -> int:
     return 0
 
 
+def what_if_factors(items: list[str]) -> dict[str, float]:
+    """['train=0.5', 'decode=0.8'] -> {'train': 0.5, 'decode': 0.8}; malformed items are errors."""
+    out: dict[str, float] = {}
+    for item in items:
+        phase, sep, val = item.partition("=")
+        try:
+            out[phase] = float(val) if sep else float("nan")
+        except ValueError:
+            out[phase] = float("nan")
+        if not sep or not out[phase] > 0:
+            raise ConfigError(f"--what-if {item!r}: expected PHASE=FACTOR with a factor > 0 (e.g. train=0.5)")
+    return out
+
+
 def cmd_sim(a: argparse.Namespace) -> int:
     from nodus.simulate import config_from_args, render_table, simulate
 
+    profile = a.profile
+    if a.what_if:
+        import tempfile
+
+        from sim.profile import profile_dict, what_if
+
+        prof = what_if(profile_dict(a.profile or RunConfig.model_fields["profile"].default),
+                       what_if_factors(a.what_if))
+        profile = str(Path(tempfile.mkdtemp(prefix="nodus-what-if-")) / "profile.json")
+        Path(profile).write_text(json.dumps(prof, indent=1))
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
-                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile)
+                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=profile)
     summary = simulate(cfg, a.out)
+    if a.what_if and a.out:
+        shutil.copy(profile, Path(a.out) / "what_if_profile.json")
     if a.json:
         print(json.dumps(summary, sort_keys=True, default=str))
     else:
@@ -208,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sim", help="simulate one arm (and its dedicated baseline) on a profile")
     _add_arm_flags(p)
     p.add_argument("--profile", help="shipped profile name or profile JSON path (default h200-qwen3-0.6b)")
+    p.add_argument("--what-if", action="append", default=[], metavar="PHASE=FACTOR",
+                   help="scale a phase's costs on the profile, hypothetically (train, decode, prefill, "
+                        "publish; 0.5: twice as fast); repeatable; the report lists it as an assumption")
     p.set_defaults(fn=cmd_sim)
 
     p = sub.add_parser("profiles", help="the shipped simulator profiles: where measured, and their error bars")

@@ -215,6 +215,41 @@ def add_source(prof: dict, source: str) -> None:
     env["sources"] = list(env.get("sources") or []) + [source]
 
 
+WHAT_IF_PHASES = ("train", "decode", "prefill", "publish")
+
+
+def what_if(prof: dict, factors: dict[str, float]) -> dict:
+    """A hypothetical profile: each named phase's costs times its factor (0.5: twice as fast).
+    `train`: every train cost term; `decode`: every decode step; `prefill`: prefill; `publish`:
+    the adapter save and engine load. It has no validation (none was measured) and lists the
+    factors among its assumptions."""
+    prof = json.loads(json.dumps(prof))
+    for phase, f in factors.items():
+        if phase not in WHAT_IF_PHASES:
+            raise ConfigError(f"what-if {phase}={f}: phase must be one of {', '.join(WHAT_IF_PHASES)}")
+        if not f > 0:
+            raise ConfigError(f"what-if {phase}={f}: the factor must be > 0")
+        if phase == "train":
+            t = prof["train"]
+            t["per_microbatch"] = {k: v * f for k, v in t["per_microbatch"].items()}
+            t["s_per_adapter"] *= f
+            t["s_per_regroup_token"] = t.get("s_per_regroup_token", 0.0) * f
+        elif phase == "decode":
+            prof["decode"]["scale"] = prof["decode"].get("scale", 1.0) * f
+        elif phase == "prefill":
+            for k in ("no_lora", "lora"):
+                prof["prefill"][k] = {kk: v * f for kk, v in prof["prefill"][k].items()}
+        else:
+            prof["publish"] = {k: v * f for k, v in prof["publish"].items()}
+    text = ", ".join(f"{k} x{v:g}" for k, v in sorted(factors.items()))
+    prof.pop("validation", None)
+    prof["assumptions"] = list(prof.get("assumptions") or []) + [
+        {"id": "what-if", "value": None, "what": f"hypothetical: {text} (not measured)"}]
+    add_source(prof, f"what-if {text}")
+    Profile.model_validate(prof)
+    return prof
+
+
 def refuse_existing(out: str | Path, tool: str) -> None:
     """Profiles are never overwritten: check before any costly measuring."""
     if Path(out).exists():

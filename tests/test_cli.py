@@ -76,3 +76,17 @@ def test_profiles_lists_each_shipped_profile_with_its_error_bar(capsys):
     assert 0 < shipped["heldout_mape"] < 1 and shipped["report"].endswith(".md")
     assert main(["profiles"]) == 0
     assert "| h200-qwen3-0.6b |" in capsys.readouterr().out
+
+
+def test_sim_what_if_reports_the_hypothesis_and_bad_factors_are_clear_errors(capsys):
+    from nodus.cli import main
+
+    assert main(["sim", "--steps", "2", "--json"]) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(["sim", "--steps", "2", "--json", "--what-if", "train=0.5"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["steps_per_gpu_hour"] > base["steps_per_gpu_hour"]
+    assert any("train x0.5" in a["what"] for a in fast["assumptions"])
+    for bad in ("train", "train=-1", "train=x"):
+        assert main(["sim", "--what-if", bad]) == 2
+        assert "PHASE=FACTOR" in capsys.readouterr().err

@@ -61,3 +61,24 @@ def test_fit_linear_rel_stays_non_negative():
     assert b == 0 and a == pytest.approx(4.9, rel=0.02)
     a, b = fit_linear_rel([100, 200, 400], [0.9, 2.1, 4.0])  # negative intercept: through the origin
     assert a == 0 and b > 0
+
+
+def test_what_if_scales_one_phase_and_marks_the_profile_hypothetical():
+    import pytest
+
+    from nodus.config import ConfigError
+    from sim.profile import CostModel, Profile, profile_dict, what_if
+
+    base = profile_dict("h200-qwen3-0.6b")
+    half = what_if(base, {"train": 0.5, "decode": 0.8})
+    b, h = CostModel(Profile.model_validate(base), "b"), CostModel(Profile.model_validate(half), "h")
+    assert h.train_s([8000, 4000], adapters=2, regroup_tokens=100) == pytest.approx(
+        0.5 * b.train_s([8000, 4000], adapters=2, regroup_tokens=100))
+    assert h.decode_step_s(256, 30000, 4) == pytest.approx(0.8 * b.decode_step_s(256, 30000, 4))
+    assert h.prefill_s(1000, lora=True, cold=True) == b.prefill_s(1000, lora=True, cold=True)  # untouched
+    assert "validation" not in half and any(a["id"] == "what-if" for a in half["assumptions"])
+    assert "validation" in base  # the base is not changed
+    with pytest.raises(ConfigError, match="phase must be one of"):
+        what_if(base, {"gpu": 0.5})
+    with pytest.raises(ConfigError, match="factor must be > 0"):
+        what_if(base, {"train": 0.0})
