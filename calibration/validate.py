@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import ConfigError, build_config
+from nodus.config import DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config
 from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
@@ -146,9 +146,6 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     return report
 
 
-DEFAULT_MB_TOKENS = 16384  # nodus.config.TrainerSpec's default
-
-
 def config_key(row: dict) -> tuple:
     """Runs of one configuration: the same arm, job count and trainer micro-batch size (seeds and
     repeats differ)."""
@@ -161,7 +158,7 @@ def config_label(row: dict) -> str:
     arm = row["arm"]
     mb = row.get("mb_tokens")
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" mb={mb}" if mb and mb != DEFAULT_MB_TOKENS else ""))
+            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else ""))
 
 
 def _by_config(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -293,13 +290,12 @@ def plot_validation(rep: dict, path: Path) -> None:
 def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | None = None) -> dict:
     """The profile with `rep`'s held-out errors as its `validation`, written to `out` (a new file,
     or the same path as a profile file being annotated in place)."""
-    from sim.profile import profile_dict, write_profile
+    from sim.profile import profile_dict, shipped_profile_path, write_profile
 
     out = Path(out)
     src = Path(profile)
     if not src.exists() and not profile.endswith(".json"):  # a shipped profile by name: its file
-        from importlib import resources
-        src = Path(str(resources.files("calibration") / "profiles" / f"{profile}.json"))
+        src = Path(str(shipped_profile_path(profile)))
     in_place = src.exists() and out.resolve() == src.resolve()
     if out.exists() and not in_place:
         raise FileExistsError(f"--annotate {str(out)!r} exists and is not the profile being annotated")

@@ -80,10 +80,10 @@ def make_random_model(path: Path, shape: str) -> Path:
     return path
 
 
-def _options(args, model, engine_env):
+def _options(args, engine_env):
     from real.backend import RealOptions
 
-    return RealOptions(model=str(model), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
+    return RealOptions(model=str(args.model_dir), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
                        enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit,
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
                        engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
@@ -146,13 +146,14 @@ def main() -> None:
 
     from nodus.cli import env_pairs
     from nodus.config import ConfigError
+    from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
     from nodus.simulate import config_from_args, simulate, write_run
 
     try:
         engine_env = tuple(env_pairs(args.engine_env))
-        opts = _options(args, args.model_dir, engine_env)  # bad settings fail before any model is made
+        opts = _options(args, engine_env)  # bad settings fail before any model is made
     except (ConfigError, ValueError) as err:
         raise SystemExit(f"gpu_arms: {err}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -213,8 +214,7 @@ def main() -> None:
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""
                     variant += f"-t{args.trainer_thread_pct}" if args.trainer_thread_pct else ""
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
-                mb_key = ("" if not arm_mb or arm_mb == args.mb_tokens
-                          else f"-mb{arm_mb // 1024}k" if arm_mb % 1024 == 0 else f"-mb{arm_mb}")
+                mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'-waitpub' if arm_wait else ''}{suffix(n)}"
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.

@@ -20,6 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+from nodus.config import DEFAULT_MICROBATCH_TOKENS
+from nodus.microbatch import mb_tag
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 REFERENCE = {  # the published study's ratios (8 jobs unless named); for the comparison column only
@@ -29,7 +32,6 @@ REFERENCE = {  # the published study's ratios (8 jobs unless named); for the com
 REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}  # its 2- and 4-job points
 
 
-DEFAULT_MB_TOKENS = 16384  # the trainer's default micro-batch (nodus.config.TrainerSpec)
 
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
@@ -40,9 +42,9 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
     if arm.get("trainer_waits_for_publish"):  # set only by runs that chose it (earlier runs: absent)
         label += "+waitpub"
-    mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MB_TOKENS)
-    if mb != DEFAULT_MB_TOKENS:
-        label += f"+mb{mb // 1024}k" if mb % 1024 == 0 else f"+mb{mb}"
+    mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MICROBATCH_TOKENS)
+    if mb != DEFAULT_MICROBATCH_TOKENS:
+        label += f"+{mb_tag(mb)}"
     controls = next((d["sharing_controls"] for d in (summary or {}).get("diagnostics", [])
                      if d.get("sharing_controls")), {})
     if controls.get("trainer_priority", "normal") != "normal":
@@ -381,17 +383,14 @@ def main(argv: list[str] | None = None) -> dict:
         table["learning"] = learning_guard(json.loads(a.learning.read_text()), str(a.learning))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(table) + "\n")
-    plot(table, out.with_suffix(".png"))
     for seed in a.timelines:
         path = out.with_name(f"{out.name}_timelines_s{seed}.png")
         if not plot_timelines(table, str(seed), path):
             ap.error(f"--timelines {seed}: no 8-job run of {', '.join(LADDER)} on that seed")
         table.setdefault("timelines", {})[str(seed)] = path.name
-    if a.timelines:
-        out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
-        out.with_suffix(".md").write_text(render(table) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(table) + "\n")
+    plot(table, out.with_suffix(".png"))
     print(render(table))
     return table
 

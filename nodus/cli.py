@@ -45,13 +45,14 @@ def what_if_factors(items: list[str]) -> dict[str, float]:
     """['train=0.5', 'decode=0.8'] -> {'train': 0.5, 'decode': 0.8}; malformed items are errors."""
     out: dict[str, float] = {}
     for item in items:
-        phase, sep, val = item.partition("=")
+        phase, _, val = item.partition("=")
         try:
-            out[phase] = float(val) if sep else float("nan")
+            factor = float(val)  # no '=' leaves val empty: a ValueError too
         except ValueError:
-            out[phase] = float("nan")
-        if not sep or not out[phase] > 0:
+            factor = float("nan")
+        if not factor > 0:
             raise ConfigError(f"--what-if {item!r}: expected PHASE=FACTOR with a factor > 0 (e.g. train=0.5)")
+        out[phase] = factor
     return out
 
 

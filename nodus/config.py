@@ -19,6 +19,9 @@ POLICIES: tuple[str, ...] = ("dedicated", "shared-sync", "overlap", "timeslice")
 SHARINGS: tuple[str, ...] = ("none", "mps")
 
 
+DEFAULT_MICROBATCH_TOKENS = 16384  # the trainer's micro-batch cap unless a config sets one
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field and the value."""
 
@@ -101,7 +104,7 @@ class TrainerSpec(_Model):
     """The one trainer."""
 
     # 16k tokens: the trainer peaks at ~46 GiB on Qwen3-0.6B, leaving room for the engine (32k: ~80 GiB)
-    max_tokens_per_microbatch: int = Field(default=16384, ge=256)
+    max_tokens_per_microbatch: int = Field(default=DEFAULT_MICROBATCH_TOKENS, ge=256)
     max_grad_norm: float = Field(default=1.0, gt=0)
 
 

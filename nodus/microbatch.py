@@ -40,6 +40,12 @@ def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tu
     return batches
 
 
+def mb_tag(tokens: int) -> str:
+    """A micro-batch size in run keys and table labels: 'mb32k' for 32768 tokens, 'mb512' for a
+    size that is not a multiple of 1024."""
+    return f"mb{tokens // 1024}k" if tokens % 1024 == 0 else f"mb{tokens}"
+
+
 def microbatch_costs(lengths: list[list[int]], max_tokens: int, layout: str = "padded") -> tuple[list[int], int]:
     """The padded tokens of each micro-batch, and the extra tokens the trainer's multi-adapter
     layout works on beyond them. ``padded``: regrouping, each micro-batch's jobs padded to its

@@ -178,6 +178,11 @@ def profile_summaries() -> list[dict]:
     return out
 
 
+def shipped_profile_path(name: str):
+    """The file of the shipped profile ``name`` (it need not exist)."""
+    return resources.files("calibration") / "profiles" / f"{name}.json"
+
+
 def load_profile(name_or_path: str) -> "CostModel":
     """A shipped profile by name (e.g. 'h200-qwen3-0.6b') or a JSON file by path."""
     p = Path(name_or_path)
@@ -185,7 +190,7 @@ def load_profile(name_or_path: str) -> "CostModel":
         if name_or_path not in shipped_profiles():
             raise ConfigError(f"profile={name_or_path!r} is neither a file nor a shipped profile "
                               f"({', '.join(shipped_profiles())})")
-        text = (resources.files("calibration") / "profiles" / f"{name_or_path}.json").read_text()
+        text = shipped_profile_path(name_or_path).read_text()
         source = f"shipped profile {name_or_path}"
     else:
         if not p.is_file():
