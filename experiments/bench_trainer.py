@@ -57,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform",
                    help="longtail: response lengths lognormal (median 100, sigma 0.8, <= seq-tokens minus "
                         "prompt), like the reference workload's; uniform: see --length-spread")
+    p.add_argument("--lengths-from", default=None, metavar="RUN_DIR",
+                   help="the rows of a recorded real run instead of synthetic ones: each job's prompt and "
+                        "response lengths of one step (its spans.jsonl generate spans); --jobs and "
+                        "--seqs-per-job then come from the run")
+    p.add_argument("--lengths-step", type=int, default=1, help="which step of --lengths-from (0-based)")
     p.add_argument("--layouts", default="auto",
                    help="comma list of trainer LoRA layouts to measure multi with (auto, masked, padded)")
     p.add_argument("--rank", type=int, default=16)
@@ -133,6 +138,34 @@ def make_batch(args, n_seqs, vocab, seed):
     ids = [rng.integers(0, vocab, n).tolist() for n in lengths]
     mask = [[0] * args.prompt_tokens + [1] * (n - args.prompt_tokens) for n in lengths]
     return JobBatch(ids, mask, rng.normal(size=n_seqs).tolist())
+
+
+def recorded_lengths(run_dir: str, step: int) -> dict[str, tuple[int, list[int]]]:
+    """job -> (prompt tokens per sequence, response lengths) of ``step`` in a recorded run."""
+    path = Path(run_dir) / "spans.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"--lengths-from {run_dir}: no spans.jsonl there (a run folder of nodus run / gpu_arms)")
+    out = {}
+    for line in path.read_text().splitlines():
+        span = json.loads(line)
+        attrs = span.get("attrs") or {}
+        if span.get("phase") == "generate" and attrs.get("step") == step and attrs.get("response_tokens"):
+            n = attrs.get("n_sequences") or len(attrs["response_tokens"])
+            out[span["job"]] = (round(attrs.get("prompt_tokens", 0) / max(n, 1)), list(attrs["response_tokens"]))
+    if not out:
+        raise SystemExit(f"--lengths-from {run_dir}: no generate span of step {step} with response lengths")
+    return out
+
+
+def recorded_batch(prompt: int, responses: list[int], vocab: int, seed: int):
+    import numpy as np
+
+    from real.trainer import JobBatch
+
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, vocab, prompt + r).tolist() for r in responses]
+    mask = [[0] * prompt + [1] * r for r in responses]
+    return JobBatch(ids, mask, rng.normal(size=len(responses)).tolist())
 
 
 def batch_tokens(batches) -> tuple[int, int]:
@@ -415,46 +448,18 @@ def bench_profile(args, trainer, batches, device) -> list[dict]:
 
 
 def profile_step(trainer, batches, device, label: str) -> dict:
-    """One train_step under torch.profiler: the step's wall time, the GPU's kernel time (their
-    ratio says whether the step is launch-bound), the trainer's own phases (``record_function``
-    labels in real/trainer.py) and the kernels and host ops that take the most time."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    """One train_step under torch.profiler (``real.profiling.profile_call``), after one unprofiled."""
+    from real.profiling import profile_call
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     trainer.train_step(batches)  # warm
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        trainer.train_step(batches)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
-    events = prof.key_averages()
-
-    def dev_us(e):
-        return getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
-
-    # GPU time: the kernels and copies themselves (the ops and labels above them would count it twice).
-    kernel_us = sum(e.self_device_time_total for e in prof.events()
-                    if getattr(e, "device_type", None) == DeviceType.CUDA)
-    phases = {e.key: {"cpu_s": round(e.cpu_time_total / 1e6, 4), "calls": e.count,
-                      "device_s": round((getattr(e, "device_time_total", 0) or 0) / 1e6, 4)}
-              for e in events if e.key.startswith("nodus.")}
-    top = sorted(events, key=dev_us, reverse=True)[:30]
-    cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    row = {"layout": label, "wall_s": round(wall, 4), "kernel_s": round(kernel_us / 1e6, 4),
-           "gpu_busy": round(kernel_us / 1e6 / wall, 3), "phases": phases,
-           "top_kernels": [{"name": e.key[:120], "s": round(dev_us(e) / 1e6, 4), "calls": e.count} for e in top],
-           "top_cpu_ops": [{"name": e.key[:120], "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4),
-                            "calls": e.count} for e in cpu_top]}
-    log(f"profile ({label}): wall {wall:.3f} s, kernels {row['kernel_s']} s, busy {row['gpu_busy']}")
+    row = profile_call(lambda: trainer.train_step(batches), device, label)
+    row["layout"] = label
+    log(f"profile ({label}): wall {row['wall_s']:.3f} s, {row['kernels']} kernels {row['kernel_s']} s, "
+        f"busy {row['gpu_busy']}")
     for k in row["top_kernels"][:12]:
         log(f"    {k['s']:.4f} s  x{k['calls']:5d}  {k['name']}")
-    for name, ph in phases.items():
-        log(f"    phase {name}: cpu {ph['cpu_s']} s x{ph['calls']}")
+    for name, ph in row["phases"].items():
+        log(f"    phase {name}: cpu {ph['cpu_s']} s, device {ph['device_s']} s x{ph['calls']}")
     return row
 
 
@@ -508,10 +513,17 @@ def main(argv=None) -> dict:
     trainer = MultiLoRATrainer(base, logprob_chunk_tokens=args.chunk_tokens,
                                gradient_checkpointing=args.gradient_checkpointing,
                                max_tokens_per_microbatch=max(args.mb_tokens))
-    job_ids = [f"job{i}" for i in range(args.jobs)]
+    if args.lengths_from:
+        recorded = recorded_lengths(args.lengths_from, args.lengths_step)
+        job_ids = sorted(recorded)[:args.jobs]
+        batches = {j: recorded_batch(*recorded[j], trainer.vocab_size, seed=i) for i, j in enumerate(job_ids)}
+        result["lengths"] = {j: {"prompt": recorded[j][0], "responses": recorded[j][1]} for j in job_ids}
+        log(f"rows of {args.lengths_from} step {args.lengths_step}: {len(job_ids)} jobs")
+    else:
+        job_ids = [f"job{i}" for i in range(args.jobs)]
+        batches = {j: make_batch(args, args.seqs_per_job, trainer.vocab_size, seed=i) for i, j in enumerate(job_ids)}
     for i, job_id in enumerate(job_ids):
         trainer.add_job(job_id, rank=args.rank, alpha=2 * args.rank, lr=1e-5, seed=i)
-    batches = {j: make_batch(args, args.seqs_per_job, trainer.vocab_size, seed=i) for i, j in enumerate(job_ids)}
 
     run_section(result, "multi", lambda: bench_multi(args, trainer, batches, device), out)
     if args.profile:

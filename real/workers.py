@@ -131,6 +131,11 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     except Exception:  # noqa: BLE001
         outbox.put(("error", name, traceback.format_exc()))
         return
+    # NODUS_TRAINER_PROFILE=FILE: the NODUS_TRAINER_PROFILE_AT-th train command (default 3) runs
+    # under torch.profiler and its summary goes to FILE (one JSON line per worker, appended).
+    profile_to = os.environ.get("NODUS_TRAINER_PROFILE")
+    profile_at = int(os.environ.get("NODUS_TRAINER_PROFILE_AT", "3"))
+    trains = 0
     while True:
         cmd = inbox.get()
         try:
@@ -177,20 +182,54 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 start = time.monotonic()
                 if mb_tokens:  # the run's own size (a pooled cluster serves runs asking for others)
                     trainer.max_tokens_per_microbatch = mb_tokens[0]
-                # The audit reads the training forward's own logprobs (no extra forward).
-                stats = trainer.train_step(batches, audit=engine_logprobs or None)
-                agreement = trainer.last_audit
-                for job_id, st in stats.items():
-                    if not st.failed:
-                        trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype)
-                        if ckpt_dir:
-                            save_checkpoint(trainer, job_id, ckpt_dir)
+                trains += 1
+                done = {}
+
+                def train_and_save():
+                    # The audit reads the training forward's own logprobs (no extra forward).
+                    done["stats"] = trainer.train_step(batches, audit=engine_logprobs or None)
+                    with torch.profiler.record_function("nodus.save"):
+                        for job_id, st in done["stats"].items():
+                            if not st.failed:
+                                trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype)
+                                if ckpt_dir:
+                                    save_checkpoint(trainer, job_id, ckpt_dir)
+
+                if profile_to and trains == profile_at:
+                    _profile_train(train_and_save, done, trainer, spec, name, profile_to, len(batches))
+                else:
+                    train_and_save()
+                stats = done["stats"]
                 if spec.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                outbox.put(("trained", tag, start, time.monotonic(), stats, agreement, trainer.last_microbatches))
+                outbox.put(("trained", tag, start, time.monotonic(), stats, trainer.last_audit,
+                            trainer.last_microbatches))
         except Exception:  # noqa: BLE001
             outbox.put(("error", name, traceback.format_exc()))
             return
+
+
+def _profile_train(fn, done: dict, trainer, spec: TrainerSpec, name: str, path: str, jobs: int) -> None:
+    """Run one train command (``fn``, which leaves its stats in ``done``) under torch.profiler and
+    append the summary to ``path``. The step's own errors propagate as always; a failure to
+    profile or to write the summary is reported on stderr and never fails the run."""
+    import json
+    import sys
+
+    from real.profiling import profile_call
+
+    try:
+        row = profile_call(fn, trainer.device, f"{name} train #{os.environ.get('NODUS_TRAINER_PROFILE_AT', '3')}")
+        row.update(worker=name, jobs=jobs, microbatches=trainer.last_microbatches,
+                   mb_tokens=trainer.max_tokens_per_microbatch, env=dict(spec.env))
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[{name}] profiled train: wall {row['wall_s']} s, kernels {row['kernel_s']} s "
+              f"(busy {row['gpu_busy']}), {row['kernels']} kernels -> {path}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001
+        if "stats" not in done:
+            raise
+        print(f"[{name}] train profile not written: {type(err).__name__}: {err}", file=sys.stderr)
 
 
 def load_base_model(model: str, load_format: str, dtype, device: str):

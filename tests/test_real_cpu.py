@@ -24,7 +24,10 @@ def overlap_run(tmp_path_factory):
         "  - {task: sorting, steps: 2, prompts_per_step: 2, responses_per_prompt: 4, max_new_tokens: 24}\n"
         "arm: {policy: overlap, groups: 2, sharing: none}\n")
     out = tmp_path_factory.mktemp("run") / "overlap"
-    assert main(["run", str(cfg), "--backend", "real", "--model", "tiny", "--no-baseline", "--out", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # the trainer worker profiles its 2nd train command
+        mp.setenv("NODUS_TRAINER_PROFILE", str(out.parent / "trainer_profile.jsonl"))
+        mp.setenv("NODUS_TRAINER_PROFILE_AT", "2")
+        assert main(["run", str(cfg), "--backend", "real", "--model", "tiny", "--no-baseline", "--out", str(out)]) == 0
     return out
 
 
@@ -37,6 +40,15 @@ def test_two_job_overlap_runs_on_policy(overlap_run):
     assert gens == [("job0", 0, 0), ("job0", 1, 1), ("job1", 0, 0), ("job1", 1, 1)]
     # Two groups: one job per group, and the engine ran group 1 while group 0 trained or published.
     assert {x.group for x in spans} == {0, 1}
+
+
+def test_the_trainer_worker_profiles_the_asked_train_command(overlap_run):
+    rows = [json.loads(line) for line in (overlap_run.parent / "trainer_profile.jsonl").read_text().splitlines()]
+    assert len(rows) == 1  # one trainer, one profiled command of the run's four
+    row = rows[0]
+    assert row["label"].endswith("train #2") and row["jobs"] == 1 and row["wall_s"] > 0
+    assert {"nodus.forward", "nodus.backward", "nodus.optimizer", "nodus.save"} <= set(row["phases"])
+    assert row["top_cpu_ops"] and row["gpu_busy"] == 0.0  # a CPU run has no GPU kernels
 
 
 def test_trainer_and_engine_logprobs_agree_per_version(overlap_run):

@@ -466,3 +466,21 @@ def test_bench_trainer_smoke_with_profile(tmp_path):
     assert {"nodus.forward", "nodus.backward", "nodus.optimizer"} <= set(prof[0]["phases"])
     assert r["equivalence"] and "error" not in r["equivalence"]
     assert json.loads(out.read_text())["summary"]["multi_best_tokens_per_s"] > 0
+
+
+def test_bench_trainer_takes_a_recorded_runs_rows(tmp_path):
+    """--lengths-from: each job's prompt and response lengths of one recorded step, not synthetic."""
+    from experiments.bench_trainer import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    spans = [{"phase": "generate", "job": f"job{j}", "start_s": 0.0, "end_s": 1.0,
+              "attrs": {"step": s, "n_sequences": 3, "prompt_tokens": 3 * (5 + j), "response_tokens": [4, 9, 2 + s]}}
+             for j in range(2) for s in range(2)]
+    (run / "spans.jsonl").write_text("".join(json.dumps(x) + "\n" for x in spans))
+    r = main(["--tiny", "--out", str(tmp_path / "b.json"), "--no-loop", "--no-peft", "--no-fused", "--iters", "1",
+              "--layouts", "masked", "--mb-tokens", "64", "--lengths-from", str(run), "--lengths-step", "1"])
+    assert r["lengths"] == {"job0": {"prompt": 5, "responses": [4, 9, 3]}, "job1": {"prompt": 6, "responses": [4, 9, 3]}}
+    assert r["multi"][0]["tokens"] == (5 + 4) + (5 + 9) + (5 + 3) + (6 + 4) + (6 + 9) + (6 + 3)
+    with pytest.raises(SystemExit, match="no generate span of step 7"):
+        main(["--tiny", "--out", str(tmp_path / "c.json"), "--lengths-from", str(run), "--lengths-step", "7"])
