@@ -208,7 +208,7 @@ def main() -> None:
                                     for r in repeats):
                 if g > n or (rep and seed not in aa_seeds):
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
-                variant = ""
+                variant = "-eager" if args.trainer_compile is False else ""
                 if sharing == "mps":
                     variant += "-lowpri" if args.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""

@@ -37,7 +37,7 @@ REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
-    +mb<k>k: the trainer's micro-batch tokens; +waitpub: the trainer waited for each publish, as
+    +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +waitpub: the trainer waited for each publish, as
     it did in every run recorded before the field existed, which carry no label for it)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
     if arm.get("trainer_waits_for_publish"):  # set only by runs that chose it (earlier runs: absent)
@@ -52,6 +52,9 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     for side in ("engine", "trainer"):
         if controls.get(f"{side}_thread_pct"):
             label += f"+{side[0]}{controls[f'{side}_thread_pct']}"
+    workers = [w for d in (summary or {}).get("diagnostics", []) for w in (d.get("workers") or {}).values()]
+    if workers and not any(w.get("compiled") for w in workers):
+        label += "+eager"  # the trainer ran without its compiled element-wise ops
     return label
 
 
