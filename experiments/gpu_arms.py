@@ -27,20 +27,21 @@ ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
 }
 
 
-def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool]:
-    """'overlap+mps:j16:g3:s1:m32768:wait' -> ('overlap+mps', 16, 3, [1], 32768, True); a bare name
+def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool | None]:
+    """'overlap+mps:j16:g3:s1:m32768:free' -> ('overlap+mps', 16, 3, [1], 32768, False); a bare name
     leaves jobs, groups, seeds and micro-batch tokens to --jobs, --groups, --seeds and --mb-tokens
-    (sN may repeat: :s1:s2); `wait`: the trainer waits for each publish (the scheduler every run
-    before session 6 had: arm.trainer_waits_for_publish)."""
+    (sN may repeat: :s1:s2). The last field is arm.trainer_waits_for_publish, None (the default,
+    True) unless asked: `free` (False: the trainer takes the next train while the engine loads
+    the last adapters) or `wait` (True, written into the run's config)."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
     jobs = groups = mb = None
-    wait = False
+    wait: bool | None = None
     seeds: list[int] | None = None
     for o in opts:
-        if o == "wait":
-            wait = True
+        if o in ("wait", "free"):
+            wait = o == "wait"
         elif len(o) > 1 and o[0] in "jgsm" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s") \
                 and (o[0] != "m" or int(o[1:]) >= 256):
             if o[0] == "j":
@@ -53,7 +54,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                 seeds = (seeds or []) + [int(o[1:])]
         else:
             raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups), sN (seed), "
-                             "mN (trainer micro-batch tokens, >= 256) or wait (trainer waits for publish)")
+                             "mN (trainer micro-batch tokens, >= 256), wait or free (trainer waits for each publish, the "
+                             "default, or takes the next train at once)")
     return name, jobs, groups, seeds, mb, wait
 
 
@@ -163,8 +165,8 @@ def main() -> None:
 
     job_counts = [int(x) for x in str(args.jobs).split(",") if x]
 
-    def workload(n: int, mb_tokens: int | None = None, wait: bool = False) -> dict:
-        return {"arm": {"trainer_waits_for_publish": wait},
+    def workload(n: int, mb_tokens: int | None = None, wait: bool | None = None) -> dict:
+        return {"arm": {} if wait is None else {"trainer_waits_for_publish": wait},
                 "jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
             n, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
             max_new_tokens=args.max_new_tokens, **args.job_fields)],
@@ -215,7 +217,7 @@ def main() -> None:
                     variant += f"-t{args.trainer_thread_pct}" if args.trainer_thread_pct else ""
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
-                key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'-waitpub' if arm_wait else ''}{suffix(n)}"
+                key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else arm_mb

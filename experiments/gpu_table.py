@@ -37,11 +37,12 @@ REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
-    +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +waitpub: the trainer waited for each publish, as
-    it did in every run recorded before the field existed, which carry no label for it)."""
+    +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +freed: the trainer took the next train while
+    the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
+    and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
-    if arm.get("trainer_waits_for_publish"):  # set only by runs that chose it (earlier runs: absent)
-        label += "+waitpub"
+    if arm.get("trainer_waits_for_publish") is False:  # absent: runs before the field, which waited
+        label += "+freed"
     mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MICROBATCH_TOKENS)
     if mb != DEFAULT_MICROBATCH_TOKENS:
         label += f"+{mb_tag(mb)}"
@@ -159,7 +160,7 @@ FACTORS = (
      "the trainer at below-normal MPS client priority (over overlap + MPS at normal priority)"),
     ("trainer_microbatch_32k", "overlap/mps/g2+mb32k", "overlap/mps/g2",
      "the trainer's micro-batches at 32k tokens instead of 16k (under overlap + MPS)"),
-    ("trainer_freed_at_train", "overlap/mps/g2", "overlap/mps/g2+waitpub",
+    ("trainer_freed_at_train", "overlap/mps/g2+freed", "overlap/mps/g2",
      "the trainer takes the next group's train while the engine loads the last one's adapters "
      "(over waiting for that publish, under overlap + MPS)"),
     ("total", "overlap/mps/g2", "dedicated/none/g1", "overlap + MPS over dedicated"),

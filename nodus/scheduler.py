@@ -65,7 +65,7 @@ class Scheduler:
     groups: list[tuple[int, list[str]]]
     concurrent: bool = True
     stagger: bool = True  # overlap: group g starts generating when group g-1's first generation ends
-    trainer_waits_for_publish: bool = False  # hold the trainer until a group's Publish is done
+    trainer_waits_for_publish: bool = True  # hold the trainer until a group's Publish is done
     start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
     spans: list[Span] = field(default_factory=list)
 

@@ -1,4 +1,4 @@
-"""experiments/gpu_arms.py's arm specs: NAME[:jN][:gG][:sS][:mN][:wait]."""
+"""experiments/gpu_arms.py's arm specs: NAME[:jN][:gG][:sS][:mN][:wait|:free]."""
 
 import pytest
 
@@ -6,12 +6,13 @@ from experiments.gpu_arms import parse_arm
 
 
 def test_arm_specs_name_their_own_job_count_and_groups():
-    assert parse_arm("overlap+mps") == ("overlap+mps", None, None, None, None, False)
-    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None, None, None, False)
-    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3, None, None, False)
-    assert parse_arm("overlap:g4:j16:s1:s3") == ("overlap", 16, 4, [1, 3], None, False)
-    assert parse_arm("overlap+mps:m32768:s2") == ("overlap+mps", None, None, [2], 32768, False)
+    assert parse_arm("overlap+mps") == ("overlap+mps", None, None, None, None, None)
+    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None, None, None, None)
+    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3, None, None, None)
+    assert parse_arm("overlap:g4:j16:s1:s3") == ("overlap", 16, 4, [1, 3], None, None)
+    assert parse_arm("overlap+mps:m32768:s2") == ("overlap+mps", None, None, [2], 32768, None)
     assert parse_arm("overlap+mps:wait:s1") == ("overlap+mps", None, None, [1], None, True)
+    assert parse_arm("overlap+mps:free") == ("overlap+mps", None, None, None, None, False)
 
 
 @pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),

@@ -161,13 +161,13 @@ def test_a_run_at_another_micro_batch_size_is_its_own_row():
     assert arm_label(arm, None, {"max_tokens_per_microbatch": 5000}) == "overlap/mps/g2+mb5000"
 
 
-def test_a_run_whose_trainer_waited_for_publish_is_its_own_row():
+def test_a_run_whose_trainer_was_freed_before_the_publish_is_its_own_row():
     from experiments.gpu_table import arm_label
 
     arm = {"policy": "overlap", "sharing": "mps", "groups": 2}
-    assert arm_label(dict(arm, trainer_waits_for_publish=True)) == "overlap/mps/g2+waitpub"
-    assert arm_label(dict(arm, trainer_waits_for_publish=False)) == "overlap/mps/g2"
-    assert arm_label(arm) == "overlap/mps/g2"  # recorded before the field: no label
+    assert arm_label(dict(arm, trainer_waits_for_publish=False)) == "overlap/mps/g2+freed"
+    assert arm_label(dict(arm, trainer_waits_for_publish=True)) == "overlap/mps/g2"
+    assert arm_label(arm) == "overlap/mps/g2"  # recorded before the field: it waited, the default
 
 
 def test_timelines_draw_a_seeds_ladder_arms_on_one_axis(tmp_path):

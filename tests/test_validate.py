@@ -123,7 +123,8 @@ def test_runs_recorded_before_the_trainer_stopped_waiting_for_publish_replay_tha
     from nodus.simulate import config_from_args, simulate
 
     rd = tmp_path / "run"
-    simulate(config_from_args(jobs=4, steps=2, policy="overlap", groups=2, sharing="mps"), rd)
+    cfg0 = config_from_args(jobs=4, steps=2, policy="overlap", groups=2, sharing="mps")
+    simulate(cfg0.model_copy(update={"arm": cfg0.arm.model_copy(update={"trainer_waits_for_publish": False})}), rd)
     cfg, _, spans = load_recorded(rd)
     assert cfg["arm"]["trainer_waits_for_publish"] is False
     assert recorded_configs(rd, cfg, spans, "h200-qwen3-0.6b")[0]["arm"]["trainer_waits_for_publish"] is False
