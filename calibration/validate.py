@@ -109,7 +109,10 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         replay_cfg, sampled_cfg = recorded_configs(rd, cfg, spans, profile)
         rep = _simulate(replay_cfg, f"{rd}/config.json")
         sam = _simulate(sampled_cfg, f"{rd}/config.json")
-        row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": meas.get("arm"),
+        arm = meas.get("arm")
+        if arm is not None and "trainer_waits_for_publish" in cfg["arm"]:  # the summary's arm omits it
+            arm = dict(arm, trainer_waits_for_publish=cfg["arm"]["trainer_waits_for_publish"])
+        row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm,
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
@@ -147,18 +150,26 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
 
 
 def config_key(row: dict) -> tuple:
-    """Runs of one configuration: the same arm, job count and trainer micro-batch size (seeds and
-    repeats differ)."""
+    """Runs of one configuration: the same arm, job count, trainer micro-batch size and publish
+    wait (seeds and repeats differ)."""
     arm = row["arm"] or {}
-    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"], row.get("mb_tokens"))
+    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"], row.get("mb_tokens"),
+            _freed(arm))
+
+
+def _freed(arm: dict) -> bool:
+    """The trainer took the next group's train before the last publish ended (only phase-offset
+    groups can; runs recorded before arm.trainer_waits_for_publish waited)."""
+    return arm.get("trainer_waits_for_publish") is False and arm.get("policy") == "overlap" and (arm.get("groups") or 1) > 1
 
 
 def config_label(row: dict) -> str:
-    """'8 jobs overlap g=2 mps', plus ' mb=32768' for a trainer micro-batch other than the default."""
+    """'8 jobs overlap g=2 mps', plus ' mb=32768' for a trainer micro-batch other than the default
+    and ' freed' for a trainer that did not wait for each publish."""
     arm = row["arm"]
     mb = row.get("mb_tokens")
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else ""))
+            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "") + (" freed" if _freed(arm) else ""))
 
 
 def _by_config(rows: list[dict]) -> dict[tuple, list[dict]]:

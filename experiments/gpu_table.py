@@ -41,7 +41,9 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
-    if arm.get("trainer_waits_for_publish") is False:  # absent: runs before the field, which waited
+    # Absent: runs before the field, which waited. Only phase-offset groups can free the trainer
+    # early (one group, or one group per stack, has its next train after its own publish anyway).
+    if arm.get("trainer_waits_for_publish") is False and arm["policy"] == "overlap" and arm["groups"] > 1:
         label += "+freed"
     mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MICROBATCH_TOKENS)
     if mb != DEFAULT_MICROBATCH_TOKENS:
@@ -87,7 +89,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
         sim = _simulate(recorded_configs(rd, cfg, spans, profile_of(rd))[0], f"{rd}/config.json")
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans)))
-        if cfg["arm"]["policy"] == "dedicated":
+        # The baseline: dedicated runs at the default settings only (a dedicated run with a
+        # changed setting, e.g. +eager, is a row measured against it).
+        if arm_label(cfg["arm"], summary, cfg.get("trainer")) == "dedicated/none/g1":
             ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
                 alone_finish.setdefault((jobs, seed), {}).setdefault(j, []).append(d["finish_s"])
@@ -103,13 +107,27 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         if len(vals) >= 2:
             table["aa"][f"{jobs}-s{seed}"] = {"runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
     for rd, cfg, summary, jobs, seed, sim, phase_s in rows:
-        label = arm_label(cfg["arm"], summary, cfg.get("trainer")) + ("" if jobs == 8 else f"/{jobs}jobs")
+        plain = arm_label(cfg["arm"], summary, cfg.get("trainer"))
+        is_base = plain == "dedicated/none/g1"
+        label = plain + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
-        if str(seed) in per:  # an A/A repeat: its throughput is in the baseline's mean already;
-            prev = per[str(seed)]  # its phase times join the row's mean, its folder the row's runs
+        if str(seed) in per:  # a repeat of this arm and seed: the row is the mean over its runs
+            prev = per[str(seed)]  # (a dedicated repeat is in the baseline's mean already)
             prev["repeats"] = prev.get("repeats", [prev["run"]]) + [str(rd)]
             n = len(prev["repeats"])
             prev["phase_s"] = {k: (v * (n - 1) + phase_s.get(k, v)) / n for k, v in prev["phase_s"].items()}
+            if not is_base:
+                runs_sph = prev.setdefault("runs_steps_per_gpu_hour", [prev["steps_per_gpu_hour"]])
+                runs_sph.append(summary["steps_per_gpu_hour"])
+                prev["steps_per_gpu_hour"] = sum(runs_sph) / len(runs_sph)
+                base = baselines.get((jobs, seed)) or (prev["steps_per_gpu_hour"] / prev["ratio_vs_dedicated"]
+                                                       if prev["ratio_vs_dedicated"] else None)
+                prev["ratio_vs_dedicated"] = prev["steps_per_gpu_hour"] / base if base else None
+                sims = prev.setdefault("runs_sim_steps_per_gpu_hour", [prev["sim_steps_per_gpu_hour"]])
+                sims.append(sim["steps_per_gpu_hour"])
+                prev["sim_steps_per_gpu_hour"] = sum(sims) / len(sims)
+                sb = sim_base.get((jobs, seed))
+                prev["sim_ratio_vs_dedicated"] = prev["sim_steps_per_gpu_hour"] / sb if sb else None
             continue
         base = baselines.get((jobs, seed))
         sbase = sim_base.get((jobs, seed))
@@ -124,7 +142,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         else:
             by_task = False
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
-        sph = base if cfg["arm"]["policy"] == "dedicated" else summary["steps_per_gpu_hour"]
+        sph = base if is_base else summary["steps_per_gpu_hour"]
         per[str(seed)] = {
             "run": str(rd), "jobs": jobs, "steps_per_gpu_hour": sph,
             "ratio_vs_dedicated": sph / base if base else None,
@@ -224,7 +242,9 @@ def render(table: dict) -> str:
     for label, per in table["arms"].items():
         for seed, d in sorted(per.items()):
             b = d.get("busy") or {}
-            lines.append(f"| {label} | {seed} | {d['steps_per_gpu_hour']:.0f} | {f(d['ratio_vs_dedicated'])} | "
+            runs = d.get("runs_steps_per_gpu_hour")
+            sph = f"{d['steps_per_gpu_hour']:.0f}" + (f" ({' / '.join(f'{x:.0f}' for x in runs)})" if runs else "")
+            lines.append(f"| {label} | {seed} | {sph} | {f(d['ratio_vs_dedicated'])} | "
                          f"{f(d['reference_ratio'], 3)} | {d['sim_steps_per_gpu_hour']:.0f} | "
                          f"{f(d['sim_ratio_vs_dedicated'])} | {f(d.get('rollout_tokens_per_gpu_s'), 0)} | "
                          f"{f(b.get('engine'))} / {f(b.get('trainer'))} / "

@@ -157,3 +157,17 @@ def test_annotate_a_shipped_profile_named_by_name_writes_its_own_file(tmp_path, 
     other.write_text("{}")
     with pytest.raises(FileExistsError, match="not the profile being annotated"):
         annotate_profile("mine", rep, other)
+
+
+def test_a_freed_trainer_is_its_own_configuration():
+    from calibration.validate import config_key, config_label
+
+    arm = {"policy": "overlap", "groups": 2, "sharing": "mps"}
+    waited = {"jobs": 8, "arm": arm, "mb_tokens": 16384}
+    freed = {"jobs": 8, "arm": dict(arm, trainer_waits_for_publish=False), "mb_tokens": 16384}
+    assert config_label(freed) == "8 jobs overlap g=2 mps freed"
+    assert config_label(waited) == "8 jobs overlap g=2 mps"
+    assert config_key(freed) != config_key(waited)
+    assert config_key(waited) == config_key({**waited, "arm": dict(arm, trainer_waits_for_publish=True)})
+    sync = {"policy": "shared-sync", "groups": 1, "sharing": "mps", "trainer_waits_for_publish": False}
+    assert config_label({"jobs": 8, "arm": sync, "mb_tokens": 16384}) == "8 jobs shared-sync g=1 mps"
