@@ -127,14 +127,17 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype)}
         if compile_wanted(spec.compile_elementwise, trainer.device):
             info["compiled"] = fuse_elementwise(model)
+        # NODUS_TRAINER_PROFILE=FILE: the NODUS_TRAINER_PROFILE_AT-th train command (default 3) runs
+        # under torch.profiler and its summary goes to FILE (one JSON line per worker, appended).
+        profile_to = os.environ.get("NODUS_TRAINER_PROFILE")
+        at = os.environ.get("NODUS_TRAINER_PROFILE_AT", "3")
+        if not (at.isdigit() and int(at) >= 1):
+            raise ValueError(f"NODUS_TRAINER_PROFILE_AT={at!r}: the train command to profile, an integer >= 1")
+        profile_at = int(at)
         outbox.put(("ready", name, time.monotonic() - t0, info))
     except Exception:  # noqa: BLE001
         outbox.put(("error", name, traceback.format_exc()))
         return
-    # NODUS_TRAINER_PROFILE=FILE: the NODUS_TRAINER_PROFILE_AT-th train command (default 3) runs
-    # under torch.profiler and its summary goes to FILE (one JSON line per worker, appended).
-    profile_to = os.environ.get("NODUS_TRAINER_PROFILE")
-    profile_at = int(os.environ.get("NODUS_TRAINER_PROFILE_AT", "3"))
     trains = 0
     while True:
         cmd = inbox.get()

@@ -167,6 +167,16 @@ def test_trainer_compile_option_reaches_the_trainer_process():
     assert trainer["lora_layout"] == "masked" and any("RMSNorm" in c for c in trainer["compiled"])
 
 
+def test_a_bad_trainer_profile_setting_is_a_clear_error(monkeypatch):
+    from nodus.realrun import run
+    from real.backend import RealOptions
+
+    monkeypatch.setenv("NODUS_TRAINER_PROFILE", "/tmp/never-written.jsonl")
+    monkeypatch.setenv("NODUS_TRAINER_PROFILE_AT", "third")
+    with pytest.raises(RuntimeError, match="NODUS_TRAINER_PROFILE_AT='third'"):
+        run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False), baseline=False)
+
+
 def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
     """Under MPS the trainer gets its client priority and each side its thread percentage; without
     MPS neither process gets any MPS variable (no daemon to talk to)."""
