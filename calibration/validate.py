@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config
+from nodus.config import DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, trainer_freed
 from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
@@ -154,13 +154,7 @@ def config_key(row: dict) -> tuple:
     wait (seeds and repeats differ)."""
     arm = row["arm"] or {}
     return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"], row.get("mb_tokens"),
-            _freed(arm))
-
-
-def _freed(arm: dict) -> bool:
-    """The trainer took the next group's train before the last publish ended (only phase-offset
-    groups can; runs recorded before arm.trainer_waits_for_publish waited)."""
-    return arm.get("trainer_waits_for_publish") is False and arm.get("policy") == "overlap" and (arm.get("groups") or 1) > 1
+            trainer_freed(arm))
 
 
 def config_label(row: dict) -> str:
@@ -169,7 +163,7 @@ def config_label(row: dict) -> str:
     arm = row["arm"]
     mb = row.get("mb_tokens")
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "") + (" freed" if _freed(arm) else ""))
+            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "") + (" freed" if trainer_freed(arm) else ""))
 
 
 def _by_config(rows: list[dict]) -> dict[tuple, list[dict]]:

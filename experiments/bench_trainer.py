@@ -125,19 +125,14 @@ def build_base(args, device, dtype):
 def make_batch(args, n_seqs, vocab, seed):
     import numpy as np
 
-    from real.trainer import JobBatch
-
     rng = np.random.default_rng(seed)
     if args.lengths == "longtail":
         room = args.seq_tokens - args.prompt_tokens
         resp = np.clip(np.round(rng.lognormal(np.log(min(100, room)), 0.8, n_seqs)), 1, room).astype(int)
-        lengths = args.prompt_tokens + resp
     else:
         lo = max(args.prompt_tokens + 1, int(round(args.seq_tokens * (1 - args.length_spread))))
-        lengths = rng.integers(lo, args.seq_tokens + 1, n_seqs)
-    ids = [rng.integers(0, vocab, n).tolist() for n in lengths]
-    mask = [[0] * args.prompt_tokens + [1] * (n - args.prompt_tokens) for n in lengths]
-    return JobBatch(ids, mask, rng.normal(size=n_seqs).tolist())
+        resp = rng.integers(lo, args.seq_tokens + 1, n_seqs) - args.prompt_tokens
+    return _random_rows(rng, args.prompt_tokens, [int(r) for r in resp], vocab)
 
 
 def recorded_lengths(run_dir: str, step: int) -> dict[str, tuple[int, list[int]]]:
@@ -160,9 +155,14 @@ def recorded_lengths(run_dir: str, step: int) -> dict[str, tuple[int, list[int]]
 def recorded_batch(prompt: int, responses: list[int], vocab: int, seed: int):
     import numpy as np
 
+    return _random_rows(np.random.default_rng(seed), prompt, responses, vocab)
+
+
+def _random_rows(rng, prompt: int, responses: list[int], vocab: int):
+    """A JobBatch of random token ids: ``prompt`` prompt tokens and each response's length per
+    row, the responses trained on, random advantages."""
     from real.trainer import JobBatch
 
-    rng = np.random.default_rng(seed)
     ids = [rng.integers(0, vocab, prompt + r).tolist() for r in responses]
     mask = [[0] * prompt + [1] * r for r in responses]
     return JobBatch(ids, mask, rng.normal(size=len(responses)).tolist())

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from nodus.config import DEFAULT_MICROBATCH_TOKENS
+from nodus.config import DEFAULT_MICROBATCH_TOKENS, trainer_freed
 from nodus.microbatch import mb_tag
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
@@ -32,8 +32,6 @@ REFERENCE = {  # the published study's ratios (8 jobs unless named); for the com
 REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}  # its 2- and 4-job points
 
 
-
-
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
@@ -41,9 +39,7 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
-    # Absent: runs before the field, which waited. Only phase-offset groups can free the trainer
-    # early (one group, or one group per stack, has its next train after its own publish anyway).
-    if arm.get("trainer_waits_for_publish") is False and arm["policy"] == "overlap" and arm["groups"] > 1:
+    if trainer_freed(arm):
         label += "+freed"
     mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MICROBATCH_TOKENS)
     if mb != DEFAULT_MICROBATCH_TOKENS:
@@ -88,10 +84,11 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
         sim = _simulate(recorded_configs(rd, cfg, spans, profile_of(rd))[0], f"{rd}/config.json")
-        rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans)))
+        plain = arm_label(cfg["arm"], summary, cfg.get("trainer"))
+        rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
         # The baseline: dedicated runs at the default settings only (a dedicated run with a
         # changed setting, e.g. +eager, is a row measured against it).
-        if arm_label(cfg["arm"], summary, cfg.get("trainer")) == "dedicated/none/g1":
+        if plain == "dedicated/none/g1":
             ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
                 alone_finish.setdefault((jobs, seed), {}).setdefault(j, []).append(d["finish_s"])
@@ -106,8 +103,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     for (jobs, seed), vals in ded_sph.items():
         if len(vals) >= 2:
             table["aa"][f"{jobs}-s{seed}"] = {"runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
-    for rd, cfg, summary, jobs, seed, sim, phase_s in rows:
-        plain = arm_label(cfg["arm"], summary, cfg.get("trainer"))
+    for rd, cfg, summary, jobs, seed, sim, phase_s, plain in rows:
         is_base = plain == "dedicated/none/g1"
         label = plain + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
@@ -116,17 +112,14 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             prev["repeats"] = prev.get("repeats", [prev["run"]]) + [str(rd)]
             n = len(prev["repeats"])
             prev["phase_s"] = {k: (v * (n - 1) + phase_s.get(k, v)) / n for k, v in prev["phase_s"].items()}
-            if not is_base:
-                runs_sph = prev.setdefault("runs_steps_per_gpu_hour", [prev["steps_per_gpu_hour"]])
-                runs_sph.append(summary["steps_per_gpu_hour"])
-                prev["steps_per_gpu_hour"] = sum(runs_sph) / len(runs_sph)
-                base = baselines.get((jobs, seed)) or (prev["steps_per_gpu_hour"] / prev["ratio_vs_dedicated"]
-                                                       if prev["ratio_vs_dedicated"] else None)
-                prev["ratio_vs_dedicated"] = prev["steps_per_gpu_hour"] / base if base else None
-                sims = prev.setdefault("runs_sim_steps_per_gpu_hour", [prev["sim_steps_per_gpu_hour"]])
-                sims.append(sim["steps_per_gpu_hour"])
-                prev["sim_steps_per_gpu_hour"] = sum(sims) / len(sims)
-                sb = sim_base.get((jobs, seed))
+            if not is_base:  # measured and simulated: the mean over the runs, over the row's own baselines
+                for kind, value in (("steps_per_gpu_hour", summary["steps_per_gpu_hour"]),
+                                    ("sim_steps_per_gpu_hour", sim["steps_per_gpu_hour"])):
+                    runs_of = prev.setdefault(f"runs_{kind}", [prev[kind]])
+                    runs_of.append(value)
+                    prev[kind] = sum(runs_of) / len(runs_of)
+                b, sb = prev["baseline_steps_per_gpu_hour"], prev["sim_baseline_steps_per_gpu_hour"]
+                prev["ratio_vs_dedicated"] = prev["steps_per_gpu_hour"] / b if b else None
                 prev["sim_ratio_vs_dedicated"] = prev["sim_steps_per_gpu_hour"] / sb if sb else None
             continue
         base = baselines.get((jobs, seed))
@@ -153,6 +146,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                                   if slow and cfg["arm"]["policy"] != "dedicated" else None),
             "sim_steps_per_gpu_hour": sim["steps_per_gpu_hour"],
             "sim_ratio_vs_dedicated": sim["steps_per_gpu_hour"] / sbase if sbase else None,
+            # What the ratios divide by (a repeat of this arm and seed reuses them).
+            "baseline_steps_per_gpu_hour": base, "sim_baseline_steps_per_gpu_hour": sbase,
             "reference_ratio": (REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8
                                 else REFERENCE_SCALING.get((arm_label(cfg["arm"]), jobs))),
             "phase_s": phase_s,

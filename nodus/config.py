@@ -95,6 +95,14 @@ class ArmSpec(_Model):
     trainer_waits_for_publish: bool = True
 
 
+def trainer_freed(arm: dict) -> bool:
+    """Whether a recorded run's trainer took the next group's train before the last publish ended:
+    ``trainer_waits_for_publish`` false (absent: runs before the field, which waited) and
+    phase-offset groups (one group, or one group per stack, trains again only after its own publish)."""
+    return arm.get("trainer_waits_for_publish") is False and arm.get("policy") == "overlap" \
+        and (arm.get("groups") or 1) > 1
+
+
 class EngineSpec(_Model):
     """The one vLLM engine (or one per stack for `timeslice`)."""
 

@@ -199,7 +199,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                                     save_checkpoint(trainer, job_id, ckpt_dir)
 
                 if profile_to and trains == profile_at:
-                    _profile_train(train_and_save, done, trainer, spec, name, profile_to, len(batches))
+                    _profile_train(train_and_save, done, trainer, spec, name, profile_to, profile_at, len(batches))
                 else:
                     train_and_save()
                 stats = done["stats"]
@@ -212,7 +212,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
             return
 
 
-def _profile_train(fn, done: dict, trainer, spec: TrainerSpec, name: str, path: str, jobs: int) -> None:
+def _profile_train(fn, done: dict, trainer, spec: TrainerSpec, name: str, path: str, at: int, jobs: int) -> None:
     """Run one train command (``fn``, which leaves its stats in ``done``) under torch.profiler and
     append the summary to ``path``. The step's own errors propagate as always; a failure to
     profile or to write the summary is reported on stderr and never fails the run."""
@@ -222,7 +222,7 @@ def _profile_train(fn, done: dict, trainer, spec: TrainerSpec, name: str, path: 
     from real.profiling import profile_call
 
     try:
-        row = profile_call(fn, trainer.device, f"{name} train #{os.environ.get('NODUS_TRAINER_PROFILE_AT', '3')}")
+        row = profile_call(fn, trainer.device, f"{name} train #{at}")
         row.update(worker=name, jobs=jobs, microbatches=trainer.last_microbatches,
                    mb_tokens=trainer.max_tokens_per_microbatch, env=dict(spec.env))
         with open(path, "a") as f:
