@@ -12,10 +12,19 @@ Rates are in the simulator's unit, work done per second relative to that side al
 `none_corun` = alone(none) / corun(none), `mps_alone` = alone(none) / alone(mps), `mps_corun` =
 alone(none) / corun(mps). The profile takes the median over buckets; each bucket's rates stay in
 its measurements, so the spread across batch sizes and token counts is on record.
+
+A measuring run writes its raw timings after every bucket to `<out>.raw.json` (atomically), so a
+run stopped part-way (a device call's time limit) keeps every finished bucket;
+`nodus calibrate-sharing --from-raw FILE` builds the profile from such a file, or from the
+bucket lines of a calibrate-sharing log, without measuring. Buckets of the grid that were not
+measured are listed in the profile (`measurements.sharing.missing`) and among its assumptions.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +36,9 @@ from calibration.measure import _requests, _train_batches
 SIDES = ("engine", "trainer")
 RATES = ("none_corun", "mps_alone", "mps_corun")  # the profile's sharing section
 DONE = {"engine": "generated", "trainer": "trained"}  # each side's answer to a task
+BATCHES = (64, 256, 512)  # default engine batch buckets
+TRAIN_TOKENS = (16384, 49152)  # default trainer step token buckets
+TIMES = ("engine_alone_s", "engine_corun_s", "trainer_alone_s", "trainer_corun_s")  # a bucket's timings
 
 
 class _Pair:
@@ -115,14 +127,18 @@ class _Pair:
         self.c.close()
 
 
-def measure_sharing(model: str, modes=("none", "mps"), batches=(64, 256, 512), train_tokens=(16384, 49152),
+def measure_sharing(model: str, modes=("none", "mps"), batches=BATCHES, train_tokens=TRAIN_TOKENS,
                     prompt: int = 128, length: int = 128, repeats: int = 2, device: str = "auto",
                     engine_memory: float = 0.35, enforce_eager: bool = False, mb_tokens: int = 16384,
-                    log=print) -> dict:
-    """Raw timings per mode and bucket, and the rates the profile's sharing section takes."""
+                    log=print, raw_path: str | Path | None = None, make_pair=_Pair) -> dict:
+    """Raw timings per mode and bucket, and the rates the profile's sharing section takes. With
+    `raw_path`, the timings so far are written there after every bucket (see `write_raw`);
+    `make_pair` builds each mode's engine-and-trainer pair (tests pass a timed stand-in)."""
     raw: dict = {}
+    settings = {"modes": list(modes), "batches": list(batches), "train_tokens": list(train_tokens),
+                "prompt": prompt, "length": length, "repeats": repeats, "engine_memory": engine_memory}
     for mode in modes:
-        pair = _Pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager)
+        pair = make_pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager)
         try:
             gen = {b: pair.gen_request(b, prompt, length) for b in batches}
             train = {t: pair.train_batches(t) for t in train_tokens}
@@ -131,7 +147,7 @@ def measure_sharing(model: str, modes=("none", "mps"), batches=(64, 256, 512), t
                 pair.alone("engine", w, 1)
             for w in train.values():
                 pair.alone("trainer", w, 1)
-            rows = []
+            rows = raw[mode] = []
             for b in batches:
                 for t in train_tokens:
                     e_alone = pair.alone("engine", gen[b], repeats)
@@ -140,20 +156,142 @@ def measure_sharing(model: str, modes=("none", "mps"), batches=(64, 256, 512), t
                     t_co = pair.corun("trainer", train[t], gen[b], repeats)
                     rows.append({"batch": b, "tokens": t, "engine_alone_s": e_alone, "trainer_alone_s": t_alone,
                                  "engine_corun_s": e_co, "trainer_corun_s": t_co})
-                    log(f"{mode}: batch {b} / {t} tokens: engine {e_alone:.3f} s alone, {e_co:.3f} s co-running; "
-                        f"trainer {t_alone:.3f} s alone, {t_co:.3f} s co-running")
-            raw[mode] = rows
+                    if raw_path is not None:
+                        write_raw(raw_path, raw, settings)
+                    log(bucket_line(mode, rows[-1]))
         finally:
             pair.close()
-    return {"raw": raw, "rates": sharing_rates(raw),
-            "settings": {"batches": list(batches), "train_tokens": list(train_tokens), "prompt": prompt,
-                         "length": length, "repeats": repeats, "engine_memory": engine_memory}}
+    return measured_from_raw(raw, settings)
+
+
+def bucket_line(mode: str, row: dict) -> str:
+    """One bucket's line in the calibrate-sharing log (`parse_sharing_log` reads it back)."""
+    return (f"{mode}: batch {row['batch']} / {row['tokens']} tokens: engine {row['engine_alone_s']:.3f} s alone, "
+            f"{row['engine_corun_s']:.3f} s co-running; trainer {row['trainer_alone_s']:.3f} s alone, "
+            f"{row['trainer_corun_s']:.3f} s co-running")
+
+
+_NUM = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
+_LINE = re.compile(rf"\b(none|mps): batch (\d+) / (\d+) tokens: engine {_NUM} s alone, {_NUM} s co-running; "
+                   rf"trainer {_NUM} s alone, {_NUM} s co-running\s*$")
+
+
+def raw_path_for(out: str | Path) -> Path:
+    """Where a measuring run keeps its raw timings: `x.json` -> `x.raw.json`, beside the profile."""
+    out = Path(out)
+    return out.with_suffix(".raw.json") if out.suffix == ".json" else out.with_name(out.name + ".raw.json")
+
+
+def write_raw(path: str | Path, raw: dict, settings: dict) -> None:
+    """The timings so far (`raw`: per mode, the finished buckets' rows) and the run's `settings`,
+    written to a temporary file and renamed over `path`: a run killed at any moment leaves either
+    the previous complete file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"raw": raw, "settings": settings}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def parse_sharing_log(text: str) -> dict:
+    """The bucket lines of a calibrate-sharing log as `raw` (per mode, rows in log order); every
+    other line (vLLM's, progress bars, warnings) is ignored. A bucket twice is an error: two runs'
+    logs in one file cannot be told apart."""
+    raw: dict = {}
+    for line in text.splitlines():
+        m = _LINE.search(line)
+        if m is None:
+            continue
+        mode, b, t, e_alone, e_co, t_alone, t_co = m.groups()
+        row = {"batch": int(b), "tokens": int(t), "engine_alone_s": float(e_alone),
+               "trainer_alone_s": float(t_alone), "engine_corun_s": float(e_co), "trainer_corun_s": float(t_co)}
+        rows = raw.setdefault(mode, [])
+        if any((r["batch"], r["tokens"]) == (row["batch"], row["tokens"]) for r in rows):
+            raise ValueError(f"{mode} batch {b} / {t} tokens appears twice (two runs' logs in one file?)")
+        rows.append(row)
+    return raw
+
+
+def _check_rows(raw: dict) -> None:
+    for mode, rows in raw.items():
+        if mode not in ("none", "mps") or not isinstance(rows, list):
+            raise ValueError(f"raw timings: mode {mode!r} is not none or mps with a list of buckets")
+        for r in rows:
+            if not isinstance(r, dict) or not all(isinstance(r.get(k), int) for k in ("batch", "tokens")) \
+                    or not all(isinstance(r.get(k), (int, float)) and r[k] > 0 for k in TIMES):
+                raise ValueError(f"raw timings: {mode} bucket {r!r} needs integer batch and tokens and positive "
+                                 f"{', '.join(TIMES)}")
+
+
+def read_raw(path: str | Path, grid: dict) -> tuple[dict, dict]:
+    """(raw, settings) from a raw-timings JSON (`write_raw`) or a calibrate-sharing log. A log does
+    not say which grid its run measured: `grid` (modes, batches, train_tokens: the run's flags)
+    does, and a log bucket outside it is an error. Errors name the file and the problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise FileNotFoundError(f"--from-raw {str(path)!r}: cannot read it ({err.strerror or err})") from None
+    try:
+        if text.lstrip().startswith("{"):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"not valid JSON ({err})") from None
+            if not isinstance(data.get("raw"), dict) or not isinstance(data.get("settings"), dict):
+                raise ValueError("a raw-timings JSON has 'raw' (timings per mode) and 'settings' objects")
+            raw, settings = data["raw"], dict(data["settings"])
+            for k in ("batches", "train_tokens"):
+                if not isinstance(settings.get(k), list):
+                    raise ValueError(f"settings.{k} (the measured grid) is missing")
+            settings.setdefault("modes", sorted(raw))
+        else:
+            raw = parse_sharing_log(text)
+            if not raw:
+                raise ValueError("no bucket lines ('none: batch 64 / 16384 tokens: engine ... co-running') in it")
+            settings = {"modes": list(grid["modes"]), "batches": list(grid["batches"]),
+                        "train_tokens": list(grid["train_tokens"]), "grid_from": "command line (a log has none)"}
+            for mode, rows in raw.items():
+                for r in rows:
+                    if mode not in settings["modes"] or r["batch"] not in settings["batches"] \
+                            or r["tokens"] not in settings["train_tokens"]:
+                        raise ValueError(f"{mode} batch {r['batch']} / {r['tokens']} tokens is outside --modes "
+                                         f"{','.join(settings['modes'])} --batches "
+                                         f"{','.join(map(str, settings['batches']))} --train-tokens "
+                                         f"{','.join(map(str, settings['train_tokens']))}: give the measuring "
+                                         f"run's flags")
+        _check_rows(raw)
+        if not raw.get("none"):
+            raise ValueError("no bucket of mode 'none' (the rates' unit) in it")
+    except ValueError as err:
+        raise ValueError(f"--from-raw {str(path)!r}: {err}") from None
+    return raw, settings
+
+
+def missing_buckets(raw: dict, settings: dict) -> list[dict]:
+    """The buckets of the settings' grid (modes x batches x train_tokens) with no timings."""
+    have = {(m, r["batch"], r["tokens"]) for m, rows in raw.items() for r in rows}
+    return [{"mode": m, "batch": b, "tokens": t} for m in settings["modes"] for b in settings["batches"]
+            for t in settings["train_tokens"] if (m, b, t) not in have]
+
+
+def measured_from_raw(raw: dict, settings: dict, source: dict | None = None) -> dict:
+    """The profile's `measurements.sharing`: raw timings, rates, settings, whether every bucket of
+    the grid was measured (`complete`; else `missing`) and, for `--from-raw`, the file (`from_raw`)."""
+    out = {"raw": raw, "rates": sharing_rates(raw), "settings": settings}
+    missing = missing_buckets(raw, settings)
+    out["complete"] = not missing
+    if missing:
+        out["missing"] = missing
+    if source is not None:
+        out["from_raw"] = source
+    return out
 
 
 def sharing_rates(raw: dict) -> dict:
     """Per bucket and as medians: the profile's none_corun, mps_alone and mps_corun rates.
     Needs the `none` mode (the unit); `mps` rates only where `mps` was measured."""
-    if "none" not in raw:
+    if not raw.get("none"):
         raise ValueError("sharing rates are relative to running alone without MPS: measure mode 'none'")
     base = {(r["batch"], r["tokens"]): r for r in raw["none"]}
     per_bucket = []
@@ -198,12 +336,18 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
         profile["sharing"][k] = dict(rates[k])
     if rates.get("per_bucket"):
         profile["sharing"]["corun_by_engine_batch"] = corun_by_engine_batch(rates["per_bucket"])
-    profile.setdefault("measurements", {})["sharing"] = measured
-    keep = [a for a in profile.get("assumptions", []) if a["id"] != "sharing-from-base"]
+    profile.setdefault("measurements", {})["sharing"] = dict(measured, rates_measured=got)
+    # Rates `nodus fit` fitted on the base are replaced here: its notes go when every rate is measured.
+    gone = {"sharing-from-base", "sharing-buckets-missing"}
+    if len(got) == len(RATES):
+        gone.add("sharing-partly-fitted")
+    keep = [a for a in profile.get("assumptions", []) if a["id"] not in gone]
     if len(got) != len(RATES):
         keep.append({"id": "sharing-from-base", "value": None,
                      "what": f"sharing rates not measured in this calibration "
                              f"({', '.join(sorted(set(RATES) - set(got)))}) are the base profile's"})
+    if measured.get("missing"):
+        keep.append({"id": "sharing-buckets-missing", "value": None, "what": _missing_text(measured["missing"])})
     for a in keep:
         if a["id"] == "sharing-constant":
             a["what"] = ("co-run rates by the engine's running batch (medians over the measured train-token "
@@ -213,18 +357,51 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
     return profile
 
 
-def calibrate_sharing(model: str, base: str, out: str | Path, modes=("none", "mps"), log=print, **settings) -> dict:
-    """`nodus calibrate-sharing`: measure, then write the base profile with the measured rates."""
+def _missing_text(missing: list[dict]) -> str:
+    by_mode: dict = {}
+    for m in missing:
+        by_mode.setdefault(m["mode"], []).append(f"batch {m['batch']} / {m['tokens']} tokens")
+    return ("buckets not measured (the calibration stopped early): "
+            + "; ".join(f"{mode}: {', '.join(b)}" for mode, b in by_mode.items())
+            + ". Their mode's rates are the medians of its measured buckets, and its co-run rates by engine "
+              "batch stop at the nearest measured batch")
+
+
+def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("none", "mps"), log=print,
+                      from_raw: str | Path | None = None, **settings) -> dict:
+    """`nodus calibrate-sharing`: measure (raw timings kept beside `out` as they come), or read
+    `from_raw` (a raw-timings JSON or a calibrate-sharing log), then write the base profile with
+    the measured rates."""
+    from nodus.config import ConfigError
     from sim.profile import add_source, profile_dict, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate")
     if any(m not in ("none", "mps") for m in modes) or "none" not in modes:
-        from nodus.config import ConfigError
-
         raise ConfigError(f"--modes {','.join(modes)!r}: choose from none,mps, with none (the rates' unit) included")
+    if from_raw is None and not model:
+        raise ConfigError("calibrate-sharing: --model is required to measure (or --from-raw FILE builds the "
+                          "profile from a run's raw timings or log, without measuring)")
     prof = profile_dict(base)
-    measured = measure_sharing(model, modes=modes, log=log, **settings)
+    if from_raw is not None:
+        grid = {"modes": modes, "batches": settings.get("batches", BATCHES),
+                "train_tokens": settings.get("train_tokens", TRAIN_TOKENS)}
+        raw, got = read_raw(from_raw, grid)
+        fmt = "log" if "grid_from" in got else "raw json"
+        measured = measured_from_raw(raw, got, source={"file": str(from_raw), "format": fmt})
+        source = f"nodus calibrate-sharing --from-raw {Path(from_raw).name} ({','.join(got['modes'])})"
+    else:
+        raw_path = raw_path_for(out)
+        if raw_path.exists():
+            raise FileExistsError(f"{str(raw_path)!r} exists (the raw timings of an earlier run with this --out?): "
+                                  f"build its profile with --from-raw {raw_path}, or move it away")
+        log(f"raw timings go to {raw_path} after every bucket (a stopped run: nodus calibrate-sharing "
+            f"--from-raw {raw_path})")
+        measured = measure_sharing(model, modes=modes, log=log, raw_path=raw_path, **settings)
+        source = f"nodus calibrate-sharing ({','.join(modes)})"
     apply_sharing(prof, measured)
-    add_source(prof, f"nodus calibrate-sharing ({','.join(modes)})")
+    # The base's validation error bar was measured with other sharing rates: this profile has none until
+    # `nodus validate --annotate` gives it one (as `nodus fit` does).
+    prof.pop("validation", None)
+    add_source(prof, source)
     write_profile(prof, out, "calibrate")
     return prof

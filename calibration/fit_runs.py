@@ -13,7 +13,10 @@ runs' multi-adapter layout (padded: regrouping; masked: each token times the oth
 micro-batch), relative-error least squares, non-negative, with the micro-batches packed exactly as
 the trainer packs them (`nodus.microbatch`); the profile records which layout d is of. When every fitted step has the same adapter count, c cannot be
 told from a and is kept from the base profile; runs with one job per step never regroup, which
-leaves d at 0. Publish: the controller's wait per published adapter.
+leaves d at 0. Publish: the controller's wait per published adapter, the median of the publishes
+that no train step on their GPU overlapped for more than half their time; the median of those it
+did, over that, is the publish's co-run factor (a freed trainer's next step slows a publish 4-7x
+on the H200).
 
 The simulator's work is seconds alone without MPS; a recorded train step that overlapped the
 engine ran at a sharing rate. Each step is split into its time alone and its time beside a
@@ -39,6 +42,7 @@ from nodus.microbatch import microbatch_costs, step_rows
 
 
 MIN_RATE_SHARE = 0.15  # a sharing rate is fitted only where this share of its mode's time exercises it
+PUBLISH_BESIDE_TRAIN = 0.5  # a publish counts as beside a train step past this share of its time
 
 
 def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
@@ -97,19 +101,21 @@ def trainer_layout(summary: dict) -> str:
 
 
 def train_samples(run_dir: Path, recorded: tuple | None = None,
-                  layout: str | None = None) -> tuple[list[dict], list[float]]:
+                  layout: str | None = None) -> tuple[list[dict], list[dict]]:
     """Per train action of a run: its micro-batches' padded tokens, extra tokens of its trainer's
     multi-adapter layout (``layout``, default the run's own), adapter count and seconds (alone and
-    beside a generation on its GPU); and the run's publish waits per adapter."""
+    beside a generation on its GPU); and per publish action its wait per adapter and whether a train
+    step on its GPU overlapped it for more than ``PUBLISH_BESIDE_TRAIN`` of its time."""
     cfg, summary, spans = recorded or load_recorded(run_dir)
     layout = layout or trainer_layout(summary)
-    engine = _busy(spans, "generate")
+    engine, trainer = _busy(spans, "generate"), _busy(spans, "train")
     cap = cfg["trainer"]["max_tokens_per_microbatch"]
     gen = {(s["gpu"], s["job"], s["attrs"].get("step")): s for s in spans if s["phase"] == "generate"}
     samples, publish = [], []
     for (phase, gpu, _, start, end), members in sorted(_actions(spans, ("train", "publish")).items()):
         if phase == "publish":
-            publish.append((end - start) / len(members))
+            beside = _overlap(start, end, trainer.get(gpu, [])) > PUBLISH_BESIDE_TRAIN * (end - start)
+            publish.append({"s_per_adapter": (end - start) / len(members), "beside_train": beside})
             continue
         rows = []
         for m in members:
@@ -241,8 +247,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     prof["train"]["s_per_regroup_token"] = float(d)
     prof["train"]["extra_tokens_layout"] = next(iter(layouts), "padded")
     prof["train"]["max_profiled_tokens"] = int(max(tok.max(), prof["train"].get("max_profiled_tokens") or 0))
-    if publish:
-        prof["publish"]["save_s_per_adapter"] = float(np.median(publish))
+    pub_fit = _publish_fit(publish, prof["publish"])
     dropped = _drop_refitted_batch_rates(sharing, rates)
     if rates:
         keep = [x for x in prof.get("assumptions", []) if x["id"] != "sharing-from-base"]
@@ -275,11 +280,39 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
                       "at_zero": [n for n in names if w[n] == 0.0]},
         "sharing_fit": rates,
         "run_commits": sorted(commits),  # the code the fitted runs came from
-        "publish_s_per_adapter": float(np.median(publish)) if publish else None,
+        "publish_s_per_adapter": pub_fit["save_s_per_adapter"],  # None: kept from the base
+        "publish_corun_factor": pub_fit["corun_factor"],  # None: kept from the base
+        "publish_corun_samples": {k: v for k, v in pub_fit.items() if k not in ("save_s_per_adapter", "corun_factor")},
         "decode_fit": decode_fit,
         "padded_tokens_range": [int(tok.min()), int(tok.max())]}
     Profile.model_validate(prof)
     return prof
+
+
+def _publish_fit(publish: list[dict], pub: dict) -> dict:
+    """Sets ``pub`` (the profile's publish section) from the runs' publishes: its save time from
+    those alone, its co-run factor from those beside a train step over those alone (kept from the
+    base without both kinds); returns the counts, medians and what was fitted (None: kept)."""
+    alone = [p["s_per_adapter"] for p in publish if not p["beside_train"]]
+    beside = [p["s_per_adapter"] for p in publish if p["beside_train"]]
+    med_alone = float(np.median(alone)) if alone else None
+    med_beside = float(np.median(beside)) if beside else None
+    save, ratio, factor = None, None, None
+    if alone:
+        save = med_alone
+        if beside and med_alone > 0:
+            ratio = med_beside / med_alone
+            # Under 1 (faster beside a step) is noise: the simulator's factor slows, never speeds.
+            factor = max(ratio, 1.0)
+            pub["corun_factor"] = factor
+    elif beside:
+        # No publish alone to tell the two apart: the base's factor, and the save time it implies.
+        save = med_beside / pub.get("corun_factor", 1.0)
+    if save is not None:
+        pub["save_s_per_adapter"] = save
+    return {"alone": len(alone), "beside_train": len(beside), "alone_s_per_adapter": med_alone,
+            "beside_train_s_per_adapter": med_beside, "beside_over_alone": ratio,
+            "save_s_per_adapter": save, "corun_factor": factor}
 
 
 def _alone_generation_s(prof: dict, prompts: int, prompt_tokens_each: int, lengths: tuple, scale: float) -> float:

@@ -46,10 +46,13 @@ case "${1:-arms}" in
     timeout "${CAL_TIMEOUT:-420}" python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \
       > "$OUT/calibrate.log" 2>&1; echo "calibrate rc=$?" ;;
   sharing)
-    # Engine and trainer as two processes, alone and co-running, without and with MPS (~6 min).
+    # Engine and trainer as two processes, alone and co-running, without and with MPS (the full
+    # grid took over 500 s on the 16-core host in session 7: narrow it with SHARING_EXTRA, e.g.
+    # "--batches 64,256 --repeats 1"). The raw timings reach $OUT/h200-sharing.raw.json after every
+    # bucket, so a call that runs out of time still returns them (nodus calibrate-sharing --from-raw).
     random_model
     timeout "${SHARING_TIMEOUT:-480}" python -m nodus.cli calibrate-sharing --model /tmp/nodus-qwen3-0.6b-random \
-      --base "${SHARING_BASE:-h200-qwen3-0.6b}" --out "$OUT/h200-sharing.json" > "$OUT/sharing.log" 2>&1
+      --base "${SHARING_BASE:-h200-xeon16-qwen3-0.6b}" --out "$OUT/h200-sharing.json" ${SHARING_EXTRA:-} > "$OUT/sharing.log" 2>&1
     echo "calibrate-sharing rc=$?" ;;
   engine)
     random_model

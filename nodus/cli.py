@@ -181,12 +181,18 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
     from calibration.corun import RATES, calibrate_sharing
 
+    # With --from-raw the measuring flags are unused; --modes/--batches/--train-tokens give a log's grid.
     prof = calibrate_sharing(a.model, a.base, a.out, modes=tuple(m for m in a.modes.split(",") if m),
-                             batches=_ints(a.batches), train_tokens=_ints(a.train_tokens), prompt=a.prompt_tokens,
-                             length=a.length, repeats=a.repeats, device=a.device, engine_memory=a.engine_memory,
-                             enforce_eager=a.enforce_eager, log=lambda m: print(m, file=sys.stderr, flush=True))
-    r = prof["measurements"]["sharing"]["rates"]
+                             from_raw=a.from_raw, batches=_ints(a.batches), train_tokens=_ints(a.train_tokens),
+                             prompt=a.prompt_tokens, length=a.length, repeats=a.repeats, device=a.device,
+                             engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
+                             log=lambda m: print(m, file=sys.stderr, flush=True))
+    m = prof["measurements"]["sharing"]
+    r = m["rates"]
     print(" ".join(f"{k} engine {r[k]['engine']:.3f} trainer {r[k]['trainer']:.3f};" for k in RATES if k in r))
+    if not m["complete"]:
+        print(f"incomplete: {len(m['missing'])} bucket(s) not measured: "
+              + ", ".join(f"{b['mode']} {b['batch']}/{b['tokens']}" for b in m["missing"]))
     print(f"wrote {a.out}")
     return 0
 
@@ -204,6 +210,11 @@ def cmd_fit(a: argparse.Namespace) -> int:
           f"(fit MAPE {t['mape']:.1%}, worst {t['worst']:.1%}); "
           + (f"publish {f['publish_s_per_adapter']:.4f} s/adapter" if f["publish_s_per_adapter"] is not None
              else "publish kept from the base (no publish in the fitted runs)"))
+    n = f.get("publish_corun_samples") or {}
+    print(f"publish beside a train step x {f['publish_corun_factor']:.2f} ({n['beside_train']} such publishes, "
+          f"{n['alone']} alone)" if f.get("publish_corun_factor") is not None
+          else f"publish beside a train step: x {prof['publish'].get('corun_factor', 1.0):.2f} kept from the base "
+               f"({n.get('beside_train', 0)} publishes beside a train step, {n.get('alone', 0)} alone)")
     if t.get("at_zero"):
         print(f"note: fitted at 0: {', '.join(t['at_zero'])} — these runs do not vary that term apart from the "
               "others; runs of other sizes would pin it")
@@ -317,9 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate-sharing",
                        help="measure engine and trainer co-running in two processes (no MPS, MPS) into a profile")
-    p.add_argument("--model", required=True, help="local model folder (weights saved, e.g. random)")
+    p.add_argument("--model", help="local model folder (weights saved, e.g. random); needed unless --from-raw")
     p.add_argument("--base", default="h200-qwen3-0.6b", help="profile whose other sections are kept")
-    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten); the raw timings "
+                                                "go beside it as they come (OUT.raw.json)")
+    p.add_argument("--from-raw", metavar="FILE",
+                   help="build the profile without measuring, from a run's raw timings (OUT.raw.json) or its "
+                        "log's bucket lines (a log's grid: --modes, --batches, --train-tokens as that run had them)")
     p.add_argument("--modes", default="none,mps", help="sharing modes to measure; none is the unit")
     p.add_argument("--batches", default="64,256,512", help="engine batch buckets")
     p.add_argument("--train-tokens", default="16384,49152", help="trainer step token buckets")

@@ -106,8 +106,12 @@ class SimBackend:
     def _publish(self, a: Publish):
         start = self.env.now
         # Saving adapters is host-side work (device-to-host copy and a write); it holds the
-        # trainer but not the GPU. The engine pays its load cost at the version's first use.
-        yield self.env.timeout(self.cost.profile.publish.save_s_per_adapter * len(a.versions))
+        # trainer (unless the arm frees it) but not the GPU. The engine pays its load cost at the
+        # version's first use. Whatever part of it runs beside a train step on the GPU (a freed
+        # trainer's next step) goes corun_factor times slower, rescaled as steps start and end
+        # (sim.gpu.host_work).
+        pub = self.cost.profile.publish
+        yield from self.gpu.host_work(pub.save_s_per_adapter * len(a.versions), pub.corun_factor)
         for job_id, v in a.versions:
             self.engines[a.stack].publish(job_id, v)
         self._finish(PublishDone(a.action_id, start, self.env.now, a.versions))

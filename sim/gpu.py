@@ -107,3 +107,28 @@ class SharedGPU:
             self._batch.pop(me, None)
             self._update()
         return work_s - remaining
+
+    def trainer_running(self) -> bool:
+        """Whether a train step is in flight on this GPU (any stack's trainer)."""
+        return "trainer" in self._active.values()
+
+    def host_work(self, work_s: float, trainer_slowdown: float = 1.0):
+        """Process generator: `work_s` seconds of host-side work that takes no share of the GPU
+        (a publish) but progresses `trainer_slowdown` times slower while a train step runs on this
+        GPU; when a train starts or ends meanwhile, its remaining work is rescaled, so only the part
+        that overlaps trainer work is slowed. A generation beside it does not slow it: on the H200
+        the publishes beside another group's generation kept their alone time (~0.04 s/adapter)."""
+        if trainer_slowdown == 1.0 or work_s <= 0:
+            yield self.env.timeout(work_s)  # as before the factor existed: the same events
+            return
+        remaining = work_s
+        while True:
+            rate = 1.0 / trainer_slowdown if self.trainer_running() else 1.0
+            t0, changed = self.env.now, self._changed
+            finish = self.env.timeout(remaining / rate)
+            yield self.env.any_of([finish, changed])
+            if finish.processed:
+                return
+            remaining = max(remaining - (self.env.now - t0) * rate, 0.0)
+            if remaining <= 1e-12 * work_s:
+                return

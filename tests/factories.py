@@ -69,3 +69,43 @@ class ScriptedBackend:
 
     def close(self) -> None:
         pass
+
+
+class TimedPair:
+    """A stand-in for calibration.corun's engine-and-trainer pair, with no processes: a task 'takes'
+    a time set by its size (engine batch, trainer tokens), the sharing mode and whether the other
+    side runs (`SLOW`: co-run time over alone time; `MPS_ALONE`: MPS-alone time over alone time).
+    `stop_after` buckets in all (over the modes, shared through `counter`), the next one raises,
+    as a run cut off by a time limit does."""
+
+    SLOW = {"none": {"engine": 2.0, "trainer": 4.0}, "mps": {"engine": 1.25, "trainer": 2.0}}
+    MPS_ALONE = {"engine": 1.25, "trainer": 1.0}
+
+    def __init__(self, model, sharing, *_, stop_after: int | None = None, counter: list | None = None):
+        self.sharing, self.stop_after = sharing, stop_after
+        self.counter = counter if counter is not None else [0]
+
+    def gen_request(self, batch, prompt, length):
+        return ("engine", batch)
+
+    def train_batches(self, tokens):
+        return ("trainer", tokens)
+
+    def _alone_s(self, work) -> float:
+        side, size = work
+        t = size / 100 if side == "engine" else size / 10000
+        return t * (self.MPS_ALONE[side] if self.sharing == "mps" else 1.0)
+
+    def alone(self, side, work, repeats):
+        return self._alone_s(work)
+
+    def corun(self, fg, fg_work, bg_work, repeats):
+        if fg == "engine":  # each bucket starts its co-runs with the engine's
+            if self.stop_after is not None and self.counter[0] >= self.stop_after:
+                raise RuntimeError("time limit")
+            self.counter[0] += 1
+        return self._alone_s(fg_work) / (self.MPS_ALONE[fg] if self.sharing == "mps" else 1.0) \
+            * self.SLOW[self.sharing][fg]
+
+    def close(self):
+        pass

@@ -85,6 +85,9 @@ def test_calibrate_sharing_measures_two_processes_on_the_cpu(tmp_path, capsys):
     assert all(r[k] > 0 for r in raw for k in ("engine_alone_s", "engine_corun_s", "trainer_alone_s", "trainer_corun_s"))
     assert 0 < prof["sharing"]["none_corun"]["engine"] and 0 < prof["sharing"]["none_corun"]["trainer"]
     assert prof["environment"]["sources"][-1] == "nodus calibrate-sharing (none)"
+    # The raw timings kept beside the profile as they came, the grid complete.
+    assert json.loads((tmp_path / "shared.raw.json").read_text())["raw"]["none"] == raw
+    assert prof["measurements"]["sharing"]["complete"] is True
     s = simulate(config_from_args(jobs=2, steps=2, policy="overlap", groups=2, sharing="none", profile=str(out)))
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert main(["calibrate-sharing", "--model", str(model), "--out", str(tmp_path / "x.json"), "--modes", "mps"]) == 2

@@ -90,3 +90,39 @@ def test_sim_what_if_reports_the_hypothesis_and_bad_factors_are_clear_errors(cap
     for bad in ("train", "train=-1", "train=x"):
         assert main(["sim", "--what-if", bad]) == 2
         assert "PHASE=FACTOR" in capsys.readouterr().err
+
+
+def test_calibrate_sharing_from_a_log_without_model_or_gpu_and_its_errors(tmp_path, capsys):
+    from calibration.corun import bucket_line
+
+    def row(b, t, k=1.0):
+        return {"batch": b, "tokens": t, "engine_alone_s": 1.0, "engine_corun_s": 2.0 * k,
+                "trainer_alone_s": 1.0, "trainer_corun_s": 4.0}
+
+    log = tmp_path / "sharing.log"
+    log.write_text("INFO starting\n" + "\n".join([bucket_line("none", row(b, t, b / 64)) for b in (64, 256)
+                                                  for t in (16384, 49152)] + [bucket_line("mps", row(64, 16384))]))
+    out = tmp_path / "p.json"
+    grid = ["--batches", "64,256", "--train-tokens", "16384,49152"]
+    assert main(["calibrate-sharing", "--from-raw", str(log), "--out", str(out)] + grid) == 0
+    said = capsys.readouterr().out
+    assert "incomplete: 3 bucket(s) not measured: mps 64/49152, mps 256/16384, mps 256/49152" in said
+    prof = json.loads(out.read_text())
+    assert prof["measurements"]["sharing"]["from_raw"] == {"file": str(log), "format": "log"}
+    assert [e["batch"] for e in prof["sharing"]["corun_by_engine_batch"]] == [64, 256]
+    assert prof["sharing"]["corun_by_engine_batch"][1]["none_corun"]["engine"] == 0.125
+    assert not (tmp_path / "p.raw.json").exists()  # nothing measured, no raw file
+    # Errors: no model and no file; a file with nothing to read; a log off the flags' grid.
+    assert main(["calibrate-sharing", "--out", str(tmp_path / "q.json")]) == 2
+    assert "--model is required to measure (or --from-raw FILE" in capsys.readouterr().err
+    (tmp_path / "empty.log").write_text("INFO nothing measured\n")
+    q = ["--out", str(tmp_path / "q.json")]
+    assert main(["calibrate-sharing", "--from-raw", str(tmp_path / "empty.log")] + q) == 2
+    assert f"--from-raw '{tmp_path / 'empty.log'}': no bucket lines" in capsys.readouterr().err
+    assert main(["calibrate-sharing", "--from-raw", str(log), "--batches", "64"] + q) == 2
+    assert "none batch 256 / 16384 tokens is outside --modes none,mps --batches 64 --train-tokens 16384,49152: " \
+           "give the measuring run's flags" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["calibrate-sharing", "--from-raw", str(tmp_path / "bad.json")] + q) == 2
+    assert "bad.json': not valid JSON" in capsys.readouterr().err
+    assert not (tmp_path / "q.json").exists()

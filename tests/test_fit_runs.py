@@ -21,6 +21,7 @@ def _profile_with(tmp_path, name, **train):
     prof["publish"]["save_s_per_adapter"] = train["save"]
     prof["decode"]["scale"] = train.get("decode_scale", 1.0)
     prof["train"]["extra_tokens_layout"] = train.get("layout", "padded")
+    prof["publish"]["corun_factor"] = train.get("publish_factor", 1.0)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(prof))
     return str(path)
@@ -93,6 +94,8 @@ def test_fit_cli_refuses_too_few_steps_and_existing_out(tmp_path, capsys):
     out_text = capsys.readouterr().out
     assert "fitted on 1 run(s), 4 train steps" in out_text
     assert "sharing rates fitted: none" in out_text  # a dedicated run never co-runs nor uses MPS
+    assert "publish beside a train step: x 1.00 kept from the base (0 publishes beside a train step, 4 alone)" \
+        in out_text
     assert main(["fit", str(ded), "--out", str(out)]) != 0
     assert "never overwrites" in capsys.readouterr().err
 
@@ -211,3 +214,59 @@ def test_refitted_corun_rates_replace_the_bases_by_batch_rates():
     assert sharing["corun_by_engine_batch"] == [{"batch": 64, "none_corun": {"engine": 0.5, "trainer": 0.5}}]
     assert _drop_refitted_batch_rates(sharing, {"mps_alone.trainer": 0.8}) == []
     assert _drop_refitted_batch_rates({}, {"mps_corun.trainer": 0.6}) == []
+
+
+def _freed(jobs: int, profile: str, seed: int):
+    return config_from_args({"arm": {"trainer_waits_for_publish": False}}, jobs=jobs, steps=4, policy="overlap",
+                            groups=2, sharing="mps", profile=profile, seed=seed)
+
+
+def test_fit_recovers_the_publish_corun_factor_from_freed_trainer_runs(tmp_path, capsys):
+    """Freed-trainer runs recorded at factor 5: the publishes beside the other group's step take
+    5x the save time. The fit takes the save time from the publishes alone and the factor from
+    the ratio; runs with no publish beside a step keep the base's factor."""
+    truth = _profile_with(tmp_path, "truth", a=0.12, b=2e-5, c=0.03, save=0.04, publish_factor=5.0)
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.001, save=0.2, publish_factor=1.5)
+    ded = tmp_path / "ded"
+    simulate(config_from_args(jobs=2, steps=3, policy="dedicated", sharing="none", profile=truth), ded)
+    runs = [ded]
+    for jobs in (2, 4):
+        runs.append(tmp_path / f"freed{jobs}")
+        simulate(_freed(jobs, truth, seed=jobs), runs[-1])
+    _, publish = train_samples(runs[2])
+    assert {p["beside_train"] for p in publish} == {True, False}
+    prof = fit(runs, base=wrong)
+    assert prof["publish"]["save_s_per_adapter"] == pytest.approx(0.04, rel=1e-6)
+    assert prof["publish"]["corun_factor"] == pytest.approx(5.0, rel=1e-6)
+    f = prof["measurements"]["fit_runs"]
+    assert f["publish_corun_factor"] == pytest.approx(5.0, rel=1e-6)
+    n = f["publish_corun_samples"]
+    assert n["beside_train"] > 0 and n["alone"] > n["beside_train"]
+    assert n["beside_train_s_per_adapter"] == pytest.approx(0.2, rel=1e-6)
+    # The same runs' trainer waiting for its publishes: no publish beside a step, the base's 1.5.
+    only_alone = fit([ded], base=wrong)
+    assert only_alone["publish"]["corun_factor"] == 1.5
+    assert only_alone["measurements"]["fit_runs"]["publish_corun_factor"] is None
+    out = tmp_path / "fitted.json"
+    assert main(["fit", *map(str, runs), "--base", wrong, "--out", str(out)]) == 0
+    assert "publish beside a train step x 5.00" in capsys.readouterr().out
+
+
+def test_a_publish_is_beside_a_train_step_past_half_its_time(tmp_path):
+    """Two publishes added to a recorded run across one train action's end: the one the step
+    covers for 60% of its time counts as beside it, the one it covers for 40% as alone."""
+    run = tmp_path / "freed"
+    simulate(_freed(2, "h200-qwen3-0.6b", seed=1), run)
+    spans = [json.loads(x) for x in (run / "spans.jsonl").read_text().splitlines()]
+    t = next(s for s in spans if s["phase"] == "train")
+    end = t["end_s"]
+    others = [s for s in spans if s["phase"] == "train" and (s["start_s"], s["end_s"]) != (t["start_s"], end)]
+    # This step alone covers the 0.1 s either side of its end.
+    assert t["start_s"] < end - 0.1 and not any(s["start_s"] < end + 0.1 and s["end_s"] > end - 0.1 for s in others)
+    added = [dict(t, phase="publish", group=9, start_s=end - 0.1 * share, end_s=end + 0.1 * (1 - share), attrs={})
+             for share in (0.4, 0.6)]
+    with open(run / "spans.jsonl", "a") as fh:
+        fh.writelines(json.dumps(s) + "\n" for s in added)
+    _, publish = train_samples(run)
+    mine = [p for p in publish if p["s_per_adapter"] == pytest.approx(0.1)]
+    assert [p["beside_train"] for p in mine] == [True, False]  # by start: the 60% one first

@@ -82,3 +82,25 @@ def test_what_if_scales_one_phase_and_marks_the_profile_hypothetical():
         what_if(base, {"gpu": 0.5})
     with pytest.raises(ConfigError, match="factor must be > 0"):
         what_if(base, {"train": 0.0})
+
+
+def test_publish_corun_factor_defaults_to_one_and_refuses_a_speed_up(tmp_path):
+    """The factor only slows a publish beside a train step: below 1 (or negative) is a clear error
+    naming the field; profiles without it read as 1; a what-if on publish scales its seconds, not
+    the factor."""
+    from sim.profile import profile_dict, what_if
+
+    base = profile_dict("h200-qwen3-0.6b")
+    assert base["publish"]["corun_factor"] == 1.0
+    p = tmp_path / "p.json"
+    for bad in (0.5, -2.0, "fast"):
+        base["publish"]["corun_factor"] = bad
+        p.write_text(json.dumps(base))
+        with pytest.raises(ConfigError, match=r"malformed at publish\.corun_factor"):
+            load_profile(str(p))
+    base["publish"]["corun_factor"] = 4.0
+    p.write_text(json.dumps(base))
+    assert load_profile(str(p)).profile.publish.corun_factor == 4.0
+    half = what_if(base, {"publish": 0.5})["publish"]
+    assert half["corun_factor"] == 4.0
+    assert half["save_s_per_adapter"] == pytest.approx(0.5 * base["publish"]["save_s_per_adapter"])

@@ -146,3 +146,94 @@ def test_replayed_lengths_follow_the_trace(tmp_path):
 def test_union_length():
     assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
     assert union_length([]) == 0
+
+
+def test_publish_is_slowed_only_while_a_train_step_runs_beside_it():
+    """0.5 s of publish at factor 4 beside a 1 s train step from t=0: a quarter speed until t=1
+    (0.25 s done), the rest alone, so it ends at 1.25. A step from t=0.2 to 1.2 rescales it midway:
+    0.2 alone, 0.25 beside the step, 0.05 alone: 1.25 again. Alone or beside a generation: 0.5."""
+    import simpy
+
+    from sim.gpu import SharedGPU
+
+    sharing = load_profile("h200-qwen3-0.6b").profile.sharing
+
+    def publish_end(other: str | None, other_start_s: float, factor: float = 4.0) -> float:
+        env = simpy.Environment()
+        gpu = SharedGPU(env, "none", sharing)
+        ends = []
+
+        def other_work():
+            yield env.timeout(other_start_s)
+            yield from gpu.work(other, 1.0)  # alone without MPS: 1 s
+
+        def publish():
+            yield from gpu.host_work(0.5, factor)
+            ends.append(env.now)
+        if other:
+            env.process(other_work())
+        env.process(publish())
+        env.run()
+        return ends[0]
+
+    assert publish_end("trainer", 0.0) == pytest.approx(1.25)
+    assert publish_end("trainer", 0.2) == pytest.approx(1.25)
+    assert publish_end("trainer", 0.6) == pytest.approx(0.5)  # done before the step starts
+    assert publish_end("engine", 0.0) == pytest.approx(0.5)  # a generation does not slow it
+    assert publish_end(None, 0.0) == pytest.approx(0.5)
+    assert publish_end("trainer", 0.0, factor=1.0) == pytest.approx(0.5)
+
+
+def _publish_factor_profile(tmp_path, factor: float | None) -> str:
+    prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    prof["publish"]["save_s_per_adapter"] = 0.04
+    if factor is None:
+        del prof["publish"]["corun_factor"]
+    else:
+        prof["publish"]["corun_factor"] = factor
+    path = tmp_path / f"publish-x{factor}.json"
+    path.write_text(json.dumps(prof))
+    return str(path)
+
+
+def _publishes(run: Path) -> dict[tuple, float]:
+    """Per publish action (group, start): its seconds per adapter."""
+    spans = [json.loads(x) for x in (run / "spans.jsonl").read_text().splitlines()]
+    acts: dict[tuple, list] = {}
+    for s in spans:
+        if s["phase"] == "publish":
+            acts.setdefault((s["group"], s["start_s"], s["end_s"]), []).append(s)
+    return {k[:2]: (k[2] - k[1]) / len(v) for k, v in acts.items()}
+
+
+def test_publish_corun_factor_slows_the_freed_trainers_publishes_not_the_waiting_ones(tmp_path):
+    """A freed trainer takes the other group's step while a publish runs: at factor 5 those
+    publishes take 5x the save time and the arm loses steps per GPU-hour; a waiting trainer never
+    trains beside a publish (one stack), so its timeline does not move."""
+    runs = {}
+    for waits in (False, True):
+        for factor in (1.0, 5.0):
+            out = tmp_path / f"waits{waits}-x{factor}"
+            cfg = config_from_args({"arm": {"trainer_waits_for_publish": waits}}, jobs=4, steps=4, policy="overlap",
+                                   groups=2, sharing="mps", profile=_publish_factor_profile(tmp_path, factor))
+            runs[waits, factor] = (simulate(cfg, out), out)
+    slow, fast = _publishes(runs[False, 5.0][1]), _publishes(runs[False, 1.0][1])
+    assert list(fast.values()) == pytest.approx([0.04] * len(fast))
+    assert sorted(slow.values()) == pytest.approx([0.04] * 5 + [0.2] * 3)  # three beside a step
+    assert runs[False, 5.0][0]["steps_per_gpu_hour"] < runs[False, 1.0][0]["steps_per_gpu_hour"]
+    assert (runs[True, 5.0][1] / "spans.jsonl").read_text() == (runs[True, 1.0][1] / "spans.jsonl").read_text()
+
+
+def test_default_publish_corun_factor_changes_nothing(tmp_path):
+    """A profile without the field (every profile before it) reads as factor 1: the freed arm's
+    timeline is byte-identical to one with 1.0 written out, and every publish takes its save time
+    (the goldens above pin that the default moves no summary)."""
+    assert load_profile("h200-qwen3-0.6b").profile.publish.corun_factor == 1.0
+    texts = []
+    for factor in (None, 1.0):
+        out = tmp_path / f"x{factor}"
+        simulate(config_from_args({"arm": {"trainer_waits_for_publish": False}}, jobs=4, steps=3, policy="overlap",
+                                  groups=2, sharing="mps", profile=_publish_factor_profile(tmp_path, factor)), out)
+        texts.append((out / "spans.jsonl").read_text())
+        assert list(_publishes(out).values()) == pytest.approx([0.04] * 6)
+    assert texts[0] == texts[1]
