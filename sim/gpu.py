@@ -8,6 +8,7 @@ changes, every client's remaining work is rescaled to its new rate.
 from __future__ import annotations
 
 from itertools import count
+from typing import Callable
 
 import simpy
 
@@ -85,28 +86,32 @@ class SharedGPU:
         if batch is not None:
             self._batch[me] = batch
         self._update()
-        remaining = work_s
         try:
-            while True:
-                rate, t0, changed = self._rates[me], self.env.now, self._changed
-                finish = self.env.timeout(remaining / rate)
-                waits = [finish, changed] if interrupt is None else [finish, changed, interrupt]
-                yield self.env.any_of(waits)
-                # A Timeout counts as triggered from birth: `processed` tells that it fired.
-                if finish.processed:
-                    remaining = 0.0
-                    break
-                remaining = max(remaining - (self.env.now - t0) * rate, 0.0)
-                if remaining <= 1e-12 * work_s:
-                    remaining = 0.0
-                    break
-                if interrupt is not None and interrupt.triggered:
-                    break
+            remaining = yield from self._progress(work_s, lambda: self._rates[me], interrupt)
         finally:
             del self._active[me]
             self._batch.pop(me, None)
             self._update()
         return work_s - remaining
+
+    def _progress(self, work_s: float, rate: Callable[[], float], interrupt: simpy.Event | None = None):
+        """Process generator: progress through `work_s` at `rate()`, re-read whenever the set of
+        running clients changes (the remaining work rescaled to the new rate); returns the work left,
+        0 unless `interrupt` fired first."""
+        remaining = work_s
+        while True:
+            r, t0, changed = rate(), self.env.now, self._changed
+            finish = self.env.timeout(remaining / r)
+            waits = [finish, changed] if interrupt is None else [finish, changed, interrupt]
+            yield self.env.any_of(waits)
+            # A Timeout counts as triggered from birth: `processed` tells that it fired.
+            if finish.processed:
+                return 0.0
+            remaining = max(remaining - (self.env.now - t0) * r, 0.0)
+            if remaining <= 1e-12 * work_s:
+                return 0.0
+            if interrupt is not None and interrupt.triggered:
+                return remaining
 
     def trainer_running(self) -> bool:
         """Whether a train step is in flight on this GPU (any stack's trainer)."""
@@ -121,14 +126,4 @@ class SharedGPU:
         if trainer_slowdown == 1.0 or work_s <= 0:
             yield self.env.timeout(work_s)  # as before the factor existed: the same events
             return
-        remaining = work_s
-        while True:
-            rate = 1.0 / trainer_slowdown if self.trainer_running() else 1.0
-            t0, changed = self.env.now, self._changed
-            finish = self.env.timeout(remaining / rate)
-            yield self.env.any_of([finish, changed])
-            if finish.processed:
-                return
-            remaining = max(remaining - (self.env.now - t0) * rate, 0.0)
-            if remaining <= 1e-12 * work_s:
-                return
+        yield from self._progress(work_s, lambda: 1.0 / trainer_slowdown if self.trainer_running() else 1.0)

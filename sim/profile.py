@@ -248,8 +248,9 @@ def what_if(prof: dict, factors: dict[str, float]) -> dict:
         elif phase == "prefill":
             for k in ("no_lora", "lora"):
                 prof["prefill"][k] = {kk: v * f for kk, v in prof["prefill"][k].items()}
-        else:  # the seconds, not the co-run factor (a ratio of seconds)
-            prof["publish"] = {k: v * f if k != "corun_factor" else v for k, v in prof["publish"].items()}
+        else:  # its seconds; the co-run factor is a ratio of seconds and stays
+            for k in ("save_s_per_adapter", "engine_load_s"):
+                prof["publish"][k] *= f
     text = ", ".join(f"{k} x{v:g}" for k, v in sorted(factors.items()))
     prof.pop("validation", None)
     prof["assumptions"] = list(prof.get("assumptions") or []) + [
