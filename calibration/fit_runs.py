@@ -23,9 +23,23 @@ engine ran at a sharing rate. Each step is split into its time alone and its tim
 generation on the same GPU, and its work is rate_alone * alone + rate_corun * co-run. Under MPS
 both rates are unknowns of the same linear fit (they are identifiable because dedicated runs, one
 job alone without MPS, pin the cost model); a rate whose time is under 15% of its mode's steps is
-kept from the base profile. The engine's MPS rates come the same way from generations that a
-dedicated run made alone: the same job, step and response lengths, its alone time the work.
-Decode and prefill are kept from the base profile, and so is any rate the runs do not cover.
+kept from the base profile.
+
+The engine's rates come the same way, from every generate action of the fitted runs (one job's
+requests or several; only an action that another generate action on its GPU overlapped is left
+out, since the two shared the engine's batches): its work is the simulator's alone time (no MPS)
+of exactly that action's requests (each job's prompts, prompt tokens and recorded response
+lengths, the run's max_num_seqs and max_loras) at the fitted decode scale, and its seconds split
+into alone and beside a train step. Without MPS the alone rate is 1 and none_corun.engine is
+fitted; under MPS mps_alone.engine and mps_corun.engine; the same 15% rule keeps a rate from the
+base. Dedicated runs without MPS are that alone case: they fit decode.scale (seconds = fixed +
+scale * decode steps, over their one-job generations) and are left out of the rates. (An earlier
+method matched one-job MPS generations to a dedicated run's same job, step and lengths and took
+the dedicated seconds as the work: it saw only one-job generations of replayed seeds, so it never
+fitted none_corun.engine and fitted mps_corun.engine at 1 job per generation only; the work as the
+simulator's own alone time is what the simulator will charge, so the rates are consistent with it.)
+Prefill and the decode curves are kept from the base profile, and so is any rate the runs do not
+cover.
 """
 
 from __future__ import annotations
@@ -67,25 +81,49 @@ def _busy(spans: list[dict], phase: str) -> dict[int, list[tuple[float, float]]]
     return per
 
 
+def _generation_actions(spans: list[dict]) -> dict[tuple, list[dict]]:
+    """Generate spans grouped into the engine's actions: (gpu, stack, group, step) -> the jobs'
+    spans, in the order the action submitted them. A job's span ends when its own sequences do,
+    so the jobs of one action need not share an end (nor, in the simulator, a start)."""
+    actions: dict[tuple, list[dict]] = {}
+    for s in spans:
+        if s["phase"] == "generate":
+            actions.setdefault((s["gpu"], s.get("stack", 0), s["group"], s["attrs"].get("step")), []).append(s)
+    return actions
+
+
 def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]:
-    """Per one-job generate action of a run: job, step, response lengths, seconds, and the
-    seconds of it that a train step on the same GPU overlapped. ``recorded``: the run's
-    ``load_recorded`` result, when the caller has it already."""
+    """Per generate action of a run (one job or several) that no other generate action on its GPU
+    overlapped: its requests (job, prompts, prompt tokens each, response lengths, in submission
+    order), seconds, the seconds of it that a train step on the same GPU overlapped, and the
+    run's engine limits. ``recorded``: the run's ``load_recorded`` result, when the caller has it
+    already."""
     cfg, _, spans = recorded or load_recorded(run_dir)
-    train, gens = _busy(spans, "train"), _busy(spans, "generate")
+    train = _busy(spans, "train")
+    actions = {k: (min(m["start_s"] for m in v), max(m["end_s"] for m in v), v)
+               for k, v in _generation_actions(spans).items()}
+    per_gpu: dict[int, list[tuple[tuple, float, float]]] = {}
+    for k, (start, end, _) in actions.items():
+        per_gpu.setdefault(k[0], []).append((k, start, end))
+    specs = {j.get("id"): j for j in cfg["jobs"]}
+    engine = cfg.get("engine") or {}
     out = []
-    for (_, gpu, _, start, end), members in _actions(spans, ("generate",)).items():
-        if len(members) != 1 or gens[gpu].count((start, end)) > 1:
-            continue  # several jobs' requests in one generation: no one-job alone time to match
-        if _overlap(start, end, [iv for iv in gens[gpu] if iv != (start, end)]) > 0:
-            continue  # shared engine batches with another group's requests (continuous batching)
-        s, dur = members[0], end - start
+    for k, (start, end, members) in sorted(actions.items(), key=lambda kv: (kv[0][0], kv[1][0])):
+        gpu = k[0]
+        if any(o != k and a < end and b > start for o, a, b in per_gpu[gpu]):
+            continue  # shared engine batches with another action's requests (continuous batching)
+        requests = []
+        for m in members:
+            lengths = tuple(m["attrs"].get("response_tokens") or ())
+            ptoks = m["attrs"].get("prompt_tokens")
+            requests.append({"job": m["job"], "prompts": specs.get(m["job"], {}).get("prompts_per_step", 8),
+                             "prompt_tokens_each": max(1, round(ptoks / len(lengths))) if lengths and ptoks else None,
+                             "lengths": lengths})
+        dur = end - start
         corun = _overlap(start, end, train.get(gpu, []))
-        spec = next((j for j in cfg["jobs"] if j.get("id") == s["job"]), {})
-        out.append({"job": s["job"], "step": s["attrs"].get("step"),
-                    "lengths": tuple(s["attrs"].get("response_tokens") or ()), "s": dur,
-                    "prompts": spec.get("prompts_per_step", 8), "prompt_tokens": s["attrs"].get("prompt_tokens"),
-                    "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"]})
+        out.append({"step": k[3], "requests": requests, "s": dur, "alone_s": dur - corun, "corun_s": corun,
+                    "sharing": cfg["arm"]["sharing"], "max_num_seqs": engine.get("max_num_seqs") or 512,
+                    "max_loras": engine.get("max_loras") or len(requests)})
     return out
 
 
@@ -241,7 +279,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     pred = work / (alone_frac * r_alone + (1 - alone_frac) * r_corun)
     rel = (pred - y) / y
     decode_fit = _decode_scale(gens, prof)
-    rates.update(_engine_rates(gens, sharing))
+    engine_rates, engine_fit = _engine_rates(gens, prof)
+    rates.update(engine_rates)
     prof["train"]["per_microbatch"] = {"a_s": float(a), "b_s_per_unit": float(b)}
     prof["train"]["s_per_adapter"] = float(c)
     prof["train"]["s_per_regroup_token"] = float(d)
@@ -284,6 +323,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         "publish_corun_factor": pub_fit["corun_factor"],  # None: kept from the base
         "publish_corun_samples": {k: v for k, v in pub_fit.items() if k not in ("save_s_per_adapter", "corun_factor")},
         "decode_fit": decode_fit,
+        # Per sharing mode: generate actions fitted, the engine's rates after the fit, which of them
+        # were fitted, and the actions' predicted-seconds error at the base's rates and at these.
+        "engine_fit": engine_fit,
         "padded_tokens_range": [int(tok.min()), int(tok.max())]}
     Profile.model_validate(prof)
     return prof
@@ -315,9 +357,12 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
             "save_s_per_adapter": save, "corun_factor": factor}
 
 
-def _alone_generation_s(prof: dict, prompts: int, prompt_tokens_each: int, lengths: tuple, scale: float) -> float:
-    """Seconds the simulator's engine takes for one job's generation alone on the GPU (no MPS),
-    with every decode step at ``scale`` times the profile's curves."""
+def _alone_generation_s(prof: dict, requests: list[dict], scale: float, max_num_seqs: int,
+                        max_loras: int) -> float:
+    """Seconds the simulator's engine takes for one generate action alone on the GPU (no MPS):
+    ``requests`` (``generate_samples``'s: every job's prompts, prompt tokens each and response
+    lengths) submitted together to an idle engine with the run's ``max_num_seqs`` and
+    ``max_loras``, every decode step at ``scale`` times the profile's curves."""
     import simpy
 
     from sim.engine import SimEngine
@@ -328,30 +373,36 @@ def _alone_generation_s(prof: dict, prompts: int, prompt_tokens_each: int, lengt
     model = Profile.model_validate(p)
     env = simpy.Environment()
     ends: list[float] = []
-    eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"), max_num_seqs=len(lengths),
-                    max_loras=1, on_done=lambda action: ends.append(env.now))
-    eng.publish("job", 1)
+    eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"),
+                    max_num_seqs=max_num_seqs, max_loras=max_loras, on_done=lambda action: ends.append(env.now))
+    for r in requests:  # a new version each: the engine loads every job's adapter, as a run's steps do
+        eng.publish(r["job"], 1)
 
     def submit():  # after the engine's loop went idle, as between a run's steps (a cold prefill)
         yield env.timeout(0)
-        eng.submit("gen", [("job", 0, 1, prompts, prompt_tokens_each, list(lengths))])
+        eng.submit("gen", [(r["job"], 0, 1, r["prompts"], r["prompt_tokens_each"], list(r["lengths"]))
+                           for r in requests])
     env.process(submit())
     env.run()
     return ends[0]
+
+
+def _complete(g: dict) -> bool:
+    """Whether a generation recorded every request's lengths and prompt tokens (the work needs them)."""
+    return all(r["lengths"] and r["prompt_tokens_each"] for r in g["requests"])
 
 
 def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
     """decode.scale from the dedicated runs' generations (one job alone, no MPS): seconds =
     fixed (prefill, adapter load) + scale * decode, relative-error least squares. Sets it in
     ``prof`` and returns the fit's summary; None (scale kept) without such generations."""
-    rows = [g for g in gens if g["dedicated"] and g["sharing"] == "none" and g["lengths"] and g["prompt_tokens"]]
+    rows = [g for g in gens if g["dedicated"] and g["sharing"] == "none" and _complete(g)]
     if len(rows) < 3:
         return None
     fixed, dec, y = [], [], []
     for g in rows:
-        each = max(1, round(g["prompt_tokens"] / len(g["lengths"])))
-        t1 = _alone_generation_s(prof, g["prompts"], each, g["lengths"], 1.0)
-        t2 = _alone_generation_s(prof, g["prompts"], each, g["lengths"], 2.0)
+        t1 = _alone_generation_s(prof, g["requests"], 1.0, g["max_num_seqs"], g["max_loras"])
+        t2 = _alone_generation_s(prof, g["requests"], 2.0, g["max_num_seqs"], g["max_loras"])
         dec.append(t2 - t1)
         fixed.append(t1 - (t2 - t1))
         y.append(g["s"])
@@ -367,33 +418,62 @@ def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
             "bias_before": float(np.mean(before)), "bias_after": float(np.mean(after))}
 
 
-def _engine_rates(gens: list[dict], sharing: dict) -> dict[str, float]:
-    """The engine's MPS rates from one-job generations matched to the same job's same step with
-    the same response lengths in a dedicated run (alone, no MPS: its seconds are the work)."""
-    alone = {(g["job"], g["step"], g["lengths"]): g["s"] for g in gens if g["dedicated"] and g["sharing"] == "none"}
-    rows = [(g, alone[(g["job"], g["step"], g["lengths"])]) for g in gens
-            if g["sharing"] == "mps" and (g["job"], g["step"], g["lengths"]) in alone]
-    if len(rows) < 3:
-        return {}
-    work = np.array([w for _, w in rows])
-    t_alone = np.array([g["alone_s"] for g, _ in rows])
-    t_corun = np.array([g["corun_s"] for g, _ in rows])
-    total = t_alone.sum() + t_corun.sum()
-    cols, names, rhs = [], [], work.copy()
-    for key, t in (("mps_alone", t_alone), ("mps_corun", t_corun)):
-        if t.sum() >= MIN_RATE_SHARE * total:
-            cols.append(t)
-            names.append(key)
-        else:
-            rhs = rhs - sharing[key]["engine"] * t
-    if not cols:
-        return {}
-    w = nonneg_rel_lstsq(np.stack(cols, 1), rhs, scale=work)
-    out = {}
-    for key, v in zip(names, w):
-        sharing[key]["engine"] = float(v)
-        out[f"{key}.engine"] = float(v)
-    return out
+ENGINE_MODES = (("none", None, "none_corun"), ("mps", "mps_alone", "mps_corun"))
+
+
+def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]:
+    """The engine's sharing rates from the fitted runs' generate actions, as the trainer's: per
+    sharing mode, work = rate_alone * alone_s + rate_corun * corun_s, with the work the
+    simulator's alone time (no MPS) of exactly the action's requests at the profile's (fitted)
+    decode scale. Without MPS the alone rate is 1; a rate whose time is under ``MIN_RATE_SHARE``
+    of its mode's generation time is kept from the base. Dedicated runs without MPS (the alone,
+    no-MPS case: they pin the decode scale) are left out. Sets the rates in ``prof["sharing"]``;
+    returns them by key and the fit's summary per mode."""
+    sharing = prof["sharing"]
+    rows = [g for g in gens if _complete(g) and not (g["dedicated"] and g["sharing"] == "none")]
+    scale = prof["decode"].get("scale", 1.0)
+    rates: dict[str, float] = {}
+    summary: dict[str, dict] = {}
+    for mode, alone_key, corun_key in ENGINE_MODES:
+        sel = [g for g in rows if g["sharing"] == mode]
+        if not sel:
+            continue
+        work = np.array([_alone_generation_s(prof, g["requests"], scale, g["max_num_seqs"], g["max_loras"])
+                         for g in sel])
+        y = np.array([g["s"] for g in sel])
+        t_alone = np.array([g["alone_s"] for g in sel])
+        t_corun = np.array([g["corun_s"] for g in sel])
+        total = float(y.sum())
+
+        def rate(key: str | None) -> float:
+            return 1.0 if key is None else sharing[key]["engine"]
+
+        before = (rate(alone_key), rate(corun_key))
+        cols, names, rhs = [], [], work.copy()
+        for key, t in ((alone_key, t_alone), (corun_key, t_corun)):
+            if key is not None and t.sum() >= MIN_RATE_SHARE * total:
+                cols.append(t)
+                names.append(key)
+            else:  # alone without MPS (the work itself), or too little time to tell: the base's
+                rhs = rhs - rate(key) * t
+        fitted = dict(zip(names, map(float, nonneg_rel_lstsq(np.stack(cols, 1), rhs, scale=work)))) if cols else {}
+        fitted = {k: v for k, v in fitted.items() if v > 0}  # pinned at 0 by the fit: no rate, the base's
+        for key, v in fitted.items():
+            sharing[key]["engine"] = v
+            rates[f"{key}.engine"] = v
+        after = (rate(alone_key), rate(corun_key))
+
+        def err(r: tuple[float, float]) -> np.ndarray:  # predicted seconds at the rates over measured, - 1
+            return work / (r[0] * t_alone + r[1] * t_corun) - 1
+
+        e0, e1 = err(before), err(after)
+        summary[mode] = {"generations": len(sel), "jobs_per_generation": sorted({len(g["requests"]) for g in sel}),
+                         "corun_share": float(t_corun.sum() / total),
+                         "rates": {f"{k}.engine": rate(k) for k in (alone_key, corun_key) if k},
+                         "fitted": sorted(f"{k}.engine" for k in fitted),
+                         "mape_before": float(np.mean(np.abs(e0))), "mape_after": float(np.mean(np.abs(e1))),
+                         "bias_before": float(np.mean(e0)), "bias_after": float(np.mean(e1))}
+    return rates, summary
 
 
 def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[str]:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from calibration.fit_runs import fit, nonneg_rel_lstsq, train_samples
+from calibration.fit_runs import fit, generate_samples, nonneg_rel_lstsq, train_samples
 from calibration.validate import validate
 from nodus.cli import main
 from nodus.config import ConfigError
@@ -192,13 +192,62 @@ def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
     assert rates["mps_alone.trainer"] == pytest.approx(0.85, rel=1e-6)  # the dedicated MPS run's steps
     assert fitted["sharing"]["mps_corun"]["trainer"] == pytest.approx(0.55, rel=1e-6)
     # The engine's MPS share alone, from generations no other group's requests joined (the base
-    # had 0.5); its co-run rate, with no such generation beside a train step, stays the base's.
+    # had 0.5); its co-run rate stays the base's: the dedicated MPS run's generations, all alone,
+    # leave the co-run under 15% of the MPS generations' time (so mps_alone is fitted beside the
+    # base's co-run rate, within 2e-3 of the truth).
+    f = fitted["measurements"]["fit_runs"]["engine_fit"]["mps"]
+    assert f["corun_share"] < 0.15 and f["fitted"] == ["mps_alone.engine"]
     assert rates["mps_alone.engine"] == pytest.approx(0.9, rel=2e-3)
     assert "mps_corun.engine" not in rates
     assert fitted["train"]["per_microbatch"]["a_s"] == pytest.approx(0.12, rel=1e-3)
     assert fitted["train"]["s_per_adapter"] == pytest.approx(0.03, rel=1e-3)
     assert any(a["id"] == "sharing-partly-fitted" for a in fitted["assumptions"])
     assert not any(a["id"] == "sharing-from-base" for a in fitted["assumptions"])
+
+
+def test_fit_recovers_the_engines_corun_rates_from_multi_job_generations(tmp_path):
+    """4 jobs in 2 groups, with MPS and without: every generation holds two jobs' requests. The
+    fit takes each one's work as the simulator's alone time of exactly those requests, splits its
+    seconds into alone and beside a train step, and gives back the recording profile's engine
+    rates of both modes (the base's differ); the refitted profile replays the runs' generations."""
+    truth = _profile_with(tmp_path, "truth", a=0.12, b=2e-5, c=0.03, save=0.04, decode_scale=1.2)
+    prof = json.loads(open(truth).read())
+    prof["sharing"]["none_corun"] = {"engine": 0.7, "trainer": 0.6}
+    prof["sharing"]["mps_corun"] = {"engine": 0.8, "trainer": 0.55}
+    # The engine's MPS share alone stays the base's: these runs' MPS generations are mostly beside
+    # a train step (their alone time is under 15%), so the fit keeps it.
+    prof["sharing"]["mps_alone"]["trainer"] = 0.85
+    open(truth, "w").write(json.dumps(prof))
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.001, save=0.2)
+    base = json.loads(open(wrong).read())["sharing"]
+    assert base["none_corun"]["engine"] < 0.5 and base["mps_corun"]["engine"] < 0.6  # far from the truth
+    runs = [tmp_path / "ded"]
+    simulate(config_from_args(jobs=2, steps=3, policy="dedicated", sharing="none", profile=truth, seed=5), runs[0])
+    for sharing in ("none", "mps"):
+        runs.append(tmp_path / f"ovl4-{sharing}")
+        simulate(config_from_args(jobs=4, steps=6, policy="overlap", groups=2, sharing=sharing, profile=truth,
+                                  seed=5), runs[-1])
+        gens = generate_samples(runs[-1])
+        assert gens and all(len(g["requests"]) == 2 for g in gens)
+        assert any(g["corun_s"] > 0 for g in gens)
+    fitted = fit(runs, base=wrong)
+    f = fitted["measurements"]["fit_runs"]
+    rates = f["sharing_fit"]
+    assert rates["none_corun.engine"] == pytest.approx(0.7, rel=1e-6)
+    assert rates["mps_corun.engine"] == pytest.approx(0.8, rel=1e-6)
+    assert "mps_alone.engine" not in rates and f["engine_fit"]["mps"]["corun_share"] > 0.85
+    assert fitted["sharing"]["none_corun"]["engine"] == pytest.approx(0.7, rel=1e-6)
+    assert fitted["decode"]["scale"] == pytest.approx(1.2, rel=1e-6)  # the work's decode scale, from ded
+    for mode in ("none", "mps"):
+        e = f["engine_fit"][mode]
+        assert e["jobs_per_generation"] == [2] and e["mape_before"] > 0.05
+        assert e["mape_after"] == pytest.approx(0, abs=1e-6)
+    text = [a["what"] for a in fitted["assumptions"] if a["id"] == "sharing-partly-fitted"][-1]  # this fit's
+    assert "none_corun.engine 0.700" in text and "mps_corun.engine 0.800" in text
+    out = tmp_path / "fitted.json"
+    out.write_text(json.dumps(fitted))
+    rep = validate(runs, profile=str(out))
+    assert rep["all_replay_components"]["generate_s"]["mape"] == pytest.approx(0, abs=1e-3)
 
 
 def test_refitted_corun_rates_replace_the_bases_by_batch_rates():
