@@ -25,12 +25,15 @@ both rates are unknowns of the same linear fit (they are identifiable because de
 job alone without MPS, pin the cost model); a rate whose time is under 15% of its mode's steps is
 kept from the base profile.
 
-The engine's rates come the same way, from every generate action of the fitted runs (one job's
-requests or several; only an action that another generate action on its GPU overlapped is left
-out, since the two shared the engine's batches): its work is the simulator's alone time (no MPS)
-of exactly that action's requests (each job's prompts, prompt tokens and recorded response
-lengths, the run's max_num_seqs and max_loras) at the fitted decode scale, and its seconds split
-into alone and beside a train step. Without MPS the alone rate is 1 and none_corun.engine is
+The engine's rates come the same way, from every generation episode of the fitted runs: a
+generate action (one job's requests or several), or several actions whose times overlapped on one
+engine (two offset groups whose generations outlast their train steps share the engine's batches),
+merged. Its work is the simulator's alone time (no MPS) of exactly its requests (each job's
+prompts, prompt tokens and recorded response lengths, each action submitted at its recorded offset
+in the episode, the run's max_num_seqs and max_loras) at the fitted decode scale, idle gaps left
+out, and its seconds split into alone and beside a train step. (Within a merged episode the alone
+replay's batch at each moment is not quite the run's, since the run's co-run slowed the first
+action before the next one joined: rates fitted to within a few percent on simulated runs.) Without MPS the alone rate is 1 and none_corun.engine is
 fitted; under MPS mps_alone.engine and mps_corun.engine; the same 15% rule keeps a rate from the
 base. Dedicated runs without MPS are that alone case: they fit decode.scale (seconds = fixed +
 scale * decode steps, over their one-job generations) and are left out of the rates. (An earlier
@@ -93,37 +96,45 @@ def _generation_actions(spans: list[dict]) -> dict[tuple, list[dict]]:
 
 
 def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]:
-    """Per generate action of a run (one job or several) that no other generate action on its GPU
-    overlapped: its requests (job, prompts, prompt tokens each, response lengths, in submission
-    order), seconds, the seconds of it that a train step on the same GPU overlapped, and the
-    run's engine limits. ``recorded``: the run's ``load_recorded`` result, when the caller has it
-    already."""
+    """Per generation episode of a run: a generate action (one job or several), or several whose
+    times overlapped on one GPU (the engine batched their requests together, as two offset groups
+    do when generation outlasts training), merged. Each: its requests (job, prompts, prompt tokens
+    each, response lengths, ``offset_s`` after the episode's start when its action was submitted,
+    ``action`` its index in the episode), seconds from the first start to the last end, the seconds
+    of it that a train step on the same GPU overlapped, the number of actions, and the run's engine
+    limits. ``recorded``: the run's ``load_recorded`` result, when the caller has it already."""
     cfg, _, spans = recorded or load_recorded(run_dir)
     train = _busy(spans, "train")
-    actions = {k: (min(m["start_s"] for m in v), max(m["end_s"] for m in v), v)
-               for k, v in _generation_actions(spans).items()}
-    per_gpu: dict[int, list[tuple[tuple, float, float]]] = {}
-    for k, (start, end, _) in actions.items():
-        per_gpu.setdefault(k[0], []).append((k, start, end))
+    per_engine: dict[tuple, list[tuple[float, float, list[dict]]]] = {}  # (gpu, stack): one engine
+    for k, members in _generation_actions(spans).items():
+        start, end = min(m["start_s"] for m in members), max(m["end_s"] for m in members)
+        per_engine.setdefault(k[:2], []).append((start, end, members))
     specs = {j.get("id"): j for j in cfg["jobs"]}
     engine = cfg.get("engine") or {}
     out = []
-    for k, (start, end, members) in sorted(actions.items(), key=lambda kv: (kv[0][0], kv[1][0])):
-        gpu = k[0]
-        if any(o != k and a < end and b > start for o, a, b in per_gpu[gpu]):
-            continue  # shared engine batches with another action's requests (continuous batching)
-        requests = []
-        for m in members:
-            lengths = tuple(m["attrs"].get("response_tokens") or ())
-            ptoks = m["attrs"].get("prompt_tokens")
-            requests.append({"job": m["job"], "prompts": specs.get(m["job"], {}).get("prompts_per_step", 8),
-                             "prompt_tokens_each": max(1, round(ptoks / len(lengths))) if lengths and ptoks else None,
-                             "lengths": lengths})
-        dur = end - start
-        corun = _overlap(start, end, train.get(gpu, []))
-        out.append({"step": k[3], "requests": requests, "s": dur, "alone_s": dur - corun, "corun_s": corun,
-                    "sharing": cfg["arm"]["sharing"], "max_num_seqs": engine.get("max_num_seqs") or 512,
-                    "max_loras": engine.get("max_loras") or len(requests)})
+    for (gpu, _), actions in sorted(per_engine.items()):
+        episodes: list[list[tuple[float, float, list[dict]]]] = []
+        for act in sorted(actions, key=lambda a: a[0]):
+            if episodes and act[0] < max(a[1] for a in episodes[-1]):
+                episodes[-1].append(act)
+            else:
+                episodes.append([act])
+        for ep in episodes:
+            start, end = ep[0][0], max(a[1] for a in ep)
+            requests = []
+            for i, (a_start, _, members) in enumerate(ep):
+                for m in members:
+                    lengths = tuple(m["attrs"].get("response_tokens") or ())
+                    ptoks = m["attrs"].get("prompt_tokens")
+                    requests.append({"job": m["job"], "prompts": specs.get(m["job"], {}).get("prompts_per_step", 8),
+                                     "prompt_tokens_each": max(1, round(ptoks / len(lengths))) if lengths and ptoks else None,
+                                     "lengths": lengths, "offset_s": a_start - start, "action": i})
+            dur = end - start
+            corun = _overlap(start, end, train.get(gpu, []))
+            out.append({"step": ep[0][2][0]["attrs"].get("step"), "requests": requests, "actions": len(ep),
+                        "s": dur, "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"],
+                        "max_num_seqs": engine.get("max_num_seqs") or 512,
+                        "max_loras": engine.get("max_loras") or len({r["job"] for r in requests})})
     return out
 
 
@@ -359,10 +370,12 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
 
 def _alone_generation_s(prof: dict, requests: list[dict], scale: float, max_num_seqs: int,
                         max_loras: int) -> float:
-    """Seconds the simulator's engine takes for one generate action alone on the GPU (no MPS):
+    """Seconds the simulator's engine is busy on one generation episode alone on the GPU (no MPS):
     ``requests`` (``generate_samples``'s: every job's prompts, prompt tokens each and response
-    lengths) submitted together to an idle engine with the run's ``max_num_seqs`` and
-    ``max_loras``, every decode step at ``scale`` times the profile's curves."""
+    lengths) submitted to an idle engine, each action's ``offset_s`` after the first (0 when not
+    given), with the run's ``max_num_seqs`` and ``max_loras``, every decode step at ``scale`` times
+    the profile's curves. An idle gap between actions (the alone engine done before the next one
+    came) is not counted: the work is the union of the actions' submit-to-done intervals."""
     import simpy
 
     from sim.engine import SimEngine
@@ -372,19 +385,27 @@ def _alone_generation_s(prof: dict, requests: list[dict], scale: float, max_num_
     p = dict(prof, decode=dict(prof["decode"], scale=scale))
     model = Profile.model_validate(p)
     env = simpy.Environment()
-    ends: list[float] = []
+    done: dict[str, float] = {}
     eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"),
-                    max_num_seqs=max_num_seqs, max_loras=max_loras, on_done=lambda action: ends.append(env.now))
+                    max_num_seqs=max_num_seqs, max_loras=max_loras,
+                    on_done=lambda action: done.__setitem__(action.action_id, env.now))
     for r in requests:  # a new version each: the engine loads every job's adapter, as a run's steps do
         eng.publish(r["job"], 1)
+    actions: dict[int, list[dict]] = {}
+    for r in requests:
+        actions.setdefault(r.get("action", 0), []).append(r)
+    offsets = {i: min(r.get("offset_s", 0.0) for r in rs) for i, rs in actions.items()}
 
     def submit():  # after the engine's loop went idle, as between a run's steps (a cold prefill)
         yield env.timeout(0)
-        eng.submit("gen", [(r["job"], 0, 1, r["prompts"], r["prompt_tokens_each"], list(r["lengths"]))
-                           for r in requests])
+        for i in sorted(actions, key=lambda i: offsets[i]):
+            if offsets[i] > env.now:
+                yield env.timeout(offsets[i] - env.now)
+            eng.submit(f"gen{i}", [(r["job"], 0, 1, r["prompts"], r["prompt_tokens_each"], list(r["lengths"]))
+                                   for r in actions[i]])
     env.process(submit())
     env.run()
-    return ends[0]
+    return union_length([(offsets[i], done[f"gen{i}"]) for i in actions])
 
 
 def _complete(g: dict) -> bool:
