@@ -19,6 +19,8 @@ from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
 SAMPLE_SEED_OFFSET = 7919  # sampled lengths: the recorded jobs' seeds plus this
+HOST_SLOW = 1.3  # a run whose host probe took this many times the validated runs' median is flagged
+DEFAULT_CONTROLS = {"engine_thread_pct": None, "trainer_thread_pct": None, "trainer_priority": "normal"}
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float | None:
@@ -112,7 +114,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         arm = meas.get("arm")
         if arm is not None and "trainer_waits_for_publish" in cfg["arm"]:  # the summary's arm omits it
             arm = dict(arm, trainer_waits_for_publish=cfg["arm"]["trainer_waits_for_publish"])
-        row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm,
+        row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": run_controls(meas),
+               "host_probe": run_host_probe(meas),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
@@ -141,6 +144,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                 per[f"busy_{side}"] = error_stats([a for a, _ in pairs], [b for _, b in pairs])
             report[f"{split}_{mode}_components"] = per
     report["noise"] = measurement_noise(rows)
+    report["host"] = host_flags(rows)
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
     h = report["heldout_replay"]
@@ -149,21 +153,69 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     return report
 
 
+def run_controls(summary: dict) -> dict:
+    """The MPS settings a run used beyond the defaults (thread percentages, trainer priority), from
+    its diagnostics: {} for a run at the defaults or without MPS."""
+    out = {}
+    for d in summary.get("diagnostics", []):
+        for k, v in (d.get("sharing_controls") or {}).items():
+            if k in DEFAULT_CONTROLS and v != DEFAULT_CONTROLS[k]:
+                out[k] = v
+    return out
+
+
+def run_host_probe(summary: dict) -> dict | None:
+    """The slowest of a run's host probes (``nodus.outdir.host_probe``, at the start and end of each
+    GPU's run): the largest loop and file seconds and load average; None for a run without one."""
+    probes = [p for d in summary.get("diagnostics", []) for p in (d.get("host_probe") or {}).values()
+              if isinstance(p, dict)]
+    out = {}
+    for k in ("cpu_loop_s", "file_rw_s", "load1"):
+        vals = [p[k] for p in probes if isinstance(p.get(k), (int, float))]
+        if vals:
+            out[k] = float(max(vals))
+    return out or None
+
+
+def host_flags(rows: list[dict]) -> dict:
+    """Runs whose host probe took more than ``HOST_SLOW`` times the median of the validated runs'
+    probes: their host was slower than the others' while they ran (other load, a throttled CPU, a
+    slow scratch disk), so their error may be the host's, not the simulator's. Flagged, never
+    dropped."""
+    probed = [r for r in rows if r.get("host_probe")]
+    median = {}
+    for k in ("cpu_loop_s", "file_rw_s"):
+        vals = [r["host_probe"][k] for r in probed if k in r["host_probe"]]
+        if vals:
+            median[k] = float(np.median(vals))
+    flagged = []
+    for r in probed:
+        slower = {k: r["host_probe"][k] / m for k, m in median.items()
+                  if m > 0 and r["host_probe"].get(k, 0) > HOST_SLOW * m}
+        if slower:
+            flagged.append({"run": r["run"], "slower": slower})
+    return {"runs_with_probe": len(probed), "runs": len(rows), "median": median, "threshold": HOST_SLOW,
+            "flagged": flagged}
+
+
 def config_key(row: dict) -> tuple:
-    """Runs of one configuration: the same arm, job count, trainer micro-batch size and publish
-    wait (seeds and repeats differ)."""
+    """Runs of one configuration: the same arm, job count, trainer micro-batch size, publish wait
+    and MPS settings (seeds and repeats differ)."""
     arm = row["arm"] or {}
     return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"], row.get("mb_tokens"),
-            trainer_freed(arm))
+            trainer_freed(arm), tuple(sorted((row.get("controls") or {}).items())))
 
 
 def config_label(row: dict) -> str:
-    """'8 jobs overlap g=2 mps', plus ' mb=32768' for a trainer micro-batch other than the default
-    and ' freed' for a trainer that did not wait for each publish."""
+    """'8 jobs overlap g=2 mps', plus ' mb=32768' for a trainer micro-batch other than the default,
+    ' freed' for a trainer that did not wait for each publish and the MPS settings beyond the
+    defaults (' trainer_thread_pct=50')."""
     arm = row["arm"]
     mb = row.get("mb_tokens")
+    controls = "".join(f" {k}={v}" for k, v in sorted((row.get("controls") or {}).items()))
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "") + (" freed" if trainer_freed(arm) else ""))
+            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "") + (" freed" if trainer_freed(arm) else "")
+            + controls)
 
 
 def _by_config(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -234,6 +286,17 @@ def render_markdown(rep: dict) -> str:
                   f"configuration's mean on average (widest spread {noise['max_spread']:.1%}; "
                   f"{noise['configs']} configurations, {noise['runs']} runs): no simulator's per-run MAPE "
                   "can fall below that floor on these runs."]
+    hostf = rep.get("host") or {}
+    if hostf.get("runs_with_probe"):
+        med = hostf["median"]
+        lines += ["", f"Host probe (the same host work timed at each run's start and end; {hostf['runs_with_probe']} "
+                  f"of {hostf['runs']} runs have one): median loop {med.get('cpu_loop_s', float('nan')):.3f} s, "
+                  f"file write and read {med.get('file_rw_s', float('nan')):.3f} s. "
+                  + (f"Slower than {hostf['threshold']:.1f}x the median (their host, not only the simulator, may "
+                     "explain their error): " + "; ".join(
+                         f"{Path(f['run']).name} ({', '.join(f'{k} {v:.1f}x' for k, v in f['slower'].items())})"
+                         for f in hostf["flagged"]) if hostf["flagged"] else "No run slower than "
+                     f"{hostf['threshold']:.1f}x the median.")]
     lines += ["", "Per phase (mean seconds of a phase's actions) and busy fraction, replayed lengths:", "",
               "| run | " + " | ".join(f"{ph} s meas / sim" for ph in PHASES) + " | busy engine meas / sim | busy trainer meas / sim |",
               "|---|" + "---|" * (len(PHASES) + 2)]

@@ -6,7 +6,12 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
+import time
 from pathlib import Path
+
+PROBE_LOOP = 1_000_000  # iterations of the probe's pure-Python loop (~0.05-0.1 s on a server core)
+PROBE_FILE_MIB = 16  # the probe's file write and read back: an adapter's size in bf16 (~19 MiB)
 
 
 def git_commit() -> str | None:
@@ -34,6 +39,32 @@ def host() -> dict:
         pass
     return {"cpu": model or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "dev_shm": os.path.isdir("/dev/shm")}
+
+
+def host_probe(scratch: str | None = None) -> dict:
+    """The same small host work, timed, so runs can be told apart by the state of their host, not
+    only by their results: a pure-Python loop (the launch-bound trainer and the engine's scheduler
+    run on such cores), a 16 MiB file written, flushed and read back in ``scratch`` (the adapter
+    publish path; default the temp folder), and the 1-minute load average (other processes). One
+    H200 session measured a call whose train steps ran 1.9x and publishes 2-3x slower than an hour
+    earlier on the same code (experiments/results/h200/session8); the real backend records this
+    at each run's start and end. About 0.1-0.2 s."""
+    t0 = time.perf_counter()
+    acc = 0
+    for i in range(PROBE_LOOP):
+        acc += i & 7
+    cpu_s = time.perf_counter() - t0
+    data = b"\x5a" * (PROBE_FILE_MIB << 20)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile(dir=scratch) as f:
+        f.write(data)
+        f.flush()
+        f.seek(0)
+        while f.read(1 << 22):
+            pass
+    rw_s = time.perf_counter() - t0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu_loop_s": cpu_s, "file_rw_s": rw_s, "load1": load, "unix_s": time.time()}
 
 
 class OutputExistsError(FileExistsError):

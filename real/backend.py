@@ -24,7 +24,7 @@ from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
 from nodus.lengths import prompt_tokens as prompt_tokens_of
-from nodus.outdir import host
+from nodus.outdir import host, host_probe
 from real.mps import MPSDaemon
 from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
 
@@ -299,6 +299,7 @@ class RealBackend:
 
     def __init__(self, cluster: Cluster, cfg: RunConfig):
         self.c, self.cfg, self.opts = cluster, cfg, cluster.opts
+        self.probe_start = host_probe(self.opts.adapter_dir or _fast_dir())
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self.adapter_root = tempfile.mkdtemp(prefix="nodus-adapters-", dir=self.opts.adapter_dir or _fast_dir())
         self._pending: dict[str, tuple] = {}
@@ -486,6 +487,7 @@ class RealBackend:
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
                 "workers": dict(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
+                "host_probe": {"start": self.probe_start, "end": host_probe(self.opts.adapter_dir or _fast_dir())},
                 "engine_env": dict(self.c.opts.engine_env)}
 
     def close(self) -> None:

@@ -1,6 +1,8 @@
 """nodus validate: the simulator scored against recorded runs (here: runs the simulator recorded,
 so replaying their lengths must reproduce them)."""
 
+from pathlib import Path
+
 import pytest
 
 from calibration.validate import error_stats, kendall_tau, validate
@@ -171,3 +173,61 @@ def test_a_freed_trainer_is_its_own_configuration():
     assert config_key(waited) == config_key({**waited, "arm": dict(arm, trainer_waits_for_publish=True)})
     sync = {"policy": "shared-sync", "groups": 1, "sharing": "mps", "trainer_waits_for_publish": False}
     assert config_label({"jobs": 8, "arm": sync, "mb_tokens": 16384}) == "8 jobs shared-sync g=1 mps"
+
+
+def test_runs_at_other_mps_settings_are_another_configuration():
+    from calibration.validate import config_key, config_label, run_controls
+
+    plain = {"diagnostics": [{"sharing_controls": {"engine_thread_pct": None, "trainer_thread_pct": None,
+                                                   "trainer_priority": "normal"}}]}
+    capped = {"diagnostics": [{"sharing_controls": {"engine_thread_pct": None, "trainer_thread_pct": 50,
+                                                    "trainer_priority": "normal"}}]}
+    assert run_controls(plain) == {} and run_controls({"diagnostics": [{"sharing_controls": {}}]}) == {}
+    assert run_controls(capped) == {"trainer_thread_pct": 50}
+    arm = {"policy": "overlap", "groups": 2, "sharing": "mps"}
+    a = {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": run_controls(plain)}
+    b = {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": run_controls(capped)}
+    assert config_key(a) != config_key(b) and config_key(a) == config_key({**a, "controls": None})
+    assert config_label(b) == "8 jobs overlap g=2 mps trainer_thread_pct=50"
+
+
+def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
+    from calibration.validate import HOST_SLOW, host_flags, render_markdown, run_host_probe
+    from nodus.outdir import host_probe
+
+    p = host_probe(str(tmp_path))
+    assert p["cpu_loop_s"] > 0 and p["file_rw_s"] > 0 and list(tmp_path.iterdir()) == []  # no file left
+    summary = {"diagnostics": [{"host_probe": {"start": dict(p, cpu_loop_s=0.05), "end": dict(p, cpu_loop_s=0.08)}},
+                               {"host_probe": {"start": dict(p, cpu_loop_s=0.06)}}]}
+    assert run_host_probe(summary)["cpu_loop_s"] == pytest.approx(0.08)  # the slowest of the run's probes
+    assert run_host_probe({"diagnostics": [{}]}) is None
+    rows = [{"run": f"r{i}", "host_probe": {"cpu_loop_s": 0.05, "file_rw_s": 0.02}} for i in range(4)]
+    rows.append({"run": "slow", "host_probe": {"cpu_loop_s": 0.05, "file_rw_s": 0.02 * (HOST_SLOW + 0.5)}})
+    rows.append({"run": "old", "host_probe": None})
+    f = host_flags(rows)
+    assert f["runs_with_probe"] == 5 and f["runs"] == 6 and f["median"]["file_rw_s"] == pytest.approx(0.02)
+    assert [x["run"] for x in f["flagged"]] == ["slow"]
+    assert f["flagged"][0]["slower"] == {"file_rw_s": pytest.approx(HOST_SLOW + 0.5)}
+    assert host_flags([{"run": "old", "host_probe": None}])["flagged"] == []
+
+
+def test_validate_report_names_runs_on_a_slowed_host(tmp_path):
+    """Recorded runs whose summaries carry host probes: the report gives the median and names the
+    run whose probe was slower than the threshold; the simulator's errors are unchanged by it."""
+    import json
+
+    from calibration.validate import render_markdown
+
+    runs = []
+    for seed, rw in ((1, 0.02), (2, 0.021), (3, 0.06)):
+        out = tmp_path / f"ovl{seed}"
+        simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
+        s = json.loads((out / "summary.json").read_text())
+        s["diagnostics"] = [{"host_probe": {"start": {"cpu_loop_s": 0.05, "file_rw_s": rw}}}]
+        (out / "summary.json").write_text(json.dumps(s))
+        runs.append(out)
+    rep = validate(runs, profile="h200-qwen3-0.6b")
+    assert [Path(f["run"]).name for f in rep["host"]["flagged"]] == ["ovl3"]
+    text = render_markdown(rep)
+    assert "Host probe" in text and "ovl3 (file_rw_s 2.9x)" in text
+    assert rep["heldout_mape_replay"] == pytest.approx(0, abs=1e-9)
