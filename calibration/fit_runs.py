@@ -300,11 +300,15 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     pub_fit = _publish_fit(publish, prof["publish"])
     dropped = _drop_refitted_batch_rates(sharing, rates)
     if rates:
-        keep = [x for x in prof.get("assumptions", []) if x["id"] != "sharing-from-base"]
+        # One entry for this fit, replacing a base's own (a refit of a refit would pile them up):
+        # it names the rates fitted now and the values of the others, kept from the base.
+        keep = [x for x in prof.get("assumptions", []) if x["id"] not in ("sharing-from-base", "sharing-partly-fitted")]
         fitted = ", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items()))
+        others = ", ".join(f"{m}.{side} {sharing[m][side]:.3f}" for m in ("none_corun", "mps_alone", "mps_corun")
+                           for side in ("engine", "trainer") if f"{m}.{side}" not in rates)
         keep.append({"id": "sharing-partly-fitted", "value": None,
                      "what": f"sharing rates fitted on recorded runs by nodus fit ({fitted}); "
-                             "the others are the base profile's"
+                             + (f"the others are the base profile's ({others})" if others else "no other rate")
                              + (f"; the base's by-engine-batch {', '.join(dropped)} rates gave way to them"
                                 if dropped else "")})
         prof["assumptions"] = keep
