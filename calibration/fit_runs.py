@@ -47,6 +47,7 @@ cover.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from pathlib import Path
 
@@ -303,6 +304,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         # One entry for this fit, replacing a base's own (a refit of a refit would pile them up):
         # it names the rates fitted now and the values of the others, kept from the base.
         keep = [x for x in prof.get("assumptions", []) if x["id"] not in ("sharing-from-base", "sharing-partly-fitted")]
+        for x in keep:
+            if x["id"] == "sharing-constant":  # no longer one measured configuration's
+                x["what"] = ("co-run and MPS rates are constants per mode, the same for every batch size, token "
+                             "count and number of jobs (nodus fit fits them on recorded runs of 1-4 jobs)")
         fitted = ", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items()))
         others = ", ".join(f"{m}.{side} {sharing[m][side]:.3f}" for m in ("none_corun", "mps_alone", "mps_corun")
                            for side in ("engine", "trainer") if f"{m}.{side}" not in rates)
@@ -312,6 +317,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
                              + (f"; the base's by-engine-batch {', '.join(dropped)} rates gave way to them"
                                 if dropped else "")})
         prof["assumptions"] = keep
+    # The profile is dated by its newest change, the fit (its sources keep what the base was).
+    prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")
     # The fitted costs are the runs' host's (launch-bound train steps, per-step engine work).
     if len(hosts) == 1:

@@ -17,6 +17,8 @@ import json
 import time
 from pathlib import Path
 
+from nodus.config import DEFAULT_PROFILE
+
 ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
     "dedicated": ("dedicated", 1, "none"),
     "shared-sync": ("shared-sync", 1, "none"),
@@ -108,7 +110,7 @@ def main() -> None:
     ap.add_argument("--groups", default="2", help="overlap groups, or a comma list (overlap arms run at each)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--engine-memory", type=float, default=0.35)
-    ap.add_argument("--profile", default="h200-qwen3-0.6b")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
     ap.add_argument("--mode", default="synthetic")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step per job")
     ap.add_argument("--responses", type=int, default=8, help="responses per prompt")

@@ -1,7 +1,7 @@
 """The measured arms table from real-backend run folders, with the simulator's prediction beside
 each point.
 
-    python experiments/gpu_table.py RUN_DIR... --out experiments/results/paper_table_gpu [--profile h200-qwen3-0.6b]
+    python experiments/gpu_table.py RUN_DIR... --out experiments/results/paper_table_gpu [--profile PROFILE (default: nodus.config.DEFAULT_PROFILE)]
 
 Groups runs by arm (policy, groups, sharing), job count and seed; the dedicated runs of a
 (jobs, seed) are the baseline (their mean: the order runs are named in never decides it), two of
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from nodus.config import DEFAULT_MICROBATCH_TOKENS, trainer_freed
+from nodus.config import DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, trainer_freed
 from nodus.microbatch import mb_tag
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", required=True, help="path prefix: writes <out>.json, <out>.md, <out>.png")
-    ap.add_argument("--profile", default="h200-qwen3-0.6b")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
     ap.add_argument("--run-profile", action="append", default=[], metavar="PREFIX=PROFILE",
                     help="simulate the runs whose folder path starts with PREFIX on PROFILE (e.g. runs made "
                          "on another host, on that host's profile); repeatable")

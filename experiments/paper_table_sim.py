@@ -1,6 +1,6 @@
 """The reference study's four-arm table and job-count scaling, predicted by the simulator.
 
-    python experiments/paper_table_sim.py [--profile h200-qwen3-0.6b] [--out experiments/results]
+    python experiments/paper_table_sim.py [--profile PROFILE] [--out experiments/results]
 
 Writes paper_table_sim.json and paper_table_sim.md: each arm's steps per GPU-hour and ratio to a
 dedicated GPU per job for 8 jobs on seeds 1-3, and overlap+mps / shared-sync scaling over 2-16
@@ -13,6 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
+from nodus.config import DEFAULT_PROFILE
 from nodus.simulate import config_from_args, simulate
 
 ARMS = {
@@ -27,7 +28,7 @@ SEEDS = (1, 2, 3)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default="h200-qwen3-0.6b")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
     ap.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = ap.parse_args()
     table, scaling, assumptions, validation = {}, {}, None, None

@@ -1,7 +1,7 @@
 """What #6's targets would take, in the simulator: the 8-job reference workload (overlap + MPS, the
 current scheduler) on a host's profile with its train and decode costs scaled, hypothetically.
 
-    python experiments/what_it_takes.py [--profile h200-xeon16-qwen3-0.6b] [--out experiments/results]
+    python experiments/what_it_takes.py [--profile PROFILE] [--out experiments/results]
 
 Writes what_it_takes_sim.{json,md}: steps per GPU-hour and the ratio to a dedicated GPU per job
 (whose phases get the same factors) for each (train factor, decode factor). A prediction with the
@@ -14,6 +14,8 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+
+from nodus.config import DEFAULT_PROFILE
 
 TRAIN = (1.0, 0.75, 0.5, 0.35)
 DECODE = (1.0, 0.75, 0.5)
@@ -54,7 +56,7 @@ def render(rows: list[dict], profile: str, validation: dict | None) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default="h200-xeon16-qwen3-0.6b")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
     ap.add_argument("--out", type=Path, default=Path("experiments/results"))
     a = ap.parse_args(argv)
     from sim.profile import profile_dict

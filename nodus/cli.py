@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from nodus.config import POLICIES, SHARINGS, ConfigError, RunConfig, load_config
+from nodus.config import DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
 
 
 def _add_arm_flags(p: argparse.ArgumentParser) -> None:
@@ -34,6 +34,7 @@ def cmd_profiles(a: argparse.Namespace) -> int:
     print("| profile | GPU | host | date | held-out MAPE | bias | held-out runs | assumptions | report |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        r["name"] += " (default)" if r["name"] == DEFAULT_PROFILE else ""
         print(f"| {r['name']} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
               f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {r['assumptions']} | {r['report'] or '-'} |")
     print("\nA profile describes the host it was measured on, not only its GPU model: pick the one "
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sim", help="simulate one arm (and its dedicated baseline) on a profile")
     _add_arm_flags(p)
-    p.add_argument("--profile", help="shipped profile name or profile JSON path (default h200-qwen3-0.6b)")
+    p.add_argument("--profile", help="shipped profile name or profile JSON path (default " + DEFAULT_PROFILE + ")")
     p.add_argument("--what-if", action="append", default=[], metavar="PHASE=FACTOR",
                    help="scale a phase's costs on the profile, hypothetically (train, decode, prefill, "
                         "publish; 0.5: twice as fast); repeatable; the report lists it as an assumption")
@@ -263,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharing", default="none,mps")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--profile", default="h200-qwen3-0.6b")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")
     p.add_argument("--out", help="write sweep.csv, sweep.json, sweep.png into this new folder")
     p.add_argument("--json", action="store_true")
@@ -303,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="simulate recorded runs' configurations and report the prediction error")
     p.add_argument("runs", nargs="+", help="run folders written by nodus run --out")
-    p.add_argument("--profile", default="h200-qwen3-0.6b")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--fit-max-jobs", type=int, default=4, help="runs with more jobs per GPU are held out")
     p.add_argument("--annotate", metavar="PROFILE_OUT",
                    help="write the profile with this validation's held-out error (every sim report prints it)")

@@ -118,6 +118,12 @@ class TrainerSpec(_Model):
     max_grad_norm: float = Field(default=1.0, gt=0)
 
 
+# The shipped profile a simulation uses unless told: the H200 profile with the smallest held-out
+# error against real runs (fitted on one day's 1-4-job runs on a 16-core Xeon H200 host,
+# validated on that day's 8- and 16-job runs: calibration/reports/validation-h200.md).
+DEFAULT_PROFILE = "h200-xeon16-20261130-qwen3-0.6b"
+
+
 class RunConfig(_Model):
     """Everything one run needs; `resolved()` fills defaults that depend on other fields."""
 
@@ -126,7 +132,7 @@ class RunConfig(_Model):
     engine: EngineSpec = EngineSpec()
     trainer: TrainerSpec = TrainerSpec()
     seed: int = 1
-    profile: str = "h200-qwen3-0.6b"  # shipped profile name or path to a profile JSON
+    profile: str = DEFAULT_PROFILE  # shipped profile name or path to a profile JSON
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from nodus.config import POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs
+from nodus.config import DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs
 from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import run_arm, run_spans
 from nodus.accounting import summarize
@@ -170,7 +170,7 @@ def _parse_list(text: str, cast, name: str, choices=None) -> list:
 
 
 def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", sharing: str = "none,mps",
-          seeds: str = "1,2,3", steps: int = 20, profile: str = "h200-qwen3-0.6b", workers: int | None = None,
+          seeds: str = "1,2,3", steps: int = 20, profile: str = DEFAULT_PROFILE, workers: int | None = None,
           out: str | Path | None = None, progress: bool = True) -> dict:
     """Every arm for every job count and seed; ratios are against the dedicated arm of the same
     job count and seed. Writes sweep.csv, sweep.json and sweep.png into `out`."""

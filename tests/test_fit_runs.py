@@ -248,6 +248,9 @@ def test_fit_recovers_the_engines_corun_rates_from_multi_job_generations(tmp_pat
         assert e["mape_after"] == pytest.approx(0, abs=1e-6)
     entries = [a["what"] for a in fitted["assumptions"] if a["id"] == "sharing-partly-fitted"]
     assert len(entries) == 1  # this fit's, naming the rates it kept from the base with their values
+    import datetime
+
+    assert fitted["environment"]["date"] == datetime.date.today().isoformat()  # dated by the fit
     text = entries[0]
     assert "mps_alone.trainer 0.850" in text and "the others are the base profile's" in text
     assert "none_corun.engine 0.700" in text and "mps_corun.engine 0.800" in text

@@ -117,7 +117,7 @@ def test_profile_changes_move_the_prediction(tmp_path):
     prof["train"]["s_per_adapter"] /= 5
     p = tmp_path / "fast.json"
     p.write_text(json.dumps(prof))
-    slow = simulate(config_from_args(jobs=4, steps=3))
+    slow = simulate(config_from_args(jobs=4, steps=3, profile="h200-qwen3-0.6b"))
     fast = simulate(config_from_args(jobs=4, steps=3, profile=str(p)))
     assert fast["steps_per_gpu_hour"] > 1.3 * slow["steps_per_gpu_hour"]
 
