@@ -7,7 +7,7 @@ import pytest
 
 from calibration.validate import error_stats, kendall_tau, validate
 from nodus.cli import main
-from nodus.config import ConfigError
+from nodus.config import DEFAULT_PROFILE, ConfigError
 from nodus.simulate import config_from_args, simulate
 
 
@@ -25,7 +25,7 @@ def test_replaying_a_recorded_run_reproduces_it(tmp_path):
         out = tmp_path / f"{policy}{jobs}"
         simulate(config_from_args(jobs=jobs, steps=3, policy=policy, sharing="mps"), out)
         runs.append(out)
-    rep = validate(runs, profile="h200-qwen3-0.6b")
+    rep = validate(runs, profile=DEFAULT_PROFILE)  # the profile the runs were simulated on
     assert rep["heldout_mape_replay"] == pytest.approx(0, abs=1e-9)  # same lengths, same model
     assert rep["heldout_replay"]["n"] == 1 and rep["all_replay"]["n"] == 2
     assert rep["kendall_tau"] is None  # one held-out run: no ranking
@@ -226,7 +226,7 @@ def test_validate_report_names_runs_on_a_slowed_host(tmp_path):
         s["diagnostics"] = [{"host_probe": {"start": {"cpu_loop_s": 0.05, "file_rw_s": rw}}}]
         (out / "summary.json").write_text(json.dumps(s))
         runs.append(out)
-    rep = validate(runs, profile="h200-qwen3-0.6b")
+    rep = validate(runs, profile=DEFAULT_PROFILE)
     assert [Path(f["run"]).name for f in rep["host"]["flagged"]] == ["ovl3"]
     text = render_markdown(rep)
     assert "Host probe" in text and "ovl3 (file_rw_s 2.9x)" in text
