@@ -156,6 +156,11 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
+    # Runs on a slowed host (their host probe above the threshold times the table's median): named,
+    # never dropped; runs recorded before the probe existed have none.
+    from calibration.validate import host_flags, run_host_probe
+    table["host"] = host_flags([{"run": str(rd), "host_probe": run_host_probe(summary)}
+                                for rd, _, summary, *_ in rows])
     return table
 
 
@@ -261,6 +266,11 @@ def render(table: dict) -> str:
                              f"{f(ph.get('publish'), 3)} |")
     if table.get("learning"):
         lines += _render_learning(table["learning"])
+    hostf = table.get("host") or {}
+    if hostf.get("flagged"):
+        lines.append(f"\nRuns on a slowed host (host probe above {hostf['threshold']:.1f}x the table's median): "
+                     + "; ".join(f"{Path(f['run']).name} ({', '.join(f'{k} {v:.1f}x' for k, v in f['slower'].items())})"
+                                 for f in hostf["flagged"]))
     for k, aa in table["aa"].items():
         lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
                      f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")

@@ -184,3 +184,26 @@ def test_timelines_draw_a_seeds_ladder_arms_on_one_axis(tmp_path):
     assert plot_timelines(table, "1", tmp_path / "x.png") == ["dedicated/none/g1", "overlap/mps/g2"]
     with pytest.raises(SystemExit):
         main(runs + ["--out", str(tmp_path / "u"), "--timelines", "7"])  # no run on seed 7
+
+
+def test_the_table_names_runs_on_a_slowed_host(tmp_path):
+    """Runs whose summaries carry the real backend's host probe: the one whose probe took 2x the
+    median is named under the table (and kept in it); without probes nothing is named."""
+    from experiments.gpu_table import build, render
+
+    runs = []
+    for name, loop in (("ded", 0.05), ("ss", 0.05), ("ovl", 0.10)):
+        out = tmp_path / name
+        policy = {"ded": "dedicated", "ss": "shared-sync", "ovl": "overlap"}[name]
+        simulate(config_from_args(jobs=4, steps=2, seed=1, policy=policy, sharing="none"), out)
+        runs.append(out)
+    assert build(runs, "h200-xeon16-20261130-qwen3-0.6b")["host"]["flagged"] == []
+    for out, loop in zip(runs, (0.05, 0.05, 0.10)):
+        s = json.loads((out / "summary.json").read_text())
+        s["diagnostics"] = [{"host_probe": {"start": {"cpu_loop_s": loop, "file_rw_s": 0.02},
+                                            "end": {"cpu_loop_s": loop, "file_rw_s": 0.02}}}]
+        (out / "summary.json").write_text(json.dumps(s))
+    table = build(runs, "h200-xeon16-20261130-qwen3-0.6b")
+    assert [f["run"] for f in table["host"]["flagged"]] == [str(runs[2])]
+    assert "overlap/none/g2/4jobs" in table["arms"]  # named, not dropped
+    assert "Runs on a slowed host" in render(table) and "ovl (cpu_loop_s 2.0x)" in render(table)
