@@ -61,6 +61,9 @@ from nodus.microbatch import microbatch_costs, step_rows
 
 MIN_RATE_SHARE = 0.15  # a sharing rate is fitted only where this share of its mode's time exercises it
 PUBLISH_BESIDE_TRAIN = 0.5  # a publish counts as beside a train step past this share of its time
+# Per sharing mode of a run: its alone rate's key (None: alone without MPS, the work itself) and its
+# co-run rate's key in the profile's sharing section; the trainer's and the engine's fits both use it.
+SHARING_MODES = (("none", None, "none_corun"), ("mps", "mps_alone", "mps_corun"))
 
 
 def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
@@ -256,7 +259,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     rhs = np.zeros(len(y))
     rates: dict[str, float] = {}
     rate_cols: list[str] = []
-    for m, alone_key, corun_key in (("none", None, "none_corun"), ("mps", "mps_alone", "mps_corun")):
+    for m, alone_key, corun_key in SHARING_MODES:
         sel = mode == m
         if not sel.any():
             continue
@@ -400,10 +403,11 @@ def _alone_generation_s(prof: dict, requests: list[dict], scale: float, max_num_
     eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"),
                     max_num_seqs=max_num_seqs, max_loras=max_loras,
                     on_done=lambda action: done.__setitem__(action.action_id, env.now))
-    for r in requests:  # a new version each: the engine loads every job's adapter, as a run's steps do
-        eng.publish(r["job"], 1)
     actions: dict[int, list[dict]] = {}
     for r in requests:
+        # Version 1 of each job's adapter: the engine loads it before the job's first request, as a
+        # run's step does (a job in two actions of one merged episode loads it once).
+        eng.publish(r["job"], 1)
         actions.setdefault(r.get("action", 0), []).append(r)
     offsets = {i: min(r.get("offset_s", 0.0) for r in rs) for i, rs in actions.items()}
 
@@ -450,9 +454,6 @@ def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
             "bias_before": float(np.mean(before)), "bias_after": float(np.mean(after))}
 
 
-ENGINE_MODES = (("none", None, "none_corun"), ("mps", "mps_alone", "mps_corun"))
-
-
 def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]:
     """The engine's sharing rates from the fitted runs' generate actions, as the trainer's: per
     sharing mode, work = rate_alone * alone_s + rate_corun * corun_s, with the work the
@@ -466,7 +467,7 @@ def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]
     scale = prof["decode"].get("scale", 1.0)
     rates: dict[str, float] = {}
     summary: dict[str, dict] = {}
-    for mode, alone_key, corun_key in ENGINE_MODES:
+    for mode, alone_key, corun_key in SHARING_MODES:
         sel = [g for g in rows if g["sharing"] == mode]
         if not sel:
             continue

@@ -20,7 +20,6 @@ from nodus.runner import run_arm
 PHASES = ("generate", "train", "publish")
 SAMPLE_SEED_OFFSET = 7919  # sampled lengths: the recorded jobs' seeds plus this
 HOST_SLOW = 1.3  # a run whose host probe took this many times the validated runs' median is flagged
-DEFAULT_CONTROLS = {"engine_thread_pct": None, "trainer_thread_pct": None, "trainer_priority": "normal"}
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float | None:
@@ -156,10 +155,13 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
 def run_controls(summary: dict) -> dict:
     """The MPS settings a run used beyond the defaults (thread percentages, trainer priority), from
     its diagnostics: {} for a run at the defaults or without MPS."""
+    from real.backend import RealOptions  # light: no torch, no vLLM
+
+    defaults = RealOptions().sharing_controls("mps")
     out = {}
     for d in summary.get("diagnostics", []):
         for k, v in (d.get("sharing_controls") or {}).items():
-            if k in DEFAULT_CONTROLS and v != DEFAULT_CONTROLS[k]:
+            if k in defaults and v != defaults[k]:
                 out[k] = v
     return out
 
@@ -196,6 +198,12 @@ def host_flags(rows: list[dict]) -> dict:
             flagged.append({"run": r["run"], "slower": slower})
     return {"runs_with_probe": len(probed), "runs": len(rows), "median": median, "threshold": HOST_SLOW,
             "flagged": flagged}
+
+
+def flagged_text(flags: dict) -> str:
+    """``host_flags``' flagged runs as 'run (cpu_loop_s 2.0x); ...' for a report."""
+    return "; ".join(f"{Path(f['run']).name} ({', '.join(f'{k} {v:.1f}x' for k, v in f['slower'].items())})"
+                     for f in flags["flagged"])
 
 
 def config_key(row: dict) -> tuple:
@@ -293,9 +301,7 @@ def render_markdown(rep: dict) -> str:
                   f"of {hostf['runs']} runs have one): median loop {med.get('cpu_loop_s', float('nan')):.3f} s, "
                   f"file write and read {med.get('file_rw_s', float('nan')):.3f} s. "
                   + (f"Slower than {hostf['threshold']:.1f}x the median (their host, not only the simulator, may "
-                     "explain their error): " + "; ".join(
-                         f"{Path(f['run']).name} ({', '.join(f'{k} {v:.1f}x' for k, v in f['slower'].items())})"
-                         for f in hostf["flagged"]) if hostf["flagged"] else "No run slower than "
+                     "explain their error): " + flagged_text(hostf) if hostf["flagged"] else "No run slower than "
                      f"{hostf['threshold']:.1f}x the median.")]
     lines += ["", "Per phase (mean seconds of a phase's actions) and busy fraction, replayed lengths:", "",
               "| run | " + " | ".join(f"{ph} s meas / sim" for ph in PHASES) + " | busy engine meas / sim | busy trainer meas / sim |",

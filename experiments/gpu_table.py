@@ -61,7 +61,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
           notes: list[str] | None = None) -> dict:
     """`run_profiles`: run-folder path prefix -> profile for the runs under it (runs made on
     another host are simulated on that host's profile); the rest use `profile`."""
-    from calibration.validate import _phase_means, _simulate, load_recorded, recorded_configs
+    from calibration.validate import _phase_means, _simulate, host_flags, load_recorded, recorded_configs, run_host_probe
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
@@ -158,7 +158,6 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     table["factors"] = factors(table)
     # Runs on a slowed host (their host probe above the threshold times the table's median): named,
     # never dropped; runs recorded before the probe existed have none.
-    from calibration.validate import host_flags, run_host_probe
     table["host"] = host_flags([{"run": str(rd), "host_probe": run_host_probe(summary)}
                                 for rd, _, summary, *_ in rows])
     return table
@@ -268,9 +267,10 @@ def render(table: dict) -> str:
         lines += _render_learning(table["learning"])
     hostf = table.get("host") or {}
     if hostf.get("flagged"):
+        from calibration.validate import flagged_text
+
         lines.append(f"\nRuns on a slowed host (host probe above {hostf['threshold']:.1f}x the table's median): "
-                     + "; ".join(f"{Path(f['run']).name} ({', '.join(f'{k} {v:.1f}x' for k, v in f['slower'].items())})"
-                                 for f in hostf["flagged"]))
+                     + flagged_text(hostf))
     for k, aa in table["aa"].items():
         lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
                      f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")

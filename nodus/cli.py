@@ -34,8 +34,8 @@ def cmd_profiles(a: argparse.Namespace) -> int:
     print("| profile | GPU | host | date | held-out MAPE | bias | held-out runs | assumptions | report |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        r["name"] += " (default)" if r["name"] == DEFAULT_PROFILE else ""
-        print(f"| {r['name']} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
+        name = r["name"] + (" (default)" if r["name"] == DEFAULT_PROFILE else "")
+        print(f"| {name} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
               f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {r['assumptions']} | {r['report'] or '-'} |")
     print("\nA profile describes the host it was measured on, not only its GPU model: pick the one "
           "measured where the jobs will run (nodus sim --profile NAME).")

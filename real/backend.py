@@ -299,9 +299,9 @@ class RealBackend:
 
     def __init__(self, cluster: Cluster, cfg: RunConfig):
         self.c, self.cfg, self.opts = cluster, cfg, cluster.opts
-        self.probe_start = host_probe(self.opts.adapter_dir or _fast_dir())
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self.adapter_root = tempfile.mkdtemp(prefix="nodus-adapters-", dir=self.opts.adapter_dir or _fast_dir())
+        self.probe_start = host_probe(self.adapter_root)  # on the publish path, as the end's
         self._pending: dict[str, tuple] = {}
         self._local: deque[Result] = deque()
         self.failed: dict[str, str] = {}
@@ -487,7 +487,7 @@ class RealBackend:
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
                 "workers": dict(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
-                "host_probe": {"start": self.probe_start, "end": host_probe(self.opts.adapter_dir or _fast_dir())},
+                "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
                 "engine_env": dict(self.c.opts.engine_env)}
 
     def close(self) -> None:

@@ -51,6 +51,16 @@ def test_the_trainer_worker_profiles_the_asked_train_command(overlap_run):
     assert row["top_cpu_ops"] and row["gpu_busy"] == 0.0  # a CPU run has no GPU kernels
 
 
+def test_a_real_run_records_its_host_probe_at_start_and_end(overlap_run):
+    from calibration.validate import run_host_probe
+
+    s = json.loads((overlap_run / "summary.json").read_text())
+    probe = s["diagnostics"][0]["host_probe"]
+    assert probe["start"]["unix_s"] < probe["end"]["unix_s"]
+    assert all(probe[k]["cpu_loop_s"] > 0 and probe[k]["file_rw_s"] > 0 for k in ("start", "end"))
+    assert run_host_probe(s)["cpu_loop_s"] == max(probe[k]["cpu_loop_s"] for k in ("start", "end"))
+
+
 def test_trainer_and_engine_logprobs_agree_per_version(overlap_run):
     s = json.loads((overlap_run / "summary.json").read_text())
     audit = s["diagnostics"][0]["logprob_agreement"]
