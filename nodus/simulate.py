@@ -72,13 +72,15 @@ def write_run(out_dir: Path, cfg: RunConfig, summary: dict, runs) -> None:
     # Which code made the run: a profile fitted on it names it (nodus fit).
     write_json(out_dir / "summary.json", {**summary, "git_commit": summary.get("git_commit") or git_commit()})
     write_jsonl(runs, out_dir / "spans.jsonl")
-    write_chrome_trace(runs, out_dir / "trace.json")
     render_run(out_dir)
 
 
 def render_run(out_dir: Path) -> None:
+    """What a run folder's summary.json and spans.jsonl give: table.md, trace.json (Perfetto),
+    gantt.png and learning_curves.png (`nodus report` redraws a recorded run's from them)."""
     summary = json.loads((out_dir / "summary.json").read_text())
     runs = read_jsonl(out_dir / "spans.jsonl")
+    write_chrome_trace(runs, out_dir / "trace.json")
     (out_dir / "table.md").write_text(render_table(summary) + "\n")
     arm = summary["arm"]
     title = f"{summary['jobs']} jobs, {arm['policy']} groups={arm['groups']} sharing={arm['sharing']}"

@@ -33,8 +33,10 @@ def test_sim_out_folder_refuses_overwrite_and_report_rerenders(tmp_path, capsys)
     assert main(["sim", "--jobs", "2", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
     (out / "gantt.png").unlink()
+    (out / "trace.json").unlink()  # recorded runs under experiments/results keep only spans.jsonl
     assert main(["report", str(out)]) == 0
     assert (out / "gantt.png").is_file()
+    assert json.loads((out / "trace.json").read_text()) == trace
 
 
 def test_bad_input_exits_2_with_named_field(capsys):
