@@ -1,6 +1,6 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|arms|calibrate|sharing|engine|learn|small-base
+#   bash experiments/device_session.sh trainer|graphs|arms|calibrate|sharing|engine|learn|small-base
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -41,6 +41,13 @@ case "${1:-arms}" in
       --no-loop --no-peft --iters 2 --lengths longtail --prompt-tokens 140 --seq-tokens 396 \
       --layouts "${LAYOUTS:-padded,masked,auto}" --mb-tokens ${MB_TOKENS:-16384 32768} ${TRAINER_EXTRA:-} > "$OUT/bench_trainer.log" 2>&1
     echo "bench_trainer rc=$?" ;;
+  graphs)
+    # The trainer's step eager against CUDA-graphed, on a recorded run's rows (jobs per train step
+    # of a dedicated run, an 8-job overlap group and a 16-job one): speed, memory, agreement.
+    timeout "${GRAPHS_TIMEOUT:-300}" python experiments/bench_graphs.py --out "$OUT/bench_graphs_h200.json" \
+      --lengths-from "${GRAPHS_RUN:-experiments/results/h200/session8/arms/overlap+mps-s1}" \
+      --jobs "${GRAPHS_JOBS:-4,1,8}" --iters "${GRAPHS_ITERS:-3}" > "$OUT/bench_graphs.log" 2>&1
+    echo "bench_graphs rc=$?"; tail -30 "$OUT/bench_graphs.log" ;;
   calibrate)
     random_model
     timeout "${CAL_TIMEOUT:-420}" python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \

@@ -92,7 +92,8 @@ def _options(args, engine_env):
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
                        engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
                        engine_env=engine_env,
-                       trainer_compile=args.trainer_compile, evaluate=args.mode == "tasks",
+                       trainer_compile=args.trainer_compile, trainer_graphs=args.trainer_graphs,
+                       evaluate=args.mode == "tasks",
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
 
 
@@ -143,6 +144,8 @@ def main() -> None:
                          "per-micro-batch overhead, more memory)")
     ap.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile the trainer's element-wise ops (default: on, on a GPU)")
+    ap.add_argument("--trainer-graphs", action=argparse.BooleanOptionalAction, default=False,
+                    help="each trainer micro-batch one CUDA graph replay (run keys get -cg)")
     ap.add_argument("--no-audit", action="store_true", help="skip the logprob audit (it reads the training forward: little cost)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
@@ -190,6 +193,7 @@ def main() -> None:
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
                      "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
+                     "trainer_graphs": args.trainer_graphs,
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
                      "engine_thread_pct": args.engine_thread_pct, "trainer_thread_pct": args.trainer_thread_pct,
                      "engine_env": args.engine_env, "arms": {},
@@ -213,6 +217,7 @@ def main() -> None:
                 if g > n or (rep and seed not in aa_seeds):
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
                 variant = "-eager" if args.trainer_compile is False else ""
+                variant += "-cg" if args.trainer_graphs else ""
                 if sharing == "mps":
                     variant += "-lowpri" if args.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""

@@ -61,6 +61,8 @@ class RealOptions:
     lora_layout: str = "masked"  # trainer's multi-adapter path: padded | masked | auto (see MultiLoRATrainer)
     staggered_start: bool | None = None  # engines one at a time, then trainers (default: on a GPU)
     trainer_compile: bool | None = None  # torch.compile the trainer's RMSNorm, rotary, SiLU*up (real/fuse.py); None: on a GPU
+    # Each trainer micro-batch one CUDA graph replay (real/graphed.py; a GPU and the masked layout).
+    trainer_graphs: bool = False
     start_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -198,7 +200,8 @@ class Cluster:
             tspec = TrainerSpec(self.model, device=self.device, dtype=dtype,
                                 max_tokens_per_microbatch=max_tokens_per_microbatch,
                                 load_format=load_format, seed=seed, env=t_env, lora_layout=opts.lora_layout,
-                                compile_elementwise=opts.trainer_compile)
+                                compile_elementwise=opts.trainer_compile,
+                                step_mode="graphed" if opts.trainer_graphs and self.device == "cuda" else "eager")
             ein, tin = ctx.Queue(), ctx.Queue()
             pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"), daemon=True)
             pt = ctx.Process(target=trainer_main, args=(tspec, tin, self.outbox, f"trainer{s}"), daemon=True)
@@ -334,11 +337,14 @@ class RealBackend:
         trainer's first step at the run's shape happen here, not in the first billed step."""
         from real.engine import GenRequest
 
+        from nodus.runner import plan
+
         jobs = self.cfg.jobs
         seq = max(prompt_tokens_of(j) + j.max_new_tokens for j in jobs)
-        rows = max(1, min(sum(j.prompts_per_step * j.responses_per_prompt for j in jobs),
-                          self.cfg.trainer.max_tokens_per_microbatch // seq))
+        rows = max(j.prompts_per_step * j.responses_per_prompt for j in jobs)
+        groups = plan(self.cfg, self._start).groups
         for s in range(self.c.n_stacks):
+            per_step = max(len(ids) for stack, ids in groups if stack == s)
             reqs = []
             for j in jobs:
                 sp = step_prompts(j, 0, self.opts.mode, self.c.vocab_size)
@@ -346,9 +352,11 @@ class RealBackend:
                                        max_new_tokens=4, temperature=1.0,
                                        forced_lengths=[4] if sp.forced_lengths else None))
             self.c.engines[s].put(("eval", "warmup", reqs))
-            self.c.trainers[s].put(("warmup", "warmup", max(j.lora_rank for j in jobs), rows, seq))
-            self.c.get()
-            self.c.get()
+            self.c.trainers[s].put(("warmup", "warmup", max(j.lora_rank for j in jobs), rows, seq, per_step))
+            for _ in range(2):
+                msg = self.c.get()
+                if msg[0] == "warmed" and len(msg) > 2:
+                    self.c.worker_info.setdefault(f"trainer{s}", {}).update(msg[2])
 
     def start_versions(self) -> dict[str, int]:
         return dict(self._start)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -27,6 +28,7 @@ from torch.profiler import record_function
 
 from nodus.microbatch import plan_microbatches  # noqa: F401 (re-exported)
 from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
+from real.graphed import StaticKey, StaticStep, microbatch_inputs, static_plan
 from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, RowLayout, init_adapter,
                             make_row_layout, save_peft_adapter, wrap_linears)
 
@@ -129,6 +131,9 @@ class _MicroBatch:
     spans: list[_JobSpan]
 
 
+STEP_MODES = ("eager", "static", "graphed")
+
+
 def _as_rows(x) -> list:
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
@@ -173,14 +178,25 @@ class MultiLoRATrainer:
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  param_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int = 32768,
                  logprob_chunk_tokens: int = 2048, gradient_checkpointing: bool = False,
-                 base_model_name_or_path: str | None = None, lora_layout: str = "masked"):
+                 base_model_name_or_path: str | None = None, lora_layout: str = "masked",
+                 step_mode: str = "eager", graph_width: int | None = None, max_graphs: int = 2):
         """``lora_layout``: how each row reaches its own adapter in a mixed micro-batch —
         "masked" (every adapter's A at once, other adapters' columns zeroed; dense GEMMs, no
         regrouping, J_mb * rank extra inner columns), "padded" (rows regrouped per adapter into a
         padded [J, rows, d] batch for bmm), or "auto" (masked in a layer while J_mb * rank <=
         d_in / 8). Same function. On the H200, 8 jobs of rank 16 on the Qwen3-0.6B shape,
         masked ran 48.4k tokens/s against padded's 39.9k, at 64 against 91 GiB peak
-        (`experiments/results/h200/session3/bench_trainer_h200.json`)."""
+        (`experiments/results/h200/session3/bench_trainer_h200.json`).
+
+        ``step_mode``: "eager", "graphed" (each micro-batch one CUDA graph replay, ``real.graphed``;
+        masked layout, no gradient checkpointing, a GPU), or "static" (the graphed path's fixed-shape
+        program run without capture, for checking it on a CPU). ``graph_width``: the row width the
+        fixed-shape path pads every step to when its rows fit (one graph for a run's steps);
+        ``max_graphs``: captured shapes kept (each holds its micro-batch's activations)."""
+        if step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode={step_mode!r}; expected one of {STEP_MODES}")
+        if step_mode == "graphed" and not torch.cuda.is_available():
+            raise ValueError("step_mode='graphed' needs a CUDA device (use 'static' to run its program on a CPU)")
         if dtype is not None or device is not None:
             base_model.to(device=device, dtype=dtype)
         base_model.requires_grad_(False)
@@ -195,6 +211,13 @@ class MultiLoRATrainer:
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.base_model_name_or_path = base_model_name_or_path
         self.routing = Routing(lora_layout)
+        self.step_mode = step_mode
+        self.graph_width = graph_width
+        self.max_graphs = max_graphs
+        self.graph_error: str | None = None  # why a capture failed (the step then ran eager)
+        self._static: OrderedDict = OrderedDict()  # StaticKey -> StaticStep, least recently used first
+        self._graph_slots = 0
+        self.gradient_checkpointing = gradient_checkpointing
         self.shapes = wrap_linears(base_model, self.target_modules, self.routing)
         self.decoder = base_model.get_decoder()
         self.vocab_size = base_model.get_output_embeddings().weight.shape[0]
@@ -269,14 +292,15 @@ class MultiLoRATrainer:
         for job, s in zip(jobs, seqs):
             if job.config.beta != 0.0 and s.ref is None:
                 s.ref = self._base_logprobs(s)
-        # Everything copied to the device up front: a copy between kernels would make the host
-        # wait for the GPU, and the GPU then idle while the host queues the next kernels.
-        with record_function("nodus.prepare"):
-            plan = [self._prepare(mb, seqs) for mb in
-                    plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
-        self.last_microbatches = len(plan)
-        with record_function("nodus.forward_backward"):
-            losses = self._backward(plan, jobs, seqs, audit_acc)
+        losses = None
+        if self._static_wanted():
+            with record_function("nodus.forward_backward"):
+                losses = self._backward_static(jobs, seqs, audit_acc)
+        plan = None
+        if losses is None:
+            plan = self._plan(seqs)
+            with record_function("nodus.forward_backward"):
+                losses = self._backward(plan, jobs, seqs, audit_acc)
         with record_function("nodus.clip"):
             norms = [self._clip(job) for job in jobs]
         finite = [math.isfinite(float(loss)) and math.isfinite(n) for loss, n in zip(losses, norms)]
@@ -289,7 +313,7 @@ class MultiLoRATrainer:
             audit_acc = {k: [] for k in audit_acc}
             mode, self.routing.layout_mode = self.routing.layout_mode, "padded"
             try:
-                losses = self._backward(plan, jobs, seqs, audit_acc)
+                losses = self._backward(plan or self._plan(seqs), jobs, seqs, audit_acc)
             finally:
                 self.routing.layout_mode = mode
             norms = [self._clip(job) for job in jobs]
@@ -301,6 +325,79 @@ class MultiLoRATrainer:
         with record_function("nodus.optimizer"):
             return {j: self._apply_update(job, s, loss, norm)
                     for j, job, s, loss, norm in zip(job_ids, jobs, seqs, losses, norms)}
+
+    def _plan(self, seqs: list[_Seqs]) -> list["_MicroBatch"]:
+        # Everything copied to the device up front: a copy between kernels would make the host
+        # wait for the GPU, and the GPU then idle while the host queues the next kernels.
+        with record_function("nodus.prepare"):
+            plan = [self._prepare(mb, seqs) for mb in
+                    plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
+        self.last_microbatches = len(plan)
+        return plan
+
+    def _static_wanted(self) -> bool:
+        return (self.step_mode != "eager" and self.routing.layout_mode == "masked"
+                and not self.gradient_checkpointing)
+
+    def _static_step(self, key: StaticKey) -> StaticStep | None:
+        """The fixed-shape program for ``key``: kept, or built (captured when graphed). A capture
+        that fails leaves the trainer eager (``graph_error`` says why) instead of failing the step."""
+        st = self._static.pop(key, None)
+        if st is None:
+            try:
+                st = StaticStep(self, key, capture=self.step_mode == "graphed")
+            except Exception as err:  # noqa: BLE001
+                import sys
+                import traceback
+
+                self.graph_error = f"{type(err).__name__}: {err}"
+                self.step_mode = "eager"
+                self.routing.stack = self.routing.layout = None
+                print(f"[trainer] CUDA graph capture failed, training eager: {self.graph_error}\n"
+                      f"{traceback.format_exc()}", file=sys.stderr)
+                return None
+            while len(self._static) >= self.max_graphs:
+                self._static.popitem(last=False)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        self._static[key] = st
+        return st
+
+    def _backward_static(self, jobs, seqs, audit_acc) -> list[torch.Tensor] | None:
+        """``_backward`` as fixed-shape micro-batches (``real.graphed``); None: run eager instead."""
+        R, T, mbs = static_plan([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch,
+                                self.graph_width)
+        self._graph_slots = max(self._graph_slots, len(jobs))
+        key = StaticKey(rows=R, width=T, slots=self._graph_slots, rank=max(j.adapter.rank for j in jobs),
+                        kl=any(j.config.beta != 0.0 for j in jobs))
+        # A kept program that holds this step (as wide, at least as many rows, slots and rank,
+        # within the micro-batch budget) serves it: a run's smaller steps need no new capture.
+        fits = [k for k in self._static if k.width == T and k.kl == key.kl and k.slots >= key.slots
+                and k.rank >= key.rank and R <= k.rows and k.rows * T <= self.max_tokens_per_microbatch + T]
+        if fits:
+            key = min(fits, key=lambda k: (k.rows, k.slots, k.rank))
+            rows = [r for mb in mbs for r in mb]
+            mbs = [rows[i:i + key.rows] for i in range(0, len(rows), key.rows)]
+        st = self._static_step(key)
+        if st is None:
+            return None
+        adapters, configs = [j.adapter for j in jobs], [j.config for j in jobs]
+        st.zero()
+        st.load(adapters)
+        for mb in mbs:
+            with record_function("nodus.prepare"):
+                inputs = microbatch_inputs(mb, key, seqs, configs)
+            st.put(*inputs)
+            with record_function("nodus.forward"):
+                st.run()
+        st.write_grads(adapters)
+        self.last_microbatches = len(mbs)
+        self.routing.mixed_masked = len(jobs) > 1
+        for k in audit_acc:
+            n = float(seqs[k].completion_tokens)
+            audit_acc[k].append(torch.stack([st.audit_max[k].double(), st.audit_sum[k],
+                                             st.audit_sum.new_tensor(n)]))
+        return [st.loss[k].clone() for k in range(len(jobs))]
 
     def _backward(self, plan, jobs, seqs, audit_acc) -> list[torch.Tensor]:
         """Forward and backward over every micro-batch; each job's loss and its grads in place."""

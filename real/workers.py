@@ -43,6 +43,7 @@ class TrainerSpec:
     env: dict = field(default_factory=dict)
     lora_layout: str = "masked"
     compile_elementwise: bool | None = None  # None: on a GPU
+    step_mode: str = "eager"  # eager | graphed (CUDA graphs) | static (see MultiLoRATrainer)
 
 
 def _apply_env(env: dict) -> None:
@@ -120,11 +121,12 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         dtype = getattr(torch, spec.dtype)
         model = load_base_model(spec.model, spec.load_format, dtype, spec.device)
         trainer = MultiLoRATrainer(model, device=spec.device, max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
-                                   base_model_name_or_path=spec.model, lora_layout=spec.lora_layout)
+                                   base_model_name_or_path=spec.model, lora_layout=spec.lora_layout,
+                                   step_mode=spec.step_mode)
         # Adapters for the engine in the model's dtype: the engine casts them to it on load anyway
         # (the same rounding), and a bf16 file is half the bytes to write and read.
         save_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype)}
+        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype), "step_mode": spec.step_mode}
         if compile_wanted(spec.compile_elementwise, trainer.device):
             info["compiled"] = fuse_elementwise(model)
         # NODUS_TRAINER_PROFILE=FILE: the NODUS_TRAINER_PROFILE_AT-th train command (default 3) runs
@@ -159,23 +161,34 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 trainer.save_adapter(job_id, path.format(v=int(state["step"])), dtype=save_dtype)
                 outbox.put(("added", tag, int(state["step"])))
             elif kind == "warmup":
-                # A scratch job trains one step at the run's shape, so kernel selection, allocator
-                # growth and compilation are not billed to the first real step. Real jobs untouched.
-                _, tag, rank, rows, seq = cmd
+                # Scratch jobs train one step at the run's shape (``jobs`` jobs of ``rows`` rows of
+                # ``seq`` tokens: a train step of the run's largest group), so kernel selection,
+                # allocator growth, compilation and graph capture are not billed to the first real
+                # step. Real jobs untouched.
+                _, tag, rank, rows, seq, *more = cmd
+                jobs = more[0] if more else 1
                 import numpy as np
 
+                from real.graphed import WIDTH_QUANTUM
                 from real.trainer import JobBatch
 
+                if more:  # the run's widest row: every step pads to it (one graph for the run)
+                    trainer.graph_width = -(-seq // WIDTH_QUANTUM) * WIDTH_QUANTUM
                 rng = np.random.default_rng(0)
-                trainer.add_job("__warmup__", rank=rank, alpha=2 * rank, lr=1e-6, seed=0)
-                ids = [[int(t) for t in rng.integers(1, trainer.vocab_size - 1, size=seq)] for _ in range(rows)]
-                mask = [[0] * (seq // 2) + [1] * (seq - seq // 2) for _ in range(rows)]
-                trainer.train_step({"__warmup__": JobBatch(input_ids=ids, completion_mask=mask,
-                                                           advantages=rng.standard_normal(rows).tolist())})
-                trainer.remove_job("__warmup__")
+                scratch = {}
+                for k in range(jobs):
+                    trainer.add_job(f"__warmup{k}__", rank=rank, alpha=2 * rank, lr=1e-6, seed=k)
+                    ids = [[int(t) for t in rng.integers(1, trainer.vocab_size - 1, size=seq)] for _ in range(rows)]
+                    mask = [[0] * (seq // 2) + [1] * (seq - seq // 2) for _ in range(rows)]
+                    scratch[f"__warmup{k}__"] = JobBatch(input_ids=ids, completion_mask=mask,
+                                                         advantages=rng.standard_normal(rows).tolist())
+                trainer.train_step(scratch)
+                for job_id in scratch:
+                    trainer.remove_job(job_id)
                 if spec.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                outbox.put(("warmed", tag))
+                outbox.put(("warmed", tag, {"step_mode": trainer.step_mode, "graph_error": trainer.graph_error,
+                                            "graphs": [str(k) for k in trainer._static]}))
             elif kind == "remove":
                 for job_id in cmd[2]:
                     trainer.remove_job(job_id)

@@ -1,0 +1,128 @@
+"""The trainer's fixed-shape step (``real.graphed``: what a CUDA graph replays) against the eager
+step, on a tiny random Qwen3 on the CPU. The GPU only adds the capture; the program is this one."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from real.graphed import WIDTH_QUANTUM, static_plan  # noqa: E402
+from real.trainer import JobBatch  # noqa: E402
+from tests.test_trainer import (JOBS, make_batches, make_trainer, max_rel_diff, params,  # noqa: E402
+                                two_step_data, with_old_logprobs)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+KL_JOBS = {**JOBS, "c": dict(JOBS["c"], beta=0.05), "d": dict(rank=4, alpha=4, lr=1e-2, seed=14, beta=0.1,
+                                                             epsilon_low=0.1, epsilon_high=0.3)}
+
+
+def _steps(jobs):
+    step1, step2 = two_step_data()
+    if "d" in jobs:
+        reference = make_trainer({})
+        step1 = dict(step1, d=make_batches(seed=40)["a"])
+        step2 = dict(step2, d=with_old_logprobs(make_batches(seed=41)["b"], reference, seed=9))
+    return step1, step2
+
+
+@pytest.mark.parametrize("jobs", [JOBS, KL_JOBS], ids=["grpo-bnpo-drgrpo", "with-kl"])
+@pytest.mark.parametrize("mb_tokens", [4096, 96])
+def test_static_step_gives_the_eager_update(jobs, mb_tokens):
+    """Mixed ranks, all loss types, on- and off-policy rows, KL terms, one or many micro-batches
+    with empty padding rows: the same losses, grad norms and updates to fp64 rounding."""
+    step1, step2 = _steps(jobs)
+    trainers = {m: make_trainer(jobs, dtype=torch.float64, max_tokens_per_microbatch=mb_tokens, step_mode=m)
+                for m in ("eager", "static")}
+    stats = {m: [t.train_step(step1), t.train_step(step2)] for m, t in trainers.items()}
+    for got, want in zip(stats["static"], stats["eager"]):
+        for j in jobs:
+            assert got[j].loss == pytest.approx(want[j].loss, rel=1e-10, abs=1e-14)
+            assert got[j].grad_norm == pytest.approx(want[j].grad_norm, rel=1e-10)
+            assert got[j].step == want[j].step
+    for j in jobs:
+        assert max_rel_diff(params(trainers["static"], j), params(trainers["eager"], j)) < 1e-10
+    assert trainers["static"]._static, "the fixed-shape path did not run"
+    if mb_tokens == 96:
+        assert trainers["static"].last_microbatches > 1
+
+
+def test_static_step_audit_matches_eager():
+    batches = make_batches(seed=5)
+    base = make_trainer(dtype=torch.float64)
+    mine = {j: [t.numpy() + 0.25 * (i % 2) for i, t in enumerate(base.logprobs(j, b))] for j, b in batches.items()}
+    audits = {}
+    for m in ("eager", "static"):
+        t = make_trainer(dtype=torch.float64, step_mode=m, max_tokens_per_microbatch=96)
+        t.train_step(batches, audit={"a": mine["a"], "c": mine["c"]})
+        audits[m] = t.last_audit
+    assert set(audits["static"]) == {"a", "c"}
+    for j in ("a", "c"):
+        for k in ("max_abs", "mean_abs"):
+            assert audits["static"][j][k] == pytest.approx(audits["eager"][j][k], rel=1e-9, abs=1e-12)
+    assert audits["static"]["a"]["max_abs"] == pytest.approx(0.25, abs=1e-9)
+
+
+def test_static_step_nan_job_fails_alone():
+    """A job whose loss is NaN is not stepped; the others redo the step on the padded path and
+    get exactly the update of a step without it."""
+    step1, step2 = two_step_data()
+    bad = step2["b"]
+    poisoned = dict(step2, b=JobBatch(bad.input_ids, bad.completion_mask, [float("nan")] * len(bad.advantages),
+                                      old_logprobs=bad.old_logprobs))
+    t = make_trainer(dtype=torch.float64, step_mode="static", max_tokens_per_microbatch=96)
+    clean = make_trainer(dtype=torch.float64, max_tokens_per_microbatch=96)
+    t.train_step(step1)
+    clean.train_step(step1)
+    before = params(t, "b")
+    stats = t.train_step(poisoned)
+    clean.train_step({j: step2[j] for j in ("a", "c")})
+    assert stats["b"].failed and not stats["a"].failed
+    assert max_rel_diff(params(t, "b"), before) == 0.0
+    for j in ("a", "c"):
+        assert max_rel_diff(params(t, j), params(clean, j)) < 1e-10
+
+
+def test_one_program_for_steps_of_fewer_jobs_and_shorter_rows():
+    """A run's steps reuse one program: fewer jobs leave slots empty, shorter rows pad to the
+    width hint. Its update is still the eager one."""
+    t = make_trainer(dtype=torch.float64, step_mode="static", graph_width=64)
+    e = make_trainer(dtype=torch.float64)
+    batches = make_batches(seed=3)
+    for tr in (t, e):
+        tr.train_step(batches)
+        tr.train_step({"a": batches["a"], "c": batches["c"]})
+    assert len(t._static) == 1
+    (key,) = t._static
+    assert key.slots == 3 and key.width == 64
+    for j in JOBS:
+        assert max_rel_diff(params(t, j), params(e, j)) < 1e-10
+
+
+def test_static_plan_shapes():
+    rng = np.random.default_rng(0)
+    lengths = [rng.integers(5, 300, n).tolist() for n in (64, 64, 64, 64)]
+    R, T, mbs = static_plan(lengths, 16384)
+    assert T % WIDTH_QUANTUM == 0 and T >= max(map(max, lengths)) and T - WIDTH_QUANTUM < max(map(max, lengths))
+    assert all(len(mb) <= R for mb in mbs) and R * T <= 16384 + T
+    assert sorted(r for mb in mbs for r in mb) == sorted((k, s) for k in range(4) for s in range(64))
+    assert len(mbs) == -(-256 * T // 16384)
+    assert static_plan(lengths, 16384, width_hint=512)[1] == 512
+    assert static_plan(lengths, 16384, width_hint=128)[1] == T  # rows longer than the hint
+
+
+def test_graphed_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_trainer(step_mode="graphed")
+    with pytest.raises(ValueError, match="step_mode"):
+        make_trainer(step_mode="fast")
