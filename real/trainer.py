@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -28,7 +27,7 @@ from torch.profiler import record_function
 
 from nodus.microbatch import plan_microbatches  # noqa: F401 (re-exported)
 from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
-from real.graphed import StaticKey, StaticStep, microbatch_inputs, static_plan
+from real.graphed import StaticKey, StaticState, StaticStep, bucket_widths, microbatch_inputs, static_plan
 from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, RowLayout, init_adapter,
                             make_row_layout, save_peft_adapter, wrap_linears)
 
@@ -179,7 +178,7 @@ class MultiLoRATrainer:
                  param_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int = 32768,
                  logprob_chunk_tokens: int = 2048, gradient_checkpointing: bool = False,
                  base_model_name_or_path: str | None = None, lora_layout: str = "masked",
-                 step_mode: str = "eager", graph_width: int | None = None, max_graphs: int = 2):
+                 step_mode: str = "eager", graph_width: int | None = None):
         """``lora_layout``: how each row reaches its own adapter in a mixed micro-batch —
         "masked" (every adapter's A at once, other adapters' columns zeroed; dense GEMMs, no
         regrouping, J_mb * rank extra inner columns), "padded" (rows regrouped per adapter into a
@@ -192,7 +191,7 @@ class MultiLoRATrainer:
         masked layout, no gradient checkpointing, a GPU), or "static" (the graphed path's fixed-shape
         program run without capture, for checking it on a CPU). ``graph_width``: the row width the
         fixed-shape path pads every step to when its rows fit (one graph for a run's steps);
-        ``max_graphs``: captured shapes kept (each holds its micro-batch's activations)."""
+        ``prepare_static`` captures a run's programs up front."""
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode={step_mode!r}; expected one of {STEP_MODES}")
         if step_mode == "graphed" and not torch.cuda.is_available():
@@ -213,9 +212,10 @@ class MultiLoRATrainer:
         self.routing = Routing(lora_layout)
         self.step_mode = step_mode
         self.graph_width = graph_width
-        self.max_graphs = max_graphs
         self.graph_error: str | None = None  # why a capture failed (the step then ran eager)
-        self._static: OrderedDict = OrderedDict()  # StaticKey -> StaticStep, least recently used first
+        self._static: dict[StaticKey, StaticStep] = {}  # every program built (they share one memory pool)
+        self._states: dict[tuple[int, int], StaticState] = {}  # (slots, rank) -> shared stack + accumulators
+        self._pool = None  # the CUDA graph memory pool the programs share
         self._graph_slots = 0
         self.gradient_checkpointing = gradient_checkpointing
         self.shapes = wrap_linears(base_model, self.target_modules, self.routing)
@@ -339,13 +339,26 @@ class MultiLoRATrainer:
         return (self.step_mode != "eager" and self.routing.layout_mode == "masked"
                 and not self.gradient_checkpointing)
 
-    def _static_step(self, key: StaticKey) -> StaticStep | None:
+    def _static_state(self, slots: int, rank: int) -> StaticState:
+        """The shared stack and accumulators of at least ``slots`` adapters of rank ``rank``: a
+        kept one (a run's smaller steps reuse it and its programs), or a new one."""
+        fits = [k for k in self._states if k[0] >= slots and k[1] >= rank]
+        if fits:
+            return self._states[min(fits)]
+        self._graph_slots = max(self._graph_slots, slots)
+        key = (self._graph_slots, rank)
+        self._states[key] = StaticState(self.shapes, *key, self.device, self.param_dtype, self.logp_dtype)
+        return self._states[key]
+
+    def _static_step(self, key: StaticKey, state: StaticState) -> StaticStep | None:
         """The fixed-shape program for ``key``: kept, or built (captured when graphed). A capture
         that fails leaves the trainer eager (``graph_error`` says why) instead of failing the step."""
-        st = self._static.pop(key, None)
+        st = self._static.get(key)
         if st is None:
             try:
-                st = StaticStep(self, key, capture=self.step_mode == "graphed")
+                if self.step_mode == "graphed" and self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                st = StaticStep(self, key, state, capture=self.step_mode == "graphed", pool=self._pool)
             except Exception as err:  # noqa: BLE001
                 import sys
                 import traceback
@@ -356,48 +369,53 @@ class MultiLoRATrainer:
                 print(f"[trainer] CUDA graph capture failed, training eager: {self.graph_error}\n"
                       f"{traceback.format_exc()}", file=sys.stderr)
                 return None
-            while len(self._static) >= self.max_graphs:
-                self._static.popitem(last=False)
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-        self._static[key] = st
+            self._static[key] = st
         return st
+
+    def prepare_static(self, slots: int, rank: int, width: int, kl: bool = False) -> list[StaticKey]:
+        """Build (capture, when graphed) now every program a run's steps of up to ``slots`` jobs of
+        rank <= ``rank`` and rows of <= ``width`` tokens will use, so none is captured inside a
+        timed step; later steps pad to ``width``'s buckets. Returns the programs' keys."""
+        if not self._static_wanted():
+            return []
+        self.graph_width = width
+        state = self._static_state(slots, rank)
+        keys = [StaticKey(rows=max(1, self.max_tokens_per_microbatch // w), width=w, slots=state.slots,
+                          rank=state.max_rank, kl=kl) for w in bucket_widths(width)]
+        for key in keys:
+            if self._static_step(key, state) is None:
+                return []
+        return keys
 
     def _backward_static(self, jobs, seqs, audit_acc) -> list[torch.Tensor] | None:
         """``_backward`` as fixed-shape micro-batches (``real.graphed``); None: run eager instead."""
-        R, T, mbs = static_plan([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch,
-                                self.graph_width)
-        self._graph_slots = max(self._graph_slots, len(jobs))
-        key = StaticKey(rows=R, width=T, slots=self._graph_slots, rank=max(j.adapter.rank for j in jobs),
-                        kl=any(j.config.beta != 0.0 for j in jobs))
-        # A kept program that holds this step (as wide, at least as many rows, slots and rank,
-        # within the micro-batch budget) serves it: a run's smaller steps need no new capture.
-        fits = [k for k in self._static if k.width == T and k.kl == key.kl and k.slots >= key.slots
-                and k.rank >= key.rank and R <= k.rows and k.rows * T <= self.max_tokens_per_microbatch + T]
-        if fits:
-            key = min(fits, key=lambda k: (k.rows, k.slots, k.rank))
-            rows = [r for mb in mbs for r in mb]
-            mbs = [rows[i:i + key.rows] for i in range(0, len(rows), key.rows)]
-        st = self._static_step(key)
-        if st is None:
-            return None
+        plan = static_plan([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch,
+                           self.graph_width)
+        state = self._static_state(len(jobs), max(j.adapter.rank for j in jobs))
+        kl = any(j.config.beta != 0.0 for j in jobs)
         adapters, configs = [j.adapter for j in jobs], [j.config for j in jobs]
-        st.zero()
-        st.load(adapters)
-        for mb in mbs:
+        programs = []
+        for R, T, _ in plan:
+            st = self._static_step(StaticKey(rows=R, width=T, slots=state.slots, rank=state.max_rank, kl=kl), state)
+            if st is None:
+                return None
+            programs.append(st)
+        state.zero()
+        state.load(adapters)
+        for st, (_, _, rows) in zip(programs, plan):
             with record_function("nodus.prepare"):
-                inputs = microbatch_inputs(mb, key, seqs, configs)
+                inputs = microbatch_inputs(rows, st.key, seqs, configs)
             st.put(*inputs)
             with record_function("nodus.forward"):
                 st.run()
-        st.write_grads(adapters)
-        self.last_microbatches = len(mbs)
+        state.write_grads(adapters)
+        self.last_microbatches = len(plan)
         self.routing.mixed_masked = len(jobs) > 1
         for k in audit_acc:
             n = float(seqs[k].completion_tokens)
-            audit_acc[k].append(torch.stack([st.audit_max[k].double(), st.audit_sum[k],
-                                             st.audit_sum.new_tensor(n)]))
-        return [st.loss[k].clone() for k in range(len(jobs))]
+            audit_acc[k].append(torch.stack([state.audit_max[k].double(), state.audit_sum[k],
+                                             state.audit_sum.new_tensor(n)]))
+        return [state.loss[k].clone() for k in range(len(jobs))]
 
     def _backward(self, plan, jobs, seqs, audit_acc) -> list[torch.Tensor]:
         """Forward and backward over every micro-batch; each job's loss and its grads in place."""

@@ -172,8 +172,8 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 from real.graphed import WIDTH_QUANTUM
                 from real.trainer import JobBatch
 
-                if more:  # the run's widest row: every step pads to it (one graph for the run)
-                    trainer.graph_width = -(-seq // WIDTH_QUANTUM) * WIDTH_QUANTUM
+                if more:  # the programs of the run's steps (rows up to its widest), captured now
+                    trainer.prepare_static(jobs, rank, -(-seq // WIDTH_QUANTUM) * WIDTH_QUANTUM)
                 rng = np.random.default_rng(0)
                 scratch = {}
                 for k in range(jobs):

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from real.graphed import WIDTH_QUANTUM, static_plan  # noqa: E402
+from real.graphed import WIDTH_QUANTUM, bucket_widths, static_plan  # noqa: E402
 from real.trainer import JobBatch  # noqa: E402
 from tests.test_trainer import (JOBS, make_batches, make_trainer, max_rel_diff, params,  # noqa: E402
                                 two_step_data, with_old_logprobs)
@@ -91,32 +91,43 @@ def test_static_step_nan_job_fails_alone():
         assert max_rel_diff(params(t, j), params(clean, j)) < 1e-10
 
 
-def test_one_program_for_steps_of_fewer_jobs_and_shorter_rows():
-    """A run's steps reuse one program: fewer jobs leave slots empty, shorter rows pad to the
-    width hint. Its update is still the eager one."""
-    t = make_trainer(dtype=torch.float64, step_mode="static", graph_width=64)
-    e = make_trainer(dtype=torch.float64)
+def test_prepared_programs_serve_steps_of_fewer_jobs_and_shorter_rows():
+    """A run's programs are built up front (``prepare_static``, as the warm-up does); its steps,
+    also those of fewer jobs, use only those, and their updates are still the eager ones."""
+    t = make_trainer(dtype=torch.float64, step_mode="static", max_tokens_per_microbatch=96)
+    e = make_trainer(dtype=torch.float64, max_tokens_per_microbatch=96)
+    keys = t.prepare_static(slots=3, rank=8, width=32)
+    assert [k.width for k in keys] == bucket_widths(32) and all(k.slots == 3 for k in keys)
     batches = make_batches(seed=3)
     for tr in (t, e):
         tr.train_step(batches)
         tr.train_step({"a": batches["a"], "c": batches["c"]})
-    assert len(t._static) == 1
-    (key,) = t._static
-    assert key.slots == 3 and key.width == 64
+    assert set(t._static) == set(keys)
     for j in JOBS:
         assert max_rel_diff(params(t, j), params(e, j)) < 1e-10
 
 
-def test_static_plan_shapes():
+def test_static_plan_buckets_rows():
     rng = np.random.default_rng(0)
     lengths = [rng.integers(5, 300, n).tolist() for n in (64, 64, 64, 64)]
-    R, T, mbs = static_plan(lengths, 16384)
-    assert T % WIDTH_QUANTUM == 0 and T >= max(map(max, lengths)) and T - WIDTH_QUANTUM < max(map(max, lengths))
-    assert all(len(mb) <= R for mb in mbs) and R * T <= 16384 + T
-    assert sorted(r for mb in mbs for r in mb) == sorted((k, s) for k in range(4) for s in range(64))
-    assert len(mbs) == -(-256 * T // 16384)
-    assert static_plan(lengths, 16384, width_hint=512)[1] == 512
-    assert static_plan(lengths, 16384, width_hint=128)[1] == T  # rows longer than the hint
+    plan = static_plan(lengths, 16384)
+    longest = max(map(max, lengths))
+    widths = bucket_widths(-(-longest // WIDTH_QUANTUM) * WIDTH_QUANTUM)
+    assert widths[0] >= longest and widths == sorted(widths, reverse=True) and widths[-1] >= 32
+    assert all(w % WIDTH_QUANTUM == 0 for w in widths)
+    rows = [r for _, _, mb in plan for r in mb]
+    assert sorted(rows) == sorted((k, s) for k in range(4) for s in range(64))
+    padded = 0
+    for R, T, mb in plan:
+        assert T in widths and R == 16384 // T and 0 < len(mb) <= R
+        first = lengths[mb[0][0]][mb[0][1]]
+        assert all(lengths[k][s] <= first <= T for k, s in mb)
+        assert T == min(w for w in widths if w >= first)  # the narrowest bucket holding it
+        padded += R * T
+    # Buckets keep padding near the eager planner's (a single width padded 2.2x on the H200 rows).
+    assert padded < 1.6 * sum(map(sum, lengths)) + 16384
+    assert {T for _, T, _ in static_plan(lengths, 16384, width_hint=512)} <= set(bucket_widths(512))
+    assert static_plan(lengths, 16384, width_hint=128)[0][1] == widths[0]  # rows longer than the hint
 
 
 def test_graphed_needs_a_gpu():
