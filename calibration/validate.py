@@ -113,7 +113,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         arm = meas.get("arm")
         if arm is not None and "trainer_waits_for_publish" in cfg["arm"]:  # the summary's arm omits it
             arm = dict(arm, trainer_waits_for_publish=cfg["arm"]["trainer_waits_for_publish"])
-        row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": run_controls(meas),
+        controls = run_controls(meas)
+        row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
                "host_probe": run_host_probe(meas),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
@@ -121,7 +122,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                             "phase_s": _phase_means(spans)},
                "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "sampled": {k: sam[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
-               "outside_profile": sorted(set(rep["outside_profile"]) | set(sam["outside_profile"]))}
+               "outside_profile": sorted(set(rep["outside_profile"]) | set(sam["outside_profile"])
+                                         | set(unmodelled_controls(controls)))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -153,8 +155,9 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
 
 
 def run_controls(summary: dict) -> dict:
-    """The MPS settings a run used beyond the defaults (thread percentages, trainer priority), from
-    its diagnostics: {} for a run at the defaults or without MPS."""
+    """The settings a run used beyond the defaults that change its phases' speed, from its
+    diagnostics: MPS thread percentages and trainer priority, and ``trainer_step_mode`` for a
+    trainer that replayed CUDA graphs (``--trainer-graphs``). {} for a run at the defaults."""
     from real.backend import RealOptions  # light: no torch, no vLLM
 
     defaults = RealOptions().sharing_controls("mps")
@@ -163,7 +166,20 @@ def run_controls(summary: dict) -> dict:
         for k, v in (d.get("sharing_controls") or {}).items():
             if k in defaults and v != defaults[k]:
                 out[k] = v
+        for name, w in (d.get("workers") or {}).items():
+            if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
+                out["trainer_step_mode"] = w["step_mode"]
     return out
+
+
+# Run settings the simulator's trainer model does not have: such a run is simulated as if eager,
+# and flagged outside the profile.
+UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (--trainer-graphs): "
+                                            "the profile's trainer terms are the eager step's"}
+
+
+def unmodelled_controls(controls: dict) -> list[str]:
+    return [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS]
 
 
 def run_host_probe(summary: dict) -> dict | None:

@@ -35,7 +35,8 @@ REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
-    +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +freed: the trainer took the next train while
+    +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
+    trainer's micro-batches replayed as CUDA graphs; +freed: the trainer took the next train while
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
@@ -54,6 +55,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     workers = [w for d in (summary or {}).get("diagnostics", []) for w in (d.get("workers") or {}).values()]
     if workers and not any(w.get("compiled") for w in workers):
         label += "+eager"  # the trainer ran without its compiled element-wise ops
+    if any(w.get("step_mode") == "graphed" for w in workers):
+        label += "+cg"  # each trainer micro-batch one CUDA graph replay (--trainer-graphs)
     return label
 
 

@@ -30,7 +30,11 @@ def fuse_elementwise(model) -> list[str]:
     for m in norms:
         m.compile(dynamic=True)
     done.append(f"{len(norms)} RMSNorm")
-    modeling_qwen3.apply_rotary_pos_emb = torch.compile(modeling_qwen3.apply_rotary_pos_emb, dynamic=True)
+    # Compiled once per process: a second trainer in the process (benchmarks build several) must
+    # not wrap the compiled function again (a nest of compiled wrappers broke a CUDA graph capture).
+    original = getattr(modeling_qwen3, "_nodus_rotary_eager", modeling_qwen3.apply_rotary_pos_emb)
+    modeling_qwen3._nodus_rotary_eager = original
+    modeling_qwen3.apply_rotary_pos_emb = torch.compile(original, dynamic=True)
     done.append("apply_rotary_pos_emb")
     silu_mul = torch.compile(lambda gate, up: F.silu(gate) * up, dynamic=True)
 

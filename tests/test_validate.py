@@ -189,6 +189,16 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     b = {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": run_controls(capped)}
     assert config_key(a) != config_key(b) and config_key(a) == config_key({**a, "controls": None})
     assert config_label(b) == "8 jobs overlap g=2 mps trainer_thread_pct=50"
+    # A CUDA-graphed trainer is its own configuration too, and one the profile does not model.
+    from calibration.validate import unmodelled_controls
+
+    graphed = {"diagnostics": [dict(plain["diagnostics"][0], workers={
+        "engine0": {}, "trainer0": {"lora_layout": "masked", "step_mode": "graphed"}})]}
+    eager = {"diagnostics": [dict(plain["diagnostics"][0], workers={"trainer0": {"step_mode": "eager"}})]}
+    assert run_controls(graphed) == {"trainer_step_mode": "graphed"} and run_controls(eager) == {}
+    c = {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": run_controls(graphed)}
+    assert config_key(c) != config_key(a) and config_label(c).endswith("trainer_step_mode=graphed")
+    assert unmodelled_controls(c["controls"]) and unmodelled_controls(b["controls"]) == []
 
 
 def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
