@@ -156,8 +156,9 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
 
 def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
-    diagnostics: MPS thread percentages and trainer priority, and ``trainer_step_mode`` for a
-    trainer that replayed CUDA graphs (``--trainer-graphs``). {} for a run at the defaults."""
+    diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
+    that replayed CUDA graphs (``--trainer-graphs``) and ``engine_args`` for extra vLLM arguments
+    (``--engine-arg``). {} for a run at the defaults."""
     from real.backend import RealOptions  # light: no torch, no vLLM
 
     defaults = RealOptions().sharing_controls("mps")
@@ -166,6 +167,8 @@ def run_controls(summary: dict) -> dict:
         for k, v in (d.get("sharing_controls") or {}).items():
             if k in defaults and v != defaults[k]:
                 out[k] = v
+        if d.get("engine_args"):
+            out["engine_args"] = ",".join(f"{k}={v}" for k, v in sorted(d["engine_args"].items()))
         for name, w in (d.get("workers") or {}).items():
             if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
                 out["trainer_step_mode"] = w["step_mode"]
@@ -175,7 +178,9 @@ def run_controls(summary: dict) -> dict:
 # Run settings the simulator's trainer model does not have: such a run is simulated as if eager,
 # and flagged outside the profile.
 UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (--trainer-graphs): "
-                                            "the profile's trainer terms are the eager step's"}
+                                            "the profile's trainer terms are the eager step's",
+                      "engine_args": "the engine ran with extra vLLM arguments (--engine-arg): the profile's "
+                                     "engine terms are the default engine's"}
 
 
 def unmodelled_controls(controls: dict) -> list[str]:

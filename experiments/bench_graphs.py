@@ -37,6 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, the uncaptured program")
     p.add_argument("--no-compile", action="store_true", help="leave the element-wise ops eager")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="also put one step of the eager trainer and one of the fixed-shape program run "
+                        "without capture (the graphed step's kernels, launched one by one) under "
+                        "torch.profiler: where the GPU time goes")
     return p.parse_args(argv)
 
 
@@ -116,6 +120,14 @@ def run_case(args, n_jobs: int, device, dtype, floor: bool) -> dict:
                      "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
                      "graph_error": t.graph_error, "programs": [str(k) for k in t._static]}
         print(f"[{n_jobs} jobs] {name}: {out[name]}", flush=True)
+        if args.profile and name in ("eager", graphed):
+            from real.profiling import profile_call
+
+            if name == graphed:  # the same program, its kernels launched one by one
+                t.step_mode = "static"
+                t._static.clear()
+            # After the updates were taken: the profiled step trains once more.
+            out[f"profile_{name}"] = profile_call(lambda: t.train_step(batches), device, f"{n_jobs} jobs {name}")
         del t
         if device.type == "cuda":
             torch.cuda.empty_cache()

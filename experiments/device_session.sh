@@ -43,10 +43,11 @@ case "${1:-arms}" in
     echo "bench_trainer rc=$?" ;;
   graphs)
     # The trainer's step eager against CUDA-graphed, on a recorded run's rows (jobs per train step
-    # of a dedicated run, an 8-job overlap group and a 16-job one): speed, memory, agreement.
+    # of a dedicated run, an 8-job overlap group and a 16-job one): speed, memory, agreement;
+    # GRAPHS_EXTRA=--profile adds where each step's GPU time goes (top kernels).
     timeout "${GRAPHS_TIMEOUT:-300}" python experiments/bench_graphs.py --out "$OUT/bench_graphs_h200.json" \
       --lengths-from "${GRAPHS_RUN:-experiments/results/h200/session8/arms/overlap+mps-s1}" \
-      --jobs "${GRAPHS_JOBS:-4,1,8}" --iters "${GRAPHS_ITERS:-3}" > "$OUT/bench_graphs.log" 2>&1
+      --jobs "${GRAPHS_JOBS:-4,1,8}" --iters "${GRAPHS_ITERS:-3}" ${GRAPHS_EXTRA:-} > "$OUT/bench_graphs.log" 2>&1
     echo "bench_graphs rc=$?"; tail -30 "$OUT/bench_graphs.log" ;;
   calibrate)
     random_model

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -27,6 +28,26 @@ ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
     "shared-sync+mps": ("shared-sync", 1, "mps"),
     "timeslice": ("timeslice", 2, "none"),
 }
+
+
+def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:
+    """(spec, round) in run order: each block of arms that share a set of processes (same sharing
+    mode, timeslice or not: ``order`` is sorted that way) run ``rounds`` times in turn, A B A B, so
+    repeats share the host's state without restarting the processes between them."""
+    if rounds < 1:
+        raise SystemExit(f"--rounds {rounds}: at least 1")
+
+    def block(sp):
+        return ARMS[sp[0]][0] == "timeslice", ARMS[sp[0]][2]
+
+    out, i = [], 0
+    while i < len(order):
+        j = i
+        while j < len(order) and block(order[j]) == block(order[i]):
+            j += 1
+        out += [(sp, r) for r in range(1, rounds + 1) for sp in order[i:j]]
+        i = j
+    return out
 
 
 def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool | None]:
@@ -84,14 +105,14 @@ def make_random_model(path: Path, shape: str) -> Path:
     return path
 
 
-def _options(args, engine_env):
+def _options(args, engine_env, engine_args=()):
     from real.backend import RealOptions
 
     return RealOptions(model=str(args.model_dir), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
                        enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit,
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
                        engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
-                       engine_env=engine_env,
+                       engine_env=engine_env, engine_args=tuple(engine_args),
                        trainer_compile=args.trainer_compile, trainer_graphs=args.trainer_graphs,
                        evaluate=args.mode == "tasks",
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
@@ -122,6 +143,9 @@ def main() -> None:
                     help="run the dedicated arm twice per seed (A/A repeat: the throughput noise floor)")
     ap.add_argument("--aa-seeds", default=None,
                     help="with --aa: the seeds to repeat the dedicated arm on (default: every seed)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the arms of each set of processes this many times in turn (A B A B: same-call "
+                         "repeats that share the host's drift; run keys of later rounds get -r<N>)")
     ap.add_argument("--prime", action=argparse.BooleanOptionalAction, default=True,
                     help="before the first measured run on each new set of processes, run that arm for one "
                          "step and discard it (compiles and first-use costs land there: session 4's first "
@@ -132,6 +156,8 @@ def main() -> None:
                     help="MPS active thread percentage of the trainer (MPS arms; run keys get -t<pct>)")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="a vLLM engine argument for every arm (e.g. specialize_active_lora=true; run keys get -ea)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
                     help="MPS client priority of the trainer in the MPS arms (their keys get -lowpri)")
     ap.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"))
@@ -151,7 +177,7 @@ def main() -> None:
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
 
-    from nodus.cli import env_pairs
+    from nodus.cli import engine_arg_pairs, env_pairs
     from nodus.config import ConfigError
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
@@ -160,7 +186,8 @@ def main() -> None:
 
     try:
         engine_env = tuple(env_pairs(args.engine_env))
-        opts = _options(args, engine_env)  # bad settings fail before any model is made
+        engine_args = engine_arg_pairs(args.engine_arg)
+        opts = _options(args, engine_env, engine_args)  # bad settings fail before any model is made
     except (ConfigError, ValueError) as err:
         raise SystemExit(f"gpu_arms: {err}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -188,12 +215,13 @@ def main() -> None:
     # stacks: two engines to start) last.
     order = sorted(specs, key=lambda sp: (ARMS[sp[0]][0] == "timeslice", ARMS[sp[0]][2] != "none",
                                           ARMS[sp[0]][0] != "dedicated"))
+    order = interleave_rounds(order, args.rounds)
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
                      "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
-                     "trainer_graphs": args.trainer_graphs,
+                     "trainer_graphs": args.trainer_graphs, "engine_args": dict(engine_args),
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
                      "engine_thread_pct": args.engine_thread_pct, "trainer_thread_pct": args.trainer_thread_pct,
                      "engine_env": args.engine_env, "arms": {},
@@ -202,7 +230,7 @@ def main() -> None:
     t_all = time.monotonic()
     try:
         primed: set = set()
-        for name, arm_jobs, arm_groups, arm_seeds, arm_mb, arm_wait in order:
+        for (name, arm_jobs, arm_groups, arm_seeds, arm_mb, arm_wait), rnd in order:
             policy, groups, sharing = ARMS[name]
             group_counts = [int(x) for x in str(args.groups).split(",") if x]
             if arm_groups:
@@ -218,6 +246,7 @@ def main() -> None:
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
                 variant = "-eager" if args.trainer_compile is False else ""
                 variant += "-cg" if args.trainer_graphs else ""
+                variant += "-ea" if engine_args else ""
                 if sharing == "mps":
                     variant += "-lowpri" if args.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""
@@ -225,6 +254,7 @@ def main() -> None:
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"
+                key += f"-r{rnd}" if rnd > 1 else ""  # a repeat round (--rounds): the same arm again
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else arm_mb
@@ -274,7 +304,8 @@ def main() -> None:
     finally:
         pool.close()
     for name, per in results["arms"].items():
-        count = name.rsplit("-j", 1)[1] if "-j" in name else None
+        plain = re.sub(r"-r\d+$", "", name)  # a repeat round's ratio is over the same dedicated run
+        count = plain.rsplit("-j", 1)[1] if "-j" in plain else None
         for seed, d in per.items():
             base = results["arms"].get("dedicated" + (f"-j{count}" if count else ""), {}).get(seed)
             d["ratio_vs_dedicated"] = d["steps_per_gpu_hour"] / base["steps_per_gpu_hour"] if base else None

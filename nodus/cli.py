@@ -111,6 +111,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                            audit_logprobs=not a.no_audit, engine_thread_pct=a.engine_thread_pct,
                            trainer_thread_pct=a.trainer_thread_pct, trainer_priority=a.trainer_priority,
                            engine_env=tuple(env_pairs(a.engine_env)),
+                           engine_args=tuple(engine_arg_pairs(a.engine_arg)),
                            checkpoint_dir=a.checkpoint_dir,
                            seeded_sampling=not a.unseeded, lora_layout=a.lora_layout,
                            trainer_compile=a.trainer_compile, trainer_graphs=a.trainer_graphs)
@@ -241,6 +242,21 @@ def env_pairs(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def engine_arg_pairs(items: list[str]) -> list[tuple[str, object]]:
+    """NAME=VALUE strings (--engine-arg) as pairs, the value read as JSON when it parses (true,
+    16, 0.5, {"a": 1}) and as a string otherwise; anything else is a clear error."""
+    out = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--engine-arg {item!r}: expected NAME=VALUE (a vLLM LLM(...) argument)")
+        try:
+            out.append((name, json.loads(value)))
+        except ValueError:
+            out.append((name, value))
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nodus", description="Many LoRA GRPO jobs on one GPU: simulate, run, compare.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -289,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the engine processes, e.g. "
                         "VLLM_TUNED_CONFIG_FOLDER=DIR (tuned multi-LoRA kernel configs); repeatable")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="a vLLM engine argument (LLM(...) keyword; VALUE read as JSON, else a string), e.g. "
+                        "specialize_active_lora=true; repeatable; those nodus sets itself are refused")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
     p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,

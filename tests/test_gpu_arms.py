@@ -35,3 +35,17 @@ def test_bad_mps_thread_percentages_stop_before_any_work(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit, match=says):
         gpu_arms.main()
     assert not (tmp_path / "model").exists() and not (tmp_path / "out").exists()
+
+
+def test_rounds_repeat_each_block_of_processes_in_turn():
+    """--rounds 2: arms sharing one set of processes run A B A B (same-call repeats), blocks of
+    other processes after them; rounds < 1 is a clear error."""
+    from experiments.gpu_arms import interleave_rounds, parse_arm
+
+    order = [parse_arm(a) for a in ("dedicated", "shared-sync", "overlap+mps", "shared-sync+mps")]
+    got = [(sp[0], r) for sp, r in interleave_rounds(order, 2)]
+    assert got == [("dedicated", 1), ("shared-sync", 1), ("dedicated", 2), ("shared-sync", 2),
+                   ("overlap+mps", 1), ("shared-sync+mps", 1), ("overlap+mps", 2), ("shared-sync+mps", 2)]
+    assert [r for _, r in interleave_rounds(order, 1)] == [1] * 4
+    with pytest.raises(SystemExit, match="--rounds 0"):
+        interleave_rounds(order, 0)

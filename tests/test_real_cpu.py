@@ -27,7 +27,8 @@ def overlap_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # the trainer worker profiles its 2nd train command
         mp.setenv("NODUS_TRAINER_PROFILE", str(out.parent / "trainer_profile.jsonl"))
         mp.setenv("NODUS_TRAINER_PROFILE_AT", "2")
-        assert main(["run", str(cfg), "--backend", "real", "--model", "tiny", "--no-baseline", "--out", str(out)]) == 0
+        assert main(["run", str(cfg), "--backend", "real", "--model", "tiny", "--no-baseline", "--out", str(out),
+                     "--engine-arg", "max_logprobs=5"]) == 0
     return out
 
 
@@ -59,6 +60,26 @@ def test_a_real_run_records_its_host_probe_at_start_and_end(overlap_run):
     assert probe["start"]["unix_s"] < probe["end"]["unix_s"]
     assert all(probe[k]["cpu_loop_s"] > 0 and probe[k]["file_rw_s"] > 0 for k in ("start", "end"))
     assert run_host_probe(s)["cpu_loop_s"] == max(probe[k]["cpu_loop_s"] for k in ("start", "end"))
+
+
+def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsys):
+    """--engine-arg NAME=VALUE: recorded with the run (the fixture's run passed max_logprobs=5 to
+    vLLM and ran); a name vLLM does not take fails the run naming it; one nodus sets is refused
+    before anything starts."""
+    from nodus.realrun import run
+    from real.backend import RealOptions
+
+    s = json.loads((overlap_run / "summary.json").read_text())
+    assert s["diagnostics"][0]["engine_args"] == {"max_logprobs": 5}
+    with pytest.raises(RuntimeError, match="not_a_vllm_argument"):
+        run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False,
+                                               engine_args=(("not_a_vllm_argument", 1),)), baseline=False)
+    assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
+                 "--engine-arg", "max_loras=2"]) == 2
+    assert "'max_loras' is set by nodus itself" in capsys.readouterr().err
+    assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
+                 "--engine-arg", "max_loras"]) == 2
+    assert "expected NAME=VALUE" in capsys.readouterr().err
 
 
 def test_trainer_and_engine_logprobs_agree_per_version(overlap_run):

@@ -199,6 +199,9 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     c = {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": run_controls(graphed)}
     assert config_key(c) != config_key(a) and config_label(c).endswith("trainer_step_mode=graphed")
     assert unmodelled_controls(c["controls"]) and unmodelled_controls(b["controls"]) == []
+    tuned = {"diagnostics": [dict(plain["diagnostics"][0], engine_args={"specialize_active_lora": True})]}
+    assert run_controls(tuned) == {"engine_args": "specialize_active_lora=True"}
+    assert unmodelled_controls(run_controls(tuned))
 
 
 def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
