@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, the uncaptured program")
     p.add_argument("--no-compile", action="store_true", help="leave the element-wise ops eager")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-floor", action="store_true", help="skip the eager-against-eager bf16 floor (a third trainer)")
     p.add_argument("--profile", action="store_true",
                    help="also put one step of the eager trainer and one of the fixed-shape program run "
                         "without capture (the graphed step's kernels, launched one by one) under "
@@ -85,7 +86,7 @@ def rel(a, b) -> float:
     return max(float((a[j] - b[j]).norm() / b[j].norm().clamp_min(1e-30)) for j in b)
 
 
-def run_case(args, n_jobs: int, device, dtype, floor: bool) -> dict:
+def run_case(args, n_jobs: int, device, dtype, floor: bool, partial=None) -> dict:
     import torch
 
     graphed = "static" if device.type == "cpu" else "graphed"
@@ -118,7 +119,7 @@ def run_case(args, n_jobs: int, device, dtype, floor: bool) -> dict:
                      "median_s": round(sorted(times[1:])[len(times[1:]) // 2], 4), "tokens": tokens,
                      "completion_tokens": completion, "microbatches": t.last_microbatches,
                      "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-                     "graph_error": t.graph_error, "programs": [str(k) for k in t._static]}
+                     "graph_error": t.graph_error, "programs": [str(k) for k in t.programs]}
         print(f"[{n_jobs} jobs] {name}: {out[name]}", flush=True)
         if args.profile and name in ("eager", graphed):
             from real.profiling import profile_call
@@ -128,6 +129,8 @@ def run_case(args, n_jobs: int, device, dtype, floor: bool) -> dict:
                 t._static.clear()
             # After the updates were taken: the profiled step trains once more.
             out[f"profile_{name}"] = profile_call(lambda: t.train_step(batches), device, f"{n_jobs} jobs {name}")
+        if partial is not None:
+            partial(out)  # what is measured so far reaches the file (a cut-off call still returns it)
         del t
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -155,7 +158,11 @@ def main() -> None:
     result = {"env": env_header(args, device), "cases": []}
     for i, n in enumerate(int(x) for x in args.jobs.split(",") if x):
         # The bf16 floor (eager against eager with other micro-batches) once: it costs a trainer.
-        result["cases"].append(run_case(args, n, device, dtype, floor=i == 0))
+        def partial(case):
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(dict(result, cases=result["cases"] + [case]), indent=1))
+
+        result["cases"].append(run_case(args, n, device, dtype, floor=i == 0 and not args.no_floor, partial=partial))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps([{k: c[k] for k in ("jobs", "speedup", "update_rel_diff")} for c in result["cases"]], indent=1))

@@ -314,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the trainer's element-wise ops (RMSNorm, rotary, SiLU*up); compiles at "
                         "start-up (default: on a GPU, where it measured 1.44x on the H200; off on a CPU)")
     p.add_argument("--trainer-graphs", action=argparse.BooleanOptionalAction, default=False,
-                   help="each trainer micro-batch as one CUDA graph replay (fixed shapes: rows padded to the "
-                        "run's widest row; masked layout; a GPU). Off: the eager step")
+                   help="each trainer micro-batch as one CUDA graph replay (fixed shapes: rows padded to a few "
+                        "bucket widths, captured in the warm-up; masked layout; a GPU). Off: the eager step")
     p.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"),
                    help="trainer's multi-adapter path (same update; masked measured 1.21x padded on the H200)")
     p.add_argument("--unseeded", action="store_true",

@@ -190,9 +190,9 @@ class MultiLoRATrainer:
 
         ``step_mode``: "eager", "graphed" (each micro-batch one CUDA graph replay, ``real.graphed``;
         masked layout, no gradient checkpointing, a GPU), or "static" (the graphed path's fixed-shape
-        program run without capture, for checking it on a CPU). ``graph_width``: the row width the
-        fixed-shape path pads every step to when its rows fit (one graph for a run's steps);
-        ``prepare_static`` captures a run's programs up front."""
+        program run without capture, for checking it on a CPU). ``graph_width``: the widest bucket the
+        fixed-shape path pads rows to when they fit (one set of programs for a run's steps;
+        ``prepare_static`` sets it and captures the programs up front)."""
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode={step_mode!r}; expected one of {STEP_MODES}")
         if step_mode == "graphed" and not torch.cuda.is_available():
@@ -335,6 +335,11 @@ class MultiLoRATrainer:
                     plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
         self.last_microbatches = len(plan)
         return plan
+
+    @property
+    def programs(self) -> list[StaticKey]:
+        """The fixed-shape programs built so far (captured ones when graphed)."""
+        return list(self._static)
 
     def _static_wanted(self) -> bool:
         return (self.step_mode != "eager" and self.routing.layout_mode == "masked"

@@ -189,7 +189,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 if spec.device.startswith("cuda"):
                     torch.cuda.synchronize()
                 outbox.put(("warmed", tag, {"step_mode": trainer.step_mode, "graph_error": trainer.graph_error,
-                                            "graphs": [str(k) for k in trainer._static]}))
+                                            "graphs": [str(k) for k in trainer.programs]}))
             elif kind == "remove":
                 for job_id in cmd[2]:
                     trainer.remove_job(job_id)

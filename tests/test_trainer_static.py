@@ -50,7 +50,7 @@ def test_static_step_gives_the_eager_update(jobs, mb_tokens):
             assert got[j].step == want[j].step
     for j in jobs:
         assert max_rel_diff(params(trainers["static"], j), params(trainers["eager"], j)) < 1e-10
-    assert trainers["static"]._static, "the fixed-shape path did not run"
+    assert trainers["static"].programs, "the fixed-shape path did not run"
     if mb_tokens == 96:
         assert trainers["static"].last_microbatches > 1
 
@@ -104,7 +104,7 @@ def test_prepared_programs_serve_steps_of_fewer_jobs_and_shorter_rows():
     for tr in (t, e):
         tr.train_step(batches)
         tr.train_step({"a": batches["a"], "c": batches["c"]})
-    assert set(t._static) == set(keys)
+    assert set(t.programs) == set(keys)
     for j in JOBS:
         assert max_rel_diff(params(t, j), params(e, j)) < 1e-10
 
