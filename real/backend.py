@@ -64,7 +64,8 @@ class RealOptions:
     lora_layout: str = "masked"  # trainer's multi-adapter path: padded | masked | auto (see MultiLoRATrainer)
     staggered_start: bool | None = None  # engines one at a time, then trainers (default: on a GPU)
     trainer_compile: bool | None = None  # torch.compile the trainer's RMSNorm, rotary, SiLU*up (real/fuse.py); None: on a GPU
-    # Each trainer micro-batch one CUDA graph replay (real/graphed.py; a GPU and the masked layout).
+    # Each trainer micro-batch one CUDA graph replay (real/graphed.py; the masked layout; on a CPU
+    # the same fixed-shape program without capture).
     trainer_graphs: bool = False
     start_timeout_s: float = 900.0
 
@@ -146,6 +147,14 @@ def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
     return engine, trainer
 
 
+def trainer_step_mode(graphs: bool, device: str) -> str:
+    """--trainer-graphs: CUDA graphs on a GPU; on a CPU the same fixed-shape program uncaptured
+    ("static"), so a CPU run exercises everything but the capture."""
+    if not graphs:
+        return "eager"
+    return "graphed" if device == "cuda" else "static"
+
+
 def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float = 50.0) -> None:
     """Refuse before starting anything if the engine share plus a trainer cannot fit in free memory."""
     import shutil as _sh
@@ -216,7 +225,7 @@ class Cluster:
                                 max_tokens_per_microbatch=max_tokens_per_microbatch,
                                 load_format=load_format, seed=seed, env=t_env, lora_layout=opts.lora_layout,
                                 compile_elementwise=opts.trainer_compile,
-                                step_mode="graphed" if opts.trainer_graphs and self.device == "cuda" else "eager")
+                                step_mode=trainer_step_mode(opts.trainer_graphs, self.device))
             ein, tin = ctx.Queue(), ctx.Queue()
             pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"), daemon=True)
             pt = ctx.Process(target=trainer_main, args=(tspec, tin, self.outbox, f"trainer{s}"), daemon=True)

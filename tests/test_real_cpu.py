@@ -107,6 +107,32 @@ def _small_cfg(jobs: int, steps: int, policy: str = "shared-sync"):
         "arm": {"policy": policy, "groups": 1, "sharing": "none"}})
 
 
+def test_trainer_graphs_on_a_cpu_run_the_fixed_shape_program_end_to_end(tmp_path):
+    """--trainer-graphs on a CPU runs the graphed trainer's program uncaptured ("static") through
+    the real backend: its programs built in the warm-up, the run on-policy, the engine's logprobs
+    agreeing with the training forward's, and the first step's losses those of an eager run."""
+    from nodus.realrun import run
+    from real.backend import RealOptions
+
+    cfg = _small_cfg(2, 2)
+    runs = {}
+    for mode, graphs in (("static", True), ("eager", False)):
+        s = run(cfg, opts=RealOptions(model="tiny", evaluate=False, trainer_graphs=graphs), baseline=False,
+                out=tmp_path / mode)
+        assert s["steps"] == 4 and s["stale_rollouts"] == 0
+        assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
+        spans = [json.loads(line) for line in (tmp_path / mode / "spans.jsonl").read_text().splitlines()]
+        runs[mode] = (s, [sp for sp in spans if sp["phase"] == "train"])
+    worker = runs["static"][0]["diagnostics"][0]["workers"]["trainer0"]
+    assert worker["step_mode"] == "static" and worker["graphs"] and worker["graph_error"] is None
+    assert runs["eager"][0]["diagnostics"][0]["workers"]["trainer0"]["step_mode"] == "eager"
+    first = {m: {sp["job"]: sp["attrs"]["loss"] for sp in spans if sp["attrs"]["step"] == 0}
+             for m, (_, spans) in runs.items()}
+    assert set(first["static"]) == {"job0", "job1"}
+    for job, loss in first["eager"].items():
+        assert first["static"][job] == pytest.approx(loss, rel=1e-4, abs=1e-6)
+
+
 def test_a_raising_reward_fails_that_job_only(monkeypatch):
     import real.backend
     from nodus.realrun import run
