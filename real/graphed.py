@@ -1,26 +1,28 @@
-"""The trainer's step as a fixed-shape program: one CUDA graph replay per micro-batch.
+"""The trainer's step as fixed-shape programs: per micro-batch, the decoder's forward and its
+backward each one CUDA graph replay, the loss between them eager.
 
 Why: the eager step queues ~50k kernels from Python (HF modules, autograd, the LoRA routing), so
 its time follows the host's speed: the same 4-job step took 1.05 s and 1.77 s on two H200 hosts
 of one kind (session 9), the graphed step 1.16 s on the slower one, and an 8-job step with nothing
-beside it went from 3.75 s to 2.11 s inside a run. Captured once, a micro-batch's forward, loss,
-backward and gradient accumulation replay as one launch.
+beside it went from 3.75 s to 2.11 s inside a run.
 
 A graph needs fixed shapes and fixed buffers, so here every micro-batch is [R rows, T tokens]
 (``static_plan``): T one of a few bucket widths (``bucket_widths``: the run's widest row, then
 0.85x steps down), R = the micro-batch token budget // T (half that for a step's last rows when
-they fit), rows longest first, the last micro-batch topped up with empty rows. On the H200's recorded rows one width for all padded a step 2.2x and
-made it slower than eager; the buckets pad ~9% more than the eager planner at 8 jobs. Every
-program of a trainer shares one adapter stack and gradient accumulators (``StaticState``) and
-one CUDA memory pool (they never run at once and keep nothing there between replays). Each row's
-job is an input (its slot in the stack, the masked layout of ``real.multilora``), and so is
-everything the loss reads, per token: logprobs are computed at every position, and each job's
-GRPO loss is the weighted sum of its tokens' clipped surrogates that ``real.grpo_loss`` defines
-(the weights of ``loss_token_weights``, 0 off the job's completion tokens), so a job's loss and
-gradient are the eager path's up to summation order. Padding rows and positions weigh 0: they add
-exactly 0 to every gradient.
+they fit), rows longest first, the last micro-batch topped up with empty rows. On the H200's
+recorded rows one width for all padded a step 2.2x and made it slower than eager; the buckets pad
+~8% more than the eager planner. Each row's job is an input (its slot in the adapter stack, the
+masked layout of ``real.multilora``). The loss runs eagerly on the micro-batch's completion tokens
+only (its shape follows them; ~100 kernels): session 9's first version computed logprobs at every
+padded position inside the graph, 26-28% more FLOPs than the eager step, which under MPS beside
+the engine, where the GPU is the limit, bought nothing. Each job's GRPO loss is the weighted sum of
+its tokens' clipped surrogates that ``real.grpo_loss`` defines (the weights of
+``loss_token_weights``), so its loss and gradient are the eager path's up to summation order;
+padding rows and positions get exactly zero gradient. Every program of a trainer shares one
+adapter stack and gradient accumulators (``StaticState``) and one CUDA memory pool (they run one
+at a time).
 
-The same program runs without capture (``capture=False``): that is how a CPU checks it against the
+The same parts run without capture (``capture=False``): that is how a CPU checks them against the
 eager path.
 """
 
@@ -35,10 +37,10 @@ import torch
 from real.grpo_loss import token_logprobs
 from real.multilora import RowLayout
 
-# Float inputs per token, laid out [channel, R, T] (one host-to-device copy).
-_TOKEN_CHANNELS = ("weight", "old", "ref", "audit", "audit_mask")
-# Float inputs per row, [channel, R].
-_ROW_CHANNELS = ("advantage", "eps_low", "eps_high", "beta", "on_policy", "has_ref")
+# Float inputs per completion token, laid out [channel, M]: its loss weight, old / reference /
+# audit logprobs, and its job's settings.
+_TOKEN_CHANNELS = ("weight", "old", "ref", "audit", "audit_mask", "advantage", "eps_low", "eps_high", "beta",
+                   "on_policy", "has_ref")
 WIDTH_QUANTUM = 16  # micro-batch widths are multiples of this
 BUCKET_RATIO = 0.85  # each narrower width bucket is this fraction of the last
 MIN_WIDTH = 32  # no narrower bucket (short rows share it)
@@ -52,7 +54,6 @@ class StaticKey:
     width: int  # T
     slots: int  # adapters in the stack (the step's jobs, or more: empty slots)
     rank: int  # the stack's rank (the step's largest)
-    kl: bool  # whether any job has a KL term (beta != 0)
 
 
 def bucket_widths(top: int) -> list[int]:
@@ -146,127 +147,169 @@ class StaticState:
 
 
 class StaticStep:
-    """One micro-batch program of shape ``key`` over a shared ``StaticState``: captured as a CUDA
-    graph (``pool``: the memory pool every program of the trainer shares; they never run at once
-    and keep nothing in it between replays), or plainly run with ``capture=False``."""
+    """One micro-batch program of shape ``key`` over a shared ``StaticState``.
+
+    Three parts: the decoder's forward over the fixed [R, T] rows (a CUDA graph), the loss on the
+    micro-batch's completion tokens only (eager: its shape follows the tokens, and its ~100
+    kernels are few), and the decoder's backward from the loss's gradient on the hidden states,
+    accumulating the adapters' gradients (a CUDA graph). Logprobs at every position instead would
+    cost 26-28% more FLOPs than the eager step (the vocabulary matmuls at every padded position).
+    ``pool``: the CUDA memory pool every program of the trainer shares (they run one at a time);
+    ``capture=False`` runs the same three parts plainly (how a CPU checks them)."""
 
     def __init__(self, trainer, key: StaticKey, state: StaticState, capture: bool, pool=None):
         self.key, self.trainer, self.state = key, trainer, state
         dev, R, T = trainer.device, key.rows, key.width
-        fdt = trainer.logp_dtype
-        self.ids = torch.zeros(2, R, T, dtype=torch.int64, device=dev)  # [input ids, next token]
+        self.ids = torch.zeros(R, T, dtype=torch.int64, device=dev)
         self.local = torch.zeros(R, dtype=torch.int64, device=dev)
-        self.tok = torch.zeros(len(_TOKEN_CHANNELS), R, T, dtype=fdt, device=dev)
-        self.row = torch.zeros(len(_ROW_CHANNELS), R, dtype=fdt, device=dev)
+        weight = trainer.model.get_output_embeddings().weight
+        self.grad_hidden = torch.zeros(R, T, weight.shape[1], dtype=weight.dtype, device=dev)
+        self.hidden: torch.Tensor | None = None  # the forward's output (fixed when captured)
         self.layout = RowLayout(num_rows=R, slots=None, rows_per_slot=R, dest_rows=None,
                                 local_slot=self.local, num_local=key.slots)
-        self.graph = None
+        self.forward_graph = self.backward_graph = None
         if capture:
             self._capture(pool)
 
     # --- the program --------------------------------------------------------------------------
 
-    def _body(self) -> None:
-        t, key, st = self.trainer, self.key, self.state
-        routing = t.routing
-        routing.stack, routing.layout = st, self.layout
+    def _forward(self) -> None:
+        routing = self.trainer.routing
+        routing.stack, routing.layout = self.state, self.layout
         try:
-            hidden = t.decoder(input_ids=self.ids[0], use_cache=False).last_hidden_state
-            weight = t.model.get_output_embeddings().weight
-            lp = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight, self.ids[1].reshape(-1),
-                                t.logprob_chunk_tokens).reshape(key.rows, key.width)
-            ch = dict(zip(_TOKEN_CHANNELS, self.tok))
-            rw = {n: v[:, None] for n, v in zip(_ROW_CHANNELS, self.row)}
-            mask = ch["weight"] > 0
-            # per_token_loss with each row's own settings; an on-policy row's old logprobs are its
-            # own (ratio exactly 1, the gradient of logp kept), as there.
-            old = torch.where(rw["on_policy"] > 0, lp.detach(), ch["old"])
-            ratio = torch.exp(lp - old)
-            clipped = torch.clamp(ratio, 1.0 - rw["eps_low"], 1.0 + rw["eps_high"])
-            per_token = -torch.min(ratio * rw["advantage"], clipped * rw["advantage"])
-            if key.kl:
-                # A row without a KL term compares with itself: 0, and a finite 0 gradient.
-                ref = torch.where(rw["has_ref"] > 0, ch["ref"], lp.detach())
-                log_ref_ratio = ref - lp
-                per_token = per_token + rw["beta"] * (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0)
-            per_row = torch.where(mask, per_token * ch["weight"], torch.zeros_like(per_token)).sum(dim=1)
-            per_job = torch.zeros(key.slots, dtype=per_row.dtype, device=per_row.device).index_add(
-                0, self.local, per_row)
-            grads = torch.autograd.grad(per_job.sum(), st.leaves(), allow_unused=True)
-            used = [(acc, g) for acc, g in zip(st.grads, grads) if g is not None]
-            torch._foreach_add_([a for a, _ in used], [g for _, g in used])
-            st.loss.index_add_(0, self.local, per_row.detach().to(torch.float64))
-            audited = ch["audit_mask"] > 0
-            diff = torch.where(audited, (lp.detach() - ch["audit"]).abs(), torch.zeros_like(lp))
-            st.audit_max.scatter_reduce_(0, self.local, diff.amax(dim=1), "amax")
-            st.audit_sum.index_add_(0, self.local, diff.sum(dim=1).to(torch.float64))
+            self.hidden = self.trainer.decoder(input_ids=self.ids, use_cache=False).last_hidden_state
         finally:
             routing.stack = routing.layout = None
 
+    def _backward(self) -> None:
+        st = self.state
+        grads = torch.autograd.grad(self.hidden, st.leaves(), grad_outputs=self.grad_hidden, allow_unused=True)
+        used = [(acc, g) for acc, g in zip(st.grads, grads) if g is not None]
+        torch._foreach_add_([a for a, _ in used], [g for _, g in used])
+
+    def _loss(self, inputs: dict) -> None:
+        """The micro-batch's GRPO loss on its completion tokens (flat, [M]); its gradient on the
+        hidden states into ``grad_hidden``; per-job loss and audit sums into the state."""
+        t, st = self.trainer, self.state
+        hs = self.hidden.detach().requires_grad_()
+        h = hs.reshape(-1, hs.shape[-1]).index_select(0, inputs["index"])
+        lp = token_logprobs(h, t.model.get_output_embeddings().weight, inputs["targets"], t.logprob_chunk_tokens)
+        ch = dict(zip(_TOKEN_CHANNELS, inputs["floats"]))
+        slot = inputs["slot"]
+        # per_token_loss with each token's own job's settings; an on-policy token's old logprob
+        # is its own (ratio exactly 1, the gradient of logp kept), as there.
+        old = torch.where(ch["on_policy"] > 0, lp.detach(), ch["old"])
+        ratio = torch.exp(lp - old)
+        clipped = torch.clamp(ratio, 1.0 - ch["eps_low"], 1.0 + ch["eps_high"])
+        per_token = -torch.min(ratio * ch["advantage"], clipped * ch["advantage"])
+        if inputs["kl"]:
+            # A token without a KL term compares with itself: 0, and a finite 0 gradient.
+            ref = torch.where(ch["has_ref"] > 0, ch["ref"], lp.detach())
+            log_ref_ratio = ref - lp
+            per_token = per_token + ch["beta"] * (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0)
+        weighted = per_token * ch["weight"]
+        per_job = torch.zeros(self.key.slots, dtype=weighted.dtype, device=weighted.device).index_add(0, slot, weighted)
+        (grad,) = torch.autograd.grad(per_job.sum(), hs, allow_unused=True)
+        with torch.no_grad():
+            if grad is None:  # no completion token in the micro-batch
+                self.grad_hidden.zero_()
+            else:
+                self.grad_hidden.copy_(grad)
+            st.loss.add_(per_job.detach().to(torch.float64))
+            diff = torch.where(ch["audit_mask"] > 0, (lp.detach() - ch["audit"]).abs(), torch.zeros_like(lp))
+            st.audit_max.scatter_reduce_(0, slot, diff, "amax")
+            st.audit_sum.index_add_(0, slot, diff.to(torch.float64))
+
     def _capture(self, pool) -> None:
-        """Warm up on a side stream (compiles, kernel and cuDNN plan choices), then capture. The
-        warm-up adds to the shared accumulators: the step zeroes them before its first replay."""
+        """Warm up on a side stream (compiles, kernel and cuDNN plan choices), then capture the
+        forward and, on the autograd graph that capture built, the backward. The warm-up adds to
+        the shared gradients: the step zeroes them before its first replay."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._body()
+                self._forward()
+                self._backward()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self._body()
-        # The warm-up's blocks are free now; hand them back (the graph keeps its own pool).
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool):
+            self._forward()
+        with torch.cuda.graph(self.backward_graph, pool=pool):
+            self._backward()
+        # The warm-up's blocks are free now; hand them back (the graphs keep their pool).
         torch.cuda.empty_cache()
 
-    def run(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
+    def run(self, inputs: dict) -> None:
+        """One micro-batch (``microbatch_inputs`` put on the device by ``put``)."""
+        if self.forward_graph is not None:
+            self.forward_graph.replay()
         else:
-            self._body()
+            self._forward()
+        self._loss(inputs)
+        if self.backward_graph is not None:
+            self.backward_graph.replay()
+        else:
+            self._backward()
 
     @torch.no_grad()
-    def put(self, ids: np.ndarray, local: np.ndarray, tok: np.ndarray, row: np.ndarray) -> None:
-        """One micro-batch's inputs into the fixed buffers (stream-ordered, host not blocked)."""
+    def put(self, host: dict) -> dict:
+        """The micro-batch's rows into the fixed buffers and its completion tokens' inputs onto
+        the device (stream-ordered, host not blocked); returns the latter for ``run``."""
         pin = self.ids.device.type == "cuda"
-        for dst, src in ((self.ids, ids), (self.local, local), (self.tok, tok), (self.row, row)):
-            src = torch.from_numpy(src).to(dst.dtype)
-            dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
+        fdt = self.trainer.logp_dtype
+
+        def dev(a, dtype):
+            t = torch.from_numpy(a).to(dtype)
+            return t.pin_memory().to(self.ids.device, non_blocking=True) if pin else t.to(self.ids.device)
+
+        self.ids.copy_(dev(host["ids"], torch.int64), non_blocking=pin)
+        self.local.copy_(dev(host["local"], torch.int64), non_blocking=pin)
+        return {"index": dev(host["index"], torch.int64), "targets": dev(host["targets"], torch.int64),
+                "slot": dev(host["slot"], torch.int64), "floats": dev(host["floats"], fdt), "kl": host["kl"]}
 
 
-def microbatch_inputs(mb: list[tuple[int, int]], key: StaticKey, seqs, configs) -> tuple[np.ndarray, ...]:
-    """Host arrays for one micro-batch of (slot, sequence) rows: ids [2, R, T] (tokens, next
-    tokens), each row's slot [R], per-token floats [channels, R, T] and per-row floats [channels, R]
-    (``_TOKEN_CHANNELS`` / ``_ROW_CHANNELS``), in float64."""
+def microbatch_inputs(mb: list[tuple[int, int]], key: StaticKey, seqs, configs) -> dict:
+    """Host arrays for one micro-batch of (slot, sequence) rows: the rows' tokens ``ids`` [R, T]
+    and slots ``local`` [R]; for each completion token, its position in the flat [R * T] hidden
+    states that predicts it (``index``), the token (``targets``), its job's slot (``slot``) and
+    ``floats`` [channels, M] (``_TOKEN_CHANNELS``: its loss weight, logprobs and its job's
+    settings), in float64; ``kl``: whether any of them has a KL term."""
     R, T = key.rows, key.width
-    ids = np.zeros((2, R, T), dtype=np.int64)
+    ids = np.zeros((R, T), dtype=np.int64)
     local = np.zeros(R, dtype=np.int64)
-    tok = np.zeros((len(_TOKEN_CHANNELS), R, T))
-    row = np.zeros((len(_ROW_CHANNELS), R))
-    c = {n: i for i, n in enumerate(_TOKEN_CHANNELS)}
-    r = {n: i for i, n in enumerate(_ROW_CHANNELS)}
+    index, targets, slot, floats = [], [], [], []
+    kl = False
     for i, (k, s) in enumerate(mb):
         sq, cfg = seqs[k], configs[k]
         seq, pos = sq.ids[s], sq.positions[s]
-        ids[0, i, :len(seq)] = seq
-        ids[1, i, :len(seq) - 1] = seq[1:]
+        ids[i, :len(seq)] = seq
         local[i] = k
-        at = pos - 1  # the token at t is predicted at position t-1
-        tok[c["weight"], i, at] = token_weight(cfg, sq, len(pos))
+        n = len(pos)
+        index.append(i * T + pos - 1)  # the token at t is predicted at position t-1
+        targets.append(seq[pos])
+        slot.append(np.full(n, k, dtype=np.int64))
+        has_ref = sq.ref is not None and cfg.beta != 0.0
+        kl |= has_ref
+        f = np.zeros((len(_TOKEN_CHANNELS), n))
+        c = {name: j for j, name in enumerate(_TOKEN_CHANNELS)}
+        f[c["weight"]] = token_weight(cfg, sq, n)
         if sq.old is not None:
-            tok[c["old"], i, at] = sq.old[s]
-        if sq.ref is not None:
-            tok[c["ref"], i, at] = sq.ref[s]
+            f[c["old"]] = sq.old[s]
+        if has_ref:
+            f[c["ref"]] = sq.ref[s]
         if sq.audit is not None:
-            tok[c["audit"], i, at] = sq.audit[s]
-            tok[c["audit_mask"], i, at] = 1.0
-        row[r["advantage"], i] = sq.advantages[s]
-        row[r["eps_low"], i] = cfg.epsilon_low
-        row[r["eps_high"], i] = cfg.epsilon_high
-        row[r["beta"], i] = cfg.beta
-        row[r["on_policy"], i] = float(sq.old is None)
-        row[r["has_ref"], i] = float(sq.ref is not None and cfg.beta != 0.0)
-    return ids, local, tok, row
+            f[c["audit"]] = sq.audit[s]
+            f[c["audit_mask"]] = 1.0
+        f[c["advantage"]] = sq.advantages[s]
+        f[c["eps_low"]], f[c["eps_high"]], f[c["beta"]] = cfg.epsilon_low, cfg.epsilon_high, cfg.beta
+        f[c["on_policy"]] = float(sq.old is None)
+        f[c["has_ref"]] = float(has_ref)
+        floats.append(f)
+    cat = (lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype))
+    return {"ids": ids, "local": local, "index": cat(index, np.int64), "targets": cat(targets, np.int64),
+            "slot": cat(slot, np.int64), "floats": np.concatenate(floats, axis=1) if floats
+            else np.zeros((len(_TOKEN_CHANNELS), 0)), "kl": kl}
 
 
 def token_weight(cfg, seqs, n_tokens: int) -> float:

@@ -378,7 +378,7 @@ class MultiLoRATrainer:
             self._static[key] = st
         return st
 
-    def prepare_static(self, slots: int, rank: int, width: int, kl: bool = False) -> list[StaticKey]:
+    def prepare_static(self, slots: int, rank: int, width: int) -> list[StaticKey]:
         """Build (capture, when graphed) now every program a run's steps of up to ``slots`` jobs of
         rank <= ``rank`` and rows of <= ``width`` tokens will use, so none is captured inside a
         timed step; later steps pad to ``width``'s buckets. Returns the programs' keys."""
@@ -387,7 +387,7 @@ class MultiLoRATrainer:
         self.graph_width = width
         state = self._static_state(slots, rank)
         mb = self.max_tokens_per_microbatch
-        keys = [StaticKey(rows=rows, width=w, slots=state.slots, rank=state.max_rank, kl=kl)
+        keys = [StaticKey(rows=rows, width=w, slots=state.slots, rank=state.max_rank)
                 for w in bucket_widths(width)
                 for rows in sorted({program_rows(mb, w), program_rows(mb, w, left=0)}, reverse=True)]
         for key in keys:
@@ -400,11 +400,10 @@ class MultiLoRATrainer:
         plan = static_plan([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch,
                            self.graph_width)
         state = self._static_state(len(jobs), max(j.adapter.rank for j in jobs))
-        kl = any(j.config.beta != 0.0 for j in jobs)
         adapters, configs = [j.adapter for j in jobs], [j.config for j in jobs]
         programs = []
         for R, T, _ in plan:
-            st = self._static_step(StaticKey(rows=R, width=T, slots=state.slots, rank=state.max_rank, kl=kl), state)
+            st = self._static_step(StaticKey(rows=R, width=T, slots=state.slots, rank=state.max_rank), state)
             if st is None:
                 return None
             programs.append(st)
@@ -412,10 +411,9 @@ class MultiLoRATrainer:
         state.load(adapters)
         for st, (_, _, rows) in zip(programs, plan):
             with record_function("nodus.prepare"):
-                inputs = microbatch_inputs(rows, st.key, seqs, configs)
-            st.put(*inputs)
+                inputs = st.put(microbatch_inputs(rows, st.key, seqs, configs))
             with record_function("nodus.forward"):
-                st.run()
+                st.run(inputs)
         state.write_grads(adapters)
         self.last_microbatches = len(plan)
         self.routing.mixed_masked = len(jobs) > 1
