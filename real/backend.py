@@ -76,6 +76,9 @@ class RealOptions:
             if not key or "=" in key or key.startswith("CUDA_MPS_"):
                 raise ValueError(f"engine_env: {key!r} is not a variable name the engine may set "
                                  "(MPS variables come from the sharing settings)")
+        if self.trainer_graphs and self.lora_layout != "masked":
+            raise ValueError(f"trainer_graphs needs lora_layout='masked' (got {self.lora_layout!r}): the graphed "
+                             "trainer routes rows to adapters the masked way")
         for key, _ in self.engine_args:
             if not key.isidentifier():
                 raise ValueError(f"engine_args: {key!r} is not an argument name")

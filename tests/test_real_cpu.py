@@ -253,6 +253,8 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
     assert process_envs(tuned, pipe)[0] == {"VLLM_TUNED_CONFIG_FOLDER": "/cfg", **pipe}
     with pytest.raises(ValueError, match="'CUDA_MPS_PIPE_DIRECTORY' is not a variable name the engine may set"):
         RealOptions(engine_env=(("CUDA_MPS_PIPE_DIRECTORY", "/x"),))
+    with pytest.raises(ValueError, match="trainer_graphs needs lora_layout='masked'"):
+        RealOptions(trainer_graphs=True, lora_layout="padded")
     with pytest.raises(ValueError, match="trainer_priority='high'"):
         RealOptions(trainer_priority="high")
     with pytest.raises(ValueError, match="trainer_thread_pct=0"):
