@@ -455,8 +455,10 @@ class RealBackend:
         if kind == "generated":
             return self._generated(a, extra, msg[2], msg[3])
         if kind == "trained":
-            _, _, start, end, stats, agreement, n_mb = msg
+            _, _, start, end, stats, agreement, n_mb, *state = msg
             self.microbatches.append(n_mb)
+            if state:  # the trainer's step mode now (a failed capture leaves it eager)
+                self.c.worker_info.setdefault(f"trainer{a.stack}", {}).update(state[0])
             ups = list(extra)
             for b, v in zip(a.batches, a.expected_versions):
                 st = stats.get(b.job_id)

@@ -188,8 +188,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                     trainer.remove_job(job_id)
                 if spec.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                outbox.put(("warmed", tag, {"step_mode": trainer.step_mode, "graph_error": trainer.graph_error,
-                                            "graphs": [str(k) for k in trainer.programs]}))
+                outbox.put(("warmed", tag, _trainer_state(trainer)))
             elif kind == "remove":
                 for job_id in cmd[2]:
                     trainer.remove_job(job_id)
@@ -220,10 +219,17 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 if spec.device.startswith("cuda"):
                     torch.cuda.synchronize()
                 outbox.put(("trained", tag, start, time.monotonic(), stats, trainer.last_audit,
-                            trainer.last_microbatches))
+                            trainer.last_microbatches, _trainer_state(trainer)))
         except Exception:  # noqa: BLE001
             outbox.put(("error", name, traceback.format_exc()))
             return
+
+
+def _trainer_state(trainer) -> dict:
+    """How the trainer trains now (a graph capture that fails, in the warm-up or later, leaves it
+    eager): reported with the warm-up and every train step, kept in the run's diagnostics."""
+    return {"step_mode": trainer.step_mode, "graph_error": trainer.graph_error,
+            "graphs": [str(k) for k in trainer.programs]}
 
 
 def _profile_train(fn, done: dict, trainer, spec: TrainerSpec, name: str, path: str, at: int, jobs: int) -> None:
