@@ -231,15 +231,16 @@ def cmd_fit(a: argparse.Namespace) -> int:
     return 0
 
 
+def _name_value(item: str, flag: str, what: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise ConfigError(f"{flag} {item!r}: expected NAME=VALUE{what}")
+    return name, value
+
+
 def env_pairs(items: list[str]) -> list[tuple[str, str]]:
     """NAME=VALUE strings (--engine-env) as pairs; anything else is a clear error."""
-    out = []
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--engine-env {item!r}: expected NAME=VALUE")
-        out.append((name, value))
-    return out
+    return [_name_value(item, "--engine-env", "") for item in items]
 
 
 def engine_arg_pairs(items: list[str]) -> list[tuple[str, object]]:
@@ -247,9 +248,7 @@ def engine_arg_pairs(items: list[str]) -> list[tuple[str, object]]:
     16, 0.5, {"a": 1}) and as a string otherwise; anything else is a clear error."""
     out = []
     for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--engine-arg {item!r}: expected NAME=VALUE (a vLLM LLM(...) argument)")
+        name, value = _name_value(item, "--engine-arg", " (a vLLM LLM(...) argument)")
         try:
             out.append((name, json.loads(value)))
         except ValueError:

@@ -28,14 +28,13 @@ eager path.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from real.grpo_loss import token_logprobs
-from real.multilora import RowLayout
+from real.grpo_loss import per_token_loss, token_logprobs
+from real.multilora import RowLayout, give_slot_grads
 
 # Float inputs per completion token, laid out [channel, M]: its loss weight, old / reference /
 # audit logprobs, and its job's settings.
@@ -56,13 +55,18 @@ class StaticKey:
     rank: int  # the stack's rank (the step's largest)
 
 
+def round_width(tokens: float) -> int:
+    """``tokens`` rounded up to a multiple of ``WIDTH_QUANTUM``."""
+    return -(-int(tokens) // WIDTH_QUANTUM) * WIDTH_QUANTUM
+
+
 def bucket_widths(top: int) -> list[int]:
     """The widths micro-batches pad to, widest first: ``top``, then each ``BUCKET_RATIO`` of the
     last (rounded up to ``WIDTH_QUANTUM``) down to ``MIN_WIDTH``. A row pads to the narrowest that
     holds it, so padding stays under 1 / BUCKET_RATIO - 1 of a row."""
     widths = [top]
     while True:
-        w = -(-int(widths[-1] * BUCKET_RATIO) // WIDTH_QUANTUM) * WIDTH_QUANTUM
+        w = round_width(widths[-1] * BUCKET_RATIO)
         if w < MIN_WIDTH or w >= widths[-1]:
             return widths
         widths.append(w)
@@ -77,7 +81,7 @@ def static_plan(lengths: list[list[int]], max_tokens: int,
     rows = sorted(((k, s) for k, ls in enumerate(lengths) for s in range(len(ls))),
                   key=lambda ks: (-lengths[ks[0]][ks[1]], ks))
     longest = lengths[rows[0][0]][rows[0][1]]
-    top = -(-longest // WIDTH_QUANTUM) * WIDTH_QUANTUM
+    top = round_width(longest)
     if width_hint is not None and width_hint >= longest:
         top = width_hint
     widths = bucket_widths(top)
@@ -111,7 +115,9 @@ class StaticState:
         self.B = {n: torch.zeros(slots, d_out, rank, device=device, dtype=dtype, requires_grad=True)
                   for n, (_, d_out) in shapes.items()}
         self.scaling = torch.zeros(slots, device=device, dtype=dtype)
-        self.grads = [torch.zeros_like(t) for t in self.leaves()]
+        self.grad_A = {n: torch.zeros_like(t) for n, t in self.A.items()}
+        self.grad_B = {n: torch.zeros_like(t) for n, t in self.B.items()}
+        self.grads = [t for n in self.A for t in (self.grad_A[n], self.grad_B[n])]  # in leaves() order
         self.loss = torch.zeros(slots, dtype=torch.float64, device=device)
         self.audit_max = torch.zeros(slots, dtype=fdt, device=device)
         self.audit_sum = torch.zeros(slots, dtype=torch.float64, device=device)
@@ -138,12 +144,9 @@ class StaticState:
         self.scaling.copy_(scaling)
 
     def write_grads(self, adapters: list) -> None:
-        """Each job's parameters get their slot's accumulated gradient."""
-        grads = dict(zip([id(t) for t in self.leaves()], self.grads))
-        for j, a in enumerate(adapters):
-            for n in a.A:
-                a.A[n].grad = grads[id(self.A[n])][j, :a.rank].clone()
-                a.B[n].grad = grads[id(self.B[n])][j, :, :a.rank].clone()
+        """Each job's parameters get their slot's accumulated gradient (copies: the accumulators
+        serve the next step)."""
+        give_slot_grads(adapters, self.grad_A, self.grad_B, copy=True)
 
 
 class StaticStep:
@@ -196,17 +199,13 @@ class StaticStep:
         lp = token_logprobs(h, t.model.get_output_embeddings().weight, inputs["targets"], t.logprob_chunk_tokens)
         ch = dict(zip(_TOKEN_CHANNELS, inputs["floats"]))
         slot = inputs["slot"]
-        # per_token_loss with each token's own job's settings; an on-policy token's old logprob
-        # is its own (ratio exactly 1, the gradient of logp kept), as there.
+        # Each token with its own job's settings. An on-policy token's old logprob is its own
+        # (what old_logp=None means); a token without a KL term compares with itself (0, and a
+        # finite 0 gradient).
         old = torch.where(ch["on_policy"] > 0, lp.detach(), ch["old"])
-        ratio = torch.exp(lp - old)
-        clipped = torch.clamp(ratio, 1.0 - ch["eps_low"], 1.0 + ch["eps_high"])
-        per_token = -torch.min(ratio * ch["advantage"], clipped * ch["advantage"])
-        if inputs["kl"]:
-            # A token without a KL term compares with itself: 0, and a finite 0 gradient.
-            ref = torch.where(ch["has_ref"] > 0, ch["ref"], lp.detach())
-            log_ref_ratio = ref - lp
-            per_token = per_token + ch["beta"] * (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0)
+        ref = torch.where(ch["has_ref"] > 0, ch["ref"], lp.detach()) if inputs["kl"] else None
+        per_token = per_token_loss(lp, old, ch["advantage"], ch["eps_low"], ch["eps_high"], ref,
+                                   ch["beta"] if inputs["kl"] else 0.0)
         weighted = per_token * ch["weight"]
         per_job = torch.zeros(self.key.slots, dtype=weighted.dtype, device=weighted.device).index_add(0, slot, weighted)
         (grad,) = torch.autograd.grad(per_job.sum(), hs, allow_unused=True)
@@ -280,6 +279,7 @@ def microbatch_inputs(mb: list[tuple[int, int]], key: StaticKey, seqs, configs) 
     local = np.zeros(R, dtype=np.int64)
     index, targets, slot, floats = [], [], [], []
     kl = False
+    c = {name: j for j, name in enumerate(_TOKEN_CHANNELS)}
     for i, (k, s) in enumerate(mb):
         sq, cfg = seqs[k], configs[k]
         seq, pos = sq.ids[s], sq.positions[s]
@@ -292,7 +292,6 @@ def microbatch_inputs(mb: list[tuple[int, int]], key: StaticKey, seqs, configs) 
         has_ref = sq.ref is not None and cfg.beta != 0.0
         kl |= has_ref
         f = np.zeros((len(_TOKEN_CHANNELS), n))
-        c = {name: j for j, name in enumerate(_TOKEN_CHANNELS)}
         f[c["weight"]] = token_weight(cfg, sq, n)
         if sq.old is not None:
             f[c["old"]] = sq.old[s]

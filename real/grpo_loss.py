@@ -24,7 +24,10 @@ def per_token_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, advantages
 
     ``logp``/``old_logp``/``ref_logp`` are [S, T] (or any shape) token logprobs; ``advantages`` is
     one value per sequence, [S], broadcast over the tokens. ``old_logp=None`` means on-policy:
-    the ratio is exactly 1 in value but keeps the gradient of ``logp``.
+    the ratio is exactly 1 in value but keeps the gradient of ``logp``. ``epsilon_*`` and ``beta``
+    are floats, or tensors of per-token settings shaped like ``logp`` (tokens of several jobs in
+    one flat vector, as the graphed trainer computes them); a ``beta`` tensor always adds the KL
+    term (a token without one gives it beta 0 and ``ref_logp`` equal to ``logp``).
     """
     if old_logp is None:
         old_logp = logp.detach()
@@ -34,7 +37,7 @@ def per_token_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, advantages
     # The min of the two surrogates is a pessimistic bound: a step that would move the ratio past
     # the trust region earns no further gain, so one batch cannot move the policy too far.
     loss = -torch.min(ratio * adv, clipped * adv)
-    if beta != 0.0:
+    if isinstance(beta, torch.Tensor) or beta != 0.0:
         if ref_logp is None:
             raise ValueError(f"beta={beta} needs ref_logp")
         # k3 estimator (Schulman): unbiased for KL(pi || ref), always >= 0, low variance.

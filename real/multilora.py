@@ -80,11 +80,23 @@ class AdapterStack:
 
     def write_grads(self) -> None:
         """Give each job's parameters their slice of the stacks' grads (zeros if none flowed)."""
-        for j, a in enumerate(self.adapters):
-            for name in a.A:
-                ga, gb = self.A[name].grad, self.B[name].grad
-                a.A[name].grad = torch.zeros_like(a.A[name]) if ga is None else ga[j, :a.rank].contiguous()
-                a.B[name].grad = torch.zeros_like(a.B[name]) if gb is None else gb[j, :, :a.rank].contiguous()
+        give_slot_grads(self.adapters, {n: t.grad for n, t in self.A.items()},
+                        {n: t.grad for n, t in self.B.items()}, copy=False)
+
+
+def give_slot_grads(adapters: list[Adapter], grad_A: dict, grad_B: dict, copy: bool) -> None:
+    """Adapter j's parameters get slot j of per-module stacked grads (A [J, r_max, d_in], B
+    [J, d_out, r_max]; rank-padded columns dropped; a None stack: zeros). ``copy``: each grad its
+    own storage, for stacks that are reused (otherwise a slice may be a view of the stack)."""
+    for j, a in enumerate(adapters):
+        for name in a.A:
+            for params, stack, part in ((a.A, grad_A[name], (j, slice(0, a.rank))),
+                                        (a.B, grad_B[name], (j, slice(None), slice(0, a.rank)))):
+                if stack is None:
+                    params[name].grad = torch.zeros_like(params[name])
+                else:
+                    g = stack[part]
+                    params[name].grad = g.clone() if copy else g.contiguous()
 
 
 def _stack(tensors: list[torch.Tensor], max_rank: int, dim: int) -> torch.Tensor:

@@ -217,7 +217,6 @@ class MultiLoRATrainer:
         self._static: dict[StaticKey, StaticStep] = {}  # every program built (they share one memory pool)
         self._states: dict[tuple[int, int], StaticState] = {}  # (slots, rank) -> shared stack + accumulators
         self._pool = None  # the CUDA graph memory pool the programs share
-        self._graph_slots = 0
         self.gradient_checkpointing = gradient_checkpointing
         self.shapes = wrap_linears(base_model, self.target_modules, self.routing)
         self.decoder = base_model.get_decoder()
@@ -351,8 +350,8 @@ class MultiLoRATrainer:
         fits = [k for k in self._states if k[0] >= slots and k[1] >= rank]
         if fits:
             return self._states[min(fits)]
-        self._graph_slots = max(self._graph_slots, slots)
-        key = (self._graph_slots, rank)
+        # As many slots as any earlier state: a later step of fewer jobs fits the new one too.
+        key = (max([slots] + [k[0] for k in self._states]), rank)
         self._states[key] = StaticState(self.shapes, *key, self.device, self.param_dtype, self.logp_dtype)
         return self._states[key]
 

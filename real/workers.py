@@ -170,11 +170,11 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 jobs = more[0] if more else 1
                 import numpy as np
 
-                from real.graphed import WIDTH_QUANTUM
+                from real.graphed import round_width
                 from real.trainer import JobBatch
 
                 if more:  # the programs of the run's steps (rows up to its widest), captured now
-                    trainer.prepare_static(jobs, rank, -(-seq // WIDTH_QUANTUM) * WIDTH_QUANTUM)
+                    trainer.prepare_static(jobs, rank, round_width(seq))
                 rng = np.random.default_rng(0)
                 scratch = {}
                 for k in range(jobs):

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from real.graphed import WIDTH_QUANTUM, bucket_widths, static_plan  # noqa: E402
+from real.graphed import WIDTH_QUANTUM, bucket_widths, round_width, static_plan  # noqa: E402
 from real.trainer import JobBatch  # noqa: E402
 from tests.test_trainer import (JOBS, make_batches, make_trainer, max_rel_diff, params,  # noqa: E402
                                 two_step_data, with_old_logprobs)
@@ -114,7 +114,7 @@ def test_static_plan_buckets_rows():
     lengths = [rng.integers(5, 300, n).tolist() for n in (64, 64, 64, 64)]
     plan = static_plan(lengths, 16384)
     longest = max(map(max, lengths))
-    widths = bucket_widths(-(-longest // WIDTH_QUANTUM) * WIDTH_QUANTUM)
+    widths = bucket_widths(round_width(longest))
     assert widths[0] >= longest and widths == sorted(widths, reverse=True) and widths[-1] >= 32
     assert all(w % WIDTH_QUANTUM == 0 for w in widths)
     rows = [r for _, _, mb in plan for r in mb]
