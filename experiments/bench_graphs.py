@@ -40,9 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-floor", action="store_true", help="skip the eager-against-eager bf16 floor (a third trainer)")
     p.add_argument("--profile", action="store_true",
-                   help="also put one step of the eager trainer and one of the fixed-shape program run "
-                        "without capture (the graphed step's kernels, launched one by one) under "
-                        "torch.profiler: where the GPU time goes")
+                   help="also put one step of the eager trainer, one graphed step and one of the "
+                        "fixed-shape program run without capture (the graphed step's kernels, launched "
+                        "one by one) under torch.profiler: where the GPU time goes")
     return p.parse_args(argv)
 
 
@@ -125,11 +125,13 @@ def run_case(args, n_jobs: int, device, dtype, floor: bool, partial=None) -> dic
         if args.profile and name in ("eager", graphed):
             from real.profiling import profile_call
 
-            if name == graphed:  # the same program, its kernels launched one by one
-                t.step_mode = "static"
-                t._static.clear()
             # After the updates were taken: the profiled step trains once more.
             out[f"profile_{name}"] = profile_call(functools.partial(t.train_step, batches), device, f"{n_jobs} jobs {name}")
+            if name == "graphed":  # the same program, its kernels launched one by one
+                t.step_mode = "static"
+                t._static.clear()
+                out["profile_static"] = profile_call(functools.partial(t.train_step, batches), device,
+                                                     f"{n_jobs} jobs static")
         if partial is not None:
             partial(out)  # what is measured so far reaches the file (a cut-off call still returns it)
         del t
