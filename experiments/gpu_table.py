@@ -32,6 +32,23 @@ REFERENCE = {  # the published study's ratios (8 jobs unless named); for the com
 REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}  # its 2- and 4-job points
 
 
+def label_flags(label: str) -> frozenset:
+    """The settings an arm label names ('overlap/mps/g2+lowpri+cg' -> {'+lowpri', '+cg'})."""
+    return frozenset("+" + f for f in label.split("/")[-1].split("+")[1:])
+
+
+def variant_baseline(ded_variant: dict, jobs: int, seed: int, label: str):
+    """(flags, steps per GPU-hour, simulated) of the dedicated runs of ``jobs`` and ``seed`` whose
+    settings the arm ``label`` also has (the most of them; the mean over repeats), or None."""
+    flags = label_flags(label)
+    fits = [(len(f), f) for (j, s, f) in ded_variant if j == jobs and s == seed and f <= flags]
+    if not fits:
+        return None
+    f = max(fits, key=lambda t: (t[0], sorted(t[1])))[1]
+    runs = ded_variant[(jobs, seed, f)]
+    return ("".join(sorted(f)), sum(r[0] for r in runs) / len(runs), sum(r[1] for r in runs) / len(runs))
+
+
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
@@ -85,6 +102,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     ded_steps: dict[tuple[int, int], dict[str, int]] = {}
     sim_alone: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}
     ded_task: dict[tuple[int, int], dict[str, str]] = {}
+    ded_variant: dict[tuple[int, int, frozenset], list[tuple[float, float]]] = {}
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
@@ -93,6 +111,10 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
         # The baseline: dedicated runs at the default settings only (a dedicated run with a
         # changed setting, e.g. +eager, is a row measured against it).
+        if plain.startswith("dedicated/none/g1+"):
+            # A dedicated run with a code setting (e.g. +cg): the baseline of the arms run with it.
+            ded_variant.setdefault((jobs, seed, label_flags(plain)), []).append(
+                (summary["steps_per_gpu_hour"], sim["steps_per_gpu_hour"]))
         if plain == "dedicated/none/g1":
             ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
@@ -130,7 +152,11 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         base = baselines.get((jobs, seed))
         sbase = sim_base.get((jobs, seed))
         alone = {j: sum(v) / len(v) for j, v in alone_finish.get((jobs, seed), {}).items()}
-        if base is None:
+        variant = None if cfg["arm"]["policy"] == "dedicated" else variant_baseline(ded_variant, jobs, seed, plain)
+        if variant is not None:
+            # Like with like: an arm run with a code setting (+cg) over the dedicated run with it.
+            variant, base, sbase = variant
+        elif base is None:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
             # their GPU-seconds alone).
@@ -158,6 +184,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "phase_s": phase_s,
             # True: some jobs had no dedicated run and took a same-task job's (same length model).
             "baseline_by_task": by_task,
+            # The dedicated run's settings the ratio divides by, when not the defaults (e.g. "+cg").
+            "baseline_variant": variant,
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
@@ -248,7 +276,9 @@ def render(table: dict) -> str:
             b = d.get("busy") or {}
             runs = d.get("runs_steps_per_gpu_hour")
             sph = f"{d['steps_per_gpu_hour']:.0f}" + (f" ({' / '.join(f'{x:.0f}' for x in runs)})" if runs else "")
-            lines.append(f"| {label} | {seed} | {sph} | {f(d['ratio_vs_dedicated'])} | "
+            ratio = f(d['ratio_vs_dedicated']) + (f" (over dedicated{d['baseline_variant']})"
+                                                  if d.get("baseline_variant") and d['ratio_vs_dedicated'] else "")
+            lines.append(f"| {label} | {seed} | {sph} | {ratio} | "
                          f"{f(d['reference_ratio'], 3)} | {d['sim_steps_per_gpu_hour']:.0f} | "
                          f"{f(d['sim_ratio_vs_dedicated'])} | {f(d.get('rollout_tokens_per_gpu_s'), 0)} | "
                          f"{f(b.get('engine'))} / {f(b.get('trainer'))} / "

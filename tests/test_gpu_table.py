@@ -207,3 +207,17 @@ def test_the_table_names_runs_on_a_slowed_host(tmp_path):
     assert [f["run"] for f in table["host"]["flagged"]] == [str(runs[2])]
     assert "overlap/none/g2/4jobs" in table["arms"]  # named, not dropped
     assert "Runs on a slowed host" in render(table) and "ovl (cpu_loop_s 2.0x)" in render(table)
+
+
+def test_an_arm_with_a_code_setting_is_measured_over_the_dedicated_run_with_it():
+    """+cg arms over the +cg dedicated run (like with like); MPS-only settings never need one."""
+    from experiments.gpu_table import label_flags, variant_baseline
+
+    assert label_flags("overlap/mps/g2+lowpri+cg") == {"+lowpri", "+cg"}
+    assert label_flags("dedicated/none/g1") == frozenset()
+    ded = {(8, 1, frozenset({"+cg"})): [(2000.0, 2400.0), (2200.0, 2400.0)],
+           (8, 1, frozenset({"+cg", "+ea"})): [(2500.0, 2600.0)]}
+    assert variant_baseline(ded, 8, 1, "overlap/mps/g2+lowpri+cg") == ("+cg", 2100.0, 2400.0)
+    assert variant_baseline(ded, 8, 1, "overlap/mps/g2+cg+ea") == ("+cg+ea", 2500.0, 2600.0)
+    assert variant_baseline(ded, 8, 1, "overlap/mps/g2") is None  # the default dedicated run then
+    assert variant_baseline(ded, 8, 2, "overlap/mps/g2+cg") is None  # another seed's never counts
