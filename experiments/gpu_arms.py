@@ -13,6 +13,7 @@ simulator's prediction for the same configurations under `--profile`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
@@ -50,21 +51,32 @@ def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:
     return out
 
 
-def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool | None]:
-    """'overlap+mps:j16:g3:s1:m32768:free' -> ('overlap+mps', 16, 3, [1], 32768, False); a bare name
-    leaves jobs, groups, seeds and micro-batch tokens to --jobs, --groups, --seeds and --mb-tokens
-    (sN may repeat: :s1:s2). The last field is arm.trainer_waits_for_publish, None (the default,
-    True) unless asked: `free` (False: the trainer takes the next train while the engine loads
-    the last adapters) or `wait` (True, written into the run's config)."""
+def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool | None, dict]:
+    """'overlap+mps:j16:g3:s1:m32768:free:cg:lowpri:t50' -> ('overlap+mps', 16, 3, [1], 32768, False,
+    {'trainer_graphs': True, 'trainer_priority': 'below-normal', 'trainer_thread_pct': 50}); a bare
+    name leaves jobs, groups, seeds and micro-batch tokens to --jobs, --groups, --seeds and
+    --mb-tokens (sN may repeat: :s1:s2). `wait` / `free`: arm.trainer_waits_for_publish True / False
+    (None, the default True, unless asked; `free`: the trainer takes the next train while the engine
+    loads the last adapters). The last field: this arm's trainer settings over the command line's
+    (`cg` / `nocg`: --trainer-graphs on / off; `lowpri`: MPS client priority below-normal; `tN`: the
+    trainer's MPS active thread percentage): arms that differ only in these share the engines, and
+    only the trainer processes restart between them."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
     jobs = groups = mb = None
     wait: bool | None = None
     seeds: list[int] | None = None
+    trainer: dict = {}
     for o in opts:
         if o in ("wait", "free"):
             wait = o == "wait"
+        elif o in ("cg", "nocg"):
+            trainer["trainer_graphs"] = o == "cg"
+        elif o == "lowpri":
+            trainer["trainer_priority"] = "below-normal"
+        elif len(o) > 1 and o[0] == "t" and o[1:].isdigit() and 1 <= int(o[1:]) <= 100:
+            trainer["trainer_thread_pct"] = int(o[1:])
         elif len(o) > 1 and o[0] in "jgsm" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s") \
                 and (o[0] != "m" or int(o[1:]) >= 256):
             if o[0] == "j":
@@ -78,8 +90,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
         else:
             raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups), sN (seed), "
                              "mN (trainer micro-batch tokens, >= 256), wait or free (trainer waits for each publish, the "
-                             "default, or takes the next train at once)")
-    return name, jobs, groups, seeds, mb, wait
+                             "default, or takes the next train at once), cg or nocg (trainer graphs), lowpri (trainer "
+                             "at below-normal MPS priority) or tN (trainer MPS thread percentage, 1-100)")
+    return name, jobs, groups, seeds, mb, wait, trainer
 
 
 def make_random_model(path: Path, shape: str) -> Path:
@@ -230,8 +243,13 @@ def main() -> None:
     t_all = time.monotonic()
     try:
         primed: set = set()
-        for (name, arm_jobs, arm_groups, arm_seeds, arm_mb, arm_wait), rnd in order:
+        for (name, arm_jobs, arm_groups, arm_seeds, arm_mb, arm_wait, arm_trainer), rnd in order:
             policy, groups, sharing = ARMS[name]
+            try:
+                # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.
+                arm_opts = pool.opts = dataclasses.replace(opts, **arm_trainer)
+            except ValueError as err:
+                raise SystemExit(f"gpu_arms: arm {name} {arm_trainer}: {err}")
             group_counts = [int(x) for x in str(args.groups).split(",") if x]
             if arm_groups:
                 gs = [arm_groups]
@@ -245,12 +263,12 @@ def main() -> None:
                 if g > n or (rep and seed not in aa_seeds):
                     continue  # more groups than jobs; an A/A repeat on a seed not asked for
                 variant = "-eager" if args.trainer_compile is False else ""
-                variant += "-cg" if args.trainer_graphs else ""
+                variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
                 if sharing == "mps":
-                    variant += "-lowpri" if args.trainer_priority != "normal" else ""
+                    variant += "-lowpri" if arm_opts.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""
-                    variant += f"-t{args.trainer_thread_pct}" if args.trainer_thread_pct else ""
+                    variant += f"-t{arm_opts.trainer_thread_pct}" if arm_opts.trainer_thread_pct else ""
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"
@@ -260,7 +278,9 @@ def main() -> None:
                 mb = args.aa_mb_tokens if rep else arm_mb
                 cfg = config_from_args(workload(n, mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
-                shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch)
+                # New trainer settings restart the trainers: a new shape to prime.
+                shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch,
+                         tuple(sorted(arm_trainer.items())))
                 if args.prime and ((sharing, n_stacks(cfg)) not in pool.clusters or shape not in primed):
                     # New processes (or a micro-batch size they have not trained at): one discarded
                     # step of this arm takes the compiles first.
@@ -301,6 +321,7 @@ def main() -> None:
                       f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s", flush=True)
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))
             results["startup_s"].update(pool.startup_s())
+            results["trainer_restarts"] = {**results.get("trainer_restarts", {}), **pool.trainer_restarts()}
     finally:
         pool.close()
     for name, per in results["arms"].items():

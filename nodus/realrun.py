@@ -24,10 +24,19 @@ class ClusterPool:
         self.clusters: dict[tuple, object] = {}
 
     def __call__(self, cfg: RunConfig, n_stacks: int):
-        from real.backend import Cluster, RealBackend
+        """A backend for ``cfg`` on a cluster with the pool's current ``opts``: the running one when it
+        fits, the running one with its trainers restarted when only trainer settings changed
+        (``real.backend.TRAINER_SETTINGS``: an A/B of trainer settings keeps the engines), else a new one."""
+        from real.backend import Cluster, RealBackend, engine_settings
 
         key = (cfg.arm.sharing, n_stacks)
         loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
+        running = self.clusters.get(key)
+        if (running is not None and running.max_loras >= loras and running.opts != self.opts
+                and engine_settings(running.opts) == engine_settings(self.opts)):
+            running.restart_trainers(self.opts)
+        elif running is not None and running.opts != self.opts:
+            self.close()  # other engine settings: new processes
         if key not in self.clusters or self.clusters[key].max_loras < loras:
             # One cluster at a time holds the GPU: start the next only after the last is gone.
             # A cluster too small for this run (fewer adapter slots) is restarted larger.
@@ -40,6 +49,11 @@ class ClusterPool:
 
     def startup_s(self) -> dict:
         return {f"{k[0]}-{k[1]}": c.startup_s for k, c in self.clusters.items()}
+
+    def trainer_restarts(self) -> dict:
+        """Per running cluster, its trainer restarts (settings and start times), when it had any."""
+        return {f"{k[0]}-{k[1]}": c.trainer_restarts for k, c in self.clusters.items()
+                if getattr(c, "trainer_restarts", None)}
 
     def close(self) -> None:
         for c in self.clusters.values():

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from nodus.config import JobSpec, RunConfig
 from nodus.grpo import group_advantages
@@ -150,6 +150,20 @@ def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
     return engine, trainer
 
 
+# RealOptions fields only the trainer processes read: a change restarts the trainers, not the engines.
+TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", "lora_layout", "trainer_compile")
+
+
+def trainer_settings(opts: RealOptions) -> dict:
+    return {f: getattr(opts, f) for f in TRAINER_SETTINGS}
+
+
+def engine_settings(opts: RealOptions) -> RealOptions:
+    """``opts`` with its trainer settings at their defaults: what the engine processes and the
+    run loop see (two options with equal engine settings can share the engines)."""
+    return replace(opts, **{f.name: f.default for f in fields(RealOptions) if f.name in TRAINER_SETTINGS})
+
+
 def trainer_step_mode(graphs: bool, device: str) -> str:
     """--trainer-graphs: CUDA graphs on a GPU; on a CPU the same fixed-shape program uncaptured
     ("static"), so a CPU run exercises everything but the capture."""
@@ -197,7 +211,7 @@ class Cluster:
 
     def __init__(self, opts: RealOptions, sharing: str, n_stacks: int, max_loras: int, max_rank: int,
                  max_num_seqs: int, max_tokens_per_microbatch: int, seed: int = 0):
-        from real.workers import EngineSpec, TrainerSpec, engine_main, trainer_main
+        from real.workers import EngineSpec, engine_main
 
         self.opts, self.sharing, self.n_stacks, self.max_loras = opts, sharing, n_stacks, max_loras
         self.model = resolve_model(opts.model)
@@ -208,13 +222,15 @@ class Cluster:
         dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
         self.vocab_size = _vocab_size(self.model)
         self.mps = MPSDaemon().start() if sharing == "mps" else None
-        ctx = mp.get_context("spawn")
+        ctx = self._ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
         self.engines, self.trainers, self.procs = [], [], []
-        base_env = dict(self.mps.env) if self.mps else {}
+        base_env = self._base_env = dict(self.mps.env) if self.mps else {}
         load_format = "dummy" if opts.load_format == "dummy" else "auto"
+        self._trainer_args = dict(model=self.model, device=self.device, dtype=dtype, load_format=load_format,
+                                  max_tokens_per_microbatch=max_tokens_per_microbatch, seed=seed)
         for s in range(n_stacks):
-            e_env, t_env = process_envs(opts, base_env)
+            e_env, _ = process_envs(opts, base_env)
             espec = EngineSpec(self.model, max_loras=max_loras, max_lora_rank=max_rank, max_num_seqs=max_num_seqs,
                                gpu_memory_utilization=opts.engine_memory / n_stacks,
                                enforce_eager=opts.enforce_eager, load_format=load_format,
@@ -224,19 +240,15 @@ class Cluster:
                                # offset"): give CPU runs a token budget no prefill has to be cut to.
                                max_num_batched_tokens=65536 if self.device == "cpu" else None,
                                llm_args=tuple(opts.engine_args))
-            tspec = TrainerSpec(self.model, device=self.device, dtype=dtype,
-                                max_tokens_per_microbatch=max_tokens_per_microbatch,
-                                load_format=load_format, seed=seed, env=t_env, lora_layout=opts.lora_layout,
-                                compile_elementwise=opts.trainer_compile,
-                                step_mode=trainer_step_mode(opts.trainer_graphs, self.device))
-            ein, tin = ctx.Queue(), ctx.Queue()
+            ein = ctx.Queue()
             pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"), daemon=True)
-            pt = ctx.Process(target=trainer_main, args=(tspec, tin, self.outbox, f"trainer{s}"), daemon=True)
+            tin, pt = self._trainer_process(opts, s)
             self.engines.append(ein)
             self.trainers.append(tin)
             self.procs += [pe, pt]
         self.closed = False
         self.startup_s: dict[str, float] = {}
+        self.trainer_restarts: list[dict] = []  # per restart: the settings and each trainer's start time
         self.worker_info: dict[str, dict] = {}  # what a worker reports at start (trainer: layout, compiled ops)
         self._t0 = time.monotonic()
         engines, trainers = self.procs[0::2], self.procs[1::2]
@@ -246,6 +258,55 @@ class Cluster:
         except BaseException:
             self.close()
             raise
+
+    def _trainer_process(self, opts: RealOptions, stack: int):
+        """(inbox, unstarted process) of stack ``stack``'s trainer with ``opts``' trainer settings."""
+        from real.workers import TrainerSpec, trainer_main
+
+        _, t_env = process_envs(opts, self._base_env)
+        spec = TrainerSpec(**self._trainer_args, env=t_env, lora_layout=opts.lora_layout,
+                           compile_elementwise=opts.trainer_compile,
+                           step_mode=trainer_step_mode(opts.trainer_graphs, self.device))
+        tin = self._ctx.Queue()
+        return tin, self._ctx.Process(target=trainer_main, args=(spec, tin, self.outbox, f"trainer{stack}"),
+                                      daemon=True)
+
+    def restart_trainers(self, opts: RealOptions) -> None:
+        """Replace every stack's trainer process by one with ``opts``' trainer settings (MPS thread
+        percentage and priority, graphs, layout, compile), keeping the engines, their adapters and
+        the MPS daemon: an A/B of trainer settings without an engine start (100-260 s on the H200).
+        Call between runs only (no job registered)."""
+        if engine_settings(opts) != engine_settings(self.opts):
+            raise ValueError("restart_trainers: the new options change engine settings too; start a new cluster")
+        for q in self.trainers:
+            q.put(("stop",))
+        old = self.procs[1::2]
+        stopped = set()
+        while len(stopped) < len(old):
+            msg = self.get(timeout=120.0)
+            if msg[0] != "stopped":
+                raise RuntimeError(f"restart_trainers: unexpected {msg[0]} from the workers while stopping trainers")
+            stopped.add(msg[1])
+        for p in old:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+        self.opts = opts
+        fresh = []
+        for s in range(self.n_stacks):
+            tin, pt = self._trainer_process(opts, s)
+            self.trainers[s] = tin
+            self.procs[2 * s + 1] = pt
+            fresh.append(pt)
+            self.startup_s.pop(f"trainer{s}", None)
+        self._t0 = time.monotonic()
+        for p in fresh:
+            p.start()
+        self._await_ready(len(fresh))
+        self.trainer_restarts.append({"settings": trainer_settings(opts),
+                                      "startup_s": {f"trainer{s}": self.startup_s[f"trainer{s}"]
+                                                    for s in range(self.n_stacks)}})
 
     def _start(self, engines: list, trainers: list, staggered: bool) -> None:
         if staggered:

@@ -6,18 +6,25 @@ from experiments.gpu_arms import parse_arm
 
 
 def test_arm_specs_name_their_own_job_count_and_groups():
-    assert parse_arm("overlap+mps") == ("overlap+mps", None, None, None, None, None)
-    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None, None, None, None)
-    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3, None, None, None)
-    assert parse_arm("overlap:g4:j16:s1:s3") == ("overlap", 16, 4, [1, 3], None, None)
-    assert parse_arm("overlap+mps:m32768:s2") == ("overlap+mps", None, None, [2], 32768, None)
-    assert parse_arm("overlap+mps:wait:s1") == ("overlap+mps", None, None, [1], None, True)
-    assert parse_arm("overlap+mps:free") == ("overlap+mps", None, None, None, None, False)
+    assert parse_arm("overlap+mps") == ("overlap+mps", None, None, None, None, None, {})
+    assert parse_arm("shared-sync:j4") == ("shared-sync", 4, None, None, None, None, {})
+    assert parse_arm(" overlap+mps:j16:g3") == ("overlap+mps", 16, 3, None, None, None, {})
+    assert parse_arm("overlap:g4:j16:s1:s3") == ("overlap", 16, 4, [1, 3], None, None, {})
+    assert parse_arm("overlap+mps:m32768:s2") == ("overlap+mps", None, None, [2], 32768, None, {})
+    assert parse_arm("overlap+mps:wait:s1") == ("overlap+mps", None, None, [1], None, True, {})
+    assert parse_arm("overlap+mps:free") == ("overlap+mps", None, None, None, None, False, {})
+
+
+def test_arm_specs_name_their_own_trainer_settings():
+    assert parse_arm("overlap+mps:cg:lowpri:t50:s1")[3:] == (
+        [1], None, None, {"trainer_graphs": True, "trainer_priority": "below-normal", "trainer_thread_pct": 50})
+    assert parse_arm("dedicated:nocg")[-1] == {"trainer_graphs": False}
 
 
 @pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),
                                        ("overlap:j0", "'j0' is not jN"), ("overlap:j", "'j' is not jN"),
-                                       ("overlap:m128", "'m128' is not jN.*>= 256")])
+                                       ("overlap:m128", "'m128' is not jN.*>= 256"),
+                                       ("overlap+mps:t0", "'t0' is not jN.*tN"), ("overlap+mps:t101", "'t101'")])
 def test_bad_arm_specs_are_clear_errors(bad, says):
     with pytest.raises(SystemExit, match=says):
         parse_arm(bad)

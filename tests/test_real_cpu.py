@@ -261,6 +261,36 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
         RealOptions(trainer_thread_pct=0)
 
 
+def test_a_trainer_setting_changed_between_runs_restarts_the_trainer_and_keeps_the_engine():
+    """gpu_arms' per-arm trainer settings (cg, lowpri, tN): the pool hands the next run the same
+    cluster with a new trainer process built with the new settings (here the graphed trainer's
+    program, "static" on a CPU), and the same engine process, adapters unregistered in between."""
+    import dataclasses
+
+    from nodus.realrun import ClusterPool
+    from nodus.runner import run_arm
+    from real.backend import RealOptions
+
+    opts = RealOptions(model="tiny", evaluate=False)
+    pool = ClusterPool(opts)
+    try:
+        eager, _ = run_arm(_small_cfg(2, 1), pool, baseline=False)
+        (cluster,) = pool.clusters.values()
+        engine_pid, trainer_pid = cluster.procs[0].pid, cluster.procs[1].pid
+        pool.opts = dataclasses.replace(opts, trainer_graphs=True)
+        graphed, _ = run_arm(_small_cfg(2, 1), pool, baseline=False)
+        assert list(pool.clusters.values()) == [cluster]
+        assert cluster.procs[0].pid == engine_pid and cluster.procs[0].is_alive()
+        assert cluster.procs[1].pid != trainer_pid and cluster.procs[1].is_alive()
+        assert [r["settings"]["trainer_graphs"] for r in cluster.trainer_restarts] == [True]
+    finally:
+        pool.close()
+    assert eager["diagnostics"][0]["workers"]["trainer0"]["step_mode"] == "eager"
+    assert graphed["diagnostics"][0]["workers"]["trainer0"]["step_mode"] == "static"
+    assert eager["stale_rollouts"] == graphed["stale_rollouts"] == 0
+    assert graphed["steps"] == eager["steps"] == 2
+
+
 def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size():
     """A cluster started for one run serves the next: the next run's
     trainer.max_tokens_per_microbatch reaches the trainer process (it kept the first run's)."""

@@ -1,5 +1,8 @@
 """The real backend's process pool, with stand-in clusters (no processes): one cluster per
-(sharing, stacks), restarted larger when a run needs more adapter slots than it has."""
+(sharing, stacks), restarted larger when a run needs more adapter slots than it has, its trainers
+alone restarted when only trainer settings change."""
+
+import dataclasses
 
 import real.backend
 from nodus.config import build_config
@@ -10,8 +13,13 @@ class FakeCluster:
     started: list = []
 
     def __init__(self, opts, sharing, n_stacks, max_loras, **kw):
-        self.sharing, self.n_stacks, self.max_loras, self.closed = sharing, n_stacks, max_loras, False
+        self.opts, self.sharing, self.n_stacks, self.max_loras, self.closed = opts, sharing, n_stacks, max_loras, False
+        self.trainer_restarts = []
         FakeCluster.started.append(self)
+
+    def restart_trainers(self, opts):
+        self.trainer_restarts.append(opts)
+        self.opts = opts
 
     def close(self):
         self.closed = True
@@ -35,3 +43,24 @@ def test_pool_reserves_slots_and_restarts_a_cluster_too_small(monkeypatch):
     one = small(_cfg(1), 1)
     eight = small(_cfg(8), 1)
     assert one.max_loras == 1 and one.closed and eight.max_loras == 8 and eight is not one
+
+
+def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monkeypatch):
+    from real.backend import RealOptions, engine_settings, trainer_settings
+
+    monkeypatch.setattr(real.backend, "Cluster", FakeCluster)
+    monkeypatch.setattr(real.backend, "RealBackend", lambda cluster, cfg: cluster)
+    FakeCluster.started = []
+    opts = RealOptions(model="tiny")
+    pool = ClusterPool(opts)
+    first = pool(_cfg(2), 1)
+    assert pool(_cfg(2), 1) is first and first.trainer_restarts == []  # same options: nothing restarts
+    graphed = dataclasses.replace(opts, trainer_graphs=True, trainer_priority="below-normal")
+    assert engine_settings(graphed) == engine_settings(opts)
+    assert trainer_settings(graphed)["trainer_graphs"] and not trainer_settings(opts)["trainer_graphs"]
+    pool.opts = graphed
+    assert pool(_cfg(2), 1) is first and first.trainer_restarts == [graphed] and not first.closed
+    # An engine setting (here the engine's thread percentage) needs new engines: a new cluster.
+    pool.opts = dataclasses.replace(graphed, engine_thread_pct=60)
+    other = pool(_cfg(2), 1)
+    assert other is not first and first.closed and len(FakeCluster.started) == 2
