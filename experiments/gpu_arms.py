@@ -28,6 +28,9 @@ ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
     "overlap+mps": ("overlap", 2, "mps"),
     "shared-sync+mps": ("shared-sync", 1, "mps"),
     "timeslice": ("timeslice", 2, "none"),
+    # Each job its own group; the trainer takes every job whose rollouts are in (nodus.runner.plan).
+    "continuous": ("continuous", 1, "none"),
+    "continuous+mps": ("continuous", 1, "mps"),
 }
 
 

@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from nodus.tasks import TASK_NAMES
 
-Policy = Literal["dedicated", "shared-sync", "overlap", "timeslice"]
+Policy = Literal["dedicated", "shared-sync", "overlap", "timeslice", "continuous"]
 Sharing = Literal["none", "mps"]
-POLICIES: tuple[str, ...] = ("dedicated", "shared-sync", "overlap", "timeslice")
+POLICIES: tuple[str, ...] = ("dedicated", "shared-sync", "overlap", "timeslice", "continuous")
 SHARINGS: tuple[str, ...] = ("none", "mps")
 
 
@@ -85,7 +85,8 @@ class ArmSpec(_Model):
     """How the jobs share (or don't share) the GPU."""
 
     policy: Policy = "overlap"
-    groups: int = Field(default=2, ge=1)  # overlap: phase-offset groups; timeslice: stacks
+    # overlap: phase-offset groups; timeslice: stacks; continuous: unused (every job its own group)
+    groups: int = Field(default=2, ge=1)
     sharing: Sharing = "mps"
     # The trainer waits for a group's Publish (the engine loading its new adapters) before it takes
     # the next group's Train (default, and how every run before this field existed behaved).
@@ -99,8 +100,8 @@ def trainer_freed(arm: dict) -> bool:
     """Whether a recorded run's trainer took the next group's train before the last publish ended:
     ``trainer_waits_for_publish`` false (absent: runs before the field, which waited) and
     phase-offset groups (one group, or one group per stack, trains again only after its own publish)."""
-    return arm.get("trainer_waits_for_publish") is False and arm.get("policy") == "overlap" \
-        and (arm.get("groups") or 1) > 1
+    return arm.get("trainer_waits_for_publish") is False and (
+        (arm.get("policy") == "overlap" and (arm.get("groups") or 1) > 1) or arm.get("policy") == "continuous")
 
 
 class EngineSpec(_Model):

@@ -42,12 +42,26 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
         groups = split()
         return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, start_versions=sv,
                          trainer_waits_for_publish=waits)
+    if policy == "continuous":
+        # Every job its own group, all generating from the start; the free trainer takes every job
+        # whose rollouts are in (one shared batch), and each job generates again as soon as its
+        # new adapter is published: the engine's long tails overlap other jobs' training, and the
+        # phases of jobs spread by themselves.
+        return Scheduler(steps, [(0, [j]) for j in ids], concurrent=True, stagger=False, start_versions=sv,
+                         trainer_waits_for_publish=waits, merge_trains=True)
     if policy == "timeslice":
         # Each stack runs its jobs one after another, dedicated-style; stacks share the GPU.
         stacks = split()
         return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False,
                          start_versions=sv, trainer_waits_for_publish=waits)
     raise ValueError(f"unknown policy {policy!r}")
+
+
+def max_jobs_per_train(cfg: RunConfig, sched: Scheduler, stack: int) -> int:
+    """The most jobs one Train of ``stack`` can hold: its largest group, or every job of the stack
+    when the trainer merges queued groups (continuous)."""
+    sizes = [len(ids) for s, ids in sched.groups if s == stack]
+    return sum(sizes) if sched.merge_trains else max(sizes)
 
 
 def n_stacks(cfg: RunConfig) -> int:

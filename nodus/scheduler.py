@@ -4,7 +4,8 @@ A pure state machine in the shape of vLLM v1's scheduler: `start()` and `on_resu
 actions to issue; `drive()` glues it to a backend. It knows nothing of SimPy, torch or vLLM.
 
 Each group loops generate -> train -> publish. The trainer of a stack runs one Train at a time;
-groups waiting for it queue in arrival order. A Train ends with its adapters saved, so the trainer
+groups waiting for it queue in arrival order (with `merge_trains`, the trainer takes every queued
+group in one Train, and one Publish follows it: the "continuous" policy, one job per group). A Train ends with its adapters saved, so the trainer
 takes the next group's Train while the engine loads them (the Publish): a group's own next
 Generate still waits for its Publish. The engine accepts Generate actions from several groups at
 once (continuous batching joins them).
@@ -66,6 +67,7 @@ class Scheduler:
     concurrent: bool = True
     stagger: bool = True  # overlap: group g starts generating when group g-1's first generation ends
     trainer_waits_for_publish: bool = True  # hold the trainer until a group's Publish is done
+    merge_trains: bool = False  # the free trainer takes every queued group at once (one Train, one Publish)
     start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
     spans: list[Span] = field(default_factory=list)
 
@@ -79,7 +81,8 @@ class Scheduler:
         if sorted(seen) != sorted(self.jobs):
             raise ValueError(f"every job must be in exactly one group; groups hold {seen}")
         self._group_of = {j: g for g in self._groups for j in g.jobs}
-        self._inflight: dict[str, tuple[_Group, Action]] = {}
+        # action id -> (the groups it serves, the action): a merged Train or Publish serves several.
+        self._inflight: dict[str, tuple[list[_Group], Action]] = {}
         self._trainer_busy: dict[int, bool] = {}
         self._train_queue: dict[int, deque[_Group]] = {}
         for g in self._groups:
@@ -106,15 +109,15 @@ class Scheduler:
 
     def on_result(self, result: Result) -> list[Action]:
         try:
-            g, action = self._inflight.pop(result.action_id)
+            groups, action = self._inflight.pop(result.action_id)
         except KeyError:
             raise SchedulerError(f"result for unknown action {result.action_id!r}") from None
         if isinstance(result, GenerateDone):
-            return self._on_generated(g, action, result)
+            return self._on_generated(groups[0], action, result)
         if isinstance(result, TrainDone):
-            return self._on_trained(g, action, result)
+            return self._on_trained(groups, action, result)
         if isinstance(result, PublishDone):
-            return self._on_published(g, action, result)
+            return self._on_published(groups, action, result)
         raise SchedulerError(f"unknown result type {type(result).__name__}")
 
     def done(self) -> bool:
@@ -139,7 +142,7 @@ class Scheduler:
             reqs.append(RolloutRequest(job.id, step=job.version, adapter_version=job.version))
         a = Generate(self._id("gen"), g.index, g.stack, tuple(reqs))
         g.state = "generating"
-        self._inflight[a.action_id] = (g, a)
+        self._inflight[a.action_id] = ([g], a)
         return [a]
 
     def _on_generated(self, g: _Group, a: Generate, r: GenerateDone) -> list[Action]:
@@ -171,24 +174,28 @@ class Scheduler:
     def _pump_trainer(self, stack: int) -> list[Action]:
         if self._trainer_busy[stack] or not self._train_queue[stack]:
             return []
-        g = self._train_queue[stack].popleft()
-        expected = []
-        for ro in g.rollouts:
-            job = self.jobs[ro.job_id]
-            if ro.adapter_version != job.version:
-                raise StaleRolloutError(f"job {ro.job_id}: trainer would consume version {ro.adapter_version} "
-                                        f"rollouts but the current version is {job.version}")
-            expected.append(job.version)
-        a = Train(self._id("train"), g.index, g.stack, g.rollouts, tuple(expected))
-        g.state = "training"
+        q = self._train_queue[stack]
+        groups = [q.popleft() for _ in range(len(q) if self.merge_trains else 1)]
+        expected, batches = [], []
+        for g in groups:
+            for ro in g.rollouts:
+                job = self.jobs[ro.job_id]
+                if ro.adapter_version != job.version:
+                    raise StaleRolloutError(f"job {ro.job_id}: trainer would consume version {ro.adapter_version} "
+                                            f"rollouts but the current version is {job.version}")
+                expected.append(job.version)
+                batches.append(ro)
+            g.state = "training"
+        a = Train(self._id("train"), groups[0].index, stack, tuple(batches), tuple(expected))
         self._trainer_busy[stack] = True
-        self._inflight[a.action_id] = (g, a)
+        self._inflight[a.action_id] = (groups, a)
         return [a]
 
-    def _on_trained(self, g: _Group, a: Train, r: TrainDone) -> list[Action]:
+    def _on_trained(self, groups: list[_Group], a: Train, r: TrainDone) -> list[Action]:
         ups: dict[str, JobUpdate] = {u.job_id: u for u in r.updates}
         if set(ups) != {b.job_id for b in a.batches}:
             raise SchedulerError(f"{a.action_id}: trained {sorted(ups)}, asked {[b.job_id for b in a.batches]}")
+        stack = groups[0].stack
         versions = []
         for b, expected in zip(a.batches, a.expected_versions):
             job, u = self.jobs[b.job_id], ups[b.job_id]
@@ -204,30 +211,36 @@ class Scheduler:
                 job.version = u.new_version
                 versions.append((job.id, job.version))
             attrs["new_version"] = job.version
-            self.spans.append(Span(b.job_id, g.index, "train", r.start_s, r.end_s, g.stack, attrs))
-        g.rollouts = ()
+            self.spans.append(Span(b.job_id, self._group_of[b.job_id].index, "train", r.start_s, r.end_s, stack,
+                                   attrs))
+        for g in groups:
+            g.rollouts = ()
         if not versions:
-            self._trainer_busy[g.stack] = False
-            return self._pump_trainer(g.stack) + self._generate(g)
-        a2 = Publish(self._id("pub"), g.index, g.stack, tuple(versions))
-        g.state = "publishing"
-        self._inflight[a2.action_id] = (g, a2)
+            self._trainer_busy[stack] = False
+            return self._pump_trainer(stack) + [x for g in groups for x in self._generate(g)]
+        a2 = Publish(self._id("pub"), groups[0].index, stack, tuple(versions))
+        for g in groups:
+            g.state = "publishing"
+        self._inflight[a2.action_id] = (groups, a2)
         if self.trainer_waits_for_publish:
             return [a2]
         # The trainer's part is done (the adapters are saved): it takes the next queued group now.
-        self._trainer_busy[g.stack] = False
-        return [a2] + self._pump_trainer(g.stack)
+        self._trainer_busy[stack] = False
+        return [a2] + self._pump_trainer(stack)
 
-    def _on_published(self, g: _Group, a: Publish, r: PublishDone) -> list[Action]:
+    def _on_published(self, groups: list[_Group], a: Publish, r: PublishDone) -> list[Action]:
         if set(r.versions) != set(a.versions):
             raise SchedulerError(f"{a.action_id}: published {r.versions}, asked {a.versions}")
+        stack = groups[0].stack
         for job_id, v in r.versions:
             self.jobs[job_id].published = v
-            self.spans.append(Span(job_id, g.index, "publish", r.start_s, r.end_s, g.stack, {"version": v}))
+            self.spans.append(Span(job_id, self._group_of[job_id].index, "publish", r.start_s, r.end_s, stack,
+                                   {"version": v}))
         if self.trainer_waits_for_publish:
-            self._trainer_busy[g.stack] = False
-            return self._pump_trainer(g.stack) + self._generate(g)
-        return self._generate(g)
+            self._trainer_busy[stack] = False
+            pumped = self._pump_trainer(stack)
+            return pumped + [x for g in groups for x in self._generate(g)]
+        return [x for g in groups for x in self._generate(g)]
 
     def _after_group_done(self, g: _Group) -> list[Action]:
         # Timeslice: the stack's next job starts. Overlap: a staggered group whose predecessor had

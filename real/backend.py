@@ -425,14 +425,14 @@ class RealBackend:
         trainer's first step at the run's shape happen here, not in the first billed step."""
         from real.engine import GenRequest
 
-        from nodus.runner import plan
+        from nodus.runner import max_jobs_per_train, plan
 
         jobs = self.cfg.jobs
         seq = max(prompt_tokens_of(j) + j.max_new_tokens for j in jobs)
         rows = max(j.prompts_per_step * j.responses_per_prompt for j in jobs)
-        groups = plan(self.cfg, self._start).groups
+        sched = plan(self.cfg, self._start)
         for s in range(self.c.n_stacks):
-            per_step = max(len(ids) for stack, ids in groups if stack == s)
+            per_step = max_jobs_per_train(self.cfg, sched, s)
             reqs = []
             for j in jobs:
                 sp = step_prompts(j, 0, self.opts.mode, self.c.vocab_size)

@@ -291,6 +291,26 @@ def test_a_trainer_setting_changed_between_runs_restarts_the_trainer_and_keeps_t
     assert graphed["steps"] == eager["steps"] == 2
 
 
+def test_continuous_policy_on_the_real_backend_is_on_policy():
+    """policy continuous: a Generate per job in flight at once on the one engine, merged Trains and
+    Publishes; every step done from the job's current adapter, the logprob audit within bounds."""
+    from nodus.accounting import audit_on_policy
+    from nodus.realrun import ClusterPool
+    from nodus.runner import run_arm
+    from real.backend import RealOptions
+
+    cfg = _small_cfg(2, 2, policy="continuous")
+    pool = ClusterPool(RealOptions(model="tiny", evaluate=False))
+    try:
+        summary, runs = run_arm(cfg, pool, baseline=False)
+    finally:
+        pool.close()
+    assert summary["steps"] == 4 and summary["stale_rollouts"] == 0
+    spans = [x for r in runs for x in r]
+    assert audit_on_policy(spans) == []
+    assert {x.group for x in spans if x.phase == "generate"} == {0, 1}
+
+
 def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size():
     """A cluster started for one run serves the next: the next run's
     trainer.max_tokens_per_microbatch reaches the trainer process (it kept the first run's)."""

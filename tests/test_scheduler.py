@@ -157,3 +157,48 @@ def test_balance_groups_by_work_not_round_robin():
     assert all(groups)
     with pytest.raises(ValueError, match="groups=3"):
         balance_groups({"a": 1, "b": 1}, 3)
+
+
+def test_continuous_trainer_takes_every_queued_job_in_one_train_and_publish():
+    """merge_trains (policy continuous: a group per job, none staggered): every job generates from
+    the start; a job whose rollouts arrive while the trainer is busy queues, and the free trainer
+    takes all queued jobs in one Train, then one Publish; each job samples again only after it."""
+    s = Scheduler({j: 2 for j in "abc"}, [(0, ["a"]), (0, ["b"]), (0, ["c"])], stagger=False, merge_trains=True)
+    b = ScriptedBackend()
+
+    def finish(action):
+        b.queue.clear()
+        b.queue.append(action)
+        return s.on_result(b.wait())
+
+    gens = s.start()
+    assert [a.group for a in gens] == [0, 1, 2]  # all at once
+    (train_a,) = finish(gens[0])
+    assert [r.job_id for r in train_a.batches] == ["a"]
+    assert finish(gens[1]) == [] and finish(gens[2]) == []  # b and c queue behind a's train
+    (pub_a,) = finish(train_a)
+    train_bc, gen_a = finish(pub_a)
+    assert isinstance(train_bc, Train) and [r.job_id for r in train_bc.batches] == ["b", "c"]
+    assert isinstance(gen_a, Generate) and [r.adapter_version for r in gen_a.requests] == [1]
+    (pub_bc,) = finish(train_bc)
+    assert isinstance(pub_bc, Publish) and sorted(pub_bc.versions) == [("b", 1), ("c", 1)]
+    gen_b, gen_c = finish(pub_bc)
+    assert (gen_b.group, gen_c.group) == (1, 2)
+    assert all(r.adapter_version == 1 for g in (gen_b, gen_c) for r in g.requests)
+    spans = drive_rest(s, b, [gen_a, gen_b, gen_c])
+    assert s.done() and not audit_on_policy(spans) and not job_overlaps(spans)
+    # A merged train's spans carry each job's own group, and how many jobs shared the batch.
+    merged = [sp for sp in spans if sp.phase == "train" and sp.attrs["jobs_in_batch"] == 2]
+    assert sorted((sp.job, sp.group) for sp in merged[:2]) == [("b", 1), ("c", 2)]
+
+
+def drive_rest(s, b, pending):
+    """Finish a hand-driven schedule: answer the pending actions, then whatever follows."""
+    b.queue.clear()
+    actions = pending
+    while True:
+        for a in actions:
+            {Generate: b.generate, Train: b.train, Publish: b.publish}[type(a)](a)
+        if s.done():
+            return s.spans
+        actions = s.on_result(b.wait())

@@ -237,3 +237,18 @@ def test_default_publish_corun_factor_changes_nothing(tmp_path):
         texts.append((out / "spans.jsonl").read_text())
         assert list(_publishes(out).values()) == pytest.approx([0.04] * 6)
     assert texts[0] == texts[1]
+
+
+def test_continuous_policy_runs_every_job_on_policy_and_merges_trains(tmp_path):
+    """policy continuous on the simulator: each job its own group, all generating from the start;
+    every step done, nothing stale, and the trainer batched jobs whose rollouts were in together."""
+    from nodus.accounting import audit_on_policy
+    from nodus.timeline import read_jsonl
+
+    out = tmp_path / "cont"
+    s = simulate(config_from_args(jobs=8, steps=4, policy="continuous", sharing="mps"), out)
+    assert s["steps"] == 32 and s["stale_rollouts"] == 0
+    spans = [x for r in read_jsonl(out / "spans.jsonl") for x in r]
+    assert audit_on_policy(spans) == []
+    sizes = {(x.start_s, x.attrs["jobs_in_batch"]) for x in spans if x.phase == "train"}
+    assert max(n for _, n in sizes) > 1 and sorted({x.group for x in spans}) == list(range(8))
