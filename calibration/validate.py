@@ -157,8 +157,9 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
 def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
-    that replayed CUDA graphs (``--trainer-graphs``) and ``engine_args`` for extra vLLM arguments
-    (``--engine-arg``). {} for a run at the defaults."""
+    that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
+    (``--engine-arg``) and ``engine_env`` for the engine's extra environment variables (their
+    names). {} for a run at the defaults."""
     from real.backend import RealOptions  # light: no torch, no vLLM
 
     defaults = RealOptions().sharing_controls("mps")
@@ -169,6 +170,8 @@ def run_controls(summary: dict) -> dict:
                 out[k] = v
         if d.get("engine_args"):
             out["engine_args"] = ",".join(f"{k}={v}" for k, v in sorted(d["engine_args"].items()))
+        if d.get("engine_env"):
+            out["engine_env"] = ",".join(sorted(d["engine_env"]))
         for name, w in (d.get("workers") or {}).items():
             if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
                 out["trainer_step_mode"] = w["step_mode"]
@@ -180,7 +183,9 @@ def run_controls(summary: dict) -> dict:
 UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (--trainer-graphs): "
                                             "the profile's trainer terms are the eager step's",
                       "engine_args": "the engine ran with extra vLLM arguments (--engine-arg): the profile's "
-                                     "engine terms are the default engine's"}
+                                     "engine terms are the default engine's",
+                      "engine_env": "the engine ran with extra environment (--engine-env, e.g. tuned LoRA "
+                                    "kernel configs): the profile's engine terms are the default engine's"}
 
 
 def unmodelled_controls(controls: dict) -> list[str]:

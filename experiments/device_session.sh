@@ -1,6 +1,6 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|graphs|arms|calibrate|sharing|engine|learn|small-base
+#   bash experiments/device_session.sh trainer|graphs|tune-lora|arms|calibrate|sharing|engine|learn|small-base
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -49,6 +49,13 @@ case "${1:-arms}" in
       --lengths-from "${GRAPHS_RUN:-experiments/results/h200/session8/arms/overlap+mps-s1}" \
       --jobs "${GRAPHS_JOBS:-4,1,8}" --iters "${GRAPHS_ITERS:-3}" ${GRAPHS_EXTRA:-} > "$OUT/bench_graphs.log" 2>&1
     echo "bench_graphs rc=$?"; tail -30 "$OUT/bench_graphs.log" ;;
+  tune-lora)
+    # vLLM's multi-LoRA Triton kernels tuned for this GPU and the Qwen3-0.6B shape (~6 min); the
+    # folder stays in /tmp while the machine is held: a later call's arms use it with
+    # ARMS_EXTRA="--engine-env VLLM_TUNED_CONFIG_FOLDER=/tmp/lora-configs" (run keys get -ee).
+    timeout "${TUNE_TIMEOUT:-420}" python experiments/tune_lora_kernels.py --out /tmp/lora-configs \
+      --report "$OUT/tune_lora_h200.json" --budget-s "${TUNE_BUDGET:-360}" ${TUNE_EXTRA:-} > "$OUT/tune_lora.log" 2>&1
+    echo "tune_lora rc=$?"; cp /tmp/lora-configs/*.json "$OUT/" 2>/dev/null; tail -5 "$OUT/tune_lora.log" ;;
   calibrate)
     random_model
     timeout "${CAL_TIMEOUT:-420}" python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \

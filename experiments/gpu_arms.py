@@ -268,6 +268,7 @@ def main() -> None:
                 variant = "-eager" if args.trainer_compile is False else ""
                 variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
+                variant += "-ee" if engine_env else ""  # engine environment, e.g. tuned LoRA kernel configs
                 if sharing == "mps":
                     variant += "-lowpri" if arm_opts.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""

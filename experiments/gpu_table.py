@@ -53,7 +53,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
-    trainer's micro-batches replayed as CUDA graphs; +ea: extra vLLM engine arguments; +freed: the trainer took the next train while
+    trainer's micro-batches replayed as CUDA graphs; +ea: extra vLLM engine arguments; +ee: engine
+    environment variables (tuned LoRA kernel configs); +freed: the trainer took the next train while
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
@@ -76,6 +77,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+cg"  # each trainer micro-batch one CUDA graph replay (--trainer-graphs)
     if any(d.get("engine_args") for d in (summary or {}).get("diagnostics", [])):
         label += "+ea"  # extra vLLM engine arguments (--engine-arg)
+    if any(d.get("engine_env") for d in (summary or {}).get("diagnostics", [])):
+        label += "+ee"  # engine environment (--engine-env), e.g. VLLM_TUNED_CONFIG_FOLDER
     return label
 
 

@@ -202,6 +202,9 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     tuned = {"diagnostics": [dict(plain["diagnostics"][0], engine_args={"specialize_active_lora": True})]}
     assert run_controls(tuned) == {"engine_args": "specialize_active_lora=True"}
     assert unmodelled_controls(run_controls(tuned))
+    kernels = {"diagnostics": [dict(plain["diagnostics"][0], engine_env={"VLLM_TUNED_CONFIG_FOLDER": "/tmp/x"})]}
+    assert run_controls(kernels) == {"engine_env": "VLLM_TUNED_CONFIG_FOLDER"}
+    assert unmodelled_controls(run_controls(kernels))
 
 
 def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
