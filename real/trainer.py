@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -215,6 +216,7 @@ class MultiLoRATrainer:
         self.graph_width = graph_width
         self.graph_error: str | None = None  # why a capture failed (the step then ran eager)
         self._static: dict[StaticKey, StaticStep] = {}  # every program built (they share one memory pool)
+        self.build_s: dict[str, float] = {}  # seconds each program took to build (capture included)
         self._states: dict[tuple[int, int], StaticState] = {}  # (slots, rank) -> shared stack + accumulators
         self._pool = None  # the CUDA graph memory pool the programs share
         self.gradient_checkpointing = gradient_checkpointing
@@ -363,7 +365,10 @@ class MultiLoRATrainer:
             try:
                 if self.step_mode == "graphed" and self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
+                t0 = time.perf_counter()
                 st = StaticStep(self, key, state, capture=self.step_mode == "graphed", pool=self._pool)
+                # What building the programs costs (the warm-up's capture time, per program).
+                self.build_s[str(key)] = round(time.perf_counter() - t0, 3)
             except Exception as err:  # noqa: BLE001
                 import sys
                 import traceback

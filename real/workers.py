@@ -229,7 +229,8 @@ def _trainer_state(trainer) -> dict:
     """How the trainer trains now (a graph capture that fails, in the warm-up or later, leaves it
     eager): reported with the warm-up and every train step, kept in the run's diagnostics."""
     return {"step_mode": trainer.step_mode, "graph_error": trainer.graph_error,
-            "graphs": [str(k) for k in trainer.programs]}
+            "graphs": [str(k) for k in trainer.programs],
+            "graphs_build_s": round(sum(trainer.build_s.values()), 2)}
 
 
 def _profile_train(fn, done: dict, trainer, spec: TrainerSpec, name: str, path: str, at: int, jobs: int) -> None:

@@ -105,6 +105,7 @@ def test_prepared_programs_serve_steps_of_fewer_jobs_and_shorter_rows():
         tr.train_step(batches)
         tr.train_step({"a": batches["a"], "c": batches["c"]})
     assert set(t.programs) == set(keys)
+    assert set(t.build_s) == {str(k) for k in keys} and all(v >= 0 for v in t.build_s.values())
     for j in JOBS:
         assert max_rel_diff(params(t, j), params(e, j)) < 1e-10
 
