@@ -7,8 +7,8 @@ Each group loops generate -> train -> publish. The trainer of a stack runs one T
 groups waiting for it queue in arrival order (with `merge_trains`, the trainer takes every queued
 group in one Train, and one Publish follows it: the "continuous" policy, one job per group). A
 Train ends with its adapters saved, so the trainer takes the next group's Train while the engine
-loads them (the Publish): a group's own next Generate still waits for its Publish. The engine accepts Generate actions from several groups at
-once (continuous batching joins them).
+loads them (the Publish): a group's own next Generate still waits for its Publish. The engine
+accepts Generate actions from several groups at once (continuous batching joins them).
 
 Strictly on-policy: a job's rollouts for step s are sampled from adapter version s, only after
 version s was published to the engine; the trainer consumes only rollouts tagged with the job's
