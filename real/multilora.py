@@ -96,7 +96,7 @@ def give_slot_grads(adapters: list[Adapter], grad_A: dict, grad_B: dict, copy: b
                     params[name].grad = torch.zeros_like(params[name])
                 else:
                     g = stack[part]
-                    params[name].grad = g.clone() if copy else g.contiguous()
+                    params[name].grad = g.clone(memory_format=torch.contiguous_format) if copy else g.contiguous()
 
 
 def _stack(tensors: list[torch.Tensor], max_rank: int, dim: int) -> torch.Tensor:

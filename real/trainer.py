@@ -354,7 +354,8 @@ class MultiLoRATrainer:
             return self._states[min(fits)]
         # As many slots as any earlier state: a later step of fewer jobs fits the new one too.
         key = (max([slots] + [k[0] for k in self._states]), rank)
-        self._states[key] = StaticState(self.shapes, *key, self.device, self.param_dtype, self.logp_dtype)
+        self._states[key] = StaticState(self.shapes, *key, self.device, self.param_dtype, self.logp_dtype,
+                                        compute_dtype=self.model.get_output_embeddings().weight.dtype)
         return self._states[key]
 
     def _static_step(self, key: StaticKey, state: StaticState) -> StaticStep | None:
