@@ -283,9 +283,16 @@ class Cluster:
         old = self.procs[1::2]
         stopped = set()
         while len(stopped) < len(old):
-            msg = self.get(timeout=120.0)
+            # Straight from the queue: Cluster.get would count a trainer that already stopped as dead.
+            try:
+                msg = self.outbox.get(timeout=120.0)
+            except queue.Empty:
+                self.close()
+                raise RuntimeError("restart_trainers: the trainers did not stop within 120 s") from None
             if msg[0] != "stopped":
-                raise RuntimeError(f"restart_trainers: unexpected {msg[0]} from the workers while stopping trainers")
+                self.close()
+                raise RuntimeError(f"restart_trainers: {msg[0]} from {msg[1]} while stopping the trainers"
+                                   + (f":\n{msg[2]}" if msg[0] == "error" and len(msg) > 2 else ""))
             stopped.add(msg[1])
         for p in old:
             p.join(timeout=60)
