@@ -131,13 +131,14 @@ def render_table(s: dict) -> str:
 
 def sweep_arms(jobs: int, policies: list[str], groups: list[int], sharings: list[str]) -> list[tuple[str, int, str]]:
     """The (policy, groups, sharing) arms a sweep runs for a job count; groups >= 2 apply to
-    overlap (phase groups) and timeslice (stacks); a group count above the job count is skipped."""
+    overlap (phase groups) and timeslice (stacks); a group count above the job count is skipped;
+    shared-sync and continuous run once per sharing mode."""
     arms = []
     for p in policies:
         if p == "dedicated":
             arms.append(("dedicated", 1, "none"))
-        elif p == "shared-sync":
-            arms += [("shared-sync", 1, s) for s in sharings]
+        elif p in ("shared-sync", "continuous"):  # no group count (continuous: a group per job)
+            arms += [(p, 1, s) for s in sharings]
         else:
             arms += [(p, g, s) for g in groups if 2 <= g <= jobs for s in sharings]
     return arms

@@ -252,3 +252,11 @@ def test_continuous_policy_runs_every_job_on_policy_and_merges_trains(tmp_path):
     assert audit_on_policy(spans) == []
     sizes = {(x.start_s, x.attrs["jobs_in_batch"]) for x in spans if x.phase == "train"}
     assert max(n for _, n in sizes) > 1 and sorted({x.group for x in spans}) == list(range(8))
+
+
+def test_sweep_runs_shared_sync_and_continuous_once_per_sharing_mode():
+    from nodus.simulate import sweep_arms
+
+    arms = sweep_arms(8, ["dedicated", "shared-sync", "overlap", "continuous"], [2, 4], ["none", "mps"])
+    assert [a for a in arms if a[0] == "continuous"] == [("continuous", 1, "none"), ("continuous", 1, "mps")]
+    assert len([a for a in arms if a[0] == "overlap"]) == 4 and arms[0] == ("dedicated", 1, "none")
