@@ -40,8 +40,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
             arm[key] = val
     if "policy" not in arm and len(data["jobs"]) == 1:
         arm["policy"] = "shared-sync"  # one job cannot be split into phase-offset groups
-    if arm.get("policy") in ("shared-sync", "dedicated") and groups is None:
-        arm.setdefault("groups", 1)
+    if arm.get("policy") in ("shared-sync", "dedicated", "continuous") and groups is None:
+        arm.setdefault("groups", 1)  # (continuous: a group per job; the field is unused)
     data["arm"] = arm
     if seed is not None:
         data["seed"] = seed

@@ -248,6 +248,7 @@ def test_continuous_policy_runs_every_job_on_policy_and_merges_trains(tmp_path):
     out = tmp_path / "cont"
     s = simulate(config_from_args(jobs=8, steps=4, policy="continuous", sharing="mps"), out)
     assert s["steps"] == 32 and s["stale_rollouts"] == 0
+    assert s["groups"] == 1  # its config names no group count (runs of it key and label alike)
     spans = [x for r in read_jsonl(out / "spans.jsonl") for x in r]
     assert audit_on_policy(spans) == []
     sizes = {(x.start_s, x.attrs["jobs_in_batch"]) for x in spans if x.phase == "train"}
