@@ -45,12 +45,13 @@ class _Pair:
     """One engine and one trainer process (a one-stack Cluster) with 8 calibration jobs."""
 
     def __init__(self, model: str, sharing: str, device: str, max_batch: int, mb_tokens: int,
-                 engine_memory: float, enforce_eager: bool, adapters: int = 8, rank: int = 16):
+                 engine_memory: float, enforce_eager: bool, adapters: int = 8, rank: int = 16,
+                 trainer_graphs: bool = False):
         from real.backend import Cluster, RealOptions
         from real.trainer import JobConfig
 
         opts = RealOptions(model=model, mode="synthetic", device=device, engine_memory=engine_memory,
-                           enforce_eager=enforce_eager, warmup=False)
+                           enforce_eager=enforce_eager, warmup=False, trainer_graphs=trainer_graphs)
         self.c = Cluster(opts, sharing, 1, max_loras=adapters, max_rank=rank, max_num_seqs=max_batch,
                          max_tokens_per_microbatch=mb_tokens)
         self.vocab = self.c.vocab_size
@@ -130,15 +131,20 @@ class _Pair:
 def measure_sharing(model: str, modes=("none", "mps"), batches=BATCHES, train_tokens=TRAIN_TOKENS,
                     prompt: int = 128, length: int = 128, repeats: int = 2, device: str = "auto",
                     engine_memory: float = 0.35, enforce_eager: bool = False, mb_tokens: int = 16384,
-                    log=print, raw_path: str | Path | None = None, make_pair=_Pair) -> dict:
+                    log=print, raw_path: str | Path | None = None, make_pair=_Pair,
+                    trainer_graphs: bool = False) -> dict:
     """Raw timings per mode and bucket, and the rates the profile's sharing section takes. With
     `raw_path`, the timings so far are written there after every bucket (see `write_raw`);
-    `make_pair` builds each mode's engine-and-trainer pair (tests pass a timed stand-in)."""
+    `make_pair` builds each mode's engine-and-trainer pair (tests pass a timed stand-in);
+    `trainer_graphs`: the trainer's micro-batches as CUDA graphs."""
     raw: dict = {}
     settings = {"modes": list(modes), "batches": list(batches), "train_tokens": list(train_tokens),
                 "prompt": prompt, "length": length, "repeats": repeats, "engine_memory": engine_memory}
+    if trainer_graphs:
+        settings["trainer_graphs"] = True
     for mode in modes:
-        pair = make_pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager)
+        pair = make_pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager,
+                         **({"trainer_graphs": True} if trainer_graphs else {}))
         try:
             gen = {b: pair.gen_request(b, prompt, length) for b in batches}
             train = {t: pair.train_batches(t) for t in train_tokens}
@@ -396,8 +402,11 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
                                   f"build its profile with --from-raw {raw_path}, or move it away")
         log(f"raw timings go to {raw_path} after every bucket (a stopped run: nodus calibrate-sharing "
             f"--from-raw {raw_path})")
-        measured = measure_sharing(model, modes=modes, log=log, raw_path=raw_path, **settings)
-        source = f"nodus calibrate-sharing ({','.join(modes)})"
+        # The co-run rates of the trainer the base profile's train terms describe.
+        graphs = (prof.get("train") or {}).get("step_mode", "eager") != "eager"
+        measured = measure_sharing(model, modes=modes, log=log, raw_path=raw_path, trainer_graphs=graphs,
+                                   **settings)
+        source = f"nodus calibrate-sharing ({','.join(modes)}{', graphed trainer' if graphs else ''})"
     apply_sharing(prof, measured)
     # The base's validation error bar was measured with other sharing rates: this profile has none until
     # `nodus validate --annotate` gives it one (as `nodus fit` does).

@@ -77,8 +77,10 @@ def _timed_no_lora(eng, reqs) -> float:
 
 def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_tokens: tuple[int, int],
             lengths: tuple[int, int], train_tokens: list[int], device: str, dtype: str, rank: int = 16,
-            engine_memory: float = 0.4, enforce_eager: bool = False, repeats: int = 3, log=print) -> dict:
-    """Raw timings (seconds) from one engine and one trainer in this process."""
+            engine_memory: float = 0.4, enforce_eager: bool = False, repeats: int = 3, log=print,
+            trainer_graphs: bool = False) -> dict:
+    """Raw timings (seconds) from one engine and one trainer in this process (``trainer_graphs``:
+    the trainer's micro-batches as CUDA graphs, the fixed-shape program uncaptured on a CPU)."""
     import torch
 
     from real.engine import MultiLoRAEngine
@@ -87,8 +89,11 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
 
     tdtype = getattr(torch, dtype)
     base = load_base_model(model, "auto", tdtype, device)
+    from real.backend import trainer_step_mode
+
     trainer = MultiLoRATrainer(base, device=device, max_tokens_per_microbatch=max(train_tokens),
-                               base_model_name_or_path=model)
+                               base_model_name_or_path=model,
+                               step_mode=trainer_step_mode(trainer_graphs, "cuda" if device.startswith("cuda") else "cpu"))
     # The trainer the runs use: on a GPU its element-wise ops compiled (the warm-up step before each
     # timed one compiles them), the default multi-adapter layout.
     from real.fuse import compile_wanted, fuse_elementwise
@@ -167,7 +172,9 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
             "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens),
-            "trainer": {"lora_layout": trainer.routing.layout_mode, "compiled": compiled}}
+            # step_mode as trained (a graph capture that failed left it eager).
+            "trainer": {"lora_layout": trainer.routing.layout_mode, "compiled": compiled,
+                        "step_mode": trainer.step_mode, "graph_error": trainer.graph_error}}
 
 
 def fit_profile(raw: dict, base: dict, env: dict) -> dict:
@@ -191,7 +198,8 @@ def fit_profile(raw: dict, base: dict, env: dict) -> dict:
         "decode": {"curves": curves, "s_per_context_token": ctx},
         "prefill": {"no_lora": {"a_s": pa, "b_s_per_unit": pb}, "lora": {"a_s": pa, "b_s_per_unit": pb}},
         "train": {"per_microbatch": {"a_s": 0.0, "b_s_per_unit": tb}, "s_per_adapter": tc,
-                  "max_profiled_tokens": raw["train_mb_tokens"]},
+                  "max_profiled_tokens": raw["train_mb_tokens"],
+                  "step_mode": raw.get("trainer", {}).get("step_mode", "eager")},
         "publish": {"save_s_per_adapter": float(np.median(raw["save_s"])),
                     "engine_load_s": float(np.median(raw["load_s"]))},
         "sharing": base["sharing"],
@@ -206,7 +214,7 @@ def fit_profile(raw: dict, base: dict, env: dict) -> dict:
 def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batches=(8, 64, 256, 512),
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
               train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
-              repeats: int = 3, log=print) -> dict:
+              repeats: int = 3, log=print, trainer_graphs: bool = False) -> dict:
     from sim.profile import profile_dict, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate")
@@ -216,7 +224,8 @@ def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batche
     dtype = ("bfloat16" if device == "cuda" else "float32") if dtype == "auto" else dtype
     base_prof = profile_dict(base)
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
-                  list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log)
+                  list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log,
+                  trainer_graphs=trainer_graphs)
     env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": ["nodus calibrate"]}
     prof = fit_profile(raw, base_prof, env)
     write_profile(prof, out, "calibrate")

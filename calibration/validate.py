@@ -104,6 +104,9 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
 
 
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
+    from sim.profile import profile_dict
+
+    profile_step_mode = (profile_dict(profile).get("train") or {}).get("step_mode", "eager")
     rows = []
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
@@ -123,7 +126,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "sampled": {k: sam[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "outside_profile": sorted(set(rep["outside_profile"]) | set(sam["outside_profile"])
-                                         | set(unmodelled_controls(controls)))}
+                                         | set(unmodelled_controls(controls, profile_step_mode)))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -178,8 +181,8 @@ def run_controls(summary: dict) -> dict:
     return out
 
 
-# Run settings the simulator's trainer model does not have: such a run is simulated as if eager,
-# and flagged outside the profile.
+# Run settings the profile's terms were not measured with: such a run is simulated with them
+# anyway, and flagged outside the profile (the trainer's step mode: when it is not the profile's).
 UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (--trainer-graphs): "
                                             "the profile's trainer terms are the eager step's",
                       "engine_args": "the engine ran with extra vLLM arguments (--engine-arg): the profile's "
@@ -188,8 +191,15 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                     "kernel configs): the profile's engine terms are the default engine's"}
 
 
-def unmodelled_controls(controls: dict) -> list[str]:
-    return [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS]
+def unmodelled_controls(controls: dict, profile_step_mode: str = "eager") -> list[str]:
+    """What a run's settings (``run_controls``) have that the profile was not measured with;
+    ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``)."""
+    out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
+    mode = controls.get("trainer_step_mode", "eager")
+    if mode != profile_step_mode:
+        out.insert(0, UNMODELLED_CONTROLS["trainer_step_mode"] if profile_step_mode == "eager" else
+                   f"the trainer ran {mode}; the profile's trainer terms are the {profile_step_mode} step's")
+    return out
 
 
 def run_host_probe(summary: dict) -> dict | None:

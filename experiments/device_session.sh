@@ -57,9 +57,13 @@ case "${1:-arms}" in
       --report "$OUT/tune_lora_h200.json" --budget-s "${TUNE_BUDGET:-360}" ${TUNE_EXTRA:-} > "$OUT/tune_lora.log" 2>&1
     echo "tune_lora rc=$?"; cp /tmp/lora-configs/*.json "$OUT/" 2>/dev/null; tail -5 "$OUT/tune_lora.log" ;;
   calibrate)
+    # CAL_EXTRA=--trainer-graphs: the graphed trainer's terms (train.step_mode graphed); the profile
+    # also stays in /tmp, so a later `sharing` call on the warm machine can take it as its base
+    # (SHARING_BASE=/tmp/h200-calibrated.json: the co-run rates then are the graphed trainer's).
     random_model
-    timeout "${CAL_TIMEOUT:-420}" python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out "$OUT/h200-calibrated.json" \
-      > "$OUT/calibrate.log" 2>&1; echo "calibrate rc=$?" ;;
+    rm -f /tmp/h200-calibrated.json
+    timeout "${CAL_TIMEOUT:-420}" python -m nodus.cli calibrate --model /tmp/nodus-qwen3-0.6b-random --out /tmp/h200-calibrated.json \
+      ${CAL_EXTRA:-} > "$OUT/calibrate.log" 2>&1; echo "calibrate rc=$?"; cp /tmp/h200-calibrated.json "$OUT/" 2>/dev/null ;;
   sharing)
     # Engine and trainer as two processes, alone and co-running, without and with MPS (the full
     # grid took over 500 s on the 16-core host in session 7: narrow it with SHARING_EXTRA, e.g.

@@ -174,7 +174,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
     calibrate(a.model, a.out, base=a.base, batches=_ints(a.batches), adapter_counts=_ints(a.adapters),
               prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
-              device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats,
+              device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats, trainer_graphs=a.trainer_graphs,
               log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
     return 0
@@ -346,12 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed pairs per decode point (median)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--trainer-graphs", action="store_true",
+                   help="measure the trainer with its micro-batches as CUDA graphs (the fixed-shape program on a "
+                        "CPU): the profile's train terms then model --trainer-graphs runs (train.step_mode), and "
+                        "calibrate-sharing with it as --base measures the co-run rates with that trainer")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("calibrate-sharing",
                        help="measure engine and trainer co-running in two processes (no MPS, MPS) into a profile")
     p.add_argument("--model", help="local model folder (weights saved, e.g. random); needed unless --from-raw")
-    p.add_argument("--base", default="h200-qwen3-0.6b", help="profile whose other sections are kept")
+    p.add_argument("--base", default="h200-qwen3-0.6b",
+                   help="profile whose other sections are kept; its train.step_mode picks the trainer measured "
+                        "(graphed: the micro-batches as CUDA graphs)")
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten); the raw timings "
                                                 "go beside it as they come (OUT.raw.json)")
     p.add_argument("--from-raw", metavar="FILE",

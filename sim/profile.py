@@ -85,6 +85,9 @@ class TrainCost(_M):
     # other adapters of its micro-batch (the LoRA GEMMs' extra inner columns).
     s_per_regroup_token: float = Field(default=0.0, ge=0)
     extra_tokens_layout: Literal["padded", "masked"] = "padded"  # the trainer layout that term is of
+    # The trainer these terms (and the sharing rates measured with this profile as base) describe:
+    # eager, or its micro-batches replayed as CUDA graphs (--trainer-graphs; "static" on a CPU).
+    step_mode: Literal["eager", "graphed", "static"] = "eager"
 
 
 class PublishCost(_M):

@@ -30,7 +30,8 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path):
     assert [d["batch"] for d in raw["decode_no_lora"]] == [4, 16] and all(d["step_s"] > 0 for d in raw["decode_no_lora"])
     assert prof["environment"]["sources"] == ["nodus calibrate"]
     # The trainer measured is the runs' trainer: default layout; compiled only on a GPU.
-    assert raw["trainer"] == {"lora_layout": "masked", "compiled": []}
+    assert raw["trainer"] == {"lora_layout": "masked", "compiled": [], "step_mode": "eager", "graph_error": None}
+    assert prof["train"]["step_mode"] == "eager"
     s = simulate(config_from_args(jobs=2, steps=2, profile=str(out)))
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert any(a["id"] == "sharing-from-base" for a in s["assumptions"])
@@ -92,3 +93,27 @@ def test_calibrate_sharing_measures_two_processes_on_the_cpu(tmp_path, capsys):
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert main(["calibrate-sharing", "--model", str(model), "--out", str(tmp_path / "x.json"), "--modes", "mps"]) == 2
     assert "none (the rates' unit)" in capsys.readouterr().err
+
+
+def test_calibrate_with_the_graphed_trainer_then_sharing_with_it(tmp_path):
+    """calibrate --trainer-graphs measures the fixed-shape trainer (uncaptured on a CPU) and says so
+    in train.step_mode; calibrate-sharing on that profile measures its co-run rates with the same
+    trainer (its worker reports the step mode)."""
+    from real.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "cg.json"
+    assert main(["calibrate", "--model", str(model), "--out", str(out), "--batches", "4,8", "--adapters", "1,2",
+                 "--prompt-tokens", "16,32", "--lengths", "4,8", "--train-tokens", "512,1024",
+                 "--device", "cpu", "--repeats", "1", "--trainer-graphs"]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["train"]["step_mode"] == "static"
+    assert prof["measurements"]["calibrate"]["trainer"]["step_mode"] == "static"
+    shared = tmp_path / "cg-shared.json"
+    assert main(["calibrate-sharing", "--model", str(model), "--base", str(out), "--out", str(shared),
+                 "--modes", "none", "--batches", "8", "--train-tokens", "512", "--prompt-tokens", "16",
+                 "--length", "8", "--repeats", "1", "--device", "cpu"]) == 0
+    both = json.loads(shared.read_text())
+    assert both["train"]["step_mode"] == "static"
+    assert both["environment"]["sources"][-1] == "nodus calibrate-sharing (none, graphed trainer)"
+    assert json.loads((tmp_path / "cg-shared.raw.json").read_text())["settings"]["trainer_graphs"] is True

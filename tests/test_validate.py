@@ -199,6 +199,11 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     c = {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": run_controls(graphed)}
     assert config_key(c) != config_key(a) and config_label(c).endswith("trainer_step_mode=graphed")
     assert unmodelled_controls(c["controls"]) and unmodelled_controls(b["controls"]) == []
+    # Against a profile measured with the graphed trainer (calibrate --trainer-graphs) it is the
+    # other way round: the graphed run is modelled, an eager one is not.
+    assert unmodelled_controls(c["controls"], "graphed") == []
+    assert unmodelled_controls(b["controls"], "graphed") == [
+        "the trainer ran eager; the profile's trainer terms are the graphed step's"]
     tuned = {"diagnostics": [dict(plain["diagnostics"][0], engine_args={"specialize_active_lora": True})]}
     assert run_controls(tuned) == {"engine_args": "specialize_active_lora=True"}
     assert unmodelled_controls(run_controls(tuned))
