@@ -208,6 +208,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
     from sim.profile import Profile, add_source, profile_dict
 
+    from calibration.validate import run_controls
+
+    base_mode = (profile_dict(base).get("train") or {}).get("step_mode", "eager")
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     layouts: dict[str, list[str]] = {}
     for rd in map(Path, runs):
@@ -216,6 +219,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
         if jobs_per_gpu(cfg) > fit_max_jobs:
             skipped.append(str(rd))
             continue
+        mode = run_controls(summary).get("trainer_step_mode", "eager")
+        if mode != base_mode:
+            raise ConfigError(f"nodus fit: {rd} trained {mode} but the base profile's trainer is {base_mode} "
+                              "(train.step_mode): fit runs of the trainer the base describes (a graphed "
+                              "trainer's base: nodus calibrate --trainer-graphs)")
         layout = trainer_layout(summary)
         layouts.setdefault(layout, []).append(str(rd))
         s, p = train_samples(rd, recorded, layout)

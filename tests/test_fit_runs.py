@@ -163,6 +163,31 @@ def test_fit_on_masked_layout_runs_fits_its_extra_tokens_and_refuses_mixed_layou
         fit(runs, base=wrong)
 
 
+def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path):
+    """Graphed-trainer runs refit a graphed base (nodus calibrate --trainer-graphs) and keep its
+    step mode; against an eager base they are refused with a clear error, and the other way round."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.05, save=0.04)
+    eager_base = _profile_with(tmp_path, "eager", a=0.01, b=1e-6, c=0.001, save=0.2)
+    graphed = json.loads(open(eager_base).read())
+    graphed["train"]["step_mode"] = "graphed"
+    graphed_base = tmp_path / "graphed.json"
+    graphed_base.write_text(json.dumps(graphed))
+    runs = []
+    for jobs in (2, 3, 4):
+        out = tmp_path / f"cg{jobs}"
+        simulate(config_from_args(jobs=jobs, steps=3, policy="shared-sync", sharing="none", profile=truth,
+                                  seed=jobs), out)
+        summary = json.loads((out / "summary.json").read_text())
+        summary["diagnostics"] = [{"workers": {"trainer0": {"lora_layout": "padded", "step_mode": "graphed"}}}]
+        (out / "summary.json").write_text(json.dumps(summary))
+        runs.append(out)
+    prof = fit(runs, base=str(graphed_base))
+    assert prof["train"]["step_mode"] == "graphed"
+    assert prof["train"]["s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
+    with pytest.raises(ConfigError, match="trained graphed but the base profile's trainer is eager"):
+        fit(runs, base=eager_base)
+
+
 def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
     """Overlap+MPS runs of 2 and 4 jobs beside a dedicated run: the fit splits each train step and
     each one-job generation into its time alone and beside the other side, and gives back the
