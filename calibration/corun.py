@@ -379,7 +379,7 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
     `from_raw` (a raw-timings JSON or a calibrate-sharing log), then write the base profile with
     the measured rates."""
     from nodus.config import ConfigError
-    from sim.profile import add_source, profile_dict, refuse_existing, write_profile
+    from sim.profile import add_source, profile_dict, profile_step_mode, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate")
     if any(m not in ("none", "mps") for m in modes) or "none" not in modes:
@@ -403,7 +403,7 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
         log(f"raw timings go to {raw_path} after every bucket (a stopped run: nodus calibrate-sharing "
             f"--from-raw {raw_path})")
         # The co-run rates of the trainer the base profile's train terms describe.
-        graphs = (prof.get("train") or {}).get("step_mode", "eager") != "eager"
+        graphs = profile_step_mode(prof) != "eager"
         measured = measure_sharing(model, modes=modes, log=log, raw_path=raw_path, trainer_graphs=graphs,
                                    **settings)
         source = f"nodus calibrate-sharing ({','.join(modes)}{', graphed trainer' if graphs else ''})"

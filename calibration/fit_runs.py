@@ -206,11 +206,11 @@ def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray | None = No
 
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
-    from sim.profile import Profile, add_source, profile_dict
+    from sim.profile import Profile, add_source, profile_dict, profile_step_mode
 
     from calibration.validate import run_controls
 
-    base_mode = (profile_dict(base).get("train") or {}).get("step_mode", "eager")
+    base_mode = profile_step_mode(profile_dict(base))
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     layouts: dict[str, list[str]] = {}
     for rd in map(Path, runs):

@@ -104,9 +104,9 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
 
 
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
-    from sim.profile import profile_dict
+    from sim.profile import profile_dict, profile_step_mode
 
-    profile_step_mode = (profile_dict(profile).get("train") or {}).get("step_mode", "eager")
+    step_mode = profile_step_mode(profile_dict(profile))
     rows = []
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
@@ -126,7 +126,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "sampled": {k: sam[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "outside_profile": sorted(set(rep["outside_profile"]) | set(sam["outside_profile"])
-                                         | set(unmodelled_controls(controls, profile_step_mode)))}
+                                         | set(unmodelled_controls(controls, step_mode)))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):

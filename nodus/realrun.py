@@ -52,8 +52,7 @@ class ClusterPool:
 
     def trainer_restarts(self) -> dict:
         """Per running cluster, its trainer restarts (settings and start times), when it had any."""
-        return {f"{k[0]}-{k[1]}": c.trainer_restarts for k, c in self.clusters.items()
-                if getattr(c, "trainer_restarts", None)}
+        return {f"{k[0]}-{k[1]}": c.trainer_restarts for k, c in self.clusters.items() if c.trainer_restarts}
 
     def close(self) -> None:
         for c in self.clusters.values():

@@ -57,7 +57,7 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
     raise ValueError(f"unknown policy {policy!r}")
 
 
-def max_jobs_per_train(cfg: RunConfig, sched: Scheduler, stack: int) -> int:
+def max_jobs_per_train(sched: Scheduler, stack: int) -> int:
     """The most jobs one Train of ``stack`` can hold: its largest group, or every job of the stack
     when the trainer merges queued groups (continuous)."""
     sizes = [len(ids) for s, ids in sched.groups if s == stack]

@@ -439,7 +439,7 @@ class RealBackend:
         rows = max(j.prompts_per_step * j.responses_per_prompt for j in jobs)
         sched = plan(self.cfg, self._start)
         for s in range(self.c.n_stacks):
-            per_step = max_jobs_per_train(self.cfg, sched, s)
+            per_step = max_jobs_per_train(sched, s)
             reqs = []
             for j in jobs:
                 sp = step_prompts(j, 0, self.opts.mode, self.c.vocab_size)

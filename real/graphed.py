@@ -125,15 +125,15 @@ class StaticState:
                        for n, (d_in, _) in shapes.items()}
         self.B_flat = {n: torch.zeros(d_out, slots * rank, device=device, dtype=cdt, requires_grad=True)
                        for n, (_, d_out) in shapes.items()}
-        self.A = _Views(self.A_flat, lambda t: t.view(slots, rank, -1))
-        self.B = _Views(self.B_flat, lambda t: t.view(-1, slots, rank).permute(1, 0, 2))
+        as_a = (lambda t: t.view(slots, rank, -1))  # [slots, rank, d_in]
+        as_b = (lambda t: t.view(-1, slots, rank).permute(1, 0, 2))  # [slots, d_out, rank]
+        self.A, self.B = _Views(self.A_flat, as_a), _Views(self.B_flat, as_b)
         self.scaling = torch.zeros(slots, device=device, dtype=dtype)
-        # The step's gradients in the adapters' dtype, in the flat layout (leaves() order).
-        self.grads = [torch.zeros_like(t, dtype=dtype) for t in self.leaves()]
-        acc = dict(zip([("A", n) for n in self.A_flat] + [("B", n) for n in self.B_flat],
-                       self.grads[0::2] + self.grads[1::2]))
-        self.grad_A = {n: acc[("A", n)].view(slots, rank, -1) for n in self.A_flat}
-        self.grad_B = {n: acc[("B", n)].view(-1, slots, rank).permute(1, 0, 2) for n in self.B_flat}
+        # The step's gradients in the adapters' dtype, in the flat layout.
+        grad_a = {n: torch.zeros_like(t, dtype=dtype) for n, t in self.A_flat.items()}
+        grad_b = {n: torch.zeros_like(t, dtype=dtype) for n, t in self.B_flat.items()}
+        self.grads = [t for n in grad_a for t in (grad_a[n], grad_b[n])]  # in leaves() order
+        self.grad_A, self.grad_B = _Views(grad_a, as_a), _Views(grad_b, as_b)
         self.loss = torch.zeros(slots, dtype=torch.float64, device=device)
         self.audit_max = torch.zeros(slots, dtype=fdt, device=device)
         self.audit_sum = torch.zeros(slots, dtype=torch.float64, device=device)

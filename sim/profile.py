@@ -164,6 +164,11 @@ class Profile(_M):
         return self
 
 
+def profile_step_mode(prof: dict) -> str:
+    """The trainer a profile dict's train terms describe (``train.step_mode``; eager before the field)."""
+    return (prof.get("train") or {}).get("step_mode", "eager")
+
+
 def shipped_profiles() -> list[str]:
     root = resources.files("calibration") / "profiles"
     return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
