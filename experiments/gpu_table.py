@@ -156,6 +156,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         sbase = sim_base.get((jobs, seed))
         alone = {j: sum(v) / len(v) for j, v in alone_finish.get((jobs, seed), {}).items()}
         variant = None if cfg["arm"]["policy"] == "dedicated" else variant_baseline(ded_variant, jobs, seed, plain)
+        by_task = False
         if variant is not None:
             # Like with like: an arm run with a code setting (+cg) over the dedicated run with it.
             variant, base, sbase = variant
@@ -166,8 +167,6 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             base, sbase, alone, by_task = _subset_baseline(
                 {j: d.get("task") for j, d in summary.get("per_job", {}).items()}, seed, alone_finish,
                 ded_steps, sim_alone, ded_task)
-        else:
-            by_task = False
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         sph = base if is_base else summary["steps_per_gpu_hour"]
         per[str(seed)] = {
