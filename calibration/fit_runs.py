@@ -206,11 +206,12 @@ def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray | None = No
 
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
-    from sim.profile import Profile, add_source, profile_dict, profile_step_mode
+    from sim.profile import Profile, add_source, profile_dict, profile_lora_kernels, profile_step_mode
 
     from calibration.validate import run_controls
 
     base_mode = profile_step_mode(profile_dict(base))
+    base_kernels = profile_lora_kernels(profile_dict(base))
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     layouts: dict[str, list[str]] = {}
     for rd in map(Path, runs):
@@ -224,6 +225,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
             raise ConfigError(f"nodus fit: {rd} trained {mode} but the base profile's trainer is {base_mode} "
                               "(train.step_mode): fit runs of the trainer the base describes (a graphed "
                               "trainer's base: nodus calibrate --trainer-graphs)")
+        kernels = run_controls(summary).get("lora_kernels", "default")
+        if kernels != base_kernels:
+            raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the base profile's "
+                              f"engine terms are the {base_kernels} kernels' (environment.lora_kernel_configs): fit "
+                              "runs of the engine the base describes (nodus calibrate measures the engine with the "
+                              "tuned configs nodus ships; --no-tuned-lora-kernels without)")
         layout = trainer_layout(summary)
         layouts.setdefault(layout, []).append(str(rd))
         s, p = train_samples(rd, recorded, layout)

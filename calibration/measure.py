@@ -78,7 +78,7 @@ def _timed_no_lora(eng, reqs) -> float:
 def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_tokens: tuple[int, int],
             lengths: tuple[int, int], train_tokens: list[int], device: str, dtype: str, rank: int = 16,
             engine_memory: float = 0.4, enforce_eager: bool = False, repeats: int = 3, log=print,
-            trainer_graphs: bool = False) -> dict:
+            trainer_graphs: bool = False, tuned_lora_kernels: bool = True) -> dict:
     """Raw timings (seconds) from one engine and one trainer in this process (``trainer_graphs``:
     the trainer's micro-batches as CUDA graphs, the fixed-shape program uncaptured on a CPU)."""
     import torch
@@ -110,6 +110,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         save_s.append(time.perf_counter() - t0)
     eng = MultiLoRAEngine(model, max_loras=n_ad, max_lora_rank=rank, max_num_seqs=max(batches),
                           gpu_memory_utilization=engine_memory, enforce_eager=enforce_eager,
+                          tuned_lora_kernels=tuned_lora_kernels,
                           skip_tokenizer_init=True, dtype=dtype if device != "cpu" else "float32",
                           **({"max_num_batched_tokens": 65536} if device == "cpu" else {}))
     load_s = [eng.publish(f"cal{a}", 0, ad_dir / f"cal{a}" / "v0") for a in range(n_ad)]
@@ -172,6 +173,8 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
             "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens),
+            # The engine's LoRA kernel configs (None: vLLM's defaults): the engine terms describe them.
+            "lora_kernel_configs": eng.lora_kernel_configs,
             # step_mode as trained (a graph capture that failed left it eager).
             "trainer": {"lora_layout": trainer.routing.layout_mode, "compiled": compiled,
                         "step_mode": trainer.step_mode, "graph_error": trainer.graph_error}}
@@ -214,7 +217,7 @@ def fit_profile(raw: dict, base: dict, env: dict) -> dict:
 def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batches=(8, 64, 256, 512),
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
               train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
-              repeats: int = 3, log=print, trainer_graphs: bool = False) -> dict:
+              repeats: int = 3, log=print, trainer_graphs: bool = False, tuned_lora_kernels: bool = True) -> dict:
     from sim.profile import profile_dict, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate")
@@ -225,8 +228,9 @@ def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batche
     base_prof = profile_dict(base)
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
                   list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log,
-                  trainer_graphs=trainer_graphs)
-    env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": ["nodus calibrate"]}
+                  trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels)
+    env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": ["nodus calibrate"],
+           "lora_kernel_configs": raw.get("lora_kernel_configs")}
     prof = fit_profile(raw, base_prof, env)
     write_profile(prof, out, "calibrate")
     return prof

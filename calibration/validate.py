@@ -104,9 +104,10 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
 
 
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
-    from sim.profile import profile_dict, profile_step_mode
+    from sim.profile import profile_dict, profile_lora_kernels, profile_step_mode
 
-    step_mode = profile_step_mode(profile_dict(profile))
+    prof = profile_dict(profile)
+    step_mode, lora_kernels = profile_step_mode(prof), profile_lora_kernels(prof)
     rows = []
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
@@ -126,7 +127,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "sampled": {k: sam[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "outside_profile": sorted(set(rep["outside_profile"]) | set(sam["outside_profile"])
-                                         | set(unmodelled_controls(controls, step_mode)))}
+                                         | set(unmodelled_controls(controls, step_mode, lora_kernels)))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -157,12 +158,17 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     return report
 
 
+LORA_CONFIG_ENV = "VLLM_TUNED_CONFIG_FOLDER"  # real.lora_kernels.ENV (that module needs no torch either)
+
+
 def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
     that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
-    (``--engine-arg``) and ``engine_env`` for the engine's extra environment variables (their
-    names). {} for a run at the defaults."""
+    (``--engine-arg``), ``engine_env`` for the engine's extra environment variables (their
+    names) and ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
+    shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
+    at the defaults of its time (vLLM's LoRA kernels before session 11's shipped configs)."""
     from real.backend import RealOptions  # light: no torch, no vLLM
 
     defaults = RealOptions().sharing_controls("mps")
@@ -173,11 +179,16 @@ def run_controls(summary: dict) -> dict:
                 out[k] = v
         if d.get("engine_args"):
             out["engine_args"] = ",".join(f"{k}={v}" for k, v in sorted(d["engine_args"].items()))
-        if d.get("engine_env"):
-            out["engine_env"] = ",".join(sorted(d["engine_env"]))
+        env = dict(d.get("engine_env") or {})
+        if env.pop(LORA_CONFIG_ENV, None):
+            out["lora_kernels"] = "tuned"  # the folder given through --engine-env
+        if env:
+            out["engine_env"] = ",".join(sorted(env))
         for name, w in (d.get("workers") or {}).items():
             if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
                 out["trainer_step_mode"] = w["step_mode"]
+            if name.startswith("engine") and w.get("lora_kernel_configs"):
+                out["lora_kernels"] = "tuned"
     return out
 
 
@@ -191,10 +202,18 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                     "kernel configs): the profile's engine terms are the default engine's"}
 
 
-def unmodelled_controls(controls: dict, profile_step_mode: str = "eager") -> list[str]:
+def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
+                        profile_lora_kernels: str = "default") -> list[str]:
     """What a run's settings (``run_controls``) have that the profile was not measured with;
-    ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``)."""
+    ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``);
+    ``profile_lora_kernels``: the engine's LoRA kernels its engine terms describe ("tuned" or
+    "default", ``sim.profile.profile_lora_kernels``)."""
     out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
+    kernels = controls.get("lora_kernels", "default")
+    if kernels != profile_lora_kernels:
+        out.append(f"the engine ran {'tuned' if kernels == 'tuned' else 'vLLM default'} LoRA kernel configs; "
+                   f"the profile's engine terms are the {profile_lora_kernels} kernels' "
+                   "(real/lora_kernels.py; --no-tuned-lora-kernels runs vLLM's)")
     mode = controls.get("trainer_step_mode", "eager")
     if mode != profile_step_mode:
         out.insert(0, UNMODELLED_CONTROLS["trainer_step_mode"] if profile_step_mode == "eager" else

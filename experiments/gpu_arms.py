@@ -129,6 +129,7 @@ def _options(args, engine_env, engine_args=()):
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
                        engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
                        engine_env=engine_env, engine_args=tuple(engine_args),
+                       tuned_lora_kernels=args.tuned_lora_kernels,
                        trainer_compile=args.trainer_compile, trainer_graphs=args.trainer_graphs,
                        evaluate=args.mode == "tasks",
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
@@ -172,6 +173,9 @@ def main() -> None:
                     help="MPS active thread percentage of the trainer (MPS arms; run keys get -t<pct>)")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
+    ap.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine's LoRA kernels with the tuned configs nodus ships for its GPU (real/lora_kernels.py; "
+                         "labelled +lk in tables); --no-tuned-lora-kernels: vLLM's defaults (run keys get -vk)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="a vLLM engine argument for every arm (e.g. specialize_active_lora=true; run keys get -ea)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
@@ -240,7 +244,7 @@ def main() -> None:
                      "trainer_graphs": args.trainer_graphs, "engine_args": dict(engine_args),
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
                      "engine_thread_pct": args.engine_thread_pct, "trainer_thread_pct": args.trainer_thread_pct,
-                     "engine_env": args.engine_env, "arms": {},
+                     "engine_env": args.engine_env, "tuned_lora_kernels": args.tuned_lora_kernels, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
     pool = ClusterPool(opts, min_loras=max(job_counts + [sp[1] for sp in specs if sp[1]]))
     t_all = time.monotonic()
@@ -269,6 +273,7 @@ def main() -> None:
                 variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
                 variant += "-ee" if engine_env else ""  # engine environment, e.g. tuned LoRA kernel configs
+                variant += "-vk" if not args.tuned_lora_kernels else ""  # vLLM's default LoRA kernel configs
                 if sharing == "mps":
                     variant += "-lowpri" if arm_opts.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from nodus.config import DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, trainer_freed
 from nodus.microbatch import mb_tag
+from calibration.validate import run_controls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
@@ -53,8 +54,9 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
-    trainer's micro-batches replayed as CUDA graphs; +ea: extra vLLM engine arguments; +ee: engine
-    environment variables (tuned LoRA kernel configs); +freed: the trainer took the next train while
+    trainer's micro-batches replayed as CUDA graphs; +ea: extra vLLM engine arguments; +lk: tuned
+    LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
+    variables; +freed: the trainer took the next train while
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
@@ -70,15 +72,19 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     for side in ("engine", "trainer"):
         if controls.get(f"{side}_thread_pct"):
             label += f"+{side[0]}{controls[f'{side}_thread_pct']}"
-    workers = [w for d in (summary or {}).get("diagnostics", []) for w in (d.get("workers") or {}).values()]
+    workers = [w for d in (summary or {}).get("diagnostics", []) for name, w in (d.get("workers") or {}).items()
+               if name.startswith("trainer")]
     if workers and not any(w.get("compiled") for w in workers):
         label += "+eager"  # the trainer ran without its compiled element-wise ops
     if any(w.get("step_mode") == "graphed" for w in workers):
         label += "+cg"  # each trainer micro-batch one CUDA graph replay (--trainer-graphs)
     if any(d.get("engine_args") for d in (summary or {}).get("diagnostics", [])):
         label += "+ea"  # extra vLLM engine arguments (--engine-arg)
-    if any(d.get("engine_env") for d in (summary or {}).get("diagnostics", [])):
-        label += "+ee"  # engine environment (--engine-env), e.g. VLLM_TUNED_CONFIG_FOLDER
+    run = run_controls(summary or {})
+    if run.get("lora_kernels") == "tuned":
+        label += "+lk"  # tuned LoRA kernel configs in the engine (shipped, or VLLM_TUNED_CONFIG_FOLDER)
+    if run.get("engine_env"):
+        label += "+ee"  # other engine environment (--engine-env)
     return label
 
 

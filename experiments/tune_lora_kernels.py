@@ -29,20 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from real.lora_kernels import lora_shapes, vllm_gpu_name  # noqa: E402  (re-exported for the tests)
+
 # Decode batches (vLLM pads them to its CUDA-graph sizes) and prefill chunks; vLLM takes the
 # nearest tuned batch size for any other.
 DEFAULT_BATCHES = (1, 16, 32, 64, 128, 256, 512, 2048, 8192)
-
-
-def lora_shapes(config: dict) -> dict[str, list[tuple]]:
-    """The LoRA kernel calls of one decoder layer as vLLM makes them for a Qwen3/Llama-style model
-    with every linear layer adapted: shrink (num_slices, input width) and expand (output widths of
-    the slices). q/k/v are one layer of 3 slices, gate/up one of 2."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    return {"shrink": [(3, hidden), (1, q), (2, hidden), (1, inter)],
-            "expand": [(q, kv, kv), (hidden,), (inter, inter), (hidden,)]}
 
 
 def search_space(op: str, rank: int, width: int) -> list[dict]:
@@ -97,7 +88,7 @@ def complete(tables: dict[str, dict], shapes: dict[str, list[tuple]], rank: int,
 
 def file_names(gpu_name: str) -> dict[str, str]:
     """The file vLLM reads for each op (``load_lora_op_config``)."""
-    g = gpu_name.replace(" ", "_").replace("-", "_")
+    g = vllm_gpu_name(gpu_name)
     return {"shrink": f"{g}_SHRINK.json", "expand": f"{g}_EXPAND_TRUE.json"}
 
 
@@ -251,6 +242,9 @@ def main(argv=None) -> dict:
     report["wall_s"] = round(time.monotonic() - t_start, 1)
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))
+    # Beside the configs: what they were tuned for (rank, shapes), which real/lora_kernels.py checks
+    # before an engine uses a shipped folder.
+    (args.out / f"{vllm_gpu_name(gpu)}_REPORT.json").write_text(json.dumps(report, indent=1))
     return report
 
 

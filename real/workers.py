@@ -31,6 +31,7 @@ class EngineSpec:
     env: dict = field(default_factory=dict)  # e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
     max_num_batched_tokens: int | None = None
     llm_args: tuple = ()  # (name, value) pairs: more LLM(...) keyword arguments (RealOptions.engine_args)
+    tuned_lora_kernels: bool = True  # the shipped tuned LoRA kernel configs for this GPU, if any
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,10 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                               max_num_seqs=spec.max_num_seqs, gpu_memory_utilization=spec.gpu_memory_utilization,
                               enforce_eager=spec.enforce_eager, load_format=spec.load_format,
                               skip_tokenizer_init=spec.skip_tokenizer_init, dtype=spec.dtype, seed=spec.seed,
-                              max_model_len=spec.max_model_len,
+                              max_model_len=spec.max_model_len, tuned_lora_kernels=spec.tuned_lora_kernels,
                               **({"max_num_batched_tokens": spec.max_num_batched_tokens}
                                  if spec.max_num_batched_tokens else {}), **dict(spec.llm_args))
-        outbox.put(("ready", name, time.monotonic() - t0))
+        outbox.put(("ready", name, time.monotonic() - t0, {"lora_kernel_configs": eng.lora_kernel_configs}))
     except Exception:  # noqa: BLE001 - the controller reports it
         outbox.put(("error", name, traceback.format_exc()))
         return

@@ -34,6 +34,9 @@ class Environment(_M):
     date: str
     git_commit: str | None = None
     host: dict | None = None  # CPU, cores, /dev/shm (nodus.outdir.host): the phases are host-bound in part
+    # The engine's LoRA kernel configs when measured with tuned ones ({"source", "folder", "gpu"},
+    # real/lora_kernels.py); None: vLLM's defaults (every profile before the field).
+    lora_kernel_configs: dict | None = None
     sources: list[str] = []
 
 
@@ -167,6 +170,13 @@ class Profile(_M):
 def profile_step_mode(prof: dict) -> str:
     """The trainer a profile dict's train terms describe (``train.step_mode``; eager before the field)."""
     return (prof.get("train") or {}).get("step_mode", "eager")
+
+
+def profile_lora_kernels(prof: dict) -> str:
+    """The engine LoRA kernels a profile dict's engine terms describe: "tuned" when its
+    environment records tuned configs (``environment.lora_kernel_configs``), else "default"
+    (vLLM's own; every profile before the field)."""
+    return "tuned" if (prof.get("environment") or {}).get("lora_kernel_configs") else "default"
 
 
 def shipped_profiles() -> list[str]:

@@ -71,6 +71,8 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
 
     s = json.loads((overlap_run / "summary.json").read_text())
     assert s["diagnostics"][0]["engine_args"] == {"max_logprobs": 5}
+    # The engine reports its LoRA kernel configs at start: none on a CPU (no Triton kernels there).
+    assert s["diagnostics"][0]["workers"]["engine0"] == {"lora_kernel_configs": None}
     with pytest.raises(RuntimeError, match="not_a_vllm_argument"):
         run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False,
                                                engine_args=(("not_a_vllm_argument", 1),)), baseline=False)

@@ -207,9 +207,22 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     tuned = {"diagnostics": [dict(plain["diagnostics"][0], engine_args={"specialize_active_lora": True})]}
     assert run_controls(tuned) == {"engine_args": "specialize_active_lora=True"}
     assert unmodelled_controls(run_controls(tuned))
+    # Tuned LoRA kernel configs, through the environment or the shipped ones the engine reported:
+    # "tuned" kernels, unmodelled by a profile of vLLM's default kernels and modelled by a tuned one.
     kernels = {"diagnostics": [dict(plain["diagnostics"][0], engine_env={"VLLM_TUNED_CONFIG_FOLDER": "/tmp/x"})]}
-    assert run_controls(kernels) == {"engine_env": "VLLM_TUNED_CONFIG_FOLDER"}
-    assert unmodelled_controls(run_controls(kernels))
+    assert run_controls(kernels) == {"lora_kernels": "tuned"}
+    shipped = {"diagnostics": [dict(plain["diagnostics"][0], workers={
+        "engine0": {"lora_kernel_configs": {"source": "shipped", "folder": "real/lora_configs", "gpu": "NVIDIA H200"}},
+        "trainer0": {"step_mode": "eager"}})]}
+    assert run_controls(shipped) == {"lora_kernels": "tuned"}
+    assert unmodelled_controls(run_controls(shipped)) == [
+        "the engine ran tuned LoRA kernel configs; the profile's engine terms are the default kernels' "
+        "(real/lora_kernels.py; --no-tuned-lora-kernels runs vLLM's)"]
+    assert unmodelled_controls(run_controls(shipped), "eager", "tuned") == []
+    assert unmodelled_controls(run_controls(eager), "eager", "tuned")  # a default-kernel run, tuned profile
+    other = {"diagnostics": [dict(plain["diagnostics"][0], engine_env={"VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
+                                                                       "VLLM_TUNED_CONFIG_FOLDER": "/tmp/x"})]}
+    assert run_controls(other) == {"lora_kernels": "tuned", "engine_env": "VLLM_ATTENTION_BACKEND"}
 
 
 def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
