@@ -204,13 +204,22 @@ def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray | None = No
     return best
 
 
-def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
-    """A profile: the base's, with trainer and publish costs fitted on the eligible runs."""
-    from sim.profile import Profile, add_source, profile_dict, profile_lora_kernels, profile_step_mode
+def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None) -> dict:
+    """A profile: the base's, with trainer and publish costs fitted on the eligible runs.
+
+    ``trainer_mode`` (default: the base's ``train.step_mode``): the trainer the runs used and the
+    fitted train terms describe. Another mode than the base's re-describes the trainer from the
+    runs alone (a graphed trainer's profile from an eager base, before ``nodus calibrate
+    --trainer-graphs`` has measured one); the trainer's co-run and MPS rates the runs do not fit
+    stay the base trainer's, and the profile says so (assumption ``trainer-rates-from-base``)."""
+    from sim.profile import STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels, profile_step_mode
 
     from calibration.validate import run_controls
 
     base_mode = profile_step_mode(profile_dict(base))
+    want_mode = trainer_mode or base_mode
+    if want_mode not in STEP_MODES:
+        raise ConfigError(f"nodus fit: --trainer-mode {want_mode!r}; choose one of {', '.join(STEP_MODES)}")
     base_kernels = profile_lora_kernels(profile_dict(base))
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     layouts: dict[str, list[str]] = {}
@@ -221,10 +230,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
             skipped.append(str(rd))
             continue
         mode = run_controls(summary).get("trainer_step_mode", "eager")
-        if mode != base_mode:
-            raise ConfigError(f"nodus fit: {rd} trained {mode} but the base profile's trainer is {base_mode} "
-                              "(train.step_mode): fit runs of the trainer the base describes (a graphed "
-                              "trainer's base: nodus calibrate --trainer-graphs)")
+        if mode != want_mode:
+            raise ConfigError(f"nodus fit: {rd} trained {mode} but the fitted profile's trainer is {want_mode} "
+                              f"({'--trainer-mode' if trainer_mode else 'the base profile, train.step_mode'}): fit "
+                              "runs of one trainer (a graphed trainer's base: nodus calibrate --trainer-graphs; or "
+                              "--trainer-mode graphed to fit its terms onto another base)")
         kernels = run_controls(summary).get("lora_kernels", "default")
         if kernels != base_kernels:
             raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the base profile's "
@@ -335,6 +345,16 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4) -> dict:
                              + (f"; the base's by-engine-batch {', '.join(dropped)} rates gave way to them"
                                 if dropped else "")})
         prof["assumptions"] = keep
+    prof["train"]["step_mode"] = want_mode
+    if want_mode != base_mode:
+        kept = [f"{m}.trainer {sharing[m]['trainer']:.3f}" for m in ("none_corun", "mps_alone", "mps_corun")
+                if f"{m}.trainer" not in rates]
+        prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "trainer-rates-from-base"] + [
+            {"id": "trainer-rates-from-base", "value": None,
+             "what": f"the train terms describe the {want_mode} trainer (nodus fit on its runs), but the base profile "
+                     f"measured the {base_mode} one: the trainer's co-run and MPS rates not fitted here are that "
+                     f"trainer's ({', '.join(kept) if kept else 'none'}); nodus calibrate-sharing on a "
+                     f"{want_mode} profile measures them"}]
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")
@@ -540,10 +560,11 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
     return dropped
 
 
-def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4) -> dict:
+def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,
+                trainer_mode: str | None = None) -> dict:
     from sim.profile import refuse_existing, write_profile
 
     refuse_existing(out, "nodus fit")
-    prof = fit(runs, base, fit_max_jobs)
+    prof = fit(runs, base, fit_max_jobs, trainer_mode)
     write_profile(prof, out, "nodus fit")
     return prof

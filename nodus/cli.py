@@ -203,7 +203,7 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
 def cmd_fit(a: argparse.Namespace) -> int:
     from calibration.fit_runs import fit_to_file
 
-    prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs)
+    prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs, trainer_mode=a.trainer_mode)
     f = prof["measurements"]["fit_runs"]
     t = f["train_fit"]
     print(f"fitted on {len(f['runs'])} run(s), {f['train_steps']} train steps (held out: {len(f['held_out'])}): "
@@ -387,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
     p.add_argument("--fit-max-jobs", type=int, default=4,
                    help="use only runs with at most this many jobs per GPU (the rest stay held out)")
+    p.add_argument("--trainer-mode", choices=("eager", "graphed", "static"), default=None,
+                   help="the trainer the runs used (default: the base's train.step_mode); another than the base's "
+                        "fits that trainer's terms onto the base, its unfitted co-run rates kept from the base "
+                        "(an assumption the profile names)")
     p.set_defaults(fn=cmd_fit)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")

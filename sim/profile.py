@@ -25,6 +25,9 @@ class _M(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+STEP_MODES = ("eager", "graphed", "static")  # the trainers a profile's train terms can describe (real/trainer.py)
+
+
 class Environment(_M):
     gpu: str
     model: str
@@ -90,7 +93,7 @@ class TrainCost(_M):
     extra_tokens_layout: Literal["padded", "masked"] = "padded"  # the trainer layout that term is of
     # The trainer these terms (and the sharing rates measured with this profile as base) describe:
     # eager, or its micro-batches replayed as CUDA graphs (--trainer-graphs; "static" on a CPU).
-    step_mode: Literal["eager", "graphed", "static"] = "eager"
+    step_mode: Literal[STEP_MODES] = "eager"
 
 
 class PublishCost(_M):

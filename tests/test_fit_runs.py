@@ -184,8 +184,20 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     prof = fit(runs, base=str(graphed_base))
     assert prof["train"]["step_mode"] == "graphed"
     assert prof["train"]["s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
-    with pytest.raises(ConfigError, match="trained graphed but the base profile's trainer is eager"):
+    with pytest.raises(ConfigError, match="trained graphed but the fitted profile's trainer is eager"):
         fit(runs, base=eager_base)
+    # --trainer-mode graphed fits the graphed trainer's terms onto the eager base: the same terms,
+    # the profile's trainer graphed, and the co-run rates it keeps named as the eager trainer's.
+    onto = fit(runs, base=eager_base, trainer_mode="graphed")
+    assert onto["train"]["step_mode"] == "graphed"
+    assert onto["train"]["s_per_adapter"] == pytest.approx(0.05, rel=1e-6)
+    kept = [x for x in onto["assumptions"] if x["id"] == "trainer-rates-from-base"]
+    assert len(kept) == 1 and "measured the eager one" in kept[0]["what"] and "mps_corun.trainer" in kept[0]["what"]
+    assert not [x for x in prof.get("assumptions", []) if x["id"] == "trainer-rates-from-base"]
+    with pytest.raises(ConfigError, match="trained graphed but the fitted profile's trainer is eager .--trainer-mode"):
+        fit(runs, base=str(graphed_base), trainer_mode="eager")
+    with pytest.raises(ConfigError, match="--trainer-mode 'cuda'"):
+        fit(runs, base=eager_base, trainer_mode="cuda")
 
 
 def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
