@@ -221,12 +221,18 @@ FACTORS = (
     ("trainer_freed_at_train", "overlap/mps/g2+freed", "overlap/mps/g2",
      "the trainer takes the next group's train while the engine loads the last one's adapters "
      "(over waiting for that publish, under overlap + MPS)"),
+    ("overlap_with_mps", "overlap/mps/g2", "shared-sync/mps/g1",
+     "two phase-offset groups under MPS (overlap + MPS over shared-sync + MPS)"),
+    ("continuous", "continuous/mps/g1", "overlap/mps/g2",
+     "every job its own group, the trainer taking every ready job (continuous + MPS over overlap + MPS)"),
     ("total", "overlap/mps/g2", "dedicated/none/g1", "overlap + MPS over dedicated"),
 )
 
 
 def factors(table: dict) -> dict:
-    """Per job count and seed, each factor of the ladder that both its runs were measured for."""
+    """Per job count and seed, each factor of the ladder that both its runs were measured for; the
+    ladder again among the arms that share a code setting (``+cg``, ``+cg+lk``: its runs over the
+    dedicated run with the same setting), keyed by the job count and that setting ("8+cg")."""
     by: dict[tuple[int, str], dict[str, float]] = {}
     for label, per in table["arms"].items():
         arm = label.rsplit("/", 1)[0] if label.endswith("jobs") else label  # "overlap/mps/g2/4jobs"
@@ -234,9 +240,13 @@ def factors(table: dict) -> dict:
             by.setdefault((d["jobs"], seed), {})[arm] = d["steps_per_gpu_hour"]
     out: dict = {}
     for (jobs, seed), sph in sorted(by.items()):
-        row = {name: sph[num] / sph[den] for name, num, den, _ in FACTORS if num in sph and den in sph}
-        if row:
-            out.setdefault(str(jobs), {})[seed] = row
+        # Each setting the arms carry: "" (none), "+cg", ...: what follows "policy/sharing/gN".
+        suffixes = sorted({"+" + a.split("+", 1)[1] if "+" in a else "" for a in sph})
+        for sfx in suffixes:
+            row = {name: sph[num + sfx] / sph[den + sfx] for name, num, den, _ in FACTORS
+                   if num + sfx in sph and den + sfx in sph}
+            if row:
+                out.setdefault(f"{jobs}{sfx}", {})[seed] = row
     return out
 
 

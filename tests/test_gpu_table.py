@@ -221,3 +221,28 @@ def test_an_arm_with_a_code_setting_is_measured_over_the_dedicated_run_with_it()
     assert variant_baseline(ded, 8, 1, "overlap/mps/g2+cg+ea") == ("+cg+ea", 2500.0, 2600.0)
     assert variant_baseline(ded, 8, 1, "overlap/mps/g2") is None  # the default dedicated run then
     assert variant_baseline(ded, 8, 2, "overlap/mps/g2+cg") is None  # another seed's never counts
+
+
+def test_factors_within_a_code_setting(tmp_path):
+    """Arms run with one code setting (+cg: the graphed trainer) get the ladder among themselves,
+    over the dedicated run with that setting, keyed by job count and setting."""
+    from experiments.gpu_table import main
+
+    runs = []
+    for name, kw in (("ded", dict(policy="dedicated", sharing="none")),
+                     ("sync-mps", dict(policy="shared-sync", sharing="mps")),
+                     ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))):
+        out = tmp_path / name
+        simulate(config_from_args(jobs=4, steps=3, seed=1, **kw), out)
+        summary = json.loads((out / "summary.json").read_text())
+        summary["diagnostics"] = [{"workers": {"trainer0": {"step_mode": "graphed", "compiled": ["x"]}}}]
+        (out / "summary.json").write_text(json.dumps(summary))
+        runs.append(str(out))
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"]
+           for k in ("ded", "sync-mps", "ovl-mps")}
+    assert list(table["factors"]) == ["4+cg"]
+    f = table["factors"]["4+cg"]["1"]
+    assert f["overlap_with_mps"] == pytest.approx(sph["ovl-mps"] / sph["sync-mps"])
+    assert f["total"] == pytest.approx(sph["ovl-mps"] / sph["ded"])
+    assert "batching" not in f  # no shared-sync run without MPS
