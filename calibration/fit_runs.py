@@ -229,13 +229,13 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         if jobs_per_gpu(cfg) > fit_max_jobs:
             skipped.append(str(rd))
             continue
-        mode = run_controls(summary).get("trainer_step_mode", "eager")
+        controls = run_controls(summary)
+        mode, kernels = controls.get("trainer_step_mode", "eager"), controls.get("lora_kernels", "default")
         if mode != want_mode:
             raise ConfigError(f"nodus fit: {rd} trained {mode} but the fitted profile's trainer is {want_mode} "
                               f"({'--trainer-mode' if trainer_mode else 'the base profile, train.step_mode'}): fit "
                               "runs of one trainer (a graphed trainer's base: nodus calibrate --trainer-graphs; or "
                               "--trainer-mode graphed to fit its terms onto another base)")
-        kernels = run_controls(summary).get("lora_kernels", "default")
         if kernels != base_kernels:
             raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the base profile's "
                               f"engine terms are the {base_kernels} kernels' (environment.lora_kernel_configs): fit "

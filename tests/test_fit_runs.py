@@ -198,6 +198,13 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
         fit(runs, base=str(graphed_base), trainer_mode="eager")
     with pytest.raises(ConfigError, match="--trainer-mode 'cuda'"):
         fit(runs, base=eager_base, trainer_mode="cuda")
+    # Runs whose engine ran tuned LoRA kernels do not refit a profile of vLLM's default kernels.
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    summary["diagnostics"][0]["workers"]["engine0"] = {"lora_kernel_configs": {"source": "shipped"}}
+    (runs[0] / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ConfigError, match="engine ran tuned LoRA kernel configs but the base profile's engine terms "
+                                          "are the default kernels'"):
+        fit(runs, base=str(graphed_base))
 
 
 def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
