@@ -50,9 +50,11 @@ case "${1:-arms}" in
       --jobs "${GRAPHS_JOBS:-4,1,8}" --iters "${GRAPHS_ITERS:-3}" ${GRAPHS_EXTRA:-} > "$OUT/bench_graphs.log" 2>&1
     echo "bench_graphs rc=$?"; tail -30 "$OUT/bench_graphs.log" ;;
   tune-lora)
-    # vLLM's multi-LoRA Triton kernels tuned for this GPU and the Qwen3-0.6B shape (~6 min); the
-    # folder stays in /tmp while the machine is held: a later call's arms use it with
-    # ARMS_EXTRA="--engine-env VLLM_TUNED_CONFIG_FOLDER=/tmp/lora-configs" (run keys get -ee).
+    # vLLM's multi-LoRA Triton kernels tuned for this GPU and the Qwen3-0.6B shape (102 s of tuning
+    # in session 11 with TUNE_EXTRA="--batches 1,16,64,256,512,8192"). Engines use the shipped
+    # real/lora_configs by default on an H200; a new folder stays in /tmp while the machine is held,
+    # and a later call's arms try it with ARMS_EXTRA="--engine-env VLLM_TUNED_CONFIG_FOLDER=/tmp/lora-configs"
+    # (run keys -ee); copy its files into real/lora_configs to ship them.
     timeout "${TUNE_TIMEOUT:-420}" python experiments/tune_lora_kernels.py --out /tmp/lora-configs \
       --report "$OUT/tune_lora_h200.json" --budget-s "${TUNE_BUDGET:-360}" ${TUNE_EXTRA:-} > "$OUT/tune_lora.log" 2>&1
     echo "tune_lora rc=$?"; cp /tmp/lora-configs/*.json "$OUT/" 2>/dev/null; tail -5 "$OUT/tune_lora.log" ;;
