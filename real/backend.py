@@ -298,11 +298,7 @@ class Cluster:
                 raise RuntimeError(f"restart_trainers: {msg[0]} from {msg[1]} while stopping the trainers"
                                    + (f":\n{msg[2]}" if msg[0] == "error" and len(msg) > 2 else ""))
             stopped.add(msg[1])
-        for p in old:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
+        _reap(old, wait_s=60, after_terminate_s=10)
         self.opts = opts
         fresh = []
         for s in range(self.n_stacks):
@@ -374,16 +370,25 @@ class Cluster:
                 q.put(("stop",))
             except (OSError, ValueError):
                 pass
-        for p in self.procs:
-            if p.pid is None:  # never started (a start-up failure came first)
-                continue
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+        _reap(self.procs, wait_s=30, after_terminate_s=None)
         self.procs = []
         if self.mps is not None:
             self.mps.stop()
             self.mps = None
+
+
+def _reap(procs, wait_s: float, after_terminate_s: float | None) -> None:
+    """Join each started process for ``wait_s``; terminate one still alive, then join it for
+    ``after_terminate_s`` (None: not at all). A process never started (a start-up failure came
+    first) is skipped."""
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(timeout=wait_s)
+        if p.is_alive():
+            p.terminate()
+            if after_terminate_s is not None:
+                p.join(timeout=after_terminate_s)
 
 
 def _vocab_size(model: str) -> int:
