@@ -108,7 +108,8 @@ def cmd_run(a: argparse.Namespace) -> int:
 
         opts = RealOptions(model=a.model, mode=a.mode, device=a.device, dtype=a.dtype, load_format=a.load_format,
                            engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
-                           audit_logprobs=not a.no_audit, engine_thread_pct=a.engine_thread_pct,
+                           audit_logprobs=not a.no_audit, audit_every=a.audit_every,
+                           engine_thread_pct=a.engine_thread_pct,
                            trainer_thread_pct=a.trainer_thread_pct, trainer_priority=a.trainer_priority,
                            engine_env=tuple(env_pairs(a.engine_env)),
                            engine_args=tuple(engine_arg_pairs(a.engine_arg)),
@@ -312,7 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's multi-LoRA kernels with the tuned configs nodus ships for its GPU (an H200: "
                         "1.0-3.0x per kernel over vLLM's defaults); --no-tuned-lora-kernels: vLLM's defaults")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
-    p.add_argument("--no-audit", action="store_true", help="skip the per-step logprob agreement audit")
+    p.add_argument("--no-audit", action="store_true",
+                   help="skip the logprob agreement audit (engine against trainer logprobs of the sampled tokens)")
+    p.add_argument("--audit-every", type=int, default=1, metavar="N",
+                   help="audit every N-th step of each job (steps 0, N, 2N, ...): only then does the engine return "
+                        "logprobs, whose handling is host work on every decode step; default 1: every step")
     p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the trainer's element-wise ops (RMSNorm, rotary, SiLU*up); compiles at "
                         "start-up (default: on a GPU, where it measured 1.44x on the H200; off on a CPU)")

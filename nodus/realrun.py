@@ -25,16 +25,20 @@ class ClusterPool:
 
     def __call__(self, cfg: RunConfig, n_stacks: int):
         """A backend for ``cfg`` on a cluster with the pool's current ``opts``: the running one when it
-        fits, the running one with its trainers restarted when only trainer settings changed
-        (``real.backend.TRAINER_SETTINGS``: an A/B of trainer settings keeps the engines), else a new one."""
-        from real.backend import Cluster, RealBackend, engine_settings
+        fits (also when only run-loop settings changed, ``real.backend.RUN_SETTINGS``), the running
+        one with its trainers restarted when trainer settings changed (``real.backend.TRAINER_SETTINGS``:
+        an A/B of trainer settings keeps the engines), else a new one."""
+        from real.backend import Cluster, RealBackend, engine_settings, trainer_settings
 
         key = (cfg.arm.sharing, n_stacks)
         loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
         running = self.clusters.get(key)
         if (running is not None and running.max_loras >= loras and running.opts != self.opts
                 and engine_settings(running.opts) == engine_settings(self.opts)):
-            running.restart_trainers(self.opts)
+            if trainer_settings(running.opts) != trainer_settings(self.opts):
+                running.restart_trainers(self.opts)
+            else:  # run-loop settings only (real.backend.RUN_SETTINGS): every process kept
+                running.opts = self.opts
         elif running is not None and running.opts != self.opts:
             self.close()  # other engine settings: new processes
         if key not in self.clusters or self.clusters[key].max_loras < loras:

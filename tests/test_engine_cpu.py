@@ -206,3 +206,9 @@ def test_text_prompts_and_forced_lengths(engine, adapters):
     assert timed.response_tokens == tuple(forced)
     assert all(r == "length" for g in timed.finish_reasons for r in g)
     assert timed.start_s <= timed.end_s
+    assert all(len(lp) == n for g, ns in zip(timed.logprobs, ((3, 17), (1, 9))) for lp, n in zip(g, ns))
+    # A request that asks for no logprobs (an unaudited step) gets the same rollouts without them.
+    (bare,) = engine.generate([GenRequest("B", 0, [PROMPT, PROMPT], n=2, max_new_tokens=64, temperature=1.0,
+                                          seed=1, forced_lengths=forced, logprobs=False)])
+    assert bare.completion_token_ids == timed.completion_token_ids
+    assert bare.logprobs == (((), ()), ((), ()))

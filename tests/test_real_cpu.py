@@ -91,6 +91,21 @@ def test_trainer_and_engine_logprobs_agree_per_version(overlap_run):
     assert max(a["max_abs"] for a in audit) < 1e-3
 
 
+def test_the_audit_every_n_steps_asks_the_engine_for_logprobs_then_only(tmp_path, capsys):
+    """--audit-every 2 over 3 steps: the trainer compares logprobs at versions 0 and 2 only (the
+    engine returned none for step 1); a cadence below 1 is refused by name."""
+    out = tmp_path / "r"
+    assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "3", "--no-baseline",
+                 "--audit-every", "2", "--sharing", "none", "--policy", "shared-sync", "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stale_rollouts"] == 0 and s["steps"] == 3
+    assert sorted(a["version"] for a in s["diagnostics"][0]["logprob_agreement"]) == [0, 2]
+    assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
+    assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
+                 "--audit-every", "0", "--sharing", "none"]) == 2
+    assert "audit_every=0" in capsys.readouterr().err
+
+
 def test_per_step_rewards_and_eval_are_reported(overlap_run):
     s = json.loads((overlap_run / "summary.json").read_text())
     for job in ("job0", "job1"):

@@ -60,6 +60,11 @@ def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monke
     assert trainer_settings(graphed)["trainer_graphs"] and not trainer_settings(opts)["trainer_graphs"]
     pool.opts = graphed
     assert pool(_cfg(2), 1) is first and first.trainer_restarts == [graphed] and not first.closed
+    # Settings of the run loop alone (the logprob audit's cadence): every process kept, no restart.
+    audited = dataclasses.replace(graphed, audit_every=4)
+    assert engine_settings(audited) == engine_settings(graphed) and trainer_settings(audited) == trainer_settings(graphed)
+    pool.opts = audited
+    assert pool(_cfg(2), 1) is first and first.trainer_restarts == [graphed] and first.opts is audited
     # An engine setting (here the engine's thread percentage) needs new engines: a new cluster.
     pool.opts = dataclasses.replace(graphed, engine_thread_pct=60)
     other = pool(_cfg(2), 1)
