@@ -166,7 +166,8 @@ def run_controls(summary: dict) -> dict:
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
     that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
     (``--engine-arg``), ``engine_env`` for the engine's extra environment variables (their
-    names) and ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
+    names), ``audit`` for a logprob audit on fewer steps than every one ("off", "every N steps"), and
+    ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
     at the defaults of its time (vLLM's LoRA kernels before session 11's shipped configs)."""
     from real.backend import RealOptions  # light: no torch, no vLLM
@@ -184,6 +185,11 @@ def run_controls(summary: dict) -> dict:
             out["lora_kernels"] = "tuned"  # the folder given through --engine-env
         if env:
             out["engine_env"] = ",".join(sorted(env))
+        audit = d.get("audit") or {}
+        if audit.get("logprobs") is False:
+            out["audit"] = "off"
+        elif (audit.get("every") or 1) != 1:
+            out["audit"] = f"every {audit['every']} steps"
         for name, w in (d.get("workers") or {}).items():
             if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
                 out["trainer_step_mode"] = w["step_mode"]
@@ -199,7 +205,9 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                       "engine_args": "the engine ran with extra vLLM arguments (--engine-arg): the profile's "
                                      "engine terms are the default engine's",
                       "engine_env": "the engine ran with extra environment (--engine-env, e.g. tuned LoRA "
-                                    "kernel configs): the profile's engine terms are the default engine's"}
+                                    "kernel configs): the profile's engine terms are the default engine's",
+                      "audit": "the engine returned logprobs on fewer steps (--audit-every / --no-audit): the "
+                               "profile's engine terms were measured returning them on every step"}
 
 
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",

@@ -56,7 +56,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
     trainer's micro-batches replayed as CUDA graphs; +ea: extra vLLM engine arguments; +lk: tuned
     LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
-    variables; +freed: the trainer took the next train while
+    variables; +a0 / +aN: the engine's logprobs never / every N-th step (--no-audit, --audit-every);
+    +freed: the trainer took the next train while
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
@@ -85,6 +86,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+lk"  # tuned LoRA kernel configs in the engine (shipped, or VLLM_TUNED_CONFIG_FOLDER)
     if run.get("engine_env"):
         label += "+ee"  # other engine environment (--engine-env)
+    if run.get("audit"):  # the engine's logprobs on fewer steps: +a0 never, +aN every N-th step
+        label += "+a0" if run["audit"] == "off" else f"+a{run['audit'].split()[1]}"
     return label
 
 

@@ -606,7 +606,7 @@ class RealBackend:
             stack, v = self._stack_of[j.id], self._versions[j.id]
             self.c.engines[stack].put(("eval", "eval", [GenRequest(
                 job_id=j.id, adapter_version=v, prompts=[task.prompt(it) + "\n" for it in items], n=1,
-                max_new_tokens=j.max_new_tokens, temperature=0.0, seed=0)]))
+                max_new_tokens=j.max_new_tokens, temperature=0.0, seed=0, logprobs=False)]))
             rb = self.c.get()[2][0]
             correct = [int(task.reward(it, t[0]) == 1.0) for it, t in zip(items, rb.texts)]
             out[j.id] = {"accuracy": sum(correct) / len(correct), "correct": correct, "version": v}
@@ -617,7 +617,9 @@ class RealBackend:
                 "workers": dict(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
-                "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args)}
+                "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),
+                # Which steps' rollouts carried the engine's logprobs (host work on every decode step).
+                "audit": {"logprobs": self.opts.audit_logprobs, "every": self.opts.audit_every}}
 
     def close(self) -> None:
         if self.c.closed:

@@ -100,6 +100,10 @@ def test_the_audit_every_n_steps_asks_the_engine_for_logprobs_then_only(tmp_path
     s = json.loads((out / "summary.json").read_text())
     assert s["stale_rollouts"] == 0 and s["steps"] == 3
     assert sorted(a["version"] for a in s["diagnostics"][0]["logprob_agreement"]) == [0, 2]
+    assert s["diagnostics"][0]["audit"] == {"logprobs": True, "every": 2}
+    from calibration.validate import run_controls, unmodelled_controls
+
+    assert run_controls(s) == {"audit": "every 2 steps"} and unmodelled_controls(run_controls(s))
     assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
     assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
                  "--audit-every", "0", "--sharing", "none"]) == 2

@@ -223,6 +223,11 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     other = {"diagnostics": [dict(plain["diagnostics"][0], engine_env={"VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
                                                                        "VLLM_TUNED_CONFIG_FOLDER": "/tmp/x"})]}
     assert run_controls(other) == {"lora_kernels": "tuned", "engine_env": "VLLM_ATTENTION_BACKEND"}
+    # The engine's logprobs on fewer steps than every one: another configuration, outside the profile.
+    for audit, says in (({"logprobs": False, "every": 1}, "off"), ({"logprobs": True, "every": 4}, "every 4 steps")):
+        run = {"diagnostics": [dict(plain["diagnostics"][0], audit=audit)]}
+        assert run_controls(run) == {"audit": says} and unmodelled_controls(run_controls(run))
+    assert run_controls({"diagnostics": [dict(plain["diagnostics"][0], audit={"logprobs": True, "every": 1})]}) == {}
 
 
 def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
