@@ -115,6 +115,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     sim_alone: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}
     ded_task: dict[tuple[int, int], dict[str, str]] = {}
     ded_variant: dict[tuple[int, int, frozenset], list[tuple[float, float]]] = {}
+    alone_variant: dict[tuple[int, int, frozenset], dict[str, list[float]]] = {}  # each job's finish alone
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
@@ -127,6 +128,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # A dedicated run with a code setting (e.g. +cg): the baseline of the arms run with it.
             ded_variant.setdefault((jobs, seed, label_flags(plain)), []).append(
                 (summary["steps_per_gpu_hour"], sim["steps_per_gpu_hour"]))
+            for j, d in summary.get("per_job", {}).items():
+                alone_variant.setdefault((jobs, seed, label_flags(plain)), {}).setdefault(j, []).append(d["finish_s"])
         if plain == "dedicated/none/g1":
             ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
@@ -167,8 +170,11 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         variant = None if cfg["arm"]["policy"] == "dedicated" else variant_baseline(ded_variant, jobs, seed, plain)
         by_task = False
         if variant is not None:
-            # Like with like: an arm run with a code setting (+cg) over the dedicated run with it.
+            # Like with like: an arm run with a code setting (+cg) over the dedicated run with it,
+            # and each job's slowdown over its own time alone in that run.
             variant, base, sbase = variant
+            alone = {j: sum(v) / len(v) for j, v in alone_variant.get(
+                (jobs, seed, frozenset("+" + f for f in variant.split("+")[1:])), {}).items()}
         elif base is None:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over

@@ -246,3 +246,6 @@ def test_factors_within_a_code_setting(tmp_path):
     assert f["overlap_with_mps"] == pytest.approx(sph["ovl-mps"] / sph["sync-mps"])
     assert f["total"] == pytest.approx(sph["ovl-mps"] / sph["ded"])
     assert "batching" not in f  # no shared-sync run without MPS
+    # Each job's slowdown is over its own time alone in the dedicated run with the same setting.
+    row = table["arms"]["overlap/mps/g2+cg/4jobs"]["1"]
+    assert row["baseline_variant"] == "+cg" and 1.0 < row["slowdown_vs_alone"]["min"] <= row["slowdown_vs_alone"]["max"]
