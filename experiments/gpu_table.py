@@ -400,10 +400,16 @@ def plot(table: dict, path: Path) -> None:
 LADDER = ("dedicated/none/g1", "shared-sync/none/g1", "overlap/none/g2", "overlap/mps/g2")
 
 
+TIMELINE_ORDER = ("dedicated/none/g1", "shared-sync/none/g1", "shared-sync/mps/g1", "overlap/none/g2", "overlap/mps/g2",
+                  "continuous/mps/g1")
+
+
 def plot_timelines(table: dict, seed: str, path: Path) -> list[str]:
-    """One panel per 8-job arm of the factor ladder measured on ``seed``, on one time axis: each
-    group's generate (engine), train and publish (trainer) actions, so each factor's gain shows as
-    a shorter timeline for the same 40 optimizer steps. Returns the arms drawn."""
+    """One panel per 8-job arm measured on ``seed`` (``TIMELINE_ORDER``: the factor ladder and the
+    other policies), on one time axis: each group's generate (engine), train and publish
+    (trainer) actions, so each factor's gain shows as a shorter timeline for the same optimizer
+    steps. ``seed`` may name a code setting ("1+cg"): the arms run with exactly it. Returns the
+    arms drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -411,7 +417,8 @@ def plot_timelines(table: dict, seed: str, path: Path) -> list[str]:
 
     from nodus.timeline import read_jsonl
 
-    arms = [a for a in LADDER if seed in table["arms"].get(a, {})]
+    seed, plus, setting = seed.partition("+")
+    arms = [a + plus + setting for a in TIMELINE_ORDER if seed in table["arms"].get(a + plus + setting, {})]
     if not arms:
         return []
     colors = {"generate": "tab:blue", "train": "tab:orange", "publish": "tab:green"}
@@ -460,8 +467,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--note", action="append", default=[], help="a line for the table's notes; repeatable")
     ap.add_argument("--learning", type=Path,
                     help="a `nodus compare --json` report of learning runs: its gate verdicts join the table")
-    ap.add_argument("--timelines", action="append", default=[], metavar="SEED",
-                    help="draw the 8-job arms of this seed on one time axis (<out>_timelines_s<SEED>.png); repeatable")
+    ap.add_argument("--timelines", action="append", default=[], metavar="SEED[+SETTING]",
+                    help="draw the 8-job arms of this seed on one time axis (<out>_timelines_s<SEED>.png); "
+                         "SEED+SETTING, e.g. 1+cg: the arms run with that code setting; repeatable")
     a = ap.parse_args(argv)
     run_profiles = {}
     for item in a.run_profile:
@@ -477,7 +485,8 @@ def main(argv: list[str] | None = None) -> dict:
     for seed in a.timelines:
         path = out.with_name(f"{out.name}_timelines_s{seed}.png")
         if not plot_timelines(table, str(seed), path):
-            ap.error(f"--timelines {seed}: no 8-job run of {', '.join(LADDER)} on that seed")
+            ap.error(f"--timelines {seed}: no 8-job run of {', '.join(TIMELINE_ORDER)} on that seed"
+                     + (" with that setting" if "+" in str(seed) else ""))
         table.setdefault("timelines", {})[str(seed)] = path.name
     out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
     out.with_suffix(".md").write_text(render(table) + "\n")

@@ -249,3 +249,11 @@ def test_factors_within_a_code_setting(tmp_path):
     # Each job's slowdown is over its own time alone in the dedicated run with the same setting.
     row = table["arms"]["overlap/mps/g2+cg/4jobs"]["1"]
     assert row["baseline_variant"] == "+cg" and 1.0 < row["slowdown_vs_alone"]["min"] <= row["slowdown_vs_alone"]["max"]
+
+    from experiments.gpu_table import plot_timelines
+
+    assert plot_timelines(table, "1+cg", tmp_path / "x.png") == []  # 4-job runs: the timelines draw 8-job arms
+    table["arms"] = {k.removesuffix("/4jobs"): v for k, v in table["arms"].items()}
+    assert plot_timelines(table, "1+cg", tmp_path / "x.png") == [
+        "dedicated/none/g1+cg", "shared-sync/mps/g1+cg", "overlap/mps/g2+cg"]
+    assert plot_timelines(table, "1", tmp_path / "y.png") == []  # no arm without the setting
