@@ -46,12 +46,13 @@ class _Pair:
 
     def __init__(self, model: str, sharing: str, device: str, max_batch: int, mb_tokens: int,
                  engine_memory: float, enforce_eager: bool, adapters: int = 8, rank: int = 16,
-                 trainer_graphs: bool = False):
+                 trainer_graphs: bool = False, tuned_lora_kernels: bool = True):
         from real.backend import Cluster, RealOptions
         from real.trainer import JobConfig
 
         opts = RealOptions(model=model, mode="synthetic", device=device, engine_memory=engine_memory,
-                           enforce_eager=enforce_eager, warmup=False, trainer_graphs=trainer_graphs)
+                           enforce_eager=enforce_eager, warmup=False, trainer_graphs=trainer_graphs,
+                           tuned_lora_kernels=tuned_lora_kernels)
         self.c = Cluster(opts, sharing, 1, max_loras=adapters, max_rank=rank, max_num_seqs=max_batch,
                          max_tokens_per_microbatch=mb_tokens)
         self.vocab = self.c.vocab_size
@@ -132,19 +133,21 @@ def measure_sharing(model: str, modes=("none", "mps"), batches=BATCHES, train_to
                     prompt: int = 128, length: int = 128, repeats: int = 2, device: str = "auto",
                     engine_memory: float = 0.35, enforce_eager: bool = False, mb_tokens: int = 16384,
                     log=print, raw_path: str | Path | None = None, make_pair=_Pair,
-                    trainer_graphs: bool = False) -> dict:
+                    trainer_graphs: bool = False, tuned_lora_kernels: bool = True) -> dict:
     """Raw timings per mode and bucket, and the rates the profile's sharing section takes. With
     `raw_path`, the timings so far are written there after every bucket (see `write_raw`);
     `make_pair` builds each mode's engine-and-trainer pair (tests pass a timed stand-in);
-    `trainer_graphs`: the trainer's micro-batches as CUDA graphs."""
+    `trainer_graphs`: the trainer's micro-batches as CUDA graphs; `tuned_lora_kernels`: the
+    engine with the shipped tuned LoRA kernel configs (real/lora_kernels.py) or vLLM's."""
     raw: dict = {}
     settings = {"modes": list(modes), "batches": list(batches), "train_tokens": list(train_tokens),
                 "prompt": prompt, "length": length, "repeats": repeats, "engine_memory": engine_memory}
     if trainer_graphs:
         settings["trainer_graphs"] = True
+    settings["tuned_lora_kernels"] = tuned_lora_kernels
     for mode in modes:
         pair = make_pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager,
-                         **({"trainer_graphs": True} if trainer_graphs else {}))
+                         trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels)
         try:
             gen = {b: pair.gen_request(b, prompt, length) for b in batches}
             train = {t: pair.train_batches(t) for t in train_tokens}
@@ -379,7 +382,7 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
     `from_raw` (a raw-timings JSON or a calibrate-sharing log), then write the base profile with
     the measured rates."""
     from nodus.config import ConfigError
-    from sim.profile import add_source, profile_dict, profile_step_mode, refuse_existing, write_profile
+    from sim.profile import add_source, profile_dict, profile_lora_kernels, profile_step_mode, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate")
     if any(m not in ("none", "mps") for m in modes) or "none" not in modes:
@@ -402,10 +405,11 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
                                   f"build its profile with --from-raw {raw_path}, or move it away")
         log(f"raw timings go to {raw_path} after every bucket (a stopped run: nodus calibrate-sharing "
             f"--from-raw {raw_path})")
-        # The co-run rates of the trainer the base profile's train terms describe.
+        # The co-run rates of the trainer the base profile's train terms describe, beside the engine
+        # its engine terms describe (its LoRA kernels).
         graphs = profile_step_mode(prof) != "eager"
         measured = measure_sharing(model, modes=modes, log=log, raw_path=raw_path, trainer_graphs=graphs,
-                                   **settings)
+                                   tuned_lora_kernels=profile_lora_kernels(prof) == "tuned", **settings)
         source = f"nodus calibrate-sharing ({','.join(modes)}{', graphed trainer' if graphs else ''})"
     apply_sharing(prof, measured)
     # The base's validation error bar was measured with other sharing rates: this profile has none until

@@ -236,6 +236,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                               f"({'--trainer-mode' if trainer_mode else 'the base profile, train.step_mode'}): fit "
                               "runs of one trainer (a graphed trainer's base: nodus calibrate --trainer-graphs; or "
                               "--trainer-mode graphed to fit its terms onto another base)")
+        if controls.get("audit"):
+            raise ConfigError(f"nodus fit: {rd}'s engine returned logprobs on fewer steps (audit {controls['audit']}; "
+                              "--audit-every / --no-audit) than the runs a profile describes (every step): its "
+                              "generations would fit a cheaper engine; fit runs at the default audit")
         if kernels != base_kernels:
             raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the base profile's "
                               f"engine terms are the {base_kernels} kernels' (environment.lora_kernel_configs): fit "

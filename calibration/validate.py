@@ -158,9 +158,6 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     return report
 
 
-LORA_CONFIG_ENV = "VLLM_TUNED_CONFIG_FOLDER"  # real.lora_kernels.ENV (that module needs no torch either)
-
-
 def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
@@ -169,8 +166,10 @@ def run_controls(summary: dict) -> dict:
     names), ``audit`` for a logprob audit on fewer steps than every one ("off", "every N steps"), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
-    at the defaults of its time (vLLM's LoRA kernels before session 11's shipped configs)."""
+    at the defaults of runs before session 11 (vLLM's own LoRA kernels, the audit every step); a
+    default H200 run since gives {"lora_kernels": "tuned"}."""
     from real.backend import RealOptions  # light: no torch, no vLLM
+    from real.lora_kernels import ENV as LORA_CONFIG_ENV
 
     defaults = RealOptions().sharing_controls("mps")
     out = {}

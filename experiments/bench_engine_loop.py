@@ -93,7 +93,7 @@ def main() -> None:
     except ImportError:
         pass
     with open(args.out, "w") as f:
-        json.dump({"env": env, "results": results}, f, indent=1)
+        json.dump({"env": dict(env, lora_kernel_configs=eng.lora_kernel_configs), "results": results}, f, indent=1)
     eng.close()
 
 

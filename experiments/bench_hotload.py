@@ -217,7 +217,8 @@ def main(argv=None) -> dict:
     median = {m: results[m][key]["median"] for m in ranked}
     iqr = {m: results[m][key]["p75"] - results[m][key]["p25"] for m in ranked}
     tie = len(ranked) == 2 and median[ranked[1]] - median[ranked[0]] < max(iqr.values())
-    report = {"env": env_header(args), "model": str(base), "rank": args.rank,
+    report = {"env": dict(env_header(args), lora_kernel_configs=engine.lora_kernel_configs), "model": str(base),
+              "rank": args.rank,
               "adapter_bytes": adapter_bytes, "engine_start_s": start_s,
               "generate_1_token_loaded_adapter_median_s": statistics.median(times),
               "methods": results, "tensors": tensor_support(),

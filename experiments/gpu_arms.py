@@ -213,6 +213,7 @@ def main() -> None:
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
     from nodus.simulate import config_from_args, simulate, write_run
+    from real.backend import RUN_SETTINGS
 
     try:
         engine_env = tuple(env_pairs(args.engine_env))
@@ -283,7 +284,8 @@ def main() -> None:
                 variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
                 variant += "-ee" if engine_env else ""  # engine environment, e.g. tuned LoRA kernel configs
-                variant += "-vk" if not args.tuned_lora_kernels else ""  # vLLM's default LoRA kernel configs
+                # vLLM's default LoRA kernel configs (a folder given through the environment wins).
+                variant += "-vk" if not args.tuned_lora_kernels and "VLLM_TUNED_CONFIG_FOLDER" not in dict(engine_env) else ""
                 if sharing == "mps":
                     variant += "-lowpri" if arm_opts.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""
@@ -302,9 +304,10 @@ def main() -> None:
                 mb = args.aa_mb_tokens if rep else arm_mb
                 cfg = config_from_args(workload(n, mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
-                # New trainer settings restart the trainers: a new shape to prime.
+                # New trainer settings restart the trainers: a new shape to prime (run-loop settings,
+                # such as the audit's cadence, keep every process: nothing new to prime).
                 shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch,
-                         tuple(sorted(arm_trainer.items())))
+                         tuple(sorted((k, v) for k, v in arm_trainer.items() if k not in RUN_SETTINGS)))
                 if args.prime and ((sharing, n_stacks(cfg)) not in pool.clusters or shape not in primed):
                     # New processes (or a micro-batch size they have not trained at): one discarded
                     # step of this arm takes the compiles first.

@@ -38,16 +38,15 @@ def label_flags(label: str) -> frozenset:
     return frozenset("+" + f for f in label.split("/")[-1].split("+")[1:])
 
 
-def variant_baseline(ded_variant: dict, jobs: int, seed: int, label: str):
-    """(flags, steps per GPU-hour, simulated) of the dedicated runs of ``jobs`` and ``seed`` whose
-    settings the arm ``label`` also has (the most of them; the mean over repeats), or None."""
-    flags = label_flags(label)
-    fits = [(len(f), f) for (j, s, f) in ded_variant if j == jobs and s == seed and f <= flags]
-    if not fits:
-        return None
-    f = max(fits, key=lambda t: (t[0], sorted(t[1])))[1]
-    runs = ded_variant[(jobs, seed, f)]
-    return ("".join(sorted(f)), sum(r[0] for r in runs) / len(runs), sum(r[1] for r in runs) / len(runs))
+def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozenset | None:
+    """Of the dedicated runs' setting sets ``present``, the one an arm with settings ``flags`` is
+    measured over: the largest that ``flags`` holds (ties: the first in sorted order), or ``own``
+    when given (a dedicated row's baseline is the plain dedicated run: own = frozenset()) and
+    present; None if none fits."""
+    if own is not None:
+        return own if own in present and own != flags else None
+    fits = [f for f in present if f <= flags]
+    return max(fits, key=lambda f: (len(f), sorted(f))) if fits else None
 
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
@@ -106,47 +105,42 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         return hits[0] if hits else profile
 
     rows = []
-    # Per (jobs, seed), over its dedicated runs: steps per GPU-hour, each job's finish time alone,
-    # and the simulator's dedicated prediction.
-    ded_sph: dict[tuple[int, int], list[float]] = {}
-    alone_finish: dict[tuple[int, int], dict[str, list[float]]] = {}
-    sim_base: dict[tuple[int, int], float] = {}
-    ded_steps: dict[tuple[int, int], dict[str, int]] = {}
-    sim_alone: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}
-    ded_task: dict[tuple[int, int], dict[str, str]] = {}
-    ded_variant: dict[tuple[int, int, frozenset], list[tuple[float, float]]] = {}
-    alone_variant: dict[tuple[int, int, frozenset], dict[str, list[float]]] = {}  # each job's finish alone
+    # Per (jobs, seed, code settings), over its dedicated runs: steps per GPU-hour, each job's
+    # finish time alone, and the simulator's dedicated prediction. The settings are the run's
+    # label flags (frozenset(): none; {"+cg", "+lk"}: the graphed trainer and tuned LoRA kernels):
+    # an arm is measured over the dedicated runs with the most of its own settings (like with like).
+    ded_sph: dict[tuple[int, int, frozenset], list[float]] = {}
+    sim_sph: dict[tuple[int, int, frozenset], list[float]] = {}
+    alone_finish: dict[tuple[int, int, frozenset], dict[str, list[float]]] = {}
+    ded_steps: dict[tuple[int, int, frozenset], dict[str, int]] = {}
+    sim_alone: dict[tuple[int, int, frozenset], dict[str, tuple[int, float]]] = {}
+    ded_task: dict[tuple[int, int, frozenset], dict[str, str]] = {}
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
         sim = _simulate(recorded_configs(rd, cfg, spans, profile_of(rd))[0], f"{rd}/config.json")
         plain = arm_label(cfg["arm"], summary, cfg.get("trainer"))
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
-        # The baseline: dedicated runs at the default settings only (a dedicated run with a
-        # changed setting, e.g. +eager, is a row measured against it).
-        if plain.startswith("dedicated/none/g1+"):
-            # A dedicated run with a code setting (e.g. +cg): the baseline of the arms run with it.
-            ded_variant.setdefault((jobs, seed, label_flags(plain)), []).append(
-                (summary["steps_per_gpu_hour"], sim["steps_per_gpu_hour"]))
+        if plain == "dedicated/none/g1" or plain.startswith("dedicated/none/g1+"):
+            key = (jobs, seed, label_flags(plain))
+            ded_sph.setdefault(key, []).append(summary["steps_per_gpu_hour"])
+            sim_sph.setdefault(key, []).append(sim["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
-                alone_variant.setdefault((jobs, seed, label_flags(plain)), {}).setdefault(j, []).append(d["finish_s"])
-        if plain == "dedicated/none/g1":
-            ded_sph.setdefault((jobs, seed), []).append(summary["steps_per_gpu_hour"])
-            for j, d in summary.get("per_job", {}).items():
-                alone_finish.setdefault((jobs, seed), {}).setdefault(j, []).append(d["finish_s"])
-                ded_task.setdefault((jobs, seed), {})[j] = d.get("task")
-                ded_steps.setdefault((jobs, seed), {})[j] = d["steps"]
-            sim_base.setdefault((jobs, seed), sim["steps_per_gpu_hour"])
-            sim_alone.setdefault((jobs, seed), {j: (d["steps"], d["finish_s"])
-                                                for j, d in sim.get("per_job", {}).items()})
+                alone_finish.setdefault(key, {}).setdefault(j, []).append(d["finish_s"])
+                ded_task.setdefault(key, {})[j] = d.get("task")
+                ded_steps.setdefault(key, {})[j] = d["steps"]
+            sim_alone.setdefault(key, {j: (d["steps"], d["finish_s"]) for j, d in sim.get("per_job", {}).items()})
     # The baseline is the mean over the dedicated repeats: the order runs are named in never
     # decides it; two repeats also give the A/A spread.
-    baselines = {k: sum(v) / len(v) for k, v in ded_sph.items()}
-    for (jobs, seed), vals in ded_sph.items():
+    mean = (lambda v: sum(v) / len(v))
+    for (jobs, seed, flags), vals in ded_sph.items():
         if len(vals) >= 2:
-            table["aa"][f"{jobs}-s{seed}"] = {"runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
+            table["aa"][f"{jobs}-s{seed}{''.join(sorted(flags))}"] = {
+                "runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
     for rd, cfg, summary, jobs, seed, sim, phase_s, plain in rows:
-        is_base = plain == "dedicated/none/g1"
+        flags = label_flags(plain)
+        dedicated = cfg["arm"]["policy"] == "dedicated"
+        is_base = dedicated and plain == "dedicated/none/g1" or dedicated and (jobs, seed, frozenset()) not in ded_sph
         label = plain + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
         if str(seed) in per:  # a repeat of this arm and seed: the row is the mean over its runs
@@ -164,26 +158,36 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                 prev["ratio_vs_dedicated"] = prev["steps_per_gpu_hour"] / b if b else None
                 prev["sim_ratio_vs_dedicated"] = prev["sim_steps_per_gpu_hour"] / sb if sb else None
             continue
-        base = baselines.get((jobs, seed))
-        sbase = sim_base.get((jobs, seed))
-        alone = {j: sum(v) / len(v) for j, v in alone_finish.get((jobs, seed), {}).items()}
-        variant = None if cfg["arm"]["policy"] == "dedicated" else variant_baseline(ded_variant, jobs, seed, plain)
-        by_task = False
-        if variant is not None:
-            # Like with like: an arm run with a code setting (+cg) over the dedicated run with it,
-            # and each job's slowdown over its own time alone in that run.
-            variant, base, sbase = variant
-            alone = {j: sum(v) / len(v) for j, v in alone_variant.get(
-                (jobs, seed, frozenset("+" + f for f in variant.split("+")[1:])), {}).items()}
-        elif base is None:
+        # The dedicated runs this row is measured over: those with the most of its own settings (a
+        # dedicated row with a setting: over the plain dedicated run, when there is one).
+        own = frozenset() if dedicated else None
+        base_flags = best_flags({k[2] for k in ded_sph if k[:2] == (jobs, seed)}, flags, own)
+        variant, by_task = None, False
+        base = sbase = None
+        alone: dict = {}
+        if base_flags is not None:
+            key = (jobs, seed, base_flags)
+            base, sbase = mean(ded_sph[key]), mean(sim_sph[key])
+            alone = {j: mean(v) for j, v in alone_finish.get(key, {}).items()}
+            variant = "".join(sorted(base_flags)) or None
+        elif not dedicated:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
-            # their GPU-seconds alone).
-            base, sbase, alone, by_task = _subset_baseline(
-                {j: d.get("task") for j, d in summary.get("per_job", {}).items()}, seed, alone_finish,
-                ded_steps, sim_alone, ded_task)
+            # their GPU-seconds alone), from the dedicated runs with the most of this row's settings.
+            sub_flags = best_flags({k[2] for k in ded_sph if k[1] == seed}, flags, None)
+            if sub_flags is not None:
+                pick = (lambda m: {k[:2]: v for k, v in m.items() if k[2] == sub_flags})
+                base, sbase, alone, by_task = _subset_baseline(
+                    {j: d.get("task") for j, d in summary.get("per_job", {}).items()}, seed, pick(alone_finish),
+                    pick(ded_steps), pick(sim_alone), pick(ded_task))
+                variant = ("".join(sorted(sub_flags)) or None) if base else None
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
-        sph = base if is_base else summary["steps_per_gpu_hour"]
+        if is_base:  # the baseline itself: the mean over its repeats
+            base_key = (jobs, seed, flags)
+            sph, base, sbase = mean(ded_sph[base_key]), mean(ded_sph[base_key]), mean(sim_sph[base_key])
+            variant = None
+        else:
+            sph = summary["steps_per_gpu_hour"]
         per[str(seed)] = {
             "run": str(rd), "jobs": jobs, "steps_per_gpu_hour": sph,
             "ratio_vs_dedicated": sph / base if base else None,
@@ -395,9 +399,6 @@ def plot(table: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-LADDER = ("dedicated/none/g1", "shared-sync/none/g1", "overlap/none/g2", "overlap/mps/g2")
 
 
 TIMELINE_ORDER = ("dedicated/none/g1", "shared-sync/none/g1", "shared-sync/mps/g1", "overlap/none/g2", "overlap/mps/g2",

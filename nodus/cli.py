@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from nodus.config import DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
+from sim.profile import STEP_MODES
 
 
 def _add_arm_flags(p: argparse.ArgumentParser) -> None:
@@ -392,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
     p.add_argument("--fit-max-jobs", type=int, default=4,
                    help="use only runs with at most this many jobs per GPU (the rest stay held out)")
-    p.add_argument("--trainer-mode", choices=("eager", "graphed", "static"), default=None,
+    p.add_argument("--trainer-mode", choices=STEP_MODES, default=None,
                    help="the trainer the runs used (default: the base's train.step_mode); another than the base's "
                         "fits that trainer's terms onto the base, its unfitted co-run rates kept from the base "
                         "(an assumption the profile names)")

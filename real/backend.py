@@ -115,7 +115,7 @@ MPS_PRIORITIES = {"normal": 0, "below-normal": 1}  # CUDA_MPS_CLIENT_PRIORITY va
 ENGINE_ARGS_SET_BY_NODUS = frozenset({
     "model", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_model_len",
     "gpu_memory_utilization", "enforce_eager", "load_format", "skip_tokenizer_init", "dtype", "seed",
-    "logprobs_mode", "max_num_batched_tokens"})
+    "logprobs_mode", "max_num_batched_tokens", "tuned_lora_kernels"})
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
 

@@ -10,7 +10,9 @@ the GPU it names; its per-shape report beside it): on the H200, for the Qwen3-0.
 
 An engine uses them by default when they exist for its GPU and were tuned for its LoRA shapes
 (the model's projection widths and the engine's max LoRA rank, from ``{GPU}_REPORT.json``: vLLM
-takes the nearest tuned width and rank for any other, which may be slower than its default). A
+takes the nearest tuned width and rank for any other, which may be slower than its default). The
+shipped H200 configs were tuned for 8 adapter slots (the 8-job arms); an engine with other slot
+counts gets the nearest (vLLM's lookup), not measured against vLLM's default there. A
 ``VLLM_TUNED_CONFIG_FOLDER`` the user set (or ``--engine-env``) wins; ``tuned=False`` (``--no-tuned-lora-kernels``) runs vLLM's
 defaults. The choice is recorded with every run (the engine worker's start info) and every
 calibrated profile (its environment header), so the simulator can tell which engine it describes.

@@ -205,6 +205,11 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     with pytest.raises(ConfigError, match="engine ran tuned LoRA kernel configs but the base profile's engine terms "
                                           "are the default kernels'"):
         fit(runs, base=str(graphed_base))
+    summary["diagnostics"][0]["workers"].pop("engine0")
+    summary["diagnostics"][0]["audit"] = {"logprobs": True, "every": 4}
+    (runs[0] / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ConfigError, match="returned logprobs on fewer steps .audit every 4 steps"):
+        fit(runs, base=str(graphed_base))
 
 
 def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):

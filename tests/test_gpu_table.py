@@ -211,16 +211,18 @@ def test_the_table_names_runs_on_a_slowed_host(tmp_path):
 
 def test_an_arm_with_a_code_setting_is_measured_over_the_dedicated_run_with_it():
     """+cg arms over the +cg dedicated run (like with like); MPS-only settings never need one."""
-    from experiments.gpu_table import label_flags, variant_baseline
+    from experiments.gpu_table import best_flags, label_flags
 
     assert label_flags("overlap/mps/g2+lowpri+cg") == {"+lowpri", "+cg"}
     assert label_flags("dedicated/none/g1") == frozenset()
-    ded = {(8, 1, frozenset({"+cg"})): [(2000.0, 2400.0), (2200.0, 2400.0)],
-           (8, 1, frozenset({"+cg", "+ea"})): [(2500.0, 2600.0)]}
-    assert variant_baseline(ded, 8, 1, "overlap/mps/g2+lowpri+cg") == ("+cg", 2100.0, 2400.0)
-    assert variant_baseline(ded, 8, 1, "overlap/mps/g2+cg+ea") == ("+cg+ea", 2500.0, 2600.0)
-    assert variant_baseline(ded, 8, 1, "overlap/mps/g2") is None  # the default dedicated run then
-    assert variant_baseline(ded, 8, 2, "overlap/mps/g2+cg") is None  # another seed's never counts
+    present = {frozenset({"+cg"}), frozenset({"+cg", "+ea"})}
+    assert best_flags(present, label_flags("overlap/mps/g2+lowpri+cg"), None) == {"+cg"}
+    assert best_flags(present, label_flags("overlap/mps/g2+cg+ea"), None) == {"+cg", "+ea"}
+    assert best_flags(present, label_flags("overlap/mps/g2"), None) is None  # no plain dedicated run
+    assert best_flags(present | {frozenset()}, label_flags("overlap/mps/g2+lk"), None) == frozenset()
+    # A dedicated row with a setting is measured over the plain dedicated run, if there is one.
+    assert best_flags(present | {frozenset()}, frozenset({"+cg"}), frozenset()) == frozenset()
+    assert best_flags(present, frozenset({"+cg"}), frozenset()) is None
 
 
 def test_factors_within_a_code_setting(tmp_path):
@@ -257,3 +259,34 @@ def test_factors_within_a_code_setting(tmp_path):
     assert plot_timelines(table, "1+cg", tmp_path / "x.png") == [
         "dedicated/none/g1+cg", "shared-sync/mps/g1+cg", "overlap/mps/g2+cg"]
     assert plot_timelines(table, "1", tmp_path / "y.png") == []  # no arm without the setting
+
+
+def test_runs_with_settings_get_the_subset_baseline_and_the_aa_spread_too(tmp_path):
+    """Every run of a day with tuned LoRA kernels (+lk, the H200 default): a 2-job arm beside only a
+    4-job dedicated run (twice) gets the subset baseline of that +lk run, and the two dedicated runs
+    give the A/A spread, as plain runs do."""
+    from experiments.gpu_table import main
+
+    def lk(out):
+        summary = json.loads((out / "summary.json").read_text())
+        summary["diagnostics"] = [{"workers": {"engine0": {"lora_kernel_configs": {"source": "shipped"}},
+                                               "trainer0": {"compiled": ["x"]}}}]
+        (out / "summary.json").write_text(json.dumps(summary))
+        return str(out)
+
+    runs = []
+    for name, kw in (("ded", dict(jobs=4, policy="dedicated", sharing="none")),
+                     ("ded-aa", dict(jobs=4, policy="dedicated", sharing="none")),
+                     ("ovl", dict(jobs=2, policy="overlap", groups=2, sharing="mps"))):
+        simulate(config_from_args(steps=3, seed=5, **kw), tmp_path / name)
+        runs.append(lk(tmp_path / name))
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    ded = json.loads((tmp_path / "ded" / "summary.json").read_text())["per_job"]
+    ovl = json.loads((tmp_path / "ovl" / "summary.json").read_text())
+    two = [ded[j] for j in ovl["per_job"]]
+    base = 3600 * sum(d["steps"] for d in two) / sum(d["finish_s"] for d in two)
+    row = table["arms"]["overlap/mps/g2+lk/2jobs"]["5"]
+    assert row["ratio_vs_dedicated"] == pytest.approx(ovl["steps_per_gpu_hour"] / base)
+    assert row["baseline_variant"] == "+lk"
+    assert table["aa"]["4-s5+lk"]["rel_diff"] == pytest.approx(0.0)
+    assert table["arms"]["dedicated/none/g1+lk/4jobs"]["5"]["ratio_vs_dedicated"] == pytest.approx(1.0)

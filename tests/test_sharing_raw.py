@@ -20,7 +20,7 @@ def _measure(tmp_path, stop_after=None, log=None):
     return measure_sharing("no-model", modes=GRID["modes"], batches=GRID["batches"],
                            train_tokens=GRID["train_tokens"], raw_path=tmp_path / "p.raw.json",
                            log=log or (lambda m: None),
-                           make_pair=lambda *a: TimedPair(*a, stop_after=stop_after, counter=counter))
+                           make_pair=lambda *a, **kw: TimedPair(*a, stop_after=stop_after, counter=counter))
 
 
 def test_log_bucket_lines_round_trip_among_other_lines():
@@ -115,3 +115,26 @@ def test_read_raw_errors_name_the_file_and_the_problem(tmp_path):
     write_raw(tmp_path / "sub" / "ok.json", {"none": []}, {"batches": [8], "train_tokens": [1000]})
     with pytest.raises(ValueError, match="no bucket of mode 'none'"):
         read_raw(tmp_path / "sub" / "ok.json", GRID)
+
+
+def test_sharing_is_measured_beside_the_engine_kernels_the_base_describes(tmp_path):
+    """calibrate-sharing runs its engine with the LoRA kernels its base profile's engine terms
+    describe (environment.lora_kernel_configs), as it runs the base's trainer."""
+    from sim.profile import profile_dict
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def pair(*a, **kw):
+        asked.append(kw)
+        raise Stop
+
+    base = profile_dict("h200-xeon16-qwen3-0.6b")
+    tuned = dict(base, environment=dict(base["environment"], lora_kernel_configs={"source": "shipped"}))
+    (tmp_path / "tuned.json").write_text(json.dumps(tuned))
+    for name, want in (("h200-xeon16-qwen3-0.6b", False), (str(tmp_path / "tuned.json"), True)):
+        with pytest.raises(Stop):
+            calibrate_sharing("no-model", base=name, out=tmp_path / f"out{want}.json", make_pair=pair)
+        assert asked[-1] == {"trainer_graphs": False, "tuned_lora_kernels": want}
