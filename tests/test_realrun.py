@@ -69,3 +69,20 @@ def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monke
     pool.opts = dataclasses.replace(graphed, engine_thread_pct=60)
     other = pool(_cfg(2), 1)
     assert other is not first and first.closed and len(FakeCluster.started) == 2
+
+
+def test_the_audit_cadence_picks_each_jobs_steps_and_a_bad_one_is_refused(capsys):
+    """--audit-every N: a job's steps 0, N, 2N, ... are audited (the engine returns logprobs then
+    only); --no-audit none; N < 1 is refused by name before anything starts."""
+    from types import SimpleNamespace
+
+    from nodus.cli import main
+    from real.backend import RealBackend, RealOptions
+
+    every2 = SimpleNamespace(opts=RealOptions(audit_every=2))
+    assert [RealBackend.audits(every2, k) for k in range(5)] == [True, False, True, False, True]
+    off = SimpleNamespace(opts=RealOptions(audit_logprobs=False))
+    assert not any(RealBackend.audits(off, k) for k in range(3))
+    assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
+                 "--sharing", "none", "--audit-every", "0"]) == 2
+    assert "audit_every=0" in capsys.readouterr().err
