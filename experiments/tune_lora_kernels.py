@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from real.lora_kernels import lora_shapes, vllm_gpu_name  # noqa: E402  (re-exported for the tests)
+from real.lora_kernels import config_files, lora_shapes, report_file  # noqa: E402  (lora_shapes: the tests')
 
 # Decode batches (vLLM pads them to its CUDA-graph sizes) and prefill chunks; vLLM takes the
 # nearest tuned batch size for any other.
@@ -86,16 +86,10 @@ def complete(tables: dict[str, dict], shapes: dict[str, list[tuple]], rank: int,
                     put(tables[op], key, slices, 1, k, n, dict(default(op, key, slices, k, n)))
 
 
-def file_names(gpu_name: str) -> dict[str, str]:
-    """The file vLLM reads for each op (``load_lora_op_config``)."""
-    g = vllm_gpu_name(gpu_name)
-    return {"shrink": f"{g}_SHRINK.json", "expand": f"{g}_EXPAND_TRUE.json"}
-
-
 def write_configs(out: Path, gpu_name: str, tables: dict[str, dict]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for op, name in file_names(gpu_name).items():
+    for op, name in config_files(gpu_name).items():
         if tables.get(op):
             (out / name).write_text(json.dumps(tables[op], indent=1, sort_keys=True))
             paths.append(out / name)
@@ -244,7 +238,7 @@ def main(argv=None) -> dict:
         args.report.write_text(json.dumps(report, indent=1))
     # Beside the configs: what they were tuned for (rank, shapes), which real/lora_kernels.py checks
     # before an engine uses a shipped folder.
-    (args.out / f"{vllm_gpu_name(gpu)}_REPORT.json").write_text(json.dumps(report, indent=1))
+    (args.out / report_file(gpu)).write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -26,12 +26,22 @@ from pathlib import Path
 
 ENV = "VLLM_TUNED_CONFIG_FOLDER"
 SHIPPED_DIR = Path(__file__).resolve().parent / "lora_configs"
-FILES = ("{gpu}_SHRINK.json", "{gpu}_EXPAND_TRUE.json")  # the two files vLLM reads for LoRA layers
 
 
 def vllm_gpu_name(device_name: str) -> str:
     """The GPU's name as vLLM spells it in config file names ("NVIDIA H200" -> "NVIDIA_H200")."""
     return device_name.replace(" ", "_").replace("-", "_")
+
+
+def config_files(device_name: str) -> dict[str, str]:
+    """The file vLLM reads for each op on this GPU (``load_lora_op_config``)."""
+    gpu = vllm_gpu_name(device_name)
+    return {"shrink": f"{gpu}_SHRINK.json", "expand": f"{gpu}_EXPAND_TRUE.json"}
+
+
+def report_file(device_name: str) -> str:
+    """The tuner's report beside the configs: what they were tuned for (rank, shapes)."""
+    return f"{vllm_gpu_name(device_name)}_REPORT.json"
 
 
 def lora_shapes(config: dict) -> dict[str, list[tuple]]:
@@ -53,9 +63,9 @@ def shipped_folder(device_name: str, rank: int, model_config: dict | None,
                    folder: Path = SHIPPED_DIR) -> Path | None:
     """``folder`` when it holds both config files for this GPU and its report says they were tuned
     for this rank and these LoRA shapes; else None."""
-    gpu = vllm_gpu_name(device_name)
-    report = folder / f"{gpu}_REPORT.json"
-    if model_config is None or not report.is_file() or not all((folder / f.format(gpu=gpu)).is_file() for f in FILES):
+    report = folder / report_file(device_name)
+    if model_config is None or not report.is_file() or not all((folder / f).is_file()
+                                                               for f in config_files(device_name).values()):
         return None
     try:
         tuned = json.loads(report.read_text())
