@@ -216,11 +216,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
 
     from calibration.validate import run_controls
 
-    base_mode = profile_step_mode(profile_dict(base))
+    prof = profile_dict(base)  # read once: the checks below read it, the fit changes it
+    base_mode = profile_step_mode(prof)
     want_mode = trainer_mode or base_mode
     if want_mode not in STEP_MODES:
         raise ConfigError(f"nodus fit: --trainer-mode {want_mode!r}; choose one of {', '.join(STEP_MODES)}")
-    base_kernels = profile_lora_kernels(profile_dict(base))
+    base_kernels = profile_lora_kernels(prof)
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     layouts: dict[str, list[str]] = {}
     for rd in map(Path, runs):
@@ -263,7 +264,6 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
                           f"(need >= 3); held out: {skipped}")
-    prof = profile_dict(base)
     y = np.array([s["s"] for s in samples])
     mb = np.array([s["microbatches"] for s in samples], dtype=float)
     tok = np.array([s["padded_tokens"] for s in samples], dtype=float)
