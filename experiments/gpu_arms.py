@@ -214,6 +214,7 @@ def main() -> None:
     from nodus.runner import n_stacks, run_arm
     from nodus.simulate import config_from_args, simulate, write_run
     from real.backend import RUN_SETTINGS
+    from real.lora_kernels import ENV as LORA_CONFIG_ENV
 
     try:
         engine_env = tuple(env_pairs(args.engine_env))
@@ -285,7 +286,7 @@ def main() -> None:
                 variant += "-ea" if engine_args else ""
                 variant += "-ee" if engine_env else ""  # engine environment, e.g. tuned LoRA kernel configs
                 # vLLM's default LoRA kernel configs (a folder given through the environment wins).
-                variant += "-vk" if not args.tuned_lora_kernels and "VLLM_TUNED_CONFIG_FOLDER" not in dict(engine_env) else ""
+                variant += "-vk" if not args.tuned_lora_kernels and LORA_CONFIG_ENV not in dict(engine_env) else ""
                 if sharing == "mps":
                     variant += "-lowpri" if arm_opts.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""

@@ -8,16 +8,28 @@ import pytest
 from nodus.simulate import config_from_args, simulate
 
 
+
+def _simulated(tmp_path, arms, diagnostics=None, **common) -> list[str]:
+    """Simulated run folders under ``tmp_path``, one per (name, config arguments) of ``arms`` (each
+    with ``common`` too); ``diagnostics``: written into each summary, as a real run records them."""
+    runs = []
+    for name, kw in arms:
+        out = tmp_path / name
+        simulate(config_from_args(**common, **kw), out)
+        if diagnostics is not None:
+            summary = json.loads((out / "summary.json").read_text())
+            summary["diagnostics"] = diagnostics
+            (out / "summary.json").write_text(json.dumps(summary))
+        runs.append(str(out))
+    return runs
+
+
 def test_gpu_table_ratios_aa_and_sim_beside(tmp_path):
     from experiments.gpu_table import main
 
-    runs = []
-    for name, kw in (("ded", dict(policy="dedicated", sharing="none")),
-                     ("ded-aa", dict(policy="dedicated", sharing="none")),
-                     ("ovl", dict(policy="overlap", groups=2, sharing="mps"))):
-        out = tmp_path / name
-        simulate(config_from_args(jobs=4, steps=3, seed=2, **kw), out)
-        runs.append(str(out))
+    runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),
+                                 ("ded-aa", dict(policy="dedicated", sharing="none")),
+                                 ("ovl", dict(policy="overlap", groups=2, sharing="mps"))), jobs=4, steps=3, seed=2)
     table = main(runs + ["--out", str(tmp_path / "t" / "table")])
     ded, ovl = table["arms"]["dedicated/none/g1/4jobs"]["2"], table["arms"]["overlap/mps/g2/4jobs"]["2"]
     assert ded["ratio_vs_dedicated"] == 1.0 and ded["slowdown_vs_alone"] is None
@@ -88,13 +100,10 @@ def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):
     over the arm that differs from it in one thing, and their product is the total ratio."""
     from experiments.gpu_table import main
 
-    runs = []
-    for name, kw in (("ded", dict(policy="dedicated", sharing="none")),
-                     ("sync", dict(policy="shared-sync", sharing="none")),
-                     ("ovl", dict(policy="overlap", groups=2, sharing="none")),
-                     ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))):
-        simulate(config_from_args(jobs=4, steps=3, seed=1, **kw), tmp_path / name)
-        runs.append(str(tmp_path / name))
+    runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),
+                                 ("sync", dict(policy="shared-sync", sharing="none")),
+                                 ("ovl", dict(policy="overlap", groups=2, sharing="none")),
+                                 ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))), jobs=4, steps=3, seed=1)
     table = main(runs + ["--out", str(tmp_path / "t")])
     f = table["factors"]["4"]["1"]
     sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"]
@@ -173,11 +182,8 @@ def test_a_run_whose_trainer_was_freed_before_the_publish_is_its_own_row():
 def test_timelines_draw_a_seeds_ladder_arms_on_one_axis(tmp_path):
     from experiments.gpu_table import main, plot_timelines
 
-    runs = []
-    for name, kw in (("ded", dict(policy="dedicated", sharing="none")),
-                     ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))):
-        simulate(config_from_args(jobs=8, steps=2, seed=1, **kw), tmp_path / name)
-        runs.append(str(tmp_path / name))
+    runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),
+                                 ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))), jobs=8, steps=2, seed=1)
     table = main(runs + ["--out", str(tmp_path / "t"), "--timelines", "1"])
     assert table["timelines"] == {"1": "t_timelines_s1.png"} and (tmp_path / "t_timelines_s1.png").stat().st_size > 0
     assert "t_timelines_s1.png" in (tmp_path / "t.md").read_text()
@@ -230,16 +236,11 @@ def test_factors_within_a_code_setting(tmp_path):
     over the dedicated run with that setting, keyed by job count and setting."""
     from experiments.gpu_table import main
 
-    runs = []
-    for name, kw in (("ded", dict(policy="dedicated", sharing="none")),
-                     ("sync-mps", dict(policy="shared-sync", sharing="mps")),
-                     ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))):
-        out = tmp_path / name
-        simulate(config_from_args(jobs=4, steps=3, seed=1, **kw), out)
-        summary = json.loads((out / "summary.json").read_text())
-        summary["diagnostics"] = [{"workers": {"trainer0": {"step_mode": "graphed", "compiled": ["x"]}}}]
-        (out / "summary.json").write_text(json.dumps(summary))
-        runs.append(str(out))
+    runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),
+                                 ("sync-mps", dict(policy="shared-sync", sharing="mps")),
+                                 ("ovl-mps", dict(policy="overlap", groups=2, sharing="mps"))),
+                      diagnostics=[{"workers": {"trainer0": {"step_mode": "graphed", "compiled": ["x"]}}}],
+                      jobs=4, steps=3, seed=1)
     table = main(runs + ["--out", str(tmp_path / "t")])
     sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"]
            for k in ("ded", "sync-mps", "ovl-mps")}
@@ -267,19 +268,11 @@ def test_runs_with_settings_get_the_subset_baseline_and_the_aa_spread_too(tmp_pa
     give the A/A spread, as plain runs do."""
     from experiments.gpu_table import main
 
-    def lk(out):
-        summary = json.loads((out / "summary.json").read_text())
-        summary["diagnostics"] = [{"workers": {"engine0": {"lora_kernel_configs": {"source": "shipped"}},
-                                               "trainer0": {"compiled": ["x"]}}}]
-        (out / "summary.json").write_text(json.dumps(summary))
-        return str(out)
-
-    runs = []
-    for name, kw in (("ded", dict(jobs=4, policy="dedicated", sharing="none")),
-                     ("ded-aa", dict(jobs=4, policy="dedicated", sharing="none")),
-                     ("ovl", dict(jobs=2, policy="overlap", groups=2, sharing="mps"))):
-        simulate(config_from_args(steps=3, seed=5, **kw), tmp_path / name)
-        runs.append(lk(tmp_path / name))
+    runs = _simulated(tmp_path, (("ded", dict(jobs=4, policy="dedicated", sharing="none")),
+                                 ("ded-aa", dict(jobs=4, policy="dedicated", sharing="none")),
+                                 ("ovl", dict(jobs=2, policy="overlap", groups=2, sharing="mps"))),
+                      diagnostics=[{"workers": {"engine0": {"lora_kernel_configs": {"source": "shipped"}},
+                                                "trainer0": {"compiled": ["x"]}}}], steps=3, seed=5)
     table = main(runs + ["--out", str(tmp_path / "t")])
     ded = json.loads((tmp_path / "ded" / "summary.json").read_text())["per_job"]
     ovl = json.loads((tmp_path / "ovl" / "summary.json").read_text())
