@@ -140,7 +140,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     for rd, cfg, summary, jobs, seed, sim, phase_s, plain in rows:
         flags = label_flags(plain)
         dedicated = cfg["arm"]["policy"] == "dedicated"
-        is_base = dedicated and plain == "dedicated/none/g1" or dedicated and (jobs, seed, frozenset()) not in ded_sph
+        # A dedicated row is a baseline itself unless a plain dedicated run of its jobs and seed is.
+        is_base = dedicated and (not flags or (jobs, seed, frozenset()) not in ded_sph)
         label = plain + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
         if str(seed) in per:  # a repeat of this arm and seed: the row is the mean over its runs
