@@ -64,6 +64,7 @@ PUBLISH_BESIDE_TRAIN = 0.5  # a publish counts as beside a train step past this 
 # Per sharing mode of a run: its alone rate's key (None: alone without MPS, the work itself) and its
 # co-run rate's key in the profile's sharing section; the trainer's and the engine's fits both use it.
 SHARING_MODES = (("none", None, "none_corun"), ("mps", "mps_alone", "mps_corun"))
+LORA_KERNELS = ("default", "tuned")  # the engine's LoRA kernel configs (sim.profile.profile_lora_kernels)
 
 
 def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
@@ -142,6 +143,16 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
     return out
 
 
+def engine_kernel_configs(summary: dict) -> dict | None:
+    """The LoRA kernel configs a run's engine recorded at start (``lora_kernel_configs`` of its
+    worker info: folder, GPU, source), or None (vLLM's defaults, or a run before the record)."""
+    for d in summary.get("diagnostics", []):
+        for name, w in (d.get("workers") or {}).items():
+            if name.startswith("engine") and w.get("lora_kernel_configs"):
+                return dict(w["lora_kernel_configs"])
+    return None
+
+
 def trainer_layout(summary: dict) -> str:
     """The multi-adapter layout a run's trainer used (its workers' diagnostics): masked or padded;
     `auto` counts as masked (it takes the masked path while a micro-batch has few adapters); a run
@@ -204,14 +215,22 @@ def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray | None = No
     return best
 
 
-def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None) -> dict:
+def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
+        lora_kernels: str | None = None) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs.
 
     ``trainer_mode`` (default: the base's ``train.step_mode``): the trainer the runs used and the
     fitted train terms describe. Another mode than the base's re-describes the trainer from the
     runs alone (a graphed trainer's profile from an eager base, before ``nodus calibrate
     --trainer-graphs`` has measured one); the trainer's co-run and MPS rates the runs do not fit
-    stay the base trainer's, and the profile says so (assumption ``trainer-rates-from-base``)."""
+    stay the base trainer's, and the profile says so (assumption ``trainer-rates-from-base``).
+
+    ``lora_kernels`` (default: the base's, ``environment.lora_kernel_configs``): the engine's LoRA
+    kernel configs the runs used ("default" or "tuned"). Another than the base's fits that engine
+    onto the base: the decode curves keep the base's shape and the dedicated runs' generations fit
+    their scale (``decode.scale``, so a fit set without a dedicated run is refused), the engine's
+    rates are fitted as always, prefill is the base's; the profile records the runs' configs and
+    says so (assumption ``engine-curves-from-base``)."""
     from sim.profile import STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels, profile_step_mode
 
     from calibration.validate import run_controls
@@ -222,6 +241,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     if want_mode not in STEP_MODES:
         raise ConfigError(f"nodus fit: --trainer-mode {want_mode!r}; choose one of {', '.join(STEP_MODES)}")
     base_kernels = profile_lora_kernels(prof)
+    want_kernels = lora_kernels or base_kernels
+    if want_kernels not in LORA_KERNELS:
+        raise ConfigError(f"nodus fit: --lora-kernels {want_kernels!r}; choose one of {', '.join(LORA_KERNELS)}")
+    kernel_configs = None  # what the runs' engines recorded (the profile's, when they differ from the base)
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     layouts: dict[str, list[str]] = {}
     for rd in map(Path, runs):
@@ -241,11 +264,13 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
             raise ConfigError(f"nodus fit: {rd}'s engine returned logprobs on fewer steps (audit {controls['audit']}; "
                               "--audit-every / --no-audit) than the runs a profile describes (every step): its "
                               "generations would fit a cheaper engine; fit runs at the default audit")
-        if kernels != base_kernels:
-            raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the base profile's "
-                              f"engine terms are the {base_kernels} kernels' (environment.lora_kernel_configs): fit "
-                              "runs of the engine the base describes (nodus calibrate measures the engine with the "
-                              "tuned configs nodus ships; --no-tuned-lora-kernels without)")
+        if kernels != want_kernels:
+            raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the fitted profile's "
+                              f"engine is the {want_kernels} kernels' ({'--lora-kernels' if lora_kernels else 'the base profile, environment.lora_kernel_configs'}): "
+                              "fit runs of one engine (nodus calibrate measures the engine with the tuned configs "
+                              "nodus ships, --no-tuned-lora-kernels without; or --lora-kernels "
+                              f"{kernels} to fit that engine onto this base)")
+        kernel_configs = kernel_configs or engine_kernel_configs(summary)
         layout = trainer_layout(summary)
         layouts.setdefault(layout, []).append(str(rd))
         s, p = train_samples(rd, recorded, layout)
@@ -323,6 +348,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     pred = work / (alone_frac * r_alone + (1 - alone_frac) * r_corun)
     rel = (pred - y) / y
     decode_fit = _decode_scale(gens, prof)
+    if want_kernels != base_kernels and decode_fit is None:
+        raise ConfigError(f"nodus fit: --lora-kernels {want_kernels} fits that engine onto a base of the {base_kernels} "
+                          "kernels through decode.scale, which only dedicated runs' generations fit (>= 3 of one job "
+                          "alone without MPS): add a dedicated run of the same engine")
     engine_rates, engine_fit = _engine_rates(gens, prof)
     rates.update(engine_rates)
     prof["train"]["per_microbatch"] = {"a_s": float(a), "b_s_per_unit": float(b)}
@@ -359,6 +388,18 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                      f"measured the {base_mode} one: the trainer's co-run and MPS rates not fitted here are that "
                      f"trainer's ({', '.join(kept) if kept else 'none'}); nodus calibrate-sharing on a "
                      f"{want_mode} profile measures them"}]
+    if want_kernels != base_kernels:
+        # An engine record of the runs' (or, for runs that recorded none but were tuned through the
+        # environment, a note of that); "default" clears the base's record.
+        prof["environment"]["lora_kernel_configs"] = (
+            (kernel_configs or {"source": "--engine-env", "note": "the runs' engine environment named the folder"})
+            if want_kernels == "tuned" else None)
+        prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "engine-curves-from-base"] + [
+            {"id": "engine-curves-from-base", "value": decode_fit["scale"],
+             "what": f"the engine ran the {want_kernels} LoRA kernel configs, the base profile measured the "
+                     f"{base_kernels} ones: its decode curves' shape (batch, adapters) and prefill are the base's, "
+                     f"scaled by the dedicated runs' fitted decode.scale ({decode_fit['scale']:.3f}); nodus calibrate "
+                     "with the same kernels measures them"}]
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")
@@ -565,10 +606,10 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
 
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,
-                trainer_mode: str | None = None) -> dict:
+                trainer_mode: str | None = None, lora_kernels: str | None = None) -> dict:
     from sim.profile import refuse_existing, write_profile
 
     refuse_existing(out, "nodus fit")
-    prof = fit(runs, base, fit_max_jobs, trainer_mode)
+    prof = fit(runs, base, fit_max_jobs, trainer_mode, lora_kernels)
     write_profile(prof, out, "nodus fit")
     return prof

@@ -205,7 +205,8 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
 def cmd_fit(a: argparse.Namespace) -> int:
     from calibration.fit_runs import fit_to_file
 
-    prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs, trainer_mode=a.trainer_mode)
+    prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs, trainer_mode=a.trainer_mode,
+                       lora_kernels=a.lora_kernels)
     f = prof["measurements"]["fit_runs"]
     t = f["train_fit"]
     print(f"fitted on {len(f['runs'])} run(s), {f['train_steps']} train steps (held out: {len(f['held_out'])}): "
@@ -397,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer the runs used (default: the base's train.step_mode); another than the base's "
                         "fits that trainer's terms onto the base, its unfitted co-run rates kept from the base "
                         "(an assumption the profile names)")
+    p.add_argument("--lora-kernels", choices=("default", "tuned"), default=None,
+                   help="the engine's LoRA kernel configs the runs used (default: the base's "
+                        "environment.lora_kernel_configs); another than the base's fits that engine onto the base "
+                        "through the dedicated runs' decode.scale, the curves' shape kept (an assumption the profile "
+                        "names)")
     p.set_defaults(fn=cmd_fit)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")

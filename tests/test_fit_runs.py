@@ -202,14 +202,58 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     summary = json.loads((runs[0] / "summary.json").read_text())
     summary["diagnostics"][0]["workers"]["engine0"] = {"lora_kernel_configs": {"source": "shipped"}}
     (runs[0] / "summary.json").write_text(json.dumps(summary))
-    with pytest.raises(ConfigError, match="engine ran tuned LoRA kernel configs but the base profile's engine terms "
-                                          "are the default kernels'"):
+    with pytest.raises(ConfigError, match="engine ran tuned LoRA kernel configs but the fitted profile's engine "
+                                          "is the default kernels' .the base profile"):
         fit(runs, base=str(graphed_base))
     summary["diagnostics"][0]["workers"].pop("engine0")
     summary["diagnostics"][0]["audit"] = {"logprobs": True, "every": 4}
     (runs[0] / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ConfigError, match="returned logprobs on fewer steps .audit every 4 steps"):
         fit(runs, base=str(graphed_base))
+
+
+def _mark_tuned(run_dir, configs=None):
+    """A run as a real one whose engine ran tuned LoRA kernel configs records it."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["diagnostics"] = summary.get("diagnostics", []) + [
+        {"workers": {"engine0": {"lora_kernel_configs": configs or {"folder": "/x/lora_configs", "gpu": "NVIDIA H200",
+                                                                     "source": "shipped"}}}}]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_fit_onto_a_base_of_other_lora_kernels_fits_the_decode_scale_and_says_so(tmp_path):
+    """Runs of the tuned LoRA kernels onto a base of vLLM's defaults (--lora-kernels tuned): the
+    dedicated runs' generations give the decode scale, the profile records the runs' configs and
+    names the curves' shape as the base's; without a dedicated run nothing re-describes the engine."""
+    truth = _profile_with(tmp_path, "truth", a=0.15, b=2e-5, c=0.01, save=0.05, decode_scale=0.8)
+    base = _profile_with(tmp_path, "base", a=0.01, b=1e-6, c=0.01, save=0.2)
+    ded, shared = tmp_path / "ded", tmp_path / "shared"
+    simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="none", profile=truth), ded)
+    simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="none", profile=truth), shared)
+    configs = {"folder": "/x/lora_configs", "gpu": "NVIDIA H200", "source": "shipped"}
+    for rd in (ded, shared):
+        _mark_tuned(rd, configs)
+    with pytest.raises(ConfigError, match="ran tuned LoRA kernel configs but the fitted profile's engine is the "
+                                          "default kernels' .the base profile.*--lora-kernels tuned"):
+        fit([ded, shared], base=base)
+    prof = fit([ded, shared], base=base, lora_kernels="tuned")
+    assert prof["decode"]["scale"] == pytest.approx(0.8, rel=1e-6)
+    assert prof["environment"]["lora_kernel_configs"] == configs
+    (kept,) = [x for x in prof["assumptions"] if x["id"] == "engine-curves-from-base"]
+    assert kept["value"] == pytest.approx(0.8, rel=1e-6) and "tuned LoRA kernel configs" in kept["what"]
+    # The fitted profile now describes tuned runs: a refit on it needs no flag, and takes no default-kernel runs.
+    out = tmp_path / "tuned.json"
+    out.write_text(json.dumps(prof))
+    assert fit([ded, shared], base=str(out))["decode"]["scale"] == pytest.approx(0.8, rel=1e-6)
+    plain = tmp_path / "plain"
+    simulate(config_from_args(jobs=2, steps=3, policy="shared-sync", sharing="none", profile=truth), plain)
+    with pytest.raises(ConfigError, match="ran default LoRA kernel configs but the fitted profile's engine is the tuned"):
+        fit([plain, ded], base=str(out))
+    with pytest.raises(ConfigError, match="only dedicated runs' generations fit .*add a dedicated run"):
+        fit([shared], base=base, lora_kernels="tuned")
+    with pytest.raises(ConfigError, match="--lora-kernels 'fast'"):
+        fit([ded], base=base, lora_kernels="fast")
+    assert not [x for x in fit([plain], base=base)["assumptions"] if x["id"] == "engine-curves-from-base"]
 
 
 def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
