@@ -261,9 +261,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                               "runs of one trainer (a graphed trainer's base: nodus calibrate --trainer-graphs; or "
                               "--trainer-mode graphed to fit its terms onto another base)")
         if controls.get("audit"):
-            raise ConfigError(f"nodus fit: {rd}'s engine returned logprobs on fewer steps (audit {controls['audit']}; "
-                              "--audit-every / --no-audit) than the runs a profile describes (every step): its "
-                              "generations would fit a cheaper engine; fit runs at the default audit")
+            raise ConfigError(f"nodus fit: {rd}'s engine returned logprobs on fewer steps or responses (audit "
+                              f"{controls['audit']}; --audit-every / --audit-responses / --no-audit) than the runs a "
+                              "profile describes (every response of every step): its generations would fit a cheaper "
+                              "engine; fit runs at the default audit")
         if kernels != want_kernels:
             raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the fitted profile's "
                               f"engine is the {want_kernels} kernels' ({'--lora-kernels' if lora_kernels else 'the base profile, environment.lora_kernel_configs'}): "

@@ -158,12 +158,36 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     return report
 
 
+def audit_text(audit: dict) -> str:
+    """A run's logprob audit (its diagnostics' ``audit``: logprobs, every, responses) in words when
+    it is not the default (every step, every response): "off", "every 4 steps", "1 response a
+    prompt", "every 4 steps, 2 responses a prompt"; "" at the default."""
+    if audit.get("logprobs") is False:
+        return "off"
+    parts = []
+    if (audit.get("every") or 1) != 1:
+        parts.append(f"every {audit['every']} steps")
+    if audit.get("responses") is not None:
+        n = audit["responses"]
+        parts.append(f"{n} response{'s' if n != 1 else ''} a prompt")
+    return ", ".join(parts)
+
+
+def audit_label(audit: dict) -> str:
+    """The same as a table label: "a0" (off), "a4" (every 4th step), "r1" (1 response a prompt),
+    "a4r1"; "" at the default."""
+    if audit.get("logprobs") is False:
+        return "a0"
+    every, responses = audit.get("every") or 1, audit.get("responses")
+    return (f"a{every}" if every != 1 else "") + (f"r{responses}" if responses is not None else "")
+
+
 def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
     that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
     (``--engine-arg``), ``engine_env`` for the engine's extra environment variables (their
-    names), ``audit`` for a logprob audit on fewer steps than every one ("off", "every N steps"), and
+    names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
     at the defaults of runs before session 11 (vLLM's own LoRA kernels, the audit every step); a
@@ -184,11 +208,9 @@ def run_controls(summary: dict) -> dict:
             out["lora_kernels"] = "tuned"  # the folder given through --engine-env
         if env:
             out["engine_env"] = ",".join(sorted(env))
-        audit = d.get("audit") or {}
-        if audit.get("logprobs") is False:
-            out["audit"] = "off"
-        elif (audit.get("every") or 1) != 1:
-            out["audit"] = f"every {audit['every']} steps"
+        text = audit_text(d.get("audit") or {})
+        if text:
+            out["audit"] = text
         for name, w in (d.get("workers") or {}).items():
             if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
                 out["trainer_step_mode"] = w["step_mode"]
@@ -205,8 +227,9 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                      "engine terms are the default engine's",
                       "engine_env": "the engine ran with extra environment (--engine-env, e.g. tuned LoRA "
                                     "kernel configs): the profile's engine terms are the default engine's",
-                      "audit": "the engine returned logprobs on fewer steps (--audit-every / --no-audit): the "
-                               "profile's engine terms were measured returning them on every step"}
+                      "audit": "the engine returned logprobs on fewer steps or responses (--audit-every / --audit-responses / "
+                               "--no-audit): the profile's engine terms were measured returning them for every "
+                               "response of every step"}
 
 
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",

@@ -1,8 +1,10 @@
 """What returning the sampled tokens' logprobs costs the engine (the logprob audit's engine side).
 
 One vLLM engine (in-process, like nodus's engine worker) generates the same batch with every
-request asking for logprobs (``logprobs=0``: the sampled token's), none asking, and one request in
-eight asking; forced lengths, no detokenisation, finished outputs only (as ``real.engine`` asks).
+request asking for logprobs (``logprobs=0``: the sampled token's), the same in vLLM's flat layout
+(``flat_logprobs=True``: a few lists per request instead of a dict and a Logprob object per token),
+none asking, and one request in eight asking (flat: what ``--audit-sample 1`` asks at 8 responses a
+prompt); forced lengths, no detokenisation, finished outputs only (as ``real.engine`` asks).
 On a tiny model the decode step is host-bound, so this times the host's share of the per-step work:
 what ``--audit-every N`` saves on the steps it leaves out.
 
@@ -46,11 +48,15 @@ def main(argv=None) -> dict:
               logprobs_mode="raw_logprobs", **({"dtype": "float32"} if a.model == "tiny" else {}))
     prompts = [{"prompt_token_ids": [1 + (i * 7 + k) % (vocab - 2) for k in range(a.prompt_tokens)]}
                for i in range(a.requests)]
-    asks = {"every request": lambda i: 0, "none": lambda i: None, "one in eight": lambda i: 0 if i % 8 == 0 else None}
+    asks = {"every request": (lambda i: 0, False), "every request, flat": (lambda i: 0, True),
+            "none": (lambda i: None, False), "one in eight": (lambda i: 0 if i % 8 == 0 else None, False),
+            "one in eight, flat": (lambda i: 0 if i % 8 == 0 else None, True)}
 
     def run(ask) -> float:
-        params = [SamplingParams(max_tokens=a.new_tokens, min_tokens=a.new_tokens, ignore_eos=True, logprobs=ask(i),
-                                 temperature=1.0, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        which, flat = ask
+        params = [SamplingParams(max_tokens=a.new_tokens, min_tokens=a.new_tokens, ignore_eos=True, logprobs=which(i),
+                                 flat_logprobs=flat, temperature=1.0, output_kind=RequestOutputKind.FINAL_ONLY,
+                                 detokenize=False)
                   for i in range(a.requests)]
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -69,11 +75,14 @@ def main(argv=None) -> dict:
                       "date": time.strftime("%Y-%m-%d")},
               "args": {k: str(v) for k, v in vars(a).items()}, "seconds": times, "median_s": med,
               "logprobs_cost": med["every request"] / med["none"] - 1,
-              "one_in_eight_cost": med["one in eight"] / med["none"] - 1}
+              "flat_cost": med["every request, flat"] / med["none"] - 1,
+              "one_in_eight_cost": med["one in eight"] / med["none"] - 1,
+              "one_in_eight_flat_cost": med["one in eight, flat"] / med["none"] - 1}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: round(v, 3) for k, v in med.items()}),
-          f"logprobs +{report['logprobs_cost']:.0%}, one in eight +{report['one_in_eight_cost']:.0%}")
+          f"logprobs +{report['logprobs_cost']:.1%} (flat +{report['flat_cost']:.1%}), one in eight "
+          f"+{report['one_in_eight_cost']:.1%} (flat +{report['one_in_eight_flat_cost']:.1%})")
     return report
 
 

@@ -64,7 +64,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     (`cg` / `nocg`: --trainer-graphs on / off; `lowpri`: MPS client priority below-normal; `tN`: the
     trainer's MPS active thread percentage): arms that differ only in these share the engines, and
     only the trainer processes restart between them; and `aN`, the logprob audit every N-th step of
-    each job (`a0`: none; a setting of the run loop only: no process restarts)."""
+    each job (`a0`: none), and `rK`, the audit of the first K responses of each prompt (settings of the
+    run loop only: no process restarts)."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
@@ -85,6 +86,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             # A run-loop setting: every process kept. a0: no audit; aN: audit every N-th step.
             trainer.update({"audit_logprobs": False} if int(o[1:]) == 0
                            else {"audit_logprobs": True, "audit_every": int(o[1:])})
+        elif len(o) > 1 and o[0] == "r" and o[1:].isdigit() and int(o[1:]) >= 1:
+            # A run-loop setting too: the first K responses of each prompt audited.
+            trainer["audit_responses"] = int(o[1:])
         elif len(o) > 1 and o[0] in "jgsm" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s") \
                 and (o[0] != "m" or int(o[1:]) >= 256):
             if o[0] == "j":
@@ -100,7 +104,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "mN (trainer micro-batch tokens, >= 256), wait or free (trainer waits for each publish, the "
                              "default, or takes the next train at once), cg or nocg (trainer graphs), lowpri (trainer "
                              "at below-normal MPS priority), tN (trainer MPS thread percentage, 1-100) or aN "
-                             "(the engine's logprobs audited every N-th step; a0: never)")
+                             "(the engine's logprobs audited every N-th step; a0: never) or rK (the first K responses of each "
+                             "prompt audited)")
     return name, jobs, groups, seeds, mb, wait, trainer
 
 
@@ -132,6 +137,7 @@ def _options(args, engine_env, engine_args=()):
 
     return RealOptions(model=str(args.model_dir), mode=args.mode, load_format="auto", engine_memory=args.engine_memory,
                        enforce_eager=args.enforce_eager, audit_logprobs=not args.no_audit, audit_every=args.audit_every,
+                       audit_responses=args.audit_responses,
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
                        engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
                        engine_env=engine_env, engine_args=tuple(engine_args),
@@ -203,6 +209,9 @@ def main() -> None:
     ap.add_argument("--audit-every", type=int, default=1,
                     help="audit every N-th step of each job: only then does the engine return logprobs, whose "
                          "handling is host work on every decode step (run keys get -auditN; an arm's own: :aN)")
+    ap.add_argument("--audit-responses", type=int, default=None,
+                    help="on an audited step, only the first K responses of each prompt return the engine's logprobs "
+                         "and are audited (run keys get -audr<K>; an arm's own: :rK)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
@@ -294,8 +303,9 @@ def main() -> None:
                 # The audit away from its default (every step): the engine returns logprobs less often.
                 if not arm_opts.audit_logprobs:
                     variant += "-noaudit"
-                elif arm_opts.audit_every != 1:
-                    variant += f"-audit{arm_opts.audit_every}"
+                else:
+                    variant += f"-audit{arm_opts.audit_every}" if arm_opts.audit_every != 1 else ""
+                    variant += f"-audr{arm_opts.audit_responses}" if arm_opts.audit_responses is not None else ""
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"

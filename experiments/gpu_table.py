@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nodus.config import DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, trainer_freed
 from nodus.microbatch import mb_tag
-from calibration.validate import run_controls
+from calibration.validate import audit_label, run_controls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
@@ -85,8 +85,11 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+lk"  # tuned LoRA kernel configs in the engine (shipped, or VLLM_TUNED_CONFIG_FOLDER)
     if run.get("engine_env"):
         label += "+ee"  # other engine environment (--engine-env)
-    if run.get("audit"):  # the engine's logprobs on fewer steps: +a0 never, +aN every N-th step
-        label += "+a0" if run["audit"] == "off" else f"+a{run['audit'].split()[1]}"
+    # The engine's logprobs on fewer steps or responses: +a0 never, +aN every N-th step, +rK the first K
+    # responses of each prompt.
+    audit = next((d["audit"] for d in (summary or {}).get("diagnostics", []) if d.get("audit")), {})
+    if audit_label(audit):
+        label += f"+{audit_label(audit)}"
     return label
 
 

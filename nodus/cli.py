@@ -110,7 +110,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         opts = RealOptions(model=a.model, mode=a.mode, device=a.device, dtype=a.dtype, load_format=a.load_format,
                            engine_memory=a.engine_memory, enforce_eager=a.enforce_eager,
                            audit_logprobs=not a.no_audit, audit_every=a.audit_every,
-                           engine_thread_pct=a.engine_thread_pct,
+                           audit_responses=a.audit_responses, engine_thread_pct=a.engine_thread_pct,
                            trainer_thread_pct=a.trainer_thread_pct, trainer_priority=a.trainer_priority,
                            engine_env=tuple(env_pairs(a.engine_env)),
                            engine_args=tuple(engine_arg_pairs(a.engine_arg)),
@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audit-every", type=int, default=1, metavar="N",
                    help="audit every N-th step of each job (steps 0, N, 2N, ...): only then does the engine return "
                         "logprobs, whose handling is host work on every decode step; default 1: every step")
+    p.add_argument("--audit-responses", type=int, default=None, metavar="K",
+                   help="on an audited step, only the first K responses of each prompt return their logprobs and "
+                        "are audited (the engine's logprob work follows the responses that ask); default: all")
     p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the trainer's element-wise ops (RMSNorm, rotary, SiLU*up); compiles at "
                         "start-up (default: on a GPU, where it measured 1.44x on the H200; off on a CPU)")

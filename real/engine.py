@@ -59,6 +59,9 @@ class GenRequest:
     seed: int | None = None  # None: unseeded sampling
     forced_lengths: Sequence[int] | None = None  # per response, prompt-major; timing runs only
     logprobs: bool = True  # return each sampled token's logprob (RolloutBatch.logprobs; else empty)
+    # With logprobs: only the first N responses of each prompt carry them (the others' are empty);
+    # None: every response. The engine's per-token logprob work follows the requests that ask.
+    logprob_responses: int | None = None
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ class MultiLoRAEngine:
                     params.append(SamplingParams(
                         n=1, temperature=r.temperature, seed=response_seed(r.seed, i, j),
                         max_tokens=forced or r.max_new_tokens, min_tokens=forced or 0,
-                        ignore_eos=forced is not None, logprobs=0 if r.logprobs else None,
+                        ignore_eos=forced is not None, logprobs=0 if self._asks_logprobs(r, j) else None,
                         detokenize=self.has_tokenizer,
                         # Only finished outputs: per-step partial outputs of every running
                         # sequence would cost Python time on each decode step.
@@ -294,6 +297,11 @@ class MultiLoRAEngine:
                     pass
             self._job_ids.pop(job_id, None)
 
+    @staticmethod
+    def _asks_logprobs(r: GenRequest, response_index: int) -> bool:
+        """Whether response ``response_index`` of each of ``r``'s prompts returns its logprobs."""
+        return r.logprobs and (r.logprob_responses is None or response_index < r.logprob_responses)
+
     def _check_request(self, r: GenRequest) -> None:
         published = self.current_version(r.job_id)
         if published is None:
@@ -311,6 +319,9 @@ class MultiLoRAEngine:
                                  f"{len(r.prompts)} prompts x n={r.n} responses")
             if min(r.forced_lengths, default=1) < 1:
                 raise ValueError(f"job {r.job_id!r}: forced_lengths must be >= 1")
+        if r.logprob_responses is not None and r.logprob_responses < 1:
+            raise ValueError(f"job {r.job_id!r}: logprob_responses={r.logprob_responses} must be >= 1 "
+                             "(logprobs=False asks none)")
         if not self.has_tokenizer and any(isinstance(p, str) for p in r.prompts):
             raise ValueError(f"job {r.job_id!r}: string prompts need a tokenizer; this engine "
                              "was started with skip_tokenizer_init=True")

@@ -327,7 +327,7 @@ def microbatch_inputs(mb: list[tuple[int, int]], key: StaticKey, seqs, configs) 
             f[c["old"]] = sq.old[s]
         if has_ref:
             f[c["ref"]] = sq.ref[s]
-        if sq.audit is not None:
+        if sq.audit is not None and sq.audit[s] is not None:  # None: a sequence left out of the audit
             f[c["audit"]] = sq.audit[s]
             f[c["audit_mask"]] = 1.0
         f[c["advantage"]] = sq.advantages[s]

@@ -98,7 +98,15 @@ class _Seqs:
     advantages: np.ndarray  # [S] float
     old: list[np.ndarray] | None
     ref: list[np.ndarray] | None
-    audit: list[np.ndarray] | None = None  # logprobs to compare the training forward's against
+    # Logprobs to compare the training forward's against, per sequence (None: that sequence not audited).
+    audit: list[np.ndarray | None] | None = None
+
+    @property
+    def audited_tokens(self) -> int:
+        """Completion tokens with an audit logprob."""
+        if self.audit is None:
+            return 0
+        return int(sum(len(p) for p, a in zip(self.positions, self.audit) if a is not None))
 
     @property
     def completion_tokens(self) -> int:
@@ -119,6 +127,7 @@ class _JobSpan:
     old: torch.Tensor | None  # [rows, width] old logprobs, or None (on-policy)
     ref: torch.Tensor | None  # [rows, width] reference logprobs, or None
     audit: torch.Tensor | None = None  # [rows, width] logprobs to audit against, or None
+    audit_mask: torch.Tensor | None = None  # [rows, width] bool: the audited tokens (with ``audit``)
 
 
 @dataclass
@@ -162,12 +171,17 @@ def _validate(job_id: str, batch: JobBatch, vocab_size: int) -> _Seqs:
                  _per_token(job_id, "ref_logprobs", batch.ref_logprobs, positions))
 
 
-def _per_token(job_id, field_name, values, positions) -> list[np.ndarray] | None:
+def _per_token(job_id, field_name, values, positions, optional_rows: bool = False) -> list[np.ndarray] | None:
+    """One float64 array per sequence, one value per completion token; ``optional_rows``: a
+    sequence's entry may be None (none for it: the audit of a sample of the responses)."""
     if values is None:
         return None
-    rows = [np.asarray(v, dtype=np.float64).reshape(-1) for v in _as_rows(values)]
-    if len(rows) != len(positions) or any(len(r) != len(p) for r, p in zip(rows, positions)):
+    rows = [None if v is None and optional_rows else np.asarray(v, dtype=np.float64).reshape(-1)
+            for v in _as_rows(values)]
+    if len(rows) != len(positions) or any(r is not None and len(r) != len(p) for r, p in zip(rows, positions)):
         raise ValueError(f"job {job_id!r}: {field_name} needs one value per completion token of each sequence")
+    if all(r is None for r in rows):
+        return None
     return rows
 
 
@@ -275,7 +289,7 @@ class MultiLoRATrainer:
         """One optimizer step for every job in ``batches``, all in shared micro-batches.
 
         ``audit`` (job -> per sequence, one logprob per completion token, e.g. the engine's of the
-        sampled tokens): compared against the training forward's own logprobs, which are the
+        sampled tokens, or None for a sequence left out of the audit): compared against the training forward's own logprobs, which are the
         job's pre-update adapter's, at no extra forward; the result is left in ``last_audit``
         (job -> max_abs, mean_abs)."""
         self.last_audit: dict[str, dict[str, float]] = {}
@@ -287,7 +301,7 @@ class MultiLoRATrainer:
         for j, s in zip(job_ids, seqs):
             if audit and audit.get(j) is not None:
                 try:
-                    s.audit = _per_token(j, "audit logprobs", audit[j], s.positions)
+                    s.audit = _per_token(j, "audit logprobs", audit[j], s.positions, optional_rows=True)
                 except ValueError:  # the audit is a diagnostic: a malformed one never stops training
                     s.audit = None
         audit_acc = {k: [] for k, s in enumerate(seqs) if s.audit is not None}
@@ -423,7 +437,7 @@ class MultiLoRATrainer:
         self.last_microbatches = len(plan)
         self.routing.mixed_masked = len(jobs) > 1
         for k in audit_acc:
-            n = float(seqs[k].completion_tokens)
+            n = float(seqs[k].audited_tokens)
             audit_acc[k].append(torch.stack([state.audit_max[k].double(), state.audit_sum[k],
                                              state.audit_sum.new_tensor(n)]))
         return [state.loss[k].clone() for k in range(len(jobs))]
@@ -444,7 +458,9 @@ class MultiLoRATrainer:
                     loss = self._job_loss(jobs[k].config, seqs[k], span, logp[span.start:span.end])
                     if span.audit is not None and span.end > span.start:
                         d = (logp[span.start:span.end].detach() - span.audit[span.index]).abs()
-                        audit_acc[k].append(torch.stack([d.max(), d.sum(), d.new_tensor(d.numel())]))
+                        d = d[span.audit_mask[span.index]]  # the audited sequences' tokens
+                        if d.numel():
+                            audit_acc[k].append(torch.stack([d.max(), d.sum(), d.new_tensor(d.numel())]))
                     losses[k] += loss.detach().to(torch.float64)
                     total = total + loss
                 with record_function("nodus.backward"):
@@ -516,10 +532,20 @@ class MultiLoRATrainer:
             out[r_idx, c_idx] = torch.from_numpy(np.concatenate([values[s] for s in rows])).to(self.logp_dtype)
             return self._put(out)
 
+        audit = audit_mask = None
+        if seqs.audit is not None:  # a sequence left out of the audit (None) counts zeros, masked off
+            audit = padded([np.zeros(len(seqs.positions[s])) if a is None else a for s, a in enumerate(seqs.audit)])
+            audit_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+            for i, s in enumerate(rows):
+                if seqs.audit[s] is not None:
+                    audit_mask[i, :lengths[i]] = True
+            audit_mask = self._put(audit_mask)
+
         return _JobSpan(slot=slot, start=start, end=start + sum(lengths),
                         index=(self._put(r_idx), self._put(c_idx)), mask=self._put(mask),
                         advantages=self._put(torch.from_numpy(seqs.advantages[rows]).to(self.logp_dtype)),
-                        old=padded(seqs.old), ref=padded(seqs.ref), rows=rows, audit=padded(seqs.audit))
+                        old=padded(seqs.old), ref=padded(seqs.ref), rows=rows, audit=audit,
+                        audit_mask=audit_mask)
 
     def _put(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":

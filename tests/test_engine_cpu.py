@@ -212,3 +212,10 @@ def test_text_prompts_and_forced_lengths(engine, adapters):
                                           seed=1, forced_lengths=forced, logprobs=False)])
     assert bare.completion_token_ids == timed.completion_token_ids
     assert bare.logprobs == (((), ()), ((), ()))
+    # logprob_responses=1 (an audit of a sample): only each prompt's first response asks for them.
+    (first,) = engine.generate([GenRequest("B", 0, [PROMPT, PROMPT], n=2, max_new_tokens=64, temperature=1.0,
+                                           seed=1, forced_lengths=forced, logprob_responses=1)])
+    assert first.completion_token_ids == timed.completion_token_ids
+    assert first.logprobs == ((timed.logprobs[0][0], ()), (timed.logprobs[1][0], ()))
+    with pytest.raises(ValueError, match="logprob_responses=0 must be >= 1"):
+        engine.generate([GenRequest("B", 0, [PROMPT], n=2, logprob_responses=0)])

@@ -208,7 +208,11 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     summary["diagnostics"][0]["workers"].pop("engine0")
     summary["diagnostics"][0]["audit"] = {"logprobs": True, "every": 4}
     (runs[0] / "summary.json").write_text(json.dumps(summary))
-    with pytest.raises(ConfigError, match="returned logprobs on fewer steps .audit every 4 steps"):
+    with pytest.raises(ConfigError, match="returned logprobs on fewer steps or responses .audit every 4 steps"):
+        fit(runs, base=str(graphed_base))
+    summary["diagnostics"][0]["audit"] = {"logprobs": True, "every": 1, "responses": 1}
+    (runs[0] / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ConfigError, match="fewer steps or responses .audit 1 response a prompt"):
         fit(runs, base=str(graphed_base))
 
 

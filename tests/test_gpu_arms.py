@@ -22,13 +22,16 @@ def test_arm_specs_name_their_own_trainer_settings():
     # The audit's cadence: a setting of the run loop (aN: every N-th step; a0: none).
     assert parse_arm("shared-sync+mps:cg:a4")[-1] == {"trainer_graphs": True, "audit_logprobs": True, "audit_every": 4}
     assert parse_arm("shared-sync+mps:a0")[-1] == {"audit_logprobs": False}
+    # rK: the first K responses of each prompt audited (a run-loop setting as well).
+    assert parse_arm("overlap+mps:cg:r1")[-1] == {"trainer_graphs": True, "audit_responses": 1}
 
 
 @pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),
                                        ("overlap:j0", "'j0' is not jN"), ("overlap:j", "'j' is not jN"),
                                        ("overlap:m128", "'m128' is not jN.*>= 256"),
                                        ("overlap+mps:t0", "'t0' is not jN.*tN"), ("overlap+mps:t101", "'t101'"),
-                                       ("overlap+mps:ax", "'ax' is not jN.*aN")])
+                                       ("overlap+mps:ax", "'ax' is not jN.*aN"),
+                                       ("overlap+mps:r0", "'r0' is not jN.*rK")])
 def test_bad_arm_specs_are_clear_errors(bad, says):
     with pytest.raises(SystemExit, match=says):
         parse_arm(bad)

@@ -345,6 +345,9 @@ def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size():
         # The second run without the logprob audit: a run-loop setting, the same processes.
         pool.opts = dataclasses.replace(pool.opts, audit_logprobs=False)
         small, _ = run_arm(cfg(256), pool, baseline=False)
+        # A third with the audit of each prompt's first response only: the same processes again.
+        pool.opts = dataclasses.replace(pool.opts, audit_logprobs=True, audit_responses=1)
+        sampled, _ = run_arm(cfg(16384), pool, baseline=False)
     finally:
         pool.close()
     assert len(pool.clusters) == 0  # closed; both runs used one cluster (asserted below)
@@ -354,3 +357,9 @@ def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size():
     assert {a["job"] for a in big["diagnostics"][0]["logprob_agreement"]} == {"job0", "job1"}
     assert small["diagnostics"][0]["logprob_agreement"] == []  # the engine returned no logprobs
     assert run_controls(small) == {"audit": "off"} and run_controls(big) == {}
+    # The sampled audit still checks every job's every step, on 1 of its 8 responses a prompt.
+    assert sampled["diagnostics"][0]["workers"] == big["diagnostics"][0]["workers"]
+    agree = sampled["diagnostics"][0]["logprob_agreement"]
+    assert len(agree) == len(big["diagnostics"][0]["logprob_agreement"]) and {a["job"] for a in agree} == {"job0", "job1"}
+    assert max(a["max_abs"] for a in agree) < 1e-3  # fp32 on the CPU: engine and trainer agree
+    assert run_controls(sampled) == {"audit": "1 response a prompt"}

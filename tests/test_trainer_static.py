@@ -71,6 +71,25 @@ def test_static_step_audit_matches_eager():
     assert audits["static"]["a"]["max_abs"] == pytest.approx(0.25, abs=1e-9)
 
 
+def test_an_audit_of_some_sequences_counts_only_theirs():
+    """A sequence's audit entry may be None (an audit of a sample of the responses): its tokens are
+    left out of max and mean, on the eager and the fixed-shape path alike; a job with no audited
+    sequence gets no audit."""
+    batches = make_batches(seed=5)
+    base = make_trainer(dtype=torch.float64)
+    mine = {j: [t.numpy() + 0.25 * (i % 2) for i, t in enumerate(base.logprobs(j, b))] for j, b in batches.items()}
+    even = [x if i % 2 == 0 else None for i, x in enumerate(mine["a"])]  # the unshifted ones
+    odd = [x if i % 2 else None for i, x in enumerate(mine["c"])]  # the shifted ones
+    for m in ("eager", "static"):
+        t = make_trainer(dtype=torch.float64, step_mode=m, max_tokens_per_microbatch=96)
+        t.train_step(batches, audit={"a": even, "c": odd, "b": [None] * len(mine["b"])})
+        assert set(t.last_audit) == {"a", "c"}, m
+        assert t.last_audit["a"]["max_abs"] < 1e-9, m
+        # Only shifted tokens counted: the mean is the shift (a full audit's would be about half).
+        assert t.last_audit["c"]["max_abs"] == pytest.approx(0.25, abs=1e-9), m
+        assert t.last_audit["c"]["mean_abs"] == pytest.approx(0.25, abs=1e-9), m
+
+
 def test_static_step_nan_job_fails_alone():
     """A job whose loss is NaN is not stepped; the others redo the step on the padded path and
     get exactly the update of a step without it."""

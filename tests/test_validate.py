@@ -224,10 +224,20 @@ def test_runs_at_other_mps_settings_are_another_configuration():
                                                                        "VLLM_TUNED_CONFIG_FOLDER": "/tmp/x"})]}
     assert run_controls(other) == {"lora_kernels": "tuned", "engine_env": "VLLM_ATTENTION_BACKEND"}
     # The engine's logprobs on fewer steps than every one: another configuration, outside the profile.
-    for audit, says in (({"logprobs": False, "every": 1}, "off"), ({"logprobs": True, "every": 4}, "every 4 steps")):
+    # Or on fewer responses: another configuration too. The table labels name the same settings.
+    from calibration.validate import audit_label
+
+    for audit, says, label in (({"logprobs": False, "every": 1}, "off", "a0"),
+                               ({"logprobs": True, "every": 4}, "every 4 steps", "a4"),
+                               ({"logprobs": True, "every": 1, "responses": 1}, "1 response a prompt", "r1"),
+                               ({"logprobs": True, "every": 4, "responses": 2}, "every 4 steps, 2 responses a prompt",
+                                "a4r2")):
         run = {"diagnostics": [dict(plain["diagnostics"][0], audit=audit)]}
         assert run_controls(run) == {"audit": says} and unmodelled_controls(run_controls(run))
-    assert run_controls({"diagnostics": [dict(plain["diagnostics"][0], audit={"logprobs": True, "every": 1})]}) == {}
+        assert audit_label(audit) == label
+    default = {"logprobs": True, "every": 1, "responses": None}
+    assert run_controls({"diagnostics": [dict(plain["diagnostics"][0], audit=default)]}) == {}
+    assert audit_label(default) == audit_label({}) == ""
 
 
 def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
