@@ -64,7 +64,6 @@ PUBLISH_BESIDE_TRAIN = 0.5  # a publish counts as beside a train step past this 
 # Per sharing mode of a run: its alone rate's key (None: alone without MPS, the work itself) and its
 # co-run rate's key in the profile's sharing section; the trainer's and the engine's fits both use it.
 SHARING_MODES = (("none", None, "none_corun"), ("mps", "mps_alone", "mps_corun"))
-LORA_KERNELS = ("default", "tuned")  # the engine's LoRA kernel configs (sim.profile.profile_lora_kernels)
 
 
 def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
@@ -231,7 +230,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     their scale (``decode.scale``, so a fit set without a dedicated run is refused), the engine's
     rates are fitted as always, prefill is the base's; the profile records the runs' configs and
     says so (assumption ``engine-curves-from-base``)."""
-    from sim.profile import STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels, profile_step_mode
+    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
+                             profile_step_mode)
 
     from calibration.validate import run_controls
 

@@ -3,7 +3,7 @@
 One vLLM engine (in-process, like nodus's engine worker) generates the same batch with every
 request asking for logprobs (``logprobs=0``: the sampled token's), the same in vLLM's flat layout
 (``flat_logprobs=True``: a few lists per request instead of a dict and a Logprob object per token),
-none asking, and one request in eight asking (flat: what ``--audit-sample 1`` asks at 8 responses a
+none asking, and one request in eight asking (flat: what ``--audit-responses 1`` asks at 8 responses a
 prompt); forced lengths, no detokenisation, finished outputs only (as ``real.engine`` asks).
 On a tiny model the decode step is host-bound, so this times the host's share of the per-step work:
 what ``--audit-every N`` saves on the steps it leaves out.

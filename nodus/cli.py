@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from nodus.config import DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
-from sim.profile import STEP_MODES
+from sim.profile import LORA_KERNELS, STEP_MODES
 
 
 def _add_arm_flags(p: argparse.ArgumentParser) -> None:
@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer the runs used (default: the base's train.step_mode); another than the base's "
                         "fits that trainer's terms onto the base, its unfitted co-run rates kept from the base "
                         "(an assumption the profile names)")
-    p.add_argument("--lora-kernels", choices=("default", "tuned"), default=None,
+    p.add_argument("--lora-kernels", choices=LORA_KERNELS, default=None,
                    help="the engine's LoRA kernel configs the runs used (default: the base's "
                         "environment.lora_kernel_configs); another than the base's fits that engine onto the base "
                         "through the dedicated runs' decode.scale, the curves' shape kept (an assumption the profile "

@@ -26,6 +26,7 @@ class _M(BaseModel):
 
 
 STEP_MODES = ("eager", "graphed", "static")  # the trainers a profile's train terms can describe (real/trainer.py)
+LORA_KERNELS = ("default", "tuned")  # the engine LoRA kernel configs a profile's engine terms describe
 
 
 class Environment(_M):
