@@ -208,7 +208,8 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
         r["ratio_vs_dedicated"] = r["steps_per_gpu_hour"] / base[(r["jobs"], r["seed"])]
     rows.sort(key=lambda r: (r["jobs"], POLICIES.index(r["policy"]), r["groups"], r["sharing"], r["seed"]))
     result = {"profile": profile, "profile_validation": validation, "steps": steps, "seeds": seed_list,
-              "rows": rows, "wall_s": time.perf_counter() - t0, "workers": workers}
+              "rows": rows, "best": best_arms(rows, (validation or {}).get("heldout_mape")),
+              "wall_s": time.perf_counter() - t0, "workers": workers}
     if out_dir is not None:
         write_json(out_dir / "sweep.json", result)
         with open(out_dir / "sweep.csv", "w", newline="") as f:
@@ -256,9 +257,33 @@ def sweep_table(rows: list[dict], validation: dict | None = None) -> str:
     for label, d in by.items():
         cells = [f"{sum(d[n]) / len(d[n]):.3f}x" if n in d else "-" for n in jobs]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    best = best_arms(rows, (validation or {}).get("heldout_mape"))
+    if best:
+        lines += ["", "Best per job count: " + "; ".join(
+            f"{b['jobs']} jobs {b['arm']} ({b['ratio']:.3f}x"
+            + (f", next {b['next']} {b['next_gap']:+.1%}" if b["next"] else "")
+            + (", within the profile's error" if b["within_error"] else "") + ")" for b in best) + "."]
     if validation is not None:
         lines += ["", error_bar_line(validation)]
     return "\n".join(lines)
+
+
+def best_arms(rows: list[dict], error: float | None = None) -> list[dict]:
+    """Per job count, the shared arm with the highest mean ratio to dedicated, the runner-up and how
+    far below it is (``next_gap``, relative); ``within_error``: the gap is smaller than ``error`` (the
+    profile's held-out MAPE), so the simulator cannot tell the two apart."""
+    means: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r["policy"] != "dedicated":
+            means.setdefault(r["jobs"], {}).setdefault(arm_label(r), []).append(r["ratio_vs_dedicated"])
+    out = []
+    for n in sorted(means):
+        ranked = sorted(((sum(v) / len(v), k) for k, v in means[n].items()), reverse=True)
+        (top, arm), nxt = ranked[0], ranked[1] if len(ranked) > 1 else None
+        gap = nxt[0] / top - 1 if nxt else None
+        out.append({"jobs": n, "arm": arm, "ratio": top, "next": nxt[1] if nxt else None, "next_gap": gap,
+                    "within_error": gap is not None and error is not None and -gap < error})
+    return out
 
 
 def render_sweep(out_dir: Path) -> None:

@@ -261,3 +261,24 @@ def test_sweep_runs_shared_sync_and_continuous_once_per_sharing_mode():
     arms = sweep_arms(8, ["dedicated", "shared-sync", "overlap", "continuous"], [2, 4], ["none", "mps"])
     assert [a for a in arms if a[0] == "continuous"] == [("continuous", 1, "none"), ("continuous", 1, "mps")]
     assert len([a for a in arms if a[0] == "overlap"]) == 4 and arms[0] == ("dedicated", 1, "none")
+
+
+def test_the_sweep_names_the_best_arm_per_job_count_and_whether_the_error_bar_separates_it():
+    from nodus.simulate import best_arms, sweep_table
+
+    def row(jobs, policy, ratio, groups=1, sharing="mps", seed=1):
+        return {"jobs": jobs, "policy": policy, "groups": groups, "sharing": sharing, "seed": seed,
+                "ratio_vs_dedicated": ratio}
+
+    rows = [row(8, "dedicated", 1.0, sharing="none"), row(8, "shared-sync", 2.0), row(8, "shared-sync", 2.2, seed=2),
+            row(8, "overlap", 2.0, groups=2), row(4, "dedicated", 1.0, sharing="none"), row(4, "overlap", 1.5, groups=2)]
+    best = best_arms(rows, error=0.08)
+    assert [(b["jobs"], b["arm"]) for b in best] == [(4, "overlap g=2 mps"), (8, "shared-sync mps")]
+    assert best[0]["next"] is None and not best[0]["within_error"]  # one shared arm at 4 jobs
+    assert best[1]["ratio"] == pytest.approx(2.1) and best[1]["next"] == "overlap g=2 mps"
+    assert best[1]["next_gap"] == pytest.approx(2.0 / 2.1 - 1) and best[1]["within_error"]  # 4.8% < 8%
+    assert not best_arms(rows, error=0.04)[1]["within_error"]
+    assert not best_arms(rows)[1]["within_error"]  # no error bar: nothing to say
+    table = sweep_table(rows, {"heldout_mape": 0.08, "heldout_bias": 0.0, "heldout_worst": 0.1, "heldout_runs": 3})
+    assert ("Best per job count: 4 jobs overlap g=2 mps (1.500x); 8 jobs shared-sync mps (2.100x, next overlap g=2 "
+            "mps -4.8%, within the profile's error).") in table
