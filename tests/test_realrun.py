@@ -83,6 +83,7 @@ def test_the_audit_cadence_picks_each_jobs_steps_and_a_bad_one_is_refused(capsys
     assert [RealBackend.audits(every2, k) for k in range(5)] == [True, False, True, False, True]
     off = SimpleNamespace(opts=RealOptions(audit_logprobs=False))
     assert not any(RealBackend.audits(off, k) for k in range(3))
-    assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
-                 "--sharing", "none", "--audit-every", "0"]) == 2
-    assert "audit_every=0" in capsys.readouterr().err
+    for flag, says in (("--audit-every", "audit_every=0"), ("--audit-responses", "audit_responses=0")):
+        assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
+                     "--sharing", "none", flag, "0"]) == 2
+        assert says in capsys.readouterr().err
