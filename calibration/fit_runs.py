@@ -266,11 +266,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                               "profile describes (every response of every step): its generations would fit a cheaper "
                               "engine; fit runs at the default audit")
         if kernels != want_kernels:
+            hint = ("the runs mix two engines: fit the runs of one" if lora_kernels else
+                    f"or --lora-kernels {kernels} to fit that engine onto this base")
             raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the fitted profile's "
                               f"engine is the {want_kernels} kernels' ({'--lora-kernels' if lora_kernels else 'the base profile, environment.lora_kernel_configs'}): "
                               "fit runs of one engine (nodus calibrate measures the engine with the tuned configs "
-                              "nodus ships, --no-tuned-lora-kernels without; or --lora-kernels "
-                              f"{kernels} to fit that engine onto this base)")
+                              f"nodus ships, --no-tuned-lora-kernels without; {hint})")
         kernel_configs = kernel_configs or engine_kernel_configs(summary)
         layout = trainer_layout(summary)
         layouts.setdefault(layout, []).append(str(rd))
@@ -389,18 +390,31 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                      f"measured the {base_mode} one: the trainer's co-run and MPS rates not fitted here are that "
                      f"trainer's ({', '.join(kept) if kept else 'none'}); nodus calibrate-sharing on a "
                      f"{want_mode} profile measures them"}]
+    # Which kernels the decode curves were measured with: the base's, or what an earlier such fit said.
+    carried = next((x for x in prof.get("assumptions", []) if x["id"] == "engine-curves-from-base"), None)
+    curves_kernels = carried["value"] if carried else base_kernels
     if want_kernels != base_kernels:
         # An engine record of the runs' (or, for runs that recorded none but were tuned through the
         # environment, a note of that); "default" clears the base's record.
         prof["environment"]["lora_kernel_configs"] = (
             (kernel_configs or {"source": "--engine-env", "note": "the runs' engine environment named the folder"})
             if want_kernels == "tuned" else None)
-        prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "engine-curves-from-base"] + [
-            {"id": "engine-curves-from-base", "value": decode_fit["scale"],
-             "what": f"the engine ran the {want_kernels} LoRA kernel configs, the base profile measured the "
-                     f"{base_kernels} ones: its decode curves' shape (batch, adapters) and prefill are the base's, "
-                     f"scaled by the dedicated runs' fitted decode.scale ({decode_fit['scale']:.3f}); nodus calibrate "
-                     "with the same kernels measures them"}]
+    prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "engine-curves-from-base"]
+    if want_kernels != curves_kernels:
+        scale = prof["decode"].get("scale", 1.0)
+        prof["assumptions"].append(
+            {"id": "engine-curves-from-base", "value": curves_kernels,
+             "what": f"the engine ran the {want_kernels} LoRA kernel configs, the decode curves were measured with "
+                     f"the {curves_kernels} ones: they are those curves times decode.scale ({scale:.3f}, "
+                     f"{'fitted on' if decode_fit else 'kept from the base: no'} dedicated runs' generations), "
+                     "prefill is the base's unscaled; nodus calibrate with the same kernels measures them"})
+    # The day its costs are: the runs' (a base's note of its own day does not describe this fit).
+    prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "host-day"] + [
+        {"id": "host-day", "value": None,
+         "what": f"fitted on {len(used)} run(s) of one host on one day (nodus fit, {datetime.date.today().isoformat()}): "
+                 "hosts of one kind have measured up to a quarter apart from day to day (README, 'Fit and "
+                 "validate'), so absolute steps per GPU-hour carry that spread; for a plan in absolute terms, "
+                 "refit on the day's own 1-4-job runs"}]
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")

@@ -158,6 +158,12 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     return report
 
 
+def run_audit(summary: dict) -> dict:
+    """A run's logprob audit settings as its diagnostics recorded them (logprobs, every, responses;
+    the last entry that has them), {} for a run before the record (the default audit)."""
+    return next((d["audit"] for d in reversed(summary.get("diagnostics", [])) if d.get("audit")), {})
+
+
 def audit_text(audit: dict) -> str:
     """A run's logprob audit (its diagnostics' ``audit``: logprobs, every, responses) in words when
     it is not the default (every step, every response): "off", "every 4 steps", "1 response a
@@ -208,14 +214,13 @@ def run_controls(summary: dict) -> dict:
             out["lora_kernels"] = "tuned"  # the folder given through --engine-env
         if env:
             out["engine_env"] = ",".join(sorted(env))
-        text = audit_text(d.get("audit") or {})
-        if text:
-            out["audit"] = text
         for name, w in (d.get("workers") or {}).items():
             if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
                 out["trainer_step_mode"] = w["step_mode"]
             if name.startswith("engine") and w.get("lora_kernel_configs"):
                 out["lora_kernels"] = "tuned"
+    if audit_text(run_audit(summary)):
+        out["audit"] = audit_text(run_audit(summary))
     return out
 
 

@@ -3,10 +3,10 @@
 One vLLM engine (in-process, like nodus's engine worker) generates the same batch with every
 request asking for logprobs (``logprobs=0``: the sampled token's), the same in vLLM's flat layout
 (``flat_logprobs=True``: a few lists per request instead of a dict and a Logprob object per token),
-none asking, and one request in eight asking (flat: what ``--audit-responses 1`` asks at 8 responses a
-prompt); forced lengths, no detokenisation, finished outputs only (as ``real.engine`` asks).
+none asking, and one request in eight asking (what ``--audit-responses 1`` asks at 8 responses a prompt;
+nodus's engine asks in the default layout), also flat; forced lengths, no detokenisation, finished outputs only (as ``real.engine`` asks).
 On a tiny model the decode step is host-bound, so this times the host's share of the per-step work:
-what ``--audit-every N`` saves on the steps it leaves out.
+what ``--audit-every N`` saves on the steps it leaves out and ``--audit-responses K`` on every step.
 
     python experiments/bench_engine_logprobs.py --out experiments/results/engine_logprobs_cpu.json
 """

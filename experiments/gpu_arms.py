@@ -87,8 +87,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             trainer.update({"audit_logprobs": False} if int(o[1:]) == 0
                            else {"audit_logprobs": True, "audit_every": int(o[1:])})
         elif len(o) > 1 and o[0] == "r" and o[1:].isdigit() and int(o[1:]) >= 1:
-            # A run-loop setting too: the first K responses of each prompt audited.
-            trainer["audit_responses"] = int(o[1:])
+            # A run-loop setting too: the first K responses of each prompt audited (an audit, also
+            # under --no-audit).
+            trainer.update({"audit_logprobs": True, "audit_responses": int(o[1:])})
         elif len(o) > 1 and o[0] in "jgsm" and o[1:].isdigit() and (int(o[1:]) >= 1 or o[0] == "s") \
                 and (o[0] != "m" or int(o[1:]) >= 256):
             if o[0] == "j":

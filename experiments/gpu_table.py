@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nodus.config import DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, trainer_freed
 from nodus.microbatch import mb_tag
-from calibration.validate import audit_label, run_controls
+from calibration.validate import audit_label, run_audit, run_controls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
@@ -55,7 +55,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
     trainer's micro-batches replayed as CUDA graphs; +ea: extra vLLM engine arguments; +lk: tuned
     LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
-    variables; +a0 / +aN: the engine's logprobs never / every N-th step (--no-audit, --audit-every);
+    variables; +a0 / +aN / +rK / +aNrK: the engine's logprobs never / every N-th step / for the first K
+    responses of each prompt / both (--no-audit, --audit-every, --audit-responses);
     +freed: the trainer took the next train while
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
@@ -87,9 +88,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+ee"  # other engine environment (--engine-env)
     # The engine's logprobs on fewer steps or responses: +a0 never, +aN every N-th step, +rK the first K
     # responses of each prompt.
-    audit = next((d["audit"] for d in (summary or {}).get("diagnostics", []) if d.get("audit")), {})
-    if audit_label(audit):
-        label += f"+{audit_label(audit)}"
+    if audit_label(run_audit(summary or {})):
+        label += f"+{audit_label(run_audit(summary or {}))}"
     return label
 
 

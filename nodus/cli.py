@@ -91,7 +91,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
                    steps=a.steps, profile=a.profile, workers=a.workers, out=a.out)
     print(json.dumps(result, default=str) if a.json
-          else sweep_table(result["rows"], result.get("profile_validation") or {}))
+          else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best")))
     print(f"{len(result['rows'])} runs in {result['wall_s']:.1f}s with {result['workers']} workers"
           + (f"; wrote {a.out}/ (sweep.csv, sweep.json, sweep.png)" if a.out else ""), file=sys.stderr)
     return 0

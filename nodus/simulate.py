@@ -246,9 +246,10 @@ def error_bar_line(validation: dict | None) -> str:
             + (f" ({v['report']})" if v.get("report") else "") + ".")
 
 
-def sweep_table(rows: list[dict], validation: dict | None = None) -> str:
-    """Mean ratio vs dedicated over seeds: one row per arm, one column per job count; with the
-    profile's error bar under it when `validation` is given."""
+def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dict] | None = None) -> str:
+    """Mean ratio vs dedicated over seeds: one row per arm, one column per job count; the best arm
+    per job count under it (``best``: ``best_arms``' answer, computed when not given); with the
+    profile's error bar under that when `validation` is given."""
     jobs = sorted({r["jobs"] for r in rows})
     by: dict[str, dict[int, list[float]]] = {}
     for r in rows:
@@ -257,7 +258,7 @@ def sweep_table(rows: list[dict], validation: dict | None = None) -> str:
     for label, d in by.items():
         cells = [f"{sum(d[n]) / len(d[n]):.3f}x" if n in d else "-" for n in jobs]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    best = best_arms(rows, (validation or {}).get("heldout_mape"))
+    best = best_arms(rows, (validation or {}).get("heldout_mape")) if best is None else best
     if best:
         lines += ["", "Best per job count: " + "; ".join(
             f"{b['jobs']} jobs {b['arm']} ({b['ratio']:.3f}x"
@@ -294,7 +295,8 @@ def render_sweep(out_dir: Path) -> None:
 
     result = json.loads((out_dir / "sweep.json").read_text())
     rows = result["rows"]
-    (out_dir / "table.md").write_text(sweep_table(rows, result.get("profile_validation") or {}) + "\n")
+    (out_dir / "table.md").write_text(sweep_table(rows, result.get("profile_validation") or {}, result.get("best"))
+                                      + "\n")
     fig, ax = plt.subplots(figsize=(9, 5.5))
     labels = sorted({arm_label(r) for r in rows})
     for i, label in enumerate(labels):

@@ -127,7 +127,8 @@ class _JobSpan:
     old: torch.Tensor | None  # [rows, width] old logprobs, or None (on-policy)
     ref: torch.Tensor | None  # [rows, width] reference logprobs, or None
     audit: torch.Tensor | None = None  # [rows, width] logprobs to audit against, or None
-    audit_mask: torch.Tensor | None = None  # [rows, width] bool: the audited tokens (with ``audit``)
+    # [rows, width] bool: the audited tokens, when only some of the rows are audited (None: all of them).
+    audit_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -458,9 +459,12 @@ class MultiLoRATrainer:
                     loss = self._job_loss(jobs[k].config, seqs[k], span, logp[span.start:span.end])
                     if span.audit is not None and span.end > span.start:
                         d = (logp[span.start:span.end].detach() - span.audit[span.index]).abs()
-                        d = d[span.audit_mask[span.index]]  # the audited sequences' tokens
-                        if d.numel():
+                        if span.audit_mask is None:
                             audit_acc[k].append(torch.stack([d.max(), d.sum(), d.new_tensor(d.numel())]))
+                        else:  # only the audited sequences' tokens; no host sync (a mask, not a selection)
+                            m = span.audit_mask[span.index]
+                            d = torch.where(m, d, torch.zeros_like(d))
+                            audit_acc[k].append(torch.stack([d.max(), d.sum(), m.sum().to(d.dtype)]))
                     losses[k] += loss.detach().to(torch.float64)
                     total = total + loss
                 with record_function("nodus.backward"):
@@ -535,11 +539,12 @@ class MultiLoRATrainer:
         audit = audit_mask = None
         if seqs.audit is not None:  # a sequence left out of the audit (None) counts zeros, masked off
             audit = padded([np.zeros(len(seqs.positions[s])) if a is None else a for s, a in enumerate(seqs.audit)])
-            audit_mask = torch.zeros(len(rows), width, dtype=torch.bool)
-            for i, s in enumerate(rows):
-                if seqs.audit[s] is not None:
-                    audit_mask[i, :lengths[i]] = True
-            audit_mask = self._put(audit_mask)
+            if any(seqs.audit[s] is None for s in rows):
+                audit_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+                for i, s in enumerate(rows):
+                    if seqs.audit[s] is not None:
+                        audit_mask[i, :lengths[i]] = True
+                audit_mask = self._put(audit_mask)
 
         return _JobSpan(slot=slot, start=start, end=start + sum(lengths),
                         index=(self._put(r_idx), self._put(c_idx)), mask=self._put(mask),

@@ -74,6 +74,12 @@ def test_fit_recovers_the_profile_that_recorded_the_runs(tmp_path):
     assert prof["decode"]["scale"] == pytest.approx(1.25, rel=1e-6)
     assert f["decode_fit"]["mape_after"] == pytest.approx(0, abs=1e-9) and f["decode_fit"]["bias_before"] < -0.1
     assert "validation" not in prof  # the base's error bar is not the fit's
+    # The day its costs are is the fitted runs': a base's note of its own day gives way.
+    (day,) = [x for x in prof["assumptions"] if x["id"] == "host-day"]
+    assert "fitted on 1 run(s) of one host on one day" in day["what"]
+    onto_default = fit([ded], base="h200-xeon16-20261130-qwen3-0.6b")
+    (day,) = [x for x in onto_default["assumptions"] if x["id"] == "host-day"]
+    assert "session 8" not in day["what"] and "fitted on 1 run(s)" in day["what"]
     # The fitted profile predicts the held-out shared run it never saw.
     out = tmp_path / "fitted.json"
     out.write_text(json.dumps(prof))
@@ -244,20 +250,37 @@ def test_fit_onto_a_base_of_other_lora_kernels_fits_the_decode_scale_and_says_so
     assert prof["decode"]["scale"] == pytest.approx(0.8, rel=1e-6)
     assert prof["environment"]["lora_kernel_configs"] == configs
     (kept,) = [x for x in prof["assumptions"] if x["id"] == "engine-curves-from-base"]
-    assert kept["value"] == pytest.approx(0.8, rel=1e-6) and "tuned LoRA kernel configs" in kept["what"]
-    # The fitted profile now describes tuned runs: a refit on it needs no flag, and takes no default-kernel runs.
+    assert kept["value"] == "default" and "ran the tuned LoRA kernel configs" in kept["what"]
+    assert "(0.800, fitted on" in kept["what"]
+    # The fitted profile now describes tuned runs: a refit on it needs no flag, takes no default-kernel
+    # runs, and keeps saying where its curves came from, at the scale it fits.
     out = tmp_path / "tuned.json"
     out.write_text(json.dumps(prof))
-    assert fit([ded, shared], base=str(out))["decode"]["scale"] == pytest.approx(0.8, rel=1e-6)
+    truth2 = _profile_with(tmp_path, "truth2", a=0.15, b=2e-5, c=0.01, save=0.05, decode_scale=0.7)
+    ded2 = tmp_path / "ded2"
+    simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="none", profile=truth2), ded2)
+    _mark_tuned(ded2, configs)
+    refit = fit([ded2, shared], base=str(out))
+    assert refit["decode"]["scale"] == pytest.approx(0.7, rel=1e-6)
+    (kept,) = [x for x in refit["assumptions"] if x["id"] == "engine-curves-from-base"]
+    assert kept["value"] == "default" and "(0.700, fitted on" in kept["what"]
     plain = tmp_path / "plain"
     simulate(config_from_args(jobs=2, steps=3, policy="shared-sync", sharing="none", profile=truth), plain)
-    with pytest.raises(ConfigError, match="ran default LoRA kernel configs but the fitted profile's engine is the tuned"):
+    with pytest.raises(ConfigError, match="ran default LoRA kernel configs but the fitted profile's engine is the tuned"
+                                          ".*or --lora-kernels default to fit that engine"):
         fit([plain, ded], base=str(out))
+    with pytest.raises(ConfigError, match="the runs mix two engines"):
+        fit([plain, ded], base=base, lora_kernels="tuned")
+    # Back to the kernels the curves were measured with: the assumption goes, the record too.
+    back_ded = tmp_path / "back"
+    simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="none", profile=truth), back_ded)
+    back = fit([back_ded, plain], base=str(out), lora_kernels="default")
+    assert not [x for x in back["assumptions"] if x["id"] == "engine-curves-from-base"]
+    assert back["environment"]["lora_kernel_configs"] is None
     with pytest.raises(ConfigError, match="only dedicated runs' generations fit .*add a dedicated run"):
         fit([shared], base=base, lora_kernels="tuned")
     with pytest.raises(ConfigError, match="--lora-kernels 'fast'"):
         fit([ded], base=base, lora_kernels="fast")
-    assert not [x for x in fit([plain], base=base)["assumptions"] if x["id"] == "engine-curves-from-base"]
 
 
 def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):

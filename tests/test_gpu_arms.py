@@ -23,7 +23,8 @@ def test_arm_specs_name_their_own_trainer_settings():
     assert parse_arm("shared-sync+mps:cg:a4")[-1] == {"trainer_graphs": True, "audit_logprobs": True, "audit_every": 4}
     assert parse_arm("shared-sync+mps:a0")[-1] == {"audit_logprobs": False}
     # rK: the first K responses of each prompt audited (a run-loop setting as well).
-    assert parse_arm("overlap+mps:cg:r1")[-1] == {"trainer_graphs": True, "audit_responses": 1}
+    assert parse_arm("overlap+mps:cg:r1")[-1] == {"trainer_graphs": True, "audit_logprobs": True, "audit_responses": 1}
+    assert parse_arm("overlap+mps:a4:r2")[-1] == {"audit_logprobs": True, "audit_every": 4, "audit_responses": 2}
 
 
 @pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),

@@ -87,3 +87,35 @@ def test_the_audit_cadence_picks_each_jobs_steps_and_a_bad_one_is_refused(capsys
         assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
                      "--sharing", "none", flag, "0"]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_the_trainer_gets_the_engines_logprobs_of_the_audited_responses_only():
+    """--audit-responses K: on an audited step the train command carries, per sequence, the engine's
+    logprobs of the first K responses of each prompt and None for the rest (the trainer audits
+    those alone); on an unaudited step it carries none, and without the option every sequence's."""
+    from types import SimpleNamespace
+
+    from nodus.messages import Rollouts, Train
+    from real.backend import RealBackend, RealOptions
+    from real.engine import RolloutBatch
+
+    prompt, comps = (5, 6), ((1, 2), (3,), (4, 4, 4))  # one prompt, three responses
+    lps = ((-0.1, -0.2), (-0.3,), (-0.4, -0.5, -0.6))
+    rb = RolloutBatch("j", 0, "j@0", (prompt,), (comps,), (lps,), None, (("length",) * 3,), 0.0, 1.0)
+
+    def sent(opts, step):
+        put = []
+        b = SimpleNamespace(opts=opts, failed={}, jobs={"j": SimpleNamespace(responses_per_prompt=3)}, _pending={},
+                            _local=[], _path=lambda j, v, stack: f"/x/{j}-{v}",
+                            cfg=SimpleNamespace(trainer=SimpleNamespace(max_tokens_per_microbatch=4096)),
+                            c=SimpleNamespace(trainers=[SimpleNamespace(put=put.append)]))
+        b.audits = lambda k: RealBackend.audits(b, k)
+        ro = Rollouts("j", step, 0, 3, 6, (2, 1, 3), 0.0, 1.0, data=(rb, [1.0, 0.0, 0.5]))
+        RealBackend.train(b, Train("t", 0, 0, (ro,), (0,)))
+        (cmd,) = put
+        return cmd[4]  # the engine's logprobs per job, or None
+
+    assert sent(RealOptions(), 0) == {"j": [list(x) for x in lps]}
+    assert sent(RealOptions(audit_responses=1), 0) == {"j": [[-0.1, -0.2], None, None]}
+    assert sent(RealOptions(audit_responses=2), 0) == {"j": [[-0.1, -0.2], [-0.3], None]}
+    assert sent(RealOptions(audit_responses=1, audit_every=2), 1) is None  # step 1: not an audited step
