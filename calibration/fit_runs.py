@@ -268,8 +268,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         if kernels != want_kernels:
             hint = ("the runs mix two engines: fit the runs of one" if lora_kernels else
                     f"or --lora-kernels {kernels} to fit that engine onto this base")
+            said = "--lora-kernels" if lora_kernels else "the base profile, environment.lora_kernel_configs"
             raise ConfigError(f"nodus fit: {rd}'s engine ran {kernels} LoRA kernel configs but the fitted profile's "
-                              f"engine is the {want_kernels} kernels' ({'--lora-kernels' if lora_kernels else 'the base profile, environment.lora_kernel_configs'}): "
+                              f"engine is the {want_kernels} kernels' ({said}): "
                               "fit runs of one engine (nodus calibrate measures the engine with the tuned configs "
                               f"nodus ships, --no-tuned-lora-kernels without; {hint})")
         kernel_configs = kernel_configs or engine_kernel_configs(summary)

@@ -173,7 +173,8 @@ def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
 TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", "lora_layout", "trainer_compile")
 # RealOptions fields only the run loop reads (what it asks of the processes per request): a change
 # keeps every process.
-RUN_SETTINGS = ("audit_logprobs", "audit_every", "audit_responses", "temperature", "seeded_sampling", "evaluate", "checkpoint_dir")
+RUN_SETTINGS = ("audit_logprobs", "audit_every", "audit_responses", "temperature", "seeded_sampling", "evaluate",
+                "checkpoint_dir")
 
 
 def trainer_settings(opts: RealOptions) -> dict:
@@ -513,6 +514,7 @@ class RealBackend:
         return self.opts.audit_logprobs and step % self.opts.audit_every == 0
 
     def train(self, a: Train) -> None:
+        from real.engine import asks_logprobs
         from real.trainer import JobBatch
 
         batches, paths, elp, failed = {}, {}, {}, []
@@ -523,16 +525,17 @@ class RealBackend:
             rb, rw = ro.data
             job = self.jobs[ro.job_id]
             ids, masks, lps = [], [], []
-            audited = self.opts.audit_responses  # responses per prompt with the engine's logprobs (None: all)
+            audited = self.audits(ro.step)  # those rollouts carry the engine's logprobs (generate asked for them)
             for prompt, comps, lp in zip(rb.prompt_token_ids, rb.completion_token_ids, rb.logprobs):
                 for k, (c, l) in enumerate(zip(comps, lp)):
                     ids.append(list(prompt) + list(c))
                     masks.append([0] * len(prompt) + [1] * len(c))
-                    lps.append(list(l) if audited is None or k < audited else None)  # None: not audited
+                    if audited:  # None: a response the engine was not asked for (the same rule as generate's)
+                        lps.append(list(l) if asks_logprobs(True, self.opts.audit_responses, k) else None)
             adv = group_advantages(rw, job.responses_per_prompt)
             batches[ro.job_id] = JobBatch(input_ids=ids, completion_mask=masks, advantages=adv.tolist())
             paths[ro.job_id] = self._path(ro.job_id, v + 1, a.stack)
-            if self.audits(ro.step):  # those rollouts carry the engine's logprobs (generate asked for them)
+            if audited:
                 elp[ro.job_id] = lps
         self._pending[a.action_id] = (a, failed)
         if not batches:

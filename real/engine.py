@@ -73,7 +73,8 @@ class RolloutBatch:
     lora_name: str  # vLLM's name of that adapter version
     prompt_token_ids: tuple[tuple[int, ...], ...]  # per prompt
     completion_token_ids: tuple[tuple[tuple[int, ...], ...], ...]  # [prompt][response]
-    logprobs: tuple[tuple[tuple[float, ...], ...], ...]  # each sampled token's, [prompt][response]; () each if not asked
+    # Each sampled token's logprob, [prompt][response]; () for a response that did not ask.
+    logprobs: tuple[tuple[tuple[float, ...], ...], ...]
     texts: tuple[tuple[str, ...], ...] | None  # completions, when the engine has a tokenizer
     finish_reasons: tuple[tuple[str, ...], ...]  # "stop" | "length", [prompt][response]
     start_s: float  # the shared generate call started (engine clock)
@@ -89,6 +90,12 @@ class RolloutBatch:
 class _Published:
     version: int
     request: object  # the vllm LoRARequest every generate for this version uses
+
+
+def asks_logprobs(logprobs: bool, responses: int | None, response_index: int) -> bool:
+    """Whether response ``response_index`` of a prompt returns its sampled tokens' logprobs, for a
+    request asking ``logprobs`` for its first ``responses`` responses of each prompt (None: all)."""
+    return logprobs and (responses is None or response_index < responses)
 
 
 def response_seed(seed: int | None, prompt_index: int, response_index: int) -> int | None:
@@ -225,7 +232,7 @@ class MultiLoRAEngine:
                     params.append(SamplingParams(
                         n=1, temperature=r.temperature, seed=response_seed(r.seed, i, j),
                         max_tokens=forced or r.max_new_tokens, min_tokens=forced or 0,
-                        ignore_eos=forced is not None, logprobs=0 if self._asks_logprobs(r, j) else None,
+                        ignore_eos=forced is not None, logprobs=0 if asks_logprobs(r.logprobs, r.logprob_responses, j) else None,
                         detokenize=self.has_tokenizer,
                         # Only finished outputs: per-step partial outputs of every running
                         # sequence would cost Python time on each decode step.
@@ -296,11 +303,6 @@ class MultiLoRAEngine:
                 except Exception:  # noqa: BLE001 - already evicted from vLLM's cache
                     pass
             self._job_ids.pop(job_id, None)
-
-    @staticmethod
-    def _asks_logprobs(r: GenRequest, response_index: int) -> bool:
-        """Whether response ``response_index`` of each of ``r``'s prompts returns its logprobs."""
-        return r.logprobs and (r.logprob_responses is None or response_index < r.logprob_responses)
 
     def _check_request(self, r: GenRequest) -> None:
         published = self.current_version(r.job_id)

@@ -290,8 +290,8 @@ class MultiLoRATrainer:
         """One optimizer step for every job in ``batches``, all in shared micro-batches.
 
         ``audit`` (job -> per sequence, one logprob per completion token, e.g. the engine's of the
-        sampled tokens, or None for a sequence left out of the audit): compared against the training forward's own logprobs, which are the
-        job's pre-update adapter's, at no extra forward; the result is left in ``last_audit``
+        sampled tokens, or None for a sequence left out of the audit): compared against the training
+        forward's own logprobs, which are the job's pre-update adapter's, at no extra forward; the result is left in ``last_audit``
         (job -> max_abs, mean_abs)."""
         self.last_audit: dict[str, dict[str, float]] = {}
         if not batches:
