@@ -219,8 +219,9 @@ def run_controls(summary: dict) -> dict:
                 out["trainer_step_mode"] = w["step_mode"]
             if name.startswith("engine") and w.get("lora_kernel_configs"):
                 out["lora_kernels"] = "tuned"
-    if audit_text(run_audit(summary)):
-        out["audit"] = audit_text(run_audit(summary))
+    audit = audit_text(run_audit(summary))
+    if audit:
+        out["audit"] = audit
     return out
 
 
@@ -232,9 +233,9 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                      "engine terms are the default engine's",
                       "engine_env": "the engine ran with extra environment (--engine-env, e.g. tuned LoRA "
                                     "kernel configs): the profile's engine terms are the default engine's",
-                      "audit": "the engine returned logprobs on fewer steps or responses (--audit-every / --audit-responses / "
-                               "--no-audit): the profile's engine terms were measured returning them for every "
-                               "response of every step"}
+                      "audit": "the engine returned logprobs on fewer steps or responses (--audit-every / "
+                               "--audit-responses / --no-audit): the profile's engine terms were measured returning "
+                               "them for every response of every step"}
 
 
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",

@@ -104,9 +104,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups), sN (seed), "
                              "mN (trainer micro-batch tokens, >= 256), wait or free (trainer waits for each publish, the "
                              "default, or takes the next train at once), cg or nocg (trainer graphs), lowpri (trainer "
-                             "at below-normal MPS priority), tN (trainer MPS thread percentage, 1-100) or aN "
-                             "(the engine's logprobs audited every N-th step; a0: never) or rK (the first K responses of each "
-                             "prompt audited)")
+                             "at below-normal MPS priority), tN (trainer MPS thread percentage, 1-100), aN "
+                             "(the engine's logprobs audited every N-th step; a0: never) or rK (the first K "
+                             "responses of each prompt audited)")
     return name, jobs, groups, seeds, mb, wait, trainer
 
 

@@ -88,8 +88,9 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+ee"  # other engine environment (--engine-env)
     # The engine's logprobs on fewer steps or responses: +a0 never, +aN every N-th step, +rK the first K
     # responses of each prompt.
-    if audit_label(run_audit(summary or {})):
-        label += f"+{audit_label(run_audit(summary or {}))}"
+    audit = audit_label(run_audit(summary or {}))
+    if audit:
+        label += f"+{audit}"
     return label
 
 
