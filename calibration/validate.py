@@ -192,7 +192,8 @@ def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
     that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
-    (``--engine-arg``), ``engine_env`` for the engine's extra environment variables (their
+    (``--engine-arg``), ``engine_core_process`` for vLLM's core in its own process
+    (``--engine-core-process``), ``engine_env`` for the engine's extra environment variables (their
     names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
@@ -207,6 +208,8 @@ def run_controls(summary: dict) -> dict:
         for k, v in (d.get("sharing_controls") or {}).items():
             if k in defaults and v != defaults[k]:
                 out[k] = v
+        if d.get("engine_core_process"):
+            out["engine_core_process"] = True
         if d.get("engine_args"):
             out["engine_args"] = ",".join(f"{k}={v}" for k, v in sorted(d["engine_args"].items()))
         env = dict(d.get("engine_env") or {})
@@ -231,6 +234,8 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                             "the profile's trainer terms are the eager step's",
                       "engine_args": "the engine ran with extra vLLM arguments (--engine-arg): the profile's "
                                      "engine terms are the default engine's",
+                      "engine_core_process": "the engine's core ran in a process of its own (--engine-core-process): "
+                                             "the profile's engine terms are one process's",
                       "engine_env": "the engine ran with extra environment (--engine-env, e.g. tuned LoRA "
                                     "kernel configs): the profile's engine terms are the default engine's",
                       "audit": "the engine returned logprobs on fewer steps or responses (--audit-every / "

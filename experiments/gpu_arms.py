@@ -142,7 +142,7 @@ def _options(args, engine_env, engine_args=()):
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
                        engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
                        engine_env=engine_env, engine_args=tuple(engine_args),
-                       tuned_lora_kernels=args.tuned_lora_kernels,
+                       tuned_lora_kernels=args.tuned_lora_kernels, engine_core_process=args.engine_core_process,
                        trainer_compile=args.trainer_compile, trainer_graphs=args.trainer_graphs,
                        evaluate=args.mode == "tasks",
                        seeded_sampling=args.mode == "tasks" if args.seeded is None else args.seeded)
@@ -191,6 +191,8 @@ def main() -> None:
                          "labelled +lk in tables); --no-tuned-lora-kernels: vLLM's defaults (run keys get -vk)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="a vLLM engine argument for every arm (e.g. specialize_active_lora=true; run keys get -ea)")
+    ap.add_argument("--engine-core-process", action="store_true",
+                    help="vLLM's engine core in a process of its own under each engine worker (run keys get -ep)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
                     help="MPS client priority of the trainer in the MPS arms (their keys get -lowpri)")
     ap.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"))
@@ -263,7 +265,7 @@ def main() -> None:
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,
                      "trainer_compile": args.trainer_compile, "mb_tokens": args.mb_tokens,
-                     "trainer_graphs": args.trainer_graphs, "engine_args": dict(engine_args),
+                     "trainer_graphs": args.trainer_graphs, "engine_args": dict(engine_args), "engine_core_process": args.engine_core_process,
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
                      "engine_thread_pct": args.engine_thread_pct, "trainer_thread_pct": args.trainer_thread_pct,
                      "engine_env": args.engine_env, "tuned_lora_kernels": args.tuned_lora_kernels, "arms": {},
@@ -294,6 +296,7 @@ def main() -> None:
                 variant = "-eager" if args.trainer_compile is False else ""
                 variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
+                variant += "-ep" if args.engine_core_process else ""
                 variant += "-ee" if engine_env else ""  # engine environment, e.g. tuned LoRA kernel configs
                 # vLLM's default LoRA kernel configs (a folder given through the environment wins).
                 variant += "-vk" if not args.tuned_lora_kernels and LORA_CONFIG_ENV not in dict(engine_env) else ""

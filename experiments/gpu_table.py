@@ -53,7 +53,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
-    trainer's micro-batches replayed as CUDA graphs; +ea: extra vLLM engine arguments; +lk: tuned
+    trainer's micro-batches replayed as CUDA graphs; +ep: vLLM's engine core in a process of its own;
+    +ea: extra vLLM engine arguments; +lk: tuned
     LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
     variables; +a0 / +aN / +rK / +aNrK: the engine's logprobs never / every N-th step / for the first K
     responses of each prompt / both (--no-audit, --audit-every, --audit-responses);
@@ -75,13 +76,15 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
             label += f"+{side[0]}{controls[f'{side}_thread_pct']}"
     workers = [w for d in (summary or {}).get("diagnostics", []) for name, w in (d.get("workers") or {}).items()
                if name.startswith("trainer")]
+    run = run_controls(summary or {})
     if workers and not any(w.get("compiled") for w in workers):
         label += "+eager"  # the trainer ran without its compiled element-wise ops
     if any(w.get("step_mode") == "graphed" for w in workers):
         label += "+cg"  # each trainer micro-batch one CUDA graph replay (--trainer-graphs)
+    if run.get("engine_core_process"):
+        label += "+ep"  # vLLM's engine core in a process of its own (--engine-core-process)
     if any(d.get("engine_args") for d in (summary or {}).get("diagnostics", [])):
         label += "+ea"  # extra vLLM engine arguments (--engine-arg)
-    run = run_controls(summary or {})
     if run.get("lora_kernels") == "tuned":
         label += "+lk"  # tuned LoRA kernel configs in the engine (shipped, or VLLM_TUNED_CONFIG_FOLDER)
     if run.get("engine_env"):

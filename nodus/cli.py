@@ -117,7 +117,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                            checkpoint_dir=a.checkpoint_dir,
                            seeded_sampling=not a.unseeded, lora_layout=a.lora_layout,
                            trainer_compile=a.trainer_compile, trainer_graphs=a.trainer_graphs,
-                           tuned_lora_kernels=a.tuned_lora_kernels)
+                           tuned_lora_kernels=a.tuned_lora_kernels, engine_core_process=a.engine_core_process)
     summary = run(cfg, backend=a.backend, opts=opts, out=a.out, baseline=not a.no_baseline)
     print(json.dumps(summary, sort_keys=True, default=str) if a.json else render_table(summary))
     return 0
@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine's multi-LoRA kernels with the tuned configs nodus ships for its GPU (an H200: "
                         "1.0-3.0x per kernel over vLLM's defaults); --no-tuned-lora-kernels: vLLM's defaults")
+    p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="vLLM's engine core (scheduler, model runner) in a process of its own: its next decode step "
+                        "runs while the engine worker handles the last one's outputs; default: one process")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--no-audit", action="store_true",
                    help="skip the logprob agreement audit (engine against trainer logprobs of the sampled tokens)")

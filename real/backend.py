@@ -66,6 +66,11 @@ class RealOptions:
     # Extra vLLM engine arguments (LLM(...) keyword arguments), e.g. (("specialize_active_lora", True),):
     # what vLLM offers beyond the settings nodus itself sets (ENGINE_ARGS_SET_BY_NODUS).
     engine_args: tuple[tuple[str, object], ...] = ()
+    # vLLM's engine core (scheduler + model runner) in a process of its own, under the engine
+    # worker (vLLM's V1 multiprocessing): the core's next decode step runs while the worker turns
+    # the last one's outputs (sampled tokens, their logprobs) into request outputs. Off: one
+    # process does both, one after the other (what every profile up to session 12 measured).
+    engine_core_process: bool = False
     adapter_dir: str | None = None  # default: /dev/shm when present (fast publish)
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     max_model_len: int | None = None
@@ -86,6 +91,9 @@ class RealOptions:
         if self.trainer_priority not in MPS_PRIORITIES:
             raise ValueError(f"trainer_priority={self.trainer_priority!r}: choose one of {sorted(MPS_PRIORITIES)}")
         for key, _ in self.engine_env:
+            if key == "VLLM_ENABLE_V1_MULTIPROCESSING":
+                raise ValueError("engine_env: VLLM_ENABLE_V1_MULTIPROCESSING is set by nodus (engine_core_process; "
+                                 "the engine worker must be started able to have a child process)")
             if not key or "=" in key or key.startswith("CUDA_MPS_"):
                 raise ValueError(f"engine_env: {key!r} is not a variable name the engine may set "
                                  "(MPS variables come from the sharing settings)")
@@ -255,6 +263,9 @@ class Cluster:
                                   max_tokens_per_microbatch=max_tokens_per_microbatch, seed=seed)
         for s in range(n_stacks):
             e_env, _ = process_envs(opts, base_env)
+            # Set either way: a value inherited from the controller's environment must not start a
+            # core process under a daemonic worker.
+            e_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if opts.engine_core_process else "0"
             espec = EngineSpec(self.model, max_loras=max_loras, max_lora_rank=max_rank, max_num_seqs=max_num_seqs,
                                gpu_memory_utilization=opts.engine_memory / n_stacks,
                                enforce_eager=opts.enforce_eager, load_format=load_format,
@@ -265,7 +276,10 @@ class Cluster:
                                max_num_batched_tokens=65536 if self.device == "cpu" else None,
                                llm_args=tuple(opts.engine_args), tuned_lora_kernels=opts.tuned_lora_kernels)
             ein = ctx.Queue()
-            pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"), daemon=True)
+            # A daemonic process may not start children: with its core in a process of its own the
+            # engine worker is not one (close() and the core's watch on its parent end both).
+            pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"),
+                             daemon=not opts.engine_core_process)
             tin, pt = self._trainer_process(opts, s)
             self.engines.append(ein)
             self.trainers.append(tin)
@@ -631,6 +645,7 @@ class RealBackend:
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
                 "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),
+                "engine_core_process": self.c.opts.engine_core_process,
                 # Which steps' rollouts carried the engine's logprobs (host work on every decode step).
                 "audit": {"logprobs": self.opts.audit_logprobs, "every": self.opts.audit_every,
                           "responses": self.opts.audit_responses}}

@@ -35,7 +35,8 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
-# The engine core must run in this process: spawned, it hung on the GPU machine (device README).
+# The engine core runs in this process unless asked otherwise (RealOptions.engine_core_process sets
+# it to 1 in the engine worker; session 1 saw a spawned core hang, from a daemonic parent).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 HotloadMethod = Literal["fresh_id", "inplace"]

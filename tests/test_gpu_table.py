@@ -93,6 +93,8 @@ def test_arm_label_names_changed_mps_settings():
     assert arm_label(arm, {"diagnostics": [{"sharing_controls": controls}]}) == "overlap/mps/g2+lowpri+t60"
     default = {"trainer_priority": "normal", "engine_thread_pct": None, "trainer_thread_pct": None}
     assert arm_label(arm, {"diagnostics": [{"sharing_controls": default}]}) == "overlap/mps/g2"
+    core = {"sharing_controls": default, "engine_core_process": True}
+    assert arm_label(arm, {"diagnostics": [core]}) == "overlap/mps/g2+ep"
 
 
 def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):

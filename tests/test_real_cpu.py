@@ -27,8 +27,9 @@ def overlap_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # the trainer worker profiles its 2nd train command
         mp.setenv("NODUS_TRAINER_PROFILE", str(out.parent / "trainer_profile.jsonl"))
         mp.setenv("NODUS_TRAINER_PROFILE_AT", "2")
+        # vLLM's core in a process of its own (the in-process core: every other run of this file).
         assert main(["run", str(cfg), "--backend", "real", "--model", "tiny", "--no-baseline", "--out", str(out),
-                     "--engine-arg", "max_logprobs=5"]) == 0
+                     "--engine-arg", "max_logprobs=5", "--engine-core-process"]) == 0
     return out
 
 
@@ -71,6 +72,7 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
 
     s = json.loads((overlap_run / "summary.json").read_text())
     assert s["diagnostics"][0]["engine_args"] == {"max_logprobs": 5}
+    assert s["diagnostics"][0]["engine_core_process"] is True
     # The engine reports its LoRA kernel configs at start: none on a CPU (no Triton kernels there).
     assert s["diagnostics"][0]["workers"]["engine0"] == {"lora_kernel_configs": None}
     with pytest.raises(RuntimeError, match="not_a_vllm_argument"):
@@ -253,6 +255,8 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
     tuned = RealOptions(engine_env=(("VLLM_TUNED_CONFIG_FOLDER", "/cfg"),))
     assert process_envs(tuned, {}) == ({"VLLM_TUNED_CONFIG_FOLDER": "/cfg"}, {})
     assert process_envs(tuned, pipe)[0] == {"VLLM_TUNED_CONFIG_FOLDER": "/cfg", **pipe}
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING is set by nodus"):
+        RealOptions(engine_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),))
     with pytest.raises(ValueError, match="'CUDA_MPS_PIPE_DIRECTORY' is not a variable name the engine may set"):
         RealOptions(engine_env=(("CUDA_MPS_PIPE_DIRECTORY", "/x"),))
     with pytest.raises(ValueError, match="trainer_graphs needs lora_layout='masked'"):

@@ -223,6 +223,13 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     other = {"diagnostics": [dict(plain["diagnostics"][0], engine_env={"VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
                                                                        "VLLM_TUNED_CONFIG_FOLDER": "/tmp/x"})]}
     assert run_controls(other) == {"lora_kernels": "tuned", "engine_env": "VLLM_ATTENTION_BACKEND"}
+    # vLLM's core in a process of its own: another configuration, outside a profile of one process.
+    core = {"diagnostics": [dict(plain["diagnostics"][0], engine_core_process=True)]}
+    off = {"diagnostics": [dict(plain["diagnostics"][0], engine_core_process=False)]}
+    assert run_controls(core) == {"engine_core_process": True} and run_controls(off) == {}
+    assert unmodelled_controls(run_controls(core)) == [
+        "the engine's core ran in a process of its own (--engine-core-process): the profile's engine terms "
+        "are one process's"]
     # The engine's logprobs on fewer steps than every one: another configuration, outside the profile.
     # Or on fewer responses: another configuration too. The table labels name the same settings.
     from calibration.validate import audit_label
