@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -214,8 +215,34 @@ def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray | None = No
     return best
 
 
+def graphless_points(path: str | Path, graph_max_tokens: int) -> list[dict]:
+    """Decode steps measured past the engine's CUDA-graph sizes, from a JSON of decode rows
+    (``{"decode": [{"batch", "adapters", "step_s"}, ...]}``: a phase-profile measurement, or a
+    profile whose ``measurements.calibrate`` holds such rows under ``decode`` and ``graphless``):
+    per adapter count, the row of the largest batch above ``graph_max_tokens``."""
+    data = json.loads(Path(path).read_text())
+    cal = (data.get("measurements") or {}).get("calibrate") or {}
+    rows = data["decode"] if isinstance(data.get("decode"), list) else \
+        (cal.get("decode") or []) + (cal.get("graphless") or []) if cal else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: no decode rows (a list under 'decode' or 'measurements.calibrate.decode')")
+    best: dict[int, dict] = {}
+    for r in rows:
+        try:
+            b, a, s = int(r["batch"]), int(r["adapters"]), float(r["step_s"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: a decode row without batch, adapters and step_s: {r!r}") from None
+        if b > graph_max_tokens and s > 0 and (a not in best or b > best[a]["batch"]):
+            best[a] = {"adapters": a, "batch": b, "step_s": s}
+    if not best:
+        raise ValueError(f"{path}: no decode row past {graph_max_tokens} tokens (the CUDA-graph sizes): "
+                         "measure a batch above them (nodus calibrate does)")
+    return [best[a] for a in sorted(best)]
+
+
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
-        lora_kernels: str | None = None) -> dict:
+        lora_kernels: str | None = None, graphless_from: str | Path | None = None,
+        graph_max_tokens: int = 512) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs.
 
     ``trainer_mode`` (default: the base's ``train.step_mode``): the trainer the runs used and the
@@ -409,6 +436,19 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                      f"the {curves_kernels} ones: they are those curves times decode.scale ({scale:.3f}, "
                      f"{'fitted on' if decode_fit else 'kept from the base: no'} dedicated runs' generations), "
                      "prefill is the base's unscaled; nodus calibrate with the same kernels measures them"})
+    if graphless_from is not None:
+        # Steps past the CUDA-graph sizes: a mid-batch admission at a nearly full batch (runs that
+        # queue more sequences than max_num_seqs) runs its step without graphs.
+        pts = graphless_points(graphless_from, graph_max_tokens)
+        prof["decode"]["graph_max_tokens"] = graph_max_tokens
+        prof["decode"]["graphless"] = pts
+        prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "graphless-flat"] + [
+            {"id": "graphless-flat", "value": None,
+             "what": "a decode step past the engine's CUDA-graph sizes (" + str(graph_max_tokens) + " tokens) costs "
+                     "what one was measured at (" + ", ".join(f"{p['step_s'] * 1e3:.1f} ms at batch {p['batch']} with "
+                                                             f"{p['adapters']} adapters" for p in pts)
+                     + f", {Path(graphless_from).name}) times decode.scale, whatever its batch: launch-bound"}]
+        add_source(prof, f"graphless steps from {Path(graphless_from).name}")
     # The day its costs are: the runs' (a base's note of its own day does not describe this fit).
     prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "host-day"] + [
         {"id": "host-day", "value": None,
@@ -622,10 +662,11 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
 
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,
-                trainer_mode: str | None = None, lora_kernels: str | None = None) -> dict:
+                trainer_mode: str | None = None, lora_kernels: str | None = None,
+                graphless_from: str | Path | None = None, graph_max_tokens: int = 512) -> dict:
     from sim.profile import refuse_existing, write_profile
 
     refuse_existing(out, "nodus fit")
-    prof = fit(runs, base, fit_max_jobs, trainer_mode, lora_kernels)
+    prof = fit(runs, base, fit_max_jobs, trainer_mode, lora_kernels, graphless_from, graph_max_tokens)
     write_profile(prof, out, "nodus fit")
     return prof

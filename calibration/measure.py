@@ -108,7 +108,9 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         t0 = time.perf_counter()
         trainer.save_adapter(f"cal{a}", str(ad_dir / f"cal{a}" / "v0"))
         save_s.append(time.perf_counter() - t0)
-    eng = MultiLoRAEngine(model, max_loras=n_ad, max_lora_rank=rank, max_num_seqs=max(batches),
+    # On a GPU, room for a batch twice the largest (past vLLM's default 512-token graphs).
+    graphless_batch = 2 * max(batches) if device.startswith("cuda") and not enforce_eager else 0
+    eng = MultiLoRAEngine(model, max_loras=n_ad, max_lora_rank=rank, max_num_seqs=max(max(batches), graphless_batch),
                           gpu_memory_utilization=engine_memory, enforce_eager=enforce_eager,
                           tuned_lora_kernels=tuned_lora_kernels,
                           skip_tokenizer_init=True, dtype=dtype if device != "cpu" else "float32",
@@ -149,6 +151,16 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
                         "step_s": [step_short, step_long],
                         "s_per_context_token": max((step_long - step_short) / (b * (prompt_tokens[1] - prompt_tokens[0])), 0.0)})
         prefill.append({"tokens": b * prompt_tokens[1], "adapters": a, "s": max(t1 - l1 * step_long, 0.0)})
+    # Past the CUDA-graph sizes (a GPU engine with graphs): the step a mid-batch admission at a
+    # nearly full batch runs without them (sim: decode.graphless).
+    graph_max = engine_graph_max_tokens(eng) if device.startswith("cuda") and not enforce_eager else None
+    graphless = []
+    if graph_max is not None and graphless_batch > graph_max:
+        for a in adapter_counts:
+            step, _, _ = step_time(a, graphless_batch, prompt_tokens[0])
+            graphless.append({"batch": graphless_batch, "adapters": a, "step_s": step})
+            log(f"decode batch {graphless_batch:4d} adapters {a} (past the {graph_max}-token graphs): "
+                f"{step * 1e3:.2f} ms/step")
     # The same decode with no adapter at all (the LoRA overhead against the plain model).
     no_lora = []
     for b in (batches[0], batches[-1]):
@@ -172,12 +184,20 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             train.append({"tokens": sum(len(r) for b in batches_.values() for r in b.input_ids), "adapters": a, "s": s})
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
+            "graph_max_tokens": graph_max, "graphless": graphless,
             "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens),
             # The engine's LoRA kernel configs (None: vLLM's defaults): the engine terms describe them.
             "lora_kernel_configs": eng.lora_kernel_configs,
             # step_mode as trained (a graph capture that failed left it eager).
             "trainer": {"lora_layout": trainer.routing.layout_mode, "compiled": compiled,
                         "step_mode": trainer.step_mode, "graph_error": trainer.graph_error}}
+
+
+def engine_graph_max_tokens(eng) -> int | None:
+    """The engine's largest CUDA-graph size in tokens (vLLM's max_cudagraph_capture_size)."""
+    cfg = getattr(getattr(eng.llm.llm_engine, "vllm_config", None), "compilation_config", None)
+    size = getattr(cfg, "max_cudagraph_capture_size", None)
+    return int(size) if size else None
 
 
 def fit_profile(raw: dict, base: dict, env: dict) -> dict:
@@ -198,7 +218,9 @@ def fit_profile(raw: dict, base: dict, env: dict) -> dict:
     return {
         "schema": "nodus.profile/1",
         "environment": env,
-        "decode": {"curves": curves, "s_per_context_token": ctx},
+        "decode": {"curves": curves, "s_per_context_token": ctx,
+                   **({"graph_max_tokens": raw["graph_max_tokens"], "graphless": raw["graphless"]}
+                      if raw.get("graph_max_tokens") and raw.get("graphless") else {})},
         "prefill": {"no_lora": {"a_s": pa, "b_s_per_unit": pb}, "lora": {"a_s": pa, "b_s_per_unit": pb}},
         "train": {"per_microbatch": {"a_s": 0.0, "b_s_per_unit": tb}, "s_per_adapter": tc,
                   "max_profiled_tokens": raw["train_mb_tokens"],

@@ -206,7 +206,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
     from calibration.fit_runs import fit_to_file
 
     prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs, trainer_mode=a.trainer_mode,
-                       lora_kernels=a.lora_kernels)
+                       lora_kernels=a.lora_kernels, graphless_from=a.graphless_from,
+                       graph_max_tokens=a.graph_max_tokens)
     f = prof["measurements"]["fit_runs"]
     t = f["train_fit"]
     print(f"fitted on {len(f['runs'])} run(s), {f['train_steps']} train steps (held out: {len(f['held_out'])}): "
@@ -404,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer the runs used (default: the base's train.step_mode); another than the base's "
                         "fits that trainer's terms onto the base, its unfitted co-run rates kept from the base "
                         "(an assumption the profile names)")
+    p.add_argument("--graphless-from", default=None, metavar="JSON",
+                   help="decode steps measured past the engine's CUDA-graph sizes (a JSON of decode rows: batch, "
+                        "adapters, step_s; a phase-profile measurement or a calibrated profile): the steps a "
+                        "mid-batch admission runs without graphs cost that")
+    p.add_argument("--graph-max-tokens", type=int, default=512, metavar="N",
+                   help="with --graphless-from: the engine's largest CUDA-graph size in tokens (vLLM's "
+                        "max_cudagraph_capture_size, 512 by default)")
     p.add_argument("--lora-kernels", choices=LORA_KERNELS, default=None,
                    help="the engine's LoRA kernel configs the runs used (default: the base's "
                         "environment.lora_kernel_configs); another than the base's fits that engine onto the base "

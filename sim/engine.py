@@ -61,6 +61,7 @@ class SimEngine:
         self.waiting: deque[_Prompt] = deque()
         self._arrival = env.event()
         self.steps_run = 0
+        self.graphless_steps = 0  # steps run past the CUDA-graph sizes (mid-batch admissions)
         env.process(self._loop())
 
     def submit(self, action_id: str, jobs: list[tuple[str, int, int, int, int, list[int]]]) -> None:
@@ -143,6 +144,7 @@ class SimEngine:
             step += n
             ctx += running * n
             self.steps_run += n
+            finished_here = bool(finishes) and finishes[0] <= step
             while finishes and finishes[0] <= step:
                 for req, c, seq_ctx in at.pop(heapq.heappop(finishes)):
                     running -= c
@@ -156,3 +158,11 @@ class SimEngine:
                     req.action.remaining -= c
                     if req.action.remaining == 0:
                         self.on_done(req.action)
+            # vLLM admits a waiting request into each freed slot at once: the next step carries
+            # its prompt's prefill beside the running batch's decode, and past the engine's
+            # CUDA-graph sizes that step runs without graphs.
+            if finished_here and self.waiting and running:
+                extra = cost.graphless_extra_s(running + self.waiting[0].prompt_tokens, running, len(adapters))
+                if extra > 0:
+                    self.graphless_steps += 1
+                    yield from self.gpu.work("engine", extra, batch=running)

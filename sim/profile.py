@@ -68,6 +68,15 @@ class Linear(_M):
     b_s_per_unit: float = Field(ge=0)
 
 
+class GraphlessStep(_M):
+    """A decode step run without CUDA graphs: its measured time at ``batch`` sequences with
+    ``adapters`` distinct adapters."""
+
+    adapters: int = Field(ge=0)
+    batch: int = Field(ge=1)
+    step_s: float = Field(gt=0)
+
+
 class Decode(_M):
     curves: list[Curve]  # by adapters, increasing
     s_per_context_token: float = Field(default=0.0, ge=0)  # extra step time per token of KV context
@@ -75,6 +84,13 @@ class Decode(_M):
     # `nodus fit` sets this from a host's dedicated runs (the engine's per-step host work moves
     # with the host, not the GPU).
     scale: float = Field(default=1.0, gt=0)
+    # The engine's largest CUDA-graph size in tokens (vLLM's max_cudagraph_capture_size; by default
+    # min(2 * max_num_seqs, 512)): a step of more tokens (a decode batch with an admitted prompt's
+    # prefill beside it) runs without graphs. None: not modelled.
+    graph_max_tokens: int | None = Field(default=None, ge=1)
+    # Step time of a batch past the graph sizes, by adapters: launch-bound, so flat in the batch
+    # (measured at one batch size past them).
+    graphless: list[GraphlessStep] = []
 
 
 class Prefill(_M):
@@ -352,6 +368,19 @@ class CostModel:
                     base = y0 + (y1 - y0) * (la - x0) / (x1 - x0)
             self._cache[key] = base
         return (base + self.profile.decode.s_per_context_token * context_tokens) * self.profile.decode.scale
+
+    def graphless_extra_s(self, step_tokens: int, batch: int, adapters: int) -> float:
+        """What a step of ``step_tokens`` tokens (``batch`` decoding sequences and an admitted
+        prompt's prefill) costs beyond a graphed decode step of ``batch``: 0 within the graph
+        sizes or when the profile does not model the step past them."""
+        d = self.profile.decode
+        if d.graph_max_tokens is None or not d.graphless or step_tokens <= d.graph_max_tokens:
+            return 0.0
+        pts = sorted(d.graphless, key=lambda g: g.adapters)
+        # The measured point of the nearest adapter count at or below (the first above if none).
+        g = next((p for p in reversed(pts) if p.adapters <= adapters), pts[0])
+        graphed = self.decode_step_s(batch, 0.0, adapters)
+        return max(g.step_s * d.scale - graphed, 0.0)
 
     def prefill_s(self, tokens: int, lora: bool, cold: bool) -> float:
         """Prefill of newly admitted prompt tokens; the fixed part is paid only when the engine

@@ -466,3 +466,53 @@ def test_alone_generation_of_an_episode_counts_the_engines_busy_time_only(tmp_pa
     apart = _alone_generation_s(prof, [dict(a, offset_s=0.0), dict(b, offset_s=100.0)], 1.0, 512, 2)
     assert max(alone_a, alone_b) < together < alone_a + alone_b
     assert apart == pytest.approx(alone_a + alone_b, rel=1e-9)
+
+
+def test_graphless_steps_come_from_decode_rows_past_the_graph_sizes(tmp_path, capsys):
+    """--graphless-from: per adapter count the largest measured batch past the CUDA-graph sizes,
+    from a phase-profile measurement or a calibrated profile's rows; the fitted profile simulates
+    a queue past max_num_seqs slower and says where the steps came from."""
+    from calibration.fit_runs import graphless_points
+
+    phase = tmp_path / "phase.json"
+    phase.write_text(json.dumps({"decode": [
+        {"batch": 512, "adapters": 8, "step_s": 0.0106}, {"batch": 768, "adapters": 8, "step_s": 0.05},
+        {"batch": 1024, "adapters": 8, "step_s": 0.0546}, {"batch": 1024, "adapters": 1, "step_s": 0.0537}]}))
+    assert graphless_points(phase, 512) == [{"adapters": 1, "batch": 1024, "step_s": 0.0537},
+                                            {"adapters": 8, "batch": 1024, "step_s": 0.0546}]
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"measurements": {"calibrate": {
+        "decode": [{"batch": 512, "adapters": 1, "step_s": 0.01}],
+        "graphless": [{"batch": 1024, "adapters": 1, "step_s": 0.04}]}}}))
+    assert graphless_points(cal, 512) == [{"adapters": 1, "batch": 1024, "step_s": 0.04}]
+    with pytest.raises(ValueError, match="no decode row past 2048 tokens"):
+        graphless_points(phase, 2048)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"decode": [{"batch": 1024}]}))
+    with pytest.raises(ValueError, match="without batch, adapters and step_s"):
+        graphless_points(bad, 512)
+    bad.write_text(json.dumps({"train": []}))
+    with pytest.raises(ValueError, match="no decode rows"):
+        graphless_points(bad, 512)
+
+    ded = tmp_path / "ded"
+    simulate(config_from_args(jobs=2, steps=2, policy="dedicated", sharing="none"), ded)
+    out = tmp_path / "p.json"
+    assert main(["fit", str(ded), "--out", str(out), "--graphless-from", str(phase)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["decode"]["graph_max_tokens"] == 512 and len(prof["decode"]["graphless"]) == 2
+    note = next(a for a in prof["assumptions"] if a["id"] == "graphless-flat")
+    assert "54.6 ms at batch 1024 with 8 adapters" in note["what"] and "phase.json" in note["what"]
+    plain = tmp_path / "plain.json"
+    assert main(["fit", str(ded), "--out", str(plain)]) == 0
+    capsys.readouterr()
+    # 16 jobs' 1024 sequences queue past max_num_seqs 512: each finished sequence's slot admits a
+    # waiting one, and that step runs past the graphs. 8 jobs' 512 never wait: the same prediction.
+    sixteen = {p: simulate(config_from_args(jobs=16, steps=2, policy="shared-sync", sharing="none", profile=str(p)))
+               for p in (out, plain)}
+    assert sixteen[out]["steps_per_gpu_hour"] < 0.9 * sixteen[plain]["steps_per_gpu_hour"]
+    eight = {p: simulate(config_from_args(jobs=8, steps=2, policy="shared-sync", sharing="none", profile=str(p)))
+             for p in (out, plain)}
+    assert eight[out]["steps_per_gpu_hour"] == pytest.approx(eight[plain]["steps_per_gpu_hour"], rel=1e-9)
+    assert main(["fit", str(ded), "--out", str(tmp_path / "x.json"), "--graphless-from", str(bad)]) != 0
+    assert "no decode rows" in capsys.readouterr().err
