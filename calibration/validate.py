@@ -193,7 +193,8 @@ def run_controls(summary: dict) -> dict:
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
     that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
     (``--engine-arg``), ``engine_core_process`` for vLLM's core in its own process
-    (``--engine-core-process``), ``engine_env`` for the engine's extra environment variables (their
+    (``--engine-core-process``), ``cuda_graph_max_tokens`` for the engine's CUDA graphs past vLLM's
+    default sizes (the config's ``engine.cuda_graph_max_tokens``), ``engine_env`` for the engine's extra environment variables (their
     names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
@@ -210,6 +211,8 @@ def run_controls(summary: dict) -> dict:
                 out[k] = v
         if d.get("engine_core_process"):
             out["engine_core_process"] = True
+        if d.get("cuda_graph_max_tokens"):
+            out["cuda_graph_max_tokens"] = d["cuda_graph_max_tokens"]  # the sim models it (config)
         if d.get("engine_args"):
             out["engine_args"] = ",".join(f"{k}={v}" for k, v in sorted(d["engine_args"].items()))
         env = dict(d.get("engine_env") or {})

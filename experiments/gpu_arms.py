@@ -191,6 +191,9 @@ def main() -> None:
                          "labelled +lk in tables); --no-tuned-lora-kernels: vLLM's defaults (run keys get -vk)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="a vLLM engine argument for every arm (e.g. specialize_active_lora=true; run keys get -ea)")
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=None, metavar="N",
+                    help="the engine's CUDA graphs up to N tokens a step (config engine.cuda_graph_max_tokens; "
+                         "vLLM's default: min(2 x max_num_seqs, 512)); run keys get -gm<N>")
     ap.add_argument("--engine-core-process", action="store_true",
                     help="vLLM's engine core in a process of its own under each engine worker (run keys get -ep)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
@@ -248,7 +251,8 @@ def main() -> None:
             max_new_tokens=args.max_new_tokens, **args.job_fields)],
             # 16k-token micro-batches by default: the trainer peaks at ~46 GiB beside the engine's
             # share, room for timeslice's two trainers (32k: 64 GiB masked, 91 GiB padded, alone).
-            "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens}}
+            "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens},
+            **({"engine": {"cuda_graph_max_tokens": args.cuda_graph_max_tokens}} if args.cuda_graph_max_tokens else {})}
 
     def suffix(n: int) -> str:  # arm keys and run folders name the job count when there are several
         return f"-j{n}" if len(job_counts) > 1 or n != job_counts[0] else ""
@@ -298,6 +302,7 @@ def main() -> None:
                 variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
                 variant += "-ep" if args.engine_core_process else ""
+                variant += f"-gm{args.cuda_graph_max_tokens}" if args.cuda_graph_max_tokens else ""
                 variant += "-ee" if engine_env else ""  # engine environment, e.g. tuned LoRA kernel configs
                 # vLLM's default LoRA kernel configs (a folder given through the environment wins).
                 variant += "-vk" if not args.tuned_lora_kernels and LORA_CONFIG_ENV not in dict(engine_env) else ""

@@ -109,6 +109,16 @@ class EngineSpec(_Model):
 
     max_num_seqs: int = Field(default=512, ge=1)  # continuous-batching cap on running sequences
     max_loras: int | None = Field(default=None, ge=1)  # adapters resident at once; default: all jobs
+    # The engine's largest CUDA graph, in tokens per step (vLLM's max_cudagraph_capture_size); a
+    # step of more tokens runs without graphs, as one that admits a waiting prompt beside a full
+    # decode batch does. None: vLLM's default (engine_graph_max_tokens).
+    cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
+
+
+def engine_graph_max_tokens(engine: "EngineSpec") -> int:
+    """The engine's largest CUDA-graph size in tokens: the configured one, else vLLM's default,
+    min(2 x max_num_seqs, 512) (vllm.config.CompilationConfig.max_cudagraph_capture_size)."""
+    return engine.cuda_graph_max_tokens or min(2 * engine.max_num_seqs, 512)
 
 
 class TrainerSpec(_Model):

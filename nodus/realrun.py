@@ -30,7 +30,8 @@ class ClusterPool:
         an A/B of trainer settings keeps the engines), else a new one."""
         from real.backend import Cluster, RealBackend, engine_settings, trainer_settings
 
-        key = (cfg.arm.sharing, n_stacks)
+        # The engine's batch settings are fixed at its start: a run asking others gets new processes.
+        key = (cfg.arm.sharing, n_stacks, cfg.engine.max_num_seqs, cfg.engine.cuda_graph_max_tokens)
         loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
         running = self.clusters.get(key)
         if (running is not None and running.max_loras >= loras and running.opts != self.opts
@@ -48,7 +49,8 @@ class ClusterPool:
             self.clusters[key] = Cluster(
                 self.opts, cfg.arm.sharing, n_stacks, max_loras=loras,
                 max_rank=max(j.lora_rank for j in cfg.jobs), max_num_seqs=cfg.engine.max_num_seqs,
-                max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch, seed=cfg.seed)
+                max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch, seed=cfg.seed,
+                cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens)
         return RealBackend(self.clusters[key], cfg)
 
     def startup_s(self) -> dict:

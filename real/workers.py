@@ -32,6 +32,22 @@ class EngineSpec:
     max_num_batched_tokens: int | None = None
     llm_args: tuple = ()  # (name, value) pairs: more LLM(...) keyword arguments (RealOptions.engine_args)
     tuned_lora_kernels: bool = True  # the shipped tuned LoRA kernel configs for this GPU, if any
+    cuda_graph_max_tokens: int | None = None  # vLLM's max_cudagraph_capture_size (None: its default)
+
+
+def engine_llm_args(llm_args, cuda_graph_max_tokens: int | None) -> dict:
+    """An engine's extra LLM(...) arguments: ``llm_args`` ((name, value) pairs), with
+    ``cuda_graph_max_tokens`` as compilation_config's max_cudagraph_capture_size (merged into a
+    compilation_config dict given there; one that sets its own sizes is refused)."""
+    args = dict(llm_args)
+    if cuda_graph_max_tokens is None:
+        return args
+    comp = args.get("compilation_config", {})
+    if not isinstance(comp, dict) or "max_cudagraph_capture_size" in comp or "cudagraph_capture_sizes" in comp:
+        raise ValueError("engine_args: a compilation_config that sets the CUDA-graph sizes beside the config's "
+                         f"engine.cuda_graph_max_tokens={cuda_graph_max_tokens}; set them in one place")
+    args["compilation_config"] = {**comp, "max_cudagraph_capture_size": cuda_graph_max_tokens}
+    return args
 
 
 @dataclass(frozen=True)
@@ -70,7 +86,8 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                               skip_tokenizer_init=spec.skip_tokenizer_init, dtype=spec.dtype, seed=spec.seed,
                               max_model_len=spec.max_model_len, tuned_lora_kernels=spec.tuned_lora_kernels,
                               **({"max_num_batched_tokens": spec.max_num_batched_tokens}
-                                 if spec.max_num_batched_tokens else {}), **dict(spec.llm_args))
+                                 if spec.max_num_batched_tokens else {}),
+                              **engine_llm_args(spec.llm_args, spec.cuda_graph_max_tokens))
         outbox.put(("ready", name, time.monotonic() - t0, {"lora_kernel_configs": eng.lora_kernel_configs}))
     except Exception:  # noqa: BLE001 - the controller reports it
         outbox.put(("error", name, traceback.format_exc()))

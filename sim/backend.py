@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 import simpy
 
-from nodus.config import JobSpec, RunConfig
+from nodus.config import JobSpec, RunConfig, engine_graph_max_tokens
 from nodus.lengths import prompt_tokens, sample_response_tokens
 from nodus.microbatch import microbatch_costs, step_rows
 from nodus.messages import (
@@ -31,7 +31,8 @@ class SimBackend:
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         self.engines = [SimEngine(self.env, self.gpu, cost, cfg.engine.max_num_seqs, max_loras,
-                                  self._generated) for _ in range(n_stacks)]
+                                  self._generated, graph_max_tokens=engine_graph_max_tokens(cfg.engine))
+                        for _ in range(n_stacks)]
         self._done: deque[Result] = deque()
         self._signal = self.env.event()
         self._lengths: dict[str, list[int]] = {}

@@ -52,9 +52,10 @@ class SimEngine:
     """on_done(action_id, start_s, end_s, requests) is called when an action's last sequence ends."""
 
     def __init__(self, env: simpy.Environment, gpu: SharedGPU, cost: CostModel, max_num_seqs: int,
-                 max_loras: int, on_done):
+                 max_loras: int, on_done, graph_max_tokens: int = 512):
         self.env, self.gpu, self.cost = env, gpu, cost
         self.max_num_seqs, self.max_loras = max_num_seqs, max_loras
+        self.graph_max_tokens = graph_max_tokens  # the engine's largest CUDA graph (tokens per step)
         self.on_done = on_done
         self.published: dict[str, int] = {}  # version each job's requests must use
         self.loaded: dict[str, int] = {}  # version resident in the engine
@@ -162,7 +163,8 @@ class SimEngine:
             # its prompt's prefill beside the running batch's decode, and past the engine's
             # CUDA-graph sizes that step runs without graphs.
             if finished_here and self.waiting and running:
-                extra = cost.graphless_extra_s(running + self.waiting[0].prompt_tokens, running, len(adapters))
+                extra = cost.graphless_extra_s(running + self.waiting[0].prompt_tokens, running, len(adapters),
+                                               self.graph_max_tokens)
                 if extra > 0:
                     self.graphless_steps += 1
                     yield from self.gpu.work("engine", extra, batch=running)

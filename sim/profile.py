@@ -84,9 +84,10 @@ class Decode(_M):
     # `nodus fit` sets this from a host's dedicated runs (the engine's per-step host work moves
     # with the host, not the GPU).
     scale: float = Field(default=1.0, gt=0)
-    # The engine's largest CUDA-graph size in tokens (vLLM's max_cudagraph_capture_size; by default
-    # min(2 * max_num_seqs, 512)): a step of more tokens (a decode batch with an admitted prompt's
-    # prefill beside it) runs without graphs. None: not modelled.
+    # The largest CUDA-graph size in tokens (vLLM's max_cudagraph_capture_size) of the engine the
+    # graphless steps were measured past; a run's own engine setting (EngineSpec.cuda_graph_max_tokens,
+    # by default min(2 * max_num_seqs, 512)) decides which of its steps run without graphs.
+    # None: steps past the graphs not modelled.
     graph_max_tokens: int | None = Field(default=None, ge=1)
     # Step time of a batch past the graph sizes, by adapters: launch-bound, so flat in the batch
     # (measured at one batch size past them).
@@ -369,12 +370,13 @@ class CostModel:
             self._cache[key] = base
         return (base + self.profile.decode.s_per_context_token * context_tokens) * self.profile.decode.scale
 
-    def graphless_extra_s(self, step_tokens: int, batch: int, adapters: int) -> float:
+    def graphless_extra_s(self, step_tokens: int, batch: int, adapters: int, graph_max_tokens: int) -> float:
         """What a step of ``step_tokens`` tokens (``batch`` decoding sequences and an admitted
-        prompt's prefill) costs beyond a graphed decode step of ``batch``: 0 within the graph
-        sizes or when the profile does not model the step past them."""
+        prompt's prefill) costs beyond a graphed decode step of ``batch``, on an engine whose
+        largest CUDA graph is ``graph_max_tokens``: 0 within it, or when the profile does not model
+        the step past the graphs."""
         d = self.profile.decode
-        if d.graph_max_tokens is None or not d.graphless or step_tokens <= d.graph_max_tokens:
+        if d.graph_max_tokens is None or not d.graphless or step_tokens <= graph_max_tokens:
             return 0.0
         pts = sorted(d.graphless, key=lambda g: g.adapters)
         # The measured point of the nearest adapter count at or below (the first above if none).

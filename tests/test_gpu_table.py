@@ -95,6 +95,7 @@ def test_arm_label_names_changed_mps_settings():
     assert arm_label(arm, {"diagnostics": [{"sharing_controls": default}]}) == "overlap/mps/g2"
     core = {"sharing_controls": default, "engine_core_process": True}
     assert arm_label(arm, {"diagnostics": [core]}) == "overlap/mps/g2+ep"
+    assert arm_label(arm, {"diagnostics": [dict(core, cuda_graph_max_tokens=1024)]}) == "overlap/mps/g2+ep+gm1024"
 
 
 def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):

@@ -22,7 +22,8 @@ def overlap_run(tmp_path_factory):
         "jobs:\n"
         "  - {task: modular, steps: 2, prompts_per_step: 2, responses_per_prompt: 4, max_new_tokens: 24}\n"
         "  - {task: sorting, steps: 2, prompts_per_step: 2, responses_per_prompt: 4, max_new_tokens: 24}\n"
-        "arm: {policy: overlap, groups: 2, sharing: none}\n")
+        "arm: {policy: overlap, groups: 2, sharing: none}\n"
+        "engine: {cuda_graph_max_tokens: 64}\n")
     out = tmp_path_factory.mktemp("run") / "overlap"
     with pytest.MonkeyPatch.context() as mp:  # the trainer worker profiles its 2nd train command
         mp.setenv("NODUS_TRAINER_PROFILE", str(out.parent / "trainer_profile.jsonl"))
@@ -73,6 +74,7 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     s = json.loads((overlap_run / "summary.json").read_text())
     assert s["diagnostics"][0]["engine_args"] == {"max_logprobs": 5}
     assert s["diagnostics"][0]["engine_core_process"] is True
+    assert s["diagnostics"][0]["cuda_graph_max_tokens"] == 64  # the config's engine setting, run by vLLM
     # The engine reports its LoRA kernel configs at start: none on a CPU (no Triton kernels there).
     assert s["diagnostics"][0]["workers"]["engine0"] == {"lora_kernel_configs": None}
     with pytest.raises(RuntimeError, match="not_a_vllm_argument"):
@@ -367,3 +369,24 @@ def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size():
     assert len(agree) == len(big["diagnostics"][0]["logprob_agreement"]) and {a["job"] for a in agree} == {"job0", "job1"}
     assert max(a["max_abs"] for a in agree) < 1e-3  # fp32 on the CPU: engine and trainer agree
     assert run_controls(sampled) == {"audit": "1 response a prompt"}
+
+
+def test_the_engines_cuda_graph_size_reaches_vllm_and_conflicts_are_clear_errors():
+    """engine.cuda_graph_max_tokens becomes compilation_config's max_cudagraph_capture_size (merged
+    with one given through engine_args); one that sets its own sizes there is refused before any
+    process starts."""
+    from nodus.realrun import run
+    from real.backend import RealOptions
+    from real.workers import engine_llm_args
+
+    assert engine_llm_args((("max_logprobs", 5),), None) == {"max_logprobs": 5}
+    assert engine_llm_args((("compilation_config", {"mode": 3}),), 1024) == {
+        "compilation_config": {"mode": 3, "max_cudagraph_capture_size": 1024}}
+    with pytest.raises(ValueError, match="set them in one place"):
+        engine_llm_args((("compilation_config", {"max_cudagraph_capture_size": 64}),), 1024)
+    cfg = _small_cfg(1, 1)
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"cuda_graph_max_tokens": 64})})
+    with pytest.raises(ValueError, match="set them in one place"):
+        run(cfg, opts=RealOptions(model="tiny", evaluate=False,
+                                  engine_args=(("compilation_config", {"cudagraph_capture_sizes": [8]}),)),
+            baseline=False)

@@ -282,3 +282,31 @@ def test_the_sweep_names_the_best_arm_per_job_count_and_whether_the_error_bar_se
     table = sweep_table(rows, {"heldout_mape": 0.08, "heldout_bias": 0.0, "heldout_worst": 0.1, "heldout_runs": 3})
     assert ("Best per job count: 4 jobs overlap g=2 mps (1.500x); 8 jobs shared-sync mps (2.100x, next overlap g=2 "
             "mps -4.8%, within the profile's error).") in table
+
+
+def test_steps_past_the_engines_cuda_graphs_follow_its_graph_size(tmp_path):
+    """A profile with graphless steps: 16 jobs' 1024 sequences queue past max_num_seqs 512, and a
+    step admitting a waiting prompt beside ~511 decoding sequences is past vLLM's default 512-token
+    graphs; an engine with graphs up to 1024 tokens (engine.cuda_graph_max_tokens) runs it graphed.
+    A run that never queues (8 jobs) does not move. Without the term in the profile, nothing moves."""
+    from nodus.config import EngineSpec, engine_graph_max_tokens
+
+    assert engine_graph_max_tokens(EngineSpec()) == 512
+    assert engine_graph_max_tokens(EngineSpec(max_num_seqs=128)) == 256
+    assert engine_graph_max_tokens(EngineSpec(cuda_graph_max_tokens=1024)) == 1024
+    prof = json.loads(load_profile("h200-xeon16-graphed-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    assert prof["decode"]["graph_max_tokens"] == 512 and prof["decode"]["graphless"]
+    bare = dict(prof, decode={k: v for k, v in prof["decode"].items() if k not in ("graph_max_tokens", "graphless")})
+    paths = {}
+    for name, p in (("with", prof), ("bare", bare)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(p))
+
+    def sph(name, jobs, graphs=None):
+        cfg = config_from_args({"engine": {"cuda_graph_max_tokens": graphs}} if graphs else None, jobs=jobs,
+                               steps=2, policy="shared-sync", sharing="mps", profile=str(paths[name]))
+        return simulate(cfg)["steps_per_gpu_hour"]
+
+    default16, wide16, bare16 = sph("with", 16), sph("with", 16, 1024), sph("bare", 16)
+    assert default16 < 0.8 * wide16 and wide16 == pytest.approx(bare16, rel=1e-9)
+    assert sph("with", 8) == pytest.approx(sph("with", 8, 1024), rel=1e-9) == pytest.approx(sph("bare", 8), rel=1e-9)

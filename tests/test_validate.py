@@ -227,6 +227,10 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     core = {"diagnostics": [dict(plain["diagnostics"][0], engine_core_process=True)]}
     off = {"diagnostics": [dict(plain["diagnostics"][0], engine_core_process=False)]}
     assert run_controls(core) == {"engine_core_process": True} and run_controls(off) == {}
+    # The engine's CUDA graphs past vLLM's default sizes: another configuration, one the simulator
+    # models (from the run's config), so not outside the profile.
+    graphs = {"diagnostics": [dict(plain["diagnostics"][0], cuda_graph_max_tokens=1024)]}
+    assert run_controls(graphs) == {"cuda_graph_max_tokens": 1024} and unmodelled_controls(run_controls(graphs)) == []
     assert unmodelled_controls(run_controls(core)) == [
         "the engine's core ran in a process of its own (--engine-core-process): the profile's engine terms "
         "are one process's"]
