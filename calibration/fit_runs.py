@@ -56,7 +56,7 @@ import numpy as np
 
 from calibration.validate import jobs_per_gpu, load_recorded
 from nodus.accounting import union_length
-from nodus.config import ConfigError
+from nodus.config import ConfigError, EngineSpec, engine_graph_max_tokens
 from nodus.microbatch import microbatch_costs, step_rows
 
 
@@ -139,6 +139,7 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
             out.append({"step": ep[0][2][0]["attrs"].get("step"), "requests": requests, "actions": len(ep),
                         "s": dur, "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"],
                         "max_num_seqs": engine.get("max_num_seqs") or 512,
+                        "graph_max_tokens": engine_graph_max_tokens(EngineSpec.model_validate(engine)),
                         "max_loras": engine.get("max_loras") or len({r["job"] for r in requests})})
     return out
 
@@ -215,13 +216,22 @@ def nonneg_rel_lstsq(X: np.ndarray, y: np.ndarray, scale: np.ndarray | None = No
     return best
 
 
-def graphless_points(path: str | Path, graph_max_tokens: int) -> list[dict]:
-    """Decode steps measured past the engine's CUDA-graph sizes, from a JSON of decode rows
-    (``{"decode": [{"batch", "adapters", "step_s"}, ...]}``: a phase-profile measurement, or a
-    profile whose ``measurements.calibrate`` holds such rows under ``decode`` and ``graphless``):
-    per adapter count, the row of the largest batch above ``graph_max_tokens``."""
+def graphless_points(path: str | Path, graph_max_tokens: int | None = None) -> tuple[int, list[dict]]:
+    """(graph size, steps): decode steps measured past the measuring engine's CUDA-graph sizes, from
+    a JSON of decode rows (``{"decode": [{"batch", "adapters", "step_s"}, ...]}``: a phase-profile
+    measurement, or a profile whose ``measurements.calibrate`` holds such rows under ``decode`` and
+    ``graphless``): per adapter count, the row of the largest batch above the graph size. The graph
+    size is the one the file records (``nodus calibrate`` does), else ``graph_max_tokens``, else
+    vLLM's default at ``max_num_seqs`` >= 256, 512; a given one other than the recorded is refused."""
     data = json.loads(Path(path).read_text())
     cal = (data.get("measurements") or {}).get("calibrate") or {}
+    recorded = cal.get("graph_max_tokens")
+    if recorded and graph_max_tokens and graph_max_tokens != recorded:
+        raise ValueError(f"{path}: measured on an engine with CUDA graphs up to {recorded} tokens, not the "
+                         f"{graph_max_tokens} given (--graph-max-tokens): leave it out")
+    if graph_max_tokens is not None and graph_max_tokens < 1:
+        raise ValueError(f"--graph-max-tokens {graph_max_tokens}: a CUDA-graph size is >= 1 token")
+    graph_max_tokens = recorded or graph_max_tokens or 512
     rows = data["decode"] if isinstance(data.get("decode"), list) else \
         (cal.get("decode") or []) + (cal.get("graphless") or []) if cal else None
     if not isinstance(rows, list):
@@ -237,12 +247,12 @@ def graphless_points(path: str | Path, graph_max_tokens: int) -> list[dict]:
     if not best:
         raise ValueError(f"{path}: no decode row past {graph_max_tokens} tokens (the CUDA-graph sizes): "
                          "measure a batch above them (nodus calibrate does)")
-    return [best[a] for a in sorted(best)]
+    return graph_max_tokens, [best[a] for a in sorted(best)]
 
 
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
         lora_kernels: str | None = None, graphless_from: str | Path | None = None,
-        graph_max_tokens: int = 512) -> dict:
+        graph_max_tokens: int | None = None) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs.
 
     ``trainer_mode`` (default: the base's ``train.step_mode``): the trainer the runs used and the
@@ -256,7 +266,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     onto the base: the decode curves keep the base's shape and the dedicated runs' generations fit
     their scale (``decode.scale``, so a fit set without a dedicated run is refused), the engine's
     rates are fitted as always, prefill is the base's; the profile records the runs' configs and
-    says so (assumption ``engine-curves-from-base``)."""
+    says so (assumption ``engine-curves-from-base``).
+
+    ``graphless_from`` (a JSON of measured decode rows, ``graphless_points``): the steps past the
+    engine's CUDA graphs that a run queueing past max_num_seqs pays (``decode.graphless``; assumption
+    ``graphless-flat``), set before the engine's scale and rates are fitted; ``graph_max_tokens``:
+    the graph size of the engine that measured them, when the file does not record it."""
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
 
@@ -292,6 +307,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                               f"{controls['audit']}; --audit-every / --audit-responses / --no-audit) than the runs a "
                               "profile describes (every response of every step): its generations would fit a cheaper "
                               "engine; fit runs at the default audit")
+        if controls.get("engine_core_process"):
+            raise ConfigError(f"nodus fit: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
+                              "a profile describes an engine in one process: fit runs without it")
         if kernels != want_kernels:
             hint = ("the runs mix two engines: fit the runs of one" if lora_kernels else
                     f"or --lora-kernels {kernels} to fit that engine onto this base")
@@ -377,6 +395,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     alone_frac = np.where(y > 0, alone / y, 1.0)
     pred = work / (alone_frac * r_alone + (1 - alone_frac) * r_corun)
     rel = (pred - y) / y
+    if graphless_from is not None:
+        # Steps past the CUDA-graph sizes (a mid-batch admission at a nearly full batch, in runs that
+        # queue more sequences than max_num_seqs) run without graphs: set before the engine's fits.
+        prof["decode"]["graph_max_tokens"], prof["decode"]["graphless"] = graphless_points(graphless_from,
+                                                                                         graph_max_tokens)
     decode_fit = _decode_scale(gens, prof)
     if want_kernels != base_kernels and decode_fit is None:
         raise ConfigError(f"nodus fit: --lora-kernels {want_kernels} fits that engine onto a base of the {base_kernels} "
@@ -437,18 +460,16 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                      f"{'fitted on' if decode_fit else 'kept from the base: no'} dedicated runs' generations), "
                      "prefill is the base's unscaled; nodus calibrate with the same kernels measures them"})
     if graphless_from is not None:
-        # Steps past the CUDA-graph sizes: a mid-batch admission at a nearly full batch (runs that
-        # queue more sequences than max_num_seqs) runs its step without graphs.
-        pts = graphless_points(graphless_from, graph_max_tokens)
-        prof["decode"]["graph_max_tokens"] = graph_max_tokens
-        prof["decode"]["graphless"] = pts
+        pts = prof["decode"]["graphless"]
         prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "graphless-flat"] + [
             {"id": "graphless-flat", "value": None,
-             "what": "a decode step past the engine's CUDA-graph sizes (" + str(graph_max_tokens) + " tokens) costs "
+             "what": "a decode step past the engine's CUDA-graph sizes (" + str(prof["decode"]["graph_max_tokens"])
+                     + " tokens) costs "
                      "what one was measured at (" + ", ".join(f"{p['step_s'] * 1e3:.1f} ms at batch {p['batch']} with "
                                                              f"{p['adapters']} adapters" for p in pts)
                      + f", {Path(graphless_from).name}) times decode.scale, whatever its batch: launch-bound"}]
-        add_source(prof, f"graphless steps from {Path(graphless_from).name}")
+        if f"graphless steps from {Path(graphless_from).name}" not in prof["environment"].get("sources", []):
+            add_source(prof, f"graphless steps from {Path(graphless_from).name}")  # (a base may have them)
     # The day its costs are: the runs' (a base's note of its own day does not describe this fit).
     prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "host-day"] + [
         {"id": "host-day", "value": None,
@@ -519,11 +540,11 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
 
 
 def _alone_generation_s(prof: dict, requests: list[dict], scale: float, max_num_seqs: int,
-                        max_loras: int) -> float:
+                        max_loras: int, graph_max_tokens: int) -> float:
     """Seconds the simulator's engine is busy on one generation episode alone on the GPU (no MPS):
     ``requests`` (``generate_samples``'s: every job's prompts, prompt tokens each and response
     lengths) submitted to an idle engine, each action's ``offset_s`` after the first (0 when not
-    given), with the run's ``max_num_seqs`` and ``max_loras``, every decode step at ``scale`` times
+    given), with the run's ``max_num_seqs``, ``max_loras`` and CUDA-graph size, every decode step at ``scale`` times
     the profile's curves. An idle gap between actions (the alone engine done before the next one
     came) is not counted: the work is the union of the actions' submit-to-done intervals."""
     import simpy
@@ -537,7 +558,7 @@ def _alone_generation_s(prof: dict, requests: list[dict], scale: float, max_num_
     env = simpy.Environment()
     done: dict[str, float] = {}
     eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"),
-                    max_num_seqs=max_num_seqs, max_loras=max_loras,
+                    max_num_seqs=max_num_seqs, max_loras=max_loras, graph_max_tokens=graph_max_tokens,
                     on_done=lambda action: done.__setitem__(action.action_id, env.now))
     actions: dict[int, list[dict]] = {}
     for r in requests:
@@ -573,8 +594,10 @@ def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
         return None
     fixed, dec, y = [], [], []
     for g in rows:
-        t1 = _alone_generation_s(prof, g["requests"], 1.0, g["max_num_seqs"], g["max_loras"])
-        t2 = _alone_generation_s(prof, g["requests"], 2.0, g["max_num_seqs"], g["max_loras"])
+        t1 = _alone_generation_s(prof, g["requests"], 1.0, g["max_num_seqs"], g["max_loras"],
+                                  g["graph_max_tokens"])
+        t2 = _alone_generation_s(prof, g["requests"], 2.0, g["max_num_seqs"], g["max_loras"],
+                                  g["graph_max_tokens"])
         dec.append(t2 - t1)
         fixed.append(t1 - (t2 - t1))
         y.append(g["s"])
@@ -607,8 +630,8 @@ def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]
         sel = [g for g in rows if g["sharing"] == mode]
         if not sel:
             continue
-        work = np.array([_alone_generation_s(prof, g["requests"], scale, g["max_num_seqs"], g["max_loras"])
-                         for g in sel])
+        work = np.array([_alone_generation_s(prof, g["requests"], scale, g["max_num_seqs"], g["max_loras"],
+                                             g["graph_max_tokens"]) for g in sel])
         y = np.array([g["s"] for g in sel])
         t_alone = np.array([g["alone_s"] for g in sel])
         t_corun = np.array([g["corun_s"] for g in sel])
@@ -663,7 +686,7 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,
                 trainer_mode: str | None = None, lora_kernels: str | None = None,
-                graphless_from: str | Path | None = None, graph_max_tokens: int = 512) -> dict:
+                graphless_from: str | Path | None = None, graph_max_tokens: int | None = None) -> dict:
     from sim.profile import refuse_existing, write_profile
 
     refuse_existing(out, "nodus fit")

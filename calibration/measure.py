@@ -108,9 +108,11 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         t0 = time.perf_counter()
         trainer.save_adapter(f"cal{a}", str(ad_dir / f"cal{a}" / "v0"))
         save_s.append(time.perf_counter() - t0)
-    # On a GPU, room for a batch twice the largest (past vLLM's default 512-token graphs).
-    graphless_batch = 2 * max(batches) if device.startswith("cuda") and not enforce_eager else 0
-    eng = MultiLoRAEngine(model, max_loras=n_ad, max_lora_rank=rank, max_num_seqs=max(max(batches), graphless_batch),
+    # On a GPU, room for a batch past vLLM's default graphs (at most 512 tokens; the larger max_num_seqs
+    # changes no measured point: each is graphed either way, each prefill past the graphs either way).
+    graphless_batch = max(2 * max(batches), 1024) if device.startswith("cuda") and not enforce_eager else 0
+    eng = MultiLoRAEngine(model, max_loras=n_ad, max_lora_rank=rank,
+                          max_num_seqs=max(max(batches), graphless_batch),
                           gpu_memory_utilization=engine_memory, enforce_eager=enforce_eager,
                           tuned_lora_kernels=tuned_lora_kernels,
                           skip_tokenizer_init=True, dtype=dtype if device != "cpu" else "float32",
@@ -153,9 +155,12 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         prefill.append({"tokens": b * prompt_tokens[1], "adapters": a, "s": max(t1 - l1 * step_long, 0.0)})
     # Past the CUDA-graph sizes (a GPU engine with graphs): the step a mid-batch admission at a
     # nearly full batch runs without them (sim: decode.graphless).
-    graph_max = engine_graph_max_tokens(eng) if device.startswith("cuda") and not enforce_eager else None
+    graph_max = eng.graph_max_tokens()
     graphless = []
-    if graph_max is not None and graphless_batch > graph_max:
+    if graph_max is None or graphless_batch <= graph_max:
+        log(f"no decode step past the CUDA graphs measured (graphs up to {graph_max} tokens, "
+            f"batch {graphless_batch})")
+    else:
         for a in adapter_counts:
             step, _, _ = step_time(a, graphless_batch, prompt_tokens[0])
             graphless.append({"batch": graphless_batch, "adapters": a, "step_s": step})
@@ -191,13 +196,6 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             # step_mode as trained (a graph capture that failed left it eager).
             "trainer": {"lora_layout": trainer.routing.layout_mode, "compiled": compiled,
                         "step_mode": trainer.step_mode, "graph_error": trainer.graph_error}}
-
-
-def engine_graph_max_tokens(eng) -> int | None:
-    """The engine's largest CUDA-graph size in tokens (vLLM's max_cudagraph_capture_size)."""
-    cfg = getattr(getattr(eng.llm.llm_engine, "vllm_config", None), "compilation_config", None)
-    size = getattr(cfg, "max_cudagraph_capture_size", None)
-    return int(size) if size else None
 
 
 def fit_profile(raw: dict, base: dict, env: dict) -> dict:

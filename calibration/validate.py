@@ -193,9 +193,9 @@ def run_controls(summary: dict) -> dict:
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
     that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
     (``--engine-arg``), ``engine_core_process`` for vLLM's core in its own process
-    (``--engine-core-process``), ``cuda_graph_max_tokens`` for the engine's CUDA graphs past vLLM's
-    default sizes (the config's ``engine.cuda_graph_max_tokens``), ``engine_env`` for the engine's extra environment variables (their
-    names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
+    (``--engine-core-process``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
+    the config (``engine.cuda_graph_max_tokens``), ``engine_env`` for the engine's extra environment
+    variables (their names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
     at the defaults of runs before session 11 (vLLM's own LoRA kernels, the audit every step); a

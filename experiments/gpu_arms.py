@@ -329,7 +329,7 @@ def main() -> None:
                 # such as the audit's cadence, keep every process: nothing new to prime).
                 shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch,
                          tuple(sorted((k, v) for k, v in arm_trainer.items() if k not in RUN_SETTINGS)))
-                if args.prime and ((sharing, n_stacks(cfg)) not in pool.clusters or shape not in primed):
+                if args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed):
                     # New processes (or a micro-batch size they have not trained at): one discarded
                     # step of this arm takes the compiles first.
                     primed.add(shape)

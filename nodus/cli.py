@@ -205,6 +205,10 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
 def cmd_fit(a: argparse.Namespace) -> int:
     from calibration.fit_runs import fit_to_file
 
+    if a.graph_max_tokens is not None and a.graphless_from is None:
+        raise ConfigError("--graph-max-tokens says which rows of --graphless-from are past the CUDA graphs: "
+                          "give --graphless-from too")
+
     prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs, trainer_mode=a.trainer_mode,
                        lora_kernels=a.lora_kernels, graphless_from=a.graphless_from,
                        graph_max_tokens=a.graph_max_tokens)
@@ -409,9 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps measured past the engine's CUDA-graph sizes (a JSON of decode rows: batch, "
                         "adapters, step_s; a phase-profile measurement or a calibrated profile): the steps a "
                         "mid-batch admission runs without graphs cost that")
-    p.add_argument("--graph-max-tokens", type=int, default=512, metavar="N",
-                   help="with --graphless-from: the engine's largest CUDA-graph size in tokens (vLLM's "
-                        "max_cudagraph_capture_size, 512 by default)")
+    p.add_argument("--graph-max-tokens", type=int, default=None, metavar="N",
+                   help="with --graphless-from: the largest CUDA graph (tokens) of the engine that measured those "
+                        "rows, when the file does not record it (nodus calibrate's does); default 512, vLLM's")
     p.add_argument("--lora-kernels", choices=LORA_KERNELS, default=None,
                    help="the engine's LoRA kernel configs the runs used (default: the base's "
                         "environment.lora_kernel_configs); another than the base's fits that engine onto the base "

@@ -1,7 +1,7 @@
 """`nodus run`: one arm through the real backend (vLLM engine + multi-LoRA trainer), or the sim.
 
 The real backend is imported lazily (it needs torch and vLLM). Its processes are started once per
-(sharing mode, stacks) and reused by the arm and its dedicated baseline.
+(sharing mode, stacks, engine batch settings) and reused by the arm and its dedicated baseline.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from nodus.runner import run_arm
 
 
 class ClusterPool:
-    """A `make_backend(cfg, n_stacks)` over real clusters, one per (sharing, stacks)."""
+    """A `make_backend(cfg, n_stacks)` over real clusters, one per ``key`` (sharing, stacks and the
+    engine's batch settings), one at a time."""
 
     def __init__(self, opts, min_loras: int = 1):
         """`min_loras`: engine adapter slots to reserve, so that a cluster first asked for by a
@@ -23,6 +24,16 @@ class ClusterPool:
         self.min_loras = min_loras
         self.clusters: dict[tuple, object] = {}
 
+    @staticmethod
+    def key(cfg: RunConfig, n_stacks: int) -> tuple:
+        """The cluster a run needs: its sharing mode, stacks and the engine's batch settings (fixed
+        at the engine's start: a run asking others gets new processes)."""
+        return cfg.arm.sharing, n_stacks, cfg.engine.max_num_seqs, cfg.engine.cuda_graph_max_tokens
+
+    def has_cluster(self, cfg: RunConfig, n_stacks: int) -> bool:
+        """Whether a running cluster has the processes ``cfg`` needs (its adapter slots aside)."""
+        return self.key(cfg, n_stacks) in self.clusters
+
     def __call__(self, cfg: RunConfig, n_stacks: int):
         """A backend for ``cfg`` on a cluster with the pool's current ``opts``: the running one when it
         fits (also when only run-loop settings changed, ``real.backend.RUN_SETTINGS``), the running
@@ -30,8 +41,7 @@ class ClusterPool:
         an A/B of trainer settings keeps the engines), else a new one."""
         from real.backend import Cluster, RealBackend, engine_settings, trainer_settings
 
-        # The engine's batch settings are fixed at its start: a run asking others gets new processes.
-        key = (cfg.arm.sharing, n_stacks, cfg.engine.max_num_seqs, cfg.engine.cuda_graph_max_tokens)
+        key = self.key(cfg, n_stacks)
         loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
         running = self.clusters.get(key)
         if (running is not None and running.max_loras >= loras and running.opts != self.opts

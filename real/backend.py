@@ -280,7 +280,7 @@ class Cluster:
                                cuda_graph_max_tokens=cuda_graph_max_tokens)
             ein = ctx.Queue()
             # A daemonic process may not start children: with its core in a process of its own the
-            # engine worker is not one (close() and the core's watch on its parent end both).
+            # engine worker is not one (close() stops it, or terminates it and its core).
             pe = ctx.Process(target=engine_main, args=(espec, ein, self.outbox, f"engine{s}"),
                              daemon=not opts.engine_core_process)
             tin, pt = self._trainer_process(opts, s)
@@ -415,17 +415,34 @@ class Cluster:
 
 
 def _reap(procs, wait_s: float, after_terminate_s: float | None) -> None:
-    """Join each started process for ``wait_s``; terminate one still alive, then join it for
-    ``after_terminate_s`` (None: not at all). A process never started (a start-up failure came
-    first) is skipped."""
+    """Join each started process for ``wait_s``; terminate one still alive, its own child processes
+    first (an engine worker's vLLM core: nothing else would stop it, and it holds GPU memory), then
+    join it for ``after_terminate_s`` (None: not at all). A process never started (a start-up
+    failure came first) is skipped."""
     for p in procs:
         if p.pid is None:
             continue
         p.join(timeout=wait_s)
         if p.is_alive():
+            _terminate_children(p.pid)
             p.terminate()
             if after_terminate_s is not None:
                 p.join(timeout=after_terminate_s)
+
+
+def _terminate_children(pid: int) -> None:
+    """SIGTERM every descendant of ``pid`` (psutil comes with vLLM; without it, none are found)."""
+    try:
+        import psutil
+
+        children = psutil.Process(pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil, or the process is gone
+        return
+    for c in children:
+        try:
+            c.terminate()
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            pass
 
 
 def _vocab_size(model: str) -> int:

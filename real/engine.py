@@ -148,6 +148,21 @@ class MultiLoRAEngine:
                        load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                        dtype=dtype, seed=seed, logprobs_mode=logprobs_mode, **llm_kwargs)
 
+    def cuda_graphs(self) -> dict:
+        """The engine's CUDA graphs as vLLM runs them: ``mode`` (vLLM's cudagraph_mode, "NONE"
+        without graphs: enforce_eager or a CPU) and ``max_tokens`` (its largest graph, tokens per
+        step: max_cudagraph_capture_size)."""
+        cfg = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "compilation_config", None)
+        mode = getattr(cfg, "cudagraph_mode", None)
+        size = getattr(cfg, "max_cudagraph_capture_size", None)
+        return {"mode": getattr(mode, "name", None if mode is None else str(mode)),
+                "max_tokens": int(size) if size else None}
+
+    def graph_max_tokens(self) -> int | None:
+        """The largest step (tokens) the engine runs as a CUDA graph; None when it runs none."""
+        g = self.cuda_graphs()
+        return None if g["mode"] in (None, "NONE") else g["max_tokens"]
+
     # ----------------------------------------------------------------- adapters
 
     def current_version(self, job_id: str) -> int | None:

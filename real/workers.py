@@ -43,7 +43,10 @@ def engine_llm_args(llm_args, cuda_graph_max_tokens: int | None) -> dict:
     if cuda_graph_max_tokens is None:
         return args
     comp = args.get("compilation_config", {})
-    if not isinstance(comp, dict) or "max_cudagraph_capture_size" in comp or "cudagraph_capture_sizes" in comp:
+    if not isinstance(comp, dict):
+        raise ValueError(f"engine_args: compilation_config={comp!r} beside the config's engine.cuda_graph_max_tokens="
+                         f"{cuda_graph_max_tokens}: give it as a dict (JSON object) for the graph size to join it")
+    if "max_cudagraph_capture_size" in comp or "cudagraph_capture_sizes" in comp:
         raise ValueError("engine_args: a compilation_config that sets the CUDA-graph sizes beside the config's "
                          f"engine.cuda_graph_max_tokens={cuda_graph_max_tokens}; set them in one place")
     args["compilation_config"] = {**comp, "max_cudagraph_capture_size": cuda_graph_max_tokens}
@@ -88,7 +91,8 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                               **({"max_num_batched_tokens": spec.max_num_batched_tokens}
                                  if spec.max_num_batched_tokens else {}),
                               **engine_llm_args(spec.llm_args, spec.cuda_graph_max_tokens))
-        outbox.put(("ready", name, time.monotonic() - t0, {"lora_kernel_configs": eng.lora_kernel_configs}))
+        outbox.put(("ready", name, time.monotonic() - t0, {"lora_kernel_configs": eng.lora_kernel_configs,
+                                                           "cuda_graphs": eng.cuda_graphs()}))
     except Exception:  # noqa: BLE001 - the controller reports it
         outbox.put(("error", name, traceback.format_exc()))
         return

@@ -52,7 +52,7 @@ class SimEngine:
     """on_done(action_id, start_s, end_s, requests) is called when an action's last sequence ends."""
 
     def __init__(self, env: simpy.Environment, gpu: SharedGPU, cost: CostModel, max_num_seqs: int,
-                 max_loras: int, on_done, graph_max_tokens: int = 512):
+                 max_loras: int, on_done, graph_max_tokens: int):
         self.env, self.gpu, self.cost = env, gpu, cost
         self.max_num_seqs, self.max_loras = max_num_seqs, max_loras
         self.graph_max_tokens = graph_max_tokens  # the engine's largest CUDA graph (tokens per step)
@@ -85,6 +85,10 @@ class SimEngine:
     def publish(self, job_id: str, version: int) -> None:
         self.published[job_id] = version
 
+    def _lora_fits(self, job_id: str, adapters: Counter) -> bool:
+        """Whether a request of ``job_id`` may join a batch holding ``adapters`` (max_loras)."""
+        return job_id in adapters or len(adapters) < self.max_loras
+
     def _loop(self):
         env, cost = self.env, self.cost
         step = 0  # decode steps so far
@@ -109,7 +113,7 @@ class SimEngine:
                 if running and running + n > self.max_num_seqs:
                     break
                 key = p.req.job_id
-                if key not in adapters and len(adapters) >= self.max_loras:
+                if not self._lora_fits(key, adapters):
                     break
                 self.waiting.popleft()
                 if self.loaded.get(key) != p.req.version:
@@ -159,10 +163,12 @@ class SimEngine:
                     req.action.remaining -= c
                     if req.action.remaining == 0:
                         self.on_done(req.action)
-            # vLLM admits a waiting request into each freed slot at once: the next step carries
-            # its prompt's prefill beside the running batch's decode, and past the engine's
-            # CUDA-graph sizes that step runs without graphs.
-            if finished_here and self.waiting and running:
+            # vLLM admits a waiting request into each freed slot at once (one slot is enough: it
+            # admits requests, not whole prompts): the next step carries its prompt's prefill beside
+            # the running batch's decode, and past the engine's CUDA-graph sizes that step runs
+            # without graphs. (Admissions of arriving requests come as prefill chunks, whose cost
+            # the profile's prefill term holds.)
+            if finished_here and self.waiting and running and self._lora_fits(self.waiting[0].req.job_id, adapters):
                 extra = cost.graphless_extra_s(running + self.waiting[0].prompt_tokens, running, len(adapters),
                                                self.graph_max_tokens)
                 if extra > 0:

@@ -32,6 +32,16 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path):
     # The trainer measured is the runs' trainer: default layout; compiled only on a GPU.
     assert raw["trainer"] == {"lora_layout": "masked", "compiled": [], "step_mode": "eager", "graph_error": None}
     assert prof["train"]["step_mode"] == "eager"
+    # No CUDA graphs on a CPU: no step past them to measure, none in the profile. On a GPU the
+    # measured points become the profile's graphless steps.
+    assert raw["graph_max_tokens"] is None and raw["graphless"] == [] and "graphless" not in prof["decode"]
+    from calibration.measure import fit_profile
+    from sim.profile import Profile, profile_dict
+
+    gpu_raw = dict(raw, graph_max_tokens=512, graphless=[{"batch": 1024, "adapters": 1, "step_s": 0.05}])
+    gpu_prof = fit_profile(gpu_raw, profile_dict("h200-qwen3-0.6b"), prof["environment"])
+    assert gpu_prof["decode"]["graph_max_tokens"] == 512 and gpu_prof["decode"]["graphless"] == gpu_raw["graphless"]
+    Profile.model_validate(gpu_prof)
     s = simulate(config_from_args(jobs=2, steps=2, profile=str(out)))
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert any(a["id"] == "sharing-from-base" for a in s["assumptions"])

@@ -220,6 +220,11 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     (runs[0] / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ConfigError, match="fewer steps or responses .audit 1 response a prompt"):
         fit(runs, base=str(graphed_base))
+    summary["diagnostics"][0].pop("audit")
+    summary["diagnostics"][0]["engine_core_process"] = True
+    (runs[0] / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ConfigError, match="ran its core in a process of its own"):
+        fit(runs, base=str(graphed_base))
 
 
 def _mark_tuned(run_dir, configs=None):
@@ -460,10 +465,10 @@ def test_alone_generation_of_an_episode_counts_the_engines_busy_time_only(tmp_pa
     prof = json.loads(open(_profile_with(tmp_path, "p", a=0.1, b=0.0, c=0.0, save=0.01)).read())
     a = {"job": "a", "prompts": 8, "prompt_tokens_each": 140, "lengths": tuple(range(40, 104)), "action": 0}
     b = {"job": "b", "prompts": 8, "prompt_tokens_each": 140, "lengths": tuple(range(60, 124)), "action": 1}
-    alone_a = _alone_generation_s(prof, [a], 1.0, 512, 2)
-    alone_b = _alone_generation_s(prof, [b], 1.0, 512, 2)
-    together = _alone_generation_s(prof, [dict(a, offset_s=0.0), dict(b, offset_s=0.0)], 1.0, 512, 2)
-    apart = _alone_generation_s(prof, [dict(a, offset_s=0.0), dict(b, offset_s=100.0)], 1.0, 512, 2)
+    alone_a = _alone_generation_s(prof, [a], 1.0, 512, 2, 512)
+    alone_b = _alone_generation_s(prof, [b], 1.0, 512, 2, 512)
+    together = _alone_generation_s(prof, [dict(a, offset_s=0.0), dict(b, offset_s=0.0)], 1.0, 512, 2, 512)
+    apart = _alone_generation_s(prof, [dict(a, offset_s=0.0), dict(b, offset_s=100.0)], 1.0, 512, 2, 512)
     assert max(alone_a, alone_b) < together < alone_a + alone_b
     assert apart == pytest.approx(alone_a + alone_b, rel=1e-9)
 
@@ -478,13 +483,20 @@ def test_graphless_steps_come_from_decode_rows_past_the_graph_sizes(tmp_path, ca
     phase.write_text(json.dumps({"decode": [
         {"batch": 512, "adapters": 8, "step_s": 0.0106}, {"batch": 768, "adapters": 8, "step_s": 0.05},
         {"batch": 1024, "adapters": 8, "step_s": 0.0546}, {"batch": 1024, "adapters": 1, "step_s": 0.0537}]}))
-    assert graphless_points(phase, 512) == [{"adapters": 1, "batch": 1024, "step_s": 0.0537},
-                                            {"adapters": 8, "batch": 1024, "step_s": 0.0546}]
+    assert graphless_points(phase) == (512, [{"adapters": 1, "batch": 1024, "step_s": 0.0537},
+                                             {"adapters": 8, "batch": 1024, "step_s": 0.0546}])
+    assert graphless_points(phase, 768) == (768, [{"adapters": 1, "batch": 1024, "step_s": 0.0537},
+                                                  {"adapters": 8, "batch": 1024, "step_s": 0.0546}])
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"measurements": {"calibrate": {
-        "decode": [{"batch": 512, "adapters": 1, "step_s": 0.01}],
-        "graphless": [{"batch": 1024, "adapters": 1, "step_s": 0.04}]}}}))
-    assert graphless_points(cal, 512) == [{"adapters": 1, "batch": 1024, "step_s": 0.04}]
+        "decode": [{"batch": 256, "adapters": 1, "step_s": 0.01}], "graph_max_tokens": 256,
+        "graphless": [{"batch": 512, "adapters": 1, "step_s": 0.04}]}}}))
+    # The size the calibration recorded: its 512-sequence step was past that engine's graphs.
+    assert graphless_points(cal) == (256, [{"adapters": 1, "batch": 512, "step_s": 0.04}])
+    with pytest.raises(ValueError, match="CUDA graphs up to 256 tokens, not the 512 given"):
+        graphless_points(cal, 512)
+    with pytest.raises(ValueError, match="a CUDA-graph size is >= 1 token"):
+        graphless_points(phase, 0)
     with pytest.raises(ValueError, match="no decode row past 2048 tokens"):
         graphless_points(phase, 2048)
     bad = tmp_path / "bad.json"
@@ -516,3 +528,5 @@ def test_graphless_steps_come_from_decode_rows_past_the_graph_sizes(tmp_path, ca
     assert eight[out]["steps_per_gpu_hour"] == pytest.approx(eight[plain]["steps_per_gpu_hour"], rel=1e-9)
     assert main(["fit", str(ded), "--out", str(tmp_path / "x.json"), "--graphless-from", str(bad)]) != 0
     assert "no decode rows" in capsys.readouterr().err
+    assert main(["fit", str(ded), "--out", str(tmp_path / "x.json"), "--graph-max-tokens", "768"]) != 0
+    assert "give --graphless-from too" in capsys.readouterr().err

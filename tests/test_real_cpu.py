@@ -74,9 +74,11 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     s = json.loads((overlap_run / "summary.json").read_text())
     assert s["diagnostics"][0]["engine_args"] == {"max_logprobs": 5}
     assert s["diagnostics"][0]["engine_core_process"] is True
-    assert s["diagnostics"][0]["cuda_graph_max_tokens"] == 64  # the config's engine setting, run by vLLM
-    # The engine reports its LoRA kernel configs at start: none on a CPU (no Triton kernels there).
-    assert s["diagnostics"][0]["workers"]["engine0"] == {"lora_kernel_configs": None}
+    assert s["diagnostics"][0]["cuda_graph_max_tokens"] == 64  # the config's engine setting
+    # The engine reports its LoRA kernel configs at start (none on a CPU: no Triton kernels there) and
+    # its CUDA graphs as vLLM took them: the config's size, no graphs on a CPU.
+    assert s["diagnostics"][0]["workers"]["engine0"] == {"lora_kernel_configs": None,
+                                                         "cuda_graphs": {"mode": "NONE", "max_tokens": 64}}
     with pytest.raises(RuntimeError, match="not_a_vllm_argument"):
         run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False,
                                                engine_args=(("not_a_vllm_argument", 1),)), baseline=False)
@@ -384,6 +386,8 @@ def test_the_engines_cuda_graph_size_reaches_vllm_and_conflicts_are_clear_errors
         "compilation_config": {"mode": 3, "max_cudagraph_capture_size": 1024}}
     with pytest.raises(ValueError, match="set them in one place"):
         engine_llm_args((("compilation_config", {"max_cudagraph_capture_size": 64}),), 1024)
+    with pytest.raises(ValueError, match="compilation_config=3 beside .* give it as a dict"):
+        engine_llm_args((("compilation_config", 3),), 1024)
     cfg = _small_cfg(1, 1)
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"cuda_graph_max_tokens": 64})})
     with pytest.raises(ValueError, match="set them in one place"):

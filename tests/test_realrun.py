@@ -1,5 +1,5 @@
 """The real backend's process pool, with stand-in clusters (no processes): one cluster per
-(sharing, stacks), restarted larger when a run needs more adapter slots than it has, its trainers
+(sharing, stacks, engine batch settings), restarted larger when a run needs more adapter slots than it has, its trainers
 alone restarted when only trainer settings change."""
 
 import dataclasses
@@ -71,6 +71,26 @@ def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monke
     assert other is not first and first.closed and len(FakeCluster.started) == 2
 
 
+def test_the_engines_batch_settings_pick_the_cluster(monkeypatch):
+    """max_num_seqs and the CUDA-graph size are fixed at the engine's start: a run asking others
+    gets a new cluster (the last one closed first), and has_cluster says which runs fit the running one."""
+    monkeypatch.setattr(real.backend, "Cluster", FakeCluster)
+    monkeypatch.setattr(real.backend, "RealBackend", lambda cluster, cfg: cluster)
+    FakeCluster.started = []
+    pool = ClusterPool(opts=None)
+    plain = _cfg(2)
+    wide = plain.model_copy(update={"engine": plain.engine.model_copy(update={"cuda_graph_max_tokens": 1024})})
+    fewer = plain.model_copy(update={"engine": plain.engine.model_copy(update={"max_num_seqs": 128})})
+    assert not pool.has_cluster(plain, 1)
+    first = pool(plain, 1)
+    assert pool.has_cluster(plain, 1) and not pool.has_cluster(wide, 1) and not pool.has_cluster(fewer, 1)
+    assert not pool.has_cluster(plain, 2)  # another stack count
+    second = pool(wide, 1)
+    assert second is not first and first.closed and pool.has_cluster(wide, 1) and not pool.has_cluster(plain, 1)
+    third = pool(fewer, 1)
+    assert third is not second and second.closed and len(FakeCluster.started) == 3
+
+
 def test_the_audit_cadence_picks_each_jobs_steps_and_a_bad_one_is_refused(capsys):
     """--audit-every N: a job's steps 0, N, 2N, ... are audited (the engine returns logprobs then
     only); --no-audit none; N < 1 is refused by name before anything starts."""
@@ -119,3 +139,41 @@ def test_the_trainer_gets_the_engines_logprobs_of_the_audited_responses_only():
     assert sent(RealOptions(audit_responses=1), 0) == {"j": [[-0.1, -0.2], None, None]}
     assert sent(RealOptions(audit_responses=2), 0) == {"j": [[-0.1, -0.2], [-0.3], None]}
     assert sent(RealOptions(audit_responses=1, audit_every=2), 1) is None  # step 1: not an audited step
+
+
+def _hang_with_a_child(pidfile):
+    import subprocess
+    import time as _time
+
+    child = subprocess.Popen(["sleep", "60"])
+    with open(pidfile, "w") as f:
+        f.write(str(child.pid))
+    _time.sleep(60)
+
+
+def test_reaping_a_hung_worker_terminates_its_children_too(tmp_path):
+    """A worker that does not stop (an engine worker whose vLLM core runs in a child process) is
+    terminated with its children: nothing is left holding the GPU."""
+    import multiprocessing as mp
+    import os
+    import time
+
+    import pytest
+
+    psutil = pytest.importorskip("psutil")
+    from real.backend import _reap
+
+    pidfile = tmp_path / "child.pid"
+    p = mp.get_context("spawn").Process(target=_hang_with_a_child, args=(str(pidfile),))
+    p.start()
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = psutil.Process(int(pidfile.read_text()))
+    _reap([p], wait_s=0.2, after_terminate_s=10)
+    assert not p.is_alive()
+    try:
+        child.wait(timeout=10)
+    except psutil.NoSuchProcess:
+        pass
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
