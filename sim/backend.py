@@ -71,7 +71,9 @@ class SimBackend:
         return {}
 
     def diagnostics(self) -> dict:
-        return {"outside_profile": sorted(self.cost.flags)}
+        # Steps past the engine's CUDA graphs: how much queueing past max_num_seqs cost the run.
+        return {"outside_profile": sorted(self.cost.flags),
+                "graphless_steps": sum(e.graphless_steps for e in self.engines)}
 
     def close(self) -> None:
         pass

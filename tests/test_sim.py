@@ -305,7 +305,10 @@ def test_steps_past_the_engines_cuda_graphs_follow_its_graph_size(tmp_path):
     def sph(name, jobs, graphs=None):
         cfg = config_from_args({"engine": {"cuda_graph_max_tokens": graphs}} if graphs else None, jobs=jobs,
                                steps=2, policy="shared-sync", sharing="mps", profile=str(paths[name]))
-        return simulate(cfg)["steps_per_gpu_hour"]
+        s = simulate(cfg)
+        steps = sum(d.get("graphless_steps", 0) for d in s["diagnostics"])
+        assert (steps > 0) == (name == "with" and jobs == 16 and not graphs)  # the run says where they came from
+        return s["steps_per_gpu_hour"]
 
     default16, wide16, bare16 = sph("with", 16), sph("with", 16, 1024), sph("bare", 16)
     assert default16 < 0.8 * wide16 and wide16 == pytest.approx(bare16, rel=1e-9)
