@@ -116,6 +116,8 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
         per_engine.setdefault(k[:2], []).append((start, end, members))
     specs = {j.get("id"): j for j in cfg["jobs"]}
     engine = cfg.get("engine") or {}
+    max_num_seqs = engine.get("max_num_seqs") or 512
+    graph_max = engine_graph_max_tokens(EngineSpec.model_validate(engine))
     out = []
     for (gpu, _), actions in sorted(per_engine.items()):
         episodes: list[list[tuple[float, float, list[dict]]]] = []
@@ -138,8 +140,7 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
             corun = _overlap(start, end, train.get(gpu, []))
             out.append({"step": ep[0][2][0]["attrs"].get("step"), "requests": requests, "actions": len(ep),
                         "s": dur, "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"],
-                        "max_num_seqs": engine.get("max_num_seqs") or 512,
-                        "graph_max_tokens": engine_graph_max_tokens(EngineSpec.model_validate(engine)),
+                        "max_num_seqs": max_num_seqs, "graph_max_tokens": graph_max,
                         "max_loras": engine.get("max_loras") or len({r["job"] for r in requests})})
     return out
 
@@ -460,16 +461,16 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                      f"{'fitted on' if decode_fit else 'kept from the base: no'} dedicated runs' generations), "
                      "prefill is the base's unscaled; nodus calibrate with the same kernels measures them"})
     if graphless_from is not None:
-        pts = prof["decode"]["graphless"]
+        name = Path(graphless_from).name
+        measured = ", ".join(f"{p['step_s'] * 1e3:.1f} ms at batch {p['batch']} with {p['adapters']} adapters"
+                             for p in prof["decode"]["graphless"])
         prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "graphless-flat"] + [
             {"id": "graphless-flat", "value": None,
-             "what": "a decode step past the engine's CUDA-graph sizes (" + str(prof["decode"]["graph_max_tokens"])
-                     + " tokens) costs "
-                     "what one was measured at (" + ", ".join(f"{p['step_s'] * 1e3:.1f} ms at batch {p['batch']} with "
-                                                             f"{p['adapters']} adapters" for p in pts)
-                     + f", {Path(graphless_from).name}) times decode.scale, whatever its batch: launch-bound"}]
-        if f"graphless steps from {Path(graphless_from).name}" not in prof["environment"].get("sources", []):
-            add_source(prof, f"graphless steps from {Path(graphless_from).name}")  # (a base may have them)
+             "what": f"a decode step past the engine's CUDA-graph sizes ({prof['decode']['graph_max_tokens']} tokens) "
+                     f"costs what one was measured at ({measured}, {name}) times decode.scale, whatever its batch: "
+                     "launch-bound"}]
+        if f"graphless steps from {name}" not in prof["environment"].get("sources", []):
+            add_source(prof, f"graphless steps from {name}")  # (a base may have them)
     # The day its costs are: the runs' (a base's note of its own day does not describe this fit).
     prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "host-day"] + [
         {"id": "host-day", "value": None,
@@ -539,14 +540,14 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
             "save_s_per_adapter": save, "corun_factor": factor}
 
 
-def _alone_generation_s(prof: dict, requests: list[dict], scale: float, max_num_seqs: int,
-                        max_loras: int, graph_max_tokens: int) -> float:
+def _alone_generation_s(prof: dict, gen: dict, scale: float) -> float:
     """Seconds the simulator's engine is busy on one generation episode alone on the GPU (no MPS):
-    ``requests`` (``generate_samples``'s: every job's prompts, prompt tokens each and response
-    lengths) submitted to an idle engine, each action's ``offset_s`` after the first (0 when not
-    given), with the run's ``max_num_seqs``, ``max_loras`` and CUDA-graph size, every decode step at ``scale`` times
-    the profile's curves. An idle gap between actions (the alone engine done before the next one
-    came) is not counted: the work is the union of the actions' submit-to-done intervals."""
+    ``gen`` (a ``generate_samples`` episode) has its ``requests`` (every job's prompts, prompt tokens
+    each and response lengths) submitted to an idle engine, each action's ``offset_s`` after the
+    first (0 when not given), with the run's ``max_num_seqs``, ``max_loras`` and
+    ``graph_max_tokens``, every decode step at ``scale`` times the profile's curves. An idle gap
+    between actions (the alone engine done before the next one came) is not counted: the work is
+    the union of the actions' submit-to-done intervals."""
     import simpy
 
     from sim.engine import SimEngine
@@ -558,10 +559,11 @@ def _alone_generation_s(prof: dict, requests: list[dict], scale: float, max_num_
     env = simpy.Environment()
     done: dict[str, float] = {}
     eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"),
-                    max_num_seqs=max_num_seqs, max_loras=max_loras, graph_max_tokens=graph_max_tokens,
+                    max_num_seqs=gen["max_num_seqs"], max_loras=gen["max_loras"],
+                    graph_max_tokens=gen["graph_max_tokens"],
                     on_done=lambda action: done.__setitem__(action.action_id, env.now))
     actions: dict[int, list[dict]] = {}
-    for r in requests:
+    for r in gen["requests"]:
         # Version 1 of each job's adapter: the engine loads it before the job's first request, as a
         # run's step does (a job in two actions of one merged episode loads it once).
         eng.publish(r["job"], 1)
@@ -594,10 +596,8 @@ def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
         return None
     fixed, dec, y = [], [], []
     for g in rows:
-        t1 = _alone_generation_s(prof, g["requests"], 1.0, g["max_num_seqs"], g["max_loras"],
-                                  g["graph_max_tokens"])
-        t2 = _alone_generation_s(prof, g["requests"], 2.0, g["max_num_seqs"], g["max_loras"],
-                                  g["graph_max_tokens"])
+        t1 = _alone_generation_s(prof, g, 1.0)
+        t2 = _alone_generation_s(prof, g, 2.0)
         dec.append(t2 - t1)
         fixed.append(t1 - (t2 - t1))
         y.append(g["s"])
@@ -630,8 +630,7 @@ def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]
         sel = [g for g in rows if g["sharing"] == mode]
         if not sel:
             continue
-        work = np.array([_alone_generation_s(prof, g["requests"], scale, g["max_num_seqs"], g["max_loras"],
-                                             g["graph_max_tokens"]) for g in sel])
+        work = np.array([_alone_generation_s(prof, g, scale) for g in sel])
         y = np.array([g["s"] for g in sel])
         t_alone = np.array([g["alone_s"] for g in sel])
         t_corun = np.array([g["corun_s"] for g in sel])

@@ -248,7 +248,8 @@ class MultiLoRAEngine:
                     params.append(SamplingParams(
                         n=1, temperature=r.temperature, seed=response_seed(r.seed, i, j),
                         max_tokens=forced or r.max_new_tokens, min_tokens=forced or 0,
-                        ignore_eos=forced is not None, logprobs=0 if asks_logprobs(r.logprobs, r.logprob_responses, j) else None,
+                        ignore_eos=forced is not None,
+                        logprobs=0 if asks_logprobs(r.logprobs, r.logprob_responses, j) else None,
                         detokenize=self.has_tokenizer,
                         # Only finished outputs: per-step partial outputs of every running
                         # sequence would cost Python time on each decode step.

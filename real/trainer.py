@@ -291,8 +291,8 @@ class MultiLoRATrainer:
 
         ``audit`` (job -> per sequence, one logprob per completion token, e.g. the engine's of the
         sampled tokens, or None for a sequence left out of the audit): compared against the training
-        forward's own logprobs, which are the job's pre-update adapter's, at no extra forward; the result is left in ``last_audit``
-        (job -> max_abs, mean_abs)."""
+        forward's own logprobs, which are the job's pre-update adapter's, at no extra forward; the
+        result is left in ``last_audit`` (job -> max_abs, mean_abs)."""
         self.last_audit: dict[str, dict[str, float]] = {}
         if not batches:
             return {}

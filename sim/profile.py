@@ -336,6 +336,7 @@ class CostModel:
         self._curves = curves
         self._lora_curves = [c for c in curves if c.adapters >= 1]
         self._max_batch = max(c.batch[-1] for c in curves)
+        self._graphless = sorted(profile.decode.graphless, key=lambda g: g.adapters)
         self._cache: dict[tuple[int, int], float] = {}
 
     def _curve_at(self, c: Curve, batch: int) -> float:
@@ -376,11 +377,10 @@ class CostModel:
         largest CUDA graph is ``graph_max_tokens``: 0 within it, or when the profile does not model
         the step past the graphs."""
         d = self.profile.decode
-        if d.graph_max_tokens is None or not d.graphless or step_tokens <= graph_max_tokens:
+        if d.graph_max_tokens is None or not self._graphless or step_tokens <= graph_max_tokens:
             return 0.0
-        pts = sorted(d.graphless, key=lambda g: g.adapters)
         # The measured point of the nearest adapter count at or below (the first above if none).
-        g = next((p for p in reversed(pts) if p.adapters <= adapters), pts[0])
+        g = next((p for p in reversed(self._graphless) if p.adapters <= adapters), self._graphless[0])
         graphed = self.decode_step_s(batch, 0.0, adapters)
         return max(g.step_s * d.scale - graphed, 0.0)
 

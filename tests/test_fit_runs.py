@@ -465,10 +465,14 @@ def test_alone_generation_of_an_episode_counts_the_engines_busy_time_only(tmp_pa
     prof = json.loads(open(_profile_with(tmp_path, "p", a=0.1, b=0.0, c=0.0, save=0.01)).read())
     a = {"job": "a", "prompts": 8, "prompt_tokens_each": 140, "lengths": tuple(range(40, 104)), "action": 0}
     b = {"job": "b", "prompts": 8, "prompt_tokens_each": 140, "lengths": tuple(range(60, 124)), "action": 1}
-    alone_a = _alone_generation_s(prof, [a], 1.0, 512, 2, 512)
-    alone_b = _alone_generation_s(prof, [b], 1.0, 512, 2, 512)
-    together = _alone_generation_s(prof, [dict(a, offset_s=0.0), dict(b, offset_s=0.0)], 1.0, 512, 2, 512)
-    apart = _alone_generation_s(prof, [dict(a, offset_s=0.0), dict(b, offset_s=100.0)], 1.0, 512, 2, 512)
+
+    def gen(*requests):
+        return {"requests": list(requests), "max_num_seqs": 512, "max_loras": 2, "graph_max_tokens": 512}
+
+    alone_a = _alone_generation_s(prof, gen(a), 1.0)
+    alone_b = _alone_generation_s(prof, gen(b), 1.0)
+    together = _alone_generation_s(prof, gen(dict(a, offset_s=0.0), dict(b, offset_s=0.0)), 1.0)
+    apart = _alone_generation_s(prof, gen(dict(a, offset_s=0.0), dict(b, offset_s=100.0)), 1.0)
     assert max(alone_a, alone_b) < together < alone_a + alone_b
     assert apart == pytest.approx(alone_a + alone_b, rel=1e-9)
 
