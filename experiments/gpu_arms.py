@@ -352,12 +352,16 @@ def main() -> None:
                 pred = simulate(config_from_args(workload(n, arm_mb, arm_wait), policy=policy, groups=g, sharing=sharing,
                                                  steps=args.steps, seed=seed, profile=args.profile))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
+                # Kernels the engine JIT-compiled inside the measured window (each a stall).
+                jit = [c for diag in summary.get("diagnostics", []) for c in diag.get("engine_jit_compiles", [])
+                       if c["t_s"] >= 0]
                 per_job = summary.get("per_job", {})
                 results["arms"].setdefault(key, {})[str(seed)] = {
                     "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
                     "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
                     "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
+                    "engine_jit_compiles": len(jit),
                     "logprob_max_abs": max((a["max_abs"] for a in audit), default=None),
                     "logprob_mean_abs": (sum(a["mean_abs"] for a in audit) / len(audit)) if audit else None,
                     "eval_accuracy": {j: d["eval"]["accuracy"] for j, d in per_job.items() if d.get("eval")},
@@ -366,7 +370,9 @@ def main() -> None:
                 }
                 print(f"[{time.monotonic() - t_all:6.1f}s] {key} seed {seed}: "
                       f"{summary['steps_per_gpu_hour']:.0f} steps/GPU-h (sim {pred['steps_per_gpu_hour']:.0f}), "
-                      f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s", flush=True)
+                      f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s"
+                      + (f", JIT compiles {len(jit)} ({', '.join(sorted({c['kernel'] for c in jit}))})" if jit else ""),
+                      flush=True)
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))
             results["startup_s"].update(pool.startup_s())
             results["trainer_restarts"] = {**results.get("trainer_restarts", {}), **pool.trainer_restarts()}

@@ -13,7 +13,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from nodus.config import DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs
+from nodus.config import (DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs,
+                          size_engine_graphs)
 from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import run_arm, run_spans
 from nodus.accounting import summarize
@@ -23,7 +24,8 @@ from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, write_c
 def config_from_args(config: dict | None = None, *, jobs: int | None = None, policy: str | None = None,
                      groups: int | None = None, sharing: str | None = None, steps: int | None = None,
                      seed: int | None = None, profile: str | None = None) -> RunConfig:
-    """A config file's dict (or the embedded default) with command-line overrides applied."""
+    """A config file's dict (or the embedded default) with command-line overrides applied; a new
+    run's engine graphs sized to its jobs (``size_engine_graphs``)."""
     data = dict(config or {})
     if jobs is not None:
         if "jobs" in data:
@@ -47,7 +49,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
         data["seed"] = seed
     if profile is not None:
         data["profile"] = profile
-    return build_config(data)
+    return size_engine_graphs(build_config(data))
 
 
 def simulate(cfg: RunConfig, out: str | Path | None = None) -> dict:

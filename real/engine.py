@@ -27,6 +27,7 @@ alone (0.32 on name + path), so reusing a name across versions would reuse the o
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -106,6 +107,38 @@ def response_seed(seed: int | None, prompt_index: int, response_index: int) -> i
     return int(np.random.SeedSequence([seed, prompt_index, response_index]).generate_state(1)[0])
 
 
+JIT_LOGGER = "vllm.utils.jit_monitor"  # vLLM's log of kernels JIT-compiled while serving
+
+
+class JitEvents(logging.Handler):
+    """Kernels vLLM's JIT monitor saw compiled after the engine's warm-up (a Triton kernel for a
+    shape or config the warm-up did not reach, which stalls the step that needs it for as long as
+    the compile takes), each with the engine's clock at the log line. vLLM logs only a kernel's
+    first compile unless its ``jit_monitor_verbose`` is on, which the engine turns on."""
+
+    def __init__(self, clock: Callable[[], float]):
+        super().__init__(logging.WARNING)
+        self.clock = clock
+        self.events: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # vLLM's message: "%s %s during inference: %s%s. ..." (backend, event, kernel, detail)
+        args = record.args if isinstance(record.args, tuple) else ()
+        self.events.append((self.clock(), str(args[2]) if len(args) >= 3 else record.getMessage()[:120]))
+
+    def drain(self) -> list[tuple[float, str]]:
+        out, self.events = self.events, []
+        return out
+
+
+def _supports_engine_arg(name: str) -> bool:
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # pragma: no cover - vLLM's layout moved
+        return False
+    return name in getattr(EngineArgs, "__dataclass_fields__", {})
+
+
 class MultiLoRAEngine:
     """One vLLM engine; each job's published adapter version; batched multi-adapter generation."""
 
@@ -141,6 +174,11 @@ class MultiLoRAEngine:
         self._issued: dict[str, tuple[str, int, int]] = {}  # lora_name -> (job, version, lora id)
         self._job_ids: dict[str, int] = {}  # "inplace": the job's fixed lora id
         self._next_id = 1
+        # Every JIT compile while serving is logged (vLLM logs a kernel's first only), and recorded.
+        if _supports_engine_arg("jit_monitor_verbose"):
+            llm_kwargs.setdefault("jit_monitor_verbose", True)
+        self._jit = JitEvents(clock)
+        logging.getLogger(JIT_LOGGER).addHandler(self._jit)
         self.llm = LLM(model=str(model), enable_lora=True, max_loras=max_loras,
                        max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -157,6 +195,10 @@ class MultiLoRAEngine:
         size = getattr(cfg, "max_cudagraph_capture_size", None)
         return {"mode": getattr(mode, "name", None if mode is None else str(mode)),
                 "max_tokens": int(size) if size else None}
+
+    def drain_jit_events(self) -> list[tuple[float, str]]:
+        """(clock time, kernel) of each JIT compile vLLM logged since the last call."""
+        return self._jit.drain()
 
     def graph_max_tokens(self) -> int | None:
         """The largest step (tokens) the engine runs as a CUDA graph; None when it runs none."""
@@ -385,6 +427,9 @@ class MultiLoRAEngine:
 
     def close(self) -> None:
         """Shut the engine down and free its memory."""
+        jit = getattr(self, "_jit", None)
+        if jit is not None:
+            logging.getLogger(JIT_LOGGER).removeHandler(jit)
         llm = getattr(self, "llm", None)
         if llm is None:
             return

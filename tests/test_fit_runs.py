@@ -523,10 +523,16 @@ def test_graphless_steps_come_from_decode_rows_past_the_graph_sizes(tmp_path, ca
     assert main(["fit", str(ded), "--out", str(plain)]) == 0
     capsys.readouterr()
     # 16 jobs' 1024 sequences queue past max_num_seqs 512: each finished sequence's slot admits a
-    # waiting one, and that step runs past the graphs. 8 jobs' 512 never wait: the same prediction.
-    sixteen = {p: simulate(config_from_args(jobs=16, steps=2, policy="shared-sync", sharing="none", profile=str(p)))
+    # waiting one, and that step runs past vLLM's default 512-token graphs. 8 jobs' 512 never wait:
+    # the same prediction. A new config sizes the graphs past that (1024) and runs no such step.
+    vllm_default = {"engine": {"cuda_graph_max_tokens": 512}}
+    sixteen = {p: simulate(config_from_args(vllm_default, jobs=16, steps=2, policy="shared-sync", sharing="none",
+                                            profile=str(p)))
                for p in (out, plain)}
     assert sixteen[out]["steps_per_gpu_hour"] < 0.9 * sixteen[plain]["steps_per_gpu_hour"]
+    sized = config_from_args(jobs=16, steps=2, policy="shared-sync", sharing="none", profile=str(out))
+    assert sized.engine.cuda_graph_max_tokens == 1024
+    assert simulate(sized)["steps_per_gpu_hour"] == pytest.approx(sixteen[plain]["steps_per_gpu_hour"], rel=1e-9)
     eight = {p: simulate(config_from_args(jobs=8, steps=2, policy="shared-sync", sharing="none", profile=str(p)))
              for p in (out, plain)}
     assert eight[out]["steps_per_gpu_hour"] == pytest.approx(eight[plain]["steps_per_gpu_hour"], rel=1e-9)

@@ -79,6 +79,7 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     # its CUDA graphs as vLLM took them: the config's size, no graphs on a CPU.
     assert s["diagnostics"][0]["workers"]["engine0"] == {"lora_kernel_configs": None,
                                                          "cuda_graphs": {"mode": "NONE", "max_tokens": 64}}
+    assert s["diagnostics"][0]["engine_jit_compiles"] == []  # no Triton kernels on a CPU
     with pytest.raises(RuntimeError, match="not_a_vllm_argument"):
         run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False,
                                                engine_args=(("not_a_vllm_argument", 1),)), baseline=False)
@@ -384,13 +385,35 @@ def test_the_engines_cuda_graph_size_reaches_vllm_and_conflicts_are_clear_errors
     assert engine_llm_args((("max_logprobs", 5),), None) == {"max_logprobs": 5}
     assert engine_llm_args((("compilation_config", {"mode": 3}),), 1024) == {
         "compilation_config": {"mode": 3, "max_cudagraph_capture_size": 1024}}
-    with pytest.raises(ValueError, match="set them in one place"):
+    with pytest.raises(ValueError, match="set the size in one place"):
         engine_llm_args((("compilation_config", {"max_cudagraph_capture_size": 64}),), 1024)
     with pytest.raises(ValueError, match="compilation_config=3 beside .* give it as a dict"):
         engine_llm_args((("compilation_config", 3),), 1024)
     cfg = _small_cfg(1, 1)
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"cuda_graph_max_tokens": 64})})
-    with pytest.raises(ValueError, match="set them in one place"):
+    with pytest.raises(ValueError, match="set the size in one place"):
         run(cfg, opts=RealOptions(model="tiny", evaluate=False,
                                   engine_args=(("compilation_config", {"cudagraph_capture_sizes": [8]}),)),
             baseline=False)
+
+
+def test_the_engine_records_each_jit_compile_vllm_logs_while_serving():
+    """JitEvents: every line vLLM's JIT monitor logs (its format: backend, event, kernel, detail)
+    becomes (clock, kernel), drained once; lines of other loggers are not counted."""
+    import logging
+
+    from real.engine import JIT_LOGGER, JitEvents
+
+    t = iter([1.5, 2.5])
+    jit = JitEvents(lambda: next(t))
+    log = logging.getLogger(JIT_LOGGER)
+    log.addHandler(jit)
+    try:
+        msg = "%s %s during inference: %s%s. This causes a latency spike"
+        log.warning(msg, "Triton", "kernel JIT compilation", "_lora_shrink_kernel", "")
+        logging.getLogger("vllm.other").warning("unrelated")
+        log.warning("a line in another format")
+    finally:
+        log.removeHandler(jit)
+    assert jit.drain() == [(1.5, "_lora_shrink_kernel"), (2.5, "a line in another format")]
+    assert jit.drain() == []

@@ -307,9 +307,34 @@ def test_steps_past_the_engines_cuda_graphs_follow_its_graph_size(tmp_path):
                                steps=2, policy="shared-sync", sharing="mps", profile=str(paths[name]))
         s = simulate(cfg)
         steps = sum(d.get("graphless_steps", 0) for d in s["diagnostics"])
-        assert (steps > 0) == (name == "with" and jobs == 16 and not graphs)  # the run says where they came from
+        assert (steps > 0) == (name == "with" and jobs == 16 and graphs == 512)  # the run says where they came from
         return s["steps_per_gpu_hour"]
 
-    default16, wide16, bare16 = sph("with", 16), sph("with", 16, 1024), sph("bare", 16)
-    assert default16 < 0.8 * wide16 and wide16 == pytest.approx(bare16, rel=1e-9)
+    # vLLM's 512-token graphs, set: the queue's admitting steps run past them. Left unset, a new
+    # config of 16 jobs sizes the graphs to 2 x max_num_seqs (size_engine_graphs); 8 jobs keep vLLM's.
+    narrow16, sized16, wide16, bare16 = sph("with", 16, 512), sph("with", 16), sph("with", 16, 1024), sph("bare", 16)
+    assert narrow16 < 0.8 * wide16 and wide16 == pytest.approx(bare16, rel=1e-9) == pytest.approx(sized16, rel=1e-9)
     assert sph("with", 8) == pytest.approx(sph("with", 8, 1024), rel=1e-9) == pytest.approx(sph("bare", 8), rel=1e-9)
+
+
+def test_a_new_config_sizes_the_engines_graphs_past_its_batch_and_a_recorded_one_keeps_its_own():
+    """size_engine_graphs: 2 x max_num_seqs where the jobs' sequences can exceed max_num_seqs (one
+    job's under dedicated), vLLM's default elsewhere; a size given is kept, and a recorded config
+    (build_config, as validate and fit read runs) is never resized."""
+    from nodus.config import build_config, peak_engine_sequences
+
+    def graphs(config=None, **kw):
+        return config_from_args(config, steps=1, **kw).engine.cuda_graph_max_tokens
+
+    assert graphs(jobs=16, policy="shared-sync") == 1024  # 16 x 64 = 1024 sequences > 512
+    assert graphs(jobs=16, policy="overlap", groups=2) == 1024  # two groups' generations may overlap
+    assert graphs(jobs=8, policy="shared-sync") is None  # 512: never queues
+    assert graphs(jobs=16, policy="dedicated") is None  # one job's 64 at a time
+    assert graphs({"engine": {"max_num_seqs": 256}}, jobs=8, policy="shared-sync") == 512
+    assert graphs({"engine": {"max_num_seqs": 2048}}, jobs=16, policy="shared-sync") is None
+    assert graphs({"engine": {"cuda_graph_max_tokens": 512}}, jobs=16, policy="shared-sync") == 512
+    cfg = config_from_args(jobs=16, steps=1, policy="shared-sync")
+    assert peak_engine_sequences(cfg) == 1024
+    recorded = json.loads(cfg.model_copy(update={"engine": cfg.engine.model_copy(
+        update={"cuda_graph_max_tokens": None})}).model_dump_json())
+    assert build_config(recorded).engine.cuda_graph_max_tokens is None
