@@ -54,6 +54,22 @@ def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:
     return out
 
 
+def invocation_graph_size(specs: list, job_counts: list[int], workload) -> int | None:
+    """The CUDA-graph size for every arm of one invocation: the largest a new config of any of its
+    arms (``parse_arm`` specs, at each job count it runs) gets from nodus.config.size_engine_graphs,
+    None where none gets one. ``workload(n)``: the invocation's config dict for n jobs."""
+    from nodus.simulate import config_from_args
+
+    sized = []
+    for sp in specs:
+        policy, groups, sharing = ARMS[sp[0]]
+        for n in [sp[1]] if sp[1] else job_counts:
+            if (sp[2] or groups) <= n:  # more groups than jobs: the arm skips that count
+                cfg = config_from_args(workload(n), policy=policy, groups=sp[2] or groups, sharing=sharing, steps=1)
+                sized.append(cfg.engine.cuda_graph_max_tokens or 0)
+    return max(sized, default=0) or None
+
+
 def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool | None, dict]:
     """'overlap+mps:j16:g3:s1:m32768:free:cg:lowpri:t50' -> ('overlap+mps', 16, 3, [1], 32768, False,
     {'trainer_graphs': True, 'trainer_priority': 'below-normal', 'trainer_thread_pct': 50}); a bare
@@ -193,7 +209,9 @@ def main() -> None:
                     help="a vLLM engine argument for every arm (e.g. specialize_active_lora=true; run keys get -ea)")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=None, metavar="N",
                     help="the engine's CUDA graphs up to N tokens a step (config engine.cuda_graph_max_tokens; "
-                         "vLLM's default: min(2 x max_num_seqs, 512)); run keys get -gm<N>")
+                         "default: 2 x max_num_seqs for every arm of an invocation where one arm's jobs' sequences "
+                         "exceed max_num_seqs (nodus.config.size_engine_graphs), else vLLM's min(2 x max_num_seqs, "
+                         "512)); run keys get -gm<N> wherever the size is set")
     ap.add_argument("--engine-core-process", action="store_true",
                     help="vLLM's engine core in a process of its own under each engine worker (run keys get -ep)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
@@ -223,7 +241,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from nodus.cli import engine_arg_pairs, env_pairs
-    from nodus.config import ConfigError
+    from nodus.config import ConfigError, graph_sizes_given
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
@@ -253,6 +271,13 @@ def main() -> None:
             # share, room for timeslice's two trainers (32k: 64 GiB masked, 91 GiB padded, alone).
             "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens},
             **({"engine": {"cuda_graph_max_tokens": args.cuda_graph_max_tokens}} if args.cuda_graph_max_tokens else {})}
+
+    # One CUDA-graph size for the invocation, as one adapter-slot count (min_loras): the largest any
+    # arm's config gets (size_engine_graphs), unless given or left to engine args that set their
+    # own; so arms of 8 and 16 jobs share one engine (a start costs 100-260 s on the H200).
+    if args.cuda_graph_max_tokens is None and not graph_sizes_given(engine_args):
+        args.cuda_graph_max_tokens = invocation_graph_size([parse_arm(a) for a in args.arms.split(",") if a],
+                                                           job_counts, workload)
 
     def suffix(n: int) -> str:  # arm keys and run folders name the job count when there are several
         return f"-j{n}" if len(job_counts) > 1 or n != job_counts[0] else ""
@@ -353,7 +378,8 @@ def main() -> None:
                                                  steps=args.steps, seed=seed, profile=args.profile))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 # Kernels the engine JIT-compiled inside the measured window (each a stall).
-                jit = [c for diag in summary.get("diagnostics", []) for c in diag.get("engine_jit_compiles", [])
+                seen = all(diag.get("engine_jit_compiles") is not None for diag in summary.get("diagnostics", []))
+                jit = [c for diag in summary.get("diagnostics", []) for c in diag.get("engine_jit_compiles") or []
                        if c["t_s"] >= 0]
                 per_job = summary.get("per_job", {})
                 results["arms"].setdefault(key, {})[str(seed)] = {
@@ -361,7 +387,7 @@ def main() -> None:
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
                     "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
                     "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
-                    "engine_jit_compiles": len(jit),
+                    "engine_jit_compiles": len(jit) if seen else None,
                     "logprob_max_abs": max((a["max_abs"] for a in audit), default=None),
                     "logprob_mean_abs": (sum(a["mean_abs"] for a in audit) / len(audit)) if audit else None,
                     "eval_accuracy": {j: d["eval"]["accuracy"] for j, d in per_job.items() if d.get("eval")},

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from nodus.tasks import TASK_NAMES
 
@@ -114,6 +114,7 @@ class EngineSpec(_Model):
     # decode batch does. None: vLLM's default (engine_graph_max_tokens); a new run's config sets
     # 2 x max_num_seqs where its jobs' sequences can exceed max_num_seqs (size_engine_graphs).
     cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
+    _graphs_sized: bool = PrivateAttr(default=False)  # nodus chose cuda_graph_max_tokens (size_engine_graphs)
 
 
 def engine_graph_max_tokens(engine: "EngineSpec") -> int:
@@ -123,11 +124,11 @@ def engine_graph_max_tokens(engine: "EngineSpec") -> int:
 
 
 def peak_engine_sequences(cfg: "RunConfig") -> int:
-    """The most sequences the engine may be asked to hold at once: one job's step under
-    ``dedicated`` (each job has its engine), every job's step otherwise (one shared-sync batch, or
-    groups whose generations overlap when generating outlasts training)."""
+    """The most sequences an engine may be asked to hold at once: one job's step under
+    ``dedicated`` and ``timeslice`` (an engine serves one job at a time), every job's step otherwise
+    (one shared-sync batch, or groups whose generations overlap when generating outlasts training)."""
     per_job = [j.prompts_per_step * j.responses_per_prompt for j in cfg.jobs]
-    return max(per_job) if cfg.arm.policy == "dedicated" else sum(per_job)
+    return max(per_job) if cfg.arm.policy in ("dedicated", "timeslice") else sum(per_job)
 
 
 def size_engine_graphs(cfg: "RunConfig") -> "RunConfig":
@@ -143,7 +144,27 @@ def size_engine_graphs(cfg: "RunConfig") -> "RunConfig":
     eng = cfg.engine
     if eng.cuda_graph_max_tokens is not None or peak_engine_sequences(cfg) <= eng.max_num_seqs:
         return cfg
-    return cfg.model_copy(update={"engine": eng.model_copy(update={"cuda_graph_max_tokens": 2 * eng.max_num_seqs})})
+    sized = eng.model_copy(update={"cuda_graph_max_tokens": 2 * eng.max_num_seqs})
+    sized._graphs_sized = True
+    return cfg.model_copy(update={"engine": sized})
+
+
+def graph_sizes_given(engine_args) -> bool:
+    """Whether vLLM engine arguments ((name, value) pairs or a dict) set the CUDA-graph sizes
+    themselves: a compilation_config with capture sizes, or one nodus cannot merge a size into."""
+    comp = dict(engine_args).get("compilation_config")
+    if comp is None:
+        return False
+    return not isinstance(comp, dict) or "max_cudagraph_capture_size" in comp or "cudagraph_capture_sizes" in comp
+
+
+def engine_args_size_graphs(cfg: "RunConfig", engine_args) -> "RunConfig":
+    """A compilation_config in the engine arguments that sets the CUDA-graph sizes keeps them: a
+    size nodus chose (size_engine_graphs) gives way, and the run records none (vLLM's as given; the
+    engine reports what it ran). A size the config itself sets stays, and the engine refuses the pair."""
+    if not (cfg.engine._graphs_sized and graph_sizes_given(engine_args)):
+        return cfg
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"cuda_graph_max_tokens": None})})
 
 
 class TrainerSpec(_Model):

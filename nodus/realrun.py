@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nodus.config import RunConfig
+from nodus.config import RunConfig, engine_args_size_graphs
 from nodus.outdir import make_out_dir
 from nodus.runner import run_arm
 
@@ -89,6 +89,7 @@ def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None
     from real.backend import RealOptions
 
     opts = opts or RealOptions()
+    cfg = engine_args_size_graphs(cfg, opts.engine_args)  # graph sizes the engine args set stay theirs
     out_dir = make_out_dir(out) if out is not None else None
     pool = ClusterPool(opts, min_loras=cfg.engine.max_loras or len(cfg.jobs))
     # A dedicated-GPU-per-job baseline must not share a cluster with the MPS arm's sharing mode:

@@ -468,7 +468,7 @@ class RealBackend:
         self.failed: dict[str, str] = {}
         self.audit: list[dict] = []
         self.microbatches: list[int] = []  # micro-batches per train step, in order
-        self.jit_compiles: list[dict] = []  # the engine's JIT compiles while serving (diagnostics)
+        self.jit_compiles: list[dict] | None = []  # the engine's JIT compiles while serving (None: not seen)
         self._stack_of = {j.id: 0 for j in cfg.jobs}  # the stack whose engine has the newest version
         self._start: dict[str, int] = {}
         for s in range(cluster.n_stacks):
@@ -594,8 +594,11 @@ class RealBackend:
         a, extra = self._pending.pop(tag)
         if kind == "generated":
             # Kernels the engine JIT-compiled since its last answer (a stall of the steps beside them).
-            for t, kernel in msg[4] if len(msg) > 4 else ():
-                self.jit_compiles.append({"t_s": round(t - self.t0, 3), "kernel": kernel})
+            jit = msg[4] if len(msg) > 4 else []
+            if jit is None or self.jit_compiles is None:
+                self.jit_compiles = None  # not seen (the engine core in a process of its own)
+            else:
+                self.jit_compiles += [{"t_s": round(t - self.t0, 3), "kernel": k} for t, k in jit]
             return self._generated(a, extra, msg[2], msg[3])
         if kind == "trained":
             _, _, start, end, stats, agreement, n_mb, *state = msg
@@ -672,8 +675,9 @@ class RealBackend:
                 "engine_core_process": self.c.opts.engine_core_process,
                 "cuda_graph_max_tokens": self.cfg.engine.cuda_graph_max_tokens,
                 # Kernels the engine JIT-compiled while serving, at run seconds (before 0: reported
-                # with this run's first generation, compiled earlier, e.g. while priming).
-                "engine_jit_compiles": list(self.jit_compiles),
+                # with this run's first generation, compiled earlier, e.g. while priming); None where
+                # they are not seen (--engine-core-process: vLLM's core logs in its own process).
+                "engine_jit_compiles": None if self.jit_compiles is None else list(self.jit_compiles),
                 # Which steps' rollouts carried the engine's logprobs (host work on every decode step).
                 "audit": {"logprobs": self.opts.audit_logprobs, "every": self.opts.audit_every,
                           "responses": self.opts.audit_responses}}

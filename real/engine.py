@@ -174,17 +174,21 @@ class MultiLoRAEngine:
         self._issued: dict[str, tuple[str, int, int]] = {}  # lora_name -> (job, version, lora id)
         self._job_ids: dict[str, int] = {}  # "inplace": the job's fixed lora id
         self._next_id = 1
-        # Every JIT compile while serving is logged (vLLM logs a kernel's first only), and recorded.
+        # Every JIT compile while serving is logged (vLLM logs a kernel's first only), and recorded
+        # below, where the engine core runs in this process (not under VLLM_ENABLE_V1_MULTIPROCESSING=1).
         if _supports_engine_arg("jit_monitor_verbose"):
             llm_kwargs.setdefault("jit_monitor_verbose", True)
         self._jit = JitEvents(clock)
-        logging.getLogger(JIT_LOGGER).addHandler(self._jit)
         self.llm = LLM(model=str(model), enable_lora=True, max_loras=max_loras,
                        max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                        load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                        dtype=dtype, seed=seed, logprobs_mode=logprobs_mode, **llm_kwargs)
+        # After the engine's start: building it reconfigures vLLM's loggers, dropping their handlers
+        # (its JIT monitor starts after its own warm-up, so no compile is missed).
+        self.jit_recorded = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        logging.getLogger(JIT_LOGGER).addHandler(self._jit)
 
     def cuda_graphs(self) -> dict:
         """The engine's CUDA graphs as vLLM runs them: ``mode`` (vLLM's cudagraph_mode, "NONE"
@@ -196,9 +200,11 @@ class MultiLoRAEngine:
         return {"mode": getattr(mode, "name", None if mode is None else str(mode)),
                 "max_tokens": int(size) if size else None}
 
-    def drain_jit_events(self) -> list[tuple[float, str]]:
-        """(clock time, kernel) of each JIT compile vLLM logged since the last call."""
-        return self._jit.drain()
+    def drain_jit_events(self) -> list[tuple[float, str]] | None:
+        """(clock time, kernel) of each JIT compile vLLM logged since the last call; None where they
+        are not seen (the engine core in a process of its own logs there)."""
+        events = self._jit.drain()
+        return events if self.jit_recorded else None
 
     def graph_max_tokens(self) -> int | None:
         """The largest step (tokens) the engine runs as a CUDA graph; None when it runs none."""

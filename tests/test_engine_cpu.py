@@ -219,3 +219,18 @@ def test_text_prompts_and_forced_lengths(engine, adapters):
     assert first.logprobs == ((timed.logprobs[0][0], ()), (timed.logprobs[1][0], ()))
     with pytest.raises(ValueError, match="logprob_responses=0 must be >= 1"):
         engine.generate([GenRequest("B", 0, [PROMPT], n=2, logprob_responses=0)])
+
+
+def test_the_engine_keeps_its_jit_record_past_vllms_logging_setup(engine):
+    """Building the engine reconfigures vLLM's loggers (their handlers dropped): the record is
+    attached after it, so a compile vLLM's JIT monitor logs while serving reaches the drain."""
+    import logging
+
+    from real.engine import JIT_LOGGER
+
+    log = logging.getLogger(JIT_LOGGER)
+    assert engine._jit in log.handlers
+    engine.drain_jit_events()
+    log.warning("%s %s during inference: %s%s.", "Triton", "kernel JIT compilation", "_lora_expand_kernel", "")
+    events = engine.drain_jit_events()
+    assert [k for _, k in events] == ["_lora_expand_kernel"] and engine.drain_jit_events() == []

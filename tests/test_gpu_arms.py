@@ -64,3 +64,22 @@ def test_rounds_repeat_each_block_of_processes_in_turn():
     assert [r for _, r in interleave_rounds(order, 1)] == [1] * 4
     with pytest.raises(SystemExit, match="--rounds 0"):
         interleave_rounds(order, 0)
+
+
+def test_one_invocation_runs_every_arm_on_the_largest_graph_size_any_arm_gets():
+    """Arms of 8 and 16 jobs share one engine: the 16-job shared arm's 1024-token graphs for all;
+    8-job arms alone, or 16-job dedicated arms (a job at a time), keep vLLM's default."""
+    from experiments.gpu_arms import invocation_graph_size, parse_arm
+    from nodus.config import default_jobs
+
+    def workload(n):
+        return {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(n)]}
+
+    def size(arms, counts=(8,)):
+        return invocation_graph_size([parse_arm(a) for a in arms.split(",")], list(counts), workload)
+
+    assert size("dedicated,shared-sync+mps,overlap+mps:j16") == 1024
+    assert size("dedicated,shared-sync+mps", (8, 16)) == 1024
+    assert size("dedicated,shared-sync+mps,overlap+mps") is None
+    assert size("dedicated:j16,timeslice:j16") is None
+    assert size("overlap:j1:g2,shared-sync:j1") is None  # an arm skips a count with more groups than jobs

@@ -333,8 +333,19 @@ def test_a_new_config_sizes_the_engines_graphs_past_its_batch_and_a_recorded_one
     assert graphs({"engine": {"max_num_seqs": 256}}, jobs=8, policy="shared-sync") == 512
     assert graphs({"engine": {"max_num_seqs": 2048}}, jobs=16, policy="shared-sync") is None
     assert graphs({"engine": {"cuda_graph_max_tokens": 512}}, jobs=16, policy="shared-sync") == 512
+    assert graphs(jobs=16, policy="timeslice", groups=2) is None  # each engine serves one job at a time
     cfg = config_from_args(jobs=16, steps=1, policy="shared-sync")
     assert peak_engine_sequences(cfg) == 1024
+    # Engine args whose compilation_config sets the graph sizes keep them over the size nodus chose;
+    # a size the config set stays (the engine then refuses the pair); other compilation settings merge.
+    from nodus.config import engine_args_size_graphs
+
+    own = (("compilation_config", {"cudagraph_capture_sizes": [8, 16]}),)
+    assert engine_args_size_graphs(cfg, own).engine.cuda_graph_max_tokens is None
+    assert engine_args_size_graphs(cfg, (("compilation_config", {"mode": 3}),)).engine.cuda_graph_max_tokens == 1024
+    assert engine_args_size_graphs(cfg, (("max_logprobs", 5),)).engine.cuda_graph_max_tokens == 1024
+    given = config_from_args({"engine": {"cuda_graph_max_tokens": 1024}}, jobs=16, steps=1, policy="shared-sync")
+    assert engine_args_size_graphs(given, own).engine.cuda_graph_max_tokens == 1024
     recorded = json.loads(cfg.model_copy(update={"engine": cfg.engine.model_copy(
         update={"cuda_graph_max_tokens": None})}).model_dump_json())
     assert build_config(recorded).engine.cuda_graph_max_tokens is None
