@@ -241,7 +241,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from nodus.cli import engine_arg_pairs, env_pairs
-    from nodus.config import ConfigError, graph_sizes_given
+    from nodus.config import ConfigError, engine_args_size_graphs, graph_sizes_given
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
@@ -350,6 +350,7 @@ def main() -> None:
                 mb = args.aa_mb_tokens if rep else arm_mb
                 cfg = config_from_args(workload(n, mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                                        seed=seed)
+                cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
                 # New trainer settings restart the trainers: a new shape to prime (run-loop settings,
                 # such as the audit's cadence, keep every process: nothing new to prime).
                 shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch,
@@ -374,8 +375,9 @@ def main() -> None:
                     run_dir = args.out / f"{key}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
                 write_run(run_dir, cfg, summary, runs)
-                pred = simulate(config_from_args(workload(n, arm_mb, arm_wait), policy=policy, groups=g, sharing=sharing,
-                                                 steps=args.steps, seed=seed, profile=args.profile))
+                pred = simulate(engine_args_size_graphs(config_from_args(
+                    workload(n, arm_mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
+                    seed=seed, profile=args.profile), engine_args))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 # Kernels the engine JIT-compiled inside the measured window (each a stall).
                 seen = all(diag.get("engine_jit_compiles") is not None for diag in summary.get("diagnostics", []))

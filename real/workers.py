@@ -48,9 +48,7 @@ def engine_llm_args(llm_args, cuda_graph_max_tokens: int | None) -> dict:
                          f"{cuda_graph_max_tokens}: give it as a dict (JSON object) for the graph size to join it")
     if "max_cudagraph_capture_size" in comp or "cudagraph_capture_sizes" in comp:
         raise ValueError("engine_args: a compilation_config that sets the CUDA-graph sizes beside the config's "
-                         f"engine.cuda_graph_max_tokens={cuda_graph_max_tokens} (a new run's config sets it to 2 x "
-                         "max_num_seqs where its jobs' sequences exceed max_num_seqs); set the size in one place: "
-                         "engine.cuda_graph_max_tokens")
+                         f"engine.cuda_graph_max_tokens={cuda_graph_max_tokens}; set the size in one place")
     args["compilation_config"] = {**comp, "max_cudagraph_capture_size": cuda_graph_max_tokens}
     return args
 
