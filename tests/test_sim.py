@@ -346,6 +346,16 @@ def test_a_new_config_sizes_the_engines_graphs_past_its_batch_and_a_recorded_one
     assert engine_args_size_graphs(cfg, (("max_logprobs", 5),)).engine.cuda_graph_max_tokens == 1024
     given = config_from_args({"engine": {"cuda_graph_max_tokens": 1024}}, jobs=16, steps=1, policy="shared-sync")
     assert engine_args_size_graphs(given, own).engine.cuda_graph_max_tokens == 1024
+    # The report names the engine's graph size and the steps past it (none once sized).
+    from nodus.simulate import render_table
+
+    row = "| engine CUDA graphs up to (tokens a step) / steps past them | "
+    profile = "h200-xeon16-graphed-qwen3-0.6b"
+    assert row + "1024 / 0 |" in render_table(simulate(config_from_args(jobs=16, steps=1, profile=profile,
+                                                                         policy="shared-sync")))
+    narrow = render_table(simulate(config_from_args({"engine": {"cuda_graph_max_tokens": 512}}, jobs=16, steps=1,
+                                                    policy="shared-sync", profile=profile)))
+    assert row + "512 / " in narrow and row + "512 / 0 |" not in narrow
     recorded = json.loads(cfg.model_copy(update={"engine": cfg.engine.model_copy(
         update={"cuda_graph_max_tokens": None})}).model_dump_json())
     assert build_config(recorded).engine.cuda_graph_max_tokens is None
