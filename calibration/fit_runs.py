@@ -116,8 +116,8 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
         per_engine.setdefault(k[:2], []).append((start, end, members))
     specs = {j.get("id"): j for j in cfg["jobs"]}
     engine = cfg.get("engine") or {}
-    max_num_seqs = engine.get("max_num_seqs") or 512
-    graph_max = engine_graph_max_tokens(EngineSpec.model_validate(engine))
+    spec = EngineSpec.model_validate(engine)
+    max_num_seqs, graph_max = spec.max_num_seqs, engine_graph_max_tokens(spec)
     out = []
     for (gpu, _), actions in sorted(per_engine.items()):
         episodes: list[list[tuple[float, float, list[dict]]]] = []

@@ -594,7 +594,7 @@ class RealBackend:
         a, extra = self._pending.pop(tag)
         if kind == "generated":
             # Kernels the engine JIT-compiled since its last answer (a stall of the steps beside them).
-            jit = msg[4] if len(msg) > 4 else []
+            jit = msg[4]
             if jit is None or self.jit_compiles is None:
                 self.jit_compiles = None  # not seen (the engine core in a process of its own)
             else:

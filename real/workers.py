@@ -39,6 +39,8 @@ def engine_llm_args(llm_args, cuda_graph_max_tokens: int | None) -> dict:
     """An engine's extra LLM(...) arguments: ``llm_args`` ((name, value) pairs), with
     ``cuda_graph_max_tokens`` as compilation_config's max_cudagraph_capture_size (merged into a
     compilation_config dict given there; one that sets its own sizes is refused)."""
+    from nodus.config import graph_sizes_given
+
     args = dict(llm_args)
     if cuda_graph_max_tokens is None:
         return args
@@ -46,7 +48,7 @@ def engine_llm_args(llm_args, cuda_graph_max_tokens: int | None) -> dict:
     if not isinstance(comp, dict):
         raise ValueError(f"engine_args: compilation_config={comp!r} beside the config's engine.cuda_graph_max_tokens="
                          f"{cuda_graph_max_tokens}: give it as a dict (JSON object) for the graph size to join it")
-    if "max_cudagraph_capture_size" in comp or "cudagraph_capture_sizes" in comp:
+    if graph_sizes_given(args):
         raise ValueError("engine_args: a compilation_config that sets the CUDA-graph sizes beside the config's "
                          f"engine.cuda_graph_max_tokens={cuda_graph_max_tokens}; set the size in one place")
     args["compilation_config"] = {**comp, "max_cudagraph_capture_size": cuda_graph_max_tokens}

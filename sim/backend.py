@@ -73,7 +73,7 @@ class SimBackend:
     def diagnostics(self) -> dict:
         # Steps past the engine's CUDA graphs: how much queueing past max_num_seqs cost the run.
         return {"outside_profile": sorted(self.cost.flags),
-                "graph_max_tokens": engine_graph_max_tokens(self.cfg.engine),
+                "graph_max_tokens": self.engines[0].graph_max_tokens,
                 "graphless_steps": sum(e.graphless_steps for e in self.engines)}
 
     def close(self) -> None:
