@@ -1,6 +1,6 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|graphs|tune-lora|arms|calibrate|sharing|engine|learn|small-base
+#   bash experiments/device_session.sh trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|learn|small-base
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -79,6 +79,14 @@ case "${1:-arms}" in
     random_model
     timeout 400 python experiments/bench_engine_loop.py --model /tmp/nodus-qwen3-0.6b-random --batch 512 --adapters 8 \
       --out "$OUT/engine_loop_h200.json" > "$OUT/engine_loop.log" 2>&1; echo "engine_loop rc=$?" ;;
+  engine-profile)
+    # Is the shared generation GPU- or host-bound? A recorded step's generation timed per engine
+    # step, under torch.profiler (kernel time against the wall) and cProfile (the host's time).
+    random_model
+    timeout "${EP_TIMEOUT:-400}" python experiments/bench_engine_profile.py --model /tmp/nodus-qwen3-0.6b-random \
+      --run "${EP_RUN:-experiments/results/h200/session14/arms/shared-sync+mps-cg-s1}" \
+      --out "$OUT/engine_profile_h200.json" ${EP_EXTRA:-} > "$OUT/engine_profile.log" 2>&1
+    echo "engine_profile rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/engine_profile.log" | tail -70 ;;
   arms)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
     # A fresh folder per invocation: a warm machine keeps /tmp between calls. Never time two
