@@ -253,7 +253,7 @@ def graphless_points(path: str | Path, graph_max_tokens: int | None = None) -> t
 
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
         lora_kernels: str | None = None, graphless_from: str | Path | None = None,
-        graph_max_tokens: int | None = None) -> dict:
+        graph_max_tokens: int | None = None, scales_only: bool = False) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs.
 
     ``trainer_mode`` (default: the base's ``train.step_mode``): the trainer the runs used and the
@@ -272,7 +272,15 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     ``graphless_from`` (a JSON of measured decode rows, ``graphless_points``): the steps past the
     engine's CUDA graphs that a run queueing past max_num_seqs pays (``decode.graphless``; assumption
     ``graphless-flat``), set before the engine's scale and rates are fitted; ``graph_max_tokens``:
-    the graph size of the engine that measured them, when the file does not record it."""
+    the graph size of the engine that measured them, when the file does not record it.
+
+    ``scales_only``: carry the base to another day's host instead of refitting its terms. The
+    base's cost shapes and sharing rates are kept; the runs fit three scales: the trainer's terms
+    times one factor (relative least squares over their train steps), ``decode.scale`` (their
+    dedicated generations: a dedicated run is needed) and the publish cost per adapter. The day's
+    dedicated runs alone (1 job, inside the fit set's 1-4 jobs) then carry a profile to that day
+    (assumption ``day-scales``): what a dedicated run cannot separate (the per-adapter train cost,
+    the co-run and MPS rates) stays the base's, where a full refit on dedicated runs would guess it."""
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
 
@@ -343,58 +351,23 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     tok = np.array([s["padded_tokens"] for s in samples], dtype=float)
     ad = np.array([s["adapters"] for s in samples], dtype=float)
     rg = np.array([s["regroup_tokens"] for s in samples], dtype=float)
-    # A coefficient is fitted only where the runs vary its feature apart from the others: one
-    # adapter count everywhere leaves c to the base profile, no regrouping leaves d at 0.
-    cols, names = [mb, tok], ["a", "b"]
-    if len(set(ad)) > 1:
-        cols.append(ad)
-        names.append("c")
-    if rg.max() > 0:
-        cols.append(rg)
-        names.append("d")
-    base_c = prof["train"]["s_per_adapter"]
-    # Work (seconds alone, no MPS) = rate_alone * alone_s + rate_corun * corun_s, per sharing mode.
-    # Known rates move to the right-hand side; unknown ones become columns with -time.
+    if scales_only and (want_mode != base_mode or want_kernels != base_kernels):
+        raise ConfigError(f"nodus fit --scales-only keeps the base's terms: its runs must use the base's trainer "
+                          f"({base_mode}) and LoRA kernels ({base_kernels}), not {want_mode} / {want_kernels}")
     sharing = prof["sharing"]
     mode = np.array([s["sharing"] for s in samples])
     alone = np.array([s["alone_s"] for s in samples])
     corun = np.array([s["corun_s"] for s in samples])
-    rhs = np.zeros(len(y))
     rates: dict[str, float] = {}
-    rate_cols: list[str] = []
-    for m, alone_key, corun_key in SHARING_MODES:
-        sel = mode == m
-        if not sel.any():
-            continue
-        for key, t in ((alone_key, alone), (corun_key, corun)):
-            t_m = np.where(sel, t, 0.0)
-            if key is None:  # alone without MPS: the work itself
-                rhs += t_m
-            elif t_m.sum() >= MIN_RATE_SHARE * y[sel].sum():
-                cols.append(-t_m)
-                names.append(f"{key}.trainer")
-                rate_cols.append(f"{key}.trainer")
-            else:
-                rhs += sharing[key]["trainer"] * t_m
-    if not (rhs > 0).any():
-        raise ConfigError("nodus fit: every fitted train step ran beside the engine or under MPS; "
-                          "a run with the trainer alone without MPS (a dedicated arm) pins the cost model")
-    if "c" not in names:
-        rhs = rhs - base_c * ad
-    w = dict(zip(names, nonneg_rel_lstsq(np.stack(cols, 1), rhs, scale=y)))
-    a, b = w["a"], w["b"]
-    c = w.get("c", base_c)
-    d = w.get("d", 0.0)
-    for key in rate_cols:
-        rates[key] = float(w[key])
-        sharing[key.split(".")[0]]["trainer"] = float(w[key])
-    c_source = "fitted" if "c" in names else "base profile (one adapter count in the fitted runs)"
+    if scales_only:
+        a, b, c, d, train_scale = _scaled_train_terms(prof, y, mb, tok, ad, rg, mode, alone)
+        names, w, c_source = [], {}, "base profile times the runs' train scale"
+    else:
+        a, b, c, d, names, w, c_source = _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates)
+        train_scale = None
     work = a * mb + b * tok + c * ad + d * rg
     # The step's predicted seconds: its work at the rates it ran under.
-    r_alone = np.where(mode == "mps", sharing["mps_alone"]["trainer"], 1.0)
-    r_corun = np.where(mode == "mps", sharing["mps_corun"]["trainer"], sharing["none_corun"]["trainer"])
-    alone_frac = np.where(y > 0, alone / y, 1.0)
-    pred = work / (alone_frac * r_alone + (1 - alone_frac) * r_corun)
+    pred = work / _trainer_rate(sharing, mode, alone, y)
     rel = (pred - y) / y
     if graphless_from is not None:
         # Steps past the CUDA-graph sizes (a mid-batch admission at a nearly full batch, in runs that
@@ -406,14 +379,28 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         raise ConfigError(f"nodus fit: --lora-kernels {want_kernels} fits that engine onto a base of the {base_kernels} "
                           "kernels through decode.scale, which only dedicated runs' generations fit (>= 3 of one job "
                           "alone without MPS): add a dedicated run of the same engine")
-    engine_rates, engine_fit = _engine_rates(gens, prof)
-    rates.update(engine_rates)
+    if scales_only:
+        if decode_fit is None:
+            raise ConfigError("nodus fit --scales-only: the engine's scale (decode.scale) is fitted on dedicated runs' "
+                              "generations (>= 3 of one job alone without MPS): add a dedicated run of the day")
+        engine_fit = None
+    else:
+        engine_rates, engine_fit = _engine_rates(gens, prof)
+        rates.update(engine_rates)
     prof["train"]["per_microbatch"] = {"a_s": float(a), "b_s_per_unit": float(b)}
     prof["train"]["s_per_adapter"] = float(c)
     prof["train"]["s_per_regroup_token"] = float(d)
     prof["train"]["extra_tokens_layout"] = next(iter(layouts), "padded")
     prof["train"]["max_profiled_tokens"] = int(max(tok.max(), prof["train"].get("max_profiled_tokens") or 0))
     pub_fit = _publish_fit(publish, prof["publish"])
+    if scales_only:
+        prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "day-scales"] + [
+            {"id": "day-scales", "value": train_scale,
+             "what": f"the base's cost shapes and sharing rates, carried to the fitted runs' host by three scales "
+                     f"(nodus fit --scales-only on {len(used)} run(s)): train terms x {train_scale:.3f}, decode.scale "
+                     f"{decode_fit['base_scale']:.3f} -> {decode_fit['scale']:.3f}, publish "
+                     f"{prof['publish']['save_s_per_adapter']:.4f} s per adapter; what those runs cannot separate "
+                     "(the per-adapter train cost, co-run and MPS rates) is the base day's"}]
     dropped = _drop_refitted_batch_rates(sharing, rates)
     if rates:
         # One entry for this fit, replacing a base's own (a refit of a refit would pile them up):
@@ -493,6 +480,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         "runs": used, "held_out": skipped, "fit_max_jobs": fit_max_jobs, "train_steps": len(samples),
         "train_fit": {"a_s_per_microbatch": float(a), "b_s_per_padded_token": float(b),
                       "c_s_per_adapter": float(c), "c_source": c_source,
+                      "scale": train_scale,  # --scales-only: the base's terms times this; else None
                       "d_s_per_regroup_token": float(d),
                       "d_source": "fitted" if "d" in names else "0 (no multi-adapter micro-batch in the fitted runs)",
                       "d_layout": prof["train"]["extra_tokens_layout"],
@@ -512,6 +500,76 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         "padded_tokens_range": [int(tok.min()), int(tok.max())]}
     Profile.model_validate(prof)
     return prof
+
+
+def _trainer_rate(sharing: dict, mode: np.ndarray, alone: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each train step's rate (work seconds per second): alone and co-running, weighted by its time
+    spent each way, at the sharing mode it ran under."""
+    r_alone = np.where(mode == "mps", sharing["mps_alone"]["trainer"], 1.0)
+    r_corun = np.where(mode == "mps", sharing["mps_corun"]["trainer"], sharing["none_corun"]["trainer"])
+    alone_frac = np.where(y > 0, alone / y, 1.0)
+    return alone_frac * r_alone + (1 - alone_frac) * r_corun
+
+
+def _scaled_train_terms(prof, y, mb, tok, ad, rg, mode, alone) -> tuple:
+    """The base's train terms times the one factor that best fits the steps (relative least
+    squares: min sum((k * predicted / measured - 1)^2)), and that factor."""
+    t = prof["train"]
+    base = (t["per_microbatch"]["a_s"], t["per_microbatch"]["b_s_per_unit"], t["s_per_adapter"],
+            t.get("s_per_regroup_token", 0.0))
+    ratio = (base[0] * mb + base[1] * tok + base[2] * ad + base[3] * rg) / _trainer_rate(prof["sharing"], mode, alone, y) / y
+    k = float(ratio.sum() / (ratio ** 2).sum())
+    return (*(k * v for v in base), k)
+
+
+def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates) -> tuple:
+    """The train terms (a per micro-batch, b per padded token, c per adapter, d per regrouped
+    token) and the trainer's unknown sharing rates fitted on the steps; the rates fitted are set in
+    ``prof["sharing"]`` and ``rates``. Returns a, b, c, d, the fitted columns' names, their values
+    and where c came from."""
+    base_c = prof["train"]["s_per_adapter"]
+    # A coefficient is fitted only where the runs vary its feature apart from the others: one
+    # adapter count everywhere leaves c to the base profile, no regrouping leaves d at 0.
+    cols, names = [mb, tok], ["a", "b"]
+    if len(set(ad)) > 1:
+        cols.append(ad)
+        names.append("c")
+    if rg.max() > 0:
+        cols.append(rg)
+        names.append("d")
+    # Work (seconds alone, no MPS) = rate_alone * alone_s + rate_corun * corun_s, per sharing mode.
+    # Known rates move to the right-hand side; unknown ones become columns with -time.
+    sharing = prof["sharing"]
+    rhs = np.zeros(len(y))
+    rate_cols: list[str] = []
+    for m, alone_key, corun_key in SHARING_MODES:
+        sel = mode == m
+        if not sel.any():
+            continue
+        for key, t in ((alone_key, alone), (corun_key, corun)):
+            t_m = np.where(sel, t, 0.0)
+            if key is None:  # alone without MPS: the work itself
+                rhs += t_m
+            elif t_m.sum() >= MIN_RATE_SHARE * y[sel].sum():
+                cols.append(-t_m)
+                names.append(f"{key}.trainer")
+                rate_cols.append(f"{key}.trainer")
+            else:
+                rhs += sharing[key]["trainer"] * t_m
+    if not (rhs > 0).any():
+        raise ConfigError("nodus fit: every fitted train step ran beside the engine or under MPS; "
+                          "a run with the trainer alone without MPS (a dedicated arm) pins the cost model")
+    if "c" not in names:
+        rhs = rhs - base_c * ad
+    w = dict(zip(names, nonneg_rel_lstsq(np.stack(cols, 1), rhs, scale=y)))
+    a, b = w["a"], w["b"]
+    c = w.get("c", base_c)
+    d = w.get("d", 0.0)
+    for key in rate_cols:
+        rates[key] = float(w[key])
+        sharing[key.split(".")[0]]["trainer"] = float(w[key])
+    c_source = "fitted" if "c" in names else "base profile (one adapter count in the fitted runs)"
+    return a, b, c, d, names, w, c_source
 
 
 def _publish_fit(publish: list[dict], pub: dict) -> dict:
@@ -685,10 +743,11 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,
                 trainer_mode: str | None = None, lora_kernels: str | None = None,
-                graphless_from: str | Path | None = None, graph_max_tokens: int | None = None) -> dict:
+                graphless_from: str | Path | None = None, graph_max_tokens: int | None = None,
+                scales_only: bool = False) -> dict:
     from sim.profile import refuse_existing, write_profile
 
     refuse_existing(out, "nodus fit")
-    prof = fit(runs, base, fit_max_jobs, trainer_mode, lora_kernels, graphless_from, graph_max_tokens)
+    prof = fit(runs, base, fit_max_jobs, trainer_mode, lora_kernels, graphless_from, graph_max_tokens, scales_only)
     write_profile(prof, out, "nodus fit")
     return prof

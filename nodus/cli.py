@@ -211,9 +211,11 @@ def cmd_fit(a: argparse.Namespace) -> int:
 
     prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs, trainer_mode=a.trainer_mode,
                        lora_kernels=a.lora_kernels, graphless_from=a.graphless_from,
-                       graph_max_tokens=a.graph_max_tokens)
+                       graph_max_tokens=a.graph_max_tokens, scales_only=a.scales_only)
     f = prof["measurements"]["fit_runs"]
     t = f["train_fit"]
+    if t.get("scale") is not None:
+        print(f"scales only: the base's train terms x {t['scale']:.3f}, its per-adapter cost and sharing rates kept")
     print(f"fitted on {len(f['runs'])} run(s), {f['train_steps']} train steps (held out: {len(f['held_out'])}): "
           f"train = {t['a_s_per_microbatch']:.4f} s/micro-batch + {t['b_s_per_padded_token'] * 1e6:.3f} us/padded token "
           f"+ {t['c_s_per_adapter']:.4f} s/adapter + {t['d_s_per_regroup_token'] * 1e6:.3f} us/extra token "
@@ -421,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "environment.lora_kernel_configs); another than the base's fits that engine onto the base "
                         "through the dedicated runs' decode.scale, the curves' shape kept (an assumption the profile "
                         "names)")
+    p.add_argument("--scales-only", action="store_true",
+                   help="carry the base to the runs' host and day instead of refitting it: its cost shapes and "
+                        "sharing rates kept, the runs fit the trainer's scale, decode.scale and the publish cost "
+                        "(the day's dedicated runs suffice; one is needed)")
     p.set_defaults(fn=cmd_fit)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")

@@ -511,11 +511,19 @@ class RealBackend:
                                        max_new_tokens=4, temperature=1.0,
                                        forced_lengths=[4] if sp.forced_lengths else None))
             self.c.engines[s].put(("eval", "warmup", reqs))
+            # Every step size the engine runs without CUDA graphs (big prefills) compiles its LoRA
+            # kernels now: a compile inside a measured generation stalls it for seconds.
+            self.c.engines[s].put(("warmkernels", "warmup", jobs[0].id))
             self.c.trainers[s].put(("warmup", "warmup", max(j.lora_rank for j in jobs), rows, seq, per_step))
-            for _ in range(2):
+            for _ in range(3):
                 msg = self.c.get()
                 if msg[0] == "warmed" and len(msg) > 2:
                     self.c.worker_info.setdefault(f"trainer{s}", {}).update(msg[2])
+                elif msg[0] == "warmedkernels":
+                    _, _, counts, secs, jit = msg
+                    self.c.worker_info.setdefault(f"engine{s}", {})["kernel_warmup"] = {
+                        "token_counts": counts, "s": round(secs, 3),
+                        "jit_compiles": None if jit is None else len(jit)}
 
     def start_versions(self) -> dict[str, int]:
         return dict(self._start)

@@ -139,6 +139,33 @@ def _supports_engine_arg(name: str) -> bool:
     return name in getattr(EngineArgs, "__dataclass_fields__", {})
 
 
+def warmup_token_counts(graph_max: int | None, max_batched: int, buckets: Sequence[int] = ()) -> list[int]:
+    """The step sizes (tokens) a kernel warm-up runs. A step of more tokens than the engine's largest
+    CUDA graph (``graph_max``; None: no graphs) runs its LoRA kernels eagerly, and Triton compiles
+    them on first use for the config vLLM looks up (the nearest of the tuned configs' ``buckets``)
+    and for whether the count is a multiple of 16 (and 1): such a compile inside a measured run
+    stalls it for seconds (session 15: two generations 4.3-4.5 s against 1.9 s). One count of each
+    kind in every bucket's range up to the token budget ``max_batched``."""
+    lo, hi = (graph_max or 0) + 1, max_batched
+    if lo > hi:
+        return []
+    keys = sorted(set(int(b) for b in buckets))
+    # vLLM takes the nearest key: the config changes past each midpoint between two keys.
+    edges = sorted({lo, hi + 1} | {int((a + b) / 2) + 1 for a, b in zip(keys, keys[1:])
+                                   if lo < int((a + b) / 2) + 1 <= hi})
+    counts = {1} if lo == 1 else set()
+    for a, b in zip(edges, edges[1:]):
+        b -= 1  # the range [a, b]
+        mid = (a + b) // 2
+        m16 = mid - mid % 16 if mid - mid % 16 >= a else mid + (-mid) % 16
+        if m16 <= b:
+            counts.add(m16)
+        odd = next((m for m in (mid, mid + 1, mid - 1) if a <= m <= b and m % 16 and m != 1), None)
+        if odd is not None:
+            counts.add(odd)
+    return sorted(counts)
+
+
 class MultiLoRAEngine:
     """One vLLM engine; each job's published adapter version; batched multi-adapter generation."""
 
@@ -163,7 +190,9 @@ class MultiLoRAEngine:
         from real.lora_kernels import choose, cuda_device_name, model_config
 
         # Before vLLM starts: it reads the folder when its LoRA layers are built.
-        self.lora_kernel_configs = choose(tuned_lora_kernels, cuda_device_name(), max_lora_rank, model_config(model))
+        device_name = cuda_device_name()
+        self.on_cuda = device_name is not None  # vLLM's Triton LoRA kernels (JIT-compiled) run on CUDA only
+        self.lora_kernel_configs = choose(tuned_lora_kernels, device_name, max_lora_rank, model_config(model))
         from vllm import LLM
 
         self.hotload = hotload
@@ -210,6 +239,54 @@ class MultiLoRAEngine:
         """The largest step (tokens) the engine runs as a CUDA graph; None when it runs none."""
         g = self.cuda_graphs()
         return None if g["mode"] in (None, "NONE") else g["max_tokens"]
+
+    def warm_up_kernels(self, job_id: str, buckets: Sequence[int] | None = None) -> list[int]:
+        """Compile now, not inside a measured step, the LoRA kernels of every step size the engine
+        runs without CUDA graphs: one throwaway prefill step of each of ``warmup_token_counts``
+        tokens (``run_prefill_steps``) with the job's published adapter. ``buckets``: the LoRA
+        configs' token keys (default: those of the configs the engine runs). Returns the step sizes
+        run: none without a CUDA device (vLLM's CPU LoRA ops compile nothing)."""
+        from real.lora_kernels import m_buckets
+
+        if not self.on_cuda:
+            return []
+        if buckets is None:
+            kc = self.lora_kernel_configs or {}
+            buckets = m_buckets(kc.get("folder"), kc.get("gpu"))
+        cfg = self.llm.llm_engine.vllm_config
+        counts = warmup_token_counts(self.graph_max_tokens(), cfg.scheduler_config.max_num_batched_tokens, buckets)
+        return self.run_prefill_steps(job_id, counts)
+
+    def run_prefill_steps(self, job_id: str, counts: Sequence[int]) -> list[int]:
+        """One throwaway engine step of each of ``counts`` tokens: random prompts (no prefix-cache
+        hit shortens one) split over requests within max_model_len, one sampled token and its
+        logprob each, the job's published adapter. A count that needs more requests than
+        max_num_seqs is no single step and is left out. Returns the counts run. Needs an idle
+        engine (no generation in flight)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if job_id not in self._published:
+            raise ValueError(f"job {job_id!r} has no published adapter to run steps with")
+        if self.has_unfinished():
+            raise RuntimeError("run_prefill_steps needs an idle engine (requests are in flight)")
+        cfg = self.llm.llm_engine.vllm_config
+        sched, model = cfg.scheduler_config, cfg.model_config
+        per = model.max_model_len - 1  # each request's prompt, leaving room for its one token
+        lora = self._published[job_id].request
+        rng = np.random.default_rng(0)
+        vocab = model.get_vocab_size()
+        params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        done = []
+        for m in counts:
+            lengths = [per] * (m // per) + ([m % per] if m % per else [])
+            if len(lengths) > sched.max_num_seqs or m > sched.max_num_batched_tokens:
+                continue
+            prompts = [{"prompt_token_ids": rng.integers(1, vocab - 1, n).tolist()} for n in lengths]
+            self.llm.generate(prompts, [params] * len(prompts), lora_request=[lora] * len(prompts), use_tqdm=False)
+            done.append(int(m))
+        return done
 
     # ----------------------------------------------------------------- adapters
 

@@ -107,3 +107,21 @@ def cuda_device_name() -> str | None:
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def m_buckets(folder: str | os.PathLike | None, device_name: str | None) -> list[int]:
+    """The token counts (``m``) the tuned configs in ``folder`` are keyed by for this GPU: vLLM
+    runs a step of M tokens with the config of the nearest key, each config its own Triton
+    compile. [] without a folder or its files (vLLM's default config does not depend on M)."""
+    if not folder or not device_name:
+        return []
+    keys: set[int] = set()
+    for name in config_files(device_name).values():
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        # config[max_loras][num_slices][m][k][n]
+        for by_slices in json.loads(path.read_text()).values():
+            for by_m in by_slices.values():
+                keys.update(int(m) for m in by_m)
+    return sorted(keys)

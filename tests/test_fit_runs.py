@@ -540,3 +540,46 @@ def test_graphless_steps_come_from_decode_rows_past_the_graph_sizes(tmp_path, ca
     assert "no decode rows" in capsys.readouterr().err
     assert main(["fit", str(ded), "--out", str(tmp_path / "x.json"), "--graph-max-tokens", "768"]) != 0
     assert "give --graphless-from too" in capsys.readouterr().err
+
+
+def test_scales_only_carries_the_base_to_a_faster_day_with_its_shape_and_rates(tmp_path, capsys):
+    """A day whose host runs every train term 0.8x and every decode step 0.9x the base's: --scales-only
+    on that day's dedicated runs gives those two factors back and keeps everything else (the per-adapter
+    cost no dedicated run separates, the sharing rates), so the day's held-out shared run is predicted
+    exactly; a shared run alone cannot scale the engine, and another trainer is refused."""
+    base = _profile_with(tmp_path, "base", a=0.15, b=2e-5, c=0.04, save=0.05, decode_scale=1.0)
+    day = _profile_with(tmp_path, "day", a=0.12, b=1.6e-5, c=0.032, save=0.03, decode_scale=0.9)
+    ded, shared = tmp_path / "ded", tmp_path / "shared"
+    simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="none", profile=day), ded)
+    simulate(config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", profile=day), shared)
+    prof = fit([ded, shared], base=base, scales_only=True)
+    t, f = prof["train"], prof["measurements"]["fit_runs"]
+    assert f["train_fit"]["scale"] == pytest.approx(0.8, rel=1e-6)
+    assert t["per_microbatch"]["a_s"] == pytest.approx(0.12, rel=1e-6)
+    assert t["s_per_adapter"] == pytest.approx(0.032, rel=1e-6)  # the base's, scaled: not fitted
+    assert prof["decode"]["scale"] == pytest.approx(0.9, rel=1e-6)
+    assert prof["publish"]["save_s_per_adapter"] == pytest.approx(0.03, rel=1e-6)
+    assert prof["sharing"] == json.loads(open(base).read())["sharing"]
+    (note,) = [x for x in prof["assumptions"] if x["id"] == "day-scales"]
+    assert "train terms x 0.800" in note["what"] and "1.000 -> 0.900" in note["what"]
+    out = tmp_path / "carried.json"
+    out.write_text(json.dumps(prof))
+    assert validate([ded, shared], profile=str(out))["heldout_mape_replay"] == pytest.approx(0, abs=1e-6)
+    # A full refit on the same dedicated runs cannot tell the per-adapter cost apart: it keeps the
+    # base's 0.04 unscaled, and the 8-job run's train steps come out too long.
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps(fit([ded], base=base)))
+    assert validate([ded, shared], profile=str(full))["heldout_mape_replay"] > 0.002
+    small = tmp_path / "small"
+    simulate(config_from_args(jobs=2, steps=3, policy="shared-sync", sharing="none", profile=day), small)
+    with pytest.raises(ConfigError, match="scales-only.*add a dedicated run of the day"):
+        fit([small], base=base, scales_only=True)
+    _mark_tuned(ded, {"folder": "/x/lora_configs", "gpu": "NVIDIA H200", "source": "shipped"})
+    with pytest.raises(ConfigError, match="keeps the base's terms.*LoRA kernels \\(default\\), not eager / tuned"):
+        fit([ded], base=base, scales_only=True, lora_kernels="tuned")
+    assert main(["fit", str(ded), "--base", base, "--scales-only", "--lora-kernels", "tuned",
+                 "--out", str(tmp_path / "cli.json")]) != 0
+    ded2 = tmp_path / "ded2"
+    simulate(config_from_args(jobs=2, steps=4, policy="dedicated", sharing="none", profile=day), ded2)
+    assert main(["fit", str(ded2), "--base", base, "--scales-only", "--out", str(tmp_path / "cli.json")]) == 0
+    assert "scales only: the base's train terms x 0.800" in capsys.readouterr().out

@@ -99,3 +99,43 @@ def test_a_profile_names_the_kernels_its_engine_terms_describe():
         "source": "shipped", "folder": "real/lora_configs", "gpu": "NVIDIA H200"}))
     assert profile_lora_kernels(tuned) == "tuned"
     Profile.model_validate(tuned)  # the field belongs to the profile format
+
+
+def _kind(m: int, keys: list[int]) -> tuple:
+    """What a step of m tokens compiles its LoRA kernels for: the config vLLM looks up (nearest
+    key, its get_lora_op_configs), whether m is a multiple of 16, whether it is 1 (Triton's
+    integer specialisations)."""
+    return (min(keys, key=lambda k: abs(k - m)) if keys else None, m % 16 == 0, m == 1)
+
+
+@pytest.mark.parametrize("graph_max,max_batched,keys", [
+    (512, 16384, [1, 16, 64, 256, 512, 8192]),
+    (1024, 16384, [1, 16, 64, 256, 512, 8192]),
+    (None, 8192, [1, 16, 64, 256, 512, 8192]),
+    (None, 4096, []),
+    (512, 2048, [1, 64, 3000]),
+])
+def test_warm_up_step_sizes_cover_every_kind_of_eager_step(graph_max, max_batched, keys):
+    """Every token count an eager step can have (past the largest CUDA graph, up to the token
+    budget) compiles a kind the warm-up's counts compile too, with one count of each kind."""
+    from real.engine import warmup_token_counts
+
+    counts = warmup_token_counts(graph_max, max_batched, keys)
+    lo = (graph_max or 0) + 1
+    assert all(lo <= m <= max_batched for m in counts)
+    every = {_kind(m, keys) for m in range(lo, max_batched + 1)}
+    assert {_kind(m, keys) for m in counts} == every
+    assert len(counts) == len(every)
+
+
+def test_warm_up_needs_no_steps_when_graphs_cover_the_budget():
+    from real.engine import warmup_token_counts
+
+    assert warmup_token_counts(1024, 1024, [512]) == []
+
+
+def test_m_buckets_reads_the_shipped_configs_token_keys(tmp_path):
+    from real.lora_kernels import m_buckets
+
+    assert m_buckets(SHIPPED_DIR, "NVIDIA H200") == [1, 16, 64, 256, 512, 8192]
+    assert m_buckets(tmp_path, "NVIDIA H200") == [] and m_buckets(None, "NVIDIA H200") == []

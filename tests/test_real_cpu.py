@@ -77,8 +77,10 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     assert s["diagnostics"][0]["cuda_graph_max_tokens"] == 64  # the config's engine setting
     # The engine reports its LoRA kernel configs at start (none on a CPU: no Triton kernels there) and
     # its CUDA graphs as vLLM took them: the config's size, no graphs on a CPU.
-    assert s["diagnostics"][0]["workers"]["engine0"] == {"lora_kernel_configs": None,
-                                                         "cuda_graphs": {"mode": "NONE", "max_tokens": 64}}
+    # Its kernel warm-up ran no step: a CPU has no Triton LoRA kernels to compile.
+    assert s["diagnostics"][0]["workers"]["engine0"] == {
+        "lora_kernel_configs": None, "cuda_graphs": {"mode": "NONE", "max_tokens": 64},
+        "kernel_warmup": {"token_counts": [], "s": pytest.approx(0, abs=1.0), "jit_compiles": None}}
     # vLLM's core ran in its own process (the fixture's --engine-core-process): its JIT log is not
     # seen there, which the record says (None), not "no compiles" ([]).
     assert s["diagnostics"][0]["engine_jit_compiles"] is None
