@@ -279,8 +279,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     times one factor (relative least squares over their train steps), ``decode.scale`` (their
     dedicated generations: a dedicated run is needed) and the publish cost per adapter. The day's
     dedicated runs alone (1 job, inside the fit set's 1-4 jobs) then carry a profile to that day
-    (assumption ``day-scales``): what a dedicated run cannot separate (the per-adapter train cost,
-    the co-run and MPS rates) stays the base's, where a full refit on dedicated runs would guess it."""
+    (assumption ``day-scales``): what a dedicated run cannot separate stays in the base's proportion
+    (the per-adapter train cost, scaled with the other terms) or the base's (the co-run and MPS
+    rates), where a full refit on dedicated runs would guess it. Sessions 13-15 measured it over
+    four day-to-day carries: not reliably better than the base unchanged (README)."""
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
 
@@ -351,9 +353,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     tok = np.array([s["padded_tokens"] for s in samples], dtype=float)
     ad = np.array([s["adapters"] for s in samples], dtype=float)
     rg = np.array([s["regroup_tokens"] for s in samples], dtype=float)
-    if scales_only and (want_mode != base_mode or want_kernels != base_kernels):
+    base_layout = prof["train"].get("extra_tokens_layout", "padded")
+    if scales_only and (want_mode != base_mode or want_kernels != base_kernels or next(iter(layouts)) != base_layout):
         raise ConfigError(f"nodus fit --scales-only keeps the base's terms: its runs must use the base's trainer "
-                          f"({base_mode}) and LoRA kernels ({base_kernels}), not {want_mode} / {want_kernels}")
+                          f"({base_mode}, {base_layout} layout) and LoRA kernels ({base_kernels}), not {want_mode}, "
+                          f"{next(iter(layouts))} / {want_kernels}")
     sharing = prof["sharing"]
     mode = np.array([s["sharing"] for s in samples])
     alone = np.array([s["alone_s"] for s in samples])
@@ -397,10 +401,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "day-scales"] + [
             {"id": "day-scales", "value": train_scale,
              "what": f"the base's cost shapes and sharing rates, carried to the fitted runs' host by three scales "
-                     f"(nodus fit --scales-only on {len(used)} run(s)): train terms x {train_scale:.3f}, decode.scale "
-                     f"{decode_fit['base_scale']:.3f} -> {decode_fit['scale']:.3f}, publish "
-                     f"{prof['publish']['save_s_per_adapter']:.4f} s per adapter; what those runs cannot separate "
-                     "(the per-adapter train cost, co-run and MPS rates) is the base day's"}]
+                     f"(nodus fit --scales-only on {len(used)} run(s)): every train term x {train_scale:.3f} (the "
+                     f"per-adapter one too, in proportion), decode.scale {decode_fit['base_scale']:.3f} -> "
+                     f"{decode_fit['scale']:.3f}, publish "
+                     + (f"{prof['publish']['save_s_per_adapter']:.4f} s per adapter" if pub_fit["save_s_per_adapter"]
+                        is not None else "kept from the base (no publish in the runs)")
+                     + "; the co-run and MPS rates are the base day's"}]
     dropped = _drop_refitted_batch_rates(sharing, rates)
     if rates:
         # One entry for this fit, replacing a base's own (a refit of a refit would pile them up):
@@ -482,7 +488,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                       "c_s_per_adapter": float(c), "c_source": c_source,
                       "scale": train_scale,  # --scales-only: the base's terms times this; else None
                       "d_s_per_regroup_token": float(d),
-                      "d_source": "fitted" if "d" in names else "0 (no multi-adapter micro-batch in the fitted runs)",
+                      "d_source": ("fitted" if "d" in names else c_source if scales_only
+                                   else "0 (no multi-adapter micro-batch in the fitted runs)"),
                       "d_layout": prof["train"]["extra_tokens_layout"],
                       "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel))),
                       # Fitted terms the non-negative fit pinned at 0: what the runs did not
@@ -517,7 +524,8 @@ def _scaled_train_terms(prof, y, mb, tok, ad, rg, mode, alone) -> tuple:
     t = prof["train"]
     base = (t["per_microbatch"]["a_s"], t["per_microbatch"]["b_s_per_unit"], t["s_per_adapter"],
             t.get("s_per_regroup_token", 0.0))
-    ratio = (base[0] * mb + base[1] * tok + base[2] * ad + base[3] * rg) / _trainer_rate(prof["sharing"], mode, alone, y) / y
+    pred = (base[0] * mb + base[1] * tok + base[2] * ad + base[3] * rg) / _trainer_rate(prof["sharing"], mode, alone, y)
+    ratio = pred[y > 0] / y[y > 0]
     k = float(ratio.sum() / (ratio ** 2).sum())
     return (*(k * v for v in base), k)
 

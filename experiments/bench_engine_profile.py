@@ -132,6 +132,7 @@ def main() -> None:
                                         "last_32_mean": round(1e3 * float(st[-32:].mean()), 3)}}
         print(f"{variant}: {min(walls):.3f} s, {len(st)} steps, median step {results[variant]['step_ms']['median']} ms",
               flush=True)
+    engine.step = step_fn
     # The profiled passes after every timed one: session 15's first version timed variants after a
     # torch.profiler pass, and those ran 25-35% slower (the profiler's hooks outlive its context).
     for variant in ([] if args.no_profile else [v for v in ("audit", "ded") if v in reqs_of]):

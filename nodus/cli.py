@@ -215,7 +215,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     f = prof["measurements"]["fit_runs"]
     t = f["train_fit"]
     if t.get("scale") is not None:
-        print(f"scales only: the base's train terms x {t['scale']:.3f}, its per-adapter cost and sharing rates kept")
+        print(f"scales only: the base's train terms x {t['scale']:.3f} (their proportions and the sharing rates kept)")
     print(f"fitted on {len(f['runs'])} run(s), {f['train_steps']} train steps (held out: {len(f['held_out'])}): "
           f"train = {t['a_s_per_microbatch']:.4f} s/micro-batch + {t['b_s_per_padded_token'] * 1e6:.3f} us/padded token "
           f"+ {t['c_s_per_adapter']:.4f} s/adapter + {t['d_s_per_regroup_token'] * 1e6:.3f} us/extra token "

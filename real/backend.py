@@ -520,10 +520,13 @@ class RealBackend:
                 if msg[0] == "warmed" and len(msg) > 2:
                     self.c.worker_info.setdefault(f"trainer{s}", {}).update(msg[2])
                 elif msg[0] == "warmedkernels":
-                    _, _, counts, secs, jit = msg
+                    _, _, counts, secs, jit, before = msg
+                    # Compiles: the kernel warm-up's, and the warm-up generation's before it (None:
+                    # not seen, the engine core in a process of its own).
                     self.c.worker_info.setdefault(f"engine{s}", {})["kernel_warmup"] = {
                         "token_counts": counts, "s": round(secs, 3),
-                        "jit_compiles": None if jit is None else len(jit)}
+                        "jit_compiles": None if jit is None else len(jit),
+                        "generation_jit_compiles": None if before is None else len(before)}
 
     def start_versions(self) -> dict[str, int]:
         return dict(self._start)

@@ -139,30 +139,47 @@ def _supports_engine_arg(name: str) -> bool:
     return name in getattr(EngineArgs, "__dataclass_fields__", {})
 
 
-def warmup_token_counts(graph_max: int | None, max_batched: int, buckets: Sequence[int] = ()) -> list[int]:
+# vLLM's default LoRA shrink config (no tuned configs) changes at this many tokens a step
+# (get_lora_op_configs: split_k and block_k for batch < 128).
+DEFAULT_CONFIG_EDGES = (128,)
+
+
+def step_kind(m: int, rank: int = 16) -> tuple[bool, bool, bool]:
+    """What Triton specialises a LoRA kernel on for a step of ``m`` tokens, beyond its config:
+    integer arguments that are 1 or multiples of 16, here ``m`` itself and the shrink output's
+    stride ``m * rank`` (its buffer is slices x m x the engine's max LoRA rank)."""
+    return m == 1, m % 16 == 0, (m * rank) % 16 == 0
+
+
+def warmup_token_counts(graph_max: int | None, max_batched: int, buckets: Sequence[int] = (),
+                        edges: Sequence[int] = (), rank: int = 16) -> list[int]:
     """The step sizes (tokens) a kernel warm-up runs. A step of more tokens than the engine's largest
     CUDA graph (``graph_max``; None: no graphs) runs its LoRA kernels eagerly, and Triton compiles
-    them on first use for the config vLLM looks up (the nearest of the tuned configs' ``buckets``)
-    and for whether the count is a multiple of 16 (and 1): such a compile inside a measured run
-    stalls it for seconds (session 15: two generations 4.3-4.5 s against 1.9 s). One count of each
-    kind in every bucket's range up to the token budget ``max_batched``."""
+    them on first use for the config vLLM looks up (the nearest of the tuned configs' token
+    ``buckets``; without them vLLM's default, which changes at each of ``edges``) and for the
+    integer specialisations of ``step_kind`` (``rank``: the engine's max LoRA rank): such a compile
+    inside a measured run stalls it for seconds (session 15: two generations 4.3-4.5 s against
+    1.9 s). One count of each kind in every config's range up to ``max_batched``, the most tokens
+    one step holds."""
     lo, hi = (graph_max or 0) + 1, max_batched
     if lo > hi:
         return []
     keys = sorted(set(int(b) for b in buckets))
-    # vLLM takes the nearest key: the config changes past each midpoint between two keys.
-    edges = sorted({lo, hi + 1} | {int((a + b) / 2) + 1 for a, b in zip(keys, keys[1:])
-                                   if lo < int((a + b) / 2) + 1 <= hi})
-    counts = {1} if lo == 1 else set()
-    for a, b in zip(edges, edges[1:]):
-        b -= 1  # the range [a, b]
-        mid = (a + b) // 2
-        m16 = mid - mid % 16 if mid - mid % 16 >= a else mid + (-mid) % 16
-        if m16 <= b:
-            counts.add(m16)
-        odd = next((m for m in (mid, mid + 1, mid - 1) if a <= m <= b and m % 16 and m != 1), None)
-        if odd is not None:
-            counts.add(odd)
+    # vLLM takes the nearest key: the config changes near each midpoint between two keys (at an
+    # exact midpoint vLLM's pick follows its file's key order; the counts below stay clear of it).
+    cuts = {int((a + b) / 2) + 1 for a, b in zip(keys, keys[1:])} | {int(e) for e in edges}
+    bounds = sorted({lo, hi + 1} | {c for c in cuts if lo < c <= hi})
+    counts = []
+    for a, b in zip(bounds, bounds[1:]):
+        b -= 1  # the range [a, b]: from its middle outwards, the first count of each kind
+        mid, seen = (a + b) // 2, set()
+        for off in range(0, 2 * max(16, rank) + 1):
+            for m in ((mid + off, mid - off) if off else (mid,)):
+                if a <= m <= b and step_kind(m, rank) not in seen:
+                    seen.add(step_kind(m, rank))
+                    counts.append(m)
+        if a == 1 and step_kind(1, rank) not in seen:
+            counts.append(1)
     return sorted(counts)
 
 
@@ -197,6 +214,7 @@ class MultiLoRAEngine:
 
         self.hotload = hotload
         self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
         self.has_tokenizer = not skip_tokenizer_init
         self._clock = clock
         self._published: dict[str, _Published] = {}
@@ -244,8 +262,9 @@ class MultiLoRAEngine:
         """Compile now, not inside a measured step, the LoRA kernels of every step size the engine
         runs without CUDA graphs: one throwaway prefill step of each of ``warmup_token_counts``
         tokens (``run_prefill_steps``) with the job's published adapter. ``buckets``: the LoRA
-        configs' token keys (default: those of the configs the engine runs). Returns the step sizes
-        run: none without a CUDA device (vLLM's CPU LoRA ops compile nothing)."""
+        configs' token keys (default: those of the configs the engine runs; none: vLLM's default
+        config). Returns the step sizes run: none without a CUDA device (vLLM's CPU LoRA ops
+        compile nothing)."""
         from real.lora_kernels import m_buckets
 
         if not self.on_cuda:
@@ -254,38 +273,49 @@ class MultiLoRAEngine:
             kc = self.lora_kernel_configs or {}
             buckets = m_buckets(kc.get("folder"), kc.get("gpu"))
         cfg = self.llm.llm_engine.vllm_config
-        counts = warmup_token_counts(self.graph_max_tokens(), cfg.scheduler_config.max_num_batched_tokens, buckets)
+        sched, model = cfg.scheduler_config, cfg.model_config
+        # Graphs of decode steps only leave every mixed step (a prefill beside decodes) eager.
+        mode = self.cuda_graphs()["mode"] or ""
+        graph_max = None if "DECODE_ONLY" in mode else self.graph_max_tokens()
+        most = min(sched.max_num_batched_tokens, sched.max_num_seqs * max(model.max_model_len - 1, 0))
+        counts = warmup_token_counts(graph_max, most, buckets, () if buckets else DEFAULT_CONFIG_EDGES,
+                                     self.max_lora_rank)
         return self.run_prefill_steps(job_id, counts)
 
     def run_prefill_steps(self, job_id: str, counts: Sequence[int]) -> list[int]:
         """One throwaway engine step of each of ``counts`` tokens: random prompts (no prefix-cache
         hit shortens one) split over requests within max_model_len, one sampled token and its
-        logprob each, the job's published adapter. A count that needs more requests than
-        max_num_seqs is no single step and is left out. Returns the counts run. Needs an idle
-        engine (no generation in flight)."""
+        logprob each, the job's published adapter. A count no single step holds (more requests
+        than max_num_seqs, more tokens than the budget, or none) is left out. Returns the counts
+        run. Needs an idle engine (no generation in flight)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         if job_id not in self._published:
             raise ValueError(f"job {job_id!r} has no published adapter to run steps with")
-        if self.has_unfinished():
+        if self.has_unfinished() or self.llm.llm_engine.has_unfinished_requests():
             raise RuntimeError("run_prefill_steps needs an idle engine (requests are in flight)")
         cfg = self.llm.llm_engine.vllm_config
         sched, model = cfg.scheduler_config, cfg.model_config
         per = model.max_model_len - 1  # each request's prompt, leaving room for its one token
         lora = self._published[job_id].request
-        rng = np.random.default_rng(0)
+        # A new draw each call: a prompt seen before would hit the prefix cache and shorten the step.
+        self._prefill_calls = getattr(self, "_prefill_calls", 0) + 1
+        rng = np.random.default_rng(self._prefill_calls)
         vocab = model.get_vocab_size()
         params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         done = []
         for m in counts:
+            m = int(m)
+            if m <= 0 or per <= 0 or m > sched.max_num_batched_tokens:
+                continue
             lengths = [per] * (m // per) + ([m % per] if m % per else [])
-            if len(lengths) > sched.max_num_seqs or m > sched.max_num_batched_tokens:
+            if len(lengths) > sched.max_num_seqs:
                 continue
             prompts = [{"prompt_token_ids": rng.integers(1, vocab - 1, n).tolist()} for n in lengths]
             self.llm.generate(prompts, [params] * len(prompts), lora_request=[lora] * len(prompts), use_tqdm=False)
-            done.append(int(m))
+            done.append(m)
         return done
 
     # ----------------------------------------------------------------- adapters

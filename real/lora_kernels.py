@@ -112,7 +112,8 @@ def cuda_device_name() -> str | None:
 def m_buckets(folder: str | os.PathLike | None, device_name: str | None) -> list[int]:
     """The token counts (``m``) the tuned configs in ``folder`` are keyed by for this GPU: vLLM
     runs a step of M tokens with the config of the nearest key, each config its own Triton
-    compile. [] without a folder or its files (vLLM's default config does not depend on M)."""
+    compile. [] without a folder or its files (vLLM then runs its default config, which changes
+    at 128 tokens a step: ``real.engine.DEFAULT_CONFIG_EDGES``)."""
     if not folder or not device_name:
         return []
     keys: set[int] = set()

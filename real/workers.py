@@ -121,9 +121,11 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                 elif kind == "eval":
                     outbox.put(("evaluated", cmd[1], eng.generate(cmd[2])))
                 elif kind == "warmkernels":
+                    before = eng.drain_jit_events()  # the warm-up generation's compiles, just before
                     start = time.monotonic()
                     counts = eng.warm_up_kernels(cmd[2])
-                    outbox.put(("warmedkernels", cmd[1], counts, time.monotonic() - start, eng.drain_jit_events()))
+                    outbox.put(("warmedkernels", cmd[1], counts, time.monotonic() - start, eng.drain_jit_events(),
+                                before))
                 elif kind == "reset":
                     eng.forget(cmd[2])
                     outbox.put(("reset", cmd[1]))

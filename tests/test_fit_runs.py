@@ -561,7 +561,8 @@ def test_scales_only_carries_the_base_to_a_faster_day_with_its_shape_and_rates(t
     assert prof["publish"]["save_s_per_adapter"] == pytest.approx(0.03, rel=1e-6)
     assert prof["sharing"] == json.loads(open(base).read())["sharing"]
     (note,) = [x for x in prof["assumptions"] if x["id"] == "day-scales"]
-    assert "train terms x 0.800" in note["what"] and "1.000 -> 0.900" in note["what"]
+    assert "every train term x 0.800" in note["what"] and "1.000 -> 0.900" in note["what"]
+    assert "0.0300 s per adapter" in note["what"]
     out = tmp_path / "carried.json"
     out.write_text(json.dumps(prof))
     assert validate([ded, shared], profile=str(out))["heldout_mape_replay"] == pytest.approx(0, abs=1e-6)
@@ -574,8 +575,11 @@ def test_scales_only_carries_the_base_to_a_faster_day_with_its_shape_and_rates(t
     simulate(config_from_args(jobs=2, steps=3, policy="shared-sync", sharing="none", profile=day), small)
     with pytest.raises(ConfigError, match="scales-only.*add a dedicated run of the day"):
         fit([small], base=base, scales_only=True)
+    masked = _profile_with(tmp_path, "masked", a=0.15, b=2e-5, c=0.04, save=0.05, layout="masked")
+    with pytest.raises(ConfigError, match="keeps the base's terms.*masked layout"):
+        fit([ded], base=masked, scales_only=True)  # the runs' trainer: padded
     _mark_tuned(ded, {"folder": "/x/lora_configs", "gpu": "NVIDIA H200", "source": "shipped"})
-    with pytest.raises(ConfigError, match="keeps the base's terms.*LoRA kernels \\(default\\), not eager / tuned"):
+    with pytest.raises(ConfigError, match="keeps the base's terms.*LoRA kernels \\(default\\), not eager, padded / tuned"):
         fit([ded], base=base, scales_only=True, lora_kernels="tuned")
     assert main(["fit", str(ded), "--base", base, "--scales-only", "--lora-kernels", "tuned",
                  "--out", str(tmp_path / "cli.json")]) != 0

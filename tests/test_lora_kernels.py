@@ -101,30 +101,35 @@ def test_a_profile_names_the_kernels_its_engine_terms_describe():
     Profile.model_validate(tuned)  # the field belongs to the profile format
 
 
-def _kind(m: int, keys: list[int]) -> tuple:
-    """What a step of m tokens compiles its LoRA kernels for: the config vLLM looks up (nearest
-    key, its get_lora_op_configs), whether m is a multiple of 16, whether it is 1 (Triton's
-    integer specialisations)."""
-    return (min(keys, key=lambda k: abs(k - m)) if keys else None, m % 16 == 0, m == 1)
+def _kind(m: int, keys: list[int], edges: tuple = (), rank: int = 16) -> tuple:
+    """What a step of m tokens compiles its LoRA kernels for: the config vLLM looks up (the nearest
+    tuned key, its get_lora_op_configs; without keys its default, which changes at each edge) and
+    Triton's integer specialisations (1, multiples of 16) of m and of the shrink buffer's stride
+    m * rank."""
+    config = min(keys, key=lambda k: abs(k - m)) if keys else sum(m >= e for e in edges)
+    return config, m == 1, m % 16 == 0, (m * rank) % 16 == 0
 
 
-@pytest.mark.parametrize("graph_max,max_batched,keys", [
-    (512, 16384, [1, 16, 64, 256, 512, 8192]),
-    (1024, 16384, [1, 16, 64, 256, 512, 8192]),
-    (None, 8192, [1, 16, 64, 256, 512, 8192]),
-    (None, 4096, []),
-    (512, 2048, [1, 64, 3000]),
+@pytest.mark.parametrize("graph_max,max_batched,keys,edges,rank", [
+    (512, 16384, [1, 16, 64, 256, 512, 8192], (), 16),
+    (1024, 16384, [1, 16, 64, 256, 512, 8192], (), 16),
+    (None, 8192, [1, 16, 64, 256, 512, 8192], (), 16),
+    (None, 4096, [], (128,), 16),  # vLLM's default config: split_k / block_k change at 128 tokens
+    (64, 4096, [], (128,), 16),
+    (512, 16384, [1, 16, 64, 256, 512, 8192], (), 8),  # rank 8: the stride m * 8 splits the odd/even
+    (None, 3000, [], (128,), 4),
+    (512, 2048, [1, 64, 3000], (), 16),
 ])
-def test_warm_up_step_sizes_cover_every_kind_of_eager_step(graph_max, max_batched, keys):
-    """Every token count an eager step can have (past the largest CUDA graph, up to the token
-    budget) compiles a kind the warm-up's counts compile too, with one count of each kind."""
+def test_warm_up_step_sizes_cover_every_kind_of_eager_step(graph_max, max_batched, keys, edges, rank):
+    """Every token count an eager step can have (past the largest CUDA graph, up to the most tokens
+    one step holds) compiles a kind the warm-up's counts compile too, with one count of each kind."""
     from real.engine import warmup_token_counts
 
-    counts = warmup_token_counts(graph_max, max_batched, keys)
+    counts = warmup_token_counts(graph_max, max_batched, keys, edges, rank)
     lo = (graph_max or 0) + 1
     assert all(lo <= m <= max_batched for m in counts)
-    every = {_kind(m, keys) for m in range(lo, max_batched + 1)}
-    assert {_kind(m, keys) for m in counts} == every
+    every = {_kind(m, keys, edges, rank) for m in range(lo, max_batched + 1)}
+    assert {_kind(m, keys, edges, rank) for m in counts} == every
     assert len(counts) == len(every)
 
 
