@@ -119,7 +119,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
             arm = dict(arm, trainer_waits_for_publish=cfg["arm"]["trainer_waits_for_publish"])
         controls = run_controls(meas)
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
-               "host_probe": run_host_probe(meas),
+               "host_probe": run_host_probe(meas), "jit_compiles": run_jit_compiles(meas),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
@@ -150,6 +150,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
             report[f"{split}_{mode}_components"] = per
     report["noise"] = measurement_noise(rows)
     report["host"] = host_flags(rows)
+    report["jit"] = jit_flags(rows)
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
     h = report["heldout_replay"]
@@ -299,6 +300,31 @@ def host_flags(rows: list[dict]) -> dict:
             "flagged": flagged}
 
 
+def run_jit_compiles(summary: dict) -> list[str] | None:
+    """The kernels a run's engines JIT-compiled inside its measured window (``engine_jit_compiles``
+    at run seconds >= 0; the warm-up's are before it), one entry per compile; None for a run that
+    recorded none (before session 14, or the engine core in a process of its own)."""
+    seen = [d.get("engine_jit_compiles") for d in summary.get("diagnostics", [])]
+    if not seen or any(s is None for s in seen):
+        return None
+    return [c["kernel"] for s in seen for c in s if c.get("t_s", 0) >= 0]
+
+
+def jit_flags(rows: list[dict]) -> dict:
+    """Runs whose engine JIT-compiled kernels while measured: each compile stalls the steps beside
+    it (session 14-15: generations of 4.3-7.3 s against ~2 s), which the simulator does not model,
+    so their error may be the stall's. Flagged, never dropped."""
+    seen = [r for r in rows if r.get("jit_compiles") is not None]
+    return {"runs_recorded": len(seen), "runs": len(rows),
+            "flagged": [{"run": r["run"], "compiles": len(r["jit_compiles"]), "kernels": sorted(set(r["jit_compiles"]))}
+                        for r in seen if r["jit_compiles"]]}
+
+
+def jit_text(flags: dict) -> str:
+    """``jit_flags``' flagged runs as 'run (6: kernel, kernel); ...' for a report."""
+    return "; ".join(f"{Path(f['run']).name} ({f['compiles']}: {', '.join(f['kernels'])})" for f in flags["flagged"])
+
+
 def flagged_text(flags: dict) -> str:
     """``host_flags``' flagged runs as 'run (cpu_loop_s 2.0x); ...' for a report."""
     return "; ".join(f"{Path(f['run']).name} ({', '.join(f'{k} {v:.1f}x' for k, v in f['slower'].items())})"
@@ -402,6 +428,11 @@ def render_markdown(rep: dict) -> str:
                   + (f"Slower than {hostf['threshold']:.1f}x the median (their host, not only the simulator, may "
                      "explain their error): " + flagged_text(hostf) if hostf["flagged"] else "No run slower than "
                      f"{hostf['threshold']:.1f}x the median.")]
+    jit = rep.get("jit") or {}
+    if jit.get("runs_recorded"):
+        lines += ["", f"JIT compiles inside the measured window ({jit['runs_recorded']} of {jit['runs']} runs record "
+                  "them; each stalls the steps beside it, which the simulator does not model): "
+                  + (jit_text(jit) if jit["flagged"] else "none.")]
     lines += ["", "Per phase (mean seconds of a phase's actions) and busy fraction, replayed lengths:", "",
               "| run | " + " | ".join(f"{ph} s meas / sim" for ph in PHASES) + " | busy engine meas / sim | busy trainer meas / sim |",
               "|---|" + "---|" * (len(PHASES) + 2)]

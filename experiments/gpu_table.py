@@ -104,7 +104,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
           notes: list[str] | None = None) -> dict:
     """`run_profiles`: run-folder path prefix -> profile for the runs under it (runs made on
     another host are simulated on that host's profile); the rest use `profile`."""
-    from calibration.validate import _phase_means, _simulate, host_flags, load_recorded, recorded_configs, run_host_probe
+    from calibration.validate import (_phase_means, _simulate, host_flags, jit_flags, load_recorded, recorded_configs,
+                                      run_host_probe, run_jit_compiles)
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
@@ -225,6 +226,10 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     # never dropped; runs recorded before the probe existed have none.
     table["host"] = host_flags([{"run": str(rd), "host_probe": run_host_probe(summary)}
                                 for rd, _, summary, *_ in rows])
+    # Runs whose engine JIT-compiled kernels inside the measured window (a stall the simulator does
+    # not model): named, never dropped.
+    table["jit"] = jit_flags([{"run": str(rd), "jit_compiles": run_jit_compiles(summary)}
+                              for rd, _, summary, *_ in rows])
     return table
 
 
@@ -348,6 +353,12 @@ def render(table: dict) -> str:
 
         lines.append(f"\nRuns on a slowed host (host probe above {hostf['threshold']:.1f}x the table's median): "
                      + flagged_text(hostf))
+    jit = table.get("jit") or {}
+    if jit.get("flagged"):
+        from calibration.validate import jit_text
+
+        lines.append("\nRuns whose engine JIT-compiled kernels while measured (each compile stalls the steps beside "
+                     "it; the simulator does not model it): " + jit_text(jit))
     for k, aa in table["aa"].items():
         lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
                      f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")

@@ -291,3 +291,34 @@ def test_validate_report_names_runs_on_a_slowed_host(tmp_path):
     text = render_markdown(rep)
     assert "Host probe" in text and "ovl3 (file_rw_s 2.9x)" in text
     assert rep["heldout_mape_replay"] == pytest.approx(0, abs=1e-9)
+
+
+def test_validate_and_the_gpu_table_name_runs_whose_engine_compiled_while_measured(tmp_path):
+    """A run whose engine JIT-compiled kernels inside its measured window (run seconds >= 0; the
+    warm-up's come before 0) is named with its compiles, in the validation report and the GPU
+    table; a run that recorded none is not, and one recorded without the record (None) counts
+    neither way."""
+    import json
+
+    from calibration.validate import render_markdown, run_jit_compiles
+    from experiments.gpu_table import build, render
+
+    runs = []
+    for seed, jit in ((1, []), (2, [{"t_s": -3.0, "kernel": "_topk"}, {"t_s": 6.4, "kernel": "_lora_expand_kernel"},
+                                    {"t_s": 6.8, "kernel": "_lora_shrink_kernel"}]), (3, None)):
+        out = tmp_path / f"ovl{seed}"
+        simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
+        s = json.loads((out / "summary.json").read_text())
+        s["diagnostics"] = [{"engine_jit_compiles": jit}]
+        (out / "summary.json").write_text(json.dumps(s))
+        runs.append(out)
+    assert run_jit_compiles(json.loads((runs[1] / "summary.json").read_text())) == [
+        "_lora_expand_kernel", "_lora_shrink_kernel"]
+    rep = validate(runs, profile=DEFAULT_PROFILE)
+    assert rep["jit"]["runs_recorded"] == 2
+    assert rep["jit"]["flagged"] == [{"run": str(runs[1]), "compiles": 2,
+                                      "kernels": ["_lora_expand_kernel", "_lora_shrink_kernel"]}]
+    assert "ovl2 (2: _lora_expand_kernel, _lora_shrink_kernel)" in render_markdown(rep)
+    table = build(runs, DEFAULT_PROFILE)
+    assert [Path(f["run"]).name for f in table["jit"]["flagged"]] == ["ovl2"]
+    assert "ovl2 (2: _lora_expand_kernel, _lora_shrink_kernel)" in render(table)
