@@ -1,6 +1,7 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
-#   bash experiments/device_session.sh trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|learn|small-base
+#   bash experiments/device_session.sh MODE
+#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|learn|small-base)
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1

@@ -579,7 +579,8 @@ def test_scales_only_carries_the_base_to_a_faster_day_with_its_shape_and_rates(t
     with pytest.raises(ConfigError, match="keeps the base's terms.*masked layout"):
         fit([ded], base=masked, scales_only=True)  # the runs' trainer: padded
     _mark_tuned(ded, {"folder": "/x/lora_configs", "gpu": "NVIDIA H200", "source": "shipped"})
-    with pytest.raises(ConfigError, match="keeps the base's terms.*LoRA kernels \\(default\\), not eager, padded / tuned"):
+    with pytest.raises(ConfigError,
+                       match="keeps the base's terms.*LoRA kernels \\(default\\), not eager, padded / tuned"):
         fit([ded], base=base, scales_only=True, lora_kernels="tuned")
     assert main(["fit", str(ded), "--base", base, "--scales-only", "--lora-kernels", "tuned",
                  "--out", str(tmp_path / "cli.json")]) != 0
