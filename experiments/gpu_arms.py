@@ -19,8 +19,6 @@ import re
 import time
 from pathlib import Path
 
-from nodus.config import DEFAULT_PROFILE
-
 ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
     "dedicated": ("dedicated", 1, "none"),
     "shared-sync": ("shared-sync", 1, "none"),
@@ -126,6 +124,15 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     return name, jobs, groups, seeds, mb, wait, trainer
 
 
+def sim_profile(given: str | None, trainer_graphs: bool) -> str:
+    """The profile an arm's simulated figure uses: the one asked for, else the shipped profile of
+    the arm's trainer (a graphed trainer's run against the eager trainer's profile read 4672 for a
+    measured 6459 in session 15's log)."""
+    from nodus.config import DEFAULT_PROFILES
+
+    return given or DEFAULT_PROFILES["graphed" if trainer_graphs else "eager"]
+
+
 def make_random_model(path: Path, shape: str) -> Path:
     """Save a random-weight Qwen3 of the given shape (config + safetensors, no tokenizer)."""
     if (path / "config.json").is_file():
@@ -178,7 +185,9 @@ def main() -> None:
     ap.add_argument("--groups", default="2", help="overlap groups, or a comma list (overlap arms run at each)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--engine-memory", type=float, default=0.35)
-    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--profile", default=None,
+                    help="the simulator's profile beside each measured arm (default: the shipped profile of the "
+                         "arm's trainer, nodus.config.DEFAULT_PROFILES: graphed for :cg / --trainer-graphs)")
     ap.add_argument("--mode", default="synthetic")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step per job")
     ap.add_argument("--responses", type=int, default=8, help="responses per prompt")
@@ -377,7 +386,7 @@ def main() -> None:
                 write_run(run_dir, cfg, summary, runs)
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
-                    seed=seed, profile=args.profile), engine_args))
+                    seed=seed, profile=sim_profile(args.profile, arm_opts.trainer_graphs)), engine_args))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 # Kernels the engine JIT-compiled inside the measured window (each a stall).
                 seen = all(diag.get("engine_jit_compiles") is not None for diag in summary.get("diagnostics", []))
@@ -389,6 +398,7 @@ def main() -> None:
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
                     "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
                     "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
+                    "sim_profile": sim_profile(args.profile, arm_opts.trainer_graphs),
                     "engine_jit_compiles": len(jit) if seen else None,
                     "logprob_max_abs": max((a["max_abs"] for a in audit), default=None),
                     "logprob_mean_abs": (sum(a["mean_abs"] for a in audit) / len(audit)) if audit else None,

@@ -179,6 +179,9 @@ class TrainerSpec(_Model):
 # error against real runs (fitted on one day's 1-4-job runs on a 16-core Xeon H200 host,
 # validated on that day's 8- and 16-job runs: calibration/reports/validation-h200.md).
 DEFAULT_PROFILE = "h200-xeon16-20261130-qwen3-0.6b"
+# The shipped profile of each trainer step mode (train.step_mode) that real runs use: the graphed
+# trainer's (--trainer-graphs, with the tuned LoRA kernels; validated on sessions 12-14's runs).
+DEFAULT_PROFILES = {"eager": DEFAULT_PROFILE, "graphed": "h200-xeon16-graphed-qwen3-0.6b"}
 
 
 class RunConfig(_Model):

@@ -83,3 +83,16 @@ def test_one_invocation_runs_every_arm_on_the_largest_graph_size_any_arm_gets():
     assert size("dedicated,shared-sync+mps,overlap+mps") is None
     assert size("dedicated:j16,timeslice:j16") is None
     assert size("overlap:j1:g2,shared-sync:j1") is None  # an arm skips a count with more groups than jobs
+
+
+def test_each_arm_is_simulated_on_the_shipped_profile_of_its_trainer():
+    """gpu_arms' simulated figure beside a run: the profile asked for, else the shipped one whose
+    trainer (train.step_mode) is the arm's: each default profile exists and describes that trainer."""
+    from experiments.gpu_arms import sim_profile
+    from nodus.config import DEFAULT_PROFILES
+    from sim.profile import profile_dict, profile_step_mode
+
+    assert sim_profile(None, True) == DEFAULT_PROFILES["graphed"] != sim_profile(None, False)
+    assert sim_profile("mine.json", True) == "mine.json"
+    for mode, name in DEFAULT_PROFILES.items():
+        assert profile_step_mode(profile_dict(name)) == mode
