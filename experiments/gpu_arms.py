@@ -249,6 +249,7 @@ def main() -> None:
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
 
+    from calibration.validate import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
     from nodus.config import ConfigError, engine_args_size_graphs, graph_sizes_given
     from nodus.microbatch import mb_tag
@@ -384,22 +385,20 @@ def main() -> None:
                     run_dir = args.out / f"{key}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
                 write_run(run_dir, cfg, summary, runs)
+                profile = sim_profile(args.profile, arm_opts.trainer_graphs)
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
-                    seed=seed, profile=sim_profile(args.profile, arm_opts.trainer_graphs)), engine_args))
+                    seed=seed, profile=profile), engine_args))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
-                # Kernels the engine JIT-compiled inside the measured window (each a stall).
-                seen = all(diag.get("engine_jit_compiles") is not None for diag in summary.get("diagnostics", []))
-                jit = [c for diag in summary.get("diagnostics", []) for c in diag.get("engine_jit_compiles") or []
-                       if c["t_s"] >= 0]
+                jit = run_jit_compiles(summary)  # kernels compiled inside the measured window (each a stall)
                 per_job = summary.get("per_job", {})
                 results["arms"].setdefault(key, {})[str(seed)] = {
                     "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
                     "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
                     "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
-                    "sim_profile": sim_profile(args.profile, arm_opts.trainer_graphs),
-                    "engine_jit_compiles": len(jit) if seen else None,
+                    "sim_profile": profile,
+                    "engine_jit_compiles": None if jit is None else len(jit),
                     "logprob_max_abs": max((a["max_abs"] for a in audit), default=None),
                     "logprob_mean_abs": (sum(a["mean_abs"] for a in audit) / len(audit)) if audit else None,
                     "eval_accuracy": {j: d["eval"]["accuracy"] for j, d in per_job.items() if d.get("eval")},
@@ -409,7 +408,7 @@ def main() -> None:
                 print(f"[{time.monotonic() - t_all:6.1f}s] {key} seed {seed}: "
                       f"{summary['steps_per_gpu_hour']:.0f} steps/GPU-h (sim {pred['steps_per_gpu_hour']:.0f}), "
                       f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s"
-                      + (f", JIT compiles {len(jit)} ({', '.join(sorted({c['kernel'] for c in jit}))})" if jit else ""),
+                      + (f", JIT compiles {len(jit)} ({', '.join(sorted(set(jit)))})" if jit else ""),
                       flush=True)
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))
             results["startup_s"].update(pool.startup_s())

@@ -685,9 +685,10 @@ class RealBackend:
                 "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),
                 "engine_core_process": self.c.opts.engine_core_process,
                 "cuda_graph_max_tokens": self.cfg.engine.cuda_graph_max_tokens,
-                # Kernels the engine JIT-compiled while serving, at run seconds (before 0: reported
-                # with this run's first generation, compiled earlier, e.g. while priming); None where
-                # they are not seen (--engine-core-process: vLLM's core logs in its own process).
+                # Kernels the engine JIT-compiled while serving, at run seconds (the warm-up's are
+                # counted in workers.engineN.kernel_warmup; one before 0 came after it, before the
+                # clock); None where they are not seen (--engine-core-process: vLLM's core logs in
+                # its own process).
                 "engine_jit_compiles": None if self.jit_compiles is None else list(self.jit_compiles),
                 # Which steps' rollouts carried the engine's logprobs (host work on every decode step).
                 "audit": {"logprobs": self.opts.audit_logprobs, "every": self.opts.audit_every,

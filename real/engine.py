@@ -221,6 +221,7 @@ class MultiLoRAEngine:
         self._issued: dict[str, tuple[str, int, int]] = {}  # lora_name -> (job, version, lora id)
         self._job_ids: dict[str, int] = {}  # "inplace": the job's fixed lora id
         self._next_id = 1
+        self._prefill_calls = 0  # run_prefill_steps' calls: each draws new prompts
         # Every JIT compile while serving is logged (vLLM logs a kernel's first only), and recorded
         # below, where the engine core runs in this process (not under VLLM_ENABLE_V1_MULTIPROCESSING=1).
         if _supports_engine_arg("jit_monitor_verbose"):
@@ -300,7 +301,7 @@ class MultiLoRAEngine:
         per = model.max_model_len - 1  # each request's prompt, leaving room for its one token
         lora = self._published[job_id].request
         # A new draw each call: a prompt seen before would hit the prefix cache and shorten the step.
-        self._prefill_calls = getattr(self, "_prefill_calls", 0) + 1
+        self._prefill_calls += 1
         rng = np.random.default_rng(self._prefill_calls)
         vocab = model.get_vocab_size()
         params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=0, detokenize=False,
