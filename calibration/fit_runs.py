@@ -181,7 +181,8 @@ def train_samples(run_dir: Path, recorded: tuple | None = None,
     for (phase, gpu, _, start, end), members in sorted(_actions(spans, ("train", "publish")).items()):
         if phase == "publish":
             beside = _overlap(start, end, trainer.get(gpu, [])) > PUBLISH_BESIDE_TRAIN * (end - start)
-            publish.append({"s_per_adapter": (end - start) / len(members), "beside_train": beside})
+            publish.append({"s_per_adapter": (end - start) / len(members), "adapters": len(members),
+                            "s": end - start, "beside_train": beside})
             continue
         rows = []
         for m in members:
@@ -286,7 +287,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
 
-    from calibration.validate import run_controls
+    from calibration.validate import NO_CORUN_POLICIES, run_controls, sharing_controls
 
     prof = profile_dict(base)  # read once: the checks below read it, the fit changes it
     base_mode = profile_step_mode(prof)
@@ -300,6 +301,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     kernel_configs = None  # what the runs' engines recorded (the profile's, when they differ from the base)
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     layouts: dict[str, list[str]] = {}
+    mps_runs: list[tuple[str, dict, bool]] = []  # MPS runs: run, its MPS settings, whether it co-runs
     for rd in map(Path, runs):
         recorded = load_recorded(rd)
         cfg, summary, _ = recorded
@@ -330,11 +332,15 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                               "fit runs of one engine (nodus calibrate measures the engine with the tuned configs "
                               f"nodus ships, --no-tuned-lora-kernels without; {hint})")
         kernel_configs = kernel_configs or engine_kernel_configs(summary)
+        if cfg["arm"].get("sharing") == "mps":
+            # The trainer's priority counts only in runs that co-run engine and trainer.
+            mine = sharing_controls(controls, cfg["arm"].get("policy"))
+            mps_runs.append((str(rd), mine, cfg["arm"].get("policy") not in NO_CORUN_POLICIES))
         layout = trainer_layout(summary)
         layouts.setdefault(layout, []).append(str(rd))
         s, p = train_samples(rd, recorded, layout)
-        samples += s
-        publish += p
+        samples += [dict(x, run=str(rd)) for x in s]
+        publish += [dict(x, run=str(rd)) for x in p]
         gens += [dict(g, dedicated=cfg["arm"]["policy"] == "dedicated") for g in generate_samples(rd, recorded)]
         used.append(str(rd))
         commits.add(summary.get("git_commit") or "unrecorded")
@@ -345,6 +351,17 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         raise ConfigError("nodus fit: the runs' trainers used different multi-adapter layouts ("
                           + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layouts.items()))
                           + "); fit the runs of one layout")
+    said = lambda k: ", ".join(f"{n}={v}" for n, v in k) or "the defaults"  # noqa: E731
+    mps_settings = _mps_settings(mps_runs)
+    if len(mps_settings) > 1:
+        raise ConfigError("nodus fit: the MPS runs used different MPS settings ("
+                          + "; ".join(f"{said(k)}: {', '.join(v)}" for k, v in sorted(mps_settings.items()))
+                          + "), which move the co-run rates the fit sets; fit the runs of one setting")
+    runs_mps = next(iter(mps_settings), None)
+    base_mps = tuple(sorted((prof["sharing"].get("controls") or {}).items()))
+    if scales_only and runs_mps is not None and runs_mps != base_mps:
+        raise ConfigError(f"nodus fit --scales-only keeps the base's MPS rates, fitted under {said(base_mps)}: its MPS "
+                          f"runs ran {said(runs_mps)} ({', '.join(mps_settings[runs_mps])})")
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
                           f"(need >= 3); held out: {skipped}")
@@ -366,8 +383,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     if scales_only:
         a, b, c, d, train_scale = _scaled_train_terms(prof, y, mb, tok, ad, rg, mode, alone)
         names, w, c_source = [], {}, "base profile times the runs' train scale"
+        selection = None
     else:
-        a, b, c, d, names, w, c_source = _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates)
+        a, b, c, d, names, w, c_source, selection = _fitted_train_terms(
+            prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run=[s["run"] for s in samples])
         train_scale = None
     work = a * mb + b * tok + c * ad + d * rg
     # The step's predicted seconds: its work at the rates it ran under.
@@ -404,9 +423,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                      f"(nodus fit --scales-only on {len(used)} run(s)): every train term x {train_scale:.3f} (the "
                      f"per-adapter one too, in proportion), decode.scale {decode_fit['base_scale']:.3f} -> "
                      f"{decode_fit['scale']:.3f}, publish "
-                     + (f"{prof['publish']['save_s_per_adapter']:.4f} s per adapter" if pub_fit["save_s_per_adapter"]
+                     + (f"{prof['publish']['save_s_per_publish']:.4f} s + {prof['publish']['save_s_per_adapter']:.4f} s "
+                        "per adapter" if pub_fit["save_s_per_adapter"]
                         is not None else "kept from the base (no publish in the runs)")
                      + "; the co-run and MPS rates are the base day's"}]
+    if runs_mps is not None and any(k.startswith("mps_") for k in rates):
+        sharing["controls"] = dict(runs_mps)  # the MPS rates are now these settings'
     dropped = _drop_refitted_batch_rates(sharing, rates)
     if rates:
         # One entry for this fit, replacing a base's own (a refit of a refit would pile them up):
@@ -489,8 +511,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                       "scale": train_scale,  # --scales-only: the base's terms times this; else None
                       "d_s_per_regroup_token": float(d),
                       "d_source": ("fitted" if "d" in names else c_source if scales_only
-                                   else "0 (no multi-adapter micro-batch in the fitted runs)"),
+                                   else "0 (no multi-adapter micro-batch in the fitted runs)" if rg.max() == 0
+                                   else "0: left out, it did not predict runs left out of the fit (cross-validation)"),
                       "d_layout": prof["train"]["extra_tokens_layout"],
+                      # Which terms leave-one-run-out cross-validation kept (None: not run,
+                      # --scales-only), with each candidate's score.
+                      "term_selection": selection,
                       "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel))),
                       # Fitted terms the non-negative fit pinned at 0: what the runs did not
                       # separate (e.g. padded tokens that only moved with the micro-batch count).
@@ -498,6 +524,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         "sharing_fit": rates,
         "run_commits": sorted(commits),  # the code the fitted runs came from
         "publish_s_per_adapter": pub_fit["save_s_per_adapter"],  # None: kept from the base
+        "publish_s_per_publish": pub_fit["save_s_per_publish"],
         "publish_corun_factor": pub_fit["corun_factor"],  # None: kept from the base
         "publish_corun_samples": {k: v for k, v in pub_fit.items() if k not in ("save_s_per_adapter", "corun_factor")},
         "decode_fit": decode_fit,
@@ -530,67 +557,152 @@ def _scaled_train_terms(prof, y, mb, tok, ad, rg, mode, alone) -> tuple:
     return (*(k * v for v in base), k)
 
 
-def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates) -> tuple:
-    """The train terms (a per micro-batch, b per padded token, c per adapter, d per regrouped
-    token) and the trainer's unknown sharing rates fitted on the steps; the rates fitted are set in
-    ``prof["sharing"]`` and ``rates``. Returns a, b, c, d, the fitted columns' names, their values
-    and where c came from."""
-    base_c = prof["train"]["s_per_adapter"]
-    # A coefficient is fitted only where the runs vary its feature apart from the others: one
-    # adapter count everywhere leaves c to the base profile, no regrouping leaves d at 0.
-    cols, names = [mb, tok], ["a", "b"]
-    if len(set(ad)) > 1:
-        cols.append(ad)
-        names.append("c")
-    if rg.max() > 0:
-        cols.append(rg)
-        names.append("d")
+TRAIN_TERMS = ("a", "b", "c", "d")  # per micro-batch, per padded token, per adapter, per extra token
+
+
+def _mps_settings(mps_runs: list[tuple[str, dict, bool]]) -> dict[tuple, list[str]]:
+    """The MPS runs grouped by their MPS settings (sorted items -> runs). A run that never co-runs
+    (shared-sync) leaves the trainer's priority open: it joins the settings of the co-running runs
+    that agree with it on the rest (the defaults' priority when none co-runs)."""
+    corun = {tuple(sorted(m.items())) for _, m, c in mps_runs if c}
+    groups: dict[tuple, list[str]] = {}
+    for rd, mine, co in mps_runs:
+        key = tuple(sorted(mine.items()))
+        if not co:
+            fits = [k for k in corun if {n: v for n, v in k if n != "trainer_priority"} == mine]
+            key = fits[0] if len(fits) == 1 else key
+        groups.setdefault(key, []).append(rd)
+    return groups
+
+
+def _solve_train(sharing: dict, y, feats: dict, terms: tuple, fixed: np.ndarray, mode, alone, corun,
+                 sel: np.ndarray) -> tuple[dict, dict]:
+    """The ``terms`` (names of ``feats`` columns) and the trainer's unknown sharing rates fitted on
+    the steps ``sel`` (relative, non-negative least squares); ``fixed``: work each step has outside
+    the fitted terms (the base's per-adapter cost, when the runs cannot fit it). Returns every
+    term's weight (0 for one not fitted) and the rates fitted; ``sharing`` is not changed."""
+    y, mode, alone, corun, fixed = y[sel], mode[sel], alone[sel], corun[sel], fixed[sel]
+    cols, names = [feats[t][sel] for t in terms], list(terms)
     # Work (seconds alone, no MPS) = rate_alone * alone_s + rate_corun * corun_s, per sharing mode.
     # Known rates move to the right-hand side; unknown ones become columns with -time.
-    sharing = prof["sharing"]
-    rhs = np.zeros(len(y))
+    rhs = -fixed
     rate_cols: list[str] = []
     for m, alone_key, corun_key in SHARING_MODES:
-        sel = mode == m
-        if not sel.any():
+        on = mode == m
+        if not on.any():
             continue
         for key, t in ((alone_key, alone), (corun_key, corun)):
-            t_m = np.where(sel, t, 0.0)
+            t_m = np.where(on, t, 0.0)
             if key is None:  # alone without MPS: the work itself
-                rhs += t_m
-            elif t_m.sum() >= MIN_RATE_SHARE * y[sel].sum():
+                rhs = rhs + t_m
+            elif t_m.sum() >= MIN_RATE_SHARE * y[on].sum():
                 cols.append(-t_m)
                 names.append(f"{key}.trainer")
                 rate_cols.append(f"{key}.trainer")
             else:
-                rhs += sharing[key]["trainer"] * t_m
+                rhs = rhs + sharing[key]["trainer"] * t_m
     if not (rhs > 0).any():
         raise ConfigError("nodus fit: every fitted train step ran beside the engine or under MPS; "
                           "a run with the trainer alone without MPS (a dedicated arm) pins the cost model")
-    if "c" not in names:
-        rhs = rhs - base_c * ad
     w = dict(zip(names, nonneg_rel_lstsq(np.stack(cols, 1), rhs, scale=y)))
-    a, b = w["a"], w["b"]
-    c = w.get("c", base_c)
-    d = w.get("d", 0.0)
-    for key in rate_cols:
-        rates[key] = float(w[key])
-        sharing[key.split(".")[0]]["trainer"] = float(w[key])
-    c_source = "fitted" if "c" in names else "base profile (one adapter count in the fitted runs)"
-    return a, b, c, d, names, w, c_source
+    return {t: float(w.get(t, 0.0)) for t in TRAIN_TERMS}, {k: float(w[k]) for k in rate_cols}
+
+
+def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, run) -> tuple[tuple, dict]:
+    """Which of the ``optional`` train terms the runs support: every subset holding a or b,
+    scored by leave-one-run-out cross-validation (fitted on the other runs, the mean relative
+    error of the left-out run's steps, averaged over runs). In runs of 1-4 identical jobs the
+    adapters, micro-batches and tokens of a step grow together, so a fit of every term can put a
+    cost on the wrong one, which then extrapolates wrongly to 8 or 16 jobs; a term that does not
+    predict runs left out of the fit is dropped (0). The sharing rates are those of the fit of
+    every term on every run (a step's work is its seconds at them): a fold without some run may
+    not pin a rate. Ties go to fewer terms. Returns the chosen terms and the scores (None when
+    fewer than two runs: every optional term is then kept)."""
+    runs = sorted(set(run))
+    if len(runs) < 2:
+        return tuple(optional), {"folds": len(runs), "cv_mape": None, "chosen": "+".join(optional)}
+    _, fitted = _solve_train(sharing, y, feats, tuple(optional), fixed, mode, alone, corun, np.ones(len(y), bool))
+    sh = {k: dict(v) if isinstance(v, dict) else v for k, v in sharing.items()}
+    for key, v in fitted.items():
+        sh[key.split(".")[0]]["trainer"] = v
+    work = y * _trainer_rate(sh, mode, alone, y) - fixed  # each step's work in the terms
+    subsets = [c for k in range(1, len(optional) + 1) for c in itertools.combinations(optional, k)
+               if "a" in c or "b" in c]
+    cv = {}
+    for c in subsets:
+        X = np.stack([feats[t] for t in c], 1)
+        errs = []
+        for r in runs:
+            train, test = run != r, run == r
+            w = nonneg_rel_lstsq(X[train], work[train], scale=y[train])
+            errs.append(float(np.mean(np.abs(X[test] @ w - work[test]) / (work[test] + fixed[test]))))
+        cv["+".join(c)] = float(np.mean(errs))
+    best = min(subsets, key=lambda c: (round(cv["+".join(c)], 6), len(c)))
+    return best, {"folds": len(runs), "cv_mape": cv, "chosen": "+".join(best)}
+
+
+def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run=None) -> tuple:
+    """The train terms (a per micro-batch, b per padded token, c per adapter, d per regrouped
+    token) and the trainer's unknown sharing rates fitted on the steps; the rates fitted are set in
+    ``prof["sharing"]`` and ``rates``. ``run``: each step's run, for the choice of terms
+    (``_select_train_terms``; without it every term the runs vary is fitted). Returns a, b, c, d,
+    the fitted columns' names, their values, where c came from and the term selection's record."""
+    base_c = prof["train"]["s_per_adapter"]
+    feats = {"a": mb, "b": tok, "c": ad, "d": rg}
+    # A coefficient is fitted only where the runs vary its feature apart from the others: one
+    # adapter count everywhere leaves c to the base profile, no regrouping leaves d at 0.
+    optional = ["a", "b"]
+    if len(set(ad)) > 1:
+        optional.append("c")
+    if rg.max() > 0:
+        optional.append("d")
+    fixed = np.zeros(len(y)) if "c" in optional else base_c * ad
+    sharing = prof["sharing"]
+    selection = None
+    terms = tuple(optional)
+    if run is not None:
+        terms, selection = _select_train_terms(sharing, y, feats, tuple(optional), fixed, mode, alone, corun,
+                                               np.asarray(run))
+    w, fitted = _solve_train(sharing, y, feats, terms, fixed, mode, alone, corun, np.ones(len(y), dtype=bool))
+    for key, v in fitted.items():
+        rates[key] = v
+        sharing[key.split(".")[0]]["trainer"] = v
+    a, b, d = w["a"], w["b"], w["d"]
+    if "c" not in optional:
+        c, c_source = base_c, "base profile (one adapter count in the fitted runs)"
+    elif "c" in terms:
+        c, c_source = w["c"], "fitted"
+    else:
+        c, c_source = 0.0, "0: left out, it did not predict runs left out of the fit (cross-validation)"
+    names = list(terms) + list(fitted)
+    return a, b, c, d, names, {**w, **fitted}, c_source, selection
 
 
 def _publish_fit(publish: list[dict], pub: dict) -> dict:
-    """Sets ``pub`` (the profile's publish section) from the runs' publishes: its save time from
-    those alone, its co-run factor from those beside a train step over those alone (kept from the
-    base without both kinds); returns the counts, medians and what was fitted (None: kept)."""
-    alone = [p["s_per_adapter"] for p in publish if not p["beside_train"]]
+    """Sets ``pub`` (the profile's publish section) from the runs' publishes: its cost from those
+    alone, its co-run factor from those beside a train step over those alone (kept from the base
+    without both kinds); returns the counts, medians and what was fitted (None: kept).
+
+    The cost: seconds = s_per_publish + s_per_adapter * adapters, relative non-negative least
+    squares with each run weighing the same (a dedicated run's 40 one-adapter publishes would
+    otherwise outvote a shared run's 5): a publish's fixed part (the round trip to the engine, the
+    sync) does not grow with its adapters, so a per-adapter price alone, fitted on one-adapter
+    publishes, overcharges a 16-adapter one. Publishes of one size only leave the fixed part at 0."""
+    alone = [p for p in publish if not p["beside_train"]]
     beside = [p["s_per_adapter"] for p in publish if p["beside_train"]]
-    med_alone = float(np.median(alone)) if alone else None
+    med_alone = float(np.median([p["s_per_adapter"] for p in alone])) if alone else None
     med_beside = float(np.median(beside)) if beside else None
-    save, ratio, factor = None, None, None
+    save, fixed, ratio, factor = None, None, None, None
     if alone:
-        save = med_alone
+        n = np.array([p["adapters"] for p in alone], dtype=float)
+        y = np.array([p["s"] for p in alone])
+        runs = [p.get("run", "") for p in alone]
+        count = {r: runs.count(r) for r in set(runs)}
+        weight = np.array([np.sqrt(count[r]) for r in runs])  # squared: 1/count per run
+        if len(set(n)) > 1 and (y > 0).all():
+            fixed, save = (float(v) for v in nonneg_rel_lstsq(np.stack([np.ones(len(n)), n], 1), y, scale=y * weight))
+        else:
+            fixed, save = 0.0, med_alone
         if beside and med_alone > 0:
             ratio = med_beside / med_alone
             # Under 1 (faster beside a step) is noise: the simulator's factor slows, never speeds.
@@ -599,11 +711,13 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
     elif beside:
         # No publish alone to tell the two apart: the base's factor, and the save time it implies.
         save = med_beside / pub.get("corun_factor", 1.0)
+        fixed = 0.0
     if save is not None:
         pub["save_s_per_adapter"] = save
+        pub["save_s_per_publish"] = fixed
     return {"alone": len(alone), "beside_train": len(beside), "alone_s_per_adapter": med_alone,
             "beside_train_s_per_adapter": med_beside, "beside_over_alone": ratio,
-            "save_s_per_adapter": save, "corun_factor": factor}
+            "save_s_per_adapter": save, "save_s_per_publish": fixed, "corun_factor": factor}
 
 
 def _alone_generation_s(prof: dict, gen: dict, scale: float) -> float:

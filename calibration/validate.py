@@ -127,7 +127,10 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "sampled": {k: sam[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "outside_profile": sorted(set(rep["outside_profile"]) | set(sam["outside_profile"])
-                                         | set(unmodelled_controls(controls, step_mode, lora_kernels)))}
+                                         | set(unmodelled_controls(controls, step_mode, lora_kernels,
+                                                                 prof["sharing"].get("controls"),
+                                                                 cfg["arm"].get("sharing") == "mps",
+                                                                 cfg["arm"].get("policy"))))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -247,13 +250,39 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                "them for every response of every step"}
 
 
+# Policies whose engine and trainer never run at once on a GPU: the priority between them has
+# nothing to decide there.
+NO_CORUN_POLICIES = ("dedicated", "shared-sync")
+
+
+def sharing_controls(controls: dict, policy: str | None = None) -> dict:
+    """The MPS settings among a run's controls (``run_controls``) that are not the defaults
+    (thread percentages, the trainer's priority) and that can move its rates: the trainer's
+    priority only where the run's ``policy`` co-runs engine and trainer. {} for the defaults."""
+    from real.backend import RealOptions  # light: no torch, no vLLM
+
+    keys = set(RealOptions().sharing_controls("mps"))
+    if policy in NO_CORUN_POLICIES:
+        keys.discard("trainer_priority")
+    return {k: v for k, v in controls.items() if k in keys}
+
+
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
-                        profile_lora_kernels: str = "default") -> list[str]:
+                        profile_lora_kernels: str = "default", profile_sharing: dict | None = None,
+                        mps: bool = False, policy: str | None = None) -> list[str]:
     """What a run's settings (``run_controls``) have that the profile was not measured with;
     ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``);
     ``profile_lora_kernels``: the engine's LoRA kernels its engine terms describe ("tuned" or
-    "default", ``sim.profile.profile_lora_kernels``)."""
+    "default", ``sim.profile.profile_lora_kernels``); ``profile_sharing``: the MPS settings its
+    MPS rates were fitted under (``sharing.controls``), compared for a run under MPS (``mps``) as
+    far as its ``policy`` uses them (``sharing_controls``)."""
     out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
+    run_sharing = sharing_controls(controls, policy)
+    prof_sharing = sharing_controls(dict(profile_sharing or {}), policy)
+    if mps and run_sharing != prof_sharing:
+        said = lambda d: ", ".join(f"{k}={v}" for k, v in sorted(d.items())) or "the defaults"  # noqa: E731
+        out.append(f"the run's MPS settings ({said(run_sharing)}) are not those the profile's MPS rates were "
+                   f"fitted under ({said(prof_sharing)}, sharing.controls)")
     kernels = controls.get("lora_kernels", "default")
     if kernels != profile_lora_kernels:
         out.append(f"the engine ran {'tuned' if kernels == 'tuned' else 'vLLM default'} LoRA kernel configs; "

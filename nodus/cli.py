@@ -221,8 +221,14 @@ def cmd_fit(a: argparse.Namespace) -> int:
           f"+ {t['c_s_per_adapter']:.4f} s/adapter + {t['d_s_per_regroup_token'] * 1e6:.3f} us/extra token "
           f"({t.get('d_layout', 'padded')} layout) "
           f"(fit MAPE {t['mape']:.1%}, worst {t['worst']:.1%}); "
-          + (f"publish {f['publish_s_per_adapter']:.4f} s/adapter" if f["publish_s_per_adapter"] is not None
-             else "publish kept from the base (no publish in the fitted runs)"))
+          + (f"publish {f.get('publish_s_per_publish') or 0.0:.4f} s + {f['publish_s_per_adapter']:.4f} s/adapter"
+             if f["publish_s_per_adapter"] is not None else "publish kept from the base (no publish in the fitted runs)"))
+    sel = t.get("term_selection")
+    if sel and sel.get("cv_mape"):
+        cv = sel["cv_mape"]
+        print(f"train terms kept by leave-one-run-out cross-validation ({sel['folds']} folds): {sel['chosen']} "
+              f"(its error on left-out runs {cv[sel['chosen']]:.1%}; every term the runs vary: "
+              f"{cv[max(cv, key=len)]:.1%})")
     n = f.get("publish_corun_samples") or {}
     print(f"publish beside a train step x {f['publish_corun_factor']:.2f} ({n['beside_train']} such publishes, "
           f"{n['alone']} alone)" if f.get("publish_corun_factor") is not None

@@ -115,7 +115,8 @@ class SimBackend:
         # trainer's next step) goes corun_factor times slower, rescaled as steps start and end
         # (sim.gpu.host_work).
         pub = self.cost.profile.publish
-        yield from self.gpu.host_work(pub.save_s_per_adapter * len(a.versions), pub.corun_factor)
+        yield from self.gpu.host_work(pub.save_s_per_publish + pub.save_s_per_adapter * len(a.versions),
+                                      pub.corun_factor)
         for job_id, v in a.versions:
             self.engines[a.stack].publish(job_id, v)
         self._finish(PublishDone(a.action_id, start, self.env.now, a.versions))

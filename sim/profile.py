@@ -116,6 +116,9 @@ class TrainCost(_M):
 
 class PublishCost(_M):
     save_s_per_adapter: float = Field(ge=0)  # trainer side: adapter to the engine's reach (host time)
+    # A publish's fixed part, whatever its adapters (the round trip to the engine): nodus fit fits it
+    # on runs whose publishes hold different adapter counts; 0 in profiles from before it.
+    save_s_per_publish: float = Field(default=0.0, ge=0)
     engine_load_s: float = Field(ge=0)  # engine side: load a new adapter version before first use
     # How many times slower a publish progresses while a train step runs on its GPU (1: not at
     # all). Measured on the H200 with the trainer freed at the end of a train: a publish beside the
@@ -148,6 +151,11 @@ class SharingCost(_M):
     # two-job ones). Where given for a mode, the simulator takes the pair's rates from here,
     # linear in batch between points, the end points' beyond them; else the constants above.
     corun_by_engine_batch: list[BatchRates] = []
+    # The MPS settings the MPS rates were fitted under, where not the defaults (`nodus fit` sets it
+    # from its runs, e.g. {"trainer_priority": "below-normal"}): they move the co-run rates (the
+    # trainer at below-normal priority gave the engine's co-running generations 1.78 s against
+    # 2.22 s), so `nodus validate` flags an MPS run whose settings differ. {}: the defaults.
+    controls: dict[str, str | int | float] = {}
 
 
 class Assumption(_M):
@@ -288,8 +296,8 @@ def what_if(prof: dict, factors: dict[str, float]) -> dict:
             for k in ("no_lora", "lora"):
                 prof["prefill"][k] = {kk: v * f for kk, v in prof["prefill"][k].items()}
         else:  # its seconds; the co-run factor is a ratio of seconds and stays
-            for k in ("save_s_per_adapter", "engine_load_s"):
-                prof["publish"][k] *= f
+            for k in ("save_s_per_adapter", "save_s_per_publish", "engine_load_s"):
+                prof["publish"][k] = prof["publish"].get(k, 0.0) * f
     text = ", ".join(f"{k} x{v:g}" for k, v in sorted(factors.items()))
     prof.pop("validation", None)
     prof["assumptions"] = list(prof.get("assumptions") or []) + [
