@@ -588,3 +588,100 @@ def test_scales_only_carries_the_base_to_a_faster_day_with_its_shape_and_rates(t
     simulate(config_from_args(jobs=2, steps=4, policy="dedicated", sharing="none", profile=day), ded2)
     assert main(["fit", str(ded2), "--base", base, "--scales-only", "--out", str(tmp_path / "cli.json")]) == 0
     assert "scales only: the base's train terms x 0.800" in capsys.readouterr().out
+
+
+def test_fit_keeps_only_the_train_terms_that_predict_left_out_runs(tmp_path, capsys):
+    """Runs recorded on a profile with no per-adapter cost: every subset holding the true terms
+    predicts each left-out run exactly, so cross-validation keeps the fewest (a + b) and leaves c
+    at 0, and says so; with a per-adapter cost (the test above) it keeps c."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.0, save=0.04)
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.05, save=0.2)
+    runs = []
+    for jobs in (2, 3, 4):
+        runs.append(tmp_path / f"sync{jobs}")
+        simulate(config_from_args(jobs=jobs, steps=3, policy="shared-sync", sharing="none", profile=truth,
+                                  seed=jobs), runs[-1])
+    prof = fit(runs, base=wrong)
+    t, f = prof["train"], prof["measurements"]["fit_runs"]["train_fit"]
+    sel = f["term_selection"]
+    assert sel["folds"] == 3 and sel["chosen"] == "a+b" and sel["cv_mape"]["a+b"] == pytest.approx(0, abs=1e-9)
+    assert sel["cv_mape"]["a"] > 0.01 and sel["cv_mape"]["b+c"] > 0.01  # a true term left out: an error
+    assert t["s_per_adapter"] == 0.0 and "cross-validation" in f["c_source"]
+    assert t["per_microbatch"]["a_s"] == pytest.approx(0.1, rel=1e-6)
+    assert t["per_microbatch"]["b_s_per_unit"] == pytest.approx(1.5e-5, rel=1e-6)
+    out = tmp_path / "fitted.json"
+    assert main(["fit", *map(str, runs), "--base", wrong, "--out", str(out)]) == 0
+    assert "train terms kept by leave-one-run-out cross-validation (3 folds): a+b" in capsys.readouterr().out
+
+
+def test_fit_recovers_a_publishs_fixed_and_per_adapter_cost(tmp_path):
+    """Publishes of 1 adapter (dedicated) and of 4 (shared-sync): the fixed part and the part per
+    adapter are told apart, each run weighing the same; the simulator then charges a 16-adapter
+    publish what the recording profile does, and a what-if scales both parts."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.01, save=0.02)
+    prof = json.loads(open(truth).read())
+    prof["publish"]["save_s_per_publish"] = 0.03
+    open(truth, "w").write(json.dumps(prof))
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.05, save=0.2)
+    runs = [tmp_path / "ded", tmp_path / "sync4"]
+    simulate(config_from_args(jobs=2, steps=3, policy="dedicated", sharing="none", profile=truth, seed=2), runs[0])
+    simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="none", profile=truth, seed=2), runs[1])
+    _, publish = train_samples(runs[1])
+    assert {p["adapters"] for p in publish} == {4} and publish[0]["s"] == pytest.approx(0.03 + 4 * 0.02, rel=1e-6)
+    fitted = fit(runs, base=wrong)
+    assert fitted["publish"]["save_s_per_publish"] == pytest.approx(0.03, rel=1e-6)
+    assert fitted["publish"]["save_s_per_adapter"] == pytest.approx(0.02, rel=1e-6)
+    f = fitted["measurements"]["fit_runs"]
+    assert f["publish_s_per_publish"] == pytest.approx(0.03, rel=1e-6)
+    from sim.profile import what_if
+
+    assert what_if(fitted, {"publish": 2.0})["publish"]["save_s_per_publish"] == pytest.approx(0.06, rel=1e-6)
+    # A profile from before the fixed part (no key) loads with none, and a what-if of it works.
+    old = json.loads(open(wrong).read())
+    old["publish"].pop("save_s_per_publish", None)
+    from sim.profile import Profile
+
+    assert Profile.model_validate(old).publish.save_s_per_publish == 0.0
+    assert what_if(old, {"publish": 2.0})["publish"]["save_s_per_publish"] == 0.0
+
+
+def _with_mps_settings(run, **settings):
+    """Records MPS settings in a simulated run's diagnostics, as a real run records its own."""
+    summary = json.loads((run / "summary.json").read_text())
+    controls = {"engine_thread_pct": None, "trainer_thread_pct": None, "trainer_priority": "normal", **settings}
+    summary["diagnostics"] = summary.get("diagnostics", []) + [{"sharing_controls": controls}]
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_fit_records_the_mps_settings_of_its_rates_and_refuses_a_mix(tmp_path):
+    """The trainer at below-normal MPS priority moves the co-run rates: the fitted profile says
+    which settings its MPS rates are (sharing.controls); co-running runs of two settings are
+    refused; a shared-sync run (nothing co-runs, so the priority decides nothing) joins either;
+    validate flags an overlap run at another priority than the profile's, not a shared-sync one."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.01, save=0.04)
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.05, save=0.2)
+    runs = {}
+    for name, policy, sharing in (("ded", "dedicated", "none"), ("sync", "shared-sync", "mps"),
+                                  ("ovl", "overlap", "mps"), ("ovl-normal", "overlap", "mps")):
+        runs[name] = tmp_path / name
+        simulate(config_from_args(jobs=4, steps=3, policy=policy, groups=1 if policy != "overlap" else 2,
+                                  sharing=sharing, profile=truth, seed=4), runs[name])
+    _with_mps_settings(runs["sync"])
+    _with_mps_settings(runs["ovl"], trainer_priority="below-normal")
+    _with_mps_settings(runs["ovl-normal"])
+    fitted = fit([runs["ded"], runs["sync"], runs["ovl"]], base=wrong)
+    assert fitted["sharing"]["controls"] == {"trainer_priority": "below-normal"}
+    with pytest.raises(ConfigError, match="different MPS settings.*trainer_priority=below-normal"):
+        fit([runs["ded"], runs["ovl"], runs["ovl-normal"]], base=wrong)
+    # The shipped profiles' rates are at the defaults.
+    assert load_profile("h200-qwen3-0.6b").profile.sharing.controls == {}
+    out = tmp_path / "fitted.json"
+    out.write_text(json.dumps(fitted))
+    rep = validate([runs["sync"], runs["ovl"], runs["ovl-normal"]], profile=str(out))
+    flags = {r["run"].split("/")[-1]: r["outside_profile"] for r in rep["rows"]}
+    assert flags["sync"] == [] and flags["ovl"] == []
+    assert flags["ovl-normal"] == ["the run's MPS settings (the defaults) are not those the profile's MPS rates "
+                                   "were fitted under (trainer_priority=below-normal, sharing.controls)"]
+    # --scales-only keeps the base's rates: runs of other settings are refused.
+    with pytest.raises(ConfigError, match="scales-only keeps the base's MPS rates"):
+        fit([runs["ded"], runs["ovl"]], base=wrong, scales_only=True)
