@@ -133,6 +133,24 @@ def sim_profile(given: str | None, trainer_graphs: bool) -> str:
     return given or DEFAULT_PROFILES["graphed" if trainer_graphs else "eager"]
 
 
+def dedicated_key(name: str, keys) -> str | None:
+    """Of an invocation's arm ``keys``, the dedicated run an arm key ``name`` is measured over: a
+    dedicated key of the same job count (its ``-jN``) whose settings (the key's ``-`` parts) the
+    arm has too, the one with the most (``overlap+mps-cg-lowpri`` -> ``dedicated-cg``, not plain
+    ``dedicated``; MPS settings such as ``-lowpri`` have no dedicated counterpart); None if none."""
+    plain = re.sub(r"-r\d+$", "", name)  # a repeat round's ratio is over the same dedicated run
+    parts = plain.split("-")[1:]
+    count = next((p for p in parts if re.fullmatch(r"j\d+", p)), None)
+    fits = []
+    for k in keys:
+        kp = k.split("-")
+        if kp[0] != "dedicated" or "aa" in kp or next((p for p in kp if re.fullmatch(r"j\d+", p)), None) != count:
+            continue
+        if set(kp[1:]) <= set(parts):
+            fits.append((len(kp), k))
+    return max(fits)[1] if fits else None
+
+
 def make_random_model(path: Path, shape: str) -> Path:
     """Save a random-weight Qwen3 of the given shape (config + safetensors, no tokenizer)."""
     if (path / "config.json").is_file():
@@ -416,10 +434,9 @@ def main() -> None:
     finally:
         pool.close()
     for name, per in results["arms"].items():
-        plain = re.sub(r"-r\d+$", "", name)  # a repeat round's ratio is over the same dedicated run
-        count = plain.rsplit("-j", 1)[1] if "-j" in plain else None
+        base_key = dedicated_key(name, results["arms"])
         for seed, d in per.items():
-            base = results["arms"].get("dedicated" + (f"-j{count}" if count else ""), {}).get(seed)
+            base = results["arms"].get(base_key, {}).get(seed) if base_key else None
             d["ratio_vs_dedicated"] = d["steps_per_gpu_hour"] / base["steps_per_gpu_hour"] if base else None
             d["sim_ratio_vs_dedicated"] = (d["sim_steps_per_gpu_hour"] / base["sim_steps_per_gpu_hour"]
                                            if base else None)

@@ -96,3 +96,19 @@ def test_each_arm_is_simulated_on_the_shipped_profile_of_its_trainer():
     assert sim_profile("mine.json", True) == "mine.json"
     for mode, name in DEFAULT_PROFILES.items():
         assert profile_step_mode(profile_dict(name)) == mode
+
+
+def test_an_arms_ratio_is_over_the_dedicated_run_of_its_own_trainer():
+    """arms.json's ratio_vs_dedicated: an arm with the graphed trainer (-cg) is measured over the
+    graphed dedicated run, not the plain one; an MPS-only setting (-lowpri) needs no counterpart;
+    the job count must match; an A/A repeat is never the baseline."""
+    from experiments.gpu_arms import dedicated_key
+
+    keys = ["dedicated", "dedicated-aa", "dedicated-cg", "dedicated-cg-j4", "overlap+mps-cg-lowpri"]
+    assert dedicated_key("overlap+mps-cg-lowpri", keys) == "dedicated-cg"
+    assert dedicated_key("overlap+mps-cg-lowpri-r2", keys) == "dedicated-cg"
+    assert dedicated_key("shared-sync+mps", keys) == "dedicated"
+    assert dedicated_key("overlap+mps-cg-lowpri-j4", keys) == "dedicated-cg-j4"
+    assert dedicated_key("overlap+mps-cg-gm1024-lowpri-j16", keys) is None
+    assert dedicated_key("dedicated-cg", keys) == "dedicated-cg"
+    assert dedicated_key("overlap+mps-cg", ["dedicated-aa", "dedicated-gm1024"]) is None
