@@ -11,12 +11,24 @@ shared 8- and 16-job runs stay held out for `nodus validate`.
 Train: seconds = a * micro-batches + b * padded tokens + c * adapters + d * extra tokens of the
 runs' multi-adapter layout (padded: regrouping; masked: each token times the other adapters of its
 micro-batch), relative-error least squares, non-negative, with the micro-batches packed exactly as
-the trainer packs them (`nodus.microbatch`); the profile records which layout d is of. When every fitted step has the same adapter count, c cannot be
-told from a and is kept from the base profile; runs with one job per step never regroup, which
-leaves d at 0. Publish: the controller's wait per published adapter, the median of the publishes
-that no train step on their GPU overlapped for more than half their time; the median of those it
-did, over that, is the publish's co-run factor (a freed trainer's next step slows a publish 4-7x
-on the H200).
+the trainer packs them (`nodus.microbatch`); the profile records which layout d is of. When every
+fitted step has the same adapter count, c cannot be told from a and is kept from the base
+profile; runs with one job per step never regroup, which leaves d at 0. In runs of 1-4 identical
+jobs a step's adapters, micro-batches and tokens grow together, so which of them carries the cost
+is barely determined, yet it decides the prediction at 8 and 16 jobs: the terms kept are those
+that predict runs left out of the fit (leave-one-run-out cross-validation over every subset
+holding a or b; ties go to fewer terms), the others are 0 (`train_fit.term_selection`). On the
+H200, of a + b, a + c, b + c and all three, it chose the one that then predicted the held-out 8-
+and 16-job runs best on each day it was checked on (README, "Fit and validate").
+
+Publish: seconds = a fixed part + a part per adapter, fitted on the publishes that no train step
+on their GPU overlapped for more than half their time (relative least squares, each run weighing
+the same); the median per adapter of those it did, over the median of those alone, is the
+publish's co-run factor (a freed trainer's next step slows a publish 4-7x on the H200).
+
+MPS settings: the rates below are those of the MPS settings the runs used (thread percentages,
+the trainer's priority; the priority counts only in runs that co-run engine and trainer), which
+the profile records (`sharing.controls`); runs of two settings are refused.
 
 The simulator's work is seconds alone without MPS; a recorded train step that overlapped the
 engine ran at a sharing rate. Each step is split into its time alone and its time beside a
