@@ -343,14 +343,24 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
     got = [k for k in RATES if k in rates]
     for k in got:
         profile["sharing"][k] = dict(rates[k])
+    # Measured with nodus's default MPS settings: the profile's MPS rates are now the defaults'.
+    was = profile["sharing"].get("controls") or {}
+    mps_got = [k for k in got if k.startswith("mps_")]
+    if mps_got:
+        profile["sharing"]["controls"] = {}
+    mixed = None
+    if was and mps_got and len(mps_got) < len([k for k in RATES if k.startswith("mps_")]):
+        mixed = {"id": "sharing-controls-mixed", "value": None,
+                 "what": f"MPS rates measured at the default MPS settings ({', '.join(mps_got)}) beside the base's "
+                         f"others, fitted under {', '.join(f'{k}={v}' for k, v in sorted(was.items()))}"}
     if rates.get("per_bucket"):
         profile["sharing"]["corun_by_engine_batch"] = corun_by_engine_batch(rates["per_bucket"])
     profile.setdefault("measurements", {})["sharing"] = dict(measured, rates_measured=got)
     # Rates `nodus fit` fitted on the base are replaced here: its notes go when every rate is measured.
-    gone = {"sharing-from-base", "sharing-buckets-missing"}
+    gone = {"sharing-from-base", "sharing-buckets-missing"} | ({"sharing-controls-mixed"} if mps_got else set())
     if len(got) == len(RATES):
         gone.add("sharing-partly-fitted")
-    keep = [a for a in profile.get("assumptions", []) if a["id"] not in gone]
+    keep = [a for a in profile.get("assumptions", []) if a["id"] not in gone] + ([mixed] if mixed else [])
     if len(got) != len(RATES):
         keep.append({"id": "sharing-from-base", "value": None,
                      "what": f"sharing rates not measured in this calibration "

@@ -23,8 +23,9 @@ and 16-job runs best on each day it was checked on (README, "Fit and validate").
 
 Publish: seconds = a fixed part + a part per adapter, fitted on the publishes that no train step
 on their GPU overlapped for more than half their time (relative least squares, each run weighing
-the same); the median per adapter of those it did, over the median of those alone, is the
-publish's co-run factor (a freed trainer's next step slows a publish 4-7x on the H200).
+the same; publishes of one size keep the base's split, scaled); the median, over those it did
+overlap, of their seconds over that fitted cost is the publish's co-run factor (a freed trainer's
+next step slows a publish 4-7x on the H200).
 
 MPS settings: the rates below are those of the MPS settings the runs used (thread percentages,
 the trainer's priority; the priority counts only in runs that co-run engine and trainer), which
@@ -370,7 +371,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                           + "; ".join(f"{said(k)}: {', '.join(v)}" for k, v in sorted(mps_settings.items()))
                           + "), which move the co-run rates the fit sets; fit the runs of one setting")
     runs_mps = next(iter(mps_settings), None)
-    base_mps = tuple(sorted((prof["sharing"].get("controls") or {}).items()))
+    co_runs = any(c for _, _, c in mps_runs)
+    base_ctrl = dict(prof["sharing"].get("controls") or {})
+    # Without a co-running MPS run the runs say nothing of the trainer's priority.
+    base_mps = tuple(sorted((k, v) for k, v in base_ctrl.items() if co_runs or k != "trainer_priority"))
     if scales_only and runs_mps is not None and runs_mps != base_mps:
         raise ConfigError(f"nodus fit --scales-only keeps the base's MPS rates, fitted under {said(base_mps)}: its MPS "
                           f"runs ran {said(runs_mps)} ({', '.join(mps_settings[runs_mps])})")
@@ -439,8 +443,24 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                         "per adapter" if pub_fit["save_s_per_adapter"]
                         is not None else "kept from the base (no publish in the runs)")
                      + "; the co-run and MPS rates are the base day's"}]
+    prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "sharing-controls-mixed"]
     if runs_mps is not None and any(k.startswith("mps_") for k in rates):
-        sharing["controls"] = dict(runs_mps)  # the MPS rates are now these settings'
+        new = dict(runs_mps)
+        if not co_runs and "trainer_priority" in base_ctrl:
+            new["trainer_priority"] = base_ctrl["trainer_priority"]  # the co-run rates stay the base's
+        sharing["controls"] = new  # the MPS rates fitted are now these settings'
+        # MPS rates kept from the base that a changed setting moves (the priority: the co-run ones).
+        changed = {k for k in set(new) | set(base_ctrl) if new.get(k) != base_ctrl.get(k)}
+        kept = [f"{m}.{side}" for m in ("mps_alone", "mps_corun") for side in ("engine", "trainer")
+                if f"{m}.{side}" not in rates]
+        moved = [k for k in kept if any(c != "trainer_priority" or k.startswith("mps_corun") for c in changed)]
+        if moved:
+            prof["assumptions"].append(
+                {"id": "sharing-controls-mixed", "value": None,
+                 "what": f"the MPS rates {', '.join(moved)} are the base profile's, fitted under "
+                         f"{said(tuple(sorted(base_ctrl.items())))}; the rates fitted here are of "
+                         f"{said(tuple(sorted(new.items())))} (sharing.controls): runs that exercise them "
+                         "under these settings would fit them"})
     dropped = _drop_refitted_batch_rates(sharing, rates)
     if rates:
         # One entry for this fit, replacing a base's own (a refit of a refit would pile them up):
@@ -591,32 +611,39 @@ def _solve_train(sharing: dict, y, feats: dict, terms: tuple, fixed: np.ndarray,
                  sel: np.ndarray) -> tuple[dict, dict]:
     """The ``terms`` (names of ``feats`` columns) and the trainer's unknown sharing rates fitted on
     the steps ``sel`` (relative, non-negative least squares); ``fixed``: work each step has outside
-    the fitted terms (the base's per-adapter cost, when the runs cannot fit it). Returns every
-    term's weight (0 for one not fitted) and the rates fitted; ``sharing`` is not changed."""
+    the fitted terms (the base's per-adapter cost, when the runs cannot fit it). A rate the fit
+    pins at 0 (no rate at all) is the base's instead, as the engine's are. Returns every term's
+    weight (0 for one not fitted) and the rates fitted; ``sharing`` is not changed."""
     y, mode, alone, corun, fixed = y[sel], mode[sel], alone[sel], corun[sel], fixed[sel]
-    cols, names = [feats[t][sel] for t in terms], list(terms)
-    # Work (seconds alone, no MPS) = rate_alone * alone_s + rate_corun * corun_s, per sharing mode.
-    # Known rates move to the right-hand side; unknown ones become columns with -time.
-    rhs = -fixed
-    rate_cols: list[str] = []
-    for m, alone_key, corun_key in SHARING_MODES:
-        on = mode == m
-        if not on.any():
-            continue
-        for key, t in ((alone_key, alone), (corun_key, corun)):
-            t_m = np.where(on, t, 0.0)
-            if key is None:  # alone without MPS: the work itself
-                rhs = rhs + t_m
-            elif t_m.sum() >= MIN_RATE_SHARE * y[on].sum():
-                cols.append(-t_m)
-                names.append(f"{key}.trainer")
-                rate_cols.append(f"{key}.trainer")
-            else:
-                rhs = rhs + sharing[key]["trainer"] * t_m
-    if not (rhs > 0).any():
-        raise ConfigError("nodus fit: every fitted train step ran beside the engine or under MPS; "
-                          "a run with the trainer alone without MPS (a dedicated arm) pins the cost model")
-    w = dict(zip(names, nonneg_rel_lstsq(np.stack(cols, 1), rhs, scale=y)))
+    from_base: set[str] = set()
+    while True:
+        cols, names = [feats[t][sel] for t in terms], list(terms)
+        # Work (seconds alone, no MPS) = rate_alone * alone_s + rate_corun * corun_s, per sharing
+        # mode. Known rates move to the right-hand side; unknown ones become columns with -time.
+        rhs, anchor = -fixed, np.zeros(len(y))
+        rate_cols: list[str] = []
+        for m, alone_key, corun_key in SHARING_MODES:
+            on = mode == m
+            if not on.any():
+                continue
+            for key, t in ((alone_key, alone), (corun_key, corun)):
+                t_m = np.where(on, t, 0.0)
+                if key is None:  # alone without MPS: the work itself
+                    anchor = anchor + t_m
+                elif t_m.sum() >= MIN_RATE_SHARE * y[on].sum() and f"{key}.trainer" not in from_base:
+                    cols.append(-t_m)
+                    names.append(f"{key}.trainer")
+                    rate_cols.append(f"{key}.trainer")
+                else:
+                    rhs = rhs + sharing[key]["trainer"] * t_m
+        if not (anchor > 0).any():
+            raise ConfigError("nodus fit: every fitted train step ran beside the engine or under MPS; "
+                              "a run with the trainer alone without MPS (a dedicated arm) pins the cost model")
+        w = dict(zip(names, nonneg_rel_lstsq(np.stack(cols, 1), rhs + anchor, scale=y)))
+        zero = {k for k in rate_cols if w[k] <= 0}
+        if not zero:
+            break
+        from_base |= zero
     return {t: float(w.get(t, 0.0)) for t in TRAIN_TERMS}, {k: float(w[k]) for k in rate_cols}
 
 
@@ -628,8 +655,9 @@ def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, 
     cost on the wrong one, which then extrapolates wrongly to 8 or 16 jobs; a term that does not
     predict runs left out of the fit is dropped (0). The sharing rates are those of the fit of
     every term on every run (a step's work is its seconds at them): a fold without some run may
-    not pin a rate. Ties go to fewer terms. Returns the chosen terms and the scores (None when
-    fewer than two runs: every optional term is then kept)."""
+    not pin a rate. Ties go to fewer terms. Returns the chosen terms and a record of the folds,
+    each subset's score (``cv_mape``; None with fewer than two runs, when every optional term is
+    kept) and the choice."""
     runs = sorted(set(run))
     if len(runs) < 2:
         return tuple(optional), {"folds": len(runs), "cv_mape": None, "chosen": "+".join(optional)}
@@ -692,18 +720,27 @@ def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run
 
 def _publish_fit(publish: list[dict], pub: dict) -> dict:
     """Sets ``pub`` (the profile's publish section) from the runs' publishes: its cost from those
-    alone, its co-run factor from those beside a train step over those alone (kept from the base
-    without both kinds); returns the counts, medians and what was fitted (None: kept).
+    alone, its co-run factor from those beside a train step (kept from the base without both
+    kinds); returns the counts, medians and what was fitted (None: kept).
 
-    The cost: seconds = s_per_publish + s_per_adapter * adapters, relative non-negative least
-    squares with each run weighing the same (a dedicated run's 40 one-adapter publishes would
+    The cost: seconds = save_s_per_publish + save_s_per_adapter * adapters, relative non-negative
+    least squares with each run weighing the same (a dedicated run's 40 one-adapter publishes would
     otherwise outvote a shared run's 5): a publish's fixed part (the round trip to the engine, the
     sync) does not grow with its adapters, so a per-adapter price alone, fitted on one-adapter
-    publishes, overcharges a 16-adapter one. Publishes of one size only leave the fixed part at 0."""
+    publishes, overcharges a 16-adapter one. Publishes of one size cannot split the two: the base's
+    split is kept, both parts times one factor (the median of measured over the base's seconds).
+    The co-run factor: the median, over the publishes beside a train step, of their seconds over
+    the fitted cost of their size (under 1 is noise: the simulator's factor slows, never speeds)."""
+    publish = [p for p in publish if p["s"] > 0]  # a zero-length span says nothing of the cost
     alone = [p for p in publish if not p["beside_train"]]
-    beside = [p["s_per_adapter"] for p in publish if p["beside_train"]]
-    med_alone = float(np.median([p["s_per_adapter"] for p in alone])) if alone else None
-    med_beside = float(np.median(beside)) if beside else None
+    beside = [p for p in publish if p["beside_train"]]
+    med = (lambda v: float(np.median(v)) if v else None)  # noqa: E731
+    med_alone = med([p["s_per_adapter"] for p in alone])
+    med_beside = med([p["s_per_adapter"] for p in beside])
+    fixed0, save0 = pub.get("save_s_per_publish", 0.0), pub["save_s_per_adapter"]
+    if fixed0 <= 0 and save0 <= 0:  # a base that charges nothing: a price per adapter
+        fixed0, save0 = 0.0, 1.0
+    cost = (lambda ps, f, a: np.array([f + a * p["adapters"] for p in ps]))  # noqa: E731
     save, fixed, ratio, factor = None, None, None, None
     if alone:
         n = np.array([p["adapters"] for p in alone], dtype=float)
@@ -711,19 +748,20 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
         runs = [p.get("run", "") for p in alone]
         count = {r: runs.count(r) for r in set(runs)}
         weight = np.array([np.sqrt(count[r]) for r in runs])  # squared: 1/count per run
-        if len(set(n)) > 1 and (y > 0).all():
+        if len(set(n)) > 1:
             fixed, save = (float(v) for v in nonneg_rel_lstsq(np.stack([np.ones(len(n)), n], 1), y, scale=y * weight))
-        else:
-            fixed, save = 0.0, med_alone
-        if beside and med_alone > 0:
-            ratio = med_beside / med_alone
-            # Under 1 (faster beside a step) is noise: the simulator's factor slows, never speeds.
+        else:  # one size: the base's split, scaled
+            k = float(np.median(y / cost(alone, fixed0, save0)))
+            fixed, save = fixed0 * k, save0 * k
+        if beside and save + fixed > 0:
+            ratio = float(np.median(np.array([p["s"] for p in beside]) / cost(beside, fixed, save)))
             factor = max(ratio, 1.0)
             pub["corun_factor"] = factor
     elif beside:
-        # No publish alone to tell the two apart: the base's factor, and the save time it implies.
-        save = med_beside / pub.get("corun_factor", 1.0)
-        fixed = 0.0
+        # No publish alone to tell the two apart: the base's factor and split, scaled to these.
+        k = float(np.median(np.array([p["s"] for p in beside]) / cost(beside, fixed0, save0)))
+        k /= pub.get("corun_factor", 1.0)
+        fixed, save = fixed0 * k, save0 * k
     if save is not None:
         pub["save_s_per_adapter"] = save
         pub["save_s_per_publish"] = fixed

@@ -685,3 +685,79 @@ def test_fit_records_the_mps_settings_of_its_rates_and_refuses_a_mix(tmp_path):
     # --scales-only keeps the base's rates: runs of other settings are refused.
     with pytest.raises(ConfigError, match="scales-only keeps the base's MPS rates"):
         fit([runs["ded"], runs["ovl"]], base=wrong, scales_only=True)
+
+
+def test_publish_corun_factor_and_a_one_size_fit_keep_the_fixed_part(tmp_path):
+    """Publishes of 0.03 s + 0.04 s per adapter, 5x slower beside a train step: the co-run factor
+    is measured against the fitted cost of each publish's size (a per-adapter ratio would mix the
+    sizes), and runs whose publishes are all of one size keep the base's split, scaled."""
+    truth = _profile_with(tmp_path, "truth", a=0.12, b=2e-5, c=0.03, save=0.04, publish_factor=5.0)
+    prof = json.loads(open(truth).read())
+    prof["publish"]["save_s_per_publish"] = 0.03
+    open(truth, "w").write(json.dumps(prof))
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.001, save=0.08, publish_factor=1.5)
+    base = json.loads(open(wrong).read())
+    base["publish"]["save_s_per_publish"] = 0.06  # the truth's split, twice the cost
+    open(wrong, "w").write(json.dumps(base))
+    ded = tmp_path / "ded"
+    simulate(config_from_args(jobs=2, steps=3, policy="dedicated", sharing="none", profile=truth), ded)
+    runs = [ded]
+    for jobs in (2, 4):
+        runs.append(tmp_path / f"freed{jobs}")
+        simulate(_freed(jobs, truth, seed=jobs), runs[-1])
+    fitted = fit(runs, base=wrong)
+    assert fitted["publish"]["save_s_per_publish"] == pytest.approx(0.03, rel=1e-6)
+    assert fitted["publish"]["save_s_per_adapter"] == pytest.approx(0.04, rel=1e-6)
+    assert fitted["publish"]["corun_factor"] == pytest.approx(5.0, rel=1e-6)
+    # The dedicated run alone: one adapter a publish, so the base's split (0.06 + 0.08 per adapter)
+    # scaled to the measured 0.07 s: 0.03 + 0.04, not 0.07 per adapter.
+    one = fit([ded], base=wrong)
+    assert one["publish"]["save_s_per_publish"] == pytest.approx(0.03, rel=1e-6)
+    assert one["publish"]["save_s_per_adapter"] == pytest.approx(0.04, rel=1e-6)
+
+
+def test_runs_that_never_co_run_leave_the_bases_trainer_priority(tmp_path):
+    """A base fitted with the trainer at below-normal priority, refitted on dedicated and
+    shared-sync + MPS runs (nothing co-runs, so the priority decides nothing): --scales-only takes
+    them, and a full fit keeps the base's priority in sharing.controls, since its co-run rates
+    are still the base's. A thread limit the base did not have is a changed setting: the MPS
+    rates kept from the base are then named in an assumption."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.01, save=0.04)
+    wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.05, save=0.2)
+    base = json.loads(open(wrong).read())
+    base["sharing"]["controls"] = {"trainer_priority": "below-normal"}
+    open(wrong, "w").write(json.dumps(base))
+    runs = [tmp_path / "ded", tmp_path / "sync", tmp_path / "sync-t50"]
+    simulate(config_from_args(jobs=2, steps=3, policy="dedicated", sharing="none", profile=truth, seed=1), runs[0])
+    for rd in runs[1:]:
+        simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", profile=truth, seed=1), rd)
+    _with_mps_settings(runs[1])
+    _with_mps_settings(runs[2], trainer_thread_pct=50)
+    fit(runs[:2], base=wrong, scales_only=True)  # accepted: no co-running run to disagree
+    full = fit(runs[:2], base=wrong)
+    assert "mps_alone.trainer" in full["measurements"]["fit_runs"]["sharing_fit"]
+    assert full["sharing"]["controls"] == {"trainer_priority": "below-normal"}
+    assert not any(a["id"] == "sharing-controls-mixed" for a in full["assumptions"])
+    capped = fit([runs[0], runs[2]], base=wrong)
+    assert capped["sharing"]["controls"] == {"trainer_priority": "below-normal", "trainer_thread_pct": 50}
+    mixed = [a["what"] for a in capped["assumptions"] if a["id"] == "sharing-controls-mixed"]
+    assert len(mixed) == 1 and "mps_corun.engine" in mixed[0] and "trainer_thread_pct=50" in mixed[0]
+
+
+def test_calibrate_sharing_resets_the_profiles_mps_settings():
+    """nodus calibrate-sharing measures at the default MPS settings: a profile whose rates were
+    fitted under others gets sharing.controls {} once its MPS rates are measured, and an
+    assumption when only some of them are."""
+    from calibration.corun import apply_sharing
+
+    prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    prof["sharing"]["controls"] = {"trainer_priority": "below-normal"}
+    rates = {"engine": 0.8, "trainer": 0.6}
+    both = apply_sharing(json.loads(json.dumps(prof)), {"rates": {"mps_alone": rates, "mps_corun": rates}})
+    assert both["sharing"]["controls"] == {}
+    assert not any(a["id"] == "sharing-controls-mixed" for a in both["assumptions"])
+    part = apply_sharing(json.loads(json.dumps(prof)), {"rates": {"mps_corun": rates}})
+    assert part["sharing"]["controls"] == {}
+    assert any(a["id"] == "sharing-controls-mixed" for a in part["assumptions"])
+    none_only = apply_sharing(json.loads(json.dumps(prof)), {"rates": {"none_corun": rates}})
+    assert none_only["sharing"]["controls"] == {"trainer_priority": "below-normal"}
