@@ -19,7 +19,7 @@ is barely determined, yet it decides the prediction at 8 and 16 jobs: the terms 
 that predict runs left out of the fit (leave-one-run-out cross-validation over every subset
 holding a or b; ties go to fewer terms), the others are 0 (`train_fit.term_selection`). On the
 H200, of a + b, a + c, b + c and all three, it chose the one that then predicted the held-out 8-
-and 16-job runs best on each day it was checked on (README, "Fit and validate").
+and 16-job runs best on each of the three days it was checked on (README, "Fit and validate").
 
 Publish: seconds = a fixed part + a part per adapter, fitted on the publishes that no train step
 on their GPU overlapped for more than half their time (relative least squares, each run weighing
