@@ -405,18 +405,24 @@ def _freed(jobs: int, profile: str, seed: int):
                             groups=2, sharing="mps", profile=profile, seed=seed)
 
 
+def _ded_and_freed_runs(tmp_path, truth: str) -> list:
+    """A dedicated run and freed-trainer overlap runs of 2 and 4 jobs, recorded on ``truth``."""
+    runs = [tmp_path / "ded"]
+    simulate(config_from_args(jobs=2, steps=3, policy="dedicated", sharing="none", profile=truth), runs[0])
+    for jobs in (2, 4):
+        runs.append(tmp_path / f"freed{jobs}")
+        simulate(_freed(jobs, truth, seed=jobs), runs[-1])
+    return runs
+
+
 def test_fit_recovers_the_publish_corun_factor_from_freed_trainer_runs(tmp_path, capsys):
     """Freed-trainer runs recorded at factor 5: the publishes beside the other group's step take
     5x the save time. The fit takes the save time from the publishes alone and the factor from
     the ratio; runs with no publish beside a step keep the base's factor."""
     truth = _profile_with(tmp_path, "truth", a=0.12, b=2e-5, c=0.03, save=0.04, publish_factor=5.0)
     wrong = _profile_with(tmp_path, "wrong", a=0.01, b=1e-6, c=0.001, save=0.2, publish_factor=1.5)
-    ded = tmp_path / "ded"
-    simulate(config_from_args(jobs=2, steps=3, policy="dedicated", sharing="none", profile=truth), ded)
-    runs = [ded]
-    for jobs in (2, 4):
-        runs.append(tmp_path / f"freed{jobs}")
-        simulate(_freed(jobs, truth, seed=jobs), runs[-1])
+    runs = _ded_and_freed_runs(tmp_path, truth)
+    ded = runs[0]
     _, publish = train_samples(runs[2])
     assert {p["beside_train"] for p in publish} == {True, False}
     prof = fit(runs, base=wrong)
@@ -699,12 +705,8 @@ def test_publish_corun_factor_and_a_one_size_fit_keep_the_fixed_part(tmp_path):
     base = json.loads(open(wrong).read())
     base["publish"]["save_s_per_publish"] = 0.06  # the truth's split, twice the cost
     open(wrong, "w").write(json.dumps(base))
-    ded = tmp_path / "ded"
-    simulate(config_from_args(jobs=2, steps=3, policy="dedicated", sharing="none", profile=truth), ded)
-    runs = [ded]
-    for jobs in (2, 4):
-        runs.append(tmp_path / f"freed{jobs}")
-        simulate(_freed(jobs, truth, seed=jobs), runs[-1])
+    runs = _ded_and_freed_runs(tmp_path, truth)
+    ded = runs[0]
     fitted = fit(runs, base=wrong)
     assert fitted["publish"]["save_s_per_publish"] == pytest.approx(0.03, rel=1e-6)
     assert fitted["publish"]["save_s_per_adapter"] == pytest.approx(0.04, rel=1e-6)
