@@ -258,22 +258,34 @@ FACTORS = (
 )
 
 
+NO_CORUN_ARMS = ("dedicated/", "shared-sync/")  # arms whose engine and trainer never run at once
+
+
 def factors(table: dict) -> dict:
     """Per job count and seed, each factor of the ladder that both its runs were measured for; the
     ladder again among the arms that share a code setting (``+cg``, ``+cg+lk``: its runs over the
-    dedicated run with the same setting), keyed by the job count and that setting ("8+cg")."""
+    dedicated run with the same setting), keyed by the job count and that setting ("8+cg"). An
+    arm with the trainer at below-normal priority (``+lowpri``) is measured over dedicated and
+    shared-sync runs without it: with nothing co-running the priority decides nothing."""
     by: dict[tuple[int, str], dict[str, float]] = {}
     for label, per in table["arms"].items():
         arm = label.rsplit("/", 1)[0] if label.endswith("jobs") else label  # "overlap/mps/g2/4jobs"
         for seed, d in per.items():
             by.setdefault((d["jobs"], seed), {})[arm] = d["steps_per_gpu_hour"]
+    def key(arm: str, sfx: str) -> str:
+        # The trainer's priority decides nothing where engine and trainer never run at once: a
+        # co-running arm at below-normal priority is measured over those arms without it.
+        return arm + (sfx.replace("+lowpri", "", 1) if arm.startswith(NO_CORUN_ARMS) else sfx)
+
     out: dict = {}
     for (jobs, seed), sph in sorted(by.items()):
         # Each setting the arms carry: "" (none), "+cg", ...: what follows "policy/sharing/gN".
         suffixes = sorted({"+" + a.split("+", 1)[1] if "+" in a else "" for a in sph})
         for sfx in suffixes:
-            row = {name: sph[num + sfx] / sph[den + sfx] for name, num, den, _ in FACTORS
-                   if num + sfx in sph and den + sfx in sph}
+            # Under +lowpri only the factors of a co-running arm (the others are the row without it).
+            row = {name: sph[key(num, sfx)] / sph[key(den, sfx)] for name, num, den, _ in FACTORS
+                   if ("+lowpri" not in sfx or not num.startswith(NO_CORUN_ARMS))
+                   and key(num, sfx) in sph and key(den, sfx) in sph}
             if row:
                 out.setdefault(f"{jobs}{sfx}", {})[seed] = row
     return out

@@ -286,3 +286,29 @@ def test_runs_with_settings_get_the_subset_baseline_and_the_aa_spread_too(tmp_pa
     assert row["baseline_variant"] == "+lk"
     assert table["aa"]["4-s5+lk"]["rel_diff"] == pytest.approx(0.0)
     assert table["arms"]["dedicated/none/g1+lk/4jobs"]["5"]["ratio_vs_dedicated"] == pytest.approx(1.0)
+
+
+def test_a_low_priority_trainers_factors_are_over_arms_without_the_setting(tmp_path):
+    """Overlap + MPS with the trainer at below-normal priority (+lowpri) beside shared-sync + MPS
+    and dedicated runs at the default: the priority decides nothing where nothing co-runs, so the
+    overlap arm's factors are over those runs, and no factor of theirs is repeated under +lowpri."""
+    from experiments.gpu_table import main
+
+    plain = [{"sharing_controls": {"trainer_priority": "normal"}}]
+    low = [{"sharing_controls": {"trainer_priority": "below-normal"}}]
+    runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),
+                                 ("sync", dict(policy="shared-sync", sharing="none")),
+                                 ("sync-mps", dict(policy="shared-sync", sharing="mps"))),
+                      diagnostics=plain, jobs=4, steps=3, seed=1)
+    runs += _simulated(tmp_path, (("ovl-mps", dict(policy="overlap", groups=2, sharing="mps")),),
+                       diagnostics=low, jobs=4, steps=3, seed=1)
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    assert "overlap/mps/g2+lowpri/4jobs" in table["arms"]
+    sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"]
+           for k in ("ded", "sync", "sync-mps", "ovl-mps")}
+    f = table["factors"]
+    assert set(f) == {"4", "4+lowpri"}
+    assert f["4"]["1"] == {"batching": pytest.approx(sph["sync"] / sph["ded"]),
+                           "mps_without_overlap": pytest.approx(sph["sync-mps"] / sph["sync"])}
+    assert f["4+lowpri"]["1"] == {"overlap_with_mps": pytest.approx(sph["ovl-mps"] / sph["sync-mps"]),
+                                  "total": pytest.approx(sph["ovl-mps"] / sph["ded"])}
