@@ -272,6 +272,7 @@ def factors(table: dict) -> dict:
         arm = label.rsplit("/", 1)[0] if label.endswith("jobs") else label  # "overlap/mps/g2/4jobs"
         for seed, d in per.items():
             by.setdefault((d["jobs"], seed), {})[arm] = d["steps_per_gpu_hour"]
+
     def key(arm: str, sfx: str) -> str:
         # The trainer's priority decides nothing where engine and trainer never run at once: a
         # co-running arm at below-normal priority is measured over those arms without it.
