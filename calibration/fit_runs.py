@@ -439,9 +439,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                      f"(nodus fit --scales-only on {len(used)} run(s)): every train term x {train_scale:.3f} (the "
                      f"per-adapter one too, in proportion), decode.scale {decode_fit['base_scale']:.3f} -> "
                      f"{decode_fit['scale']:.3f}, publish "
-                     + (f"{prof['publish']['save_s_per_publish']:.4f} s + {prof['publish']['save_s_per_adapter']:.4f} s "
-                        "per adapter" if pub_fit["save_s_per_adapter"]
-                        is not None else "kept from the base (no publish in the runs)")
+                     + (f"{prof['publish']['save_s_per_publish']:.4f} s + "
+                        f"{prof['publish']['save_s_per_adapter']:.4f} s per adapter"
+                        if pub_fit["save_s_per_adapter"] is not None else "kept from the base (no publish in the runs)")
                      + "; the co-run and MPS rates are the base day's"}]
     prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "sharing-controls-mixed"]
     if runs_mps is not None and any(k.startswith("mps_") for k in rates):

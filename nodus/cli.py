@@ -222,7 +222,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
           f"({t.get('d_layout', 'padded')} layout) "
           f"(fit MAPE {t['mape']:.1%}, worst {t['worst']:.1%}); "
           + (f"publish {f.get('publish_s_per_publish') or 0.0:.4f} s + {f['publish_s_per_adapter']:.4f} s/adapter"
-             if f["publish_s_per_adapter"] is not None else "publish kept from the base (no publish in the fitted runs)"))
+             if f["publish_s_per_adapter"] is not None
+             else "publish kept from the base (no publish in the fitted runs)"))
     sel = t.get("term_selection")
     if sel and sel.get("cv_mape"):
         cv = sel["cv_mape"]
