@@ -69,7 +69,7 @@ import numpy as np
 
 from calibration.validate import jobs_per_gpu, load_recorded
 from nodus.accounting import union_length
-from nodus.config import ConfigError, EngineSpec, engine_graph_max_tokens
+from nodus.config import NO_CORUN_POLICIES, ConfigError, EngineSpec, engine_graph_max_tokens
 from nodus.microbatch import microbatch_costs, step_rows
 
 
@@ -300,7 +300,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
 
-    from calibration.validate import NO_CORUN_POLICIES, run_controls, sharing_controls
+    from calibration.validate import run_controls, sharing_controls
 
     prof = profile_dict(base)  # read once: the checks below read it, the fit changes it
     base_mode = profile_step_mode(prof)

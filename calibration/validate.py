@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, trainer_freed
+from nodus.config import DEFAULT_MICROBATCH_TOKENS, NO_CORUN_POLICIES, ConfigError, build_config, trainer_freed
 from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
@@ -250,11 +250,6 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                "them for every response of every step"}
 
 
-# Policies whose engine and trainer never run at once on a GPU: the priority between them has
-# nothing to decide there.
-NO_CORUN_POLICIES = ("dedicated", "shared-sync")
-
-
 def sharing_controls(controls: dict, policy: str | None = None) -> dict:
     """The MPS settings among a run's controls (``run_controls``) that are not the defaults
     (thread percentages, the trainer's priority) and that can move its rates: the trainer's
@@ -365,7 +360,15 @@ def config_key(row: dict) -> tuple:
     and MPS settings (seeds and repeats differ)."""
     arm = row["arm"] or {}
     return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"], row.get("mb_tokens"),
-            trainer_freed(arm), tuple(sorted((row.get("controls") or {}).items())))
+            trainer_freed(arm), tuple(sorted(_config_controls(row).items())))
+
+
+def _config_controls(row: dict) -> dict:
+    """A run's controls that make its configuration: the trainer's priority only where its policy
+    co-runs engine and trainer (a shared-sync run at either priority is one configuration)."""
+    policy = (row.get("arm") or {}).get("policy")
+    return {k: v for k, v in (row.get("controls") or {}).items()
+            if not (k == "trainer_priority" and policy in NO_CORUN_POLICIES)}
 
 
 def config_label(row: dict) -> str:
@@ -374,7 +377,7 @@ def config_label(row: dict) -> str:
     defaults (' trainer_thread_pct=50')."""
     arm = row["arm"]
     mb = row.get("mb_tokens")
-    controls = "".join(f" {k}={v}" for k, v in sorted((row.get("controls") or {}).items()))
+    controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
             + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "") + (" freed" if trainer_freed(arm) else "")
             + controls)

@@ -269,7 +269,7 @@ def main() -> None:
 
     from calibration.validate import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
-    from nodus.config import ConfigError, engine_args_size_graphs, graph_sizes_given
+    from nodus.config import NO_CORUN_POLICIES, ConfigError, engine_args_size_graphs, graph_sizes_given
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
@@ -381,8 +381,11 @@ def main() -> None:
                 cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
                 # New trainer settings restart the trainers: a new shape to prime (run-loop settings,
                 # such as the audit's cadence, keep every process: nothing new to prime).
+                # (The trainer's priority, where nothing co-runs, is whatever the running trainers
+                # have: the pool keeps them, nodus.realrun.ClusterPool.)
                 shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch,
-                         tuple(sorted((k, v) for k, v in arm_trainer.items() if k not in RUN_SETTINGS)))
+                         tuple(sorted((k, v) for k, v in arm_trainer.items() if k not in RUN_SETTINGS
+                                      and not (k == "trainer_priority" and policy in NO_CORUN_POLICIES))))
                 if args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed):
                     # New processes (or a micro-batch size they have not trained at): one discarded
                     # step of this arm takes the compiles first.

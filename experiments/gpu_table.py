@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from nodus.config import DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, trainer_freed
+from nodus.config import DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, trainer_freed
 from nodus.microbatch import mb_tag
 from calibration.validate import audit_label, run_audit, run_controls
 
@@ -70,8 +70,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += f"+{mb_tag(mb)}"
     controls = next((d["sharing_controls"] for d in (summary or {}).get("diagnostics", [])
                      if d.get("sharing_controls")), {})
-    if controls.get("trainer_priority", "normal") != "normal":
-        label += "+lowpri"
+    if controls.get("trainer_priority", "normal") != "normal" and arm["policy"] not in NO_CORUN_POLICIES:
+        label += "+lowpri"  # (nothing co-runs in the others: the priority decides nothing there)
     for side in ("engine", "trainer"):
         if controls.get(f"{side}_thread_pct"):
             label += f"+{side[0]}{controls[f'{side}_thread_pct']}"
@@ -258,7 +258,7 @@ FACTORS = (
 )
 
 
-NO_CORUN_ARMS = ("dedicated/", "shared-sync/")  # arms whose engine and trainer never run at once
+NO_CORUN_ARMS = tuple(f"{p}/" for p in NO_CORUN_POLICIES)  # labels of arms that never co-run
 
 
 def factors(table: dict) -> dict:

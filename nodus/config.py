@@ -16,6 +16,9 @@ from nodus.tasks import TASK_NAMES
 Policy = Literal["dedicated", "shared-sync", "overlap", "timeslice", "continuous"]
 Sharing = Literal["none", "mps"]
 POLICIES: tuple[str, ...] = ("dedicated", "shared-sync", "overlap", "timeslice", "continuous")
+# Policies whose engine and trainer never run at once on a GPU: the MPS priority between them
+# decides nothing there (a run keeps whatever trainer priority its processes have).
+NO_CORUN_POLICIES: tuple[str, ...] = ("dedicated", "shared-sync")
 SHARINGS: tuple[str, ...] = ("none", "mps")
 
 

@@ -6,9 +6,10 @@ The real backend is imported lazily (it needs torch and vLLM). Its processes are
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from nodus.config import RunConfig, engine_args_size_graphs
+from nodus.config import NO_CORUN_POLICIES, RunConfig, engine_args_size_graphs
 from nodus.outdir import make_out_dir
 from nodus.runner import run_arm
 
@@ -44,6 +45,12 @@ class ClusterPool:
         key = self.key(cfg, n_stacks)
         loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
         running = self.clusters.get(key)
+        if (running is not None and self.opts is not None and cfg.arm.policy in NO_CORUN_POLICIES
+                and running.opts.trainer_priority != self.opts.trainer_priority):
+            # Engine and trainer never run at once in this run: the priority decides nothing, so
+            # the running trainers keep theirs (a restart would re-prime them for nothing); the
+            # run records the priority its trainers had.
+            self.opts = dataclasses.replace(self.opts, trainer_priority=running.opts.trainer_priority)
         if (running is not None and running.max_loras >= loras and running.opts != self.opts
                 and engine_settings(running.opts) == engine_settings(self.opts)):
             if trainer_settings(running.opts) != trainer_settings(self.opts):

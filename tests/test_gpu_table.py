@@ -312,3 +312,23 @@ def test_a_low_priority_trainers_factors_are_over_arms_without_the_setting(tmp_p
                            "mps_without_overlap": pytest.approx(sph["sync-mps"] / sph["sync"])}
     assert f["4+lowpri"]["1"] == {"overlap_with_mps": pytest.approx(sph["ovl-mps"] / sph["sync-mps"]),
                                   "total": pytest.approx(sph["ovl-mps"] / sph["ded"])}
+
+
+def test_the_trainers_priority_names_a_configuration_only_where_engine_and_trainer_co_run():
+    """A shared-sync or dedicated run at below-normal trainer priority (the pool keeps the running
+    trainers' priority for them) is the same row and configuration as one at normal priority; an
+    overlap run's priority is its own row and configuration."""
+    from calibration.validate import config_key, config_label
+    from experiments.gpu_table import arm_label
+
+    low = {"diagnostics": [{"sharing_controls": {"trainer_priority": "below-normal"}}]}
+    sync = {"policy": "shared-sync", "sharing": "mps", "groups": 1}
+    ovl = {"policy": "overlap", "sharing": "mps", "groups": 2}
+    assert arm_label(sync, low) == arm_label(sync, {}) == "shared-sync/mps/g1"
+    assert arm_label(ovl, low) == "overlap/mps/g2+lowpri"
+    row = (lambda arm, controls: {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": controls})  # noqa: E731
+    slow = {"trainer_priority": "below-normal"}
+    assert config_key(row(sync, slow)) == config_key(row(sync, {}))
+    assert config_label(row(sync, slow)) == "8 jobs shared-sync g=1 mps"
+    assert config_key(row(ovl, slow)) != config_key(row(ovl, {}))
+    assert config_label(row(ovl, slow)) == "8 jobs overlap g=2 mps trainer_priority=below-normal"

@@ -27,7 +27,7 @@ class FakeCluster:
 
 def _cfg(jobs, policy="shared-sync"):
     return build_config({"jobs": [{"task": "sorting"} for _ in range(jobs)],
-                         "arm": {"policy": policy, "groups": 1, "sharing": "none"}})
+                         "arm": {"policy": policy, "groups": 2 if policy == "overlap" else 1, "sharing": "none"}})
 
 
 def test_pool_reserves_slots_and_restarts_a_cluster_too_small(monkeypatch):
@@ -55,7 +55,7 @@ def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monke
     pool = ClusterPool(opts)
     first = pool(_cfg(2), 1)
     assert pool(_cfg(2), 1) is first and first.trainer_restarts == []  # same options: nothing restarts
-    graphed = dataclasses.replace(opts, trainer_graphs=True, trainer_priority="below-normal")
+    graphed = dataclasses.replace(opts, trainer_graphs=True)  # (the priority: the test below)
     assert engine_settings(graphed) == engine_settings(opts)
     assert trainer_settings(graphed)["trainer_graphs"] and not trainer_settings(opts)["trainer_graphs"]
     pool.opts = graphed
@@ -177,3 +177,26 @@ def test_reaping_a_hung_worker_terminates_its_children_too(tmp_path):
     except psutil.NoSuchProcess:
         pass
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+def test_pool_keeps_the_trainers_priority_for_a_run_where_nothing_co_runs(monkeypatch):
+    """A shared-sync (or dedicated) run asking the other trainer priority than the running
+    trainers': engine and trainer never run at once there, so the pool keeps the running trainers
+    (no restart, no re-priming) and the run records their priority; an overlap run at another
+    priority restarts them, as any trainer setting does."""
+    from real.backend import RealOptions
+
+    monkeypatch.setattr(real.backend, "Cluster", FakeCluster)
+    monkeypatch.setattr(real.backend, "RealBackend", lambda cluster, cfg: cluster)
+    FakeCluster.started = []
+    low = RealOptions(model="tiny", trainer_priority="below-normal")
+    normal = dataclasses.replace(low, trainer_priority="normal")
+    pool = ClusterPool(low)
+    first = pool(_cfg(2, "overlap"), 1)
+    pool.opts = normal
+    assert pool(_cfg(2, "shared-sync"), 1) is first and first.trainer_restarts == []
+    assert first.opts.trainer_priority == "below-normal"  # what the shared-sync run records
+    pool.opts = normal
+    assert pool(_cfg(2, "dedicated"), 1) is first and first.trainer_restarts == []
+    pool.opts = normal
+    assert pool(_cfg(2, "overlap"), 1) is first and [o.trainer_priority for o in first.trainer_restarts] == ["normal"]
