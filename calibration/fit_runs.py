@@ -607,17 +607,16 @@ def _mps_settings(mps_runs: list[tuple[str, dict, bool]]) -> dict[tuple, list[st
     return groups
 
 
-def _solve_train(sharing: dict, y, feats: dict, terms: tuple, fixed: np.ndarray, mode, alone, corun,
-                 sel: np.ndarray) -> tuple[dict, dict]:
+def _solve_train(sharing: dict, y, feats: dict, terms: tuple, fixed: np.ndarray, mode, alone,
+                 corun) -> tuple[dict, dict]:
     """The ``terms`` (names of ``feats`` columns) and the trainer's unknown sharing rates fitted on
-    the steps ``sel`` (relative, non-negative least squares); ``fixed``: work each step has outside
+    the steps (relative, non-negative least squares); ``fixed``: work each step has outside
     the fitted terms (the base's per-adapter cost, when the runs cannot fit it). A rate the fit
     pins at 0 (no rate at all) is the base's instead, as the engine's are. Returns every term's
     weight (0 for one not fitted) and the rates fitted; ``sharing`` is not changed."""
-    y, mode, alone, corun, fixed = y[sel], mode[sel], alone[sel], corun[sel], fixed[sel]
     from_base: set[str] = set()
     while True:
-        cols, names = [feats[t][sel] for t in terms], list(terms)
+        cols, names = [feats[t] for t in terms], list(terms)
         # Work (seconds alone, no MPS) = rate_alone * alone_s + rate_corun * corun_s, per sharing
         # mode. Known rates move to the right-hand side; unknown ones become columns with -time.
         rhs, anchor = -fixed, np.zeros(len(y))
@@ -661,7 +660,7 @@ def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, 
     runs = sorted(set(run))
     if len(runs) < 2:
         return tuple(optional), {"folds": len(runs), "cv_mape": None, "chosen": "+".join(optional)}
-    _, fitted = _solve_train(sharing, y, feats, tuple(optional), fixed, mode, alone, corun, np.ones(len(y), bool))
+    _, fitted = _solve_train(sharing, y, feats, tuple(optional), fixed, mode, alone, corun)
     sh = {k: dict(v) if isinstance(v, dict) else v for k, v in sharing.items()}
     for key, v in fitted.items():
         sh[key.split(".")[0]]["trainer"] = v
@@ -703,7 +702,7 @@ def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run
     if run is not None:
         terms, selection = _select_train_terms(sharing, y, feats, tuple(optional), fixed, mode, alone, corun,
                                                np.asarray(run))
-    w, fitted = _solve_train(sharing, y, feats, terms, fixed, mode, alone, corun, np.ones(len(y), dtype=bool))
+    w, fitted = _solve_train(sharing, y, feats, terms, fixed, mode, alone, corun)
     for key, v in fitted.items():
         rates[key] = v
         sharing[key.split(".")[0]]["trainer"] = v

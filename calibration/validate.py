@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import DEFAULT_MICROBATCH_TOKENS, NO_CORUN_POLICIES, ConfigError, build_config, trainer_freed
+from nodus.config import DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, drop_idle_priority, trainer_freed
 from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
@@ -256,10 +256,8 @@ def sharing_controls(controls: dict, policy: str | None = None) -> dict:
     priority only where the run's ``policy`` co-runs engine and trainer. {} for the defaults."""
     from real.backend import RealOptions  # light: no torch, no vLLM
 
-    keys = set(RealOptions().sharing_controls("mps"))
-    if policy in NO_CORUN_POLICIES:
-        keys.discard("trainer_priority")
-    return {k: v for k, v in controls.items() if k in keys}
+    keys = RealOptions().sharing_controls("mps")
+    return {k: v for k, v in drop_idle_priority(controls, policy).items() if k in keys}
 
 
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
@@ -364,11 +362,8 @@ def config_key(row: dict) -> tuple:
 
 
 def _config_controls(row: dict) -> dict:
-    """A run's controls that make its configuration: the trainer's priority only where its policy
-    co-runs engine and trainer (a shared-sync run at either priority is one configuration)."""
-    policy = (row.get("arm") or {}).get("policy")
-    return {k: v for k, v in (row.get("controls") or {}).items()
-            if not (k == "trainer_priority" and policy in NO_CORUN_POLICIES)}
+    """A run's controls that make its configuration (``nodus.config.drop_idle_priority``)."""
+    return drop_idle_priority(row.get("controls") or {}, (row.get("arm") or {}).get("policy"))
 
 
 def config_label(row: dict) -> str:

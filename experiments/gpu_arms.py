@@ -138,13 +138,14 @@ def dedicated_key(name: str, keys) -> str | None:
     dedicated key of the same job count (its ``-jN``) whose settings (the key's ``-`` parts) the
     arm has too, the one with the most (``overlap+mps-cg-lowpri`` -> ``dedicated-cg``, not plain
     ``dedicated``; MPS settings such as ``-lowpri`` have no dedicated counterpart); None if none."""
-    plain = re.sub(r"-r\d+$", "", name)  # a repeat round's ratio is over the same dedicated run
-    parts = plain.split("-")[1:]
-    count = next((p for p in parts if re.fullmatch(r"j\d+", p)), None)
+    def count(parts: list[str]) -> str | None:  # the key's job count part, "jN"
+        return next((p for p in parts if re.fullmatch(r"j\d+", p)), None)
+
+    parts = re.sub(r"-r\d+$", "", name).split("-")[1:]  # a repeat round: over the same dedicated run
     fits = []
     for k in keys:
         kp = k.split("-")
-        if kp[0] != "dedicated" or "aa" in kp or next((p for p in kp if re.fullmatch(r"j\d+", p)), None) != count:
+        if kp[0] != "dedicated" or "aa" in kp or count(kp) != count(parts):
             continue
         if set(kp[1:]) <= set(parts):
             fits.append((len(kp), k))
@@ -269,7 +270,7 @@ def main() -> None:
 
     from calibration.validate import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
-    from nodus.config import NO_CORUN_POLICIES, ConfigError, engine_args_size_graphs, graph_sizes_given
+    from nodus.config import ConfigError, drop_idle_priority, engine_args_size_graphs, graph_sizes_given
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
@@ -384,8 +385,8 @@ def main() -> None:
                 # (The trainer's priority, where nothing co-runs, is whatever the running trainers
                 # have: the pool keeps them, nodus.realrun.ClusterPool.)
                 shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch,
-                         tuple(sorted((k, v) for k, v in arm_trainer.items() if k not in RUN_SETTINGS
-                                      and not (k == "trainer_priority" and policy in NO_CORUN_POLICIES))))
+                         tuple(sorted((k, v) for k, v in drop_idle_priority(arm_trainer, policy).items()
+                                      if k not in RUN_SETTINGS)))
                 if args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed):
                     # New processes (or a micro-batch size they have not trained at): one discarded
                     # step of this arm takes the compiles first.

@@ -20,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from nodus.config import DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, trainer_freed
+from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
+                          trainer_freed)
 from nodus.microbatch import mb_tag
 from calibration.validate import audit_label, run_audit, run_controls
 
@@ -70,8 +71,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += f"+{mb_tag(mb)}"
     controls = next((d["sharing_controls"] for d in (summary or {}).get("diagnostics", [])
                      if d.get("sharing_controls")), {})
-    if controls.get("trainer_priority", "normal") != "normal" and arm["policy"] not in NO_CORUN_POLICIES:
-        label += "+lowpri"  # (nothing co-runs in the others: the priority decides nothing there)
+    if drop_idle_priority(controls, arm["policy"]).get("trainer_priority", "normal") != "normal":
+        label += "+lowpri"
     for side in ("engine", "trainer"):
         if controls.get(f"{side}_thread_pct"):
             label += f"+{side[0]}{controls[f'{side}_thread_pct']}"

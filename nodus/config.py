@@ -22,6 +22,15 @@ NO_CORUN_POLICIES: tuple[str, ...] = ("dedicated", "shared-sync")
 SHARINGS: tuple[str, ...] = ("none", "mps")
 
 
+def drop_idle_priority(settings: dict, policy: str | None) -> dict:
+    """``settings`` (a run's controls, or trainer options by name) without the trainer's priority
+    where ``policy`` never co-runs engine and trainer (``NO_CORUN_POLICIES``): it decides nothing
+    there, so it makes no configuration, label or priming of its own."""
+    if policy not in NO_CORUN_POLICIES:
+        return dict(settings)
+    return {k: v for k, v in settings.items() if k != "trainer_priority"}
+
+
 DEFAULT_MICROBATCH_TOKENS = 16384  # the trainer's micro-batch cap unless a config sets one
 
 
