@@ -46,8 +46,9 @@ def lora_shapes(config: dict) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def write_random_adapter(base: Path, out: Path, rank: int, seed: int, std: float = 0.05) -> Path:
-    """A PEFT LoRA adapter folder with random A and non-zero random B for every target module."""
+def write_random_adapter(base: Path, out: Path, rank: int, seed: int, std: float = 0.05, dtype=None) -> Path:
+    """A PEFT LoRA adapter folder with random A and non-zero random B for every target module
+    (``dtype``: the tensors' on file, default float32)."""
     import torch
     from safetensors.torch import save_file
 
@@ -61,6 +62,8 @@ def write_random_adapter(base: Path, out: Path, rank: int, seed: int, std: float
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
     out.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, str(out / "adapter_model.safetensors"))
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
                       "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
 #   bash experiments/device_session.sh MODE
-#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|learn|small-base)
+#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|publish|learn|small-base)
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
@@ -80,6 +80,13 @@ case "${1:-arms}" in
     random_model
     timeout 400 python experiments/bench_engine_loop.py --model /tmp/nodus-qwen3-0.6b-random --batch 512 --adapters 8 \
       --out "$OUT/engine_loop_h200.json" > "$OUT/engine_loop.log" 2>&1; echo "engine_loop rc=$?" ;;
+  publish)
+    # Where a publish's time goes: 4 adapters (an 8-job overlap group) published pinned and
+    # unpinned, alone and beside a GPU load at below-normal MPS priority (bench_publish.py).
+    random_model
+    timeout "${PUB_TIMEOUT:-180}" python experiments/bench_publish.py --model /tmp/nodus-qwen3-0.6b-random \
+      --jobs "${PUB_JOBS:-4}" --versions "${PUB_VERSIONS:-6}" --beside --out "$OUT/publish_h200.json" > "$OUT/publish.log" 2>&1
+    echo "bench_publish rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/publish.log" | tail -45 ;;
   engine-profile)
     # Is the shared generation GPU- or host-bound? A recorded step's generation timed per engine
     # step, under torch.profiler (kernel time against the wall) and cProfile (the host's time).

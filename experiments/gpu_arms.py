@@ -78,8 +78,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     (`cg` / `nocg`: --trainer-graphs on / off; `lowpri`: MPS client priority below-normal; `tN`: the
     trainer's MPS active thread percentage): arms that differ only in these share the engines, and
     only the trainer processes restart between them; and `aN`, the logprob audit every N-th step of
-    each job (`a0`: none), and `rK`, the audit of the first K responses of each prompt (settings of the
-    run loop only: no process restarts)."""
+    each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, and `np`, the
+    engine's adapter loads into pageable host memory (settings of the run loop only: no process
+    restarts)."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
@@ -100,6 +101,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             # A run-loop setting: every process kept. a0: no audit; aN: audit every N-th step.
             trainer.update({"audit_logprobs": False} if int(o[1:]) == 0
                            else {"audit_logprobs": True, "audit_every": int(o[1:])})
+        elif o == "np":
+            # A run-loop setting too: the engine loads published adapters into pageable host memory.
+            trainer["publish_pinned"] = False
         elif len(o) > 1 and o[0] == "r" and o[1:].isdigit() and int(o[1:]) >= 1:
             # A run-loop setting too: the first K responses of each prompt audited (an audit, also
             # under --no-audit).
@@ -119,8 +123,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "mN (trainer micro-batch tokens, >= 256), wait or free (trainer waits for each publish, the "
                              "default, or takes the next train at once), cg or nocg (trainer graphs), lowpri (trainer "
                              "at below-normal MPS priority), tN (trainer MPS thread percentage, 1-100), aN "
-                             "(the engine's logprobs audited every N-th step; a0: never) or rK (the first K "
-                             "responses of each prompt audited)")
+                             "(the engine's logprobs audited every N-th step; a0: never), rK (the first K "
+                             "responses of each prompt audited) or np (published adapters loaded unpinned)")
     return name, jobs, groups, seeds, mb, wait, trainer
 
 
@@ -370,6 +374,7 @@ def main() -> None:
                 else:
                     variant += f"-audit{arm_opts.audit_every}" if arm_opts.audit_every != 1 else ""
                     variant += f"-audr{arm_opts.audit_responses}" if arm_opts.audit_responses is not None else ""
+                variant += "" if arm_opts.publish_pinned else "-np"  # adapters loaded into pageable memory
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"

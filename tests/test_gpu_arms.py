@@ -25,6 +25,9 @@ def test_arm_specs_name_their_own_trainer_settings():
     # rK: the first K responses of each prompt audited (a run-loop setting as well).
     assert parse_arm("overlap+mps:cg:r1")[-1] == {"trainer_graphs": True, "audit_logprobs": True, "audit_responses": 1}
     assert parse_arm("overlap+mps:a4:r2")[-1] == {"audit_logprobs": True, "audit_every": 4, "audit_responses": 2}
+    # np: the engine loads published adapters into pageable host memory (a run-loop setting).
+    assert parse_arm("overlap+mps:cg:lowpri:np:free")[-2:] == (
+        False, {"trainer_graphs": True, "trainer_priority": "below-normal", "publish_pinned": False})
 
 
 @pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),
