@@ -60,12 +60,17 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
     variables; +a0 / +aN / +rK / +aNrK: the engine's logprobs never / every N-th step / for the first K
     responses of each prompt / both (--no-audit, --audit-every, --audit-responses);
-    +freed: the trainer took the next train while
+    +np: the engine loaded published adapters into pageable host memory; +freed: the trainer took
+    the next train while
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
     if trainer_freed(arm):
         label += "+freed"
+    if any(d.get("publish_pinned") is False for d in (summary or {}).get("diagnostics", [])):
+        # Published adapters loaded into pageable host memory (RealOptions.publish_pinned); right
+        # after +freed, so the factor below finds its pair as "overlap/mps/g2+np" + the rest.
+        label += "+np"
     mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MICROBATCH_TOKENS)
     if mb != DEFAULT_MICROBATCH_TOKENS:
         label += f"+{mb_tag(mb)}"
@@ -251,6 +256,9 @@ FACTORS = (
     ("trainer_freed_at_train", "overlap/mps/g2+freed", "overlap/mps/g2",
      "the trainer takes the next group's train while the engine loads the last one's adapters "
      "(over waiting for that publish, under overlap + MPS)"),
+    ("publish_unpinned", "overlap/mps/g2+np", "overlap/mps/g2",
+     "the engine loads published adapters into pageable host memory (over vLLM's pinned copies, "
+     "under overlap + MPS)"),
     ("overlap_with_mps", "overlap/mps/g2", "shared-sync/mps/g1",
      "two phase-offset groups under MPS (overlap + MPS over shared-sync + MPS)"),
     ("continuous", "continuous/mps/g1", "overlap/mps/g2",
