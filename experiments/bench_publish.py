@@ -52,6 +52,12 @@ def summary(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs), "p25": q[0], "median": q[1], "p75": q[2], "n": len(xs)}
 
 
+def write(report: dict, path: str) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def one_version(engine, jobs: list[str], v: int, folders: dict, pinned: bool, profiler=None) -> dict:
     """Publish version v of every job, then one token for all of them; the seconds of each part."""
     from real.engine import GenRequest
@@ -140,6 +146,8 @@ def main(argv=None) -> dict:
         report = {"model": str(base), "jobs": args.jobs, "rank": args.rank, "engine_start_s": start_s,
                   "adapter_bytes": (folders[jobs[0]][0] / "adapter_model.safetensors").stat().st_size,
                   "alone": alone, "profile_pinned_alone": profile}
+        write(report, args.out)  # a call cut short still returns what it measured
+        print(profile, flush=True)
         if args.beside:
             stop = str(work / "stop")
             env = dict(os.environ, CUDA_MPS_CLIENT_PRIORITY="1")
@@ -150,6 +158,7 @@ def main(argv=None) -> dict:
                     raise RuntimeError("the GPU load process did not start")
                 time.sleep(0.2)
             report["beside"] = block(engine, jobs, folders, range(v, n_versions, 2))
+            write(report, args.out)
             Path(stop).touch()
             load.wait(timeout=60)
         # The same folder loaded pinned and unpinned gives the same greedy tokens.
@@ -167,9 +176,7 @@ def main(argv=None) -> dict:
             load.kill()
         if mps is not None:
             mps.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write(report, args.out)
     for part in ("alone", "beside"):
         for name, r in report.get(part, {}).items():
             print(f"{part:6s} {name:8s} publish of {args.jobs}: {r['publish_s']['median'] * 1e3:7.1f} ms median "
