@@ -336,6 +336,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         if controls.get("engine_core_process"):
             raise ConfigError(f"nodus fit: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
                               "a profile describes an engine in one process: fit runs without it")
+        if controls.get("publish_pinned") is False:
+            raise ConfigError(f"nodus fit: {rd}'s engine loaded published adapters into pageable host memory "
+                              "(publish_pinned false, :np); a profile describes vLLM's pinned loads: fit runs "
+                              "without it")
         if kernels != want_kernels:
             hint = ("the runs mix two engines: fit the runs of one" if lora_kernels else
                     f"or --lora-kernels {kernels} to fit that engine onto this base")

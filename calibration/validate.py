@@ -197,7 +197,8 @@ def run_controls(summary: dict) -> dict:
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
     that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
     (``--engine-arg``), ``engine_core_process`` for vLLM's core in its own process
-    (``--engine-core-process``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
+    (``--engine-core-process``), ``publish_pinned`` False for adapters the engine loaded into pageable
+    host memory (``RealOptions.publish_pinned``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
     the config (``engine.cuda_graph_max_tokens``), ``engine_env`` for the engine's extra environment
     variables (their names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
@@ -215,6 +216,8 @@ def run_controls(summary: dict) -> dict:
                 out[k] = v
         if d.get("engine_core_process"):
             out["engine_core_process"] = True
+        if d.get("publish_pinned") is False:
+            out["publish_pinned"] = False  # published adapters loaded into pageable host memory (:np)
         if d.get("cuda_graph_max_tokens"):
             out["cuda_graph_max_tokens"] = d["cuda_graph_max_tokens"]  # the sim models it (config)
         if d.get("engine_args"):
@@ -245,6 +248,8 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                              "the profile's engine terms are one process's",
                       "engine_env": "the engine ran with extra environment (--engine-env, e.g. tuned LoRA "
                                     "kernel configs): the profile's engine terms are the default engine's",
+                      "publish_pinned": "the engine loaded published adapters into pageable host memory "
+                                        "(publish_pinned false, :np): the profile's publish is vLLM's pinned one",
                       "audit": "the engine returned logprobs on fewer steps or responses (--audit-every / "
                                "--audit-responses / --no-audit): the profile's engine terms were measured returning "
                                "them for every response of every step"}

@@ -85,7 +85,8 @@ case "${1:-arms}" in
     # unpinned, alone and beside a GPU load at below-normal MPS priority (bench_publish.py).
     random_model
     timeout "${PUB_TIMEOUT:-300}" python experiments/bench_publish.py --model /tmp/nodus-qwen3-0.6b-random \
-      --jobs "${PUB_JOBS:-4}" --versions "${PUB_VERSIONS:-6}" --beside --out "$OUT/publish_h200.json" > "$OUT/publish.log" 2>&1
+      --jobs "${PUB_JOBS:-4}" --versions "${PUB_VERSIONS:-6}" --beside --out "$OUT/publish_h200.json" \
+      > "$OUT/publish.log" 2>&1
     echo "bench_publish rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/publish.log" | tail -45 ;;
   engine-profile)
     # Is the shared generation GPU- or host-bound? A recorded step's generation timed per engine

@@ -109,6 +109,10 @@ class RealOptions:
             if key in ENGINE_ARGS_SET_BY_NODUS:
                 raise ValueError(f"engine_args: {key!r} is set by nodus itself (from the run's config and "
                                  f"options); choose another, or the option that sets it")
+        if not self.publish_pinned and self.engine_core_process:
+            raise ValueError("publish_pinned=False needs the engine core in the engine worker's process "
+                             "(engine_core_process=False): vLLM loads adapters in its core's process, where the "
+                             "worker cannot turn the pinning off")
         if self.audit_every < 1:
             raise ValueError(f"audit_every={self.audit_every}: audit every N-th step needs N >= 1 "
                              "(audit_logprobs=False turns the audit off)")

@@ -64,6 +64,9 @@ class _LoraPinning:
                 self.saved.append((mod, mod.PIN_MEMORY))
 
     def __enter__(self):
+        if not self.on and not self.saved:
+            raise RuntimeError(f"pinned=False: this vLLM has no PIN_MEMORY switch in {', '.join(_PIN_MODULES)}; "
+                               "its adapter loads would stay pinned")
         for mod, value in self.saved:
             mod.PIN_MEMORY = value and self.on
         return self
@@ -370,6 +373,10 @@ class MultiLoRAEngine:
         if prev is not None and version <= prev.version:
             raise ValueError(f"job {job_id!r}: publish version={version} is not newer than the "
                              f"published version={prev.version}")
+        if not pinned and not self.jit_recorded:  # jit_recorded: vLLM's core runs in this process
+            raise ValueError("pinned=False needs vLLM's engine core in this process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0): the core loads adapters in its own process, "
+                             "where this switch does not reach")
         t0 = self._clock()
         with _LoraPinning(pinned):
             lora_id = self._load(job_id, version, path, prev)

@@ -285,3 +285,24 @@ def test_unpinned_loads_leave_vllms_pinning_as_it_was(monkeypatch):
     monkeypatch.setattr(lora_model, "PIN_MEMORY", False)
     with _LoraPinning(True):
         assert lora_model.PIN_MEMORY is False
+    # A failed load leaves vLLM's setting as it was.
+    monkeypatch.setattr(lora_model, "PIN_MEMORY", True)
+    with pytest.raises(OSError, match="no adapter"):
+        with _LoraPinning(False):
+            raise OSError("no adapter")
+    assert lora_model.PIN_MEMORY is True and model_manager.PIN_MEMORY is True
+    # A vLLM without the switch: an unpinned load refuses rather than stays pinned unseen.
+    monkeypatch.setattr("real.engine._PIN_MODULES", ("vllm.no_such_module",))
+    with pytest.raises(RuntimeError, match="no PIN_MEMORY switch"):
+        with _LoraPinning(False):
+            pass
+    with _LoraPinning(True):  # pinned: nothing to switch
+        pass
+
+
+def test_unpinned_publishes_need_the_engine_core_in_the_worker():
+    from real.backend import RealOptions
+
+    with pytest.raises(ValueError, match="publish_pinned=False needs the engine core"):
+        RealOptions(publish_pinned=False, engine_core_process=True)
+    RealOptions(publish_pinned=False)

@@ -225,6 +225,11 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     (runs[0] / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ConfigError, match="ran its core in a process of its own"):
         fit(runs, base=str(graphed_base))
+    summary["diagnostics"][0].pop("engine_core_process")
+    summary["diagnostics"][0]["publish_pinned"] = False
+    (runs[0] / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ConfigError, match="loaded published adapters into pageable host memory"):
+        fit(runs, base=str(graphed_base))
 
 
 def _mark_tuned(run_dir, configs=None):

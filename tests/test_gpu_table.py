@@ -96,6 +96,12 @@ def test_arm_label_names_changed_mps_settings():
     core = {"sharing_controls": default, "engine_core_process": True}
     assert arm_label(arm, {"diagnostics": [core]}) == "overlap/mps/g2+ep"
     assert arm_label(arm, {"diagnostics": [dict(core, cuda_graph_max_tokens=1024)]}) == "overlap/mps/g2+ep+gm1024"
+    # Adapters published into pageable host memory (:np): right after +freed, before the rest.
+    unpinned = {"sharing_controls": controls, "publish_pinned": False}
+    assert arm_label(arm, {"diagnostics": [unpinned]}) == "overlap/mps/g2+np+lowpri+t60"
+    freed = dict(arm, trainer_waits_for_publish=False)
+    assert arm_label(freed, {"diagnostics": [unpinned]}) == "overlap/mps/g2+freed+np+lowpri+t60"
+    assert arm_label(arm, {"diagnostics": [dict(unpinned, publish_pinned=True)]}) == "overlap/mps/g2+lowpri+t60"
 
 
 def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):
@@ -332,3 +338,17 @@ def test_the_trainers_priority_names_a_configuration_only_where_engine_and_train
     assert config_label(row(sync, slow)) == "8 jobs shared-sync g=1 mps"
     assert config_key(row(ovl, slow)) != config_key(row(ovl, {}))
     assert config_label(row(ovl, slow)) == "8 jobs overlap g=2 mps trainer_priority=below-normal"
+
+
+def test_the_unpinned_publish_factor_pairs_runs_that_differ_only_in_it(tmp_path):
+    from experiments.gpu_table import main
+
+    low = {"sharing_controls": {"trainer_priority": "below-normal"}}
+    arm = dict(policy="overlap", groups=2, sharing="mps")
+    runs = _simulated(tmp_path, (("pinned", arm),), diagnostics=[low], jobs=4, steps=3, seed=1)
+    runs += _simulated(tmp_path, (("np", arm),), diagnostics=[dict(low, publish_pinned=False)], jobs=4, steps=3,
+                       seed=1)
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    assert {"overlap/mps/g2+lowpri/4jobs", "overlap/mps/g2+np+lowpri/4jobs"} <= set(table["arms"])
+    sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"] for k in ("pinned", "np")}
+    assert table["factors"]["4+lowpri"]["1"]["publish_unpinned"] == pytest.approx(sph["np"] / sph["pinned"])

@@ -234,6 +234,13 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     assert unmodelled_controls(run_controls(core)) == [
         "the engine's core ran in a process of its own (--engine-core-process): the profile's engine terms "
         "are one process's"]
+    # Adapters published into pageable host memory: another configuration, outside the profile.
+    unpinned = {"diagnostics": [dict(plain["diagnostics"][0], publish_pinned=False)]}
+    pinned = {"diagnostics": [dict(plain["diagnostics"][0], publish_pinned=True)]}
+    assert run_controls(unpinned) == {"publish_pinned": False} and run_controls(pinned) == {}
+    assert unmodelled_controls(run_controls(unpinned)) == [
+        "the engine loaded published adapters into pageable host memory (publish_pinned false, :np): the "
+        "profile's publish is vLLM's pinned one"]
     # The engine's logprobs on fewer steps than every one: another configuration, outside the profile.
     # Or on fewer responses: another configuration too. The table labels name the same settings.
     from calibration.validate import audit_label
