@@ -32,14 +32,18 @@ def cmd_profiles(a: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     pct = (lambda x: "-" if x is None else f"{x:.1%}")
-    print("| profile | GPU | host | date | held-out MAPE | bias | held-out runs | assumptions | report |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| profile | GPU | host | date | held-out MAPE | bias | held-out runs | other days: MAPE (runs) "
+          "| assumptions | report |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         name = r["name"] + (" (default)" if r["name"] == DEFAULT_PROFILE else "")
+        days = f"{pct(r['across_days_mape'])} ({r['across_days_runs']})" if r["across_days_runs"] else "-"
         print(f"| {name} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
-              f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {r['assumptions']} | {r['report'] or '-'} |")
+              f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {days} | {r['assumptions']} | {r['report'] or '-'} |")
     print("\nA profile describes the host it was measured on, not only its GPU model: pick the one "
-          "measured where the jobs will run (nodus sim --profile NAME).")
+          "measured where the jobs will run (nodus sim --profile NAME). Held-out MAPE: on its own day's runs "
+          "of more jobs than it was fitted on; other days: on other days' such runs under the MPS settings its "
+          "rates were fitted under (experiments/crossday.py).")
     return 0
 
 

@@ -247,9 +247,14 @@ def error_bar_line(validation: dict | None) -> str:
     v = validation or {}
     if v.get("heldout_mape") is None:
         return "This profile carries no validation against real runs (nodus validate --annotate)."
-    return (f"This profile against {v.get('heldout_runs', 0)} held-out real runs: steps per GPU-hour "
+    line = (f"This profile against {v.get('heldout_runs', 0)} held-out real runs: steps per GPU-hour "
             f"MAPE {v['heldout_mape']:.1%}, bias {v['heldout_bias']:+.1%}, worst {v['heldout_worst']:.1%}"
             + (f" ({v['report']})" if v.get("report") else "") + ".")
+    if v.get("across_days_mape") is not None:
+        line += (f" On {v.get('across_days_runs', 0)} runs of other days: MAPE {v['across_days_mape']:.1%}, "
+                 f"bias {v['across_days_bias']:+.1%}, worst {v['across_days_worst']:.1%}"
+                 + (f" ({v['across_days_report']})" if v.get("across_days_report") else "") + ".")
+    return line
 
 
 def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dict] | None = None) -> str:

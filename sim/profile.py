@@ -175,6 +175,13 @@ class Validation(_M):
     heldout_runs: int = 0
     configurations: list[str] = []  # the held-out runs' arms, e.g. "8 jobs overlap g=2 mps"
     report: str | None = None  # where the full report is
+    # The same error on other days' held-out runs under the MPS settings its rates were fitted under
+    # (experiments/crossday.py --annotate): what a plan for a day no profile was fitted on meets.
+    across_days_mape: float | None = None
+    across_days_bias: float | None = None
+    across_days_worst: float | None = None
+    across_days_runs: int = 0
+    across_days_report: str | None = None
 
 
 class Profile(_M):
@@ -225,6 +232,7 @@ def profile_summaries() -> list[dict]:
             "host": " / ".join(str(host[k]) for k in ("cpu", "cpus") if host.get(k)) or host.get("note"),
             "heldout_mape": v.heldout_mape if v else None, "heldout_bias": v.heldout_bias if v else None,
             "heldout_runs": v.heldout_runs if v else 0, "report": v.report if v else None,
+            "across_days_mape": v.across_days_mape if v else None, "across_days_runs": v.across_days_runs if v else 0,
             "assumptions": len(p.assumptions)})
     return out
 
