@@ -54,6 +54,44 @@ def _phase_means(spans: list[dict]) -> dict[str, float]:
     return out
 
 
+def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
+    """Mean seconds of a run's generate and train actions that ran alone (the other phase beside them
+    for at most 1 - ``cover`` of their length) and beside the other phase (for at least ``cover``):
+    what co-running costs each side. A group's generate action spans its jobs' generations (from
+    their common start to the last end); other actions partly beside the other phase count in
+    neither. {phase: {"alone": s, "beside": s, "n_alone": k, "n_beside": k}}, means None where none."""
+    acts: dict[str, dict[tuple, float]] = {"generate": {}, "train": {}}
+    for sp in spans:
+        if sp["phase"] in acts:
+            key = (sp["gpu"], sp["group"], sp["start_s"])
+            acts[sp["phase"]][key] = max(acts[sp["phase"]].get(key, sp["end_s"]), sp["end_s"])
+    out = {}
+    for ph, other in (("generate", "train"), ("train", "generate")):
+        alone, beside = [], []
+        for (gpu, group, start), end in acts[ph].items():
+            span = end - start
+            if span <= 0:
+                continue
+            covered = [(max(s, start), min(e, end)) for (g2, grp2, s), e in acts[other].items()
+                       if g2 == gpu and grp2 != group and s < end and e > start]
+            frac = _union(covered) / span
+            (alone if frac <= 1 - cover else beside if frac >= cover else []).append(span)
+        out[ph] = {"alone": float(np.mean(alone)) if alone else None,
+                   "beside": float(np.mean(beside)) if beside else None,
+                   "n_alone": len(alone), "n_beside": len(beside)}
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
 def load_recorded(run_dir: Path) -> tuple[dict, dict, list[dict]]:
     for f in ("config.json", "summary.json", "spans.jsonl"):
         if not (run_dir / f).is_file():

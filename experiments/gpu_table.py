@@ -110,8 +110,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
           notes: list[str] | None = None) -> dict:
     """`run_profiles`: run-folder path prefix -> profile for the runs under it (runs made on
     another host are simulated on that host's profile); the rest use `profile`."""
-    from calibration.validate import (_phase_means, _simulate, host_flags, jit_flags, load_recorded, recorded_configs,
-                                      run_host_probe, run_jit_compiles)
+    from calibration.validate import (_phase_means, _simulate, corun_phase_means, host_flags, jit_flags, load_recorded,
+                                      recorded_configs, run_host_probe, run_jit_compiles)
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
@@ -122,6 +122,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         return hits[0] if hits else profile
 
     rows = []
+    corun: dict[str, dict] = {}  # run -> each phase's mean seconds alone and beside the other
     # Per (jobs, seed, code settings), over its dedicated runs: steps per GPU-hour, each job's
     # finish time alone, and the simulator's dedicated prediction. The settings are the run's
     # label flags (frozenset(): none; {"+cg", "+lk"}: the graphed trainer and tuned LoRA kernels):
@@ -138,6 +139,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         sim = _simulate(recorded_configs(rd, cfg, spans, profile_of(rd))[0], f"{rd}/config.json")
         plain = arm_label(cfg["arm"], summary, cfg.get("trainer"))
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
+        corun[str(rd)] = corun_phase_means(spans)
         if plain == "dedicated/none/g1" or plain.startswith("dedicated/none/g1+"):
             key = (jobs, seed, label_flags(plain))
             ded_sph.setdefault(key, []).append(summary["steps_per_gpu_hour"])
@@ -166,6 +168,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             prev["repeats"] = prev.get("repeats", [prev["run"]]) + [str(rd)]
             n = len(prev["repeats"])
             prev["phase_s"] = {k: (v * (n - 1) + phase_s.get(k, v)) / n for k, v in prev["phase_s"].items()}
+            prev["corun_s"] = _merge_corun(prev["corun_s"], corun[str(rd)])
             if not is_base:  # measured and simulated: the mean over the runs, over the row's own baselines
                 for kind, value in (("steps_per_gpu_hour", summary["steps_per_gpu_hour"]),
                                     ("sim_steps_per_gpu_hour", sim["steps_per_gpu_hour"])):
@@ -221,6 +224,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "reference_ratio": (REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8
                                 else REFERENCE_SCALING.get((arm_label(cfg["arm"]), jobs))),
             "phase_s": phase_s,
+            # Each phase's actions alone and beside the other phase (calibration.validate.corun_phase_means).
+            "corun_s": corun[str(rd)],
             # True: some jobs had no dedicated run and took a same-task job's (same length model).
             "baseline_by_task": by_task,
             # The dedicated run's settings the ratio divides by, when not the defaults (e.g. "+cg").
@@ -332,6 +337,19 @@ def _subset_baseline(jobs: dict[str, str], seed: int, alone_finish: dict, ded_st
     return base, sbase, alone, by_task
 
 
+def _merge_corun(a: dict, b: dict) -> dict:
+    """Two runs' ``corun_phase_means`` as one: each mean weighted by its count of actions."""
+    out = {}
+    for ph in a:
+        m = {}
+        for side in ("alone", "beside"):
+            na, nb = a[ph][f"n_{side}"], b[ph][f"n_{side}"]
+            total = (a[ph][side] or 0.0) * na + (b[ph][side] or 0.0) * nb
+            m[side], m[f"n_{side}"] = (total / (na + nb) if na + nb else None), na + nb
+        out[ph] = m
+    return out
+
+
 def render(table: dict) -> str:
     others = "".join(f"; runs under `{k}` on `{v}`" for k, v in (table.get("run_profiles") or {}).items())
     lines = [f"Measured on the GPU; simulator on profile `{table['profile']}`{others}, replaying each run's lengths.", ""]
@@ -367,6 +385,17 @@ def render(table: dict) -> str:
                 ph = d.get("phase_s") or {}
                 lines.append(f"| {label} | {seed} | {f(ph.get('generate'), 3)} | {f(ph.get('train'), 3)} | "
                              f"{f(ph.get('publish'), 3)} |")
+    both = [(label, seed, d["corun_s"]) for label, per in table["arms"].items() for seed, d in sorted(per.items())
+            if d.get("corun_s") and all(d["corun_s"][ph]["n_beside"] for ph in ("generate", "train"))]
+    if both:
+        lines += ["", "What co-running costs each side (mean seconds of a phase's actions run alone, with none of the "
+                  "other phase beside them, and beside the other phase; actions in n):", "",
+                  "| arm | seed | generate alone (n) | generate beside (n) | train alone (n) | train beside (n) |",
+                  "|---|---|---|---|---|---|"]
+        for label, seed, c in both:
+            g, t = c["generate"], c["train"]
+            cells = [f"{f(x[side])} ({x['n_' + side]})" for x in (g, t) for side in ("alone", "beside")]
+            lines.append(f"| {label} | {seed} | " + " | ".join(cells) + " |")
     if table.get("learning"):
         lines += _render_learning(table["learning"])
     hostf = table.get("host") or {}

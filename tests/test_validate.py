@@ -329,3 +329,20 @@ def test_validate_and_the_gpu_table_name_runs_whose_engine_compiled_while_measur
     table = build(runs, DEFAULT_PROFILE)
     assert [Path(f["run"]).name for f in table["jit"]["flagged"]] == ["ovl2"]
     assert "ovl2 (2: _lora_expand_kernel, _lora_shrink_kernel)" in render(table)
+
+
+def test_each_phase_alone_and_beside_the_other():
+    from calibration.validate import corun_phase_means
+
+    def span(phase, group, start, end, job="j"):
+        return {"phase": phase, "group": group, "gpu": 0, "start_s": start, "end_s": end, "job": job}
+
+    spans = [span("generate", 0, 0.0, 1.0), span("generate", 0, 0.0, 1.2, "k"),  # one action: 0-1.2 s, alone
+             span("train", 0, 1.2, 3.2), span("generate", 1, 1.2, 3.0),  # side by side
+             span("train", 1, 3.2, 4.0),  # beside generate 0 for 0.7 of 0.8 s: neither alone nor beside
+             span("generate", 0, 3.3, 4.3)]  # beside train 1 for 0.7 of 1.0 s: neither
+    c = corun_phase_means(spans)
+    assert c["generate"] == {"alone": pytest.approx(1.2), "beside": pytest.approx(1.8), "n_alone": 1, "n_beside": 1}
+    assert c["train"] == {"alone": None, "beside": pytest.approx(2.0), "n_alone": 0, "n_beside": 1}
+    # A group's own phases never count as beside each other.
+    assert corun_phase_means([span("generate", 0, 0, 1), span("train", 0, 0.5, 1.5)])["train"]["n_alone"] == 1
