@@ -57,22 +57,25 @@ def _phase_means(spans: list[dict]) -> dict[str, float]:
 def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
     """Mean seconds of a run's generate and train actions that ran alone (the other phase beside them
     for at most 1 - ``cover`` of their length) and beside the other phase (for at least ``cover``):
-    what co-running costs each side. A group's generate action spans its jobs' generations (from
-    their common start to the last end); other actions partly beside the other phase count in
+    what co-running costs each side. A group's generate action spans its jobs' generations of one
+    step (from the first start to the last end); other actions partly beside the other phase count in
     neither. {phase: {"alone": s, "beside": s, "n_alone": k, "n_beside": k}}, means None where none."""
-    acts: dict[str, dict[tuple, float]] = {"generate": {}, "train": {}}
+    acts: dict[str, dict[tuple, list[float]]] = {"generate": {}, "train": {}}
     for sp in spans:
         if sp["phase"] in acts:
-            key = (sp["gpu"], sp["group"], sp["start_s"])
-            acts[sp["phase"]][key] = max(acts[sp["phase"]].get(key, sp["end_s"]), sp["end_s"])
+            # One action: a group's spans of one step (their start, where a span has no step).
+            step = (sp.get("attrs") or {}).get("step")
+            key = (sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"]))
+            a = acts[sp["phase"]].setdefault(key, [sp["start_s"], sp["end_s"]])
+            a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
     out = {}
     for ph, other in (("generate", "train"), ("train", "generate")):
         alone, beside = [], []
-        for (gpu, group, start), end in acts[ph].items():
+        for (gpu, group, _), (start, end) in acts[ph].items():
             span = end - start
             if span <= 0:
                 continue
-            covered = [(max(s, start), min(e, end)) for (g2, grp2, s), e in acts[other].items()
+            covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e) in acts[other].items()
                        if g2 == gpu and grp2 != group and s < end and e > start]
             frac = _union(covered) / span
             (alone if frac <= 1 - cover else beside if frac >= cover else []).append(span)
@@ -576,10 +579,13 @@ def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | Non
     prof = profile_dict(profile)
     held = [r for r in rep["rows"] if r["heldout"]]
     h = rep["heldout_replay"]
+    # An in-place annotation keeps the profile's error on other days (experiments/crossday.py), which
+    # this validation does not measure.
+    days = {k: v for k, v in (prof.get("validation") or {}).items() if k.startswith("across_days_")} if in_place else {}
     prof["validation"] = {
         "heldout_mape": h["mape"], "heldout_bias": h["bias"], "heldout_worst": h["worst"],
         "kendall_tau": h["kendall_tau"], "heldout_runs": len(held),
         "configurations": sorted({config_label(r) for r in held if r.get("arm")}),
-        "report": report}
+        "report": report, **days}
     write_profile(prof, out, "nodus validate --annotate", overwrite=in_place)
     return prof

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import sys
 from pathlib import Path
 
 # Run controls (calibration.validate.run_controls) of settings no profile here was fitted with.
@@ -47,7 +48,7 @@ def cell(rows: list[dict]) -> dict:
     return {"per_run": {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)},
             "per_config": {k: per_config.get(k) for k in ("mape", "worst", "bias", "n", "kendall_tau")},
             "mps_flagged": sum(mps_flagged(r) for r in rows),
-            "runs": [Path(r["run"]).name for r in rows]}
+            "runs": [r["run"] for r in rows]}
 
 
 def crossday(profiles: list[tuple[str, str | None]], days: list[tuple[str, list[str]]],
@@ -69,10 +70,12 @@ def crossday(profiles: list[tuple[str, str | None]], days: list[tuple[str, list[
             others = [c for day, c in out[part][p].items() if day != fit_day and c["per_run"]["n"]]
             n = sum(c["per_run"]["n"] for c in others)
             out[part][p]["across_days"] = {
-                "runs": n,
+                "runs": n, "days": len(others),
                 "mape": sum(c["per_run"]["mape"] * c["per_run"]["n"] for c in others) / n if n else None,
                 "bias": sum(c["per_run"]["bias"] * c["per_run"]["n"] for c in others) / n if n else None,
-                "worst": max((c["per_run"]["worst"] for c in others), default=None)}
+                "worst": max((c["per_run"]["worst"] for c in others), default=None),
+                # Each day weighing the same (the days hold different numbers and kinds of runs).
+                "mape_per_day_mean": (sum(c["per_run"]["mape"] for c in others) / len(others)) if others else None}
     return out
 
 
@@ -101,7 +104,9 @@ def _table(rep: dict, part: str) -> str:
                        f"{pct(r['mape'])}{star} ({'+' if r['bias'] >= 0 else ''}{pct(r['bias'])}; {r['n']}); "
                        f"config {pct(k.get('mape'))}")
         a = cells["across_days"]
-        row.append(f"{pct(a['mape'])} (bias {pct(a['bias'])}, worst {pct(a['worst'])}; {a['runs']})")
+        sign = "+" if (a["bias"] or 0) >= 0 else ""
+        row.append(f"{pct(a['mape'])} (bias {sign}{pct(a['bias'])}, worst {pct(a['worst'])}; {a['runs']}); "
+                   f"per-day mean {pct(a['mape_per_day_mean'])}")
         lines.append(f"| {p['profile']} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -115,11 +120,16 @@ def annotate(rep: dict, report: str) -> list[str]:
     for p in rep["profiles"]:
         name = p["profile"]
         a = rep["matched"][name]["across_days"]
-        if name not in shipped_profiles() or not a["runs"]:
+        if name not in shipped_profiles():
             continue
+        if p["fit_day"] is None:
+            raise ValueError(f"--annotate: {name} has no fit day (--profile {name}=DAY): its own day's runs would "
+                             "count as other days'")
         prof = profile_dict(name)
+        # No run of another day: no across-days error (an earlier one is cleared, not left standing).
         prof["validation"] = dict(prof.get("validation") or {}, across_days_mape=a["mape"], across_days_bias=a["bias"],
-                                  across_days_worst=a["worst"], across_days_runs=a["runs"], across_days_report=report)
+                                  across_days_worst=a["worst"], across_days_runs=a["runs"],
+                                  across_days_report=report if a["runs"] else None)
         path = Path(str(shipped_profile_path(name)))
         write_profile(prof, path, "experiments/crossday.py --annotate", overwrite=True)
         done.append(str(path))
@@ -152,7 +162,12 @@ def main(argv=None) -> dict:
     for p, day in profiles:
         if day is not None and day not in names:
             ap.error(f"--profile {p}={day}: {day!r} is not a --day name ({', '.join(sorted(names))})")
+    if args.annotate:
+        for p, day in profiles:
+            if day is None:
+                ap.error(f"--annotate needs each profile's fit day: --profile {p}=DAY")
     rep = crossday(profiles, days, args.keep_any)
+    rep["argv"] = list(argv) if argv is not None else sys.argv[1:]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "crossday.json").write_text(json.dumps(rep, indent=2) + "\n")

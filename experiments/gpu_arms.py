@@ -128,13 +128,18 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     return name, jobs, groups, seeds, mb, wait, trainer
 
 
-def sim_profile(given: str | None, trainer_graphs: bool) -> str:
+def sim_profile(given: str | None, trainer_graphs: bool, corun_priority: str | None = None) -> str:
     """The profile an arm's simulated figure uses: the one asked for, else the shipped profile of
     the arm's trainer (a graphed trainer's run against the eager trainer's profile read 4672 for a
-    measured 6459 in session 15's log)."""
-    from nodus.config import DEFAULT_PROFILES
+    measured 6459 in session 15's log), and for a graphed arm that co-runs engine and trainer under
+    MPS, the one fitted at its trainer's priority (``corun_priority``; None: nothing co-runs)."""
+    from nodus.config import DEFAULT_PROFILES, GRAPHED_NORMAL_PRIORITY_PROFILE
 
-    return given or DEFAULT_PROFILES["graphed" if trainer_graphs else "eager"]
+    if given:
+        return given
+    if trainer_graphs and corun_priority == "normal":
+        return GRAPHED_NORMAL_PRIORITY_PROFILE
+    return DEFAULT_PROFILES["graphed" if trainer_graphs else "eager"]
 
 
 def dedicated_key(name: str, keys) -> str | None:
@@ -274,7 +279,8 @@ def main() -> None:
 
     from calibration.validate import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
-    from nodus.config import ConfigError, drop_idle_priority, engine_args_size_graphs, graph_sizes_given
+    from nodus.config import (NO_CORUN_POLICIES, ConfigError, drop_idle_priority, engine_args_size_graphs,
+                              graph_sizes_given)
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
@@ -412,7 +418,9 @@ def main() -> None:
                     run_dir = args.out / f"{key}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
                 write_run(run_dir, cfg, summary, runs)
-                profile = sim_profile(args.profile, arm_opts.trainer_graphs)
+                corun = sharing == "mps" and policy not in NO_CORUN_POLICIES
+                profile = sim_profile(args.profile, arm_opts.trainer_graphs,
+                                      arm_opts.trainer_priority if corun else None)
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
                     seed=seed, profile=profile), engine_args))

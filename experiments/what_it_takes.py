@@ -49,8 +49,9 @@ def render(rows: list[dict], profile: str, validation: dict | None) -> str:
         lines.append(f"| {t:g} | " + " | ".join(f"{c['steps_per_gpu_hour']:.0f} ({c['ratio_vs_dedicated']:.2f}x)"
                                                  for c in cells) + " |")
     if validation:
-        lines += ["", f"Error bar: this profile's held-out MAPE {validation['heldout_mape']:.1%}, bias "
-                      f"{validation['heldout_bias']:+.1%} ({validation.get('report')})."]
+        from nodus.simulate import error_bar_line
+
+        lines += ["", f"Error bar: {error_bar_line(validation)}"]
     return "\n".join(lines)
 
 

@@ -41,9 +41,9 @@ def cmd_profiles(a: argparse.Namespace) -> int:
         print(f"| {name} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
               f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {days} | {r['assumptions']} | {r['report'] or '-'} |")
     print("\nA profile describes the host it was measured on, not only its GPU model: pick the one "
-          "measured where the jobs will run (nodus sim --profile NAME). Held-out MAPE: on its own day's runs "
-          "of more jobs than it was fitted on; other days: on other days' such runs under the MPS settings its "
-          "rates were fitted under (experiments/crossday.py).")
+          "measured where the jobs will run (nodus sim --profile NAME). Held-out MAPE: on the runs of more jobs "
+          "than it was fitted on that its report names; other days: on such runs of the days it was not fitted "
+          "on, under the MPS settings its rates were fitted under (experiments/crossday.py).")
     return 0
 
 

@@ -40,17 +40,17 @@ def test_each_profile_against_each_day_and_across_days(days):
     rep = crossday([(OLD, "a"), (NEW, "b")], days)
     old, new = rep["cells"][OLD], rep["cells"][NEW]
     # The eager-trainer run is another trainer than these profiles describe: left out.
-    assert old["a"]["per_run"]["n"] == 2 and "a-eager" not in old["a"]["runs"]
+    assert old["a"]["per_run"]["n"] == 2 and not any(r.endswith("a-eager") for r in old["a"]["runs"])
     # A run recorded by the simulator on a profile, replayed on that profile: no error.
     assert old["a"]["per_run"]["mape"] == pytest.approx(0, abs=1e-9)
     assert new["b"]["per_run"]["mape"] == pytest.approx(0, abs=1e-9)
     assert new["a"]["per_run"]["mape"] > 0.001
     # The below-normal overlap run is outside OLD's MPS rates: flagged, and left out where matched.
     assert old["b"]["mps_flagged"] == 1 and rep["matched"][OLD]["b"]["per_run"]["n"] == 1
-    assert rep["matched"][OLD]["b"]["runs"] == ["b-sync"]  # shared-sync: the priority decides nothing
+    assert [r.rsplit("/", 1)[-1] for r in rep["matched"][OLD]["b"]["runs"]] == ["b-sync"]  # shared-sync: no priority
     # Across days: only the other day's runs, pooled.
     a = old["across_days"]
-    assert a["runs"] == 2 and a["mape"] == pytest.approx(old["b"]["per_run"]["mape"])
+    assert a["runs"] == 2 and a["mape"] == pytest.approx(old["b"]["per_run"]["mape"]) == a["mape_per_day_mean"]
     assert rep["matched"][OLD]["across_days"]["runs"] == 1
 
 
@@ -76,3 +76,26 @@ def test_the_cli_names_a_day_that_matches_nothing(tmp_path):
 
     with pytest.raises(SystemExit):
         main(["--profile", OLD, "--day", f"x={tmp_path}/none*", "--out", str(tmp_path / "o")])
+
+
+def test_annotating_needs_each_profiles_fit_day(days, tmp_path, capsys):
+    from experiments.crossday import annotate, crossday, main
+
+    with pytest.raises(SystemExit):
+        main(["--profile", OLD, "--day", f"a={days[0][1][0]}", "--out", str(tmp_path / "o"), "--annotate"])
+    assert "needs each profile's fit day" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="has no fit day"):
+        annotate(crossday([(OLD, None)], days[:1]), "x.md")
+
+
+def test_an_in_place_validation_keeps_the_across_days_error(days, tmp_path):
+    from calibration.validate import annotate_profile, validate
+    from sim.profile import shipped_profile_path
+
+    copy = tmp_path / "p.json"
+    prof = json.loads(shipped_profile_path(OLD).read_text())
+    prof["validation"] = dict(prof.get("validation") or {}, across_days_mape=0.05, across_days_runs=3)
+    copy.write_text(json.dumps(prof))
+    annotate_profile(str(copy), validate(days[0][1][:2], str(copy)), copy, "r.md")
+    v = json.loads(copy.read_text())["validation"]
+    assert v["across_days_mape"] == 0.05 and v["across_days_runs"] == 3 and v["report"] == "r.md"

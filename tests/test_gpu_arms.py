@@ -99,6 +99,15 @@ def test_each_arm_is_simulated_on_the_shipped_profile_of_its_trainer():
     assert sim_profile("mine.json", True) == "mine.json"
     for mode, name in DEFAULT_PROFILES.items():
         assert profile_step_mode(profile_dict(name)) == mode
+    # A graphed arm co-running at a trainer priority: the graphed profile fitted at that priority.
+    from nodus.config import GRAPHED_NORMAL_PRIORITY_PROFILE
+
+    low = profile_dict(sim_profile(None, True, "below-normal"))["sharing"]["controls"]
+    normal = profile_dict(sim_profile(None, True, "normal"))
+    assert low == {"trainer_priority": "below-normal"}
+    assert sim_profile(None, True, "normal") == GRAPHED_NORMAL_PRIORITY_PROFILE
+    assert profile_step_mode(normal) == "graphed" and not (normal["sharing"].get("controls") or {})
+    assert sim_profile(None, False, "normal") == DEFAULT_PROFILES["eager"]
 
 
 def test_an_arms_ratio_is_over_the_dedicated_run_of_its_own_trainer():

@@ -338,11 +338,22 @@ def test_each_phase_alone_and_beside_the_other():
         return {"phase": phase, "group": group, "gpu": 0, "start_s": start, "end_s": end, "job": job}
 
     spans = [span("generate", 0, 0.0, 1.0), span("generate", 0, 0.0, 1.2, "k"),  # one action: 0-1.2 s, alone
-             span("train", 0, 1.2, 3.2), span("generate", 1, 1.2, 3.0),  # side by side
+             span("train", 0, 1.2, 3.2), span("generate", 1, 1.2, 3.05),  # side by side (0.925 of the train)
              span("train", 1, 3.2, 4.0),  # beside generate 0 for 0.7 of 0.8 s: neither alone nor beside
              span("generate", 0, 3.3, 4.3)]  # beside train 1 for 0.7 of 1.0 s: neither
     c = corun_phase_means(spans)
-    assert c["generate"] == {"alone": pytest.approx(1.2), "beside": pytest.approx(1.8), "n_alone": 1, "n_beside": 1}
+    assert c["generate"] == {"alone": pytest.approx(1.2), "beside": pytest.approx(1.85), "n_alone": 1, "n_beside": 1}
     assert c["train"] == {"alone": None, "beside": pytest.approx(2.0), "n_alone": 0, "n_beside": 1}
+    # Three groups: two others' generations overlapping each other beside one train count once.
+    three = [span("train", 0, 0.0, 2.0), span("generate", 1, 0.0, 1.5), span("generate", 2, 0.5, 2.0)]
+    assert corun_phase_means(three)["train"]["n_beside"] == 1
+    gap = [span("train", 0, 0.0, 2.0), span("generate", 1, 0.0, 0.9), span("generate", 2, 0.1, 1.0)]
+    assert corun_phase_means(gap)["train"] == {"alone": None, "beside": None, "n_alone": 0, "n_beside": 0}
+    # Two runs of one row: each mean weighted by its actions.
+    from experiments.gpu_table import _merge_corun
+
+    m = _merge_corun(c, corun_phase_means(three))
+    assert m["train"] == {"alone": None, "n_alone": 0, "beside": pytest.approx(2.0), "n_beside": 2}
+    assert m["generate"]["n_beside"] == 3 and m["generate"]["beside"] == pytest.approx((1.85 + 1.5 + 1.5) / 3)
     # A group's own phases never count as beside each other.
     assert corun_phase_means([span("generate", 0, 0, 1), span("train", 0, 0.5, 1.5)])["train"]["n_alone"] == 1
