@@ -60,6 +60,8 @@ def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
     what co-running costs each side. A group's generate action spans its jobs' generations of one
     step (from the first start to the last end); other actions partly beside the other phase count in
     neither. {phase: {"alone": s, "beside": s, "n_alone": k, "n_beside": k}}, means None where none."""
+    from nodus.accounting import union_length
+
     acts: dict[str, dict[tuple, list[float]]] = {"generate": {}, "train": {}}
     for sp in spans:
         if sp["phase"] in acts:
@@ -77,22 +79,12 @@ def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
                 continue
             covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e) in acts[other].items()
                        if g2 == gpu and grp2 != group and s < end and e > start]
-            frac = _union(covered) / span
+            frac = union_length(covered) / span
             (alone if frac <= 1 - cover else beside if frac >= cover else []).append(span)
         out[ph] = {"alone": float(np.mean(alone)) if alone else None,
                    "beside": float(np.mean(beside)) if beside else None,
                    "n_alone": len(alone), "n_beside": len(beside)}
     return out
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
 
 
 def load_recorded(run_dir: Path) -> tuple[dict, dict, list[dict]]:
