@@ -343,6 +343,8 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
     got = [k for k in RATES if k in rates]
     for k in got:
         profile["sharing"][k] = dict(rates[k])
+    from calibration.validate import settings_text
+
     # Measured with nodus's default MPS settings: the profile's MPS rates are now the defaults'.
     was = profile["sharing"].get("controls") or {}
     mps_got = [k for k in got if k.startswith("mps_")]
@@ -352,7 +354,7 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
     if was and mps_got and len(mps_got) < len([k for k in RATES if k.startswith("mps_")]):
         mixed = {"id": "sharing-controls-mixed", "value": None,
                  "what": f"MPS rates measured at the default MPS settings ({', '.join(mps_got)}) beside the base's "
-                         f"others, fitted under {', '.join(f'{k}={v}' for k, v in sorted(was.items()))}"}
+                         f"others, fitted under {settings_text(was)}"}
     if rates.get("per_bucket"):
         profile["sharing"]["corun_by_engine_batch"] = corun_by_engine_batch(rates["per_bucket"])
     profile.setdefault("measurements", {})["sharing"] = dict(measured, rates_measured=got)

@@ -300,7 +300,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
 
-    from calibration.validate import run_controls, sharing_controls
+    from calibration.validate import run_controls, settings_text, sharing_controls
 
     prof = profile_dict(base)  # read once: the checks below read it, the fit changes it
     base_mode = profile_step_mode(prof)
@@ -368,11 +368,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         raise ConfigError("nodus fit: the runs' trainers used different multi-adapter layouts ("
                           + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layouts.items()))
                           + "); fit the runs of one layout")
-    said = lambda k: ", ".join(f"{n}={v}" for n, v in k) or "the defaults"  # noqa: E731
     mps_settings = _mps_settings(mps_runs)
     if len(mps_settings) > 1:
         raise ConfigError("nodus fit: the MPS runs used different MPS settings ("
-                          + "; ".join(f"{said(k)}: {', '.join(v)}" for k, v in sorted(mps_settings.items()))
+                          + "; ".join(f"{settings_text(dict(k))}: {', '.join(v)}"
+                                      for k, v in sorted(mps_settings.items()))
                           + "), which move the co-run rates the fit sets; fit the runs of one setting")
     runs_mps = next(iter(mps_settings), None)
     co_runs = any(c for _, _, c in mps_runs)
@@ -380,8 +380,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     # Without a co-running MPS run the runs say nothing of the trainer's priority.
     base_mps = tuple(sorted((k, v) for k, v in base_ctrl.items() if co_runs or k != "trainer_priority"))
     if scales_only and runs_mps is not None and runs_mps != base_mps:
-        raise ConfigError(f"nodus fit --scales-only keeps the base's MPS rates, fitted under {said(base_mps)}: its MPS "
-                          f"runs ran {said(runs_mps)} ({', '.join(mps_settings[runs_mps])})")
+        raise ConfigError("nodus fit --scales-only keeps the base's MPS rates, fitted under "
+                          f"{settings_text(dict(base_mps))}: its MPS runs ran {settings_text(dict(runs_mps))} "
+                          f"({', '.join(mps_settings[runs_mps])})")
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
                           f"(need >= 3); held out: {skipped}")
@@ -462,8 +463,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
             prof["assumptions"].append(
                 {"id": "sharing-controls-mixed", "value": None,
                  "what": f"the MPS rates {', '.join(moved)} are the base profile's, fitted under "
-                         f"{said(tuple(sorted(base_ctrl.items())))}; the rates fitted here are of "
-                         f"{said(tuple(sorted(new.items())))} (sharing.controls): runs that exercise them "
+                         f"{settings_text(base_ctrl)}; the rates fitted here are of "
+                         f"{settings_text(new)} (sharing.controls): runs that exercise them "
                          "under these settings would fit them"})
     dropped = _drop_refitted_batch_rates(sharing, rates)
     if rates:

@@ -298,6 +298,20 @@ def sharing_controls(controls: dict, policy: str | None = None) -> dict:
     return {k: v for k, v in drop_idle_priority(controls, policy).items() if k in keys}
 
 
+def settings_text(settings: dict) -> str:
+    """'trainer_priority=below-normal, trainer_thread_pct=50'; 'the defaults' for none."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "the defaults"
+
+
+def mps_settings_differ(controls: dict, profile_sharing: dict | None, mps: bool,
+                        policy: str | None = None) -> tuple[dict, dict] | None:
+    """For a run under MPS (``mps``), its MPS settings and the profile's (``sharing.controls``) as far
+    as its ``policy`` uses them (``sharing_controls``), where they differ; None where they agree."""
+    run_sharing = sharing_controls(controls, policy)
+    prof_sharing = sharing_controls(dict(profile_sharing or {}), policy)
+    return (run_sharing, prof_sharing) if mps and run_sharing != prof_sharing else None
+
+
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
                         profile_lora_kernels: str = "default", profile_sharing: dict | None = None,
                         mps: bool = False, policy: str | None = None) -> list[str]:
@@ -308,12 +322,11 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     MPS rates were fitted under (``sharing.controls``), compared for a run under MPS (``mps``) as
     far as its ``policy`` uses them (``sharing_controls``)."""
     out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
-    run_sharing = sharing_controls(controls, policy)
-    prof_sharing = sharing_controls(dict(profile_sharing or {}), policy)
-    if mps and run_sharing != prof_sharing:
-        said = lambda d: ", ".join(f"{k}={v}" for k, v in sorted(d.items())) or "the defaults"  # noqa: E731
-        out.append(f"the run's MPS settings ({said(run_sharing)}) are not those the profile's MPS rates were "
-                   f"fitted under ({said(prof_sharing)}, sharing.controls)")
+    differ = mps_settings_differ(controls, profile_sharing, mps, policy)
+    if differ:
+        run_sharing, prof_sharing = differ
+        out.append(f"the run's MPS settings ({settings_text(run_sharing)}) are not those the profile's MPS rates "
+                   f"were fitted under ({settings_text(prof_sharing)}, sharing.controls)")
     kernels = controls.get("lora_kernels", "default")
     if kernels != profile_lora_kernels:
         out.append(f"the engine ran {'tuned' if kernels == 'tuned' else 'vLLM default'} LoRA kernel configs; "

@@ -33,12 +33,17 @@ def comparable(row: dict) -> bool:
             and not any(k in c for k in OTHER_SETTINGS))
 
 
-def mps_flagged(row: dict) -> bool:
-    """The run's MPS settings are not those the profile's MPS rates were fitted under."""
-    return any("MPS settings" in f for f in row["outside_profile"])
+def mps_flagged(row: dict, profile_sharing: dict | None) -> bool:
+    """The run's MPS settings are not those the profile's MPS rates were fitted under
+    (``profile_sharing``: its ``sharing.controls``)."""
+    from calibration.validate import mps_settings_differ
+
+    arm = row.get("arm") or {}
+    return mps_settings_differ(row.get("controls") or {}, profile_sharing, arm.get("sharing") == "mps",
+                               arm.get("policy")) is not None
 
 
-def cell(rows: list[dict]) -> dict:
+def cell(rows: list[dict], profile_sharing: dict | None) -> dict:
     """Held-out error statistics of one (profile, day): per run and per configuration, replayed."""
     from calibration.validate import error_stats, kendall_tau, per_config_errors
 
@@ -47,23 +52,25 @@ def cell(rows: list[dict]) -> dict:
     per_config = per_config_errors(rows)["replay"] if rows else {}
     return {"per_run": {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)},
             "per_config": {k: per_config.get(k) for k in ("mape", "worst", "bias", "n", "kendall_tau")},
-            "mps_flagged": sum(mps_flagged(r) for r in rows),
+            "mps_flagged": sum(mps_flagged(r, profile_sharing) for r in rows),
             "runs": [r["run"] for r in rows]}
 
 
 def crossday(profiles: list[tuple[str, str | None]], days: list[tuple[str, list[str]]],
              keep_any: bool = False) -> dict:
     from calibration.validate import validate
+    from sim.profile import profile_dict
 
     out: dict = {"profiles": [{"profile": p, "fit_day": d} for p, d in profiles], "days": [d for d, _ in days],
                  "cells": {}, "matched": {}}
     for p, _ in profiles:
+        controls = profile_dict(p)["sharing"].get("controls")
         for day, runs in days:
             rows = [r for r in validate(runs, p)["rows"] if r["heldout"] and (keep_any or comparable(r))]
-            out["cells"].setdefault(p, {})[day] = cell(rows)
+            out["cells"].setdefault(p, {})[day] = cell(rows, controls)
             # The runs whose MPS settings are the profile's (a planner picks the profile of the
             # settings the jobs will run under).
-            out["matched"].setdefault(p, {})[day] = cell([r for r in rows if not mps_flagged(r)])
+            out["matched"].setdefault(p, {})[day] = cell([r for r in rows if not mps_flagged(r, controls)], controls)
     # Across days: every held-out run of a day other than the profile's own, pooled.
     for p, fit_day in profiles:
         for part in ("cells", "matched"):
