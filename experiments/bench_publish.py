@@ -49,8 +49,9 @@ FOLDERS = 4
 
 
 def summary(xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return {"mean": statistics.fmean(xs), "p25": q[0], "median": q[1], "p75": q[2], "n": len(xs)}
+    from experiments.bench_hotload import quartiles
+
+    return {"mean": statistics.fmean(xs), **quartiles(xs)}
 
 
 def write(report: dict, path: str) -> None:

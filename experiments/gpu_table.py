@@ -65,9 +65,10 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
+    run = run_controls(summary or {})
     if trainer_freed(arm):
         label += "+freed"
-    if any(d.get("publish_pinned") is False for d in (summary or {}).get("diagnostics", [])):
+    if run.get("publish_pinned") is False:
         # Published adapters loaded into pageable host memory (RealOptions.publish_pinned); right
         # after +freed, so the factor below finds its pair as "overlap/mps/g2+np" + the rest.
         label += "+np"
@@ -83,7 +84,6 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
             label += f"+{side[0]}{controls[f'{side}_thread_pct']}"
     workers = [w for d in (summary or {}).get("diagnostics", []) for name, w in (d.get("workers") or {}).items()
                if name.startswith("trainer")]
-    run = run_controls(summary or {})
     if workers and not any(w.get("compiled") for w in workers):
         label += "+eager"  # the trainer ran without its compiled element-wise ops
     if any(w.get("step_mode") == "graphed" for w in workers):
