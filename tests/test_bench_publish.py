@@ -11,13 +11,11 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 
-def test_bench_publish_reports_both_variants(tmp_path):
+def test_bench_publish_reports_both_variants(tmp_path, tiny_model):
     from experiments.bench_publish import main
-    from real.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "publish.json"
-    report = main(["--model", str(model), "--jobs", "2", "--versions", "2", "--rank", "8", "--out", str(out)])
+    report = main(["--model", str(tiny_model), "--jobs", "2", "--versions", "2", "--rank", "8", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     for variant in ("pinned", "unpinned"):
         r = report["alone"][variant]

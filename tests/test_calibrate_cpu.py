@@ -14,12 +14,9 @@ from nodus.simulate import config_from_args, simulate  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path):
-    from real.tiny import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "tiny")
+def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     out = tmp_path / "cpu.json"
-    assert main(["calibrate", "--model", str(model), "--out", str(out), "--batches", "4,16", "--adapters", "1,2",
+    assert main(["calibrate", "--model", str(tiny_model), "--out", str(out), "--batches", "4,16", "--adapters", "1,2",
                  "--prompt-tokens", "16,64", "--lengths", "4,12", "--train-tokens", "512,2048",
                  "--device", "cpu", "--repeats", "2"]) == 0
     prof = json.loads(out.read_text())
@@ -45,7 +42,7 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path):
     s = simulate(config_from_args(jobs=2, steps=2, profile=str(out)))
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert any(a["id"] == "sharing-from-base" for a in s["assumptions"])
-    assert main(["calibrate", "--model", str(model), "--out", str(out)]) == 2  # never overwrites
+    assert main(["calibrate", "--model", str(tiny_model), "--out", str(out)]) == 2  # never overwrites
 
 
 def test_sharing_rates_and_profile_update_from_known_timings(tmp_path):
@@ -80,14 +77,11 @@ def test_sharing_rates_and_profile_update_from_known_timings(tmp_path):
     assert part["sharing"]["mps_corun"] == prof["sharing"]["mps_corun"]
 
 
-def test_calibrate_sharing_measures_two_processes_on_the_cpu(tmp_path, capsys):
+def test_calibrate_sharing_measures_two_processes_on_the_cpu(tmp_path, capsys, tiny_model):
     """Engine and trainer as two processes (no MPS on a CPU): alone and co-running timings, rates
     into a profile the simulator reads."""
-    from real.tiny import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "shared.json"
-    assert main(["calibrate-sharing", "--model", str(model), "--out", str(out), "--modes", "none",
+    assert main(["calibrate-sharing", "--model", str(tiny_model), "--out", str(out), "--modes", "none",
                  "--batches", "8", "--train-tokens", "512,1024", "--prompt-tokens", "16", "--length", "8",
                  "--repeats", "1", "--device", "cpu"]) == 0
     prof = json.loads(out.read_text())
@@ -101,26 +95,23 @@ def test_calibrate_sharing_measures_two_processes_on_the_cpu(tmp_path, capsys):
     assert prof["measurements"]["sharing"]["complete"] is True
     s = simulate(config_from_args(jobs=2, steps=2, policy="overlap", groups=2, sharing="none", profile=str(out)))
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
-    assert main(["calibrate-sharing", "--model", str(model), "--out", str(tmp_path / "x.json"), "--modes", "mps"]) == 2
+    assert main(["calibrate-sharing", "--model", str(tiny_model), "--out", str(tmp_path / "x.json"), "--modes", "mps"]) == 2
     assert "none (the rates' unit)" in capsys.readouterr().err
 
 
-def test_calibrate_with_the_graphed_trainer_then_sharing_with_it(tmp_path):
+def test_calibrate_with_the_graphed_trainer_then_sharing_with_it(tmp_path, tiny_model):
     """calibrate --trainer-graphs measures the fixed-shape trainer (uncaptured on a CPU) and says so
     in train.step_mode; calibrate-sharing on that profile measures its co-run rates with the same
     trainer (its worker reports the step mode)."""
-    from real.tiny import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "cg.json"
-    assert main(["calibrate", "--model", str(model), "--out", str(out), "--batches", "4,8", "--adapters", "1,2",
+    assert main(["calibrate", "--model", str(tiny_model), "--out", str(out), "--batches", "4,8", "--adapters", "1,2",
                  "--prompt-tokens", "16,32", "--lengths", "4,8", "--train-tokens", "512,1024",
                  "--device", "cpu", "--repeats", "1", "--trainer-graphs"]) == 0
     prof = json.loads(out.read_text())
     assert prof["train"]["step_mode"] == "static"
     assert prof["measurements"]["calibrate"]["trainer"]["step_mode"] == "static"
     shared = tmp_path / "cg-shared.json"
-    assert main(["calibrate-sharing", "--model", str(model), "--base", str(out), "--out", str(shared),
+    assert main(["calibrate-sharing", "--model", str(tiny_model), "--base", str(out), "--out", str(shared),
                  "--modes", "none", "--batches", "8", "--train-tokens", "512", "--prompt-tokens", "16",
                  "--length", "8", "--repeats", "1", "--device", "cpu"]) == 0
     both = json.loads(shared.read_text())
