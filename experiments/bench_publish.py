@@ -48,6 +48,11 @@ PROFILED = 3  # versions published under cProfile
 FOLDERS = 4
 
 
+def progress(what: str) -> None:
+    """One line a part, as it begins: a call cut short shows how far it got."""
+    print(f"[bench_publish {time.strftime('%H:%M:%S')}] {what}", flush=True)
+
+
 def summary(xs: list[float]) -> dict:
     from experiments.bench_hotload import quartiles
 
@@ -105,9 +110,18 @@ def main(argv=None) -> dict:
     p.add_argument("--versions", type=int, default=10, help="versions published per variant and block")
     p.add_argument("--beside", action="store_true", help="also beside a GPU load under MPS (needs a GPU)")
     p.add_argument("--out", required=True)
+    p.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
+                   help="print every thread's stack after S seconds (set it under the call's time limit: "
+                        "a part that hangs then says where)")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.versions < 2:
         p.error("--jobs >= 1 and --versions >= 2")
+    if args.dump_stacks_after is not None:
+        if args.dump_stacks_after <= 0:
+            p.error("--dump-stacks-after must be > 0 seconds")
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
 
     mps = None
     if args.beside:
@@ -141,6 +155,7 @@ def main(argv=None) -> dict:
         for j in jobs:
             engine.publish(j, 0, folders[j][0])
         engine.generate([GenRequest(j, 0, [[5, 6, 7, 8]], n=1, max_new_tokens=1, temperature=0.0) for j in jobs])
+        progress("alone: publishing")
         alone = block(engine, jobs, folders, range(1, 1 + 2 * args.versions, 2))
         v = 1 + 2 * args.versions
         profile = profiled(engine, jobs, folders, range(v, v + PROFILED))
@@ -150,21 +165,10 @@ def main(argv=None) -> dict:
                   "alone": alone, "profile_pinned_alone": profile}
         write(report, args.out)  # a call cut short still returns what it measured
         print(profile, flush=True)
-        if args.beside:
-            stop = str(work / "stop")
-            env = dict(os.environ, CUDA_MPS_CLIENT_PRIORITY="1")
-            load = subprocess.Popen([sys.executable, "-c", LOAD, stop], env=env)
-            deadline = time.monotonic() + 120
-            while not os.path.exists(stop + ".up"):
-                if load.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the GPU load process did not start")
-                time.sleep(0.2)
-            report["beside"] = block(engine, jobs, folders, range(v, n_versions, 2))
-            write(report, args.out)
-            Path(stop).touch()
-            load.wait(timeout=60)
         # The same folder loaded pinned and unpinned gives the same greedy first tokens, on steps of
-        # the shape the blocks ran (4 prompts of 4 tokens: no kernel left to compile).
+        # the shape the blocks ran (4 prompts of 4 tokens: no kernel left to compile); before the
+        # GPU load, whose part a call is likelier to run out of time in.
+        progress("check: pinned against unpinned")
         last = n_versions - 1
         prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]]
         got = {}
@@ -173,6 +177,24 @@ def main(argv=None) -> dict:
             batch = engine.generate([GenRequest("check", k, prompts, n=1, max_new_tokens=1, temperature=0.0)])[0]
             got[pinned] = [c[0] for c in batch.completion_token_ids]
         report["same_tokens_pinned_unpinned"] = got[True] == got[False]
+        write(report, args.out)
+        if args.beside:
+            progress("beside: starting the GPU load")
+            stop = str(work / "stop")
+            env = dict(os.environ, CUDA_MPS_CLIENT_PRIORITY="1")
+            load = subprocess.Popen([sys.executable, "-c", LOAD, stop], env=env)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(stop + ".up"):
+                if load.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the GPU load process did not start")
+                time.sleep(0.2)
+            progress("beside: publishing")
+            report["beside"] = block(engine, jobs, folders, range(v, n_versions, 2))
+            write(report, args.out)
+            progress("beside: stopping the GPU load")
+            Path(stop).touch()
+            load.wait(timeout=60)
+        progress("closing the engine")
         engine.close()
     finally:
         if load is not None and load.poll() is None:

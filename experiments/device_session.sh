@@ -84,10 +84,11 @@ case "${1:-arms}" in
     # Where a publish's time goes: 4 adapters (an 8-job overlap group) published pinned and
     # unpinned, alone and beside a GPU load at below-normal MPS priority (bench_publish.py).
     random_model
+    # Every thread's stack 20 s before the limit: a part that hangs says where (session 18's did not).
     timeout "${PUB_TIMEOUT:-300}" python experiments/bench_publish.py --model /tmp/nodus-qwen3-0.6b-random \
       --jobs "${PUB_JOBS:-4}" --versions "${PUB_VERSIONS:-6}" --beside --out "$OUT/publish_h200.json" \
-      > "$OUT/publish.log" 2>&1
-    echo "bench_publish rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/publish.log" | tail -45 ;;
+      --dump-stacks-after $(( ${PUB_TIMEOUT:-300} - 20 )) > "$OUT/publish.log" 2>&1
+    echo "bench_publish rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/publish.log" | tail -60 ;;
   engine-profile)
     # Is the shared generation GPU- or host-bound? A recorded step's generation timed per engine
     # step, under torch.profiler (kernel time against the wall) and cProfile (the host's time).

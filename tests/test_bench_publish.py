@@ -23,3 +23,11 @@ def test_bench_publish_reports_both_variants(tmp_path, tiny_model):
     assert report["same_tokens_pinned_unpinned"] is True
     assert "from_local_checkpoint" in report["profile_pinned_alone"]  # where vLLM loads the adapter
     assert "beside" not in report  # --beside needs a GPU
+
+
+def test_bench_publish_refuses_a_non_positive_stack_dump_delay(tmp_path, capsys):
+    from experiments.bench_publish import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path), "--dump-stacks-after", "0", "--out", str(tmp_path / "p.json")])
+    assert "--dump-stacks-after must be > 0 seconds" in capsys.readouterr().err
