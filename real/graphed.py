@@ -53,6 +53,7 @@ class StaticKey:
     width: int  # T
     slots: int  # adapters in the stack (the step's jobs, or more: empty slots)
     rank: int  # the stack's rank (the step's largest)
+    shared: bool = False  # rows are prompt groups (``prompt_groups``): positions and segments are inputs
 
 
 def round_width(tokens: float) -> int:
@@ -101,6 +102,69 @@ def program_rows(max_tokens: int, width: int, left: int | None = None) -> int:
     one). ``left`` None: the full count."""
     full = max(1, max_tokens // width)
     return full // 2 if left is not None and full >= 2 and left <= full // 2 else full
+
+
+def prompt_groups(ids: list[np.ndarray], positions: list[np.ndarray], most: int) -> list[list[int]]:
+    """One job's sequences grouped by identical prompt (the tokens before a sequence's first
+    completion token), in order of first appearance, at most ``most`` sequences a group: the rows
+    of the shared-prompt layout, where a group's prompt runs through the model once and each of its
+    sequences' completions attends to it (``packed_row``). A sequence without completion tokens
+    stays alone."""
+    groups: dict[bytes, list[list[int]]] = {}
+    order: list[list[int]] = []
+    for s, (row, pos) in enumerate(zip(ids, positions)):
+        if not len(pos):
+            order.append([s])
+            continue
+        key = row[:pos[0]].tobytes()
+        chunks = groups.setdefault(key, [])
+        if not chunks or len(chunks[-1]) >= most:
+            chunks.append([])
+            order.append(chunks[-1])
+        chunks[-1].append(s)
+    return order
+
+
+def packed_length(ids: list[np.ndarray], positions: list[np.ndarray], group: list[int]) -> int:
+    """Tokens of a group's packed row: its prompt once, then each sequence's tokens after it."""
+    prompt = _prompt_length(ids, positions, group[0])
+    return prompt + sum(len(ids[s]) - prompt for s in group)
+
+
+def _prompt_length(ids, positions, s) -> int:
+    return int(positions[s][0]) if len(positions[s]) else len(ids[s])
+
+
+def packed_row(ids: list[np.ndarray], positions: list[np.ndarray], group: list[int]):
+    """A group's packed row: tokens, position ids (a sequence's tokens keep the positions they have
+    alone), segment ids (0 the prompt, j + 1 the j-th sequence's part) and, per sequence, the
+    packed index of the hidden state that predicts each of its completion tokens (its own index
+    t - 1, or the prompt's, which every sequence of the group shares)."""
+    prompt = _prompt_length(ids, positions, group[0])
+    toks, pos, seg, predict = [ids[group[0]][:prompt]], [np.arange(prompt)], [np.zeros(prompt, np.int64)], []
+    offset = prompt
+    for j, s in enumerate(group):
+        part = ids[s][prompt:]
+        toks.append(part)
+        pos.append(np.arange(prompt, prompt + len(part)))
+        seg.append(np.full(len(part), j + 1, dtype=np.int64))
+        q = positions[s] - 1  # the index (in the sequence alone) predicting each completion token
+        predict.append(np.where(q < prompt, q, offset + q - prompt))
+        offset += len(part)
+    return np.concatenate(toks), np.concatenate(pos), np.concatenate(seg), predict
+
+
+def shared_prompt_mask(seg: torch.Tensor) -> torch.Tensor:
+    """[R, 1, T, T] bool (True: attend) from segment ids [R, T] (-1: padding): a token attends to
+    the earlier tokens of its own segment and to its row's prompt (segment 0), so each sequence
+    of a packed row sees what it sees alone; a padding position attends only to itself (its output
+    is never read, and a row of its scores is never empty)."""
+    T = seg.shape[1]
+    idx = torch.arange(T, device=seg.device)
+    causal = idx[None, :] <= idx[:, None]
+    sq, sk = seg[:, :, None], seg[:, None, :]
+    mask = causal & ((sk == 0) | (sk == sq)) & (sq >= 0)
+    return (mask | (idx[None, :] == idx[:, None]))[:, None]
 
 
 class StaticState:
@@ -195,6 +259,9 @@ class StaticStep:
         dev, R, T = trainer.device, key.rows, key.width
         self.ids = torch.zeros(R, T, dtype=torch.int64, device=dev)
         self.local = torch.zeros(R, dtype=torch.int64, device=dev)
+        # The shared-prompt layout's position and segment ids (``packed_row``; None: plain rows).
+        self.pos = torch.zeros(R, T, dtype=torch.int64, device=dev) if key.shared else None
+        self.seg = torch.full((R, T), -1, dtype=torch.int64, device=dev) if key.shared else None
         weight = trainer.model.get_output_embeddings().weight
         self.grad_hidden = torch.zeros(R, T, weight.shape[1], dtype=weight.dtype, device=dev)
         self.hidden: torch.Tensor | None = None  # the forward's output (fixed when captured)
@@ -210,7 +277,12 @@ class StaticStep:
         routing = self.trainer.routing
         routing.stack, routing.layout = self.state, self.layout
         try:
-            self.hidden = self.trainer.decoder(input_ids=self.ids, use_cache=False).last_hidden_state
+            if self.seg is None:
+                self.hidden = self.trainer.decoder(input_ids=self.ids, use_cache=False).last_hidden_state
+            else:
+                mask = shared_prompt_mask(self.seg)
+                self.hidden = self.trainer.decoder(input_ids=self.ids, position_ids=self.pos, use_cache=False,
+                                                   attention_mask={"full_attention": mask}).last_hidden_state
         finally:
             routing.stack = routing.layout = None
 
@@ -294,29 +366,46 @@ class StaticStep:
 
         self.ids.copy_(dev(host["ids"], torch.int64), non_blocking=pin)
         self.local.copy_(dev(host["local"], torch.int64), non_blocking=pin)
+        if self.seg is not None:
+            self.pos.copy_(dev(host["pos"], torch.int64), non_blocking=pin)
+            self.seg.copy_(dev(host["seg"], torch.int64), non_blocking=pin)
         return {"index": dev(host["index"], torch.int64), "targets": dev(host["targets"], torch.int64),
                 "slot": dev(host["slot"], torch.int64), "floats": dev(host["floats"], fdt), "kl": host["kl"]}
 
 
-def microbatch_inputs(mb: list[tuple[int, int]], key: StaticKey, seqs, configs) -> dict:
+def microbatch_inputs(mb: list[tuple[int, int]], key: StaticKey, seqs, configs, groups=None) -> dict:
     """Host arrays for one micro-batch of (slot, sequence) rows: the rows' tokens ``ids`` [R, T]
     and slots ``local`` [R]; for each completion token, its position in the flat [R * T] hidden
     states that predicts it (``index``), the token (``targets``), its job's slot (``slot``) and
     ``floats`` [channels, M] (``_TOKEN_CHANNELS``: its loss weight, logprobs and its job's
-    settings), in float64; ``kl``: whether any of them has a KL term."""
+    settings), in float64; ``kl``: whether any of them has a KL term. With ``groups`` (per job, its
+    ``prompt_groups``) a row (slot, r) is the packed row of group r, and ``pos`` / ``seg`` [R, T]
+    are its position and segment ids (padding: segment -1)."""
     R, T = key.rows, key.width
     ids = np.zeros((R, T), dtype=np.int64)
     local = np.zeros(R, dtype=np.int64)
+    pos_ids = np.zeros((R, T), dtype=np.int64) if groups is not None else None
+    seg_ids = np.full((R, T), -1, dtype=np.int64) if groups is not None else None
     index, targets, slot, floats = [], [], [], []
     kl = False
     c = {name: j for j, name in enumerate(_TOKEN_CHANNELS)}
-    for i, (k, s) in enumerate(mb):
+    units = []  # (row, slot, sequence, packed index predicting each completion token)
+    for i, (k, r) in enumerate(mb):
+        sq = seqs[k]
+        local[i] = k
+        if groups is None:
+            seq = sq.ids[r]
+            ids[i, :len(seq)] = seq
+            units.append((i, k, r, sq.positions[r] - 1))  # the token at t is predicted at position t-1
+            continue
+        toks, pos, seg, predict = packed_row(sq.ids, sq.positions, groups[k][r])
+        ids[i, :len(toks)], pos_ids[i, :len(toks)], seg_ids[i, :len(toks)] = toks, pos, seg
+        units += [(i, k, s, q) for s, q in zip(groups[k][r], predict)]
+    for i, k, s, predict in units:
         sq, cfg = seqs[k], configs[k]
         seq, pos = sq.ids[s], sq.positions[s]
-        ids[i, :len(seq)] = seq
-        local[i] = k
         n = len(pos)
-        index.append(i * T + pos - 1)  # the token at t is predicted at position t-1
+        index.append(i * T + predict)
         targets.append(seq[pos])
         slot.append(np.full(n, k, dtype=np.int64))
         has_ref = sq.ref is not None and cfg.beta != 0.0
@@ -336,9 +425,12 @@ def microbatch_inputs(mb: list[tuple[int, int]], key: StaticKey, seqs, configs) 
         f[c["has_ref"]] = float(has_ref)
         floats.append(f)
     cat = (lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype))
-    return {"ids": ids, "local": local, "index": cat(index, np.int64), "targets": cat(targets, np.int64),
-            "slot": cat(slot, np.int64), "floats": np.concatenate(floats, axis=1) if floats
-            else np.zeros((len(_TOKEN_CHANNELS), 0)), "kl": kl}
+    out = {"ids": ids, "local": local, "index": cat(index, np.int64), "targets": cat(targets, np.int64),
+           "slot": cat(slot, np.int64), "floats": np.concatenate(floats, axis=1) if floats
+           else np.zeros((len(_TOKEN_CHANNELS), 0)), "kl": kl}
+    if groups is not None:
+        out["pos"], out["seg"] = pos_ids, seg_ids
+    return out
 
 
 def token_weight(cfg, seqs, n_tokens: int) -> float:

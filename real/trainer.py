@@ -28,8 +28,8 @@ from torch.profiler import record_function
 
 from nodus.microbatch import plan_microbatches  # noqa: F401 (re-exported)
 from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
-from real.graphed import (StaticKey, StaticState, StaticStep, bucket_widths, microbatch_inputs, program_rows,
-                          static_plan)
+from real.graphed import (StaticKey, StaticState, StaticStep, bucket_widths, microbatch_inputs, packed_length,
+                          program_rows, prompt_groups, static_plan)
 from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, RowLayout, init_adapter,
                             make_row_layout, save_peft_adapter, wrap_linears)
 
@@ -195,7 +195,7 @@ class MultiLoRATrainer:
                  param_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int = 32768,
                  logprob_chunk_tokens: int = 2048, gradient_checkpointing: bool = False,
                  base_model_name_or_path: str | None = None, lora_layout: str = "masked",
-                 step_mode: str = "eager", graph_width: int | None = None):
+                 step_mode: str = "eager", graph_width: int | None = None, share_prompts: int = 0):
         """``lora_layout``: how each row reaches its own adapter in a mixed micro-batch —
         "masked" (every adapter's A at once, other adapters' columns zeroed; dense GEMMs, no
         regrouping, J_mb * rank extra inner columns), "padded" (rows regrouped per adapter into a
@@ -208,9 +208,19 @@ class MultiLoRATrainer:
         masked layout, no gradient checkpointing, a GPU), or "static" (the graphed path's fixed-shape
         program run without capture, for checking it on a CPU). ``graph_width``: the widest bucket the
         fixed-shape path pads rows to when they fit (one set of programs for a run's steps;
-        ``prepare_static`` sets it and captures the programs up front)."""
+        ``prepare_static`` sets it and captures the programs up front).
+
+        ``share_prompts`` (the fixed-shape modes, "static" and "graphed"; 0 or 1: off): a job's
+        sequences with the same prompt, up to this many, go through the model as one row, the
+        prompt once and each sequence's completion after it, attending to the prompt and to itself
+        only (``real.graphed.packed_row``): the same logprobs and gradients with the prompt's
+        tokens computed once instead of once per response (GRPO samples several responses a
+        prompt). Attention then runs with an explicit mask (SDPA's masked kernels, not flash)."""
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode={step_mode!r}; expected one of {STEP_MODES}")
+        if not (isinstance(share_prompts, int) and share_prompts >= 0):
+            raise ValueError(f"share_prompts={share_prompts!r}: sequences a packed row holds, an integer >= 0 "
+                             f"(0 or 1: no sharing)")
         if step_mode == "graphed" and not torch.cuda.is_available():
             raise ValueError("step_mode='graphed' needs a CUDA device (use 'static' to run its program on a CPU)")
         if dtype is not None or device is not None:
@@ -229,6 +239,9 @@ class MultiLoRATrainer:
         self.routing = Routing(lora_layout)
         self.step_mode = step_mode
         self.graph_width = graph_width
+        self.share_prompts = share_prompts
+        if share_prompts > 1:
+            _check_shared_prompt_model(base_model)
         self.graph_error: str | None = None  # why a capture failed (the step then ran eager)
         self._static: dict[StaticKey, StaticStep] = {}  # every program built (they share one memory pool)
         self.build_s: dict[str, float] = {}  # seconds each program took to build (capture included)
@@ -398,16 +411,24 @@ class MultiLoRATrainer:
             self._static[key] = st
         return st
 
-    def prepare_static(self, slots: int, rank: int, width: int) -> list[StaticKey]:
+    def prepare_static(self, slots: int, rank: int, width: int, packed_width: int | None = None) -> list[StaticKey]:
         """Build (capture, when graphed) now every program a run's steps of up to ``slots`` jobs of
         rank <= ``rank`` and rows of <= ``width`` tokens will use, so none is captured inside a
-        timed step; later steps pad to ``width``'s buckets. Returns the programs' keys."""
+        timed step; later steps pad to ``width``'s buckets. With ``share_prompts`` the rows are
+        packed prompt groups: ``packed_width`` (their widest, a prompt plus ``share_prompts``
+        completions) replaces ``width``. Returns the programs' keys."""
         if not self._static_wanted():
             return []
+        shared = self.share_prompts > 1
+        if shared:
+            if packed_width is None:
+                raise ValueError("prepare_static: share_prompts packs a prompt group into one row; give "
+                                 "packed_width, the widest such row")
+            width = packed_width
         self.graph_width = width
         state = self._static_state(slots, rank)
         mb = self.max_tokens_per_microbatch
-        keys = [StaticKey(rows=rows, width=w, slots=state.slots, rank=state.max_rank)
+        keys = [StaticKey(rows=rows, width=w, slots=state.slots, rank=state.max_rank, shared=shared)
                 for w in bucket_widths(width)
                 for rows in sorted({program_rows(mb, w), program_rows(mb, w, left=0)}, reverse=True)]
         for key in keys:
@@ -417,13 +438,20 @@ class MultiLoRATrainer:
 
     def _backward_static(self, jobs, seqs, audit_acc) -> list[torch.Tensor] | None:
         """``_backward`` as fixed-shape micro-batches (``real.graphed``); None: run eager instead."""
-        plan = static_plan([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch,
-                           self.graph_width)
+        shared = self.share_prompts > 1
+        groups = None
+        if shared:  # rows are prompt groups (their packed lengths), not sequences
+            groups = [prompt_groups(s.ids, s.positions, self.share_prompts) for s in seqs]
+            lengths = [[packed_length(s.ids, s.positions, g) for g in gs] for s, gs in zip(seqs, groups)]
+        else:
+            lengths = [[len(r) for r in s.ids] for s in seqs]
+        plan = static_plan(lengths, self.max_tokens_per_microbatch, self.graph_width)
         state = self._static_state(len(jobs), max(j.adapter.rank for j in jobs))
         adapters, configs = [j.adapter for j in jobs], [j.config for j in jobs]
         programs = []
         for R, T, _ in plan:
-            st = self._static_step(StaticKey(rows=R, width=T, slots=state.slots, rank=state.max_rank), state)
+            st = self._static_step(StaticKey(rows=R, width=T, slots=state.slots, rank=state.max_rank,
+                                             shared=shared), state)
             if st is None:
                 return None
             programs.append(st)
@@ -431,7 +459,7 @@ class MultiLoRATrainer:
         state.load(adapters)
         for st, (_, _, rows) in zip(programs, plan):
             with record_function("nodus.prepare"):
-                inputs = st.put(microbatch_inputs(rows, st.key, seqs, configs))
+                inputs = st.put(microbatch_inputs(rows, st.key, seqs, configs, groups))
             with record_function("nodus.forward"):
                 st.run(inputs)
         state.write_grads(adapters)
@@ -648,6 +676,15 @@ class MultiLoRATrainer:
         job.optimizer.load_state_dict(state["optimizer"])
         job.step = int(state["step"])
         job.generator.set_state(state["rng"])
+
+
+def _check_shared_prompt_model(model) -> None:
+    """The shared-prompt layout hands the decoder its mask per layer type ({"full_attention": mask}):
+    a model with other layer types (sliding windows) would need the window in the mask too."""
+    types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        raise ValueError(f"share_prompts needs a model whose every layer is full attention; this one has "
+                         f"{sorted(types)}")
 
 
 def _to_cpu(obj):
