@@ -673,7 +673,9 @@ class MultiLoRATrainer:
             for n in job.adapter.A:
                 job.adapter.A[n].copy_(state["A"][n])
                 job.adapter.B[n].copy_(state["B"][n])
-        job.optimizer.load_state_dict(state["optimizer"])
+        # A copy: the optimizer keeps the given state's tensors (its step counts among them) and
+        # steps them in place, which would change ``state`` for a later load of it.
+        job.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         job.step = int(state["step"])
         job.generator.set_state(state["rng"])
 

@@ -247,6 +247,24 @@ def test_checkpoint_round_trip_resumes_exactly():
         assert max_rel_diff(params(b, j), params(a, j)) == 0.0
 
 
+def test_a_checkpoint_loads_the_same_twice():
+    """Loading one in-memory checkpoint, stepping, and loading it again starts from the same state:
+    the step that follows each load gives the same update (the optimizer's step counts included)."""
+    step1, step2 = two_step_data()
+    t = make_trainer()
+    t.train_step(step1)
+    states = {j: t.state_dict_job(j) for j in JOBS}
+    after = []
+    for _ in range(2):
+        for j, state in states.items():
+            t.load_state_job(j, state)
+        t.train_step(step2)
+        after.append({j: params(t, j) for j in JOBS})
+    for j in JOBS:
+        assert t.jobs[j].step == 2
+        assert max_rel_diff(after[1][j], after[0][j]) == 0.0
+
+
 def test_padded_tensor_input_equals_ragged_lists():
     trainer = make_trainer({"a": JOBS["a"]})
     batch = make_batch(*SHAPES["a"], seed=3)
