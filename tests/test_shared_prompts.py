@@ -133,3 +133,29 @@ def test_share_prompts_is_checked():
         t.prepare_static(2, 4, 32)
     keys = t.prepare_static(2, 4, 32, packed_width=96)
     assert keys and all(k.shared and k.width <= 96 for k in keys)
+
+
+def test_bench_shared_prompts_on_the_cpu(tmp_path):
+    """experiments/bench_shared_prompts.py --tiny: every variant timed on the same rows, the model's
+    tokens cut by the sharing, the shared updates where the plain ones land (fp32)."""
+    import json
+
+    from experiments.bench_shared_prompts import main
+
+    out = tmp_path / "shared.json"
+    report = main(["--tiny", "--jobs", "2", "--share", "0,4", "--iters", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    (case,) = report["cases"]
+    plain, shared = case["variants"]["0"], case["variants"]["4"]
+    assert shared["model_tokens"] < plain["model_tokens"] and plain["speedup"] == 1.0
+    assert len(shared["step_s"]) == 1 and shared["graph_error"] is None
+    assert case["update_rel_diff"]["4"] < 1e-4
+
+
+def test_bench_shared_prompts_checks_its_arguments(tmp_path, capsys):
+    from experiments.bench_shared_prompts import main
+
+    for bad in (["--share", "4,8"], ["--share", "0,x"], ["--jobs", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--tiny", "--out", str(tmp_path / "x.json"), *bad])
+    assert "--share" in capsys.readouterr().err
