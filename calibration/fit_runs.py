@@ -336,6 +336,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         if controls.get("engine_core_process"):
             raise ConfigError(f"nodus fit: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
                               "a profile describes an engine in one process: fit runs without it")
+        share = (cfg.get("trainer") or {}).get("share_prompts") or 0
+        if share > 1:
+            raise ConfigError(f"nodus fit: {rd} trained each prompt once (trainer.share_prompts={share}); a "
+                              "profile's train terms describe a row per response: fit runs without it")
         if controls.get("publish_pinned") is False:
             raise ConfigError(f"nodus fit: {rd}'s engine loaded published adapters into pageable host memory "
                               "(publish_pinned false, :np); a profile describes vLLM's pinned loads: fit runs "

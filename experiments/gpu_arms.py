@@ -91,6 +91,10 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     for o in opts:
         if o in ("wait", "free"):
             wait = o == "wait"
+        elif len(o) > 2 and o[:2] == "sp" and o[2:].isdigit():
+            # The run config's trainer.share_prompts (each prompt's responses K to a row, the
+            # prompt once): the trainers keep running, the step is the run's own.
+            trainer["share_prompts"] = int(o[2:])
         elif o in ("cg", "nocg"):
             trainer["trainer_graphs"] = o == "cg"
         elif o == "lowpri":
@@ -124,7 +128,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "default, or takes the next train at once), cg or nocg (trainer graphs), lowpri (trainer "
                              "at below-normal MPS priority), tN (trainer MPS thread percentage, 1-100), aN "
                              "(the engine's logprobs audited every N-th step; a0: never), rK (the first K "
-                             "responses of each prompt audited) or np (published adapters loaded unpinned)")
+                             "responses of each prompt audited), np (published adapters loaded unpinned) or spK "
+                             "(each prompt's responses trained K to a row, the prompt once)")
     return name, jobs, groups, seeds, mb, wait, trainer
 
 
@@ -258,6 +263,9 @@ def main() -> None:
                     help="the A/A repeat's micro-batch cap (default: the same): a repeat that differs only "
                          "in batching measures the learning noise bf16 rounding leaves (nodus compare's "
                          "aa_learning)")
+    ap.add_argument("--share-prompts", type=int, default=0, metavar="K",
+                    help="trainer.share_prompts of every arm without its own spK: each prompt's responses trained "
+                         "K to a row, the prompt once (needs --trainer-graphs; 0: a row per response)")
     ap.add_argument("--mb-tokens", type=int, default=16384,
                     help="trainer micro-batch cap in padded tokens (fewer, larger micro-batches: less "
                          "per-micro-batch overhead, more memory)")
@@ -301,14 +309,15 @@ def main() -> None:
 
     job_counts = [int(x) for x in str(args.jobs).split(",") if x]
 
-    def workload(n: int, mb_tokens: int | None = None, wait: bool | None = None) -> dict:
+    def workload(n: int, mb_tokens: int | None = None, wait: bool | None = None, share: int = 0) -> dict:
         return {"arm": {} if wait is None else {"trainer_waits_for_publish": wait},
                 "jobs": [j.model_dump(exclude_none=True) for j in default_jobs(
             n, prompts_per_step=args.prompts, responses_per_prompt=args.responses,
             max_new_tokens=args.max_new_tokens, **args.job_fields)],
             # 16k-token micro-batches by default: the trainer peaks at ~46 GiB beside the engine's
             # share, room for timeslice's two trainers (32k: 64 GiB masked, 91 GiB padded, alone).
-            "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens},
+            "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens,
+                        **({"share_prompts": share} if share else {})},
             **({"engine": {"cuda_graph_max_tokens": args.cuda_graph_max_tokens}} if args.cuda_graph_max_tokens else {})}
 
     # One CUDA-graph size for the invocation, as one adapter-slot count (min_loras): the largest any
@@ -337,7 +346,8 @@ def main() -> None:
                      "engine_core_process": args.engine_core_process,
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
                      "engine_thread_pct": args.engine_thread_pct, "trainer_thread_pct": args.trainer_thread_pct,
-                     "engine_env": args.engine_env, "tuned_lora_kernels": args.tuned_lora_kernels, "arms": {},
+                     "engine_env": args.engine_env, "tuned_lora_kernels": args.tuned_lora_kernels,
+                     "share_prompts": args.share_prompts, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
     pool = ClusterPool(opts, min_loras=max(job_counts + [sp[1] for sp in specs if sp[1]]))
     t_all = time.monotonic()
@@ -345,6 +355,9 @@ def main() -> None:
         primed: set = set()
         for (name, arm_jobs, arm_groups, arm_seeds, arm_mb, arm_wait, arm_trainer), rnd in order:
             policy, groups, sharing = ARMS[name]
+            # spK is the run config's (trainer.share_prompts), not a process setting.
+            arm_share = arm_trainer.get("share_prompts", args.share_prompts)
+            arm_trainer = {k: v for k, v in arm_trainer.items() if k != "share_prompts"}
             try:
                 # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.
                 arm_opts = pool.opts = dataclasses.replace(opts, **arm_trainer)
@@ -381,6 +394,7 @@ def main() -> None:
                     variant += f"-audit{arm_opts.audit_every}" if arm_opts.audit_every != 1 else ""
                     variant += f"-audr{arm_opts.audit_responses}" if arm_opts.audit_responses is not None else ""
                 variant += "" if arm_opts.publish_pinned else "-np"  # adapters loaded into pageable memory
+                variant += f"-sp{arm_share}" if arm_share > 1 else ""  # each prompt once in the trainer
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"
@@ -388,14 +402,14 @@ def main() -> None:
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else arm_mb
-                cfg = config_from_args(workload(n, mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
-                                       seed=seed)
+                cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
+                                       steps=args.steps, seed=seed)
                 cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
                 # New trainer settings restart the trainers: a new shape to prime (run-loop settings,
                 # such as the audit's cadence, keep every process: nothing new to prime).
                 # (The trainer's priority, where nothing co-runs, is whatever the running trainers
                 # have: the pool keeps them, nodus.realrun.ClusterPool.)
-                shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch,
+                shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch, cfg.trainer.share_prompts,
                          tuple(sorted((k, v) for k, v in drop_idle_priority(arm_trainer, policy).items()
                                       if k not in RUN_SETTINGS)))
                 if args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed):
@@ -422,7 +436,8 @@ def main() -> None:
                 profile = sim_profile(args.profile, arm_opts.trainer_graphs,
                                       arm_opts.trainer_priority if corun else None)
                 pred = simulate(engine_args_size_graphs(config_from_args(
-                    workload(n, arm_mb, arm_wait), policy=policy, groups=g, sharing=sharing, steps=args.steps,
+                    workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
+                    steps=args.steps,
                     seed=seed, profile=profile), engine_args))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 jit = run_jit_compiles(summary)  # kernels compiled inside the measured window (each a stall)

@@ -185,6 +185,10 @@ class TrainerSpec(_Model):
     # 16k tokens: the trainer peaks at ~46 GiB on Qwen3-0.6B, leaving room for the engine (32k: ~80 GiB)
     max_tokens_per_microbatch: int = Field(default=DEFAULT_MICROBATCH_TOKENS, ge=256)
     max_grad_norm: float = Field(default=1.0, gt=0)
+    # Up to this many responses of one prompt trained as one row, the prompt once (0 or 1: a row per
+    # response). The real backend needs the graphed trainer for it; on the H200 K=4 ran a 4-job
+    # step 1.25-1.29x faster (experiments/results/h200/session18/, section 4).
+    share_prompts: int = Field(default=0, ge=0)
 
 
 # The shipped profile a simulation uses unless told: the H200 profile with the smallest held-out

@@ -6,11 +6,21 @@ from __future__ import annotations
 from collections import Counter
 
 
-def step_rows(prompt_tokens: int, n_sequences: int, response_tokens) -> list[int]:
+def step_rows(prompt_tokens: int, n_sequences: int, response_tokens, per_prompt: int = 1,
+              share: int = 0) -> list[int]:
     """One job's rows of a train step (prompt + response tokens each) from its rollouts' totals,
-    the prompt split evenly: how the simulator and `nodus fit` both see a recorded step."""
+    the prompt split evenly: how the simulator and `nodus fit` both see a recorded step. With
+    ``share`` > 1 (``trainer.share_prompts``) each run of ``per_prompt`` responses (one prompt's)
+    packs up to ``share`` of them into a row: the prompt once, then their responses."""
     each = round(prompt_tokens / max(n_sequences, 1))
-    return [each + r for r in response_tokens]
+    responses = list(response_tokens)
+    if share <= 1 or per_prompt <= 1:
+        return [each + r for r in responses]
+    rows = []
+    for p in range(0, len(responses), per_prompt):
+        prompt_responses = responses[p:p + per_prompt]
+        rows += [each + sum(prompt_responses[c:c + share]) for c in range(0, len(prompt_responses), share)]
+    return rows
 
 
 def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tuple[int, int]]]:

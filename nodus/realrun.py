@@ -40,8 +40,9 @@ class ClusterPool:
         fits (also when only run-loop settings changed, ``real.backend.RUN_SETTINGS``), the running
         one with its trainers restarted when trainer settings changed (``real.backend.TRAINER_SETTINGS``:
         an A/B of trainer settings keeps the engines), else a new one."""
-        from real.backend import Cluster, RealBackend, engine_settings, trainer_settings
+        from real.backend import Cluster, RealBackend, check_run_settings, engine_settings, trainer_settings
 
+        check_run_settings(cfg, self.opts)  # before any process starts
         key = self.key(cfg, n_stacks)
         loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
         running = self.clusters.get(key)
@@ -93,9 +94,10 @@ def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None
         return simulate(cfg, out)
     if backend != "real":
         raise ValueError(f"--backend {backend!r}: choose real or sim")
-    from real.backend import RealOptions
+    from real.backend import RealOptions, check_run_settings
 
     opts = opts or RealOptions()
+    check_run_settings(cfg, opts)  # before an output folder or a process
     cfg = engine_args_size_graphs(cfg, opts.engine_args)  # graph sizes the engine args set stay theirs
     out_dir = make_out_dir(out) if out is not None else None
     pool = ClusterPool(opts, min_loras=cfg.engine.max_loras or len(cfg.jobs))

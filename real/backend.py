@@ -203,6 +203,15 @@ def engine_settings(opts: RealOptions) -> RealOptions:
                             if f.name in TRAINER_SETTINGS or f.name in RUN_SETTINGS})
 
 
+def check_run_settings(cfg: RunConfig, opts: RealOptions) -> None:
+    """Refuse a run config the backend's options cannot serve, naming the setting."""
+    if cfg.trainer.share_prompts > 1 and not opts.trainer_graphs:
+        raise BackendConfigError(
+            f"trainer.share_prompts={cfg.trainer.share_prompts} packs each prompt's responses into one row, which "
+            "the fixed-shape trainer step does: run with the graphed trainer (--trainer-graphs; on a CPU its "
+            "uncaptured program), or set share_prompts to 0")
+
+
 def trainer_step_mode(graphs: bool, device: str) -> str:
     """--trainer-graphs: CUDA graphs on a GPU; on a CPU the same fixed-shape program uncaptured
     ("static"), so a CPU run exercises everything but the capture."""
@@ -466,6 +475,7 @@ class RealBackend:
     scheduler's actions; `close` unregisters them so the cluster can run the next arm."""
 
     def __init__(self, cluster: Cluster, cfg: RunConfig):
+        check_run_settings(cfg, cluster.opts)
         self.c, self.cfg, self.opts = cluster, cfg, cluster.opts
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self.adapter_root = tempfile.mkdtemp(prefix="nodus-adapters-", dir=self.opts.adapter_dir or _fast_dir())
@@ -507,6 +517,9 @@ class RealBackend:
 
         jobs = self.cfg.jobs
         seq = max(prompt_tokens_of(j) + j.max_new_tokens for j in jobs)
+        share = self.cfg.trainer.share_prompts
+        # The widest packed row (share_prompts): a prompt and as many of its responses as a row holds.
+        packed = max(prompt_tokens_of(j) + min(max(share, 1), j.responses_per_prompt) * j.max_new_tokens for j in jobs)
         rows = max(j.prompts_per_step * j.responses_per_prompt for j in jobs)
         sched = plan(self.cfg, self._start)
         for s in range(self.c.n_stacks):
@@ -521,7 +534,8 @@ class RealBackend:
             # Every step size the engine runs without CUDA graphs (big prefills) compiles its LoRA
             # kernels now: a compile inside a measured generation stalls it for seconds.
             self.c.engines[s].put(("warmkernels", "warmup", jobs[0].id))
-            self.c.trainers[s].put(("warmup", "warmup", max(j.lora_rank for j in jobs), rows, seq, per_step))
+            self.c.trainers[s].put(("warmup", "warmup", max(j.lora_rank for j in jobs), rows, seq, per_step, share,
+                                    packed))
             for _ in range(3):
                 msg = self.c.get()
                 if msg[0] == "warmed" and len(msg) > 2:
@@ -597,7 +611,7 @@ class RealBackend:
             return
         # The run's own micro-batch size: a pooled cluster's trainer serves runs that ask for others.
         self.c.trainers[a.stack].put(("train", a.action_id, batches, paths, elp or None, self.opts.checkpoint_dir,
-                                      self.cfg.trainer.max_tokens_per_microbatch))
+                                      self.cfg.trainer.max_tokens_per_microbatch, self.cfg.trainer.share_prompts))
 
     def publish(self, a: Publish) -> None:
         self._pending[a.action_id] = (a, None)

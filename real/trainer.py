@@ -218,9 +218,6 @@ class MultiLoRATrainer:
         prompt). Attention then runs with an explicit mask (SDPA's masked kernels, not flash)."""
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode={step_mode!r}; expected one of {STEP_MODES}")
-        if not (isinstance(share_prompts, int) and share_prompts >= 0):
-            raise ValueError(f"share_prompts={share_prompts!r}: sequences a packed row holds, an integer >= 0 "
-                             f"(0 or 1: no sharing)")
         if step_mode == "graphed" and not torch.cuda.is_available():
             raise ValueError("step_mode='graphed' needs a CUDA device (use 'static' to run its program on a CPU)")
         if dtype is not None or device is not None:
@@ -239,9 +236,8 @@ class MultiLoRATrainer:
         self.routing = Routing(lora_layout)
         self.step_mode = step_mode
         self.graph_width = graph_width
-        self.share_prompts = share_prompts
-        if share_prompts > 1:
-            _check_shared_prompt_model(base_model)
+        self.share_prompts = 0
+        self.set_share_prompts(share_prompts)
         self.graph_error: str | None = None  # why a capture failed (the step then ran eager)
         self._static: dict[StaticKey, StaticStep] = {}  # every program built (they share one memory pool)
         self.build_s: dict[str, float] = {}  # seconds each program took to build (capture included)
@@ -258,6 +254,15 @@ class MultiLoRATrainer:
         else:
             base_model.eval()
         self.jobs: dict[str, _Job] = {}
+
+    def set_share_prompts(self, share: int) -> None:
+        """``share_prompts`` (the constructor's), checked: a run's own setting, per train step."""
+        if not (isinstance(share, int) and not isinstance(share, bool) and share >= 0):
+            raise ValueError(f"share_prompts={share!r}: sequences a packed row holds, an integer >= 0 "
+                             f"(0 or 1: no sharing)")
+        if share > 1:
+            _check_shared_prompt_model(self.model)
+        self.share_prompts = share
 
     # --- jobs -------------------------------------------------------------------------------
 

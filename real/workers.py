@@ -140,7 +140,8 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
 
 def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     """Commands: ("add", tag, job_id, JobConfig, save_path) saves version 0;
-    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir[, mb_tokens]);
+    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir[, mb_tokens[, share_prompts]]);
+    ("warmup", tag, rank, rows, seq[, jobs[, share_prompts, packed_row_tokens]]);
     ("remove", tag, [job]); ("stop",)."""
     _apply_env(spec.env)
     try:
@@ -205,8 +206,12 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 from real.graphed import round_width
                 from real.trainer import JobBatch
 
+                if len(more) > 2:  # the run's share_prompts and its widest packed row
+                    trainer.set_share_prompts(more[1])
                 if more:  # the programs of the run's steps (rows up to its widest), captured now
-                    trainer.prepare_static(jobs, rank, round_width(seq))
+                    packed = more[2] if len(more) > 2 and more[1] > 1 else None
+                    trainer.prepare_static(jobs, rank, round_width(seq),
+                                           packed_width=None if packed is None else round_width(packed))
                 rng = np.random.default_rng(0)
                 scratch = {}
                 for k in range(jobs):
@@ -226,10 +231,12 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                     trainer.remove_job(job_id)
                 outbox.put(("removed", cmd[1]))
             elif kind == "train":
-                _, tag, batches, paths, engine_logprobs, ckpt_dir, *mb_tokens = cmd
+                _, tag, batches, paths, engine_logprobs, ckpt_dir, *run_settings = cmd
                 start = time.monotonic()
-                if mb_tokens:  # the run's own size (a pooled cluster serves runs asking for others)
-                    trainer.max_tokens_per_microbatch = mb_tokens[0]
+                if run_settings:  # the run's own size (a pooled cluster serves runs asking for others)
+                    trainer.max_tokens_per_microbatch = run_settings[0]
+                if len(run_settings) > 1:  # and its own share_prompts
+                    trainer.set_share_prompts(run_settings[1])
                 trains += 1
                 done = {}
 

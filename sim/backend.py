@@ -98,7 +98,15 @@ class SimBackend:
         tokens = {b.job_id: b.prompt_tokens + sum(b.response_tokens) for b in a.batches}
         # The real trainer's packing: rows (prompt + response) longest first into micro-batches
         # of at most the cap in padded tokens; the cost is charged on the padded tokens.
-        rows = [step_rows(b.prompt_tokens, b.n_sequences, b.response_tokens) for b in a.batches]
+        share = self.cfg.trainer.share_prompts
+        if share > 1:
+            self.cost.note_unmodelled(
+                f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost "
+                "(their masked attention unmodelled; on the H200 a 4-job step ran 1.25-1.29x faster at K=4 "
+                "for 35% fewer tokens)")
+        rows = [step_rows(b.prompt_tokens, b.n_sequences, b.response_tokens,
+                          self.jobs[b.job_id].responses_per_prompt, share)
+                for b in a.batches]
         padded, regroup = microbatch_costs(rows, self.cfg.trainer.max_tokens_per_microbatch,
                                            self.cost.profile.train.extra_tokens_layout)
         work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup)

@@ -348,6 +348,7 @@ class CostModel:
         self.profile = profile
         self.source = source
         self._beyond: dict[str, float] = {}  # what was extrapolated -> largest value asked
+        self._unmodelled: set[str] = set()  # settings the profile's terms were not measured under
         curves = sorted(profile.decode.curves, key=lambda c: c.adapters)
         self._curves = curves
         self._lora_curves = [c for c in curves if c.adapters >= 1]
@@ -420,10 +421,14 @@ class CostModel:
         key = f"{what}|{limit}"
         self._beyond[key] = max(self._beyond.get(key, value), value)
 
+    def note_unmodelled(self, what: str) -> None:
+        """A setting the prediction prices with terms measured without it (reports list it)."""
+        self._unmodelled.add(what)
+
     @property
     def flags(self) -> set[str]:
         """Where predictions extrapolated past the profiled region, one line per quantity."""
-        out = set()
+        out = set(self._unmodelled)
         for key, v in self._beyond.items():
             what, limit = key.split("|")
             out.add(f"{what} up to {v:g} > profiled {limit}")

@@ -230,6 +230,13 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     (runs[0] / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ConfigError, match="loaded published adapters into pageable host memory"):
         fit(runs, base=str(graphed_base))
+    summary["diagnostics"][0].pop("publish_pinned")
+    (runs[0] / "summary.json").write_text(json.dumps(summary))
+    cfg = json.loads((runs[0] / "config.json").read_text())
+    cfg["trainer"]["share_prompts"] = 4
+    (runs[0] / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"trained each prompt once \(trainer.share_prompts=4\)"):
+        fit(runs, base=str(graphed_base))
 
 
 def _mark_tuned(run_dir, configs=None):

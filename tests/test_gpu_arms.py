@@ -28,6 +28,8 @@ def test_arm_specs_name_their_own_trainer_settings():
     # np: the engine loads published adapters into pageable host memory (a run-loop setting).
     assert parse_arm("overlap+mps:cg:lowpri:np:free")[-2:] == (
         False, {"trainer_graphs": True, "trainer_priority": "below-normal", "publish_pinned": False})
+    # spK: the run config's trainer.share_prompts (each prompt's responses K to a row).
+    assert parse_arm("overlap+mps:cg:sp4:s2")[3:] == ([2], None, None, {"trainer_graphs": True, "share_prompts": 4})
 
 
 @pytest.mark.parametrize("bad, says", [("overlapp", "unknown arm 'overlapp'"), ("overlap:x4", "'x4' is not jN"),
@@ -35,7 +37,8 @@ def test_arm_specs_name_their_own_trainer_settings():
                                        ("overlap:m128", "'m128' is not jN.*>= 256"),
                                        ("overlap+mps:t0", "'t0' is not jN.*tN"), ("overlap+mps:t101", "'t101'"),
                                        ("overlap+mps:ax", "'ax' is not jN.*aN"),
-                                       ("overlap+mps:r0", "'r0' is not jN.*rK")])
+                                       ("overlap+mps:r0", "'r0' is not jN.*rK"),
+                                       ("overlap+mps:spx", "'spx' is not jN.*spK")])
 def test_bad_arm_specs_are_clear_errors(bad, says):
     with pytest.raises(SystemExit, match=says):
         parse_arm(bad)

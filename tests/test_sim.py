@@ -359,3 +359,26 @@ def test_a_new_config_sizes_the_engines_graphs_past_its_batch_and_a_recorded_one
     recorded = json.loads(cfg.model_copy(update={"engine": cfg.engine.model_copy(
         update={"cuda_graph_max_tokens": None})}).model_dump_json())
     assert build_config(recorded).engine.cuda_graph_max_tokens is None
+
+
+def test_step_rows_pack_each_prompts_responses_when_shared():
+    from nodus.microbatch import step_rows
+
+    assert step_rows(40, 4, [1, 2, 3, 4]) == [11, 12, 13, 14]
+    # two prompts of two responses each (10 prompt tokens a sequence), up to 2 a row / 1 a row
+    assert step_rows(40, 4, [1, 2, 3, 4], per_prompt=2, share=2) == [13, 17]
+    assert step_rows(40, 4, [1, 2, 3, 4], per_prompt=2, share=1) == [11, 12, 13, 14]
+    assert step_rows(60, 6, [1, 2, 3, 4, 5, 6], per_prompt=3, share=2) == [13, 13, 19, 16]
+
+
+def test_shared_prompts_train_fewer_tokens_in_the_simulator_and_say_how_they_are_priced():
+    """trainer.share_prompts: each prompt's responses packed into rows, its tokens once, so train
+    steps are shorter; the report names the setting as priced with terms measured without it."""
+    got = {}
+    for share in (0, 4):
+        cfg = config_from_args({"trainer": {"share_prompts": share}}, policy="shared-sync", groups=1, sharing="mps",
+                               steps=3, seed=1)
+        got[share] = simulate(cfg)
+    assert got[4]["steps_per_gpu_hour"] > got[0]["steps_per_gpu_hour"]
+    assert not any("share_prompts" in f for f in got[0]["outside_profile"])
+    assert any("trainer.share_prompts=4" in f and "unmodelled" in f for f in got[4]["outside_profile"])
