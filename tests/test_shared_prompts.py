@@ -11,16 +11,9 @@ pytest.importorskip("transformers")
 
 from real.graphed import packed_length, packed_row, prompt_groups, shared_prompt_mask  # noqa: E402
 from real.trainer import JobBatch  # noqa: E402
-from tests.test_trainer import VOCAB, make_trainer, params, with_old_logprobs  # noqa: E402
+# one_thread: the tiny model on one OpenMP thread (autouse, as in test_trainer).
+from tests.test_trainer import VOCAB, make_trainer, one_thread, params, with_old_logprobs  # noqa: E402, F401
 from tests.test_trainer_static import KL_JOBS  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def update_rel_diff(got, want, init) -> float:
