@@ -101,9 +101,8 @@ class SimBackend:
         share = self.cfg.trainer.share_prompts
         if share > 1:
             self.cost.note_unmodelled(
-                f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost "
-                "(their masked attention unmodelled; on the H200 a 4-job step ran 1.25-1.29x faster at K=4 "
-                "for 35% fewer tokens)")
+                f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost, "
+                "their masked attention unmodelled: train steps predicted short (README, trainer.share_prompts)")
         rows = [step_rows(b.prompt_tokens, b.n_sequences, b.response_tokens,
                           self.jobs[b.job_id].responses_per_prompt, share)
                 for b in a.batches]
