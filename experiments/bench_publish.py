@@ -111,8 +111,8 @@ def main(argv=None) -> dict:
     p.add_argument("--beside", action="store_true", help="also beside a GPU load under MPS (needs a GPU)")
     p.add_argument("--out", required=True)
     p.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
-                   help="print every thread's stack after S seconds (set it under the call's time limit: "
-                        "a part that hangs then says where)")
+                   help="print every thread's stack of this process after S seconds (set it under the call's "
+                        "time limit: a part that hangs here then says where; not the GPU load's process)")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.versions < 2:
         p.error("--jobs >= 1 and --versions >= 2")
@@ -201,6 +201,10 @@ def main(argv=None) -> dict:
             load.kill()
         if mps is not None:
             mps.stop()
+        if args.dump_stacks_after is not None:
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()  # done: a caller in this process gets no late dump
     write(report, args.out)
     for part in ("alone", "beside"):
         for name, r in report.get(part, {}).items():

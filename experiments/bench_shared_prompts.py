@@ -127,7 +127,7 @@ def run_case(args, t, n_jobs: int, device) -> dict:
     out = {"jobs": n_jobs, "variants": {}}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for share in args.share_list:
-        t.share_prompts = share
+        t.set_share_prompts(share)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
@@ -167,7 +167,7 @@ def agreement(args, t, batches) -> dict:
     for share in args.share_list:
         for j, st in saved.items():
             t.load_state_job(j, st)
-        t.share_prompts = share
+        t.set_share_prompts(share)
         t.train_step(batches)
         updates[share] = {j: flat(j) - start[j] for j in batches}
     return {str(s): max(float((u[j] - updates[0][j]).norm() / updates[0][j].norm().clamp_min(1e-30)) for j in u)

@@ -87,7 +87,8 @@ case "${1:-arms}" in
     # Every thread's stack 20 s before the limit: a part that hangs says where (session 18's did not).
     timeout "${PUB_TIMEOUT:-300}" python experiments/bench_publish.py --model /tmp/nodus-qwen3-0.6b-random \
       --jobs "${PUB_JOBS:-4}" --versions "${PUB_VERSIONS:-6}" --beside --out "$OUT/publish_h200.json" \
-      --dump-stacks-after $(( ${PUB_TIMEOUT:-300} - 20 )) > "$OUT/publish.log" 2>&1
+      --dump-stacks-after $(( ${PUB_TIMEOUT:-300} > 40 ? ${PUB_TIMEOUT:-300} - 20 : ${PUB_TIMEOUT:-300} / 2 + 1 )) \
+      > "$OUT/publish.log" 2>&1
     echo "bench_publish rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/publish.log" | tail -60 ;;
   engine-profile)
     # Is the shared generation GPU- or host-bound? A recorded step's generation timed per engine

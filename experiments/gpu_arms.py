@@ -91,7 +91,7 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     for o in opts:
         if o in ("wait", "free"):
             wait = o == "wait"
-        elif len(o) > 2 and o[:2] == "sp" and o[2:].isdigit():
+        elif re.fullmatch(r"sp[0-9]+", o):
             # The run config's trainer.share_prompts (each prompt's responses K to a row, the
             # prompt once): the trainers keep running, the step is the run's own.
             trainer["share_prompts"] = int(o[2:])
@@ -131,6 +131,19 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "responses of each prompt audited), np (published adapters loaded unpinned) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
     return name, jobs, groups, seeds, mb, wait, trainer
+
+
+def check_share_prompts(specs: list, share: int, trainer_graphs: bool) -> None:
+    """Before any work: --share-prompts >= 0, and every arm that packs prompts (its spK, else
+    --share-prompts) runs the graphed trainer (its :cg, else --trainer-graphs), as the real backend
+    requires."""
+    if share < 0:
+        raise SystemExit(f"gpu_arms: --share-prompts {share}: responses a row holds, an integer >= 0 (0: none)")
+    for name, *_, trainer in specs:
+        k = trainer.get("share_prompts", share)
+        if k > 1 and not trainer.get("trainer_graphs", trainer_graphs):
+            raise SystemExit(f"gpu_arms: arm {name} packs prompts (share_prompts={k}) without the graphed trainer: "
+                             "add :cg to the arm or --trainer-graphs")
 
 
 def sim_profile(given: str | None, trainer_graphs: bool, corun_priority: str | None = None) -> str:
@@ -302,6 +315,7 @@ def main() -> None:
         opts = _options(args, engine_env, engine_args)  # bad settings fail before any model is made
     except (ConfigError, ValueError) as err:
         raise SystemExit(f"gpu_arms: {err}")
+    check_share_prompts([parse_arm(a) for a in args.arms.split(",") if a], args.share_prompts, args.trainer_graphs)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "synthetic":
         make_random_model(args.model_dir, args.shape)

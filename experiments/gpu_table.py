@@ -60,7 +60,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
     variables; +a0 / +aN / +rK / +aNrK: the engine's logprobs never / every N-th step / for the first K
     responses of each prompt / both (--no-audit, --audit-every, --audit-responses);
-    +np: the engine loaded published adapters into pageable host memory; +freed: the trainer took
+    +np: the engine loaded published adapters into pageable host memory; +sp<K>: the trainer packed
+    each prompt's responses K to a row (trainer.share_prompts); +freed: the trainer took
     the next train while
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
@@ -75,6 +76,9 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MICROBATCH_TOKENS)
     if mb != DEFAULT_MICROBATCH_TOKENS:
         label += f"+{mb_tag(mb)}"
+    share = (trainer or {}).get("share_prompts") or 0
+    if share > 1:
+        label += f"+sp{share}"  # each prompt's responses trained K to a row (trainer.share_prompts)
     controls = next((d["sharing_controls"] for d in (summary or {}).get("diagnostics", [])
                      if d.get("sharing_controls")), {})
     if drop_idle_priority(controls, arm["policy"]).get("trainer_priority", "normal") != "normal":

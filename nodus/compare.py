@@ -51,14 +51,17 @@ class RunSummary:
     seed: int
     steps_per_gpu_hour: float
     jobs: dict[str, JobResult]
+    share_prompts: int = 0  # the run config's trainer.share_prompts
 
     @property
     def arm(self) -> str:
-        return arm_label(self.policy, self.sharing, self.groups)
+        return arm_label(self.policy, self.sharing, self.groups, self.share_prompts)
 
 
-def arm_label(policy: str, sharing: str, groups: int) -> str:
-    return f"{policy}/{sharing}/g{groups}"
+def arm_label(policy: str, sharing: str, groups: int, share_prompts: int = 0) -> str:
+    """policy/sharing/groups, +spK where the trainer packed each prompt's responses K to a row
+    (trainer.share_prompts): not a repeat of the same arm without it."""
+    return f"{policy}/{sharing}/g{groups}" + (f"+sp{share_prompts}" if share_prompts > 1 else "")
 
 
 def _get(obj: object, key: str, kinds: type | tuple[type, ...], where: str, file: Path):
@@ -118,7 +121,22 @@ def load_run(path: str | Path) -> RunSummary:
         seed=_get(data, "seed", int, "", file),
         steps_per_gpu_hour=sph,
         jobs={job_id: _job(job_id, rec, file) for job_id, rec in per_job.items()},
+        share_prompts=_share_prompts(folder / "config.json"),
     )
+
+
+def _share_prompts(config: Path) -> int:
+    """The run config's trainer.share_prompts (0 where the run folder has no config or the field)."""
+    if not config.is_file():
+        return 0
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    value = (data.get("trainer") or {}).get("share_prompts") or 0
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{config}: field 'trainer.share_prompts' must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _resolve_baseline(arms: dict[str, dict[int, list[RunSummary]]], baseline: str, paths) -> str:

@@ -231,11 +231,15 @@ class MultiLoRATrainer:
         self.param_dtype = param_dtype
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.last_microbatches = 0  # micro-batches of the last train_step
+        self.last_rows = 0  # rows the model ran in the last train_step (packed prompt groups count once)
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.base_model_name_or_path = base_model_name_or_path
         self.routing = Routing(lora_layout)
         self.step_mode = step_mode
         self.graph_width = graph_width
+        # Whether this trainer runs the fixed-shape step, the one that can pack prompts (a capture
+        # that fails later falls back to eager for good: rows are then plain, graph_error says why).
+        self._fixed_shape = step_mode != "eager" and lora_layout == "masked" and not gradient_checkpointing
         self.share_prompts = 0
         self.set_share_prompts(share_prompts)
         self.graph_error: str | None = None  # why a capture failed (the step then ran eager)
@@ -261,6 +265,10 @@ class MultiLoRATrainer:
             raise ValueError(f"share_prompts={share!r}: sequences a packed row holds, an integer >= 0 "
                              f"(0 or 1: no sharing)")
         if share > 1:
+            if not self._fixed_shape:
+                raise ValueError(f"share_prompts={share} packs each prompt's responses into one row, which the "
+                                 "fixed-shape step does: step_mode 'static' or 'graphed', lora_layout 'masked', no "
+                                 "gradient checkpointing")
             _check_shared_prompt_model(self.model)
         self.share_prompts = share
 
@@ -368,6 +376,7 @@ class MultiLoRATrainer:
             plan = [self._prepare(mb, seqs) for mb in
                     plan_microbatches([[len(r) for r in s.ids] for s in seqs], self.max_tokens_per_microbatch)]
         self.last_microbatches = len(plan)
+        self.last_rows = sum(len(s.ids) for s in seqs)
         return plan
 
     @property
@@ -469,6 +478,7 @@ class MultiLoRATrainer:
                 st.run(inputs)
         state.write_grads(adapters)
         self.last_microbatches = len(plan)
+        self.last_rows = sum(len(rows) for _, _, rows in plan)
         self.routing.mixed_masked = len(jobs) > 1
         for k in audit_acc:
             n = float(seqs[k].audited_tokens)

@@ -268,6 +268,7 @@ def _trainer_state(trainer) -> dict:
     """How the trainer trains now (a graph capture that fails, in the warm-up or later, leaves it
     eager): reported with the warm-up and every train step, kept in the run's diagnostics."""
     return {"step_mode": trainer.step_mode, "graph_error": trainer.graph_error,
+            "share_prompts": trainer.share_prompts, "last_step_rows": trainer.last_rows,
             "graphs": [str(k) for k in trainer.programs],
             "graphs_build_s": round(sum(trainer.build_s.values()), 2)}
 

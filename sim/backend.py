@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 import simpy
 
-from nodus.config import JobSpec, RunConfig, engine_graph_max_tokens
+from nodus.config import ConfigError, JobSpec, RunConfig, engine_graph_max_tokens
 from nodus.lengths import prompt_tokens, sample_response_tokens
 from nodus.microbatch import microbatch_costs, step_rows
 from nodus.messages import (
@@ -25,6 +25,11 @@ from sim.profile import CostModel
 
 class SimBackend:
     def __init__(self, cfg: RunConfig, cost: CostModel, n_stacks: int = 1):
+        if cfg.trainer.share_prompts > 1 and cost.profile.train.step_mode == "eager":
+            # The real backend runs it with the graphed trainer only (real.backend.check_run_settings).
+            raise ConfigError(f"trainer.share_prompts={cfg.trainer.share_prompts} runs on the graphed trainer only, "
+                              f"and this profile's train terms describe the eager one (train.step_mode): simulate it "
+                              f"on a graphed profile (nodus profiles)")
         self.cfg, self.cost = cfg, cost
         self.env = simpy.Environment()
         self.gpu = SharedGPU(self.env, cfg.arm.sharing, cost.profile.sharing)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,3 +243,18 @@ def test_a_repeat_reports_its_learning_against_the_first_run(tmp_path):
     assert aal["acc_diff"]["hi"] < 0
     assert "its A/A repeat" in render_compare_markdown(report)
     assert arm_entry(report)["aa_learning"] is None  # the arm has no repeat here
+
+
+def test_runs_that_pack_prompts_are_their_own_arm(tmp_path):
+    """A run whose trainer packed each prompt's responses (config.json trainer.share_prompts) is
+    labelled +spK: never pooled with the plain arm as a repeat; a bad value names the file."""
+    plain = make_run(tmp_path, "plain", policy="overlap", sharing="mps", groups=2)
+    packed = make_run(tmp_path, "packed", policy="overlap", sharing="mps", groups=2)
+    (Path(packed) / "config.json").write_text(json.dumps({"trainer": {"share_prompts": 4}}))
+    base = make_run(tmp_path, "base")
+    report = compare_runs([base, plain, packed])
+    labels = {a["arm"] for a in report["arms"]}
+    assert {"overlap/mps/g2", "overlap/mps/g2+sp4"} <= labels
+    (Path(packed) / "config.json").write_text(json.dumps({"trainer": {"share_prompts": -1}}))
+    with pytest.raises(ValueError, match="config.json: field 'trainer.share_prompts' must be an integer >= 0"):
+        compare_runs([base, plain, packed])

@@ -38,7 +38,8 @@ def test_arm_specs_name_their_own_trainer_settings():
                                        ("overlap+mps:t0", "'t0' is not jN.*tN"), ("overlap+mps:t101", "'t101'"),
                                        ("overlap+mps:ax", "'ax' is not jN.*aN"),
                                        ("overlap+mps:r0", "'r0' is not jN.*rK"),
-                                       ("overlap+mps:spx", "'spx' is not jN.*spK")])
+                                       ("overlap+mps:spx", "'spx' is not jN.*spK"),
+                                       ("overlap+mps:sp\u00b2", "is not jN.*spK")])
 def test_bad_arm_specs_are_clear_errors(bad, says):
     with pytest.raises(SystemExit, match=says):
         parse_arm(bad)
@@ -56,6 +57,17 @@ def test_bad_mps_thread_percentages_stop_before_any_work(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit, match=says):
         gpu_arms.main()
     assert not (tmp_path / "model").exists() and not (tmp_path / "out").exists()
+
+
+def test_packing_prompts_without_the_graphed_trainer_stops_before_any_work():
+    from experiments.gpu_arms import check_share_prompts
+
+    check_share_prompts([parse_arm("overlap+mps:cg:sp4"), parse_arm("dedicated")], 0, False)
+    check_share_prompts([parse_arm("overlap+mps"), parse_arm("dedicated:sp0")], 4, True)
+    with pytest.raises(SystemExit, match="arm dedicated packs prompts .share_prompts=4. without the graphed trainer"):
+        check_share_prompts([parse_arm("overlap+mps:cg"), parse_arm("dedicated")], 4, False)
+    with pytest.raises(SystemExit, match="--share-prompts -1"):
+        check_share_prompts([], -1, True)
 
 
 def test_rounds_repeat_each_block_of_processes_in_turn():

@@ -91,6 +91,9 @@ def test_arm_label_names_changed_mps_settings():
     assert arm_label(arm) == "overlap/mps/g2"
     controls = {"trainer_priority": "below-normal", "engine_thread_pct": None, "trainer_thread_pct": 60}
     assert arm_label(arm, {"diagnostics": [{"sharing_controls": controls}]}) == "overlap/mps/g2+lowpri+t60"
+    # Each prompt's responses packed K to a row (trainer.share_prompts): its own arm, not a repeat.
+    assert arm_label(arm, None, {"share_prompts": 4}) == "overlap/mps/g2+sp4"
+    assert arm_label(arm, None, {"share_prompts": 0}) == "overlap/mps/g2"
     default = {"trainer_priority": "normal", "engine_thread_pct": None, "trainer_thread_pct": None}
     assert arm_label(arm, {"diagnostics": [{"sharing_controls": default}]}) == "overlap/mps/g2"
     core = {"sharing_controls": default, "engine_core_process": True}

@@ -166,8 +166,11 @@ def test_shared_prompts_through_the_real_backend(tmp_path):
         spans = [json.loads(line) for line in (tmp_path / f"sp{share}" / "spans.jsonl").read_text().splitlines()]
         runs[share] = (s, {sp["job"]: sp["attrs"]["grad_norm"] for sp in spans
                            if sp["phase"] == "train" and sp["attrs"]["step"] == 0})
-    graphs = runs[2][0]["diagnostics"][0]["workers"]["trainer0"]["graphs"]
-    assert graphs and all("shared=True" in g for g in graphs)
+    worker = {k: r[0]["diagnostics"][0]["workers"]["trainer0"] for k, r in runs.items()}
+    assert worker[2]["graphs"] and all("shared=True" in g for g in worker[2]["graphs"])
+    # the last step's 2 jobs x 2 prompts x 2 responses: 8 rows plain, 4 packed
+    assert (worker[0]["last_step_rows"], worker[2]["last_step_rows"]) == (8, 4)
+    assert (worker[0]["share_prompts"], worker[2]["share_prompts"]) == (0, 2)
     for job, norm in runs[0][1].items():
         assert runs[2][1][job] == pytest.approx(norm, rel=1e-4)
     with pytest.raises(BackendConfigError, match="share_prompts=2.*--trainer-graphs"):

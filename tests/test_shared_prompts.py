@@ -121,6 +121,10 @@ def test_shared_prompt_mask_keeps_each_sequence_to_its_prompt_and_itself():
 def test_share_prompts_is_checked():
     with pytest.raises(ValueError, match="share_prompts"):
         make_trainer({}, step_mode="static", share_prompts=-1)
+    for other in ({"step_mode": "eager"}, {"step_mode": "static", "lora_layout": "padded"},
+                  {"step_mode": "static", "gradient_checkpointing": True}):
+        with pytest.raises(ValueError, match="share_prompts=4 packs .* the fixed-shape step"):
+            make_trainer({}, share_prompts=4, **other)
     t = make_trainer({}, step_mode="static", share_prompts=4)
     with pytest.raises(ValueError, match="packed_width"):
         t.prepare_static(2, 4, 32)
