@@ -127,9 +127,12 @@ def test_the_trainer_gets_the_engines_logprobs_of_the_audited_responses_only():
         put = []
         b = SimpleNamespace(opts=opts, failed={}, jobs={"j": SimpleNamespace(responses_per_prompt=3)}, _pending={},
                             _local=[], _path=lambda j, v, stack: f"/x/{j}-{v}",
-                            cfg=SimpleNamespace(trainer=SimpleNamespace(max_tokens_per_microbatch=4096)),
+                            cfg=SimpleNamespace(jobs=[SimpleNamespace(responses_per_prompt=3)],
+                                                trainer=SimpleNamespace(max_tokens_per_microbatch=4096,
+                                                                        share_prompts=0)),
                             c=SimpleNamespace(trainers=[SimpleNamespace(put=put.append)]))
         b.audits = lambda k: RealBackend.audits(b, k)
+        b._share_prompts = lambda: RealBackend._share_prompts(b)
         ro = Rollouts("j", step, 0, 3, 6, (2, 1, 3), 0.0, 1.0, data=(rb, [1.0, 0.0, 0.5]))
         RealBackend.train(b, Train("t", 0, 0, (ro,), (0,)))
         (cmd,) = put
