@@ -20,6 +20,9 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharing", choices=SHARINGS, help="GPU sharing controls (default mps)")
     p.add_argument("--steps", type=int, help="optimizer steps per job (default 20)")
     p.add_argument("--seed", type=int, help="run seed (default 1)")
+    p.add_argument("--share-prompts", type=int, metavar="K",
+                   help="trainer.share_prompts: each prompt's responses trained K to a row, the prompt once "
+                        "(the graphed trainer: --trainer-graphs on the real backend, a graphed profile in the sim)")
     p.add_argument("--out", help="write config, summary, timeline and plots into this new folder")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -76,7 +79,8 @@ def cmd_sim(a: argparse.Namespace) -> int:
         profile = str(Path(tempfile.mkdtemp(prefix="nodus-what-if-")) / "profile.json")
         Path(profile).write_text(json.dumps(prof, indent=1))
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
-                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=profile)
+                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=profile,
+                           share_prompts=a.share_prompts)
     summary = simulate(cfg, a.out)
     if a.what_if and a.out:
         shutil.copy(profile, Path(a.out) / "what_if_profile.json")
@@ -106,7 +110,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     from nodus.simulate import config_from_args, render_table
 
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
-                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile)
+                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
+                           share_prompts=a.share_prompts)
     opts = None
     if a.backend == "real":
         from real.backend import RealOptions

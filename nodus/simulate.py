@@ -23,7 +23,8 @@ from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, write_c
 
 def config_from_args(config: dict | None = None, *, jobs: int | None = None, policy: str | None = None,
                      groups: int | None = None, sharing: str | None = None, steps: int | None = None,
-                     seed: int | None = None, profile: str | None = None) -> RunConfig:
+                     seed: int | None = None, profile: str | None = None,
+                     share_prompts: int | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
     run's engine graphs sized to its jobs (``size_engine_graphs``)."""
     data = dict(config or {})
@@ -47,6 +48,10 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
     data["arm"] = arm
     if seed is not None:
         data["seed"] = seed
+    if share_prompts is not None:
+        if share_prompts < 0:
+            raise ConfigError(f"--share-prompts {share_prompts}: responses a row holds, an integer >= 0 (0: none)")
+        data["trainer"] = {**data.get("trainer", {}), "share_prompts": share_prompts}
     if profile is not None:
         data["profile"] = profile
     return size_engine_graphs(build_config(data))

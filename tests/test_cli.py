@@ -49,6 +49,22 @@ def test_bad_input_exits_2_with_named_field(capsys):
     assert "--engine-env 'NO_VALUE': expected NAME=VALUE" in capsys.readouterr().err
 
 
+def test_sim_share_prompts_on_a_graphed_profile_and_its_errors(capsys):
+    from nodus.config import DEFAULT_PROFILES
+
+    graphed = ["--jobs", "4", "--steps", "2", "--json", "--profile", DEFAULT_PROFILES["graphed"]]
+    assert main(["sim", *graphed]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["sim", *graphed, "--share-prompts", "4"]) == 0
+    packed = json.loads(capsys.readouterr().out)
+    assert packed["steps_per_gpu_hour"] > plain["steps_per_gpu_hour"]
+    assert any("trainer.share_prompts=4" in f for f in packed["outside_profile"])
+    assert main(["sim", "--jobs", "2", "--share-prompts", "4"]) == 2  # the default profile: the eager trainer's
+    assert "runs on the graphed trainer only" in capsys.readouterr().err
+    assert main(["sim", "--jobs", "2", "--share-prompts", "-1"]) == 2
+    assert "--share-prompts -1" in capsys.readouterr().err
+
+
 def test_sweep_writes_csv_json_plot(tmp_path, capsys):
     out = tmp_path / "sw"
     assert main(["sweep", "--jobs", "2,4", "--groups", "1,2", "--seeds", "1", "--steps", "2",
