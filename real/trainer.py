@@ -240,8 +240,8 @@ class MultiLoRATrainer:
         # Whether this trainer runs the fixed-shape step, the one that can pack prompts (a capture
         # that fails later falls back to eager for good: rows are then plain, graph_error says why).
         self._fixed_shape = step_mode != "eager" and lora_layout == "masked" and not gradient_checkpointing
+        self._packing_checked = False  # the decoder was seen to honour a packed row's mask
         self.share_prompts = 0
-        self.set_share_prompts(share_prompts)
         self.graph_error: str | None = None  # why a capture failed (the step then ran eager)
         self._static: dict[StaticKey, StaticStep] = {}  # every program built (they share one memory pool)
         self.build_s: dict[str, float] = {}  # seconds each program took to build (capture included)
@@ -258,6 +258,7 @@ class MultiLoRATrainer:
         else:
             base_model.eval()
         self.jobs: dict[str, _Job] = {}
+        self.set_share_prompts(share_prompts)
 
     def set_share_prompts(self, share: int) -> None:
         """``share_prompts`` (the constructor's), checked: a run's own setting, per train step."""
@@ -269,7 +270,9 @@ class MultiLoRATrainer:
                 raise ValueError(f"share_prompts={share} packs each prompt's responses into one row, which the "
                                  "fixed-shape step does: step_mode 'static' or 'graphed', lora_layout 'masked', no "
                                  "gradient checkpointing")
-            _check_shared_prompt_model(self.model)
+            if not self._packing_checked:
+                _check_shared_prompt_model(self.model, self.decoder)
+                self._packing_checked = True
         self.share_prompts = share
 
     # --- jobs -------------------------------------------------------------------------------
@@ -695,13 +698,36 @@ class MultiLoRATrainer:
         job.generator.set_state(state["rng"])
 
 
-def _check_shared_prompt_model(model) -> None:
-    """The shared-prompt layout hands the decoder its mask per layer type ({"full_attention": mask}):
-    a model with other layer types (sliding windows) would need the window in the mask too."""
+def _check_shared_prompt_model(model, decoder) -> None:
+    """The shared-prompt layout hands the decoder its mask per layer type ({"full_attention": mask})
+    with position ids: a model with other layer types (sliding windows) would need the window in
+    the mask too, and a transformers whose decoder ignored the dict (it takes one since ~4.53) would
+    let responses see each other. Checked on the model itself: a prompt with two one-token responses
+    packed into one row must give the second response about the hidden state it has alone, far
+    closer than the same row under a mask that lets it see the first response (which a decoder
+    ignoring the mask would also give: bf16 rounding is no false alarm this way)."""
+    from real.graphed import shared_prompt_mask
+
     types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
         raise ValueError(f"share_prompts needs a model whose every layer is full attention; this one has "
                          f"{sorted(types)}")
+    dev = next(model.parameters()).device
+    ids, pos = torch.tensor([[1, 2, 3, 4]], device=dev), torch.tensor([[0, 1, 2, 2]], device=dev)
+    seg = torch.tensor([[0, 0, 1, 2]], device=dev)
+    causal = torch.ones(4, 4, dtype=torch.bool, device=dev).tril()[None, None]
+    with torch.no_grad():
+        want = decoder(input_ids=torch.tensor([[1, 2, 4]], device=dev), use_cache=False).last_hidden_state[0, 2]
+        got = {name: decoder(input_ids=ids, position_ids=pos, use_cache=False,
+                             attention_mask={"full_attention": mask}).last_hidden_state[0, 3]
+               for name, mask in (("packed", shared_prompt_mask(seg)), ("leaky", causal))}
+    rel = {k: float((v.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+           for k, v in got.items()}
+    if not rel["packed"] < 0.25 * rel["leaky"]:
+        raise ValueError(f"share_prompts: this transformers' decoder does not honour the packed row's attention mask "
+                         f"(a response's hidden state lies {rel['packed']:.3g} of its size from its own alone, and "
+                         f"{rel['leaky']:.3g} when it may see the other response): it needs a decoder that takes "
+                         "attention_mask as a dict per layer type (transformers >= 4.53)")
 
 
 def _to_cpu(obj):

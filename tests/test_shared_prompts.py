@@ -118,6 +118,21 @@ def test_shared_prompt_mask_keeps_each_sequence_to_its_prompt_and_itself():
     assert m[5].tolist() == [False] * 5 + [True]  # padding: itself only
 
 
+def test_a_decoder_that_lets_responses_see_each_other_is_refused(monkeypatch):
+    """The trainer checks, on the model itself, that a packed row's mask is honoured (a transformers
+    whose decoder ignored it would train every response on the others' tokens)."""
+    import real.graphed
+
+    def leaky(seg):
+        T = seg.shape[1]
+        idx = torch.arange(T)
+        return (idx[None, :] <= idx[:, None])[None, None].expand(seg.shape[0], 1, T, T)
+
+    monkeypatch.setattr(real.graphed, "shared_prompt_mask", leaky)
+    with pytest.raises(ValueError, match="does not honour the packed row's attention mask"):
+        make_trainer({}, step_mode="static", share_prompts=4)
+
+
 def test_share_prompts_is_checked():
     with pytest.raises(ValueError, match="share_prompts"):
         make_trainer({}, step_mode="static", share_prompts=-1)
