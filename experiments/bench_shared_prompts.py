@@ -68,7 +68,7 @@ def grouped_rows(prompt: int, responses: list[int], per_prompt: int, vocab: int,
     return JobBatch(ids, mask, rng.normal(size=len(responses)).tolist())
 
 
-def rows_for(args, n_jobs: int, vocab: int) -> dict:
+def rows_for(args, n_jobs: int, vocab: int) -> tuple[dict, list]:
     import numpy as np
 
     if args.lengths_from:
@@ -80,8 +80,9 @@ def rows_for(args, n_jobs: int, vocab: int) -> dict:
         prompt, room, n = (8, 24, 16) if args.tiny else (90, 256, 64)
         picked = [(prompt, [int(x) for x in np.clip(rng.lognormal(np.log(room / 2.5), 0.8, n), 1, room)])
                   for _ in range(n_jobs)]
-    return {f"job{k}": grouped_rows(p, r, args.responses_per_prompt, vocab, seed=args.seed + k)
-            for k, (p, r) in enumerate(picked)}
+    batches = {f"job{k}": grouped_rows(p, r, args.responses_per_prompt, vocab, seed=args.seed + k)
+               for k, (p, r) in enumerate(picked)}
+    return batches, [[int(p), [int(x) for x in r]] for p, r in picked]
 
 
 def make_trainer(args, device, dtype):
@@ -121,10 +122,12 @@ def tokens_of(batches, share: int) -> int:
 def run_case(args, t, n_jobs: int, device) -> dict:
     import torch
 
-    batches = rows_for(args, n_jobs, t.vocab_size)
+    batches, lengths = rows_for(args, n_jobs, t.vocab_size)
     for k in range(n_jobs):
         t.add_job(f"job{k}", rank=args.rank, alpha=2 * args.rank, lr=1e-4, seed=100 + k)
-    out = {"jobs": n_jobs, "variants": {}}
+    # lengths: each job's [prompt tokens, response lengths], so a fit of the packed attention
+    # (python -m calibration.packed_attention) rebuilds the rows without the run folder
+    out = {"jobs": n_jobs, "lengths": lengths, "variants": {}}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for share in args.share_list:
         t.set_share_prompts(share)

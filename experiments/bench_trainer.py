@@ -137,19 +137,13 @@ def make_batch(args, n_seqs, vocab, seed):
 
 def recorded_lengths(run_dir: str, step: int) -> dict[str, tuple[int, list[int]]]:
     """job -> (prompt tokens per sequence, response lengths) of ``step`` in a recorded run."""
-    path = Path(run_dir) / "spans.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"--lengths-from {run_dir}: no spans.jsonl there (a run folder of nodus run / gpu_arms)")
-    out = {}
-    for line in path.read_text().splitlines():
-        span = json.loads(line)
-        attrs = span.get("attrs") or {}
-        if span.get("phase") == "generate" and attrs.get("step") == step and attrs.get("response_tokens"):
-            n = attrs.get("n_sequences") or len(attrs["response_tokens"])
-            out[span["job"]] = (round(attrs.get("prompt_tokens", 0) / max(n, 1)), list(attrs["response_tokens"]))
-    if not out:
-        raise SystemExit(f"--lengths-from {run_dir}: no generate span of step {step} with response lengths")
-    return out
+    from nodus.config import ConfigError
+    from nodus.lengths import recorded_step_lengths
+
+    try:
+        return recorded_step_lengths(run_dir, step)
+    except ConfigError as e:
+        raise SystemExit(f"--lengths-from {e}") from None
 
 
 def recorded_batch(prompt: int, responses: list[int], vocab: int, seed: int):

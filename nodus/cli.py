@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from nodus.config import DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
+from nodus.config import DEFAULT_PROFILE, DEFAULT_PROFILES, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
 from sim.profile import LORA_KERNELS, STEP_MODES
 
 
@@ -258,6 +258,22 @@ def cmd_fit(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_packed(a: argparse.Namespace) -> int:
+    from calibration.packed_attention import fit_to_file
+
+    r = fit_to_file(a.benches, a.base, a.out, report=a.report)
+    w, wo = r["models"]["with_pairs"], r["models"]["without_pairs"]
+    print(f"packed_pair_per_token = {r['packed_pair_per_token']:.3g} (a packed query-key pair against a token's "
+          f"forward and backward) from {len(r['points'])} bench points; leaving each configuration out: "
+          f"{w['loo_mape']:.1%} (worst {w['loo_worst']:.1%}) against {wo['loo_mape']:.1%} "
+          f"(worst {wo['loo_worst']:.1%}) without the term")
+    for row in r["ratios"]:
+        print(f"  {row['jobs']} jobs, K={row['share']}: packed/plain step measured {row['measured']:.3f}, "
+              f"profile {row['profile_with']:.3f} (without the term {row['profile_without']:.3f})")
+    print(f"wrote {a.out}" + (f", {a.report}.md and {a.report}.json" if a.report else ""))
+    return 0
+
+
 def _name_value(item: str, flag: str, what: str) -> tuple[str, str]:
     name, sep, value = item.partition("=")
     if not sep or not name:
@@ -444,6 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "sharing rates kept, the runs fit the trainer's scale, decode.scale and the publish cost "
                         "(the day's dedicated runs suffice; one is needed)")
     p.set_defaults(fn=cmd_fit)
+
+    p = sub.add_parser("fit-packed", help="fit the packed rows' attention (trainer.share_prompts) from trainer "
+                                          "benches into a copy of a profile")
+    p.add_argument("benches", nargs="+", help="JSONs of experiments/bench_shared_prompts.py (GPU, graphed trainer)")
+    p.add_argument("--base", default=DEFAULT_PROFILES["graphed"], help="graphed-trainer profile to copy")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
+    p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    p.set_defaults(fn=cmd_fit_packed)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
     p.add_argument("run_dir")

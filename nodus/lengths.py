@@ -92,3 +92,21 @@ def _replay_table(path: str, job: str) -> dict[int, list[int]]:
         return _replay_table_cached(str(p), p.stat().st_mtime, job)
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ConfigError(f"lengths.trace={path!r} is not a spans JSONL with response_tokens: {err}") from None
+
+
+def recorded_step_lengths(run_dir: str | Path, step: int) -> dict[str, tuple[int, list[int]]]:
+    """job -> (prompt tokens per sequence, response lengths) of ``step`` in a recorded run's
+    ``spans.jsonl`` (its generate spans): the rows a bench or a fit rebuilds a step from."""
+    path = Path(run_dir) / "spans.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no spans.jsonl there (a run folder of nodus run / gpu_arms)")
+    out = {}
+    for line in path.read_text().splitlines():
+        span = json.loads(line)
+        attrs = span.get("attrs") or {}
+        if span.get("phase") == "generate" and attrs.get("step") == step and attrs.get("response_tokens"):
+            n = attrs.get("n_sequences") or len(attrs["response_tokens"])
+            out[span["job"]] = (round(attrs.get("prompt_tokens", 0) / max(n, 1)), list(attrs["response_tokens"]))
+    if not out:
+        raise ConfigError(f"{run_dir}: no generate span of step {step} with response lengths")
+    return out

@@ -14,7 +14,7 @@ import simpy
 
 from nodus.config import ConfigError, JobSpec, RunConfig, engine_graph_max_tokens
 from nodus.lengths import prompt_tokens, sample_response_tokens
-from nodus.microbatch import microbatch_costs, step_rows
+from nodus.microbatch import microbatch_costs, packed_pairs, step_rows
 from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
@@ -106,14 +106,18 @@ class SimBackend:
         share = self.cfg.trainer.share_prompts
         if share > 1:
             self.cost.note_unmodelled(
+                f"trainer.share_prompts={share}: packed rows' masked attention priced from the trainer alone "
+                "(train.packed_pair_per_token), not yet checked against runs" if self.cost.has_packed_attention else
                 f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost, "
-                "their masked attention unmodelled: train steps predicted short (README, trainer.share_prompts)")
+                "their masked attention unmodelled (no train.packed_pair_per_token in the profile): train steps "
+                "predicted short (README, trainer.share_prompts)")
         rows = [step_rows(b.prompt_tokens, b.n_sequences, b.response_tokens,
                           self.jobs[b.job_id].responses_per_prompt, share)
                 for b in a.batches]
-        padded, regroup = microbatch_costs(rows, self.cfg.trainer.max_tokens_per_microbatch,
-                                           self.cost.profile.train.extra_tokens_layout)
-        work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup)
+        mb_tokens = self.cfg.trainer.max_tokens_per_microbatch
+        padded, regroup = microbatch_costs(rows, mb_tokens, self.cost.profile.train.extra_tokens_layout)
+        pairs = packed_pairs(rows, mb_tokens) if share > 1 else 0
+        work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup, packed_pairs=pairs)
         yield from self.gpu.work("trainer", work)
         updates = tuple(JobUpdate(b.job_id, new_version=v + 1, tokens=tokens[b.job_id])
                         for b, v in zip(a.batches, a.expected_versions))

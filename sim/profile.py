@@ -109,6 +109,11 @@ class TrainCost(_M):
     # other adapters of its micro-batch (the LoRA GEMMs' extra inner columns).
     s_per_regroup_token: float = Field(default=0.0, ge=0)
     extra_tokens_layout: Literal["padded", "masked"] = "padded"  # the trainer layout that term is of
+    # Packed rows (trainer.share_prompts): what one query-key pair of a packed micro-batch's masked
+    # attention (``nodus.microbatch.packed_pairs``) costs, in units of ``per_microbatch``'s per-token
+    # term, so it moves with a refit or a what-if of the train terms. Fitted on the trainer alone
+    # (``python -m calibration.packed_attention``); None: not measured, packed rows priced as plain.
+    packed_pair_per_token: float | None = Field(default=None, ge=0)
     # The trainer these terms (and the sharing rates measured with this profile as base) describe:
     # eager, or its micro-batches replayed as CUDA graphs (--trainer-graphs; "static" on a CPU).
     step_mode: Literal[STEP_MODES] = "eager"
@@ -298,6 +303,7 @@ def what_if(prof: dict, factors: dict[str, float]) -> dict:
             t["per_microbatch"] = {k: v * f for k, v in t["per_microbatch"].items()}
             t["s_per_adapter"] *= f
             t["s_per_regroup_token"] = t.get("s_per_regroup_token", 0.0) * f
+            # packed_pair_per_token is in per-token units: it follows b_s_per_unit
         elif phase == "decode":
             prof["decode"]["scale"] = prof["decode"].get("scale", 1.0) * f
         elif phase == "prefill":
@@ -407,15 +413,23 @@ class CostModel:
         f = self.profile.prefill.lora if lora else self.profile.prefill.no_lora
         return (f.a_s if cold else 0.0) + f.b_s_per_unit * tokens
 
-    def train_s(self, microbatch_tokens: list[int], adapters: int, regroup_tokens: int = 0) -> float:
-        """One train step: per micro-batch (padded tokens), per adapter, and per token of the
-        multi-adapter regrouping beyond the padded tokens."""
+    def train_s(self, microbatch_tokens: list[int], adapters: int, regroup_tokens: int = 0,
+                packed_pairs: int = 0) -> float:
+        """One train step: per micro-batch (padded tokens), per adapter, per token of the
+        multi-adapter regrouping beyond the padded tokens, and per query-key pair of packed rows'
+        masked attention (``packed_pairs``, where the profile measured it: ``has_packed_attention``)."""
         t = self.profile.train
         for n in microbatch_tokens:
             if n > t.max_profiled_tokens:
                 self._note("train micro-batch tokens", n, t.max_profiled_tokens)
+        pairs_s = t.per_microbatch.b_s_per_unit * (t.packed_pair_per_token or 0.0) * packed_pairs
         return sum(t.per_microbatch.a_s + t.per_microbatch.b_s_per_unit * n for n in microbatch_tokens) \
-            + t.s_per_adapter * adapters + t.s_per_regroup_token * regroup_tokens
+            + t.s_per_adapter * adapters + t.s_per_regroup_token * regroup_tokens + pairs_s
+
+    @property
+    def has_packed_attention(self) -> bool:
+        """Whether the profile prices packed rows' masked attention (train.packed_pair_per_token)."""
+        return self.profile.train.packed_pair_per_token is not None
 
     def _note(self, what: str, value: float, limit: float) -> None:
         key = f"{what}|{limit}"
