@@ -97,7 +97,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     from nodus.simulate import sweep, sweep_table
 
     result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
-                   steps=a.steps, profile=a.profile, workers=a.workers, out=a.out)
+                   steps=a.steps, profile=a.profile, workers=a.workers, out=a.out, share_prompts=a.share_prompts)
     print(json.dumps(result, default=str) if a.json
           else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best")))
     print(f"{len(result['rows'])} runs in {result['wall_s']:.1f}s with {result['workers']} workers"
@@ -321,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="all", help="comma list of " + ",".join(POLICIES) + " or all")
     p.add_argument("--sharing", default="none,mps")
     p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--share-prompts", default="0", metavar="K,...",
+                   help="trainer.share_prompts values to sweep (0: plain rows; K > 1 needs a graphed profile); "
+                        "each value's ratios are over its own dedicated arm")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")

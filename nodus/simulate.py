@@ -156,14 +156,14 @@ def sweep_arms(jobs: int, policies: list[str], groups: list[int], sharings: list
 
 
 def _sweep_task(args) -> dict:
-    jobs, seed, (policy, groups, sharing), steps, profile = args
+    jobs, seed, (policy, groups, sharing), steps, profile, share = args
     cfg = config_from_args(jobs=jobs, policy=policy, groups=groups, sharing=sharing, steps=steps,
-                           seed=seed, profile=profile)
+                           seed=seed, profile=profile, share_prompts=share)
     from sim import backend_factory
 
     t0 = time.perf_counter()
     s = summarize(run_spans(cfg, backend_factory(profile)))
-    return {"jobs": jobs, "seed": seed, "policy": policy, "groups": groups, "sharing": sharing,
+    return {"jobs": jobs, "seed": seed, "policy": policy, "groups": groups, "sharing": sharing, "share_prompts": share,
             "steps_per_gpu_hour": s["steps_per_gpu_hour"], "rollout_tokens_per_gpu_s": s["rollout_tokens_per_gpu_s"],
             "busy_engine": s["busy"]["engine"], "busy_trainer": s["busy"]["trainer"], "busy_gpu": s["busy"]["gpu"],
             "stale_rollouts": s["stale_rollouts"], "wall_s": time.perf_counter() - t0}
@@ -185,9 +185,11 @@ def _parse_list(text: str, cast, name: str, choices=None) -> list:
 
 def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", sharing: str = "none,mps",
           seeds: str = "1,2,3", steps: int = 20, profile: str = DEFAULT_PROFILE, workers: int | None = None,
-          out: str | Path | None = None, progress: bool = True) -> dict:
-    """Every arm for every job count and seed; ratios are against the dedicated arm of the same
-    job count and seed. Writes sweep.csv, sweep.json and sweep.png into `out`."""
+          out: str | Path | None = None, progress: bool = True, share_prompts: str = "0") -> dict:
+    """Every arm for every job count, seed and ``share_prompts`` (the trainer's responses a packed
+    row, ``trainer.share_prompts``; 0: plain rows); ratios are against the dedicated arm of the same
+    job count, seed and trainer setting (the job alone trains the same way). Writes sweep.csv,
+    sweep.json and sweep.png into `out`."""
     job_list = _parse_list(jobs, int, "jobs")
     if min(job_list) < 1:
         raise ConfigError(f"--jobs {jobs}: every job count must be >= 1")
@@ -197,11 +199,18 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
         pol = ["dedicated"] + pol  # ratios need the baseline
     shr = list(SHARINGS) if sharing == "all" else _parse_list(sharing, str, "sharing", SHARINGS)
     seed_list = _parse_list(seeds, int, "seeds")
+    share_list = sorted(set(_parse_list(share_prompts, int, "share-prompts")))
+    if min(share_list) < 0:
+        raise ConfigError(f"--share-prompts {share_prompts}: responses a row holds, integers >= 0 (0: none)")
     from sim.profile import load_profile
 
-    validation = load_profile(profile).validation()  # fails fast on a bad profile, before forking workers
+    cost = load_profile(profile)  # fails fast on a bad profile, before forking workers
+    validation = cost.validation()
+    if max(share_list) > 1 and cost.profile.train.step_mode == "eager":
+        raise ConfigError(f"--share-prompts {share_prompts}: packed rows run on the graphed trainer only, and profile "
+                          f"{profile!r} describes the eager one (train.step_mode): sweep a graphed profile")
     out_dir = make_out_dir(out) if out is not None else None
-    tasks = [(n, sd, arm, steps, profile) for n in job_list for sd in seed_list
+    tasks = [(n, sd, arm, steps, profile, sp) for n in job_list for sd in seed_list for sp in share_list
              for arm in sweep_arms(n, pol, group_list, shr)]
     tasks.sort(key=lambda t: -t[0] * (t[2][1] if t[2][0] == "overlap" else 1))  # big runs first
     rows, t0 = [], time.perf_counter()
@@ -214,11 +223,14 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
                 _progress(i, len(tasks), time.perf_counter() - t0)
     if progress and sys.stderr.isatty():
         print(file=sys.stderr)
-    base = {(r["jobs"], r["seed"]): r["steps_per_gpu_hour"] for r in rows if r["policy"] == "dedicated"}
+    base = {(r["jobs"], r["seed"], r["share_prompts"]): r["steps_per_gpu_hour"] for r in rows
+            if r["policy"] == "dedicated"}
     for r in rows:
-        r["ratio_vs_dedicated"] = r["steps_per_gpu_hour"] / base[(r["jobs"], r["seed"])]
-    rows.sort(key=lambda r: (r["jobs"], POLICIES.index(r["policy"]), r["groups"], r["sharing"], r["seed"]))
+        r["ratio_vs_dedicated"] = r["steps_per_gpu_hour"] / base[(r["jobs"], r["seed"], r["share_prompts"])]
+    rows.sort(key=lambda r: (r["jobs"], r["share_prompts"], POLICIES.index(r["policy"]), r["groups"], r["sharing"],
+                             r["seed"]))
     result = {"profile": profile, "profile_validation": validation, "steps": steps, "seeds": seed_list,
+              "share_prompts": share_list,
               "rows": rows, "best": best_arms(rows, (validation or {}).get("heldout_mape")),
               "wall_s": time.perf_counter() - t0, "workers": workers}
     if out_dir is not None:
@@ -244,7 +256,8 @@ def _progress(i: int, n: int, elapsed: float) -> None:
 
 def arm_label(r: dict) -> str:
     g = f" g={r['groups']}" if r["policy"] in ("overlap", "timeslice") else ""
-    return f"{r['policy']}{g} {r['sharing']}" if r["policy"] != "dedicated" else "dedicated"
+    sp = f" +sp{r['share_prompts']}" if (r.get("share_prompts") or 0) > 1 else ""
+    return (f"{r['policy']}{g} {r['sharing']}" if r["policy"] != "dedicated" else "dedicated") + sp
 
 
 def error_bar_line(validation: dict | None) -> str:
@@ -274,6 +287,16 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
     for label, d in by.items():
         cells = [f"{sum(d[n]) / len(d[n]):.3f}x" if n in d else "-" for n in jobs]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if len({r.get("share_prompts") or 0 for r in rows}) > 1 and all("steps_per_gpu_hour" in r for r in rows):
+        # Ratios of two trainer settings divide by two baselines: the steps themselves compare them.
+        steps: dict[str, dict[int, list[float]]] = {}
+        for r in rows:
+            steps.setdefault(arm_label(r), {}).setdefault(r["jobs"], []).append(r["steps_per_gpu_hour"])
+        lines += ["", "Steps per GPU-hour (each trainer setting's ratios are over its own dedicated arm):", "",
+                  "| arm | " + " | ".join(f"{n} jobs" for n in jobs) + " |", "|---" * (len(jobs) + 1) + "|"]
+        for label, d in steps.items():
+            lines.append(f"| {label} | " + " | ".join(f"{sum(d[n]) / len(d[n]):.0f}" if n in d else "-"
+                                                      for n in jobs) + " |")
     best = best_arms(rows, (validation or {}).get("heldout_mape")) if best is None else best
     if best:
         lines += ["", "Best per job count: " + "; ".join(
@@ -286,20 +309,22 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
 
 
 def best_arms(rows: list[dict], error: float | None = None) -> list[dict]:
-    """Per job count, the shared arm with the highest mean ratio to dedicated, the runner-up and how
-    far below it is (``next_gap``, relative); ``within_error``: the gap is smaller than ``error`` (the
-    profile's held-out MAPE), so the simulator cannot tell the two apart."""
-    means: dict[int, dict[str, float]] = {}
+    """Per job count (and trainer setting, ``share_prompts``: its ratios have their own baseline),
+    the shared arm with the highest mean ratio to dedicated, the runner-up and how far below it is
+    (``next_gap``, relative); ``within_error``: the gap is smaller than ``error`` (the profile's
+    held-out MAPE), so the simulator cannot tell the two apart."""
+    means: dict[tuple[int, int], dict[str, list[float]]] = {}
     for r in rows:
         if r["policy"] != "dedicated":
-            means.setdefault(r["jobs"], {}).setdefault(arm_label(r), []).append(r["ratio_vs_dedicated"])
+            key = (r["jobs"], r.get("share_prompts") or 0)
+            means.setdefault(key, {}).setdefault(arm_label(r), []).append(r["ratio_vs_dedicated"])
     out = []
-    for n in sorted(means):
-        ranked = sorted(((sum(v) / len(v), k) for k, v in means[n].items()), reverse=True)
+    for n, sp in sorted(means):
+        ranked = sorted(((sum(v) / len(v), k) for k, v in means[(n, sp)].items()), reverse=True)
         (top, arm), nxt = ranked[0], ranked[1] if len(ranked) > 1 else None
         gap = nxt[0] / top - 1 if nxt else None
-        out.append({"jobs": n, "arm": arm, "ratio": top, "next": nxt[1] if nxt else None, "next_gap": gap,
-                    "within_error": gap is not None and error is not None and -gap < error})
+        out.append({"jobs": n, "share_prompts": sp, "arm": arm, "ratio": top, "next": nxt[1] if nxt else None,
+                    "next_gap": gap, "within_error": gap is not None and error is not None and -gap < error})
     return out
 
 

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from nodus.cli import main
 
 
@@ -79,6 +81,31 @@ def test_sweep_writes_csv_json_plot(tmp_path, capsys):
     assert "held-out real runs: steps per GPU-hour MAPE" in (out / "table.md").read_text()
     assert "held-out real runs" in capsys.readouterr().out
     assert main(["sweep", "--policies", "bogus"]) == 2
+
+
+def test_sweep_over_share_prompts_divides_each_setting_by_its_own_dedicated_arm(capsys):
+    from nodus.config import DEFAULT_PROFILES
+
+    args = ["sweep", "--jobs", "4", "--groups", "2", "--policies", "overlap", "--sharing", "mps", "--seeds", "1",
+            "--steps", "2", "--workers", "1", "--json", "--profile", DEFAULT_PROFILES["graphed"]]
+    assert main([*args, "--share-prompts", "0,4"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["share_prompts"] == [0, 4]
+    by = {(r["policy"], r["share_prompts"]): r for r in d["rows"]}
+    assert set(by) == {("dedicated", 0), ("dedicated", 4), ("overlap", 0), ("overlap", 4)}
+    for sp in (0, 4):
+        assert by[("dedicated", sp)]["ratio_vs_dedicated"] == 1.0
+        assert by[("overlap", sp)]["ratio_vs_dedicated"] == pytest.approx(
+            by[("overlap", sp)]["steps_per_gpu_hour"] / by[("dedicated", sp)]["steps_per_gpu_hour"])
+    assert by[("dedicated", 4)]["steps_per_gpu_hour"] > by[("dedicated", 0)]["steps_per_gpu_hour"]
+    assert [(b["share_prompts"], b["arm"]) for b in d["best"]] == [(0, "overlap g=2 mps"), (4, "overlap g=2 mps +sp4")]
+    assert main([a for a in args if a != "--json"] + ["--share-prompts", "0,4"]) == 0
+    table = capsys.readouterr().out
+    assert "| overlap g=2 mps +sp4 |" in table and "Steps per GPU-hour (each trainer setting's ratios" in table
+    assert main([*args[:-2], "--share-prompts", "0,4"]) == 2  # the default (eager) profile
+    assert "packed rows run on the graphed trainer only" in capsys.readouterr().err
+    assert main([*args, "--share-prompts", "0,-1"]) == 2
+    assert "--share-prompts 0,-1" in capsys.readouterr().err
 
 
 def test_profiles_lists_each_shipped_profile_with_its_error_bar(capsys):
