@@ -63,11 +63,11 @@ def test_overlap_learns_exactly_what_dedicated_learns_in_fp32(tmp_path):
 
 def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
     """trainer.share_prompts changes how a step's rows are laid out, not what is learned: the same
-    4 jobs (2 groups, the fixed-shape trainer) with each prompt's responses packed 4 to a row and
+    2 jobs (2 groups, the fixed-shape trainer) with each prompt's responses packed 4 to a row and
     with plain rows, in fp32 on the CPU with seeded sampling. The packed updates land ~1e-6 from
     the plain ones, so a sampled token may flip only where its draw falls that close to a
-    boundary: every job's per-step rewards and its final eval agree (here: exactly), and each arm
-    learns from something."""
+    boundary: every job's per-step rewards and its final eval agree (on this machine exactly, as
+    with 4 jobs), and the runs learn from something."""
     from nodus.compare import compare_runs
     from nodus.config import build_config
     from nodus.realrun import run
@@ -77,7 +77,7 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
     model = ensure_tiny_base(log=lambda s: None)
     jobs = [{"task": t, "steps": 3, "prompts_per_step": 4, "responses_per_prompt": 4, "max_new_tokens": 24,
              "learning_rate": 1e-3, "lora_rank": 16, "seed": 10 + i, "prompt_pool": 8}
-            for i, t in enumerate(["sorting", "counting", "modular", "reverse"])]
+            for i, t in enumerate(["sorting", "counting"])]
     arm = {"policy": "overlap", "groups": 2, "sharing": "none"}
     out, rows = {}, {}
     for share in (0, 4):
@@ -87,7 +87,7 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
         assert s["stale_rollouts"] == 0
         out[share] = {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
         rows[share] = s["diagnostics"][0]["workers"]["trainer0"]["last_step_rows"]
-    assert rows == {0: 2 * 4 * 4, 4: 2 * 4}  # a group's 2 jobs x 4 prompts x 4 responses, then 1 row a prompt
+    assert rows == {0: 4 * 4, 4: 4}  # a group's job: 4 prompts x 4 responses, then 1 row a prompt
     assert any(sum(r) > 0 for r, _ in out[0].values())
     for job, (rewards, correct) in out[0].items():
         assert out[4][job][0] == pytest.approx(rewards, abs=0.05), job
