@@ -154,6 +154,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
                "host_probe": run_host_probe(meas), "jit_compiles": run_jit_compiles(meas),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
+               "share_prompts": (cfg.get("trainer") or {}).get("share_prompts") or 0,
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
                             "phase_s": _phase_means(spans)},
@@ -405,11 +406,18 @@ def flagged_text(flags: dict) -> str:
 
 
 def config_key(row: dict) -> tuple:
-    """Runs of one configuration: the same arm, job count, trainer micro-batch size, publish wait
-    and MPS settings (seeds and repeats differ)."""
+    """Runs of one configuration: the same arm, job count, trainer micro-batch size, packing of
+    each prompt's responses (trainer.share_prompts), publish wait and MPS settings (seeds and
+    repeats differ)."""
     arm = row["arm"] or {}
     return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"], row.get("mb_tokens"),
-            trainer_freed(arm), tuple(sorted(_config_controls(row).items())))
+            _packed(row), trainer_freed(arm), tuple(sorted(_config_controls(row).items())))
+
+
+def _packed(row: dict) -> int:
+    """The run's trainer.share_prompts as a configuration sees it: 0 and 1 both train plain rows."""
+    share = row.get("share_prompts") or 0
+    return share if share > 1 else 0
 
 
 def _config_controls(row: dict) -> dict:
@@ -419,14 +427,14 @@ def _config_controls(row: dict) -> dict:
 
 def config_label(row: dict) -> str:
     """'8 jobs overlap g=2 mps', plus ' mb=32768' for a trainer micro-batch other than the default,
-    ' freed' for a trainer that did not wait for each publish and the MPS settings beyond the
-    defaults (' trainer_thread_pct=50')."""
+    ' sp4' for a trainer that packed each prompt's responses 4 to a row, ' freed' for a trainer that
+    did not wait for each publish and the MPS settings beyond the defaults (' trainer_thread_pct=50')."""
     arm = row["arm"]
     mb = row.get("mb_tokens")
     controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "") + (" freed" if trainer_freed(arm) else "")
-            + controls)
+            + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "")
+            + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "") + controls)
 
 
 def _by_config(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -470,7 +478,7 @@ def render_markdown(rep: dict) -> str:
         arm = r["arm"] or {}
         m = r["measured"]["steps_per_gpu_hour"]
         lines.append(f"| {Path(r['run']).name} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
-                     f"{arm.get('sharing')} | {m:.0f} | {r['replay']['steps_per_gpu_hour']:.0f} "
+                     f"{arm.get('sharing')}{f' sp{_packed(r)}' if _packed(r) else ''} | {m:.0f} | {r['replay']['steps_per_gpu_hour']:.0f} "
                      f"({(r['replay']['steps_per_gpu_hour'] - m) / m:+.1%}) | {r['sampled']['steps_per_gpu_hour']:.0f} "
                      f"({(r['sampled']['steps_per_gpu_hour'] - m) / m:+.1%}) | {r['heldout']} |")
     lines += ["", "| split | lengths | MAPE | worst | bias | Kendall tau | n |", "|---|---|---|---|---|---|---|"]

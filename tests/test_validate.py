@@ -116,6 +116,33 @@ def test_runs_at_another_micro_batch_size_are_another_configuration():
     assert config_label(a) == "8 jobs overlap g=2 mps" and config_label(b) == "8 jobs overlap g=2 mps mb=32768"
 
 
+def test_runs_that_packed_prompts_are_another_configuration(tmp_path):
+    """trainer.share_prompts changes the trainer's work: such a run is not a repeat of the plain
+    arm in the per-configuration errors or the noise floor, and the report names it; validate
+    simulates it packed."""
+    import json
+
+    from calibration.validate import config_key, config_label, validate
+    from nodus.config import DEFAULT_PROFILES
+    from nodus.simulate import config_from_args, simulate
+
+    arm = {"policy": "overlap", "groups": 2, "sharing": "mps"}
+    plain, packed, one = ({"arm": arm, "jobs": 8, "mb_tokens": 16384, "share_prompts": k} for k in (0, 4, 1))
+    assert config_key(plain) != config_key(packed) and config_key(plain) == config_key(one)
+    assert config_label(packed) == "8 jobs overlap g=2 mps sp4" and config_label(one) == "8 jobs overlap g=2 mps"
+    for share in (0, 4):
+        cfg = config_from_args({"trainer": {"share_prompts": share}}, jobs=2, steps=2, policy="overlap", groups=2,
+                               sharing="mps", profile=DEFAULT_PROFILES["graphed"])
+        simulate(cfg, tmp_path / f"sp{share}")
+    rep = validate([tmp_path / "sp0", tmp_path / "sp4"], DEFAULT_PROFILES["graphed"])
+    rows = {r["run"].rsplit("/", 1)[-1]: r for r in rep["rows"]}
+    assert (rows["sp0"]["share_prompts"], rows["sp4"]["share_prompts"]) == (0, 4)
+    for name in ("sp0", "sp4"):  # each run's own configuration, predicted as it was simulated
+        assert rows[name]["replay"]["steps_per_gpu_hour"] == pytest.approx(
+            json.loads((tmp_path / name / "summary.json").read_text())["steps_per_gpu_hour"], rel=1e-6)
+    assert any("share_prompts=4" in f for f in rows["sp4"]["outside_profile"])
+
+
 def test_runs_recorded_before_the_trainer_stopped_waiting_for_publish_replay_that_scheduler(tmp_path):
     """A run folder whose config has no arm.trainer_waits_for_publish came from the scheduler that
     held the trainer until each publish ended: validate simulates it that way, newer runs as recorded."""
