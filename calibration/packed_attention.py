@@ -31,6 +31,7 @@ from nodus.microbatch import microbatch_costs, packed_pairs, step_rows
 from sim.profile import add_source, profile_dict, write_profile
 
 FEATURES = ("microbatches", "padded_tokens", "packed_pairs")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _case_lengths(bench: dict, case: dict, path: str) -> list[tuple[int, list[int]]]:
@@ -43,6 +44,8 @@ def _case_lengths(bench: dict, case: dict, path: str) -> list[tuple[int, list[in
     if not run:
         raise ConfigError(f"{path}: case of {case.get('jobs')} jobs records no lengths and the bench names no "
                           "--lengths-from run (synthetic rows cannot be rebuilt): rerun the bench")
+    if not Path(run).is_dir() and (ROOT / run).is_dir():
+        run = ROOT / run  # a bench run from the repository root names the folder from there
     rec = recorded_step_lengths(run, int(args.get("step", 1)))
     jobs = sorted(rec, key=lambda j: int("".join(c for c in j if c.isdigit()) or 0))
     return [rec[jobs[k % len(jobs)]] for k in range(int(case["jobs"]))]
@@ -67,6 +70,10 @@ def bench_points(paths: list[str | Path]) -> list[dict]:
         per_prompt = int(args.get("responses_per_prompt", 8))
         mb_tokens = int(args.get("mb_tokens", 16384))
         for case in bench["cases"]:
+            if not isinstance(case, dict) or "jobs" not in case or not isinstance(case.get("variants"), dict) \
+                    or not all(isinstance(v, dict) and "median_s" in v for v in case["variants"].values()):
+                raise ConfigError(f"{path}: a case without 'jobs' and 'variants' (share -> {{median_s, ...}}): not a "
+                                  "JSON written by experiments/bench_shared_prompts.py")
             lengths = _case_lengths(bench, case, path)
             for k, v in case["variants"].items():
                 if v.get("graph_error"):
@@ -115,9 +122,12 @@ def fit(paths: list[str | Path]) -> dict:
             "loo_by_config": loo, "loo_mape": float(np.mean(np.abs(list(loo.values())))),
             "loo_worst": float(np.max(np.abs(list(loo.values()))))}
     c = out["models"]["with_pairs"]["coefficients"]
-    if c["padded_tokens"] <= 0 or c["packed_pairs"] <= 1e-6 * c["padded_tokens"]:
-        raise ConfigError(f"the benches fit no positive per-token and per-pair costs ({c}): packed rows cost no more "
-                          "than their tokens there; nothing to write")
+    if c["padded_tokens"] <= 0:
+        raise ConfigError(f"the benches fit no per-token cost ({c}): their steps do not grow with their tokens; "
+                          "nothing to write")
+    if c["packed_pairs"] <= 1e-6 * c["padded_tokens"]:
+        raise ConfigError(f"the benches fit no positive per-pair cost ({c}): packed rows cost no more than their "
+                          "tokens there; nothing to write")
     out["packed_pair_per_token"] = c["packed_pairs"] / c["padded_tokens"]
     return out
 

@@ -126,7 +126,7 @@ def run_case(args, t, n_jobs: int, device) -> dict:
     for k in range(n_jobs):
         t.add_job(f"job{k}", rank=args.rank, alpha=2 * args.rank, lr=1e-4, seed=100 + k)
     # lengths: each job's [prompt tokens, response lengths], so a fit of the packed attention
-    # (python -m calibration.packed_attention) rebuilds the rows without the run folder
+    # (nodus fit-packed) rebuilds the rows without the run folder
     out = {"jobs": n_jobs, "lengths": lengths, "variants": {}}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for share in args.share_list:

@@ -28,9 +28,12 @@ OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "
 
 
 def comparable(row: dict) -> bool:
+    """A run of the settings every profile here describes: the graphed trainer with plain rows
+    (no trainer.share_prompts packing, which only some profiles price), the tuned LoRA kernels and
+    none of OTHER_SETTINGS."""
     c = row.get("controls") or {}
     return (c.get("trainer_step_mode") == "graphed" and c.get("lora_kernels") == "tuned"
-            and not any(k in c for k in OTHER_SETTINGS))
+            and (row.get("share_prompts") or 0) <= 1 and not any(k in c for k in OTHER_SETTINGS))
 
 
 def mps_flagged(row: dict, profile_sharing: dict | None) -> bool:

@@ -461,7 +461,7 @@ def main() -> None:
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
                     "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
                     "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
-                    "sim_profile": profile,
+                    "sim_profile": profile, "sim_outside_profile": pred.get("outside_profile") or [],
                     "engine_jit_compiles": None if jit is None else len(jit),
                     "logprob_max_abs": max((a["max_abs"] for a in audit), default=None),
                     "logprob_mean_abs": (sum(a["mean_abs"] for a in audit) / len(audit)) if audit else None,

@@ -99,7 +99,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
                    steps=a.steps, profile=a.profile, workers=a.workers, out=a.out, share_prompts=a.share_prompts)
     print(json.dumps(result, default=str) if a.json
-          else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best")))
+          else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best"),
+                           result.get("outside_profile")))
     print(f"{len(result['rows'])} runs in {result['wall_s']:.1f}s with {result['workers']} workers"
           + (f"; wrote {a.out}/ (sweep.csv, sweep.json, sweep.png)" if a.out else ""), file=sys.stderr)
     return 0

@@ -162,8 +162,10 @@ def _sweep_task(args) -> dict:
     from sim import backend_factory
 
     t0 = time.perf_counter()
-    s = summarize(run_spans(cfg, backend_factory(profile)))
+    make = backend_factory(profile)
+    s = summarize(run_spans(cfg, make))
     return {"jobs": jobs, "seed": seed, "policy": policy, "groups": groups, "sharing": sharing, "share_prompts": share,
+            "outside_profile": sorted(make.cost.flags),
             "steps_per_gpu_hour": s["steps_per_gpu_hour"], "rollout_tokens_per_gpu_s": s["rollout_tokens_per_gpu_s"],
             "busy_engine": s["busy"]["engine"], "busy_trainer": s["busy"]["trainer"], "busy_gpu": s["busy"]["gpu"],
             "stale_rollouts": s["stale_rollouts"], "wall_s": time.perf_counter() - t0}
@@ -199,9 +201,10 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
         pol = ["dedicated"] + pol  # ratios need the baseline
     shr = list(SHARINGS) if sharing == "all" else _parse_list(sharing, str, "sharing", SHARINGS)
     seed_list = _parse_list(seeds, int, "seeds")
-    share_list = sorted(set(_parse_list(share_prompts, int, "share-prompts")))
+    share_list = _parse_list(share_prompts, int, "share-prompts")
     if min(share_list) < 0:
         raise ConfigError(f"--share-prompts {share_prompts}: responses a row holds, integers >= 0 (0: none)")
+    share_list = sorted({k if k > 1 else 0 for k in share_list})  # 0 and 1 both train plain rows
     from sim.profile import load_profile
 
     cost = load_profile(profile)  # fails fast on a bad profile, before forking workers
@@ -229,8 +232,9 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
         r["ratio_vs_dedicated"] = r["steps_per_gpu_hour"] / base[(r["jobs"], r["seed"], r["share_prompts"])]
     rows.sort(key=lambda r: (r["jobs"], r["share_prompts"], POLICIES.index(r["policy"]), r["groups"], r["sharing"],
                              r["seed"]))
+    flags = sorted({f for r in rows for f in r.pop("outside_profile")})
     result = {"profile": profile, "profile_validation": validation, "steps": steps, "seeds": seed_list,
-              "share_prompts": share_list,
+              "share_prompts": share_list, "outside_profile": flags,
               "rows": rows, "best": best_arms(rows, (validation or {}).get("heldout_mape")),
               "wall_s": time.perf_counter() - t0, "workers": workers}
     if out_dir is not None:
@@ -275,10 +279,12 @@ def error_bar_line(validation: dict | None) -> str:
     return line
 
 
-def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dict] | None = None) -> str:
+def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dict] | None = None,
+                outside: list[str] | None = None) -> str:
     """Mean ratio vs dedicated over seeds: one row per arm, one column per job count; the best arm
     per job count under it (``best``: ``best_arms``' answer, computed when not given); with the
-    profile's error bar under that when `validation` is given."""
+    profile's error bar under that when `validation` is given, and where the runs went outside the
+    profile (``outside``: the sweep's ``outside_profile``)."""
     jobs = sorted({r["jobs"] for r in rows})
     by: dict[str, dict[int, list[float]]] = {}
     for r in rows:
@@ -305,6 +311,10 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
             + (", within the profile's error" if b["within_error"] else "") + ")" for b in best) + "."]
     if validation is not None:
         lines += ["", error_bar_line(validation)]
+        if any((r.get("share_prompts") or 0) > 1 for r in rows):
+            lines.append("That error is of runs with plain rows: no run with packed rows (+spK) has been validated.")
+    if outside:
+        lines += ["", "Outside the profiled region: " + "; ".join(outside)]
     return "\n".join(lines)
 
 
@@ -336,7 +346,8 @@ def render_sweep(out_dir: Path) -> None:
 
     result = json.loads((out_dir / "sweep.json").read_text())
     rows = result["rows"]
-    (out_dir / "table.md").write_text(sweep_table(rows, result.get("profile_validation") or {}, result.get("best"))
+    (out_dir / "table.md").write_text(sweep_table(rows, result.get("profile_validation") or {}, result.get("best"),
+                                                  result.get("outside_profile"))
                                       + "\n")
     fig, ax = plt.subplots(figsize=(9, 5.5))
     labels = sorted({arm_label(r) for r in rows})

@@ -34,6 +34,10 @@ class SimBackend:
         self.env = simpy.Environment()
         self.gpu = SharedGPU(self.env, cfg.arm.sharing, cost.profile.sharing)
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
+        # The packing the real trainer runs (real.backend.RealBackend._share_prompts): at most the
+        # most responses a job samples per prompt; 1 or less trains plain rows.
+        share = min(cfg.trainer.share_prompts, max(j.responses_per_prompt for j in cfg.jobs))
+        self._share = share if share > 1 else 0
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         self.engines = [SimEngine(self.env, self.gpu, cost, cfg.engine.max_num_seqs, max_loras,
                                   self._generated, graph_max_tokens=engine_graph_max_tokens(cfg.engine))
@@ -103,8 +107,8 @@ class SimBackend:
         tokens = {b.job_id: b.prompt_tokens + sum(b.response_tokens) for b in a.batches}
         # The real trainer's packing: rows (prompt + response) longest first into micro-batches
         # of at most the cap in padded tokens; the cost is charged on the padded tokens.
-        share = self.cfg.trainer.share_prompts
-        if share > 1:
+        share = self._share
+        if share:
             self.cost.note_unmodelled(
                 f"trainer.share_prompts={share}: packed rows' masked attention priced from the trainer alone "
                 "(train.packed_pair_per_token), not yet checked against runs" if self.cost.has_packed_attention else
@@ -116,7 +120,7 @@ class SimBackend:
                 for b in a.batches]
         mb_tokens = self.cfg.trainer.max_tokens_per_microbatch
         padded, regroup = microbatch_costs(rows, mb_tokens, self.cost.profile.train.extra_tokens_layout)
-        pairs = packed_pairs(rows, mb_tokens) if share > 1 else 0
+        pairs = packed_pairs(rows, mb_tokens) if share else 0
         work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup, packed_pairs=pairs)
         yield from self.gpu.work("trainer", work)
         updates = tuple(JobUpdate(b.job_id, new_version=v + 1, tokens=tokens[b.job_id])

@@ -112,7 +112,7 @@ class TrainCost(_M):
     # Packed rows (trainer.share_prompts): what one query-key pair of a packed micro-batch's masked
     # attention (``nodus.microbatch.packed_pairs``) costs, in units of ``per_microbatch``'s per-token
     # term, so it moves with a refit or a what-if of the train terms. Fitted on the trainer alone
-    # (``python -m calibration.packed_attention``); None: not measured, packed rows priced as plain.
+    # (``nodus fit-packed``); None: not measured, packed rows priced as plain.
     packed_pair_per_token: float | None = Field(default=None, ge=0)
     # The trainer these terms (and the sharing rates measured with this profile as base) describe:
     # eager, or its micro-batches replayed as CUDA graphs (--trainer-graphs; "static" on a CPU).

@@ -102,6 +102,13 @@ def test_sweep_over_share_prompts_divides_each_setting_by_its_own_dedicated_arm(
     assert main([a for a in args if a != "--json"] + ["--share-prompts", "0,4"]) == 0
     table = capsys.readouterr().out
     assert "| overlap g=2 mps +sp4 |" in table and "Steps per GPU-hour (each trainer setting's ratios" in table
+    # the simulator's caveats reach the sweep: the packed term is unvalidated, the error bar is plain rows'
+    assert "Outside the profiled region: " in table and "trainer.share_prompts=4: packed rows" in table
+    assert "That error is of runs with plain rows" in table
+    assert any("share_prompts=4" in f for f in d["outside_profile"])
+    assert main([*args, "--share-prompts", "0,1"]) == 0  # both train plain rows: one setting
+    d = json.loads(capsys.readouterr().out)
+    assert d["share_prompts"] == [0] and len(d["rows"]) == 2 and not d["outside_profile"]
     assert main([*args[:-2], "--share-prompts", "0,4"]) == 2  # the default (eager) profile
     assert "packed rows run on the graphed trainer only" in capsys.readouterr().err
     assert main([*args, "--share-prompts", "0,-1"]) == 2

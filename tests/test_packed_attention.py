@@ -130,22 +130,55 @@ def test_fit_packed_refuses_benches_that_cannot_fit(tmp_path):
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(ConfigError, match="not a readable bench JSON"):
         bench_points([tmp_path / "x.json"])
+    (tmp_path / "w.json").write_text(json.dumps({"cases": [{"jobs": 1}]}))
+    with pytest.raises(ConfigError, match="a case without 'jobs' and 'variants'"):
+        bench_points([tmp_path / "w.json"])
     (tmp_path / "y.json").write_text(json.dumps({"cases": [{"jobs": 1, "variants": {"0": {"median_s": 1}}}]}))
     with pytest.raises(ConfigError, match="records no lengths and the bench names no --lengths-from"):
         bench_points([tmp_path / "y.json"])
     # packed rows as cheap as their tokens: no positive pair cost, nothing written
-    with pytest.raises(ConfigError, match="no positive per-token and per-pair costs"):
+    with pytest.raises(ConfigError, match="no positive per-pair cost"):
         fit([_bench(tmp_path / "z.json", 0.05, 1e-5, 0.0)])
     with pytest.raises(ConfigError, match="no positive"):
         fit_to_file([_bench(tmp_path / "z2.json", 0.05, 1e-5, 0.0)], GRAPHED, tmp_path / "never.json")
     assert not (tmp_path / "never.json").exists()
 
 
-def test_fit_rebuilds_rows_of_a_recorded_bench_from_its_run():
+def test_fit_rebuilds_rows_of_a_recorded_bench_from_its_run(monkeypatch, tmp_path):
     """The committed session-18 benches predate the lengths field: their rows come from the run
-    folder they name, and the fit finds the pair term the shipped profile carries."""
-    benches = [f"experiments/results/h200/session18/shared_prompts/shared_prompts_h200_{x}.json" for x in "ab"]
+    folder they name (from the repository root, wherever the fit runs), and the fit finds the pair
+    term the shipped profiles carry."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    benches = [str(root / f"experiments/results/h200/session18/shared_prompts/shared_prompts_h200_{x}.json")
+               for x in "ab"]
+    monkeypatch.chdir(tmp_path)
     r = fit(benches)
     assert len(r["points"]) == 14
-    assert r["packed_pair_per_token"] == pytest.approx(profile_dict(GRAPHED)["train"]["packed_pair_per_token"])
+    for name in (GRAPHED, "h200-xeon16-graphed-qwen3-0.6b", "h200-xeon16-graphed-session14-qwen3-0.6b"):
+        assert r["packed_pair_per_token"] == pytest.approx(profile_dict(name)["train"]["packed_pair_per_token"])
     assert r["models"]["with_pairs"]["loo_mape"] < r["models"]["without_pairs"]["loo_mape"]
+
+
+def test_jobs_of_one_response_a_prompt_train_plain_rows_in_the_simulator(capsys):
+    """The real trainer packs at most the most responses a job samples per prompt: with one each it
+    trains plain rows, and the simulator prices (and flags) nothing packed."""
+    from nodus.simulate import config_from_args, simulate
+
+    got = {}
+    for share in (0, 4):
+        cfg = config_from_args({"trainer": {"share_prompts": share}}, jobs=2, steps=2, policy="shared-sync",
+                               groups=1, sharing="mps", seed=1, profile=GRAPHED)
+        cfg = cfg.model_copy(update={"jobs": [j.model_copy(update={"responses_per_prompt": 1}) for j in cfg.jobs]})
+        got[share] = simulate(cfg)
+    assert got[4]["steps_per_gpu_hour"] == got[0]["steps_per_gpu_hour"]
+    assert not any("share_prompts" in f for f in got[4]["outside_profile"])
+
+
+def test_crossday_leaves_packed_runs_out():
+    from experiments.crossday import comparable
+
+    row = {"controls": {"trainer_step_mode": "graphed", "lora_kernels": "tuned"}}
+    assert comparable(row) and comparable({**row, "share_prompts": 1})
+    assert not comparable({**row, "share_prompts": 4})
