@@ -27,7 +27,7 @@ import numpy as np
 from calibration.fit_runs import nonneg_rel_lstsq
 from nodus.config import ConfigError
 from nodus.lengths import recorded_step_lengths
-from nodus.microbatch import microbatch_costs, packed_pairs, step_rows
+from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
 from sim.profile import add_source, profile_dict, write_profile
 
 FEATURES = ("microbatches", "padded_tokens", "packed_pairs")
@@ -81,10 +81,11 @@ def bench_points(paths: list[str | Path]) -> list[dict]:
                 share = int(k)
                 rows = [step_rows(p * len(r), len(r), r, per_prompt, share) for p, r in lengths]
                 padded, _ = microbatch_costs(rows, mb_tokens)
+                per_mb = packed_pairs_per_microbatch(rows, mb_tokens) if share > 1 else [0]
                 points.append({
                     "file": path, "jobs": int(case["jobs"]), "share": share, "measured_s": float(v["median_s"]),
                     "microbatches": len(padded), "padded_tokens": int(sum(padded)),
-                    "packed_pairs": packed_pairs(rows, mb_tokens) if share > 1 else 0})
+                    "packed_pairs": sum(per_mb), "largest_microbatch_pairs": max(per_mb)})
     if not any(p["share"] > 1 for p in points) or not any(p["share"] <= 1 for p in points):
         raise ConfigError("the benches need plain rows (share 0) and packed ones (share > 1) to fit the packed "
                           "attention")
@@ -129,6 +130,7 @@ def fit(paths: list[str | Path]) -> dict:
         raise ConfigError(f"the benches fit no positive per-pair cost ({c}): packed rows cost no more than their "
                           "tokens there; nothing to write")
     out["packed_pair_per_token"] = c["packed_pairs"] / c["padded_tokens"]
+    out["max_profiled_packed_pairs"] = max(p["largest_microbatch_pairs"] for p in points)
     return out
 
 
@@ -198,6 +200,7 @@ def fit_to_file(paths: list[str | Path], base: str, out: str | Path, report: str
         raise ConfigError(f"--base {base}: its train terms describe the eager trainer, and packed rows run on the "
                           "graphed one only (train.step_mode)")
     prof["train"]["packed_pair_per_token"] = result["packed_pair_per_token"]
+    prof["train"]["max_profiled_packed_pairs"] = result["max_profiled_packed_pairs"]
     meas = prof.setdefault("measurements", {})
     meas["packed_attention"] = {
         "benches": sorted({p["file"] for p in result["points"]}),

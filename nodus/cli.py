@@ -87,7 +87,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(summary, sort_keys=True, default=str))
     else:
-        print(render_table(summary))
+        print(render_table(summary, cfg.trainer.share_prompts))
         if a.out:
             print(f"\nwrote {a.out}/ (summary.json, spans.jsonl, trace.json for Perfetto, gantt.png)")
     return 0
@@ -129,7 +129,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                            trainer_compile=a.trainer_compile, trainer_graphs=a.trainer_graphs,
                            tuned_lora_kernels=a.tuned_lora_kernels, engine_core_process=a.engine_core_process)
     summary = run(cfg, backend=a.backend, opts=opts, out=a.out, baseline=not a.no_baseline)
-    print(json.dumps(summary, sort_keys=True, default=str) if a.json else render_table(summary))
+    print(json.dumps(summary, sort_keys=True, default=str) if a.json
+          else render_table(summary, cfg.trainer.share_prompts))
     return 0
 
 

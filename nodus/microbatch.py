@@ -56,7 +56,12 @@ def packed_pairs(lengths: list[list[int]], max_tokens: int) -> int:
     explicit mask sends it to SDPA's masked kernel, which computes every pair of the padded row
     whatever the mask keeps; a plain row's causal (flash) attention is priced inside the per-token
     term."""
-    return sum(len(mb) * max(lengths[j][s] for j, s in mb) ** 2 for mb in plan_microbatches(lengths, max_tokens))
+    return sum(packed_pairs_per_microbatch(lengths, max_tokens))
+
+
+def packed_pairs_per_microbatch(lengths: list[list[int]], max_tokens: int) -> list[int]:
+    """``packed_pairs`` of each micro-batch: the size each masked attention call has."""
+    return [len(mb) * max(lengths[j][s] for j, s in mb) ** 2 for mb in plan_microbatches(lengths, max_tokens)]
 
 
 def mb_tag(tokens: int) -> str:

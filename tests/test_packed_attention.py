@@ -60,9 +60,19 @@ def test_sim_prices_packed_attention_where_the_profile_has_it(tmp_path, capsys):
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps(prof))
     plain = _sim_json(capsys, "--profile", GRAPHED)
-    priced = _sim_json(capsys, "--profile", GRAPHED, "--share-prompts", "8")
-    unpriced = _sim_json(capsys, "--profile", str(bare), "--share-prompts", "8")
+    priced = _sim_json(capsys, "--profile", GRAPHED, "--share-prompts", "4")
+    unpriced = _sim_json(capsys, "--profile", str(bare), "--share-prompts", "4")
     assert unpriced["steps_per_gpu_hour"] > priced["steps_per_gpu_hour"]
+    assert not any("packed micro-batch query-key pairs" in f for f in priced["outside_profile"])
+    # a micro-batch past the largest the bench measured is flagged, as a micro-batch's tokens are
+    prof = profile_dict(GRAPHED)
+    prof["train"]["max_profiled_packed_pairs"] = 1000
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(prof))
+    beyond = _sim_json(capsys, "--profile", str(small), "--share-prompts", "4")
+    assert any(f.startswith("packed micro-batch query-key pairs up to ") and f.endswith("> profiled 1000")
+               for f in beyond["outside_profile"])
+    assert beyond["steps_per_gpu_hour"] == priced["steps_per_gpu_hour"]
     assert priced["steps_per_gpu_hour"] != plain["steps_per_gpu_hour"]
     assert any("priced from the trainer alone" in f for f in priced["outside_profile"])
     assert any("masked attention unmodelled" in f for f in unpriced["outside_profile"])
@@ -91,6 +101,7 @@ def test_fit_recovers_a_known_pair_cost_and_leaves_configurations_out(tmp_path):
     bench = _bench(tmp_path / "b.json", a=0.05, b=1e-5, c=4e-9)
     r = fit([bench])
     assert r["packed_pair_per_token"] == pytest.approx(4e-4, rel=1e-6)
+    assert r["max_profiled_packed_pairs"] == max(p["largest_microbatch_pairs"] for p in r["points"]) > 0
     w = r["models"]["with_pairs"]
     assert w["fit_mape"] < 1e-9 and w["loo_mape"] < 1e-9
     assert r["models"]["without_pairs"]["loo_mape"] > 0.01  # the pairs are what the plain model misses
@@ -109,6 +120,7 @@ def test_fit_packed_writes_a_profile_and_a_report(tmp_path, capsys):
     assert "packed_pair_per_token = 0.0003" in said and "2 jobs, K=8" in said
     prof = json.loads(out.read_text())
     assert prof["train"]["packed_pair_per_token"] == pytest.approx(3e-4, rel=1e-6)
+    assert prof["train"]["max_profiled_packed_pairs"] > 0
     assert prof["measurements"]["packed_attention"]["benches"] == [bench]
     assert "nodus fit-packed" in prof["environment"]["sources"][-1]
     assert load_profile(str(out)).has_packed_attention
