@@ -67,11 +67,16 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
     with plain rows, in fp32 on the CPU with seeded sampling. The packed updates land ~1e-6 from
     the plain ones, so a sampled token may flip only where its draw falls that close to a
     boundary: every job's per-step rewards and its final eval agree (on this machine exactly, as
-    with 4 jobs), and the runs learn from something."""
+    with 4 jobs), and the runs learn from something. Through the real backend: the fixed-shape
+    trainer's programs are the packed ones, the run stays on-policy with the engine's logprobs
+    agreeing with the training forward's, the first step's gradients are plain rows' (fp32), and
+    without the graphed trainer the setting is refused before any folder or process."""
+    import json
+
     from nodus.compare import compare_runs
     from nodus.config import build_config
     from nodus.realrun import run
-    from real.backend import RealOptions
+    from real.backend import BackendConfigError, RealOptions
     from real.base_model import ensure_tiny_base
 
     model = ensure_tiny_base(log=lambda s: None)
@@ -79,15 +84,25 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
              "learning_rate": 1e-3, "lora_rank": 16, "seed": 10 + i, "prompt_pool": 8}
             for i, t in enumerate(["sorting", "counting"])]
     arm = {"policy": "overlap", "groups": 2, "sharing": "none"}
-    out, rows = {}, {}
+    out, worker, grads = {}, {}, {}
     for share in (0, 4):
         cfg = build_config({"jobs": jobs, "arm": arm, "seed": 1, "trainer": {"share_prompts": share}})
         s = run(cfg, opts=RealOptions(model=str(model), trainer_graphs=True), baseline=False,
                 out=tmp_path / f"sp{share}")
         assert s["stale_rollouts"] == 0
+        assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
         out[share] = {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
-        rows[share] = s["diagnostics"][0]["workers"]["trainer0"]["last_step_rows"]
-    assert rows == {0: 4 * 4, 4: 4}  # a group's job: 4 prompts x 4 responses, then 1 row a prompt
+        worker[share] = s["diagnostics"][0]["workers"]["trainer0"]
+        spans = [json.loads(line) for line in (tmp_path / f"sp{share}" / "spans.jsonl").read_text().splitlines()]
+        grads[share] = {sp["job"]: sp["attrs"]["grad_norm"] for sp in spans
+                        if sp["phase"] == "train" and sp["attrs"]["step"] == 0}
+    assert worker[4]["graphs"] and all("shared=True" in g for g in worker[4]["graphs"])
+    assert (worker[0]["share_prompts"], worker[4]["share_prompts"]) == (0, 4)
+    # a group's job: 4 prompts x 4 responses, then 1 row a prompt
+    assert (worker[0]["last_step_rows"], worker[4]["last_step_rows"]) == (4 * 4, 4)
+    assert set(grads[0]) == {"job0", "job1"}
+    for job, norm in grads[0].items():
+        assert grads[4][job] == pytest.approx(norm, rel=1e-4)
     assert any(sum(r) > 0 for r, _ in out[0].values())
     for job, (rewards, correct) in out[0].items():
         assert out[4][job][0] == pytest.approx(rewards, abs=0.05), job
@@ -95,3 +110,6 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
     assert [a["arm"] for a in report["arms"]] == ["overlap/none/g2", "overlap/none/g2+sp4"]
     vs = report["arms"][1]["vs_baseline"]
     assert abs(vs["acc_diff"]["mean"]) <= 0.05 and abs(vs["reward_diff"]["mean"]) <= 0.05, vs
+    with pytest.raises(BackendConfigError, match="share_prompts=4.*--trainer-graphs"):
+        run(cfg, opts=RealOptions(model=str(model)), baseline=False, out=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

@@ -147,37 +147,6 @@ def test_trainer_graphs_on_a_cpu_run_the_fixed_shape_program_end_to_end(tmp_path
         assert first["static"][job] == pytest.approx(loss, rel=1e-4, abs=1e-6)
 
 
-def test_shared_prompts_through_the_real_backend(tmp_path):
-    """trainer.share_prompts on a CPU: the fixed-shape trainer packs each prompt's responses into
-    one row (its programs say so), the run stays on-policy with the engine's logprobs agreeing
-    with the training forward's, and the first step's gradients are plain rows' (fp32); without
-    the graphed trainer it is refused before any folder or process."""
-    from nodus.realrun import run
-    from real.backend import BackendConfigError, RealOptions
-
-    runs = {}
-    for share in (0, 2):
-        cfg = _small_cfg(2, 2)
-        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"share_prompts": share})})
-        s = run(cfg, opts=RealOptions(model="tiny", evaluate=False, trainer_graphs=True), baseline=False,
-                out=tmp_path / f"sp{share}")
-        assert s["steps"] == 4 and s["stale_rollouts"] == 0
-        assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
-        spans = [json.loads(line) for line in (tmp_path / f"sp{share}" / "spans.jsonl").read_text().splitlines()]
-        runs[share] = (s, {sp["job"]: sp["attrs"]["grad_norm"] for sp in spans
-                           if sp["phase"] == "train" and sp["attrs"]["step"] == 0})
-    worker = {k: r[0]["diagnostics"][0]["workers"]["trainer0"] for k, r in runs.items()}
-    assert worker[2]["graphs"] and all("shared=True" in g for g in worker[2]["graphs"])
-    # the last step's 2 jobs x 2 prompts x 2 responses: 8 rows plain, 4 packed
-    assert (worker[0]["last_step_rows"], worker[2]["last_step_rows"]) == (8, 4)
-    assert (worker[0]["share_prompts"], worker[2]["share_prompts"]) == (0, 2)
-    for job, norm in runs[0][1].items():
-        assert runs[2][1][job] == pytest.approx(norm, rel=1e-4)
-    with pytest.raises(BackendConfigError, match="share_prompts=2.*--trainer-graphs"):
-        run(cfg, opts=RealOptions(model="tiny", evaluate=False), baseline=False, out=tmp_path / "refused")
-    assert not (tmp_path / "refused").exists()
-
-
 def test_a_raising_reward_fails_that_job_only(monkeypatch):
     import real.backend
     from nodus.realrun import run
