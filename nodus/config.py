@@ -237,6 +237,13 @@ class RunConfig(_Model):
             raise ValueError(f"jobs[].id must be unique, got {ids}")
         return self
 
+    def trainer_packing(self) -> int:
+        """The responses a packed row holds as the trainer runs this config: trainer.share_prompts
+        capped at the most responses a job samples per prompt (a prompt drawn twice in one step then
+        never packs wider than the warm-up captured); 0 where that is 1 or less: plain rows."""
+        share = min(self.trainer.share_prompts, max(j.responses_per_prompt for j in self.jobs))
+        return share if share > 1 else 0
+
     def resolved(self) -> "RunConfig":
         """Return a copy where every job has its id and seed filled in."""
         jobs = []

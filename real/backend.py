@@ -517,7 +517,7 @@ class RealBackend:
 
         jobs = self.cfg.jobs
         seq = max(prompt_tokens_of(j) + j.max_new_tokens for j in jobs)
-        share = self._share_prompts()
+        share = self.cfg.trainer_packing()
         # The widest packed row (share_prompts): a prompt and as many responses as a row holds.
         packed = max(prompt_tokens_of(j) + max(share, 1) * j.max_new_tokens for j in jobs)
         rows = max(j.prompts_per_step * j.responses_per_prompt for j in jobs)
@@ -548,13 +548,6 @@ class RealBackend:
                         "token_counts": counts, "s": round(secs, 3),
                         "jit_compiles": None if jit is None else len(jit),
                         "generation_jit_compiles": None if before is None else len(before)}
-
-    def _share_prompts(self) -> int:
-        """trainer.share_prompts, at most the most responses a job samples per prompt: a prompt drawn
-        twice in one step (a small prompt pool) then never packs into a row wider than the warm-up
-        captured (the simulator packs each draw's responses apart; the trainer may join two draws'
-        remainders into one row of at most this many)."""
-        return min(self.cfg.trainer.share_prompts, max(j.responses_per_prompt for j in self.cfg.jobs))
 
     def start_versions(self) -> dict[str, int]:
         return dict(self._start)
@@ -618,7 +611,7 @@ class RealBackend:
             return
         # The run's own micro-batch size: a pooled cluster's trainer serves runs that ask for others.
         self.c.trainers[a.stack].put(("train", a.action_id, batches, paths, elp or None, self.opts.checkpoint_dir,
-                                      self.cfg.trainer.max_tokens_per_microbatch, self._share_prompts()))
+                                      self.cfg.trainer.max_tokens_per_microbatch, self.cfg.trainer_packing()))
 
     def publish(self, a: Publish) -> None:
         self._pending[a.action_id] = (a, None)

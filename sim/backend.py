@@ -34,10 +34,14 @@ class SimBackend:
         self.env = simpy.Environment()
         self.gpu = SharedGPU(self.env, cfg.arm.sharing, cost.profile.sharing)
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
-        # The packing the real trainer runs (real.backend.RealBackend._share_prompts): at most the
-        # most responses a job samples per prompt; 1 or less trains plain rows.
-        share = min(cfg.trainer.share_prompts, max(j.responses_per_prompt for j in cfg.jobs))
-        self._share = share if share > 1 else 0
+        self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
+        if share:
+            cost.note_unmodelled(
+                f"trainer.share_prompts={share}: packed rows' masked attention priced from the trainer alone "
+                "(train.packed_pair_per_token), not yet checked against runs" if cost.has_packed_attention else
+                f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost, "
+                "their masked attention unmodelled (no train.packed_pair_per_token in the profile): train steps "
+                "predicted short (README, trainer.share_prompts)")
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         self.engines = [SimEngine(self.env, self.gpu, cost, cfg.engine.max_num_seqs, max_loras,
                                   self._generated, graph_max_tokens=engine_graph_max_tokens(cfg.engine))
@@ -108,13 +112,6 @@ class SimBackend:
         # The real trainer's packing: rows (prompt + response) longest first into micro-batches
         # of at most the cap in padded tokens; the cost is charged on the padded tokens.
         share = self._share
-        if share:
-            self.cost.note_unmodelled(
-                f"trainer.share_prompts={share}: packed rows' masked attention priced from the trainer alone "
-                "(train.packed_pair_per_token), not yet checked against runs" if self.cost.has_packed_attention else
-                f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost, "
-                "their masked attention unmodelled (no train.packed_pair_per_token in the profile): train steps "
-                "predicted short (README, trainer.share_prompts)")
         rows = [step_rows(b.prompt_tokens, b.n_sequences, b.response_tokens,
                           self.jobs[b.job_id].responses_per_prompt, share)
                 for b in a.batches]

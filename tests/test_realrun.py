@@ -115,6 +115,7 @@ def test_the_trainer_gets_the_engines_logprobs_of_the_audited_responses_only():
     those alone); on an unaudited step it carries none, and without the option every sequence's."""
     from types import SimpleNamespace
 
+    from nodus.config import RunConfig
     from nodus.messages import Rollouts, Train
     from real.backend import RealBackend, RealOptions
     from real.engine import RolloutBatch
@@ -132,7 +133,7 @@ def test_the_trainer_gets_the_engines_logprobs_of_the_audited_responses_only():
                                                                         share_prompts=0)),
                             c=SimpleNamespace(trainers=[SimpleNamespace(put=put.append)]))
         b.audits = lambda k: RealBackend.audits(b, k)
-        b._share_prompts = lambda: RealBackend._share_prompts(b)
+        b.cfg.trainer_packing = lambda: RunConfig.trainer_packing(b.cfg)
         ro = Rollouts("j", step, 0, 3, 6, (2, 1, 3), 0.0, 1.0, data=(rb, [1.0, 0.0, 0.5]))
         RealBackend.train(b, Train("t", 0, 0, (ro,), (0,)))
         (cmd,) = put
