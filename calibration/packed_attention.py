@@ -3,8 +3,8 @@
 A packed row holds a prompt once and up to K of its responses; its explicit mask sends the
 attention to SDPA's masked kernel, which computes every query-key pair of the padded row. The
 simulator prices a train step as ``a`` per micro-batch plus ``b`` per padded token; with packed rows
-it adds ``c`` per query-key pair (``nodus.microbatch.packed_pairs``: rows x longest row squared per
-micro-batch). Physics gives the size of ``c / b``: the attention's forward and backward take about
+it adds ``c`` per query-key pair (``nodus.microbatch.packed_pairs_per_microbatch``: rows x longest
+row squared per micro-batch). Physics gives the size of ``c / b``: the attention's forward and backward take about
 ``3.5 x 4 x (heads x head_dim) x layers`` FLOPs a pair against ``~4 x params`` a token (frozen base),
 3.3e-4 for Qwen3-0.6B at equal kernel efficiency.
 

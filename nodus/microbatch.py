@@ -50,17 +50,12 @@ def plan_microbatches(lengths: list[list[int]], max_tokens: int) -> list[list[tu
     return batches
 
 
-def packed_pairs(lengths: list[list[int]], max_tokens: int) -> int:
-    """Query-key pairs a step's packed rows (``trainer.share_prompts``) run through their masked
-    attention: per micro-batch of ``plan_microbatches``, rows x longest row squared. The packed row's
-    explicit mask sends it to SDPA's masked kernel, which computes every pair of the padded row
-    whatever the mask keeps; a plain row's causal (flash) attention is priced inside the per-token
-    term."""
-    return sum(packed_pairs_per_microbatch(lengths, max_tokens))
-
-
 def packed_pairs_per_microbatch(lengths: list[list[int]], max_tokens: int) -> list[int]:
-    """``packed_pairs`` of each micro-batch: the size each masked attention call has."""
+    """Query-key pairs each micro-batch of a step's packed rows (``trainer.share_prompts``) runs
+    through its masked attention: per micro-batch of ``plan_microbatches``, rows x longest row
+    squared. The packed row's explicit mask sends it to SDPA's masked kernel, which computes every
+    pair of the padded row whatever the mask keeps; a plain row's causal (flash) attention is priced
+    inside the per-token term."""
     return [len(mb) * max(lengths[j][s] for j, s in mb) ** 2 for mb in plan_microbatches(lengths, max_tokens)]
 
 

@@ -117,7 +117,7 @@ class SimBackend:
                 for b in a.batches]
         mb_tokens = self.cfg.trainer.max_tokens_per_microbatch
         padded, regroup = microbatch_costs(rows, mb_tokens, self.cost.profile.train.extra_tokens_layout)
-        pairs = packed_pairs_per_microbatch(rows, mb_tokens) if share else 0
+        pairs = packed_pairs_per_microbatch(rows, mb_tokens) if share else []
         work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup, packed_pairs=pairs)
         yield from self.gpu.work("trainer", work)
         updates = tuple(JobUpdate(b.job_id, new_version=v + 1, tokens=tokens[b.job_id])

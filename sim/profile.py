@@ -110,7 +110,7 @@ class TrainCost(_M):
     s_per_regroup_token: float = Field(default=0.0, ge=0)
     extra_tokens_layout: Literal["padded", "masked"] = "padded"  # the trainer layout that term is of
     # Packed rows (trainer.share_prompts): what one query-key pair of a packed micro-batch's masked
-    # attention (``nodus.microbatch.packed_pairs``) costs, in units of ``per_microbatch``'s per-token
+    # attention (``nodus.microbatch.packed_pairs_per_microbatch``) costs, in units of ``per_microbatch``'s per-token
     # term, so it moves with a refit or a what-if of the train terms. Fitted on the trainer alone
     # (``nodus fit-packed``); None: not measured, packed rows priced as plain.
     packed_pair_per_token: float | None = Field(default=None, ge=0)
@@ -416,22 +416,20 @@ class CostModel:
         return (f.a_s if cold else 0.0) + f.b_s_per_unit * tokens
 
     def train_s(self, microbatch_tokens: list[int], adapters: int, regroup_tokens: int = 0,
-                packed_pairs: int | list[int] = 0) -> float:
+                packed_pairs: list[int] = ()) -> float:
         """One train step: per micro-batch (padded tokens), per adapter, per token of the
         multi-adapter regrouping beyond the padded tokens, and per query-key pair of packed rows'
-        masked attention (``packed_pairs``: the step's, or each micro-batch's, which are checked
-        against the profiled range; priced where the profile measured it: ``has_packed_attention``)."""
+        masked attention (``packed_pairs``: each packed micro-batch's, checked against the profiled
+        range; priced where the profile measured it: ``has_packed_attention``)."""
         t = self.profile.train
         for n in microbatch_tokens:
             if n > t.max_profiled_tokens:
                 self._note("train micro-batch tokens", n, t.max_profiled_tokens)
-        if isinstance(packed_pairs, list):
-            if t.packed_pair_per_token is not None and t.max_profiled_packed_pairs is not None:
-                for n in packed_pairs:
-                    if n > t.max_profiled_packed_pairs:
-                        self._note("packed micro-batch query-key pairs", n, t.max_profiled_packed_pairs)
-            packed_pairs = sum(packed_pairs)
-        pairs_s = t.per_microbatch.b_s_per_unit * (t.packed_pair_per_token or 0.0) * packed_pairs
+        if t.packed_pair_per_token is not None and t.max_profiled_packed_pairs is not None:
+            for n in packed_pairs:
+                if n > t.max_profiled_packed_pairs:
+                    self._note("packed micro-batch query-key pairs", n, t.max_profiled_packed_pairs)
+        pairs_s = t.per_microbatch.b_s_per_unit * (t.packed_pair_per_token or 0.0) * sum(packed_pairs)
         return sum(t.per_microbatch.a_s + t.per_microbatch.b_s_per_unit * n for n in microbatch_tokens) \
             + t.s_per_adapter * adapters + t.s_per_regroup_token * regroup_tokens + pairs_s
 

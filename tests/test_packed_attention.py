@@ -10,7 +10,7 @@ import pytest
 from calibration.packed_attention import bench_points, fit, fit_to_file
 from nodus.cli import main
 from nodus.config import DEFAULT_PROFILES, ConfigError
-from nodus.microbatch import packed_pairs, plan_microbatches, step_rows
+from nodus.microbatch import packed_pairs_per_microbatch, plan_microbatches, step_rows
 from sim.profile import load_profile, profile_dict, what_if
 
 GRAPHED = DEFAULT_PROFILES["graphed"]
@@ -19,8 +19,8 @@ LENGTHS = [[120, [150, 90, 60, 200, 30, 110, 75, 140] * 2], [70, [40, 300, 55, 8
 
 def test_packed_pairs_is_rows_times_longest_squared_per_microbatch():
     rows = [[10, 30], [20]]
-    assert packed_pairs(rows, 1000) == 3 * 30 ** 2  # one micro-batch of 3 rows padded to 30
-    assert packed_pairs(rows, 60) == 2 * 30 ** 2 + 1 * 10 ** 2  # (30, 20) then (10)
+    assert packed_pairs_per_microbatch(rows, 1000) == [3 * 30 ** 2]  # one micro-batch of 3 rows padded to 30
+    assert packed_pairs_per_microbatch(rows, 60) == [2 * 30 ** 2, 1 * 10 ** 2]  # (30, 20) then (10)
     assert [len(mb) for mb in plan_microbatches(rows, 60)] == [2, 1]
 
 
@@ -33,16 +33,16 @@ def test_cost_model_prices_pairs_in_units_of_the_per_token_term(tmp_path):
     b = prof["train"]["per_microbatch"]["b_s_per_unit"]
     base = cost.train_s([8000, 4000], adapters=2)
     assert cost.has_packed_attention
-    assert cost.train_s([8000, 4000], adapters=2, packed_pairs=10 ** 7) == pytest.approx(base + b * 4e-4 * 1e7)
+    assert cost.train_s([8000, 4000], adapters=2, packed_pairs=[10 ** 7]) == pytest.approx(base + b * 4e-4 * 1e7)
     # a what-if of the train terms moves the pair term with the per-token term
     half = tmp_path / "half.json"
     half.write_text(json.dumps(what_if(prof, {"train": 0.5})))
-    assert load_profile(str(half)).train_s([8000, 4000], 2, packed_pairs=10 ** 7) == pytest.approx(
-        0.5 * cost.train_s([8000, 4000], 2, packed_pairs=10 ** 7))
+    assert load_profile(str(half)).train_s([8000, 4000], 2, packed_pairs=[10 ** 7]) == pytest.approx(
+        0.5 * cost.train_s([8000, 4000], 2, packed_pairs=[10 ** 7]))
     prof["train"]["packed_pair_per_token"] = None
     path.write_text(json.dumps(prof))
     none = load_profile(str(path))
-    assert not none.has_packed_attention and none.train_s([8000, 4000], 2, packed_pairs=10 ** 7) == pytest.approx(base)
+    assert not none.has_packed_attention and none.train_s([8000, 4000], 2, packed_pairs=[10 ** 7]) == pytest.approx(base)
 
 
 def _sim_json(capsys, *args) -> dict:
@@ -88,7 +88,7 @@ def _bench(path, a, b, c, share=(0, 2, 4, 8), jobs=(2, 1), mb=4096, noise=None, 
             rows = [step_rows(p * len(r), len(r), r, 8, k) for p, r in lengths]
             mbs = plan_microbatches(rows, mb)
             padded = sum(len(m) * max(rows[j][s] for j, s in m) for m in mbs)
-            t = a * len(mbs) + b * padded + c * (packed_pairs(rows, mb) if k > 1 else 0)
+            t = a * len(mbs) + b * padded + c * (sum(packed_pairs_per_microbatch(rows, mb)) if k > 1 else 0)
             t *= (noise or {}).get((n, k), 1.0)
             variants[str(k)] = {"median_s": t, "step_s": [t], "graph_error": None}
         cases.append({"jobs": n, "lengths": lengths, "variants": variants})
