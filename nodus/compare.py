@@ -121,11 +121,11 @@ def load_run(path: str | Path) -> RunSummary:
         seed=_get(data, "seed", int, "", file),
         steps_per_gpu_hour=sph,
         jobs={job_id: _job(job_id, rec, file) for job_id, rec in per_job.items()},
-        share_prompts=_share_prompts(folder / "config.json"),
+        share_prompts=config_share_prompts(folder / "config.json"),
     )
 
 
-def _share_prompts(config: Path) -> int:
+def config_share_prompts(config: Path) -> int:
     """The run config's trainer.share_prompts (0 where the run folder has no config or the field)."""
     if not config.is_file():
         return 0

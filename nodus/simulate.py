@@ -88,25 +88,15 @@ def render_run(out_dir: Path) -> None:
     summary = json.loads((out_dir / "summary.json").read_text())
     runs = read_jsonl(out_dir / "spans.jsonl")
     write_chrome_trace(runs, out_dir / "trace.json")
-    share = _config_share_prompts(out_dir)
+    from nodus.compare import config_share_prompts
+
+    share = config_share_prompts(out_dir / "config.json")
     (out_dir / "table.md").write_text(render_table(summary, share) + "\n")
     arm = summary["arm"]
     title = (f"{summary['jobs']} jobs, {arm['policy']} groups={arm['groups']} sharing={arm['sharing']}"
              + (f" share_prompts={share}" if share > 1 else ""))
     plot_gantt(runs[0], out_dir / "gantt.png", title=title + (" (GPU 0 of dedicated)" if len(runs) > 1 else ""))
     plot_learning_curves(summary["per_job"], out_dir / "learning_curves.png", title=title)
-
-
-def _config_share_prompts(out_dir: Path) -> int:
-    """A run folder's trainer.share_prompts (its config.json; 0 without one)."""
-    path = out_dir / "config.json"
-    if not path.is_file():
-        return 0
-    try:
-        share = (json.loads(path.read_text()).get("trainer") or {}).get("share_prompts") or 0
-    except (json.JSONDecodeError, AttributeError):
-        return 0
-    return share if isinstance(share, int) else 0
 
 
 def render_table(s: dict, share_prompts: int = 0) -> str:
