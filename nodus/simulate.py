@@ -292,24 +292,11 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
     per job count under it (``best``: ``best_arms``' answer, computed when not given); with the
     profile's error bar under that when `validation` is given, and where the runs went outside the
     profile (``outside``: the sweep's ``outside_profile``)."""
-    jobs = sorted({r["jobs"] for r in rows})
-    by: dict[str, dict[int, list[float]]] = {}
-    for r in rows:
-        by.setdefault(arm_label(r), {}).setdefault(r["jobs"], []).append(r["ratio_vs_dedicated"])
-    lines = ["| arm | " + " | ".join(f"{n} jobs" for n in jobs) + " |", "|---" * (len(jobs) + 1) + "|"]
-    for label, d in by.items():
-        cells = [f"{sum(d[n]) / len(d[n]):.3f}x" if n in d else "-" for n in jobs]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines = _mean_table(rows, "ratio_vs_dedicated", "{:.3f}x")
     if len({r.get("share_prompts") or 0 for r in rows}) > 1 and all("steps_per_gpu_hour" in r for r in rows):
         # Ratios of two trainer settings divide by two baselines: the steps themselves compare them.
-        steps: dict[str, dict[int, list[float]]] = {}
-        for r in rows:
-            steps.setdefault(arm_label(r), {}).setdefault(r["jobs"], []).append(r["steps_per_gpu_hour"])
         lines += ["", "Steps per GPU-hour (each trainer setting's ratios are over its own dedicated arm):", "",
-                  "| arm | " + " | ".join(f"{n} jobs" for n in jobs) + " |", "|---" * (len(jobs) + 1) + "|"]
-        for label, d in steps.items():
-            lines.append(f"| {label} | " + " | ".join(f"{sum(d[n]) / len(d[n]):.0f}" if n in d else "-"
-                                                      for n in jobs) + " |")
+                  *_mean_table(rows, "steps_per_gpu_hour", "{:.0f}")]
     best = best_arms(rows, (validation or {}).get("heldout_mape")) if best is None else best
     if best:
         lines += ["", "Best per job count: " + "; ".join(
@@ -323,6 +310,19 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
     if outside:
         lines += ["", "Outside the profiled region: " + "; ".join(outside)]
     return "\n".join(lines)
+
+
+def _mean_table(rows: list[dict], field: str, fmt: str) -> list[str]:
+    """Markdown lines: one row per arm, one column per job count, the mean of ``field`` over seeds."""
+    jobs = sorted({r["jobs"] for r in rows})
+    by: dict[str, dict[int, list[float]]] = {}
+    for r in rows:
+        by.setdefault(arm_label(r), {}).setdefault(r["jobs"], []).append(r[field])
+    lines = ["| arm | " + " | ".join(f"{n} jobs" for n in jobs) + " |", "|---" * (len(jobs) + 1) + "|"]
+    for label, d in by.items():
+        cells = [fmt.format(sum(d[n]) / len(d[n])) if n in d else "-" for n in jobs]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def best_arms(rows: list[dict], error: float | None = None) -> list[dict]:
