@@ -21,23 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.bench_trainer import (QWEN3_06B, TINY, batch_tokens, env_header, recorded_batch,  # noqa: E402
-                                       recorded_lengths)
+from experiments.bench_trainer import (QWEN3_06B, TINY, add_recorded_bench_args, batch_tokens,  # noqa: E402
+                                       env_header, recorded_batch, recorded_lengths)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--lengths-from", default=None, metavar="RUN_DIR",
-                   help="a run folder whose step's response lengths the rows take (default: synthetic)")
-    p.add_argument("--step", type=int, default=1)
-    p.add_argument("--jobs", default="1,4,8", help="comma list: jobs per train step of each case")
-    p.add_argument("--mb-tokens", type=int, default=16384)
-    p.add_argument("--iters", type=int, default=4)
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, the uncaptured program")
+    add_recorded_bench_args(p, jobs="1,4,8", iters=4)
     p.add_argument("--no-compile", action="store_true", help="leave the element-wise ops eager")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-floor", action="store_true", help="skip the eager-against-eager bf16 floor (a third trainer)")
     p.add_argument("--profile", action="store_true",
                    help="also put one step of the eager trainer, one graphed step and one of the "

@@ -21,23 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.bench_trainer import QWEN3_06B, TINY, env_header, recorded_lengths  # noqa: E402
+from experiments.bench_trainer import (QWEN3_06B, TINY, add_recorded_bench_args, env_header,  # noqa: E402
+                                       recorded_lengths)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--lengths-from", default=None, metavar="RUN_DIR",
-                   help="a run folder whose step's prompt and response lengths the rows take (default: synthetic)")
-    p.add_argument("--step", type=int, default=1)
-    p.add_argument("--jobs", default="4,1", help="comma list: jobs per train step of each case")
+    add_recorded_bench_args(p, jobs="4,1", iters=3)
     p.add_argument("--share", default="0,8,4,2", help="comma list: share_prompts of each variant (0: plain rows)")
     p.add_argument("--responses-per-prompt", type=int, default=8)
-    p.add_argument("--mb-tokens", type=int, default=16384)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, the uncaptured program")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
         args.share_list = [int(x) for x in args.share.split(",") if x]

@@ -135,6 +135,22 @@ def make_batch(args, n_seqs, vocab, seed):
     return _random_rows(rng, args.prompt_tokens, [int(r) for r in resp], vocab)
 
 
+def add_recorded_bench_args(p: argparse.ArgumentParser, jobs: str, iters: int) -> None:
+    """The arguments of a trainer bench over cases of N jobs in a recorded run's rows
+    (bench_graphs.py, bench_shared_prompts.py): --out, --lengths-from, --step, --jobs, --mb-tokens,
+    --iters, --rank, --tiny, --seed."""
+    p.add_argument("--out", required=True)
+    p.add_argument("--lengths-from", default=None, metavar="RUN_DIR",
+                   help="a run folder whose step's prompt and response lengths the rows take (default: synthetic)")
+    p.add_argument("--step", type=int, default=1)
+    p.add_argument("--jobs", default=jobs, help="comma list: jobs per train step of each case")
+    p.add_argument("--mb-tokens", type=int, default=16384)
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, the uncaptured program")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def recorded_lengths(run_dir: str, step: int) -> dict[str, tuple[int, list[int]]]:
     """job -> (prompt tokens per sequence, response lengths) of ``step`` in a recorded run."""
     from nodus.config import ConfigError
