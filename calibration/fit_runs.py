@@ -69,7 +69,7 @@ import numpy as np
 
 from calibration.validate import jobs_per_gpu, load_recorded
 from nodus.accounting import union_length
-from nodus.config import NO_CORUN_POLICIES, ConfigError, EngineSpec, engine_graph_max_tokens
+from nodus.config import NO_CORUN_POLICIES, ConfigError, EngineSpec, engine_graph_max_tokens, packed_rows
 from nodus.microbatch import microbatch_costs, step_rows
 
 
@@ -336,8 +336,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         if controls.get("engine_core_process"):
             raise ConfigError(f"nodus fit: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
                               "a profile describes an engine in one process: fit runs without it")
-        share = (cfg.get("trainer") or {}).get("share_prompts") or 0
-        if share > 1:
+        share = packed_rows((cfg.get("trainer") or {}).get("share_prompts"))
+        if share:
             raise ConfigError(f"nodus fit: {rd} trained each prompt once (trainer.share_prompts={share}); a "
                               "profile's train terms describe a row per response: fit runs without it")
         if controls.get("publish_pinned") is False:

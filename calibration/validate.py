@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, drop_idle_priority, trainer_freed
+from nodus.config import (DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, drop_idle_priority, packed_rows,
+                          trainer_freed)
 from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
@@ -154,7 +155,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
                "host_probe": run_host_probe(meas), "jit_compiles": run_jit_compiles(meas),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
-               "share_prompts": (cfg.get("trainer") or {}).get("share_prompts") or 0,
+               "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
                             "phase_s": _phase_means(spans)},
@@ -415,9 +416,8 @@ def config_key(row: dict) -> tuple:
 
 
 def _packed(row: dict) -> int:
-    """The run's trainer.share_prompts as a configuration sees it: 0 and 1 both train plain rows."""
-    share = row.get("share_prompts") or 0
-    return share if share > 1 else 0
+    """The run's trainer.share_prompts as a configuration sees it (``nodus.config.packed_rows``)."""
+    return packed_rows(row.get("share_prompts"))
 
 
 def _config_controls(row: dict) -> dict:

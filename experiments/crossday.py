@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+from nodus.config import packed_rows
+
 # Run controls (calibration.validate.run_controls) of settings no profile here was fitted with.
 OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned")
 
@@ -33,7 +35,7 @@ def comparable(row: dict) -> bool:
     none of OTHER_SETTINGS."""
     c = row.get("controls") or {}
     return (c.get("trainer_step_mode") == "graphed" and c.get("lora_kernels") == "tuned"
-            and (row.get("share_prompts") or 0) <= 1 and not any(k in c for k in OTHER_SETTINGS))
+            and not packed_rows(row.get("share_prompts")) and not any(k in c for k in OTHER_SETTINGS))
 
 
 def mps_flagged(row: dict, profile_sharing: dict | None) -> bool:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
-                          trainer_freed)
+                          packed_rows, trainer_freed)
 from nodus.microbatch import mb_tag
 from calibration.validate import audit_label, run_audit, run_controls
 
@@ -76,8 +76,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MICROBATCH_TOKENS)
     if mb != DEFAULT_MICROBATCH_TOKENS:
         label += f"+{mb_tag(mb)}"
-    share = (trainer or {}).get("share_prompts") or 0
-    if share > 1:
+    share = packed_rows((trainer or {}).get("share_prompts"))
+    if share:
         label += f"+sp{share}"  # each prompt's responses trained K to a row (trainer.share_prompts)
     controls = next((d["sharing_controls"] for d in (summary or {}).get("diagnostics", [])
                      if d.get("sharing_controls")), {})

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nodus.config import packed_rows
 from nodus.stats import aa_spread, gate_verdict, paired_bootstrap_ci
 
 MIN_CLUSTERS = 5  # fewer (job, seed) clusters give a cluster bootstrap too few distinct resamples
@@ -61,7 +62,8 @@ class RunSummary:
 def arm_label(policy: str, sharing: str, groups: int, share_prompts: int = 0) -> str:
     """policy/sharing/groups, +spK where the trainer packed each prompt's responses K to a row
     (trainer.share_prompts): not a repeat of the same arm without it."""
-    return f"{policy}/{sharing}/g{groups}" + (f"+sp{share_prompts}" if share_prompts > 1 else "")
+    share = packed_rows(share_prompts)
+    return f"{policy}/{sharing}/g{groups}" + (f"+sp{share}" if share else "")
 
 
 def _get(obj: object, key: str, kinds: type | tuple[type, ...], where: str, file: Path):

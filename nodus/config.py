@@ -34,6 +34,14 @@ def drop_idle_priority(settings: dict, policy: str | None) -> dict:
 DEFAULT_MICROBATCH_TOKENS = 16384  # the trainer's micro-batch cap unless a config sets one
 
 
+def packed_rows(share_prompts: int | None) -> int:
+    """trainer.share_prompts as a configuration means it: K > 1 responses of a prompt to a row, and
+    0 for plain rows, which both 0 and 1 (and a missing value) train. Every label, configuration key
+    and sweep setting goes through here, so a run with 1 is a repeat of one with 0."""
+    share = share_prompts or 0
+    return share if share > 1 else 0
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field and the value."""
 
@@ -241,8 +249,7 @@ class RunConfig(_Model):
         """The responses a packed row holds as the trainer runs this config: trainer.share_prompts
         capped at the most responses a job samples per prompt (a prompt drawn twice in one step then
         never packs wider than the warm-up captured); 0 where that is 1 or less: plain rows."""
-        share = min(self.trainer.share_prompts, max(j.responses_per_prompt for j in self.jobs))
-        return share if share > 1 else 0
+        return packed_rows(min(self.trainer.share_prompts, max(j.responses_per_prompt for j in self.jobs)))
 
     def resolved(self) -> "RunConfig":
         """Return a copy where every job has its id and seed filled in."""

@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from nodus.config import (DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs,
-                          size_engine_graphs)
+                          packed_rows, size_engine_graphs)
 from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import run_arm, run_spans
 from nodus.accounting import summarize
@@ -94,7 +94,7 @@ def render_run(out_dir: Path) -> None:
     (out_dir / "table.md").write_text(render_table(summary, share) + "\n")
     arm = summary["arm"]
     title = (f"{summary['jobs']} jobs, {arm['policy']} groups={arm['groups']} sharing={arm['sharing']}"
-             + (f" share_prompts={share}" if share > 1 else ""))
+             + (f" share_prompts={share}" if packed_rows(share) else ""))
     plot_gantt(runs[0], out_dir / "gantt.png", title=title + (" (GPU 0 of dedicated)" if len(runs) > 1 else ""))
     plot_learning_curves(summary["per_job"], out_dir / "learning_curves.png", title=title)
 
@@ -211,7 +211,7 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     share_list = _parse_list(share_prompts, int, "share-prompts")
     if min(share_list) < 0:
         raise ConfigError(f"--share-prompts {share_prompts}: responses a row holds, integers >= 0 (0: none)")
-    share_list = sorted({k if k > 1 else 0 for k in share_list})  # 0 and 1 both train plain rows
+    share_list = sorted({packed_rows(k) for k in share_list})
     from sim.profile import load_profile
 
     cost = load_profile(profile)  # fails fast on a bad profile, before forking workers
@@ -267,7 +267,8 @@ def _progress(i: int, n: int, elapsed: float) -> None:
 
 def arm_label(r: dict) -> str:
     g = f" g={r['groups']}" if r["policy"] in ("overlap", "timeslice") else ""
-    sp = f" +sp{r['share_prompts']}" if (r.get("share_prompts") or 0) > 1 else ""
+    share = packed_rows(r.get("share_prompts"))
+    sp = f" +sp{share}" if share else ""
     return (f"{r['policy']}{g} {r['sharing']}" if r["policy"] != "dedicated" else "dedicated") + sp
 
 
@@ -293,7 +294,7 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
     profile's error bar under that when `validation` is given, and where the runs went outside the
     profile (``outside``: the sweep's ``outside_profile``)."""
     lines = _mean_table(rows, "ratio_vs_dedicated", "{:.3f}x")
-    if len({r.get("share_prompts") or 0 for r in rows}) > 1 and all("steps_per_gpu_hour" in r for r in rows):
+    if len({packed_rows(r.get("share_prompts")) for r in rows}) > 1 and all("steps_per_gpu_hour" in r for r in rows):
         # Ratios of two trainer settings divide by two baselines: the steps themselves compare them.
         lines += ["", "Steps per GPU-hour (each trainer setting's ratios are over its own dedicated arm):", "",
                   *_mean_table(rows, "steps_per_gpu_hour", "{:.0f}")]
@@ -305,7 +306,7 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
             + (", within the profile's error" if b["within_error"] else "") + ")" for b in best) + "."]
     if validation is not None:
         lines += ["", error_bar_line(validation)]
-        if any((r.get("share_prompts") or 0) > 1 for r in rows):
+        if any(packed_rows(r.get("share_prompts")) for r in rows):
             lines.append("That error is of runs with plain rows: no run with packed rows (+spK) has been validated.")
     if outside:
         lines += ["", "Outside the profiled region: " + "; ".join(outside)]
@@ -333,7 +334,7 @@ def best_arms(rows: list[dict], error: float | None = None) -> list[dict]:
     means: dict[tuple[int, int], dict[str, list[float]]] = {}
     for r in rows:
         if r["policy"] != "dedicated":
-            key = (r["jobs"], r.get("share_prompts") or 0)
+            key = (r["jobs"], packed_rows(r.get("share_prompts")))
             means.setdefault(key, {}).setdefault(arm_label(r), []).append(r["ratio_vs_dedicated"])
     out = []
     for n, sp in sorted(means):

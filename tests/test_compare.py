@@ -255,6 +255,30 @@ def test_runs_that_pack_prompts_are_their_own_arm(tmp_path):
     report = compare_runs([base, plain, packed])
     labels = {a["arm"] for a in report["arms"]}
     assert {"overlap/mps/g2", "overlap/mps/g2+sp4"} <= labels
+    # K = 1 trains plain rows: a repeat of the plain arm, not an arm of its own
+    (Path(packed) / "config.json").write_text(json.dumps({"trainer": {"share_prompts": 1}}))
+    report = compare_runs([base, plain, packed])
+    assert [[r["repeats"] for r in a["per_seed"]] for a in report["arms"] if a["arm"] == "overlap/mps/g2"] == [[2]]
+    assert not any("+sp" in a["arm"] for a in report["arms"])
     (Path(packed) / "config.json").write_text(json.dumps({"trainer": {"share_prompts": -1}}))
     with pytest.raises(ValueError, match="config.json: field 'trainer.share_prompts' must be an integer >= 0"):
         compare_runs([base, plain, packed])
+
+
+def test_packed_rows_is_the_one_reading_of_share_prompts():
+    """0, 1 and a missing value all mean plain rows (0) wherever a run's setting is read: the
+    compare and sweep labels, validate's configuration key, gpu_table's label and crossday's filter."""
+    from calibration.validate import _packed
+    from experiments.crossday import comparable
+    from nodus.compare import arm_label
+    from nodus.config import packed_rows
+    from nodus.simulate import arm_label as sweep_label
+
+    assert [packed_rows(k) for k in (None, 0, 1, 2, 4)] == [0, 0, 0, 2, 4]
+    for k, tag in ((None, ""), (0, ""), (1, ""), (4, "+sp4")):
+        assert arm_label("overlap", "mps", 2, k) == "overlap/mps/g2" + tag
+        assert sweep_label({"policy": "overlap", "groups": 2, "sharing": "mps", "share_prompts": k}) == (
+            "overlap g=2 mps" + (" " + tag if tag else ""))
+        assert _packed({"share_prompts": k}) == packed_rows(k)
+        graphed = {"controls": {"trainer_step_mode": "graphed", "lora_kernels": "tuned"}, "share_prompts": k}
+        assert comparable(graphed) is (not tag)
