@@ -8,6 +8,7 @@ is reported but not billed to any arm.
 
 from __future__ import annotations
 
+import copy
 import math
 import multiprocessing as mp
 import os
@@ -701,7 +702,8 @@ class RealBackend:
 
     def diagnostics(self) -> dict:
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
-                "workers": dict(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
+                # a snapshot: the pool's next run goes on updating the live per-worker state
+                "workers": copy.deepcopy(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
                 "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),

@@ -12,18 +12,47 @@ STEPS = 12
 MARGIN = 0.10  # mean reward of the last 3 steps over the first 3
 
 
-def test_grpo_raises_the_mean_reward_on_sorting(tmp_path):
-    from nodus.config import build_config
-    from nodus.realrun import run
+@pytest.fixture(scope="module")
+def pool():
+    """The tiny base's engine and trainer, started once for this file's runs (an engine start is
+    a large part of a short run): the pool keeps them across runs and restarts only the trainer for
+    other trainer settings (nodus.realrun.ClusterPool), as gpu_arms runs its arms (dedicated, then
+    the shared ones) on one cluster."""
+    from nodus.realrun import ClusterPool
+
+    p = ClusterPool(None, min_loras=4)
+    yield p
+    p.close()
+
+
+def _run(pool, cfg, out, **opts):
+    """``nodus.realrun.run`` (no baseline) on the module's pool, with RealOptions(model=<the tiny
+    base>, **opts): the summary, and the run folder written as gpu_arms writes its runs'. A failed
+    run stops the pool's processes, so the next test starts fresh ones instead of its leftovers."""
+    from nodus.outdir import make_out_dir
+    from nodus.runner import run_arm
+    from nodus.simulate import write_run
     from real.backend import RealOptions
     from real.base_model import ensure_tiny_base
 
-    model = ensure_tiny_base(log=lambda s: None)
+    pool.opts = RealOptions(model=str(ensure_tiny_base(log=lambda s: None)), **opts)
+    try:
+        summary, runs = run_arm(cfg, pool, baseline=False)
+    except BaseException:
+        pool.close()
+        raise
+    write_run(make_out_dir(out), cfg, summary, runs)
+    return summary
+
+
+def test_grpo_raises_the_mean_reward_on_sorting(tmp_path, pool):
+    from nodus.config import build_config
+
     cfg = build_config({
         "jobs": [{"task": "sorting", "steps": STEPS, "prompts_per_step": 8, "responses_per_prompt": 8,
                   "max_new_tokens": 32, "learning_rate": 1e-3, "lora_rank": 16, "seed": 3, "prompt_pool": 8}],
         "arm": {"policy": "shared-sync", "groups": 1, "sharing": "none"}})
-    s = run(cfg, opts=RealOptions(model=str(model), audit_logprobs=False), baseline=False, out=tmp_path / "run")
+    s = _run(pool, cfg, tmp_path / "run", audit_logprobs=False)
     rewards = s["per_job"]["job0"]["rewards"]
     assert len(rewards) == STEPS and s["stale_rollouts"] == 0
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -32,7 +61,7 @@ def test_grpo_raises_the_mean_reward_on_sorting(tmp_path):
     assert last >= first + MARGIN, rewards
 
 
-def test_overlap_learns_exactly_what_dedicated_learns_in_fp32(tmp_path):
+def test_overlap_learns_exactly_what_dedicated_learns_in_fp32(tmp_path, pool):
     """Equal learning by construction: 4 jobs, each alone on its 'own GPU' (dedicated) and two
     groups sharing one engine and one trainer (overlap). In fp32 on the CPU, with seeded
     sampling, every job's per-step rewards and final eval are identical, so the shared batches
@@ -40,19 +69,14 @@ def test_overlap_learns_exactly_what_dedicated_learns_in_fp32(tmp_path):
     (what `nodus compare` then judges)."""
     from nodus.compare import compare_runs
     from nodus.config import build_config
-    from nodus.realrun import run
-    from real.backend import RealOptions
-    from real.base_model import ensure_tiny_base
 
-    model = ensure_tiny_base(log=lambda s: None)
     jobs = [{"task": t, "steps": 3, "prompts_per_step": 4, "responses_per_prompt": 4, "max_new_tokens": 24,
              "learning_rate": 1e-3, "lora_rank": 16, "seed": 10 + i, "prompt_pool": 8}
             for i, t in enumerate(["sorting", "counting", "modular", "reverse"])]
     out = {}
     for name, arm in (("dedicated", {"policy": "dedicated", "groups": 1, "sharing": "none"}),
                       ("overlap", {"policy": "overlap", "groups": 2, "sharing": "none"})):
-        s = run(build_config({"jobs": jobs, "arm": arm, "seed": 1}), opts=RealOptions(model=str(model)),
-                baseline=False, out=tmp_path / name)
+        s = _run(pool, build_config({"jobs": jobs, "arm": arm, "seed": 1}), tmp_path / name)
         out[name] = {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
         assert s["stale_rollouts"] == 0
     assert out["overlap"] == out["dedicated"]
@@ -61,7 +85,7 @@ def test_overlap_learns_exactly_what_dedicated_learns_in_fp32(tmp_path):
     assert vs["acc_diff"]["lo"] == vs["acc_diff"]["hi"] == 0.0
 
 
-def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
+def test_shared_prompts_learn_what_plain_rows_learn(tmp_path, pool):
     """trainer.share_prompts changes how a step's rows are laid out, not what is learned: the same
     2 jobs (2 groups, the fixed-shape trainer) with each prompt's responses packed 4 to a row and
     with plain rows, in fp32 on the CPU with seeded sampling. The packed updates land ~1e-6 from
@@ -84,14 +108,17 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
              "learning_rate": 1e-3, "lora_rank": 16, "seed": 10 + i, "prompt_pool": 8}
             for i, t in enumerate(["sorting", "counting"])]
     arm = {"policy": "overlap", "groups": 2, "sharing": "none"}
+    cfgs = {share: build_config({"jobs": jobs, "arm": arm, "seed": 1, "trainer": {"share_prompts": share}})
+            for share in (0, 4)}
     out, worker, grads = {}, {}, {}
-    for share in (0, 4):
-        cfg = build_config({"jobs": jobs, "arm": arm, "seed": 1, "trainer": {"share_prompts": share}})
-        s = run(cfg, opts=RealOptions(model=str(model), trainer_graphs=True), baseline=False,
-                out=tmp_path / f"sp{share}")
+    # One trainer process for both runs (the pool's): packed first, so that its programs when it
+    # ran packed are the packed ones only (the plain run adds plain ones beside them).
+    for share in (4, 0):
+        s = _run(pool, cfgs[share], tmp_path / f"sp{share}", trainer_graphs=True)
         assert s["stale_rollouts"] == 0
         assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
         out[share] = {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
+        # The run's own snapshot of its trainer's state (the pool's trainer goes on to the next run).
         worker[share] = s["diagnostics"][0]["workers"]["trainer0"]
         spans = [json.loads(line) for line in (tmp_path / f"sp{share}" / "spans.jsonl").read_text().splitlines()]
         grads[share] = {sp["job"]: sp["attrs"]["grad_norm"] for sp in spans
@@ -111,5 +138,5 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path):
     vs = report["arms"][1]["vs_baseline"]
     assert abs(vs["acc_diff"]["mean"]) <= 0.05 and abs(vs["reward_diff"]["mean"]) <= 0.05, vs
     with pytest.raises(BackendConfigError, match="share_prompts=4.*--trainer-graphs"):
-        run(cfg, opts=RealOptions(model=str(model)), baseline=False, out=tmp_path / "refused")
+        run(cfgs[4], opts=RealOptions(model=str(model)), baseline=False, out=tmp_path / "refused")
     assert not (tmp_path / "refused").exists()

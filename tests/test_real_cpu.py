@@ -37,6 +37,7 @@ def overlap_run(tmp_path_factory):
 def test_two_job_overlap_runs_on_policy(overlap_run):
     s = json.loads((overlap_run / "summary.json").read_text())
     assert s["backend"] == "real" and s["steps"] == 4 and s["stale_rollouts"] == 0
+    assert set(s["startup_s"]["none-1"]) == {"engine0", "trainer0"}  # the run records its processes' start-up
     spans = [x for r in read_jsonl(overlap_run / "spans.jsonl") for x in r]
     assert audit_on_policy(spans) == []
     gens = sorted((x.job, x.attrs["step"], x.attrs["adapter_version"]) for x in spans if x.phase == "generate")
@@ -121,36 +122,57 @@ def _small_cfg(jobs: int, steps: int, policy: str = "shared-sync"):
         "arm": {"policy": policy, "groups": 1, "sharing": "none"}})
 
 
-def test_trainer_graphs_on_a_cpu_run_the_fixed_shape_program_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def pool():
+    """One engine and trainer for this file's one-stack runs (an engine start is most of a small
+    run's time): each run names its options (``_pooled``), and the pool keeps the processes,
+    restarts only the trainer for other trainer settings (nodus.realrun.ClusterPool), as
+    gpu_arms runs its arms on one cluster."""
+    from nodus.realrun import ClusterPool
+
+    p = ClusterPool(None, min_loras=2)
+    yield p
+    p.close()
+
+
+def _pooled(pool, cfg, **opts):
+    """``run_arm(cfg)`` (no baseline) on the module's pool with RealOptions(model="tiny",
+    evaluate=False, **opts); a failed run stops the pool's processes, so the next test starts
+    fresh ones instead of meeting its leftovers."""
+    from nodus.runner import run_arm
+    from real.backend import RealOptions
+
+    pool.opts = RealOptions(model="tiny", evaluate=False, **opts)
+    try:
+        return run_arm(cfg, pool, baseline=False)
+    except BaseException:
+        pool.close()
+        raise
+
+
+def test_trainer_graphs_on_a_cpu_run_the_fixed_shape_program_end_to_end(pool):
     """--trainer-graphs on a CPU runs the graphed trainer's program uncaptured ("static") through
     the real backend: its programs built in the warm-up, the run on-policy, the engine's logprobs
     agreeing with the training forward's, and the first step's losses those of an eager run."""
-    from nodus.realrun import run
-    from real.backend import RealOptions
-
     cfg = _small_cfg(2, 2)
     runs = {}
     for mode, graphs in (("static", True), ("eager", False)):
-        s = run(cfg, opts=RealOptions(model="tiny", evaluate=False, trainer_graphs=graphs), baseline=False,
-                out=tmp_path / mode)
+        s, spans = _pooled(pool, cfg, trainer_graphs=graphs)
         assert s["steps"] == 4 and s["stale_rollouts"] == 0
         assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
-        spans = [json.loads(line) for line in (tmp_path / mode / "spans.jsonl").read_text().splitlines()]
-        runs[mode] = (s, [sp for sp in spans if sp["phase"] == "train"])
+        runs[mode] = (s, [sp for r in spans for sp in r if sp.phase == "train"])
     worker = runs["static"][0]["diagnostics"][0]["workers"]["trainer0"]
     assert worker["step_mode"] == "static" and worker["graphs"] and worker["graph_error"] is None
     assert runs["eager"][0]["diagnostics"][0]["workers"]["trainer0"]["step_mode"] == "eager"
-    first = {m: {sp["job"]: sp["attrs"]["loss"] for sp in spans if sp["attrs"]["step"] == 0}
+    first = {m: {sp.job: sp.attrs["loss"] for sp in spans if sp.attrs["step"] == 0}
              for m, (_, spans) in runs.items()}
     assert set(first["static"]) == {"job0", "job1"}
     for job, loss in first["eager"].items():
         assert first["static"][job] == pytest.approx(loss, rel=1e-4, abs=1e-6)
 
 
-def test_a_raising_reward_fails_that_job_only(monkeypatch):
+def test_a_raising_reward_fails_that_job_only(monkeypatch, pool):
     import real.backend
-    from nodus.realrun import run
-    from real.backend import RealOptions
 
     real_rewards = real.backend.rewards
 
@@ -160,21 +182,22 @@ def test_a_raising_reward_fails_that_job_only(monkeypatch):
         return real_rewards(job, step, sp, texts, n)
 
     monkeypatch.setattr(real.backend, "rewards", flaky)
-    s = run(_small_cfg(2, 2), opts=RealOptions(model="tiny", evaluate=False), baseline=False)
+    s, _ = _pooled(pool, _small_cfg(2, 2))
     assert s["per_job"]["job0"]["steps"] == 2
     assert s["per_job"]["job1"]["steps"] == 0
     assert "customer reward bug" in s["diagnostics"][0]["failed"]["job1"]
     assert s["stale_rollouts"] == 0
 
 
-def test_killed_run_resumes_from_its_last_completed_step(tmp_path):
+def test_killed_run_resumes_from_its_last_completed_step(tmp_path, pool):
     from nodus.realrun import run
     from real.backend import RealOptions
 
     opts = RealOptions(model="tiny", evaluate=False, checkpoint_dir=str(tmp_path / "ckpt"))
-    first = run(_small_cfg(1, 1), opts=opts, baseline=False, out=tmp_path / "a")
+    first, _ = _pooled(pool, _small_cfg(1, 1), checkpoint_dir=opts.checkpoint_dir)
     assert first["steps"] == 1 and (tmp_path / "ckpt" / "job0.pt").is_file()
-    # The same job asked for 3 steps: it resumes at step 1 and runs steps 1 and 2 only.
+    # The same job asked for 3 steps, in new processes (run's own, as after a kill): it resumes
+    # from the checkpoint file at step 1 and runs steps 1 and 2 only.
     second = run(_small_cfg(1, 3), opts=opts, baseline=False, out=tmp_path / "b")
     spans = [x for r in read_jsonl(tmp_path / "b" / "spans.jsonl") for x in r]
     assert sorted(x.attrs["step"] for x in spans if x.phase == "train") == [1, 2]
@@ -208,29 +231,41 @@ def test_mps_without_cuda_mps_binaries_is_a_clear_error(tmp_path, capsys, monkey
     assert "nvidia-cuda-mps-control" in capsys.readouterr().err
 
 
-def test_timeslice_two_stacks_start_one_engine_at_a_time():
-    """Two stacks (two engines, two trainers) with the GPU's start order: each engine alone while
-    it sizes its KV cache, then the trainers; both stacks' jobs run on-policy."""
-    from nodus.config import build_config
-    from nodus.realrun import run
+@pytest.fixture(scope="module")
+def timeslice_pool():
+    """Two stacks (two engines, two trainers) started in the GPU's order (staggered_start) and a
+    timeslice run of 2 jobs on them, eager; the pool stays open for the trainer-restart test."""
+    from types import SimpleNamespace
+
+    from nodus.realrun import ClusterPool
+    from nodus.runner import run_arm
     from real.backend import RealOptions
 
-    cfg = build_config({
-        "jobs": [{"task": t, "steps": 1, "prompts_per_step": 2, "responses_per_prompt": 2, "max_new_tokens": 8}
-                 for t in ("modular", "sorting")],
-        "arm": {"policy": "timeslice", "groups": 2, "sharing": "none"}})
-    s = run(cfg, opts=RealOptions(model="tiny", evaluate=False, staggered_start=True), baseline=False)
-    assert set(s["startup_s"]["none-2"]) == {"engine0", "engine1", "trainer0", "trainer1"}
+    opts = RealOptions(model="tiny", evaluate=False, staggered_start=True)
+    pool = ClusterPool(opts)
+    base = _small_cfg(2, 1, policy="timeslice")
+    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"groups": 2})})
+    try:
+        eager, _ = run_arm(cfg, pool, baseline=False)
+        (cluster,) = pool.clusters.values()
+        yield SimpleNamespace(pool=pool, opts=opts, cfg=cfg, eager=eager, cluster=cluster,
+                              startup_s=pool.startup_s(), pids=[p.pid for p in cluster.procs])
+    finally:
+        pool.close()
+
+
+def test_timeslice_two_stacks_start_one_engine_at_a_time(timeslice_pool):
+    """Two stacks (two engines, two trainers) with the GPU's start order: each engine alone while
+    it sizes its KV cache, then the trainers; both stacks' jobs run on-policy."""
+    s = timeslice_pool.eager
+    assert set(timeslice_pool.startup_s["none-2"]) == {"engine0", "engine1", "trainer0", "trainer1"}
     assert s["steps"] == 2 and s["stale_rollouts"] == 0
 
 
-def test_trainer_compile_option_reaches_the_trainer_process():
+def test_trainer_compile_option_reaches_the_trainer_process(pool):
     """--trainer-compile: the trainer process compiles its element-wise ops in the untimed warm-up
     and the run goes on as usual (logprob audit inside the bf16/fp32 agreement)."""
-    from nodus.realrun import run
-    from real.backend import RealOptions
-
-    s = run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False, trainer_compile=True), baseline=False)
+    s, _ = _pooled(pool, _small_cfg(1, 1), trainer_compile=True)
     assert s["steps"] == 1 and s["stale_rollouts"] == 0
     audit = s["diagnostics"][0]["logprob_agreement"]
     assert audit and max(a["max_abs"] for a in audit) < 1e-3
@@ -277,35 +312,26 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
         RealOptions(trainer_thread_pct=0)
 
 
-def test_a_trainer_setting_changed_between_runs_restarts_the_trainer_and_keeps_the_engine():
+def test_a_trainer_setting_changed_between_runs_restarts_the_trainer_and_keeps_the_engine(timeslice_pool):
     """gpu_arms' per-arm trainer settings (cg, lowpri, tN): the pool hands the next run the same
     cluster with a new trainer process built with the new settings (here the graphed trainer's
     program, "static" on a CPU), and the same engine process, adapters unregistered in between."""
     import dataclasses
 
-    from nodus.realrun import ClusterPool
     from nodus.runner import run_arm
-    from real.backend import RealOptions
 
-    opts = RealOptions(model="tiny", evaluate=False)
-    pool = ClusterPool(opts)
     # Timeslice: two stacks, so two trainers stop and restart (one stopping before the other).
-    base = _small_cfg(2, 1, policy="timeslice")
-    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"groups": 2})})
-    try:
-        eager, _ = run_arm(cfg, pool, baseline=False)
-        (cluster,) = pool.clusters.values()
-        assert cluster.n_stacks == 2
-        pids = [p.pid for p in cluster.procs]
-        pool.opts = dataclasses.replace(opts, trainer_graphs=True)
-        graphed, _ = run_arm(cfg, pool, baseline=False)
-        assert list(pool.clusters.values()) == [cluster]
-        assert [p.pid for p in cluster.procs[0::2]] == pids[0::2]  # the engines kept
-        assert all(p.is_alive() for p in cluster.procs)
-        assert not set(p.pid for p in cluster.procs[1::2]) & set(pids[1::2])  # new trainers
-        assert [r["settings"]["trainer_graphs"] for r in cluster.trainer_restarts] == [True]
-    finally:
-        pool.close()
+    pool, cfg, eager, cluster, pids = (timeslice_pool.pool, timeslice_pool.cfg, timeslice_pool.eager,
+                                       timeslice_pool.cluster, timeslice_pool.pids)
+    assert list(pool.clusters.values()) == [cluster] and cluster.n_stacks == 2
+    pool.opts = dataclasses.replace(timeslice_pool.opts, trainer_graphs=True)
+    graphed, _ = run_arm(cfg, pool, baseline=False)
+    assert list(pool.clusters.values()) == [cluster]
+    assert [p.pid for p in cluster.procs[0::2]] == pids[0::2]  # the engines kept
+    assert all(p.is_alive() for p in cluster.procs)
+    assert not set(p.pid for p in cluster.procs[1::2]) & set(pids[1::2])  # new trainers
+    assert [r["settings"]["trainer_graphs"] for r in cluster.trainer_restarts] == [True]
+
     def modes(summary):  # each trainer's step mode, as the run's diagnostics recorded it
         return {n: w["step_mode"] for d in summary["diagnostics"] for n, w in d.get("workers", {}).items()
                 if n.startswith("trainer")}
@@ -316,63 +342,42 @@ def test_a_trainer_setting_changed_between_runs_restarts_the_trainer_and_keeps_t
     assert graphed["steps"] == eager["steps"] == 2
 
 
-def test_continuous_policy_on_the_real_backend_is_on_policy():
+def test_continuous_policy_on_the_real_backend_is_on_policy(pool):
     """policy continuous: a Generate per job in flight at once on the one engine, merged Trains and
     Publishes; every step done from the job's current adapter, the logprob audit within bounds."""
-    from nodus.accounting import audit_on_policy
-    from nodus.realrun import ClusterPool
-    from nodus.runner import run_arm
-    from real.backend import RealOptions
-
-    cfg = _small_cfg(2, 2, policy="continuous")
-    pool = ClusterPool(RealOptions(model="tiny", evaluate=False))
-    try:
-        summary, runs = run_arm(cfg, pool, baseline=False)
-    finally:
-        pool.close()
+    summary, runs = _pooled(pool, _small_cfg(2, 2, policy="continuous"))
     assert summary["steps"] == 4 and summary["stale_rollouts"] == 0
     spans = [x for r in runs for x in r]
     assert audit_on_policy(spans) == []
     assert {x.group for x in spans if x.phase == "generate"} == {0, 1}
 
 
-def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size():
+def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size(pool):
     """A cluster started for one run serves the next: the next run's
     trainer.max_tokens_per_microbatch reaches the trainer process (it kept the first run's)."""
-    from nodus.realrun import ClusterPool
-    from nodus.runner import run_arm
-    from real.backend import RealOptions
-
     def cfg(mb):
         c = _small_cfg(2, 1)
         jobs = [j.model_copy(update={"responses_per_prompt": 8}) for j in c.jobs]
         return c.model_copy(update={"jobs": jobs, "trainer": c.trainer.model_copy(
             update={"max_tokens_per_microbatch": mb})})
 
-    import dataclasses
-
     from calibration.validate import run_controls
 
-    pool = ClusterPool(RealOptions(model="tiny", evaluate=False))
-    try:
-        big, _ = run_arm(cfg(16384), pool, baseline=False)
-        # The second run without the logprob audit: a run-loop setting, the same processes.
-        pool.opts = dataclasses.replace(pool.opts, audit_logprobs=False)
-        small, _ = run_arm(cfg(256), pool, baseline=False)
-        # A third with the audit of each prompt's first response only: the same processes again.
-        pool.opts = dataclasses.replace(pool.opts, audit_logprobs=True, audit_responses=1)
-        sampled, _ = run_arm(cfg(16384), pool, baseline=False)
-    finally:
-        pool.close()
-    assert len(pool.clusters) == 0  # closed; both runs used one cluster (asserted below)
+    big, _ = _pooled(pool, cfg(16384))
+    (cluster,) = pool.clusters.values()
+    restarts = len(cluster.trainer_restarts)
+    # The second run without the logprob audit: a run-loop setting, the same processes.
+    small, _ = _pooled(pool, cfg(256), audit_logprobs=False)
+    # A third with the audit of each prompt's first response only: the same processes again.
+    sampled, _ = _pooled(pool, cfg(16384), audit_responses=1)
+    # The three runs on one cluster, its trainer never restarted.
+    assert list(pool.clusters.values()) == [cluster] and len(cluster.trainer_restarts) == restarts
     assert big["diagnostics"][0]["trainer_microbatches"] == [1]
     assert small["diagnostics"][0]["trainer_microbatches"][0] >= 3
-    assert big["diagnostics"][0]["workers"] == small["diagnostics"][0]["workers"]
     assert {a["job"] for a in big["diagnostics"][0]["logprob_agreement"]} == {"job0", "job1"}
     assert small["diagnostics"][0]["logprob_agreement"] == []  # the engine returned no logprobs
     assert run_controls(small) == {"audit": "off"} and run_controls(big) == {}
     # The sampled audit still checks every job's every step, on 1 of its 8 responses a prompt.
-    assert sampled["diagnostics"][0]["workers"] == big["diagnostics"][0]["workers"]
     agree = sampled["diagnostics"][0]["logprob_agreement"]
     assert len(agree) == len(big["diagnostics"][0]["logprob_agreement"]) and {a["job"] for a in agree} == {"job0", "job1"}
     assert max(a["max_abs"] for a in agree) < 1e-3  # fp32 on the CPU: engine and trainer agree
