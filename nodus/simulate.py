@@ -307,7 +307,8 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
     if validation is not None:
         lines += ["", error_bar_line(validation)]
         if any(packed_rows(r.get("share_prompts")) for r in rows):
-            lines.append("That error is of runs with plain rows: no run with packed rows (+spK) has been validated.")
+            lines.append("That error is of runs with plain rows, not of packed rows (+spK): on the H200 (session 20) "
+                         "their train step beside a generation took longer than the profile prices it.")
     if outside:
         lines += ["", "Outside the profiled region: " + "; ".join(outside)]
     return "\n".join(lines)
