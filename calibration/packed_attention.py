@@ -180,7 +180,7 @@ def report_markdown(result: dict, rows: list[dict], base: str) -> str:
         "|---|---|---|---|---|",
         *(f"| {name} | {m['fit_mape']:.1%} | {m['fit_worst']:.1%} | {m['loo_mape']:.1%} | {m['loo_worst']:.1%} |"
           for name, m in (("with the pair term", w), ("without it", wo))),
-        "", "| left out | error with the pair term: MAPE (mean signed) | without it |", "|---|---|---|"]
+        "", "| left out | with the pair term: MAPE (mean signed) | without it: MAPE (mean signed) |", "|---|---|---|"]
     for k in w["loo_by_config"]:
         lines.append(f"| {k} | {w['loo_by_config'][k]:.1%} ({w['loo_bias_by_config'][k]:+.1%}) | "
                      f"{wo['loo_by_config'][k]:.1%} ({wo['loo_bias_by_config'][k]:+.1%}) |")

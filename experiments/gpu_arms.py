@@ -423,7 +423,7 @@ def main() -> None:
                 # such as the audit's cadence, keep every process: nothing new to prime).
                 # (The trainer's priority, where nothing co-runs, is whatever the running trainers
                 # have: the pool keeps them, nodus.realrun.ClusterPool.)
-                shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch, cfg.trainer.share_prompts,
+                shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch, cfg.trainer_packing(),
                          tuple(sorted((k, v) for k, v in drop_idle_priority(arm_trainer, policy).items()
                                       if k not in RUN_SETTINGS)))
                 if args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed):

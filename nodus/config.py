@@ -36,8 +36,8 @@ DEFAULT_MICROBATCH_TOKENS = 16384  # the trainer's micro-batch cap unless a conf
 
 def packed_rows(share_prompts: int | None) -> int:
     """trainer.share_prompts as a configuration means it: K > 1 responses of a prompt to a row, and
-    0 for plain rows, which both 0 and 1 (and a missing value) train. Every label, configuration key
-    and sweep setting goes through here, so a run with 1 is a repeat of one with 0."""
+    0 for plain rows, which both 0 and 1 (and a missing value) train. Run and sweep labels and
+    configuration keys go through here, so a run with 1 is a repeat of one with 0."""
     share = share_prompts or 0
     return share if share > 1 else 0
 

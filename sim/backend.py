@@ -38,8 +38,9 @@ class SimBackend:
         if share:
             cost.note_unmodelled(
                 f"trainer.share_prompts={share}: packed rows' masked attention priced from the trainer alone "
-                "(train.packed_pair_per_token); beside a generation the packed step is priced short (H200 "
-                "session 20: 14-22% at 8 jobs, 16% at 16, the below-normal trainer)" if cost.has_packed_attention else
+                "(train.packed_pair_per_token); beside a generation the packed step came out short (shipped H200 "
+                "profiles against session 20's runs: 14-22% at 8 jobs, 16% at 16, the below-normal trainer)"
+                if cost.has_packed_attention else
                 f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost, "
                 "their masked attention unmodelled (no train.packed_pair_per_token in the profile): train steps "
                 "predicted short (README, trainer.share_prompts)")

@@ -26,8 +26,8 @@ def pool():
 
 
 def _run(pool, cfg, out, **opts):
-    """``nodus.realrun.run`` (no baseline) on the module's pool, with RealOptions(model=<the tiny
-    base>, **opts): the summary, and the run folder written as gpu_arms writes its runs'. A failed
+    """A run (no baseline) on the module's pool, as gpu_arms runs its arms (``run_arm``, then the run
+    folder ``write_run`` writes), with RealOptions(model=<the tiny base>, **opts): the summary. A failed
     run stops the pool's processes, so the next test starts fresh ones instead of its leftovers."""
     from nodus.outdir import make_out_dir
     from nodus.runner import run_arm

@@ -116,7 +116,6 @@ def test_fit_recovers_a_known_pair_cost_and_leaves_configurations_out(tmp_path):
                 _bench(tmp_path / "lo.json", 0.05, 1e-5, 4e-9, noise={(2, 4): 1 / 1.2})])["models"]["with_pairs"]
     assert both["loo_by_config"]["2 jobs, K=4"] > 0.1
     assert abs(both["loo_bias_by_config"]["2 jobs, K=4"]) < both["loo_by_config"]["2 jobs, K=4"] / 2
-    assert both["loo_worst"] >= both["loo_by_config"]["2 jobs, K=4"]
 
 
 def test_fit_packed_writes_a_profile_and_a_report(tmp_path, capsys):

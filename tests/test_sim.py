@@ -383,7 +383,7 @@ def test_shared_prompts_train_fewer_tokens_in_the_simulator_and_say_how_they_are
         got[share] = simulate(cfg)
     assert got[4]["steps_per_gpu_hour"] > got[0]["steps_per_gpu_hour"]
     assert not any("share_prompts" in f for f in got[0]["outside_profile"])
-    assert any("trainer.share_prompts=4" in f and "priced short" in f
+    assert any("trainer.share_prompts=4" in f and "came out short" in f
                for f in got[4]["outside_profile"])
     # The eager trainer cannot run it (the real backend refuses): nor is it simulated on its profile.
     eager = config_from_args({"trainer": {"share_prompts": 4}}, policy="shared-sync", groups=1, sharing="mps",
