@@ -103,7 +103,8 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
     """A run's summary as a table; ``share_prompts`` (the run config's trainer.share_prompts) names a
     trainer that packed each prompt's responses into rows."""
     arm = s["arm"]
-    packed = f", each prompt's responses {share_prompts} to a row" if share_prompts > 1 else ""
+    share = packed_rows(share_prompts)
+    packed = f", each prompt's responses {share} to a row" if share else ""
     lines = [
         f"| {s['jobs']} jobs, {arm['policy']} (groups {arm['groups']}, sharing {arm['sharing']}{packed}) | value |",
         "|---|---|",
