@@ -78,9 +78,11 @@ def _timed_no_lora(eng, reqs) -> float:
 def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_tokens: tuple[int, int],
             lengths: tuple[int, int], train_tokens: list[int], device: str, dtype: str, rank: int = 16,
             engine_memory: float = 0.4, enforce_eager: bool = False, repeats: int = 3, log=print,
-            trainer_graphs: bool = False, tuned_lora_kernels: bool = True) -> dict:
+            trainer_graphs: bool = False, tuned_lora_kernels: bool = True, engine_slots: int | None = None) -> dict:
     """Raw timings (seconds) from one engine and one trainer in this process (``trainer_graphs``:
-    the trainer's micro-batches as CUDA graphs, the fixed-shape program uncaptured on a CPU)."""
+    the trainer's micro-batches as CUDA graphs, the fixed-shape program uncaptured on a CPU).
+    ``engine_slots``: the engine's adapter slots (vLLM max_loras; default the largest adapter count), as
+    the runs it should describe start theirs (one per job of the invocation's largest arm)."""
     import torch
 
     from real.engine import MultiLoRAEngine
@@ -102,6 +104,10 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     vocab = trainer.vocab_size
     ad_dir = Path(tempfile.mkdtemp(prefix="nodus-cal-"))
     n_ad = max(adapter_counts)
+    slots = n_ad if engine_slots is None else engine_slots
+    if slots < n_ad:
+        raise ValueError(f"engine slots {slots}: fewer than the {n_ad} adapters a point measures (--adapters); "
+                         f"give at least {n_ad}")
     save_s = []
     for a in range(n_ad):
         trainer.add_job(f"cal{a}", rank=rank, alpha=2 * rank, lr=1e-5, seed=a)
@@ -111,7 +117,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     # On a GPU, room for a batch past vLLM's default graphs (at most 512 tokens; the larger max_num_seqs
     # changes no measured point: each is graphed either way, each prefill past the graphs either way).
     graphless_batch = max(2 * max(batches), 1024) if device.startswith("cuda") and not enforce_eager else 0
-    eng = MultiLoRAEngine(model, max_loras=n_ad, max_lora_rank=rank,
+    eng = MultiLoRAEngine(model, max_loras=slots, max_lora_rank=rank,
                           max_num_seqs=max(max(batches), graphless_batch),
                           gpu_memory_utilization=engine_memory, enforce_eager=enforce_eager,
                           tuned_lora_kernels=tuned_lora_kernels,
@@ -128,9 +134,13 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     l1, l2 = lengths
 
     def step_time(a: int, b: int, p: int, time_fn=None) -> tuple[float, float, float]:
-        """(decode step, short call, long call), medians over `repeats` interleaved pairs: the
-        two lengths' difference cancels prefill and call overhead."""
+        """(decode step, short call, long call), medians over `repeats` interleaved pairs after one
+        untimed call: the two lengths' difference cancels prefill and call overhead."""
         time_fn = time_fn or timed
+        # One untimed call at the point's shapes first: kernels compiled for a new batch (Triton
+        # LoRA kernels, the logprob kernel) compile there, not inside a timed pair (session 21's
+        # calibration compiled LoRA kernels inside the 1-adapter, 512-sequence pairs).
+        time_fn(_requests(a, b, p, l1, vocab, rng))
         t1s, t2s = [], []
         for _ in range(repeats):
             t1s.append(time_fn(_requests(a, b, p, l1, vocab, rng)))
@@ -191,6 +201,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
             "graph_max_tokens": graph_max, "graphless": graphless,
             "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens),
+            "engine_max_loras": slots,
             # The engine's LoRA kernel configs (None: vLLM's defaults): the engine terms describe them.
             "lora_kernel_configs": eng.lora_kernel_configs,
             # step_mode as trained (a graph capture that failed left it eager).
@@ -237,10 +248,14 @@ def fit_profile(raw: dict, base: dict, env: dict) -> dict:
 def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batches=(8, 64, 256, 512),
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
               train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
-              repeats: int = 3, log=print, trainer_graphs: bool = False, tuned_lora_kernels: bool = True) -> dict:
+              repeats: int = 3, log=print, trainer_graphs: bool = False, tuned_lora_kernels: bool = True,
+              engine_slots: int | None = None) -> dict:
     from sim.profile import profile_dict, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate")
+    if engine_slots is not None and engine_slots < max(adapter_counts):
+        raise ValueError(f"--engine-slots {engine_slots}: fewer than the {max(adapter_counts)} adapters a point "
+                         f"measures (--adapters); give at least {max(adapter_counts)}")
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -248,9 +263,9 @@ def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batche
     base_prof = profile_dict(base)
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
                   list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log,
-                  trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels)
+                  trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels, engine_slots=engine_slots)
     env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": ["nodus calibrate"],
-           "lora_kernel_configs": raw.get("lora_kernel_configs")}
+           "lora_kernel_configs": raw.get("lora_kernel_configs"), "engine_max_loras": raw["engine_max_loras"]}
     prof = fit_profile(raw, base_prof, env)
     write_profile(prof, out, "calibrate")
     return prof

@@ -234,7 +234,8 @@ def run_controls(summary: dict) -> dict:
     (``--engine-arg``), ``engine_core_process`` for vLLM's core in its own process
     (``--engine-core-process``), ``publish_pinned`` False for adapters the engine loaded into pageable
     host memory (``RealOptions.publish_pinned``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
-    the config (``engine.cuda_graph_max_tokens``), ``engine_env`` for the engine's extra environment
+    the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an engine started with more
+    adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the engine's extra environment
     variables (their names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
@@ -255,6 +256,10 @@ def run_controls(summary: dict) -> dict:
             out["publish_pinned"] = False  # published adapters loaded into pageable host memory (:np)
         if d.get("cuda_graph_max_tokens"):
             out["cuda_graph_max_tokens"] = d["cuda_graph_max_tokens"]  # the sim models it (config)
+        if (d.get("engine_max_loras") or 0) > (summary.get("jobs") or 0):
+            # An engine with more adapter slots than the run's jobs (a pool sized for a larger arm):
+            # another engine, which the simulator does not price.
+            out["engine_max_loras"] = d["engine_max_loras"]
         if d.get("engine_args"):
             out["engine_args"] = ",".join(f"{k}={v}" for k, v in sorted(d["engine_args"].items()))
         env = dict(d.get("engine_env") or {})
@@ -287,7 +292,10 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                         "(publish_pinned false, :np): the profile's publish is vLLM's pinned one",
                       "audit": "the engine returned logprobs on fewer steps or responses (--audit-every / "
                                "--audit-responses / --no-audit): the profile's engine terms were measured returning "
-                               "them for every response of every step"}
+                               "them for every response of every step",
+                      "engine_max_loras": "the engine had more adapter slots than the run has jobs (started for a "
+                                          "larger arm of the invocation): the simulator prices an engine of the "
+                                          "run's own slots"}
 
 
 def sharing_controls(controls: dict, policy: str | None = None) -> dict:

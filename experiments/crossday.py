@@ -26,7 +26,7 @@ from pathlib import Path
 from nodus.config import packed_rows
 
 # Run controls (calibration.validate.run_controls) of settings no profile here was fitted with.
-OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned")
+OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned", "engine_max_loras")
 
 
 def comparable(row: dict) -> bool:

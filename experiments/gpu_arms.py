@@ -68,6 +68,13 @@ def invocation_graph_size(specs: list, job_counts: list[int], workload) -> int |
     return max(sized, default=0) or None
 
 
+def slots_key(engine_slots: int, jobs: int) -> str:
+    """'-ls<N>' for an arm whose engine has more adapter slots than its jobs (the invocation's largest
+    arm sizes the pool's engine, ``nodus.realrun.ClusterPool`` min_loras): another engine's speed
+    (session 21: 8-job arms on a 16-job call's engine ran 6-13% slower); '' otherwise."""
+    return f"-ls{engine_slots}" if engine_slots > jobs else ""
+
+
 def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool | None, dict]:
     """'overlap+mps:j16:g3:s1:m32768:free:cg:lowpri:t50' -> ('overlap+mps', 16, 3, [1], 32768, False,
     {'trainer_graphs': True, 'trainer_priority': 'below-normal', 'trainer_thread_pct': 50}); a bare
@@ -394,6 +401,7 @@ def main() -> None:
                 variant += "-ea" if engine_args else ""
                 variant += "-ep" if args.engine_core_process else ""
                 variant += f"-gm{args.cuda_graph_max_tokens}" if args.cuda_graph_max_tokens else ""
+                variant += slots_key(pool.min_loras, n)
                 variant += "-ee" if engine_env else ""  # engine environment, e.g. tuned LoRA kernel configs
                 # vLLM's default LoRA kernel configs (a folder given through the environment wins).
                 variant += "-vk" if not args.tuned_lora_kernels and LORA_CONFIG_ENV not in dict(engine_env) else ""

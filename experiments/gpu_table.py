@@ -55,7 +55,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
     trainer's micro-batches replayed as CUDA graphs; +ep: vLLM's engine core in a process of its own;
-    +gm<N>: the engine's CUDA graphs up to N tokens a step (engine.cuda_graph_max_tokens);
+    +gm<N>: the engine's CUDA graphs up to N tokens a step (engine.cuda_graph_max_tokens); +ls<N>: an
+    engine started with N adapter slots, more than the run's jobs (a larger arm's, in one invocation);
     +ea: extra vLLM engine arguments; +lk: tuned
     LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
     variables; +a0 / +aN / +rK / +aNrK: the engine's logprobs never / every N-th step / for the first K
@@ -96,6 +97,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+ep"  # vLLM's engine core in a process of its own (--engine-core-process)
     if run.get("cuda_graph_max_tokens"):
         label += f"+gm{run['cuda_graph_max_tokens']}"  # the engine's CUDA graphs up to that many tokens
+    if run.get("engine_max_loras"):
+        label += f"+ls{run['engine_max_loras']}"  # an engine with that many adapter slots, more than the jobs
     if any(d.get("engine_args") for d in (summary or {}).get("diagnostics", [])):
         label += "+ea"  # extra vLLM engine arguments (--engine-arg)
     if run.get("lora_kernels") == "tuned":

@@ -189,7 +189,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     calibrate(a.model, a.out, base=a.base, batches=_ints(a.batches), adapter_counts=_ints(a.adapters),
               prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
               device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats, trainer_graphs=a.trainer_graphs,
-              tuned_lora_kernels=a.tuned_lora_kernels, log=lambda m: print(m, file=sys.stderr, flush=True))
+              tuned_lora_kernels=a.tuned_lora_kernels, engine_slots=a.engine_slots,
+              log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
     return 0
 
@@ -414,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the engine with the tuned LoRA kernel configs nodus ships for its GPU (as runs "
                         "use them by default; recorded in the profile's environment)")
+    p.add_argument("--engine-slots", type=int, default=None, metavar="N",
+                   help="the engine's adapter slots (vLLM max_loras; default: the largest of --adapters), as the "
+                        "runs the profile should describe start theirs: one per job of a run, or of the largest arm "
+                        "in a gpu_arms call (recorded in the profile's environment.engine_max_loras)")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("calibrate-sharing",

@@ -41,6 +41,9 @@ class Environment(_M):
     # The engine's LoRA kernel configs when measured with tuned ones ({"source", "folder", "gpu"},
     # real/lora_kernels.py); None: vLLM's defaults (every profile before the field).
     lora_kernel_configs: dict | None = None
+    # The measuring engine's adapter slots (vLLM max_loras; nodus calibrate, since session 21); None:
+    # not recorded (the largest adapter count measured, in every calibration before the field).
+    engine_max_loras: int | None = Field(default=None, ge=1)
     sources: list[str] = []
 
 

@@ -18,9 +18,11 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     out = tmp_path / "cpu.json"
     assert main(["calibrate", "--model", str(tiny_model), "--out", str(out), "--batches", "4,16", "--adapters", "1,2",
                  "--prompt-tokens", "16,64", "--lengths", "4,12", "--train-tokens", "512,2048",
-                 "--device", "cpu", "--repeats", "2"]) == 0
+                 "--device", "cpu", "--repeats", "2", "--engine-slots", "3"]) == 0
     prof = json.loads(out.read_text())
     assert [c["adapters"] for c in prof["decode"]["curves"]] == [1, 2]
+    # The engine had the slots asked for (as a run's engine has one per job), and the profile says so.
+    assert prof["environment"]["engine_max_loras"] == prof["measurements"]["calibrate"]["engine_max_loras"] == 3
     assert all(s > 0 for c in prof["decode"]["curves"] for s in c["step_s"])
     assert prof["train"]["per_microbatch"]["b_s_per_unit"] > 0
     raw = prof["measurements"]["calibrate"]
@@ -43,6 +45,13 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert any(a["id"] == "sharing-from-base" for a in s["assumptions"])
     assert main(["calibrate", "--model", str(tiny_model), "--out", str(out)]) == 2  # never overwrites
+
+
+def test_calibrate_refuses_fewer_engine_slots_than_adapters_before_loading(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--model", str(tmp_path / "no-model"), "--out", str(out), "--adapters", "1,4",
+                 "--engine-slots", "2", "--device", "cpu"]) == 2
+    assert "--engine-slots 2: fewer than the 4 adapters" in capsys.readouterr().err and not out.exists()
 
 
 def test_sharing_rates_and_profile_update_from_known_timings(tmp_path):

@@ -15,6 +15,13 @@ def test_arm_specs_name_their_own_job_count_and_groups():
     assert parse_arm("overlap+mps:free") == ("overlap+mps", None, None, None, None, False, {})
 
 
+def test_runs_on_an_engine_with_more_adapter_slots_than_jobs_are_named_so():
+    from experiments.gpu_arms import slots_key
+
+    assert slots_key(16, 8) == "-ls16" and slots_key(4, 2) == "-ls4"
+    assert slots_key(8, 8) == "" and slots_key(16, 16) == ""
+
+
 def test_arm_specs_name_their_own_trainer_settings():
     assert parse_arm("overlap+mps:cg:lowpri:t50:s1")[3:] == (
         [1], None, None, {"trainer_graphs": True, "trainer_priority": "below-normal", "trainer_thread_pct": 50})

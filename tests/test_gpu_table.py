@@ -99,6 +99,10 @@ def test_arm_label_names_changed_mps_settings():
     core = {"sharing_controls": default, "engine_core_process": True}
     assert arm_label(arm, {"diagnostics": [core]}) == "overlap/mps/g2+ep"
     assert arm_label(arm, {"diagnostics": [dict(core, cuda_graph_max_tokens=1024)]}) == "overlap/mps/g2+ep+gm1024"
+    # An engine with more adapter slots than the run's jobs (started for a larger arm): +ls<N>.
+    wide = {"jobs": 8, "diagnostics": [dict(core, cuda_graph_max_tokens=1024, engine_max_loras=16)]}
+    assert arm_label(arm, wide) == "overlap/mps/g2+ep+gm1024+ls16"
+    assert arm_label(arm, {"jobs": 16, "diagnostics": [dict(core, engine_max_loras=16)]}) == "overlap/mps/g2+ep"
     # Adapters published into pageable host memory (:np): right after +freed, before the rest.
     unpinned = {"sharing_controls": controls, "publish_pinned": False}
     assert arm_label(arm, {"diagnostics": [unpinned]}) == "overlap/mps/g2+np+lowpri+t60"

@@ -76,6 +76,7 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     assert s["diagnostics"][0]["engine_args"] == {"max_logprobs": 5}
     assert s["diagnostics"][0]["engine_core_process"] is True
     assert s["diagnostics"][0]["cuda_graph_max_tokens"] == 64  # the config's engine setting
+    assert s["diagnostics"][0]["engine_max_loras"] == 2  # the engine's adapter slots: one per job here
     # The engine reports its LoRA kernel configs at start (none on a CPU: no Triton kernels there) and
     # its CUDA graphs as vLLM took them: the config's size, no graphs on a CPU.
     # Its kernel warm-up ran no step: a CPU has no Triton LoRA kernels to compile.

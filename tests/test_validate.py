@@ -231,6 +231,13 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     assert unmodelled_controls(c["controls"], "graphed") == []
     assert unmodelled_controls(b["controls"], "graphed") == [
         "the trainer ran eager; the profile's trainer terms are the graphed step's"]
+    # An engine with more adapter slots than the run's jobs (a larger arm's, in one gpu_arms call) is
+    # another engine: its own configuration, which no profile models; as many slots as jobs is none.
+    wide = {"jobs": 8, "diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=16)]}
+    assert run_controls(wide) == {"engine_max_loras": 16}
+    assert run_controls({"jobs": 8, "diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=8)]}) == {}
+    w = {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": run_controls(wide)}
+    assert config_key(w) != config_key(a) and unmodelled_controls(w["controls"])
     tuned = {"diagnostics": [dict(plain["diagnostics"][0], engine_args={"specialize_active_lora": True})]}
     assert run_controls(tuned) == {"engine_args": "specialize_active_lora=True"}
     assert unmodelled_controls(run_controls(tuned))
