@@ -209,11 +209,48 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
                         "step_mode": trainer.step_mode, "graph_error": trainer.graph_error}}
 
 
-def fit_profile(raw: dict, base: dict, env: dict) -> dict:
-    """A profile: measured curves and fits from `raw`, the sharing section from `base`."""
+DECODE_MODELS = ("surface", "points")
+DECODE_OUTLIER = 0.25  # a measured decode point this far from the fitted surface is named in the profile
+
+
+def fit_decode_surface(decode: list[dict]) -> dict:
+    """The graphed decode step as a + b*batch + c*adapters + d*batch*adapters, every term >= 0 (a
+    step never gets cheaper with more sequences or more adapters), by relative-error least squares
+    over the measured points (``decode`` rows: batch, adapters, step_s). Returns the coefficients,
+    each point's fitted seconds and relative error, and the points more than DECODE_OUTLIER off.
+    (Session 21's H200 points were not monotone in adapters: 4 adapters measured 11.8 / 23.3 ms at
+    256 / 512 sequences, 8 adapters 9.2 / 16.2; an 8-job group's generation read the 4-adapter row.)"""
+    from calibration.fit_runs import nonneg_rel_lstsq
+
+    b = np.array([d["batch"] for d in decode], float)
+    a = np.array([d["adapters"] for d in decode], float)
+    y = np.array([max(d["step_s"], 1e-9) for d in decode], float)
+    w = nonneg_rel_lstsq(np.stack([np.ones_like(b), b, a, b * a], axis=1), y)
+    fitted = w[0] + w[1] * b + w[2] * a + w[3] * b * a
+    err = fitted / y - 1
+    points = [{"batch": int(bb), "adapters": int(aa), "measured_s": float(yy), "fitted_s": float(f),
+               "rel_err": float(e)} for bb, aa, yy, f, e in zip(b, a, y, fitted, err)]
+    return {"model": "a + b*batch + c*adapters + d*batch*adapters (each >= 0)",
+            "coef": {"a_s": float(w[0]), "b_s_per_seq": float(w[1]), "c_s_per_adapter": float(w[2]),
+                     "d_s_per_seq_adapter": float(w[3])},
+            "mean_abs_rel_err": float(np.mean(np.abs(err))), "points": points,
+            "outliers": [p for p in points if abs(p["rel_err"]) > DECODE_OUTLIER]}
+
+
+def fit_profile(raw: dict, base: dict, env: dict, decode_model: str = "surface") -> dict:
+    """A profile: measured curves and fits from `raw`, the sharing section from `base`.
+    ``decode_model``: "surface" puts the fitted surface (``fit_decode_surface``) at the measured
+    batches into the curves, the measured points staying in ``measurements.calibrate.decode``;
+    "points" interpolates the measured points themselves (every calibration before session 21)."""
+    if decode_model not in DECODE_MODELS:
+        raise ValueError(f"decode model {decode_model!r}: choose one of {', '.join(DECODE_MODELS)}")
+    surface = fit_decode_surface(raw["decode"]) if decode_model == "surface" else None
     curves = []
     for a in sorted({d["adapters"] for d in raw["decode"]}):
-        pts = sorted((d["batch"], d["step_s"]) for d in raw["decode"] if d["adapters"] == a)
+        if surface:
+            pts = sorted((p["batch"], p["fitted_s"]) for p in surface["points"] if p["adapters"] == a)
+        else:
+            pts = sorted((d["batch"], d["step_s"]) for d in raw["decode"] if d["adapters"] == a)
         curves.append({"adapters": a, "batch": [p[0] for p in pts], "step_s": [p[1] for p in pts]})
     pre = raw["prefill"]
     pa, pb = fit_linear_rel([p["tokens"] for p in pre], [max(p["s"], 1e-6) for p in pre])
@@ -240,8 +277,13 @@ def fit_profile(raw: dict, base: dict, env: dict) -> dict:
         "assumptions": kept + [{"id": "sharing-from-base", "value": None,
                                 "what": "co-run and MPS rates are the base profile's, not measured in this calibration"},
                                {"id": "prefill-lora-any", "value": None,
-                                "what": "prefill measured with LoRA adapters only; used for every adapter count"}],
-        "measurements": {"calibrate": raw},
+                                "what": "prefill measured with LoRA adapters only; used for every adapter count"}]
+                      + ([{"id": "decode-surface", "value": round(surface["mean_abs_rel_err"], 4),
+                           "what": "decode curves are the fitted surface a + b*batch + c*adapters + d*batch*adapters "
+                                   "at the measured batches (value: its mean relative error over the measured "
+                                   "points, measurements.decode_fit; the points: measurements.calibrate.decode)"}]
+                         if surface else []),
+        "measurements": {"calibrate": raw, **({"decode_fit": surface} if surface else {})},
     }
 
 
@@ -249,10 +291,27 @@ def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batche
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
               train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
               repeats: int = 3, log=print, trainer_graphs: bool = False, tuned_lora_kernels: bool = True,
-              engine_slots: int | None = None) -> dict:
+              engine_slots: int | None = None, decode_model: str = "surface",
+              from_raw: str | Path | None = None) -> dict:
+    """Measure and write a profile; ``from_raw``: refit a calibrated profile's own measurements
+    (``measurements.calibrate``, its environment kept) instead of measuring, e.g. with another
+    ``decode_model``."""
+    import json
+
     from sim.profile import profile_dict, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate")
+    if decode_model not in DECODE_MODELS:
+        raise ValueError(f"--decode-model {decode_model!r}: choose one of {', '.join(DECODE_MODELS)}")
+    if from_raw is not None:
+        old = json.loads(Path(from_raw).read_text())
+        raw = (old.get("measurements") or {}).get("calibrate")
+        if not raw or not raw.get("decode"):
+            raise ValueError(f"--from-raw {from_raw}: no nodus calibrate measurements (measurements.calibrate) in it")
+        prof = fit_profile(raw, profile_dict(base), old["environment"], decode_model)
+        prof = _log_decode_fit(prof, log)
+        write_profile(prof, out, "calibrate")
+        return prof
     if engine_slots is not None and engine_slots < max(adapter_counts):
         raise ValueError(f"--engine-slots {engine_slots}: fewer than the {max(adapter_counts)} adapters a point "
                          f"measures (--adapters); give at least {max(adapter_counts)}")
@@ -266,6 +325,17 @@ def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batche
                   trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels, engine_slots=engine_slots)
     env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": ["nodus calibrate"],
            "lora_kernel_configs": raw.get("lora_kernel_configs"), "engine_max_loras": raw["engine_max_loras"]}
-    prof = fit_profile(raw, base_prof, env)
+    prof = _log_decode_fit(fit_profile(raw, base_prof, env, decode_model), log)
     write_profile(prof, out, "calibrate")
+    return prof
+
+
+def _log_decode_fit(prof: dict, log) -> dict:
+    fit = (prof.get("measurements") or {}).get("decode_fit")
+    if fit:
+        log(f"decode surface: {fit['model']}, mean error {fit['mean_abs_rel_err']:.1%} over "
+            f"{len(fit['points'])} points")
+        for p in fit["outliers"]:
+            log(f"  decode point off the surface by {p['rel_err']:+.0%}: batch {p['batch']}, {p['adapters']} "
+                f"adapter(s), measured {p['measured_s'] * 1e3:.2f} ms, surface {p['fitted_s'] * 1e3:.2f} ms")
     return prof

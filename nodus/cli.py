@@ -186,11 +186,14 @@ def _ints(text: str) -> tuple[int, ...]:
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from calibration.measure import calibrate
 
+    if not a.model and not a.from_raw:
+        raise ConfigError("nodus calibrate: --model (a local model folder to measure) or --from-raw PROFILE")
+
     calibrate(a.model, a.out, base=a.base, batches=_ints(a.batches), adapter_counts=_ints(a.adapters),
               prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
               device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats, trainer_graphs=a.trainer_graphs,
-              tuned_lora_kernels=a.tuned_lora_kernels, engine_slots=a.engine_slots,
-              log=lambda m: print(m, file=sys.stderr, flush=True))
+              tuned_lora_kernels=a.tuned_lora_kernels, engine_slots=a.engine_slots, decode_model=a.decode_model,
+              from_raw=a.from_raw, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
     return 0
 
@@ -397,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("calibrate", help="measure engine and trainer costs into a profile (GPU; CPU for smoke tests)")
-    p.add_argument("--model", required=True, help="local model folder (weights saved, e.g. random)")
+    p.add_argument("--model", help="local model folder (weights saved, e.g. random); needed unless --from-raw")
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
     p.add_argument("--base", default="h200-qwen3-0.6b", help="profile whose sharing section is kept")
     p.add_argument("--batches", default="8,64,256,512")
@@ -419,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's adapter slots (vLLM max_loras; default: the largest of --adapters), as the "
                         "runs the profile should describe start theirs: one per job of a run, or of the largest arm "
                         "in a gpu_arms call (recorded in the profile's environment.engine_max_loras)")
+    p.add_argument("--decode-model", choices=("surface", "points"), default="surface",
+                   help="surface: the decode curves are a + b*batch + c*adapters + d*batch*adapters (each >= 0) fitted "
+                        "to the measured points by relative least squares, points more than 25%% off it named; "
+                        "points: the measured points themselves, interpolated (calibrations before session 21)")
+    p.add_argument("--from-raw", metavar="PROFILE",
+                   help="refit a calibrated profile's own measurements (measurements.calibrate) instead of measuring")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("calibrate-sharing",

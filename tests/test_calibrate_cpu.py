@@ -45,6 +45,16 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     assert s["stale_rollouts"] == 0 and s["steps_per_gpu_hour"] > 0
     assert any(a["id"] == "sharing-from-base" for a in s["assumptions"])
     assert main(["calibrate", "--model", str(tiny_model), "--out", str(out)]) == 2  # never overwrites
+    # The curves are the fitted decode surface, the measured points kept; --from-raw refits those
+    # measurements without a model, here as the points themselves.
+    assert prof["measurements"]["decode_fit"]["coef"]["b_s_per_seq"] >= 0
+    assert any(a["id"] == "decode-surface" for a in prof["assumptions"])
+    pts = tmp_path / "points.json"
+    assert main(["calibrate", "--from-raw", str(out), "--out", str(pts), "--decode-model", "points"]) == 0
+    refit = json.loads(pts.read_text())
+    assert refit["environment"] == prof["environment"] and "decode_fit" not in refit["measurements"]
+    assert [c["step_s"] for c in refit["decode"]["curves"]] == [
+        [d["step_s"] for d in sorted(raw["decode"], key=lambda d: d["batch"]) if d["adapters"] == a] for a in (1, 2)]
 
 
 def test_calibrate_refuses_fewer_engine_slots_than_adapters_before_loading(tmp_path, capsys):
