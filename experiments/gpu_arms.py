@@ -68,6 +68,18 @@ def invocation_graph_size(specs: list, job_counts: list[int], workload) -> int |
     return max(sized, default=0) or None
 
 
+def pool_slots(engine_slots: int | None, job_counts: list[int]) -> int:
+    """The adapter slots every engine of an invocation gets: ``engine_slots`` (--engine-slots) or the
+    largest arm's jobs; fewer than that largest arm needs is a clear error."""
+    largest = max(job_counts)
+    if engine_slots is None:
+        return largest
+    if engine_slots < largest:
+        raise SystemExit(f"gpu_arms: --engine-slots {engine_slots}: fewer than the {largest} jobs of the largest arm "
+                         f"(each job's adapter needs a slot); give at least {largest}")
+    return engine_slots
+
+
 def slots_key(engine_slots: int, jobs: int) -> str:
     """'-ls<N>' for an arm whose engine has more adapter slots than its jobs (the invocation's largest
     arm sizes the pool's engine, ``nodus.realrun.ClusterPool`` min_loras): another engine's speed
@@ -269,6 +281,10 @@ def main() -> None:
                          "labelled +lk in tables); --no-tuned-lora-kernels: vLLM's defaults (run keys get -vk)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="a vLLM engine argument for every arm (e.g. specialize_active_lora=true; run keys get -ea)")
+    ap.add_argument("--engine-slots", type=int, default=None, metavar="N",
+                    help="the engine's adapter slots (vLLM max_loras) for every arm of the invocation (default: the "
+                         "largest arm's jobs); at least that many; run keys get -ls<N> where N exceeds an arm's jobs "
+                         "(to tell the slots' cost from the CUDA graphs' at 8 jobs: session 21)")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=None, metavar="N",
                     help="the engine's CUDA graphs up to N tokens a step (config engine.cuda_graph_max_tokens; "
                          "default: 2 x max_num_seqs for every arm of an invocation where one arm's jobs' sequences "
@@ -323,6 +339,8 @@ def main() -> None:
     except (ConfigError, ValueError) as err:
         raise SystemExit(f"gpu_arms: {err}")
     check_share_prompts([parse_arm(a) for a in args.arms.split(",") if a], args.share_prompts, args.trainer_graphs)
+    slots = pool_slots(args.engine_slots, [int(x) for x in str(args.jobs).split(",") if x]
+                       + [sp[1] for sp in (parse_arm(a) for a in args.arms.split(",") if a) if sp[1]])
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "synthetic":
         make_random_model(args.model_dir, args.shape)
@@ -370,7 +388,8 @@ def main() -> None:
                      "engine_env": args.engine_env, "tuned_lora_kernels": args.tuned_lora_kernels,
                      "share_prompts": args.share_prompts, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
-    pool = ClusterPool(opts, min_loras=max(job_counts + [sp[1] for sp in specs if sp[1]]))
+    pool = ClusterPool(opts, min_loras=slots)
+    results["engine_slots"] = slots
     t_all = time.monotonic()
     try:
         primed: set = set()

@@ -20,6 +20,12 @@ def test_runs_on_an_engine_with_more_adapter_slots_than_jobs_are_named_so():
 
     assert slots_key(16, 8) == "-ls16" and slots_key(4, 2) == "-ls4"
     assert slots_key(8, 8) == "" and slots_key(16, 16) == ""
+    # --engine-slots: every engine of the call gets them, never fewer than the largest arm's jobs.
+    from experiments.gpu_arms import pool_slots
+
+    assert pool_slots(None, [8, 16, 4]) == 16 and pool_slots(16, [8]) == 16
+    with pytest.raises(SystemExit, match="--engine-slots 4: fewer than the 8 jobs of the largest arm"):
+        pool_slots(4, [2, 8])
 
 
 def test_arm_specs_name_their_own_trainer_settings():
@@ -53,7 +59,8 @@ def test_bad_arm_specs_are_clear_errors(bad, says):
 
 
 @pytest.mark.parametrize("flag, says", [("--engine-thread-pct=150", "engine_thread_pct"),
-                                        ("--trainer-thread-pct=0", "trainer_thread_pct")])
+                                        ("--trainer-thread-pct=0", "trainer_thread_pct"),
+                                        ("--engine-slots=4", "--engine-slots 4: fewer than the 8 jobs")])
 def test_bad_mps_thread_percentages_stop_before_any_work(tmp_path, monkeypatch, flag, says):
     import sys
 
