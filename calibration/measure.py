@@ -225,8 +225,13 @@ def fit_decode_surface(decode: list[dict]) -> dict:
     b = np.array([d["batch"] for d in decode], float)
     a = np.array([d["adapters"] for d in decode], float)
     y = np.array([max(d["step_s"], 1e-9) for d in decode], float)
-    w = nonneg_rel_lstsq(np.stack([np.ones_like(b), b, a, b * a], axis=1), y)
-    fitted = w[0] + w[1] * b + w[2] * a + w[3] * b * a
+    # One adapter count (or one batch) leaves the adapter (batch) terms indistinguishable from the
+    # others: they stay 0 rather than take an arbitrary share.
+    keep = np.array([True, len(set(b)) > 1, len(set(a)) > 1, len(set(b)) > 1 and len(set(a)) > 1])
+    cols = np.stack([np.ones_like(b), b, a, b * a], axis=1)
+    w = np.zeros(4)
+    w[keep] = nonneg_rel_lstsq(cols[:, keep], y)
+    fitted = cols @ w
     err = fitted / y - 1
     points = [{"batch": int(bb), "adapters": int(aa), "measured_s": float(yy), "fitted_s": float(f),
                "rel_err": float(e)} for bb, aa, yy, f, e in zip(b, a, y, fitted, err)]
@@ -287,31 +292,37 @@ def fit_profile(raw: dict, base: dict, env: dict, decode_model: str = "surface")
     }
 
 
-def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batches=(8, 64, 256, 512),
+CALIBRATE_SOURCE = "nodus calibrate"
+
+
+def calibrate(model: str | None, out: str | Path, base: str | None = None, batches=(8, 64, 256, 512),
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
               train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
               repeats: int = 3, log=print, trainer_graphs: bool = False, tuned_lora_kernels: bool = True,
               engine_slots: int | None = None, decode_model: str = "surface",
               from_raw: str | Path | None = None) -> dict:
-    """Measure and write a profile; ``from_raw``: refit a calibrated profile's own measurements
-    (``measurements.calibrate``, its environment kept) instead of measuring, e.g. with another
-    ``decode_model``."""
-    import json
-
+    """Measure and write a profile (``base``: the profile whose sharing section is kept, default
+    h200-qwen3-0.6b). ``from_raw``: refit the measurements of a profile ``nodus calibrate`` wrote
+    (``measurements.calibrate``; its environment and sharing section kept, the refit named in its
+    sources) instead of measuring, e.g. with another ``decode_model``; a profile changed since
+    (``nodus fit``, ``calibrate-sharing``) is refused, since a refit would drop those changes."""
     from sim.profile import profile_dict, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate")
     if decode_model not in DECODE_MODELS:
         raise ValueError(f"--decode-model {decode_model!r}: choose one of {', '.join(DECODE_MODELS)}")
     if from_raw is not None:
-        old = json.loads(Path(from_raw).read_text())
-        raw = (old.get("measurements") or {}).get("calibrate")
-        if not raw or not raw.get("decode"):
-            raise ValueError(f"--from-raw {from_raw}: no nodus calibrate measurements (measurements.calibrate) in it")
-        prof = fit_profile(raw, profile_dict(base), old["environment"], decode_model)
-        prof = _log_decode_fit(prof, log)
+        given = [flag for flag, v in (("--model", model), ("--base", base), ("--engine-slots", engine_slots))
+                 if v is not None]
+        if given:
+            raise ValueError(f"--from-raw refits measurements already taken: {', '.join(given)} would not be used "
+                             "(the profile's own sharing section and engine are kept)")
+        prof = _log_decode_fit(refit_calibration(from_raw, decode_model), log)
         write_profile(prof, out, "calibrate")
         return prof
+    if model is None:
+        raise ValueError("nodus calibrate: --model (a local model folder to measure) or --from-raw PROFILE")
+    base = base or "h200-qwen3-0.6b"
     if engine_slots is not None and engine_slots < max(adapter_counts):
         raise ValueError(f"--engine-slots {engine_slots}: fewer than the {max(adapter_counts)} adapters a point "
                          f"measures (--adapters); give at least {max(adapter_counts)}")
@@ -323,11 +334,31 @@ def calibrate(model: str, out: str | Path, base: str = "h200-qwen3-0.6b", batche
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
                   list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log,
                   trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels, engine_slots=engine_slots)
-    env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": ["nodus calibrate"],
+    env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": [CALIBRATE_SOURCE],
            "lora_kernel_configs": raw.get("lora_kernel_configs"), "engine_max_loras": raw["engine_max_loras"]}
     prof = _log_decode_fit(fit_profile(raw, base_prof, env, decode_model), log)
     write_profile(prof, out, "calibrate")
     return prof
+
+
+def refit_calibration(path: str | Path, decode_model: str) -> dict:
+    """A profile from the measurements of the one ``nodus calibrate`` wrote at ``path`` (or a refit of
+    it): its environment and sharing section kept, the refit added to its sources."""
+    import json
+
+    old = json.loads(Path(path).read_text())
+    raw = (old.get("measurements") or {}).get("calibrate")
+    if not raw or not raw.get("decode") or not isinstance(old.get("environment"), dict) or "sharing" not in old:
+        raise ValueError(f"--from-raw {path}: not a profile nodus calibrate wrote (its measurements.calibrate, "
+                         "environment and sharing sections)")
+    sources = old["environment"].get("sources") or []
+    other = [src for src in sources if not src.startswith(CALIBRATE_SOURCE) or src.startswith("nodus calibrate-")]
+    if other:
+        raise ValueError(f"--from-raw {path}: changed since its calibration ({'; '.join(other)}); a refit of its "
+                         "measurements would drop that: refit the file nodus calibrate wrote")
+    env = {**old["environment"],
+           "sources": sources + [f"{CALIBRATE_SOURCE} --from-raw {Path(path).name} (decode model {decode_model})"]}
+    return fit_profile(raw, old, env, decode_model)
 
 
 def _log_decode_fit(prof: dict, log) -> dict:

@@ -143,6 +143,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     prof = profile_dict(profile)
     step_mode, lora_kernels = profile_step_mode(prof), profile_lora_kernels(prof)
     rows = []
+    profile_slots = (prof.get("environment") or {}).get("engine_max_loras")
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
         replay_cfg, sampled_cfg = recorded_configs(rd, cfg, spans, profile)
@@ -165,7 +166,10 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                          | set(unmodelled_controls(controls, step_mode, lora_kernels,
                                                                  prof["sharing"].get("controls"),
                                                                  cfg["arm"].get("sharing") == "mps",
-                                                                 cfg["arm"].get("policy"))))}
+                                                                 cfg["arm"].get("policy"),
+                                                                 profile_slots,
+                                                                 (cfg.get("engine") or {}).get("max_loras")
+                                                                 or len(cfg["jobs"]))))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -256,9 +260,9 @@ def run_controls(summary: dict) -> dict:
             out["publish_pinned"] = False  # published adapters loaded into pageable host memory (:np)
         if d.get("cuda_graph_max_tokens"):
             out["cuda_graph_max_tokens"] = d["cuda_graph_max_tokens"]  # the sim models it (config)
-        if (d.get("engine_max_loras") or 0) > (summary.get("jobs") or 0):
+        if summary.get("jobs") and (d.get("engine_max_loras") or 0) > summary["jobs"]:
             # An engine with more adapter slots than the run's jobs (a pool sized for a larger arm):
-            # another engine, which the simulator does not price.
+            # another engine (unmodelled_controls compares it with the profile's).
             out["engine_max_loras"] = d["engine_max_loras"]
         if d.get("engine_args"):
             out["engine_args"] = ",".join(f"{k}={v}" for k, v in sorted(d["engine_args"].items()))
@@ -292,10 +296,7 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                         "(publish_pinned false, :np): the profile's publish is vLLM's pinned one",
                       "audit": "the engine returned logprobs on fewer steps or responses (--audit-every / "
                                "--audit-responses / --no-audit): the profile's engine terms were measured returning "
-                               "them for every response of every step",
-                      "engine_max_loras": "the engine had more adapter slots than the run has jobs (started for a "
-                                          "larger arm of the invocation): the simulator prices an engine of the "
-                                          "run's own slots"}
+                               "them for every response of every step"}
 
 
 def sharing_controls(controls: dict, policy: str | None = None) -> dict:
@@ -324,14 +325,25 @@ def mps_settings_differ(controls: dict, profile_sharing: dict | None, mps: bool,
 
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
                         profile_lora_kernels: str = "default", profile_sharing: dict | None = None,
-                        mps: bool = False, policy: str | None = None) -> list[str]:
+                        mps: bool = False, policy: str | None = None, profile_slots: int | None = None,
+                        run_slots: int | None = None) -> list[str]:
     """What a run's settings (``run_controls``) have that the profile was not measured with;
     ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``);
     ``profile_lora_kernels``: the engine's LoRA kernels its engine terms describe ("tuned" or
     "default", ``sim.profile.profile_lora_kernels``); ``profile_sharing``: the MPS settings its
     MPS rates were fitted under (``sharing.controls``), compared for a run under MPS (``mps``) as
-    far as its ``policy`` uses them (``sharing_controls``)."""
+    far as its ``policy`` uses them (``sharing_controls``); ``profile_slots``: the adapter slots of the
+    engine its engine terms were measured on (``environment.engine_max_loras``, None where not
+    recorded), against the run's engine's (its ``engine_max_loras`` control where it had more than its
+    jobs, else ``run_slots``, one per job); without the profile's, a run with more slots than jobs."""
     out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
+    slots = controls.get("engine_max_loras") or run_slots
+    if profile_slots is not None and slots is not None and slots != profile_slots:
+        out.append(f"the engine had {slots} adapter slots; the profile's engine terms were measured with "
+                   f"{profile_slots} (environment.engine_max_loras)")
+    elif profile_slots is None and controls.get("engine_max_loras"):
+        out.append(f"the engine had {controls['engine_max_loras']} adapter slots, more than the run's jobs (started "
+                   "for a larger arm of the invocation); the profile does not say which engine it measured")
     differ = mps_settings_differ(controls, profile_sharing, mps, policy)
     if differ:
         run_sharing, prof_sharing = differ

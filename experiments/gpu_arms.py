@@ -68,10 +68,11 @@ def invocation_graph_size(specs: list, job_counts: list[int], workload) -> int |
     return max(sized, default=0) or None
 
 
-def pool_slots(engine_slots: int | None, job_counts: list[int]) -> int:
+def pool_slots(engine_slots: int | None, specs: list, job_counts: list[int]) -> int:
     """The adapter slots every engine of an invocation gets: ``engine_slots`` (--engine-slots) or the
-    largest arm's jobs; fewer than that largest arm needs is a clear error."""
-    largest = max(job_counts)
+    largest arm's jobs (an arm's own jN, else each of ``job_counts``, --jobs); fewer than that largest
+    arm needs is a clear error."""
+    largest = max(n for sp in specs for n in ([sp[1]] if sp[1] else job_counts))
     if engine_slots is None:
         return largest
     if engine_slots < largest:
@@ -339,8 +340,8 @@ def main() -> None:
     except (ConfigError, ValueError) as err:
         raise SystemExit(f"gpu_arms: {err}")
     check_share_prompts([parse_arm(a) for a in args.arms.split(",") if a], args.share_prompts, args.trainer_graphs)
-    slots = pool_slots(args.engine_slots, [int(x) for x in str(args.jobs).split(",") if x]
-                       + [sp[1] for sp in (parse_arm(a) for a in args.arms.split(",") if a) if sp[1]])
+    slots = pool_slots(args.engine_slots, [parse_arm(a) for a in args.arms.split(",") if a],
+                       [int(x) for x in str(args.jobs).split(",") if x])
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "synthetic":
         make_random_model(args.model_dir, args.shape)

@@ -186,8 +186,6 @@ def _ints(text: str) -> tuple[int, ...]:
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from calibration.measure import calibrate
 
-    if not a.model and not a.from_raw:
-        raise ConfigError("nodus calibrate: --model (a local model folder to measure) or --from-raw PROFILE")
 
     calibrate(a.model, a.out, base=a.base, batches=_ints(a.batches), adapter_counts=_ints(a.adapters),
               prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
@@ -402,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure engine and trainer costs into a profile (GPU; CPU for smoke tests)")
     p.add_argument("--model", help="local model folder (weights saved, e.g. random); needed unless --from-raw")
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
-    p.add_argument("--base", default="h200-qwen3-0.6b", help="profile whose sharing section is kept")
+    p.add_argument("--base", default=None, help="profile whose sharing section is kept (default h200-qwen3-0.6b)")
     p.add_argument("--batches", default="8,64,256,512")
     p.add_argument("--adapters", default="1,8")
     p.add_argument("--prompt-tokens", default="64,256", help="two prompt lengths (KV context cost)")
@@ -427,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "to the measured points by relative least squares, points more than 25%% off it named; "
                         "points: the measured points themselves, interpolated (calibrations before session 21)")
     p.add_argument("--from-raw", metavar="PROFILE",
-                   help="refit a calibrated profile's own measurements (measurements.calibrate) instead of measuring")
+                   help="refit the measurements (measurements.calibrate) of a profile nodus calibrate wrote instead "
+                        "of measuring (its environment and sharing kept; the measuring options are not used)")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("calibrate-sharing",

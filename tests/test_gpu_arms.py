@@ -23,9 +23,14 @@ def test_runs_on_an_engine_with_more_adapter_slots_than_jobs_are_named_so():
     # --engine-slots: every engine of the call gets them, never fewer than the largest arm's jobs.
     from experiments.gpu_arms import pool_slots
 
-    assert pool_slots(None, [8, 16, 4]) == 16 and pool_slots(16, [8]) == 16
+    arms = [parse_arm(a) for a in ("overlap+mps:j16", "dedicated", "shared-sync:j4")]
+    assert pool_slots(None, arms, [8]) == 16 and pool_slots(16, arms[1:], [8]) == 16
+    # Arms that all name their job count leave --jobs (default 8) out: session 21's fit call of
+    # 2- and 4-job arms had 8 slots from it.
+    small = [parse_arm(a) for a in ("dedicated:j4", "overlap+mps:j2")]
+    assert pool_slots(None, small, [8]) == 4 and pool_slots(None, small + [parse_arm("shared-sync")], [8, 2]) == 8
     with pytest.raises(SystemExit, match="--engine-slots 4: fewer than the 8 jobs of the largest arm"):
-        pool_slots(4, [2, 8])
+        pool_slots(4, arms[1:], [2, 8])
 
 
 def test_arm_specs_name_their_own_trainer_settings():

@@ -236,8 +236,18 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     wide = {"jobs": 8, "diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=16)]}
     assert run_controls(wide) == {"engine_max_loras": 16}
     assert run_controls({"jobs": 8, "diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=8)]}) == {}
+    assert run_controls({"diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=8)]}) == {}  # jobs unknown
     w = {"arm": arm, "jobs": 8, "mb_tokens": 16384, "controls": run_controls(wide)}
-    assert config_key(w) != config_key(a) and unmodelled_controls(w["controls"])
+    assert config_key(w) != config_key(a)
+    # Against the profile's engine (environment.engine_max_loras) where it records one, else the jobs.
+    assert unmodelled_controls(w["controls"], run_slots=8) == [
+        "the engine had 16 adapter slots, more than the run's jobs (started for a larger arm of the invocation); "
+        "the profile does not say which engine it measured"]
+    assert unmodelled_controls(w["controls"], profile_slots=16, run_slots=8) == []
+    assert unmodelled_controls({}, profile_slots=16, run_slots=8) == [
+        "the engine had 8 adapter slots; the profile's engine terms were measured with 16 "
+        "(environment.engine_max_loras)"]
+    assert unmodelled_controls({}, run_slots=8) == [] and unmodelled_controls({}, profile_slots=8, run_slots=8) == []
     tuned = {"diagnostics": [dict(plain["diagnostics"][0], engine_args={"specialize_active_lora": True})]}
     assert run_controls(tuned) == {"engine_args": "specialize_active_lora=True"}
     assert unmodelled_controls(run_controls(tuned))
