@@ -297,6 +297,9 @@ def measured_from_raw(raw: dict, settings: dict, source: dict | None = None) -> 
     return out
 
 
+RATE_MAX = 2.0  # sim.profile.Rates: a side's rate is at most this (twice as fast as alone without MPS)
+
+
 def sharing_rates(raw: dict) -> dict:
     """Per bucket and as medians: the profile's none_corun, mps_alone and mps_corun rates.
     Needs the `none` mode (the unit); `mps` rates only where `mps` was measured."""
@@ -312,19 +315,34 @@ def sharing_rates(raw: dict) -> dict:
             row["mps_alone"] = {s: r[f"{s}_alone_s"] / m[f"{s}_alone_s"] for s in SIDES}
             row["mps_corun"] = {s: r[f"{s}_alone_s"] / m[f"{s}_corun_s"] for s in SIDES}
         per_bucket.append(row)
-    out = {"per_bucket": per_bucket}
+    out: dict = {"per_bucket": per_bucket}
+    # A bucket whose side ran more than RATE_MAX times faster than alone (the profile's bound) timed
+    # something else (the fresh clone's CI-like run on a busy 2-core host: a trainer 2.81 s alone,
+    # 0.46 s beside the engine): left out of that rate's median and range, and named.
+    implausible = [{"batch": b["batch"], "tokens": b["tokens"], "rate": name, "side": s, "value": float(b[name][s])}
+                   for b in per_bucket for name in RATES if name in b for s in SIDES if b[name][s] > RATE_MAX]
+    if implausible:
+        out["implausible"] = implausible
     for name in RATES:
         vals = [b[name] for b in per_bucket if name in b]
-        if vals:
-            out[name] = {s: float(np.median([v[s] for v in vals])) for s in SIDES}
-            out[name + "_range"] = {s: [float(min(v[s] for v in vals)), float(max(v[s] for v in vals))]
-                                    for s in SIDES}
+        if not vals:
+            continue
+        out[name], out[name + "_range"] = {}, {}
+        for s in SIDES:
+            ok = [float(v[s]) for v in vals if v[s] <= RATE_MAX]
+            if not ok:
+                raise ValueError(f"{name}.{s}: every bucket measured it above {RATE_MAX} (co-running or under MPS "
+                                 f"more than {RATE_MAX}x as fast as alone: {', '.join(f'{v[s]:.2f}' for v in vals)}); "
+                                 "the timings were disturbed: measure again")
+            out[name][s] = float(np.median(ok))
+            out[name + "_range"][s] = [min(ok), max(ok)]
     return out
 
 
-def corun_by_engine_batch(per_bucket: list[dict]) -> list[dict]:
+def corun_by_engine_batch(per_bucket: list[dict], overall: dict | None = None) -> list[dict]:
     """The profile's `sharing.corun_by_engine_batch`: per measured engine batch, the median over
-    the train-token buckets of each co-run rate."""
+    the train-token buckets of each co-run rate, leaving out values above RATE_MAX (``sharing_rates``);
+    a batch with none left for a side takes ``overall`` (the rate over every bucket)."""
     out = []
     for batch in sorted({b["batch"] for b in per_bucket}):
         rows = [b for b in per_bucket if b["batch"] == batch]
@@ -332,7 +350,10 @@ def corun_by_engine_batch(per_bucket: list[dict]) -> list[dict]:
         for name in ("none_corun", "mps_corun"):
             vals = [r[name] for r in rows if name in r]
             if vals:
-                entry[name] = {s: float(np.median([v[s] for v in vals])) for s in SIDES}
+                entry[name] = {}
+                for s in SIDES:
+                    ok = [v[s] for v in vals if v[s] <= RATE_MAX]
+                    entry[name][s] = float(np.median(ok)) if ok else float(((overall or {}).get(name) or {})[s])
         out.append(entry)
     return out
 
@@ -356,7 +377,7 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
                  "what": f"MPS rates measured at the default MPS settings ({', '.join(mps_got)}) beside the base's "
                          f"others, fitted under {settings_text(was)}"}
     if rates.get("per_bucket"):
-        profile["sharing"]["corun_by_engine_batch"] = corun_by_engine_batch(rates["per_bucket"])
+        profile["sharing"]["corun_by_engine_batch"] = corun_by_engine_batch(rates["per_bucket"], rates)
     profile.setdefault("measurements", {})["sharing"] = dict(measured, rates_measured=got)
     # Rates `nodus fit` fitted on the base are replaced here: its notes go when every rate is measured.
     gone = {"sharing-from-base", "sharing-buckets-missing"} | ({"sharing-controls-mixed"} if mps_got else set())

@@ -208,6 +208,9 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
     m = prof["measurements"]["sharing"]
     r = m["rates"]
     print(" ".join(f"{k} engine {r[k]['engine']:.3f} trainer {r[k]['trainer']:.3f};" for k in RATES if k in r))
+    for b in r.get("implausible", []):
+        print(f"left out: {b['rate']}.{b['side']} {b['value']:.2f} at batch {b['batch']} / {b['tokens']} tokens "
+              "(faster than the profile's bound of 2x alone: disturbed timings)")
     if not m["complete"]:
         print(f"incomplete: {len(m['missing'])} bucket(s) not measured: "
               + ", ".join(f"{b['mode']} {b['batch']}/{b['tokens']}" for b in m["missing"]))
