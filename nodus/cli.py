@@ -186,7 +186,6 @@ def _ints(text: str) -> tuple[int, ...]:
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from calibration.measure import calibrate
 
-
     calibrate(a.model, a.out, base=a.base, batches=_ints(a.batches), adapter_counts=_ints(a.adapters),
               prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
               device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats, trainer_graphs=a.trainer_graphs,
