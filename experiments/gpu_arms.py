@@ -391,6 +391,8 @@ def main() -> None:
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
     pool = ClusterPool(opts, min_loras=slots)
     results["engine_slots"] = slots
+    print(f"engine adapter slots for every arm: {slots}" + (" (--engine-slots)" if args.engine_slots else
+                                                            " (the largest arm's jobs)"), flush=True)
     t_all = time.monotonic()
     try:
         primed: set = set()
