@@ -339,15 +339,16 @@ def main() -> None:
         opts = _options(args, engine_env, engine_args)  # bad settings fail before any model is made
     except (ConfigError, ValueError) as err:
         raise SystemExit(f"gpu_arms: {err}")
-    check_share_prompts([parse_arm(a) for a in args.arms.split(",") if a], args.share_prompts, args.trainer_graphs)
-    slots = pool_slots(args.engine_slots, [parse_arm(a) for a in args.arms.split(",") if a],
-                       [int(x) for x in str(args.jobs).split(",") if x])
+    # An arm may name its own job count and groups (NAME:jN:gG), so that one invocation (one set
+    # of processes per sharing mode) runs e.g. the 8-job table and the 2/4/16-job scaling points.
+    specs = [parse_arm(a) for a in args.arms.split(",") if a]
+    job_counts = [int(x) for x in str(args.jobs).split(",") if x]
+    check_share_prompts(specs, args.share_prompts, args.trainer_graphs)
+    slots = pool_slots(args.engine_slots, specs, job_counts)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "synthetic":
         make_random_model(args.model_dir, args.shape)
     from nodus.config import default_jobs
-
-    job_counts = [int(x) for x in str(args.jobs).split(",") if x]
 
     def workload(n: int, mb_tokens: int | None = None, wait: bool | None = None, share: int = 0) -> dict:
         return {"arm": {} if wait is None else {"trainer_waits_for_publish": wait},
@@ -364,14 +365,10 @@ def main() -> None:
     # arm's config gets (size_engine_graphs), unless given or left to engine args that set their
     # own; so arms of 8 and 16 jobs share one engine (a start costs 100-260 s on the H200).
     if args.cuda_graph_max_tokens is None and not graph_sizes_given(engine_args):
-        args.cuda_graph_max_tokens = invocation_graph_size([parse_arm(a) for a in args.arms.split(",") if a],
-                                                           job_counts, workload)
+        args.cuda_graph_max_tokens = invocation_graph_size(specs, job_counts, workload)
 
     def suffix(n: int) -> str:  # arm keys and run folders name the job count when there are several
         return f"-j{n}" if len(job_counts) > 1 or n != job_counts[0] else ""
-    # An arm may name its own job count and groups (NAME:jN:gG), so that one invocation (one set
-    # of processes per sharing mode) runs e.g. the 8-job table and the 2/4/16-job scaling points.
-    specs = [parse_arm(a) for a in args.arms.split(",") if a]
     # Arms needing the same processes run together; the baseline (no MPS) first, timeslice (two
     # stacks: two engines to start) last.
     order = sorted(specs, key=lambda sp: (ARMS[sp[0]][0] == "timeslice", ARMS[sp[0]][2] != "none",
