@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.measure import _requests, _train_batches
+from sim.profile import RATE_MAX
 
 SIDES = ("engine", "trainer")
 RATES = ("none_corun", "mps_alone", "mps_corun")  # the profile's sharing section
@@ -297,7 +298,9 @@ def measured_from_raw(raw: dict, settings: dict, source: dict | None = None) -> 
     return out
 
 
-RATE_MAX = 2.0  # sim.profile.Rates: a side's rate is at most this (twice as fast as alone without MPS)
+def _plausible(values) -> list[float]:
+    """The rates a profile can hold (sim.profile.RATE_MAX): a larger one timed something else."""
+    return [float(v) for v in values if v <= RATE_MAX]
 
 
 def sharing_rates(raw: dict) -> dict:
@@ -329,7 +332,7 @@ def sharing_rates(raw: dict) -> dict:
             continue
         out[name], out[name + "_range"] = {}, {}
         for s in SIDES:
-            ok = [float(v[s]) for v in vals if v[s] <= RATE_MAX]
+            ok = _plausible(v[s] for v in vals)
             if not ok:
                 raise ValueError(f"{name}.{s}: every bucket measured it above {RATE_MAX} (co-running or under MPS "
                                  f"more than {RATE_MAX}x as fast as alone: {', '.join(f'{v[s]:.2f}' for v in vals)}); "
@@ -352,7 +355,7 @@ def corun_by_engine_batch(per_bucket: list[dict], overall: dict | None = None) -
             if vals:
                 entry[name] = {}
                 for s in SIDES:
-                    ok = [v[s] for v in vals if v[s] <= RATE_MAX]
+                    ok = _plausible(v[s] for v in vals)
                     entry[name][s] = float(np.median(ok)) if ok else float(((overall or {}).get(name) or {})[s])
         out.append(entry)
     return out

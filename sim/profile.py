@@ -136,11 +136,14 @@ class PublishCost(_M):
     corun_factor: float = Field(default=1.0, ge=1)
 
 
+RATE_MAX = 2.0  # a side's rate is at most this: twice as fast as alone without MPS
+
+
 class Rates(_M):
     """Progress per second, in units of 'alone without MPS' work, for each side."""
 
-    engine: float = Field(gt=0, le=2)
-    trainer: float = Field(gt=0, le=2)
+    engine: float = Field(gt=0, le=RATE_MAX)
+    trainer: float = Field(gt=0, le=RATE_MAX)
 
 
 class BatchRates(_M):
