@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from nodus.config import DEFAULT_PROFILE, DEFAULT_PROFILES, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
+from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
 from sim.profile import LORA_KERNELS, STEP_MODES
 
 
@@ -422,9 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's adapter slots (vLLM max_loras; default: the largest of --adapters), as the "
                         "runs the profile should describe start theirs: one per job of a run, or of the largest arm "
                         "in a gpu_arms call (recorded in the profile's environment.engine_max_loras)")
-    p.add_argument("--decode-model", choices=("surface", "points"), default="surface",
-                   help="surface: the decode curves are a + b*batch + c*adapters + d*batch*adapters (each >= 0) fitted "
-                        "to the measured points by relative least squares, points more than 25%% off it named; "
+    p.add_argument("--decode-model", choices=DECODE_MODELS, default="surface",
+                   help="surface: the decode curves are a + b*batch + c*adapters + d*batch*adapters (each >= 0) "
+                        "fitted to the measured points by relative least squares, points more than "
+                        f"{DECODE_OUTLIER * 100:.0f}%% off it named; "
                         "points: the measured points themselves, interpolated (calibrations before session 21)")
     p.add_argument("--from-raw", metavar="PROFILE",
                    help="refit the measurements (measurements.calibrate) of a profile nodus calibrate wrote instead "
