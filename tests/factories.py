@@ -109,3 +109,17 @@ class TimedPair:
 
     def close(self):
         pass
+
+
+def run_on_pool(pool, cfg: RunConfig, opts):
+    """``run_arm(cfg)`` (no baseline) on a module's shared ``ClusterPool`` with ``opts`` (RealOptions):
+    (summary, runs). A failed run stops the pool's processes, so the next test starts fresh ones
+    instead of meeting its leftovers."""
+    from nodus.runner import run_arm
+
+    pool.opts = opts
+    try:
+        return run_arm(cfg, pool, baseline=False)
+    except BaseException:
+        pool.close()
+        raise

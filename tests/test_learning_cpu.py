@@ -28,19 +28,14 @@ def pool():
 def _run(pool, cfg, out, **opts):
     """A run (no baseline) on the module's pool, as gpu_arms runs its arms (``run_arm``, then the run
     folder ``write_run`` writes), with RealOptions(model=<the tiny base>, **opts): the summary. A failed
-    run stops the pool's processes, so the next test starts fresh ones instead of its leftovers."""
+    run stops the pool's processes (``factories.run_on_pool``)."""
+    from factories import run_on_pool
     from nodus.outdir import make_out_dir
-    from nodus.runner import run_arm
     from nodus.simulate import write_run
     from real.backend import RealOptions
     from real.base_model import ensure_tiny_base
 
-    pool.opts = RealOptions(model=str(ensure_tiny_base(log=lambda s: None)), **opts)
-    try:
-        summary, runs = run_arm(cfg, pool, baseline=False)
-    except BaseException:
-        pool.close()
-        raise
+    summary, runs = run_on_pool(pool, cfg, RealOptions(model=str(ensure_tiny_base(log=lambda s: None)), **opts))
     write_run(make_out_dir(out), cfg, summary, runs)
     return summary
 

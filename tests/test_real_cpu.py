@@ -138,17 +138,11 @@ def pool():
 
 def _pooled(pool, cfg, **opts):
     """``run_arm(cfg)`` (no baseline) on the module's pool with RealOptions(model="tiny",
-    evaluate=False, **opts); a failed run stops the pool's processes, so the next test starts
-    fresh ones instead of meeting its leftovers."""
-    from nodus.runner import run_arm
+    evaluate=False, **opts) (``factories.run_on_pool``)."""
+    from factories import run_on_pool
     from real.backend import RealOptions
 
-    pool.opts = RealOptions(model="tiny", evaluate=False, **opts)
-    try:
-        return run_arm(cfg, pool, baseline=False)
-    except BaseException:
-        pool.close()
-        raise
+    return run_on_pool(pool, cfg, RealOptions(model="tiny", evaluate=False, **opts))
 
 
 def test_trainer_graphs_on_a_cpu_run_the_fixed_shape_program_end_to_end(pool):
