@@ -239,7 +239,7 @@ def run_controls(summary: dict) -> dict:
     (``--engine-core-process``), ``publish_pinned`` False for adapters the engine loaded into pageable
     host memory (``RealOptions.publish_pinned``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
     the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an engine started with more
-    adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the engine's extra environment
+    or fewer adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the engine's extra environment
     variables (their names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
@@ -260,9 +260,10 @@ def run_controls(summary: dict) -> dict:
             out["publish_pinned"] = False  # published adapters loaded into pageable host memory (:np)
         if d.get("cuda_graph_max_tokens"):
             out["cuda_graph_max_tokens"] = d["cuda_graph_max_tokens"]  # the sim models it (config)
-        if summary.get("jobs") and (d.get("engine_max_loras") or 0) > summary["jobs"]:
-            # An engine with more adapter slots than the run's jobs (a pool sized for a larger arm):
-            # another engine (unmodelled_controls compares it with the profile's).
+        if summary.get("jobs") and d.get("engine_max_loras") not in (None, summary["jobs"]):
+            # An engine with other than one adapter slot per job: more (a pool sized for a larger
+            # arm) or fewer (engine.max_loras, which the simulator admits by): another engine
+            # (unmodelled_controls compares it with the profile's).
             out["engine_max_loras"] = d["engine_max_loras"]
         if d.get("engine_args"):
             out["engine_args"] = ",".join(f"{k}={v}" for k, v in sorted(d["engine_args"].items()))
@@ -334,14 +335,14 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     MPS rates were fitted under (``sharing.controls``), compared for a run under MPS (``mps``) as
     far as its ``policy`` uses them (``sharing_controls``); ``profile_slots``: the adapter slots of the
     engine its engine terms were measured on (``environment.engine_max_loras``, None where not
-    recorded), against the run's engine's (its ``engine_max_loras`` control where it had more than its
-    jobs, else ``run_slots``, one per job); without the profile's, a run with more slots than jobs."""
+    recorded), against the run's engine's (its ``engine_max_loras`` control where it had other than one
+    per job, else ``run_slots``, one per job); without the profile's, a run with more slots than jobs."""
     out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
     slots = controls.get("engine_max_loras") or run_slots
     if profile_slots is not None and slots is not None and slots != profile_slots:
         out.append(f"the engine had {slots} adapter slots; the profile's engine terms were measured with "
                    f"{profile_slots} (environment.engine_max_loras)")
-    elif profile_slots is None and controls.get("engine_max_loras"):
+    elif profile_slots is None and (controls.get("engine_max_loras") or 0) > (run_slots or 0):
         out.append(f"the engine had {controls['engine_max_loras']} adapter slots, more than the run's jobs (started "
                    "for a larger arm of the invocation); the profile does not say which engine it measured")
     differ = mps_settings_differ(controls, profile_sharing, mps, policy)

@@ -68,24 +68,29 @@ def invocation_graph_size(specs: list, job_counts: list[int], workload) -> int |
     return max(sized, default=0) or None
 
 
+def largest_arm(specs: list, job_counts: list[int]) -> int:
+    """The most jobs any arm of the invocation runs (an arm's own jN, else each of ``job_counts``, --jobs)."""
+    return max(n for sp in specs for n in ([sp[1]] if sp[1] else job_counts))
+
+
 def pool_slots(engine_slots: int | None, specs: list, job_counts: list[int]) -> int:
     """The adapter slots every engine of an invocation gets: ``engine_slots`` (--engine-slots) or the
-    largest arm's jobs (an arm's own jN, else each of ``job_counts``, --jobs); fewer than that largest
-    arm needs is a clear error."""
-    largest = max(n for sp in specs for n in ([sp[1]] if sp[1] else job_counts))
+    largest arm's jobs. Fewer slots than an arm's jobs is that arm's ``engine.max_loras``: the engine
+    runs at most that many adapters in a decode step (one group's at 8 jobs in 2 groups), and keeps
+    every job's adapter loaded (``nodus.realrun.ClusterPool`` min_cpu_loras)."""
     if engine_slots is None:
-        return largest
-    if engine_slots < largest:
-        raise SystemExit(f"gpu_arms: --engine-slots {engine_slots}: fewer than the {largest} jobs of the largest arm "
-                         f"(each job's adapter needs a slot); give at least {largest}")
+        return largest_arm(specs, job_counts)
+    if engine_slots < 1:
+        raise SystemExit(f"gpu_arms: --engine-slots {engine_slots}: an engine needs at least 1 adapter slot")
     return engine_slots
 
 
 def slots_key(engine_slots: int, jobs: int) -> str:
-    """'-ls<N>' for an arm whose engine has more adapter slots than its jobs (the invocation's largest
-    arm sizes the pool's engine, ``nodus.realrun.ClusterPool`` min_loras): another engine's speed
-    (session 21: 8-job arms on a 16-job call's engine ran 6-13% slower); '' otherwise."""
-    return f"-ls{engine_slots}" if engine_slots > jobs else ""
+    """'-ls<N>' for an arm whose engine has other than one adapter slot per job: more (the invocation's
+    largest arm sizes the pool's engine, ``nodus.realrun.ClusterPool`` min_loras; session 21: 8-job arms
+    on a 16-job call's engine ran 6-13% slower) or fewer (--engine-slots below the arm's jobs); ''
+    otherwise."""
+    return f"-ls{engine_slots}" if engine_slots != jobs else ""
 
 
 def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool | None, dict]:
@@ -359,7 +364,9 @@ def main() -> None:
             # share, room for timeslice's two trainers (32k: 64 GiB masked, 91 GiB padded, alone).
             "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens,
                         **({"share_prompts": share} if share else {})},
-            **({"engine": {"cuda_graph_max_tokens": args.cuda_graph_max_tokens}} if args.cuda_graph_max_tokens else {})}
+            # Fewer slots than this arm's jobs: its config says so (the simulator admits that many adapters a step).
+            "engine": {**({"cuda_graph_max_tokens": args.cuda_graph_max_tokens} if args.cuda_graph_max_tokens else {}),
+                       **({"max_loras": slots} if slots < n else {})}}
 
     # One CUDA-graph size for the invocation, as one adapter-slot count (min_loras): the largest any
     # arm's config gets (size_engine_graphs), unless given or left to engine args that set their
@@ -386,7 +393,8 @@ def main() -> None:
                      "engine_env": args.engine_env, "tuned_lora_kernels": args.tuned_lora_kernels,
                      "share_prompts": args.share_prompts, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
-    pool = ClusterPool(opts, min_loras=slots)
+    # Every job's adapter stays loaded, for the largest arm too: no arm needs a new engine for that.
+    pool = ClusterPool(opts, min_loras=slots, min_cpu_loras=largest_arm(specs, job_counts))
     results["engine_slots"] = slots
     print(f"engine adapter slots for every arm: {slots}" + (" (--engine-slots)" if args.engine_slots else
                                                             " (the largest arm's jobs)"), flush=True)

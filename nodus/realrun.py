@@ -18,11 +18,14 @@ class ClusterPool:
     """A `make_backend(cfg, n_stacks)` over real clusters, one per ``key`` (sharing, stacks and the
     engine's batch settings), one at a time."""
 
-    def __init__(self, opts, min_loras: int = 1):
+    def __init__(self, opts, min_loras: int = 1, min_cpu_loras: int = 1):
         """`min_loras`: engine adapter slots to reserve, so that a cluster first asked for by a
-        one-job (dedicated) run still serves the shared arms' jobs all at once."""
+        one-job (dedicated) run still serves the shared arms' jobs all at once; `min_cpu_loras`:
+        adapters the engine keeps loaded (at least each run's jobs), so that a later, larger arm
+        needs no new engine."""
         self.opts = opts
         self.min_loras = min_loras
+        self.min_cpu_loras = min_cpu_loras
         self.clusters: dict[tuple, object] = {}
 
     @staticmethod
@@ -45,6 +48,8 @@ class ClusterPool:
         check_run_settings(cfg, self.opts)  # before any process starts
         key = self.key(cfg, n_stacks)
         loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
+        # Every job's current adapter stays loaded, also with fewer slots (engine.max_loras) than jobs.
+        cpu_loras = max(loras, len(cfg.jobs), self.min_cpu_loras)
         running = self.clusters.get(key)
         if (running is not None and self.opts is not None and cfg.arm.policy in NO_CORUN_POLICIES
                 and running.opts.trainer_priority != self.opts.trainer_priority):
@@ -52,7 +57,8 @@ class ClusterPool:
             # the running trainers keep theirs (a restart would re-prime them for nothing); the
             # run records the priority its trainers had.
             self.opts = dataclasses.replace(self.opts, trainer_priority=running.opts.trainer_priority)
-        if (running is not None and running.max_loras >= loras and running.opts != self.opts
+        fits = running is not None and running.max_loras >= loras and running.max_cpu_loras >= cpu_loras
+        if (fits and running.opts != self.opts
                 and engine_settings(running.opts) == engine_settings(self.opts)):
             if trainer_settings(running.opts) != trainer_settings(self.opts):
                 running.restart_trainers(self.opts)
@@ -60,15 +66,16 @@ class ClusterPool:
                 running.opts = self.opts
         elif running is not None and running.opts != self.opts:
             self.close()  # other engine settings: new processes
-        if key not in self.clusters or self.clusters[key].max_loras < loras:
+        if key not in self.clusters or not fits:
             # One cluster at a time holds the GPU: start the next only after the last is gone.
-            # A cluster too small for this run (fewer adapter slots) is restarted larger.
+            # A cluster too small for this run (fewer adapter slots, or fewer kept loaded) is
+            # restarted larger.
             self.close()
             self.clusters[key] = Cluster(
                 self.opts, cfg.arm.sharing, n_stacks, max_loras=loras,
                 max_rank=max(j.lora_rank for j in cfg.jobs), max_num_seqs=cfg.engine.max_num_seqs,
                 max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch, seed=cfg.seed,
-                cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens)
+                cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens, max_cpu_loras=cpu_loras)
         return RealBackend(self.clusters[key], cfg)
 
     def startup_s(self) -> dict:

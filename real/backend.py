@@ -260,10 +260,14 @@ class Cluster:
 
     def __init__(self, opts: RealOptions, sharing: str, n_stacks: int, max_loras: int, max_rank: int,
                  max_num_seqs: int, max_tokens_per_microbatch: int, seed: int = 0,
-                 cuda_graph_max_tokens: int | None = None):
+                 cuda_graph_max_tokens: int | None = None, max_cpu_loras: int | None = None):
+        """``max_loras``: the engine's adapter slots on the GPU (adapters in one decode step);
+        ``max_cpu_loras``: the adapters it keeps loaded (every job's current version; at least
+        ``max_loras``, the default), so that fewer slots than jobs reload none from disk."""
         from real.workers import EngineSpec, engine_llm_args, engine_main
 
         self.opts, self.sharing, self.n_stacks, self.max_loras = opts, sharing, n_stacks, max_loras
+        self.max_cpu_loras = max(max_loras, max_cpu_loras or 0)
         engine_llm_args(opts.engine_args, cuda_graph_max_tokens)  # a conflicting one fails before any start
         self.model = resolve_model(opts.model)
         self.device = _device(opts)
@@ -294,7 +298,7 @@ class Cluster:
                                # offset"): give CPU runs a token budget no prefill has to be cut to.
                                max_num_batched_tokens=65536 if self.device == "cpu" else None,
                                llm_args=tuple(opts.engine_args), tuned_lora_kernels=opts.tuned_lora_kernels,
-                               cuda_graph_max_tokens=cuda_graph_max_tokens)
+                               cuda_graph_max_tokens=cuda_graph_max_tokens, max_cpu_loras=self.max_cpu_loras)
             ein = ctx.Queue()
             # A daemonic process may not start children: with its core in a process of its own the
             # engine worker is not one (close() stops it, or terminates it and its core).
@@ -714,6 +718,7 @@ class RealBackend:
                 # the invocation gives a smaller one its engine (session 21's 8-job runs on a
                 # 16-slot, 1024-token-graph engine ran 6-13% slower than on their own).
                 "engine_max_loras": self.c.max_loras,
+                "engine_max_cpu_loras": self.c.max_cpu_loras,  # adapters kept loaded (>= the run's jobs)
                 # Kernels the engine JIT-compiled while serving, at run seconds (the warm-up's are
                 # counted in workers.engineN.kernel_warmup; one before 0 came after it, before the
                 # clock); None where they are not seen (--engine-core-process: vLLM's core logs in

@@ -33,6 +33,10 @@ class EngineSpec:
     llm_args: tuple = ()  # (name, value) pairs: more LLM(...) keyword arguments (RealOptions.engine_args)
     tuned_lora_kernels: bool = True  # the shipped tuned LoRA kernel configs for this GPU, if any
     cuda_graph_max_tokens: int | None = None  # vLLM's max_cudagraph_capture_size (None: its default)
+    # Adapters vLLM keeps loaded on the host (its LRU cache; None: max_loras). Every job's current
+    # version must stay there: with fewer GPU slots than jobs, an evicted one would be read again
+    # from disk on its next generation.
+    max_cpu_loras: int | None = None
 
 
 def engine_llm_args(llm_args, cuda_graph_max_tokens: int | None) -> dict:
@@ -91,6 +95,7 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                               enforce_eager=spec.enforce_eager, load_format=spec.load_format,
                               skip_tokenizer_init=spec.skip_tokenizer_init, dtype=spec.dtype, seed=spec.seed,
                               max_model_len=spec.max_model_len, tuned_lora_kernels=spec.tuned_lora_kernels,
+                              max_cpu_loras=spec.max_cpu_loras,
                               **({"max_num_batched_tokens": spec.max_num_batched_tokens}
                                  if spec.max_num_batched_tokens else {}),
                               **engine_llm_args(spec.llm_args, spec.cuda_graph_max_tokens))

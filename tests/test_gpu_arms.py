@@ -15,12 +15,13 @@ def test_arm_specs_name_their_own_job_count_and_groups():
     assert parse_arm("overlap+mps:free") == ("overlap+mps", None, None, None, None, False, {})
 
 
-def test_runs_on_an_engine_with_more_adapter_slots_than_jobs_are_named_so():
+def test_runs_on_an_engine_with_other_than_one_adapter_slot_per_job_are_named_so():
     from experiments.gpu_arms import slots_key
 
-    assert slots_key(16, 8) == "-ls16" and slots_key(4, 2) == "-ls4"
+    assert slots_key(16, 8) == "-ls16" and slots_key(4, 2) == "-ls4" and slots_key(4, 8) == "-ls4"
     assert slots_key(8, 8) == "" and slots_key(16, 16) == ""
-    # --engine-slots: every engine of the call gets them, never fewer than the largest arm's jobs.
+    # --engine-slots: every engine of the call gets them, fewer than an arm's jobs too (that arm's
+    # engine.max_loras).
     from experiments.gpu_arms import pool_slots
 
     arms = [parse_arm(a) for a in ("overlap+mps:j16", "dedicated", "shared-sync:j4")]
@@ -29,8 +30,9 @@ def test_runs_on_an_engine_with_more_adapter_slots_than_jobs_are_named_so():
     # 2- and 4-job arms had 8 slots from it.
     small = [parse_arm(a) for a in ("dedicated:j4", "overlap+mps:j2")]
     assert pool_slots(None, small, [8]) == 4 and pool_slots(None, small + [parse_arm("shared-sync")], [8, 2]) == 8
-    with pytest.raises(SystemExit, match="--engine-slots 4: fewer than the 8 jobs of the largest arm"):
-        pool_slots(4, arms[1:], [2, 8])
+    assert pool_slots(4, arms[1:], [2, 8]) == 4
+    with pytest.raises(SystemExit, match="--engine-slots 0: an engine needs at least 1 adapter slot"):
+        pool_slots(0, arms, [8])
 
 
 def test_arm_specs_name_their_own_trainer_settings():
@@ -65,7 +67,7 @@ def test_bad_arm_specs_are_clear_errors(bad, says):
 
 @pytest.mark.parametrize("flag, says", [("--engine-thread-pct=150", "engine_thread_pct"),
                                         ("--trainer-thread-pct=0", "trainer_thread_pct"),
-                                        ("--engine-slots=4", "--engine-slots 4: fewer than the 8 jobs")])
+                                        ("--engine-slots=0", "--engine-slots 0: an engine needs at least 1 adapter slot")])
 def test_bad_mps_thread_percentages_stop_before_any_work(tmp_path, monkeypatch, flag, says):
     import sys
 

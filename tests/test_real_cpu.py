@@ -422,3 +422,24 @@ def test_the_engine_records_each_jit_compile_vllm_logs_while_serving():
         log.removeHandler(jit)
     assert jit.drain() == [(1.5, "_lora_shrink_kernel"), (2.5, "a line in another format")]
     assert jit.drain() == []
+
+
+def test_fewer_adapter_slots_than_jobs_stay_on_policy_with_every_adapter_kept(tmp_path):
+    """engine.max_loras 2 for 4 jobs in one shared batch: vLLM swaps adapters through its 2 GPU slots
+    while every job's current version stays loaded on the host (max_cpu_loras 4); each job's
+    sampled logprobs still match its own trainer's, version by version."""
+    cfg = tmp_path / "four_jobs_two_slots.yaml"
+    cfg.write_text("jobs:\n" + "".join(
+        f"  - {{task: {t}, steps: 2, prompts_per_step: 2, responses_per_prompt: 4, max_new_tokens: 24}}\n"
+        for t in ("modular", "sorting", "counting", "reverse")) +
+        "arm: {policy: shared-sync, groups: 1, sharing: none}\n"
+        "engine: {max_loras: 2, cuda_graph_max_tokens: 64}\n")
+    out = tmp_path / "run"
+    assert main(["run", str(cfg), "--backend", "real", "--model", "tiny", "--no-baseline", "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    d = s["diagnostics"][0]
+    assert s["steps"] == 8 and s["stale_rollouts"] == 0
+    assert (d["engine_max_loras"], d["engine_max_cpu_loras"]) == (2, 4)
+    agree = {(a["job"], a["version"]): a["max_abs"] for a in d["logprob_agreement"]}
+    assert set(agree) == {(f"job{i}", v) for i in range(4) for v in (0, 1)}
+    assert max(agree.values()) < 1e-3

@@ -12,8 +12,9 @@ from nodus.realrun import ClusterPool
 class FakeCluster:
     started: list = []
 
-    def __init__(self, opts, sharing, n_stacks, max_loras, **kw):
+    def __init__(self, opts, sharing, n_stacks, max_loras, max_cpu_loras=None, **kw):
         self.opts, self.sharing, self.n_stacks, self.max_loras, self.closed = opts, sharing, n_stacks, max_loras, False
+        self.max_cpu_loras = max(max_loras, max_cpu_loras or 0)
         self.trainer_restarts = []
         FakeCluster.started.append(self)
 
@@ -25,9 +26,10 @@ class FakeCluster:
         self.closed = True
 
 
-def _cfg(jobs, policy="shared-sync"):
+def _cfg(jobs, policy="shared-sync", slots=None):
     return build_config({"jobs": [{"task": "sorting"} for _ in range(jobs)],
-                         "arm": {"policy": policy, "groups": 2 if policy == "overlap" else 1, "sharing": "none"}})
+                         "arm": {"policy": policy, "groups": 2 if policy == "overlap" else 1, "sharing": "none"},
+                         **({"engine": {"max_loras": slots}} if slots else {})})
 
 
 def test_pool_reserves_slots_and_restarts_a_cluster_too_small(monkeypatch):
@@ -43,6 +45,25 @@ def test_pool_reserves_slots_and_restarts_a_cluster_too_small(monkeypatch):
     one = small(_cfg(1), 1)
     eight = small(_cfg(8), 1)
     assert one.max_loras == 1 and one.closed and eight.max_loras == 8 and eight is not one
+
+
+def test_fewer_slots_than_jobs_keep_every_jobs_adapter_loaded(monkeypatch):
+    """engine.max_loras below the jobs: that many GPU slots, and every job's current adapter kept
+    on the host (vLLM's cache, max_cpu_loras), so none is read from disk again; a pool reserving
+    room for a larger arm's jobs (min_cpu_loras) serves it without a new engine."""
+    monkeypatch.setattr(real.backend, "Cluster", FakeCluster)
+    monkeypatch.setattr(real.backend, "RealBackend", lambda cluster, cfg: cluster)
+    FakeCluster.started = []
+    pool = ClusterPool(opts=None, min_loras=4)
+    four = pool(_cfg(8, "overlap", slots=4), 1)
+    assert (four.max_loras, four.max_cpu_loras) == (4, 8)
+    sixteen = pool(_cfg(16, "overlap", slots=4), 1)  # 16 jobs' adapters do not fit 8 kept: a new engine
+    assert four.closed and (sixteen.max_loras, sixteen.max_cpu_loras) == (4, 16)
+    FakeCluster.started = []
+    reserved = ClusterPool(opts=None, min_loras=8, min_cpu_loras=16)
+    first = reserved(_cfg(4), 1)
+    assert (first.max_loras, first.max_cpu_loras) == (8, 16)
+    assert reserved(_cfg(16, "overlap", slots=8), 1) is first and len(FakeCluster.started) == 1
 
 
 def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monkeypatch):

@@ -248,6 +248,12 @@ def test_runs_at_other_mps_settings_are_another_configuration():
         "the engine had 8 adapter slots; the profile's engine terms were measured with 16 "
         "(environment.engine_max_loras)"]
     assert unmodelled_controls({}, run_slots=8) == [] and unmodelled_controls({}, profile_slots=8, run_slots=8) == []
+    # Fewer slots than jobs (engine.max_loras, which the simulator admits by): a configuration of its
+    # own, named only against a profile measured with other slots.
+    narrow = {"jobs": 16, "diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=8)]}
+    assert run_controls(narrow) == {"engine_max_loras": 8}
+    assert unmodelled_controls({"engine_max_loras": 8}, run_slots=8) == []
+    assert unmodelled_controls({"engine_max_loras": 8}, profile_slots=8, run_slots=8) == []
     tuned = {"diagnostics": [dict(plain["diagnostics"][0], engine_args={"specialize_active_lora": True})]}
     assert run_controls(tuned) == {"engine_args": "specialize_active_lora=True"}
     assert unmodelled_controls(run_controls(tuned))
