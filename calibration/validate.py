@@ -239,8 +239,8 @@ def run_controls(summary: dict) -> dict:
     (``--engine-core-process``), ``publish_pinned`` False for adapters the engine loaded into pageable
     host memory (``RealOptions.publish_pinned``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
     the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an engine started with more
-    or fewer adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the engine's extra environment
-    variables (their names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
+    or fewer adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the
+    engine's extra environment variables (their names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
     at the defaults of runs before session 11 (vLLM's own LoRA kernels, the audit every step); a

@@ -67,7 +67,7 @@ def test_bad_arm_specs_are_clear_errors(bad, says):
 
 @pytest.mark.parametrize("flag, says", [("--engine-thread-pct=150", "engine_thread_pct"),
                                         ("--trainer-thread-pct=0", "trainer_thread_pct"),
-                                        ("--engine-slots=0", "--engine-slots 0: an engine needs at least 1 adapter slot")])
+                                        ("--engine-slots=0", "--engine-slots 0: an engine needs at least 1 adapter")])
 def test_bad_mps_thread_percentages_stop_before_any_work(tmp_path, monkeypatch, flag, says):
     import sys
 
