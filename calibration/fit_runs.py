@@ -313,6 +313,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         raise ConfigError(f"nodus fit: --lora-kernels {want_kernels!r}; choose one of {', '.join(LORA_KERNELS)}")
     kernel_configs = None  # what the runs' engines recorded (the profile's, when they differ from the base)
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
+    slots: set = set()  # the runs' engines' adapter slots (engine_max_loras; None: not recorded)
     layouts: dict[str, list[str]] = {}
     mps_runs: list[tuple[str, dict, bool]] = []  # MPS runs: run, its MPS settings, whether it co-runs
     for rd in map(Path, runs):
@@ -368,6 +369,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         for d in summary.get("diagnostics", []):
             if d.get("host") and d["host"] not in hosts:
                 hosts.append(d["host"])
+            slots.add(d.get("engine_max_loras"))
     if len(layouts) > 1:
         raise ConfigError("nodus fit: the runs' trainers used different multi-adapter layouts ("
                           + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layouts.items()))
@@ -534,6 +536,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                  "hosts of one kind have measured up to a quarter apart from day to day (README, 'Fit and "
                  "validate'), so absolute steps per GPU-hour carry that spread; for a plan in absolute terms, "
                  "refit on the day's own 1-4-job runs"}]
+    if decode_fit is not None:
+        # The decode scale describes the runs' engine: its adapter slots where every run recorded the
+        # same (nodus validate names a run on other slots), else unknown.
+        prof["environment"]["engine_max_loras"] = next(iter(slots)) if len(slots) == 1 else None
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")

@@ -775,3 +775,27 @@ def test_calibrate_sharing_resets_the_profiles_mps_settings():
     assert any(a["id"] == "sharing-controls-mixed" for a in part["assumptions"])
     none_only = apply_sharing(json.loads(json.dumps(prof)), {"rates": {"none_corun": rates}})
     assert none_only["sharing"]["controls"] == {"trainer_priority": "below-normal"}
+
+
+def _mark_slots(run_dir, slots):
+    """A run as a real one that recorded its engine's adapter slots (engine_max_loras)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["diagnostics"] = [dict(d, engine_max_loras=slots) for d in summary.get("diagnostics") or [{}]]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_fitted_decode_scale_records_the_runs_engine_slots(tmp_path):
+    """The decode scale describes the fitted runs' engine: the profile records its adapter slots
+    (environment.engine_max_loras, which nodus validate compares with each run's) when every run
+    recorded the same; runs on other slots, or unrecorded, leave it unknown."""
+    truth = _profile_with(tmp_path, "truth", a=0.15, b=2e-5, c=0.01, save=0.05, decode_scale=0.8)
+    base = _profile_with(tmp_path, "base", a=0.15, b=2e-5, c=0.01, save=0.05)
+    ded, shared = tmp_path / "ded", tmp_path / "shared"
+    simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="none", profile=truth), ded)
+    simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="none", profile=truth), shared)
+    assert fit([ded, shared], base=base)["environment"]["engine_max_loras"] is None  # not recorded
+    _mark_slots(ded, 8)
+    _mark_slots(shared, 8)
+    assert fit([ded, shared], base=base)["environment"]["engine_max_loras"] == 8
+    _mark_slots(shared, 4)
+    assert fit([ded, shared], base=base)["environment"]["engine_max_loras"] is None
