@@ -169,7 +169,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  cfg["arm"].get("policy"),
                                                                  profile_slots,
                                                                  (cfg.get("engine") or {}).get("max_loras")
-                                                                 or len(cfg["jobs"]))))}
+                                                                 or len(cfg["jobs"]), len(cfg["jobs"]))))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -240,7 +240,8 @@ def run_controls(summary: dict) -> dict:
     host memory (``RealOptions.publish_pinned``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
     the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an engine started with more
     or fewer adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the
-    engine's extra environment variables (their names), ``audit`` for a logprob audit on fewer steps or responses than all (``audit_text``), and
+    engine's extra environment variables (their names), ``audit`` for a logprob audit on fewer steps or
+    responses than all (``audit_text``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
     at the defaults of runs before session 11 (vLLM's own LoRA kernels, the audit every step); a
@@ -327,7 +328,7 @@ def mps_settings_differ(controls: dict, profile_sharing: dict | None, mps: bool,
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
                         profile_lora_kernels: str = "default", profile_sharing: dict | None = None,
                         mps: bool = False, policy: str | None = None, profile_slots: int | None = None,
-                        run_slots: int | None = None) -> list[str]:
+                        run_slots: int | None = None, run_jobs: int | None = None) -> list[str]:
     """What a run's settings (``run_controls``) have that the profile was not measured with;
     ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``);
     ``profile_lora_kernels``: the engine's LoRA kernels its engine terms describe ("tuned" or
@@ -336,13 +337,14 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     far as its ``policy`` uses them (``sharing_controls``); ``profile_slots``: the adapter slots of the
     engine its engine terms were measured on (``environment.engine_max_loras``, None where not
     recorded), against the run's engine's (its ``engine_max_loras`` control where it had other than one
-    per job, else ``run_slots``, one per job); without the profile's, a run with more slots than jobs."""
+    per job, else ``run_slots``, the config's ``engine.max_loras`` or one per job); without the
+    profile's, a run with more slots than its ``run_jobs`` (default ``run_slots``)."""
     out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
     slots = controls.get("engine_max_loras") or run_slots
     if profile_slots is not None and slots is not None and slots != profile_slots:
         out.append(f"the engine had {slots} adapter slots; the profile's engine terms were measured with "
                    f"{profile_slots} (environment.engine_max_loras)")
-    elif profile_slots is None and (controls.get("engine_max_loras") or 0) > (run_slots or 0):
+    elif profile_slots is None and (controls.get("engine_max_loras") or 0) > (run_jobs or run_slots or 0):
         out.append(f"the engine had {controls['engine_max_loras']} adapter slots, more than the run's jobs (started "
                    "for a larger arm of the invocation); the profile does not say which engine it measured")
     differ = mps_settings_differ(controls, profile_sharing, mps, policy)

@@ -289,8 +289,9 @@ def main() -> None:
                     help="a vLLM engine argument for every arm (e.g. specialize_active_lora=true; run keys get -ea)")
     ap.add_argument("--engine-slots", type=int, default=None, metavar="N",
                     help="the engine's adapter slots (vLLM max_loras) for every arm of the invocation (default: the "
-                         "largest arm's jobs); at least that many; run keys get -ls<N> where N exceeds an arm's jobs "
-                         "(to tell the slots' cost from the CUDA graphs' at 8 jobs: session 21)")
+                         "largest arm's jobs); below an arm's jobs, that arm's engine.max_loras (at most N adapters "
+                         "a decode step, every job's adapter kept loaded); run keys get -ls<N> where N is not an "
+                         "arm's jobs (session 22: 4 slots ran 8 jobs in 2 groups as fast as 8)")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=None, metavar="N",
                     help="the engine's CUDA graphs up to N tokens a step (config engine.cuda_graph_max_tokens; "
                          "default: 2 x max_num_seqs for every arm of an invocation where one arm's jobs' sequences "

@@ -56,7 +56,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
     trainer's micro-batches replayed as CUDA graphs; +ep: vLLM's engine core in a process of its own;
     +gm<N>: the engine's CUDA graphs up to N tokens a step (engine.cuda_graph_max_tokens); +ls<N>: an
-    engine started with N adapter slots, more than the run's jobs (a larger arm's, in one invocation);
+    engine started with N adapter slots, other than one per job (more: a larger arm's, in one invocation;
+    fewer: engine.max_loras);
     +ea: extra vLLM engine arguments; +lk: tuned
     LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
     variables; +a0 / +aN / +rK / +aNrK: the engine's logprobs never / every N-th step / for the first K
@@ -98,7 +99,7 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     if run.get("cuda_graph_max_tokens"):
         label += f"+gm{run['cuda_graph_max_tokens']}"  # the engine's CUDA graphs up to that many tokens
     if run.get("engine_max_loras"):
-        label += f"+ls{run['engine_max_loras']}"  # an engine with that many adapter slots, more than the jobs
+        label += f"+ls{run['engine_max_loras']}"  # an engine with that many adapter slots, other than the jobs
     if any(d.get("engine_args") for d in (summary or {}).get("diagnostics", [])):
         label += "+ea"  # extra vLLM engine arguments (--engine-arg)
     if run.get("lora_kernels") == "tuned":

@@ -47,7 +47,10 @@ class ClusterPool:
 
         check_run_settings(cfg, self.opts)  # before any process starts
         key = self.key(cfg, n_stacks)
-        loras = max(cfg.engine.max_loras or len(cfg.jobs), self.min_loras)
+        # A config's engine.max_loras is its engine's: exactly that many slots (the simulator admits
+        # that many adapters a step); else one per job, or the pool's reservation if larger.
+        exact = cfg.engine.max_loras is not None
+        loras = cfg.engine.max_loras if exact else max(len(cfg.jobs), self.min_loras)
         # Every job's current adapter stays loaded, also with fewer slots (engine.max_loras) than jobs.
         cpu_loras = max(loras, len(cfg.jobs), self.min_cpu_loras)
         running = self.clusters.get(key)
@@ -57,7 +60,8 @@ class ClusterPool:
             # the running trainers keep theirs (a restart would re-prime them for nothing); the
             # run records the priority its trainers had.
             self.opts = dataclasses.replace(self.opts, trainer_priority=running.opts.trainer_priority)
-        fits = running is not None and running.max_loras >= loras and running.max_cpu_loras >= cpu_loras
+        fits = (running is not None and running.max_cpu_loras >= cpu_loras
+                and (running.max_loras == loras if exact else running.max_loras >= loras))
         if (fits and running.opts != self.opts
                 and engine_settings(running.opts) == engine_settings(self.opts)):
             if trainer_settings(running.opts) != trainer_settings(self.opts):
@@ -68,8 +72,8 @@ class ClusterPool:
             self.close()  # other engine settings: new processes
         if key not in self.clusters or not fits:
             # One cluster at a time holds the GPU: start the next only after the last is gone.
-            # A cluster too small for this run (fewer adapter slots, or fewer kept loaded) is
-            # restarted larger.
+            # A cluster too small for this run (fewer adapter slots, or fewer kept loaded), or
+            # other than the slots its config names, is restarted.
             self.close()
             self.clusters[key] = Cluster(
                 self.opts, cfg.arm.sharing, n_stacks, max_loras=loras,

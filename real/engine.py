@@ -406,6 +406,12 @@ class MultiLoRAEngine:
         # disk every step.
         return lora_id
 
+    def lora_slots(self) -> dict:
+        """The adapter slots as vLLM took them: ``gpu`` (max_loras, adapters in one step) and ``cpu``
+        (max_cpu_loras, adapters kept loaded on the host)."""
+        lora = self.llm.llm_engine.vllm_config.lora_config
+        return {"gpu": lora.max_loras, "cpu": lora.max_cpu_loras}
+
     def loaded_lora_ids(self) -> set[int]:
         """Adapter ids vLLM holds now (its CPU-side cache)."""
         return set(self.llm.llm_engine.list_loras())

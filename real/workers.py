@@ -100,7 +100,8 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                                  if spec.max_num_batched_tokens else {}),
                               **engine_llm_args(spec.llm_args, spec.cuda_graph_max_tokens))
         outbox.put(("ready", name, time.monotonic() - t0, {"lora_kernel_configs": eng.lora_kernel_configs,
-                                                           "cuda_graphs": eng.cuda_graphs()}))
+                                                           "cuda_graphs": eng.cuda_graphs(),
+                                                           "lora_slots": eng.lora_slots()}))
     except Exception:  # noqa: BLE001 - the controller reports it
         outbox.put(("error", name, traceback.format_exc()))
         return

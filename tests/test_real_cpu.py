@@ -440,6 +440,7 @@ def test_fewer_adapter_slots_than_jobs_stay_on_policy_with_every_adapter_kept(tm
     d = s["diagnostics"][0]
     assert s["steps"] == 8 and s["stale_rollouts"] == 0
     assert (d["engine_max_loras"], d["engine_max_cpu_loras"]) == (2, 4)
+    assert d["workers"]["engine0"]["lora_slots"] == {"gpu": 2, "cpu": 4}  # as vLLM took them
     agree = {(a["job"], a["version"]): a["max_abs"] for a in d["logprob_agreement"]}
     assert set(agree) == {(f"job{i}", v) for i in range(4) for v in (0, 1)}
     assert max(agree.values()) < 1e-3

@@ -64,6 +64,9 @@ def test_fewer_slots_than_jobs_keep_every_jobs_adapter_loaded(monkeypatch):
     first = reserved(_cfg(4), 1)
     assert (first.max_loras, first.max_cpu_loras) == (8, 16)
     assert reserved(_cfg(16, "overlap", slots=8), 1) is first and len(FakeCluster.started) == 1
+    # A config's slots are its engine's exactly: 4 asked of a pool running 8 get a 4-slot engine.
+    four = reserved(_cfg(8, "overlap", slots=4), 1)
+    assert first.closed and (four.max_loras, four.max_cpu_loras) == (4, 16)
 
 
 def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monkeypatch):

@@ -253,7 +253,13 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     narrow = {"jobs": 16, "diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=8)]}
     assert run_controls(narrow) == {"engine_max_loras": 8}
     assert unmodelled_controls({"engine_max_loras": 8}, run_slots=8) == []
-    assert unmodelled_controls({"engine_max_loras": 8}, profile_slots=8, run_slots=8) == []
+    assert unmodelled_controls({"engine_max_loras": 8}, profile_slots=16, run_slots=8, run_jobs=16) == [
+        "the engine had 8 adapter slots; the profile's engine terms were measured with 16 "
+        "(environment.engine_max_loras)"]
+    # A config asking more slots than jobs (engine.max_loras 16 for 8 jobs): more than its jobs, named.
+    assert unmodelled_controls({"engine_max_loras": 16}, run_slots=16, run_jobs=8) == [
+        "the engine had 16 adapter slots, more than the run's jobs (started for a larger arm of the invocation); "
+        "the profile does not say which engine it measured"]
     tuned = {"diagnostics": [dict(plain["diagnostics"][0], engine_args={"specialize_active_lora": True})]}
     assert run_controls(tuned) == {"engine_args": "specialize_active_lora=True"}
     assert unmodelled_controls(run_controls(tuned))
