@@ -34,9 +34,24 @@ class ClusterPool:
         at the engine's start: a run asking others gets new processes)."""
         return cfg.arm.sharing, n_stacks, cfg.engine.max_num_seqs, cfg.engine.cuda_graph_max_tokens
 
+    def slots(self, cfg: RunConfig) -> tuple[int, int, bool]:
+        """The engine's adapter slots a run needs: (GPU slots, adapters kept loaded, exact). A config's
+        engine.max_loras is its engine's, exactly (the simulator admits that many adapters a step);
+        else one slot per job, or the pool's reservation if larger. Every job's current adapter
+        stays loaded, also with fewer slots than jobs."""
+        exact = cfg.engine.max_loras is not None
+        loras = cfg.engine.max_loras if exact else max(len(cfg.jobs), self.min_loras)
+        return loras, max(loras, len(cfg.jobs), self.min_cpu_loras), exact
+
+    def _fits(self, running, cfg: RunConfig) -> bool:
+        loras, cpu_loras, exact = self.slots(cfg)
+        return (running is not None and running.max_cpu_loras >= cpu_loras
+                and (running.max_loras == loras if exact else running.max_loras >= loras))
+
     def has_cluster(self, cfg: RunConfig, n_stacks: int) -> bool:
-        """Whether a running cluster has the processes ``cfg`` needs (its adapter slots aside)."""
-        return self.key(cfg, n_stacks) in self.clusters
+        """Whether a running cluster has the processes ``cfg`` needs, with the adapter slots it needs
+        (a run that would get new processes has nothing running to reuse: ``gpu_arms`` primes it)."""
+        return self._fits(self.clusters.get(self.key(cfg, n_stacks)), cfg)
 
     def __call__(self, cfg: RunConfig, n_stacks: int):
         """A backend for ``cfg`` on a cluster with the pool's current ``opts``: the running one when it
@@ -47,12 +62,7 @@ class ClusterPool:
 
         check_run_settings(cfg, self.opts)  # before any process starts
         key = self.key(cfg, n_stacks)
-        # A config's engine.max_loras is its engine's: exactly that many slots (the simulator admits
-        # that many adapters a step); else one per job, or the pool's reservation if larger.
-        exact = cfg.engine.max_loras is not None
-        loras = cfg.engine.max_loras if exact else max(len(cfg.jobs), self.min_loras)
-        # Every job's current adapter stays loaded, also with fewer slots (engine.max_loras) than jobs.
-        cpu_loras = max(loras, len(cfg.jobs), self.min_cpu_loras)
+        loras, cpu_loras, _ = self.slots(cfg)
         running = self.clusters.get(key)
         if (running is not None and self.opts is not None and cfg.arm.policy in NO_CORUN_POLICIES
                 and running.opts.trainer_priority != self.opts.trainer_priority):
@@ -60,8 +70,7 @@ class ClusterPool:
             # the running trainers keep theirs (a restart would re-prime them for nothing); the
             # run records the priority its trainers had.
             self.opts = dataclasses.replace(self.opts, trainer_priority=running.opts.trainer_priority)
-        fits = (running is not None and running.max_cpu_loras >= cpu_loras
-                and (running.max_loras == loras if exact else running.max_loras >= loras))
+        fits = self._fits(running, cfg)
         if (fits and running.opts != self.opts
                 and engine_settings(running.opts) == engine_settings(self.opts)):
             if trainer_settings(running.opts) != trainer_settings(self.opts):

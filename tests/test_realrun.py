@@ -65,8 +65,10 @@ def test_fewer_slots_than_jobs_keep_every_jobs_adapter_loaded(monkeypatch):
     assert (first.max_loras, first.max_cpu_loras) == (8, 16)
     assert reserved(_cfg(16, "overlap", slots=8), 1) is first and len(FakeCluster.started) == 1
     # A config's slots are its engine's exactly: 4 asked of a pool running 8 get a 4-slot engine.
+    assert not reserved.has_cluster(_cfg(8, "overlap", slots=4), 1)  # (gpu_arms primes a new one)
     four = reserved(_cfg(8, "overlap", slots=4), 1)
     assert first.closed and (four.max_loras, four.max_cpu_loras) == (4, 16)
+    assert reserved.has_cluster(_cfg(8, "overlap", slots=4), 1) and not reserved.has_cluster(_cfg(8), 1)
 
 
 def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monkeypatch):
