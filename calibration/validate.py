@@ -35,6 +35,21 @@ def kendall_tau(a: list[float], b: list[float]) -> float | None:
     return float(s / (n * (n - 1) / 2))
 
 
+def discordant_pairs(labels: list[str], pred: list[float], meas: list[float]) -> list[dict]:
+    """The pairs Kendall's tau counts against the simulator: ordered one way measured and the other
+    way (or level) simulated. Each as ``higher`` (measured higher), ``lower``, and the gaps
+    ``measured`` and ``simulated`` (higher over lower, fractions), largest measured gap first: a
+    pair apart by less than the runs' noise is ordered by chance."""
+    out = []
+    for i in range(len(labels)):
+        for j in range(i + 1, len(labels)):
+            if np.sign(pred[i] - pred[j]) * np.sign(meas[i] - meas[j]) <= 0 and meas[i] != meas[j]:
+                hi, lo = (i, j) if meas[i] > meas[j] else (j, i)
+                out.append({"higher": labels[hi], "lower": labels[lo], "measured": meas[hi] / meas[lo] - 1,
+                            "simulated": pred[hi] / pred[lo] - 1})
+    return sorted(out, key=lambda d: -d["measured"])
+
+
 def error_stats(pred: list[float], meas: list[float]) -> dict:
     """Mean absolute percentage error, worst case and signed bias of predictions (fractions)."""
     if not meas:
@@ -484,11 +499,12 @@ def per_config_errors(rows: list[dict]) -> dict:
     per-run noise averages out here, as it does for a planner's question about the configuration."""
     by = _by_config(rows)
     out: dict = {}
+    out["configs"] = [config_label(v[0]) if v[0].get("arm") else "{}/{}/g{}/{}jobs".format(*k) for k, v in by.items()]
     for mode in ("replay", "sampled"):
         meas = [float(np.mean([r["measured"]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
         pred = [float(np.mean([r[mode]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
-        out[mode] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)}
-    out["configs"] = [config_label(v[0]) if v[0].get("arm") else "{}/{}/g{}/{}jobs".format(*k) for k, v in by.items()]
+        out[mode] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas),
+                     "discordant": discordant_pairs(out["configs"], pred, meas)}
     out["runs_per_config"] = [len(v) for v in by.values()]
     return out
 
@@ -522,6 +538,12 @@ def render_markdown(rep: dict) -> str:
                     tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
                     lines.append(f"| {split} | {mode} | {e['n']} | {e['mape']:.1%} | {e['worst']:.1%} | "
                                  f"{e['bias']:+.1%} | {tau} |")
+        worse = (rep.get("heldout_per_config") or {}).get("replay", {}).get("discordant")
+        if worse:
+            lines += ["", "Held-out configurations the simulator orders unlike the measurements, or level "
+                      "(replayed lengths; measured gap, simulated gap):", ""]
+            lines += [f"- {d['higher']} over {d['lower']}: {d['measured']:+.1%} measured, "
+                      f"{d['simulated']:+.1%} simulated" for d in worse]
     noise = rep.get("noise") or {}
     if noise.get("runs"):
         lines += ["", f"Measurement noise: runs of one configuration lie {noise['mape_floor']:.1%} from their "

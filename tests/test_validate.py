@@ -19,6 +19,18 @@ def test_error_stats_and_kendall_tau_on_known_values():
     assert kendall_tau([1], [1]) is None
 
 
+def test_discordant_pairs_name_what_tau_counts_against_the_simulator():
+    from calibration.validate import discordant_pairs
+
+    # Measured a > b > c > d; simulated b over a (reversed) and c level with d (a tie counts against).
+    pairs = discordant_pairs(["a", "b", "c", "d"], [100, 110, 90, 90], [120, 100, 95, 90])
+    assert [(d["higher"], d["lower"]) for d in pairs] == [("a", "b"), ("c", "d")]  # largest measured gap first
+    assert pairs[0]["measured"] == pytest.approx(0.2) and pairs[0]["simulated"] == pytest.approx(100 / 110 - 1)
+    assert pairs[1]["simulated"] == 0
+    assert kendall_tau([100, 110, 90, 90], [120, 100, 95, 90]) == pytest.approx((6 - 2 * 1 - 1) / 6)
+    assert discordant_pairs(["a", "b"], [1, 2], [10, 20]) == [] and discordant_pairs(["a", "b"], [1, 2], [5, 5]) == []
+
+
 def test_replaying_a_recorded_run_reproduces_it(tmp_path):
     runs = []
     for jobs, policy in ((2, "shared-sync"), (8, "overlap")):
