@@ -409,8 +409,9 @@ class MultiLoRAEngine:
     def lora_slots(self) -> dict:
         """The adapter slots as vLLM took them: ``gpu`` (max_loras, adapters in one step) and ``cpu``
         (max_cpu_loras, adapters kept loaded on the host)."""
-        lora = self.llm.llm_engine.vllm_config.lora_config
-        return {"gpu": lora.max_loras, "cpu": lora.max_cpu_loras}
+        # (vllm_config on the engine since vLLM 0.8; None where a version keeps it elsewhere)
+        lora = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "lora_config", None)
+        return {"gpu": getattr(lora, "max_loras", None), "cpu": getattr(lora, "max_cpu_loras", None)}
 
     def loaded_lora_ids(self) -> set[int]:
         """Adapter ids vLLM holds now (its CPU-side cache)."""
