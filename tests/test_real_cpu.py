@@ -82,6 +82,7 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     # Its kernel warm-up ran no step: a CPU has no Triton LoRA kernels to compile.
     assert s["diagnostics"][0]["workers"]["engine0"] == {
         "lora_kernel_configs": None, "cuda_graphs": {"mode": "NONE", "max_tokens": 64},
+        "lora_slots": {"gpu": 2, "cpu": 2},  # as vLLM took them: one slot per job, each adapter kept
         "kernel_warmup": {"token_counts": [], "s": pytest.approx(0, abs=1.0), "jit_compiles": None,
                           "generation_jit_compiles": None}}
     # vLLM's core ran in its own process (the fixture's --engine-core-process): its JIT log is not
