@@ -50,7 +50,8 @@ class ClusterPool:
 
     def has_cluster(self, cfg: RunConfig, n_stacks: int) -> bool:
         """Whether a running cluster has the processes ``cfg`` needs, with the adapter slots it needs
-        (a run that would get new processes has nothing running to reuse: ``gpu_arms`` primes it)."""
+        (a run that would get new processes has nothing running to reuse: ``gpu_arms`` primes it).
+        The pool's ``opts`` aside: a call with other engine settings restarts the cluster anyway."""
         return self._fits(self.clusters.get(self.key(cfg, n_stacks)), cfg)
 
     def __call__(self, cfg: RunConfig, n_stacks: int):
