@@ -35,6 +35,11 @@ def kendall_tau(a: list[float], b: list[float]) -> float | None:
     return float(s / (n * (n - 1) / 2))
 
 
+def _gap(a: float, b: float) -> float:
+    """a over b, as a fraction (infinite over a zero)."""
+    return a / b - 1 if b else float("inf")
+
+
 def discordant_pairs(labels: list[str], pred: list[float], meas: list[float]) -> list[dict]:
     """The pairs Kendall's tau counts against the simulator: ordered one way measured and the other
     way (or level) simulated. Each as ``higher`` (measured higher), ``lower``, and the gaps
@@ -45,8 +50,8 @@ def discordant_pairs(labels: list[str], pred: list[float], meas: list[float]) ->
         for j in range(i + 1, len(labels)):
             if np.sign(pred[i] - pred[j]) * np.sign(meas[i] - meas[j]) <= 0 and meas[i] != meas[j]:
                 hi, lo = (i, j) if meas[i] > meas[j] else (j, i)
-                out.append({"higher": labels[hi], "lower": labels[lo], "measured": meas[hi] / meas[lo] - 1,
-                            "simulated": pred[hi] / pred[lo] - 1})
+                out.append({"higher": labels[hi], "lower": labels[lo], "measured": _gap(meas[hi], meas[lo]),
+                            "simulated": _gap(pred[hi], pred[lo])})
     return sorted(out, key=lambda d: -d["measured"])
 
 
