@@ -298,9 +298,14 @@ def measured_from_raw(raw: dict, settings: dict, source: dict | None = None) -> 
     return out
 
 
+def _is_plausible(rate: float) -> bool:
+    """Whether a profile can hold the rate (sim.profile.RATE_MAX): a larger one timed something else."""
+    return rate <= RATE_MAX
+
+
 def _plausible(values) -> list[float]:
-    """The rates a profile can hold (sim.profile.RATE_MAX): a larger one timed something else."""
-    return [float(v) for v in values if v <= RATE_MAX]
+    """The rates a profile can hold (``_is_plausible``)."""
+    return [float(v) for v in values if _is_plausible(v)]
 
 
 def sharing_rates(raw: dict) -> dict:
@@ -323,7 +328,7 @@ def sharing_rates(raw: dict) -> dict:
     # something else (the fresh clone's CI-like run on a busy 2-core host: a trainer 2.81 s alone,
     # 0.46 s beside the engine): left out of that rate's median and range, and named.
     implausible = [{"batch": b["batch"], "tokens": b["tokens"], "rate": name, "side": s, "value": float(b[name][s])}
-                   for b in per_bucket for name in RATES if name in b for s in SIDES if b[name][s] > RATE_MAX]
+                   for b in per_bucket for name in RATES if name in b for s in SIDES if not _is_plausible(b[name][s])]
     if implausible:
         out["implausible"] = implausible
     for name in RATES:

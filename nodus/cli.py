@@ -10,7 +10,7 @@ from pathlib import Path
 
 from nodus.config import DEFAULT_PROFILE, DEFAULT_PROFILES, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
 from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
-from sim.profile import LORA_KERNELS, STEP_MODES
+from sim.profile import LORA_KERNELS, RATE_MAX, STEP_MODES
 
 
 def _add_arm_flags(p: argparse.ArgumentParser) -> None:
@@ -210,7 +210,7 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
     print(" ".join(f"{k} engine {r[k]['engine']:.3f} trainer {r[k]['trainer']:.3f};" for k in RATES if k in r))
     for b in r.get("implausible", []):
         print(f"left out: {b['rate']}.{b['side']} {b['value']:.2f} at batch {b['batch']} / {b['tokens']} tokens "
-              "(faster than the profile's bound of 2x alone: disturbed timings)")
+              f"(faster than the profile's bound of {RATE_MAX:g}x alone: disturbed timings)")
     if not m["complete"]:
         print(f"incomplete: {len(m['missing'])} bucket(s) not measured: "
               + ", ".join(f"{b['mode']} {b['batch']}/{b['tokens']}" for b in m["missing"]))
