@@ -75,14 +75,22 @@ def largest_arm(specs: list, job_counts: list[int]) -> int:
 
 def pool_slots(engine_slots: int | None, specs: list, job_counts: list[int]) -> int:
     """The adapter slots every engine of an invocation gets: ``engine_slots`` (--engine-slots) or the
-    largest arm's jobs. Fewer slots than an arm's jobs is that arm's ``engine.max_loras``: the engine
-    runs at most that many adapters in a decode step (one group's at 8 jobs in 2 groups), and keeps
-    every job's adapter loaded (``nodus.realrun.ClusterPool`` min_cpu_loras)."""
+    largest arm's jobs. It is every arm's ``engine.max_loras`` (so no arm gets an engine of its own
+    sized to its groups, ``nodus.runner.size_engine_slots``): the engine runs at most that many
+    adapters in a decode step (one group's at 8 jobs in 2 groups on 4), and keeps every job's adapter
+    loaded (``nodus.realrun.ClusterPool`` min_cpu_loras)."""
     if engine_slots is None:
         return largest_arm(specs, job_counts)
     if engine_slots < 1:
         raise SystemExit(f"gpu_arms: --engine-slots {engine_slots}: an engine needs at least 1 adapter slot")
     return engine_slots
+
+
+def engine_section(slots: int, graph_max_tokens: int | None) -> dict:
+    """Every arm's config ``engine``: the invocation's adapter slots (the simulator admits that many
+    adapters a step), so that no arm gets a new engine sized to its own groups
+    (``nodus.runner.size_engine_slots``), and its CUDA-graph size where given."""
+    return {**({"cuda_graph_max_tokens": graph_max_tokens} if graph_max_tokens else {}), "max_loras": slots}
 
 
 def slots_key(engine_slots: int, jobs: int) -> str:
@@ -289,9 +297,10 @@ def main() -> None:
                     help="a vLLM engine argument for every arm (e.g. specialize_active_lora=true; run keys get -ea)")
     ap.add_argument("--engine-slots", type=int, default=None, metavar="N",
                     help="the engine's adapter slots (vLLM max_loras) for every arm of the invocation (default: the "
-                         "largest arm's jobs); below an arm's jobs, that arm's engine.max_loras (at most N adapters "
-                         "a decode step, every job's adapter kept loaded); run keys get -ls<N> where N is not an "
-                         "arm's jobs (session 22: 4 slots ran 8 jobs in 2 groups as fast as 8)")
+                         "largest arm's jobs), each arm's engine.max_loras (at most N adapters a decode step, "
+                         "every job's adapter kept loaded); run keys get -ls<N> where N is not an arm's jobs "
+                         "(session 22: 4 slots ran 8 jobs in 2 groups as fast as 8; session 23: 16 slots ran them "
+                         "11-12%% slower)")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=None, metavar="N",
                     help="the engine's CUDA graphs up to N tokens a step (config engine.cuda_graph_max_tokens; "
                          "default: 2 x max_num_seqs for every arm of an invocation where one arm's jobs' sequences "
@@ -365,9 +374,7 @@ def main() -> None:
             # share, room for timeslice's two trainers (32k: 64 GiB masked, 91 GiB padded, alone).
             "trainer": {"max_tokens_per_microbatch": mb_tokens or args.mb_tokens,
                         **({"share_prompts": share} if share else {})},
-            # Fewer slots than this arm's jobs: its config says so (the simulator admits that many adapters a step).
-            "engine": {**({"cuda_graph_max_tokens": args.cuda_graph_max_tokens} if args.cuda_graph_max_tokens else {}),
-                       **({"max_loras": slots} if slots < n else {})}}
+            "engine": engine_section(slots, args.cuda_graph_max_tokens)}
 
     # One CUDA-graph size for the invocation, as one adapter-slot count (min_loras): the largest any
     # arm's config gets (size_engine_graphs), unless given or left to engine args that set their

@@ -16,7 +16,7 @@ from pathlib import Path
 from nodus.config import (DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs,
                           packed_rows, size_engine_graphs)
 from nodus.outdir import git_commit, make_out_dir, write_json
-from nodus.runner import run_arm, run_spans
+from nodus.runner import run_arm, run_spans, size_engine_slots
 from nodus.accounting import summarize
 from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, write_chrome_trace, write_jsonl
 
@@ -26,7 +26,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                      seed: int | None = None, profile: str | None = None,
                      share_prompts: int | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
-    run's engine graphs sized to its jobs (``size_engine_graphs``)."""
+    run's engine graphs sized to its jobs (``size_engine_graphs``) and its adapter slots to its
+    largest group (``nodus.runner.size_engine_slots``)."""
     data = dict(config or {})
     if jobs is not None:
         if "jobs" in data:
@@ -54,7 +55,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
         data["trainer"] = {**data.get("trainer", {}), "share_prompts": share_prompts}
     if profile is not None:
         data["profile"] = profile
-    return size_engine_graphs(build_config(data))
+    return size_engine_slots(size_engine_graphs(build_config(data)))
 
 
 def simulate(cfg: RunConfig, out: str | Path | None = None) -> dict:
@@ -123,6 +124,9 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
     if graphs:  # the simulator's engine: a step past its CUDA graphs runs without them (~5x on the H200)
         lines.append(f"| engine CUDA graphs up to (tokens a step) / steps past them | "
                      f"{max(d['graph_max_tokens'] for d in graphs)} / {sum(d['graphless_steps'] for d in graphs)} |")
+    slots = [d["adapter_slots"] for d in s.get("diagnostics", []) if isinstance(d, dict) and d.get("adapter_slots")]
+    if slots:  # adapters one decode step holds (nodus.runner.size_engine_slots: an overlap run's largest group)
+        lines.append(f"| engine adapter slots (adapters one decode step holds) | {max(slots)} |")
     evals = [d["eval"]["accuracy"] for d in s["per_job"].values() if d.get("eval")]
     if evals:
         lines.append(f"| final eval accuracy, mean over jobs | {sum(evals) / len(evals):.3f} |")

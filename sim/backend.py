@@ -89,7 +89,8 @@ class SimBackend:
         # Steps past the engine's CUDA graphs: how much queueing past max_num_seqs cost the run.
         return {"outside_profile": sorted(self.cost.flags),
                 "graph_max_tokens": self.engines[0].graph_max_tokens,
-                "graphless_steps": sum(e.graphless_steps for e in self.engines)}
+                "graphless_steps": sum(e.graphless_steps for e in self.engines),
+                "adapter_slots": self.engines[0].max_loras}
 
     def close(self) -> None:
         pass

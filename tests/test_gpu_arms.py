@@ -33,6 +33,15 @@ def test_runs_on_an_engine_with_other_than_one_adapter_slot_per_job_are_named_so
     assert pool_slots(4, arms[1:], [2, 8]) == 4
     with pytest.raises(SystemExit, match="--engine-slots 0: an engine needs at least 1 adapter slot"):
         pool_slots(0, arms, [8])
+    # Each arm's config names the call's slots, so an overlap arm is not sized to its groups
+    # (nodus.runner.size_engine_slots), which would start it an engine of its own.
+    from experiments.gpu_arms import engine_section
+    from nodus.simulate import config_from_args
+
+    for n in (8, 16):
+        cfg = config_from_args({"engine": engine_section(16, 1024)}, jobs=n, steps=1, policy="overlap", groups=2)
+        assert (cfg.engine.max_loras, cfg.engine.cuda_graph_max_tokens) == (16, 1024)
+    assert engine_section(4, None) == {"max_loras": 4}
 
 
 def test_arm_specs_name_their_own_trainer_settings():
