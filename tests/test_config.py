@@ -114,7 +114,8 @@ def test_a_new_overlap_run_gets_adapter_slots_for_its_largest_group():
     table = render_table(simulate(config_from_args(jobs=16, steps=1, policy="overlap", groups=2)))
     assert "| engine adapter slots (adapters one decode step holds) | 8 |" in table
     # A recorded run replays as recorded: build_config sizes nothing.
-    assert build_config({"jobs": [{"task": "gsm8k"}] * 4, "arm": {"policy": "overlap", "groups": 2}}).engine.max_loras is None
+    recorded = build_config({"jobs": [{"task": "gsm8k"}] * 4, "arm": {"policy": "overlap", "groups": 2}})
+    assert recorded.engine.max_loras is None
 
 
 def test_one_job_defaults_to_shared_sync_but_explicit_overlap_is_an_error():

@@ -162,3 +162,34 @@ def test_graphed_needs_a_gpu():
         make_trainer(step_mode="graphed")
     with pytest.raises(ValueError, match="step_mode"):
         make_trainer(step_mode="fast")
+
+
+def test_a_failed_build_releases_every_program_and_trains_eager(monkeypatch):
+    """A program build (a CUDA-graph capture on the GPU) that fails after others were built: the
+    trainer drops them all, their stacks and graph pool (their memory would starve the eager step),
+    records why, and its steps give the eager trainer's updates: no job loses anything."""
+    import real.trainer as rt
+
+    step1, step2 = two_step_data()
+    eager = make_trainer(JOBS, dtype=torch.float64, max_tokens_per_microbatch=96, step_mode="eager")
+    failing = make_trainer(JOBS, dtype=torch.float64, max_tokens_per_microbatch=96, step_mode="static")
+    built, real_step = [], rt.StaticStep
+
+    def build_then_fail(*args, **kwargs):
+        if len(built) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        built.append(real_step(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(rt, "StaticStep", build_then_fail)
+    got = [failing.train_step(step1), failing.train_step(step2)]
+    want = [eager.train_step(step1), eager.train_step(step2)]
+    assert len(built) == 1 and failing.step_mode == "eager"
+    assert failing.graph_error.startswith("OutOfMemoryError: CUDA out of memory (simulated)")
+    assert failing.programs == [] and failing._states == {} and failing._pool is None
+    for g, w in zip(got, want):
+        for j in JOBS:
+            assert g[j].loss == pytest.approx(w[j].loss, rel=1e-10, abs=1e-14)
+            assert g[j].step == w[j].step
+    for j in JOBS:
+        assert max_rel_diff(params(failing, j), params(eager, j)) < 1e-10
