@@ -129,7 +129,8 @@ class EngineSpec(_Model):
 
     max_num_seqs: int = Field(default=512, ge=1)  # continuous-batching cap on running sequences
     # Adapters one decode step can hold (vLLM max_loras; every job's stays loaded). None: one per job;
-    # a new overlap run's config sets its largest group's jobs (nodus.runner.size_engine_slots).
+    # a new overlap run's config of more than 8 jobs sets its largest group's jobs, at least 8
+    # (nodus.runner.size_engine_slots).
     max_loras: int | None = Field(default=None, ge=1)
     # The engine's largest CUDA graph, in tokens per step (vLLM's max_cudagraph_capture_size); a
     # step of more tokens runs without graphs, as one that admits a waiting prompt beside a full

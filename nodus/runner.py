@@ -57,24 +57,33 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
     raise ValueError(f"unknown policy {policy!r}")
 
 
-def size_engine_slots(cfg: RunConfig) -> RunConfig:
-    """A new run's engine adapter slots (vLLM ``max_loras``): left unset, an overlap run of several
-    groups gets as many as its largest group has jobs (``plan``'s groups), not one per job.
+# Adapter slots an engine may have at no measured cost (H200, the shipped LoRA kernel configs, tuned
+# for 8): 4 slots ran 8 jobs in 2 groups as fast as 8 (session 22), 16 ran them 11-12% slower and
+# 16 jobs in 2 groups 21% slower than 8 (session 23).
+FREE_SLOTS = 8
 
-    A group generates with its own adapters only; where generations overlap (generating outlasts
-    training) the engine admits a group's requests as slots free, as vLLM does. Slots cost the
-    engine's steps whether used or not, measured on the H200 (512-token graphs; one host a day):
-    16 jobs in 2 groups 8326 steps per GPU-hour on 8 slots against 6574 on 16, and 8 jobs in 2
-    groups 6511 / 6036 on 8 against 5792 / 5303 on 16 (session 23); 8 jobs on 4 slots as on 8
-    (+0.1 / +0.2%, session 22). Shared-sync, continuous, dedicated and timeslice runs keep one slot
+
+def size_engine_slots(cfg: RunConfig) -> RunConfig:
+    """A new run's engine adapter slots (vLLM ``max_loras``): left unset, an overlap run of more
+    jobs than ``FREE_SLOTS`` gets as many as its largest group has jobs (``plan``'s groups), or
+    ``FREE_SLOTS`` if that is more, not one per job.
+
+    A group generates with its own adapters only. Slots past those cost the engine's steps, used or
+    not, and the trainer's beside it under MPS (H200, 512-token graphs, one host a day: 16 jobs in 2
+    groups 8326 steps per GPU-hour on 8 slots against 6574 on 16; 8 jobs in 2 groups 6511 / 6036 on
+    8 against 5792 / 5303 on 16; session 23). Up to ``FREE_SLOTS`` none was measured (8 jobs on 4
+    slots as on 8, session 22), while fewer slots than two overlapping generations' adapters (a
+    group's tail beside the next group's start) queue the later requests: the simulator puts 2 jobs
+    on 1 slot 8% below 2 slots. Shared-sync, continuous, dedicated and timeslice runs keep one slot
     per job (every job of a batch generates at once). A set ``engine.max_loras`` is kept; recorded
     runs replay as recorded (only new configs, ``nodus.simulate.config_from_args``, are sized)."""
-    if cfg.engine.max_loras is not None or cfg.arm.policy != "overlap" or cfg.arm.groups < 2:
+    n = len(cfg.jobs)
+    if cfg.engine.max_loras is not None or cfg.arm.policy != "overlap" or cfg.arm.groups < 2 or n <= FREE_SLOTS:
         return cfg
-    largest = max(len(g) for _, g in plan(cfg).groups)
-    if largest >= len(cfg.jobs):
+    slots = max(max(len(g) for _, g in plan(cfg).groups), FREE_SLOTS)
+    if slots >= n:
         return cfg
-    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"max_loras": largest})})
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"max_loras": slots})})
 
 
 def max_jobs_per_train(sched: Scheduler, stack: int) -> int:

@@ -26,8 +26,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                      seed: int | None = None, profile: str | None = None,
                      share_prompts: int | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
-    run's engine graphs sized to its jobs (``size_engine_graphs``) and its adapter slots to its
-    largest group (``nodus.runner.size_engine_slots``)."""
+    run's engine graphs sized to its jobs (``size_engine_graphs``) and, for overlap, its adapter
+    slots to its largest group (``nodus.runner.size_engine_slots``)."""
     data = dict(config or {})
     if jobs is not None:
         if "jobs" in data:
@@ -125,7 +125,7 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
         lines.append(f"| engine CUDA graphs up to (tokens a step) / steps past them | "
                      f"{max(d['graph_max_tokens'] for d in graphs)} / {sum(d['graphless_steps'] for d in graphs)} |")
     slots = [d["adapter_slots"] for d in s.get("diagnostics", []) if isinstance(d, dict) and d.get("adapter_slots")]
-    if slots:  # adapters one decode step holds (nodus.runner.size_engine_slots: an overlap run's largest group)
+    if slots:  # adapters one decode step holds (nodus.runner.size_engine_slots)
         lines.append(f"| engine adapter slots (adapters one decode step holds) | {max(slots)} |")
     evals = [d["eval"]["accuracy"] for d in s["per_job"].values() if d.get("eval")]
     if evals:

@@ -92,29 +92,35 @@ def test_group_pins():
 
 
 def test_a_new_overlap_run_gets_adapter_slots_for_its_largest_group():
-    """One slot per job of the largest group (plan's groups, pinned ones too), not one per job: slots
-    cost every decode step (H200, session 23); a set engine.max_loras and other policies are kept."""
+    """One slot per job of the largest group (plan's groups, pinned ones too), at least FREE_SLOTS,
+    not one per job: slots past 8 cost every decode step (H200, session 23); a set engine.max_loras
+    and other policies are kept."""
+    from nodus.runner import FREE_SLOTS
     from nodus.simulate import config_from_args
 
     def slots(data=None, **kw):
         return config_from_args(data, steps=1, **kw).engine.max_loras
 
+    assert FREE_SLOTS == 8
     assert slots(jobs=16, policy="overlap", groups=2) == 8
-    assert slots(jobs=16, policy="overlap", groups=3) == 6  # 6 + 5 + 5
-    assert slots(jobs=8) == 4  # the embedded default: overlap in 2 groups
+    assert slots(jobs=32, policy="overlap", groups=2) == 16
+    assert slots(jobs=32, policy="overlap", groups=3) == 11  # 11 + 11 + 10
+    assert slots(jobs=16, policy="overlap", groups=4) == 8  # groups of 4, but no fewer than FREE_SLOTS
+    assert slots(jobs=8) is None and slots(jobs=2) is None  # the embedded default: one slot per job
     for policy in ("shared-sync", "dedicated", "continuous"):
-        assert slots(jobs=8, policy=policy) is None  # every job of a batch at once: one slot each
-    assert slots(jobs=8, policy="timeslice", groups=2) is None
+        assert slots(jobs=16, policy=policy) is None  # every job of a batch at once: one slot each
+    assert slots(jobs=16, policy="timeslice", groups=2) is None
     assert slots({"engine": {"max_loras": 16}}, jobs=16, policy="overlap", groups=2) == 16
-    pinned = {"jobs": [{"task": "gsm8k", "group": g} for g in (0, 0, 0, 1)], "arm": {"policy": "overlap", "groups": 2}}
-    assert slots(pinned) == 3
+    pinned = {"jobs": [{"task": "gsm8k", "group": g} for g in [0] * 12 + [1] * 8],
+              "arm": {"policy": "overlap", "groups": 2}}
+    assert slots(pinned) == 12
     # The sized config runs: the simulator admits that many adapters a step, and says so.
     from nodus.simulate import render_table, simulate
 
     table = render_table(simulate(config_from_args(jobs=16, steps=1, policy="overlap", groups=2)))
     assert "| engine adapter slots (adapters one decode step holds) | 8 |" in table
     # A recorded run replays as recorded: build_config sizes nothing.
-    recorded = build_config({"jobs": [{"task": "gsm8k"}] * 4, "arm": {"policy": "overlap", "groups": 2}})
+    recorded = build_config({"jobs": [{"task": "gsm8k"}] * 16, "arm": {"policy": "overlap", "groups": 2}})
     assert recorded.engine.max_loras is None
 
 

@@ -316,10 +316,8 @@ def test_fit_recovers_mps_sharing_rates_from_overlapped_runs(tmp_path):
     simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="mps", profile=truth, seed=3), runs[1])
     for jobs in (2, 4):
         runs.append(tmp_path / f"ovl{jobs}")
-        # One adapter slot per job, as gpu_arms' fit runs had (not sized to a group,
-        # nodus.runner.size_engine_slots): exact recovery on runs whose engine admits every job at once.
-        simulate(config_from_args({"engine": {"max_loras": jobs}}, jobs=jobs, steps=4, policy="overlap", groups=2,
-                                  sharing="mps", profile=truth, seed=3), runs[-1])
+        simulate(config_from_args(jobs=jobs, steps=4, policy="overlap", groups=2, sharing="mps", profile=truth,
+                                  seed=3), runs[-1])
     samples, _ = train_samples(runs[2])
     assert any(s["corun_s"] > 0 for s in samples) and all(s["sharing"] == "mps" for s in samples)
     base = json.loads(open(wrong).read())

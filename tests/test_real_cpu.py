@@ -76,14 +76,13 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     assert s["diagnostics"][0]["engine_args"] == {"max_logprobs": 5}
     assert s["diagnostics"][0]["engine_core_process"] is True
     assert s["diagnostics"][0]["cuda_graph_max_tokens"] == 64  # the config's engine setting
-    # The engine's adapter slots: its largest group's jobs (one here, nodus.runner.size_engine_slots).
-    assert s["diagnostics"][0]["engine_max_loras"] == 1
+    assert s["diagnostics"][0]["engine_max_loras"] == 2  # the engine's adapter slots: one per job here
     # The engine reports its LoRA kernel configs at start (none on a CPU: no Triton kernels there) and
     # its CUDA graphs as vLLM took them: the config's size, no graphs on a CPU.
     # Its kernel warm-up ran no step: a CPU has no Triton LoRA kernels to compile.
     assert s["diagnostics"][0]["workers"]["engine0"] == {
         "lora_kernel_configs": None, "cuda_graphs": {"mode": "NONE", "max_tokens": 64},
-        "lora_slots": {"gpu": 1, "cpu": 2},  # as vLLM took them: one slot a group, each job's adapter kept
+        "lora_slots": {"gpu": 2, "cpu": 2},  # as vLLM took them: one slot per job, each adapter kept
         "kernel_warmup": {"token_counts": [], "s": pytest.approx(0, abs=1.0), "jit_compiles": None,
                           "generation_jit_compiles": None}}
     # vLLM's core ran in its own process (the fixture's --engine-core-process): its JIT log is not

@@ -214,8 +214,7 @@ def test_publish_corun_factor_slows_the_freed_trainers_publishes_not_the_waiting
     for waits in (False, True):
         for factor in (1.0, 5.0):
             out = tmp_path / f"waits{waits}-x{factor}"
-            cfg = config_from_args({"arm": {"trainer_waits_for_publish": waits}, "engine": {"max_loras": 4}},
-                                   jobs=4, steps=4, policy="overlap",
+            cfg = config_from_args({"arm": {"trainer_waits_for_publish": waits}}, jobs=4, steps=4, policy="overlap",
                                    groups=2, sharing="mps", profile=_publish_factor_profile(tmp_path, factor))
             runs[waits, factor] = (simulate(cfg, out), out)
     slow, fast = _publishes(runs[False, 5.0][1]), _publishes(runs[False, 1.0][1])
