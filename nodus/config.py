@@ -149,9 +149,12 @@ def engine_graph_max_tokens(engine: "EngineSpec") -> int:
 def peak_engine_sequences(cfg: "RunConfig") -> int:
     """The most sequences an engine may be asked to hold at once: one job's step under
     ``dedicated`` and ``timeslice`` (an engine serves one job at a time), every job's step otherwise
-    (one shared-sync batch, or groups whose generations overlap when generating outlasts training)."""
+    (one shared-sync batch, or groups whose generations overlap when generating outlasts training),
+    but at most the ``engine.max_loras`` largest jobs' (a decode step holds that many adapters)."""
     per_job = [j.prompts_per_step * j.responses_per_prompt for j in cfg.jobs]
-    return max(per_job) if cfg.arm.policy in ("dedicated", "timeslice") else sum(per_job)
+    if cfg.arm.policy in ("dedicated", "timeslice"):
+        return max(per_job)
+    return sum(sorted(per_job, reverse=True)[:cfg.engine.max_loras or len(per_job)])
 
 
 def size_engine_graphs(cfg: "RunConfig") -> "RunConfig":

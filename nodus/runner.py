@@ -75,8 +75,9 @@ def size_engine_slots(cfg: RunConfig) -> RunConfig:
     slots as on 8, session 22), while fewer slots than two overlapping generations' adapters (a
     group's tail beside the next group's start) queue the later requests: the simulator puts 2 jobs
     on 1 slot 8% below 2 slots. Shared-sync, continuous, dedicated and timeslice runs keep one slot
-    per job (every job of a batch generates at once). A set ``engine.max_loras`` is kept; recorded
-    runs replay as recorded (only new configs, ``nodus.simulate.config_from_args``, are sized)."""
+    per job (every job of a batch generates at once). A set ``engine.max_loras`` is kept. Only new
+    configs are sized (``nodus.simulate.config_from_args``: ``nodus sim``, ``run``, ``sweep``, also
+    from a config file); ``nodus validate`` and ``fit`` replay a recorded run with its own slots."""
     n = len(cfg.jobs)
     if cfg.engine.max_loras is not None or cfg.arm.policy != "overlap" or cfg.arm.groups < 2 or n <= FREE_SLOTS:
         return cfg
@@ -118,8 +119,16 @@ def _one(cfg: RunConfig, make_backend: BackendFactory, on_progress, extras: dict
 
 
 def dedicated_of(cfg: RunConfig) -> RunConfig:
-    """The baseline arm for a config: the same jobs, each alone on its own GPU, no MPS."""
-    return cfg.model_copy(update={"arm": ArmSpec(policy="dedicated", groups=1, sharing="none")})
+    """The baseline arm for a config: the same jobs, each alone on its own GPU, no MPS. What nodus
+    sized to the arm's batch is not the baseline's: its engine's adapter slots
+    (``size_engine_slots``) and a CUDA-graph size nodus chose (``size_engine_graphs``; an engine
+    serving one job at a time gets none), so the baseline is the same for every arm of the jobs."""
+    update: dict = {"max_loras": None}
+    if cfg.engine._graphs_sized:
+        update["cuda_graph_max_tokens"] = None
+    engine = cfg.engine.model_copy(update=update)
+    engine._graphs_sized = False
+    return cfg.model_copy(update={"arm": ArmSpec(policy="dedicated", groups=1, sharing="none"), "engine": engine})
 
 
 def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,

@@ -26,8 +26,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                      seed: int | None = None, profile: str | None = None,
                      share_prompts: int | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
-    run's engine graphs sized to its jobs (``size_engine_graphs``) and, for overlap, its adapter
-    slots to its largest group (``nodus.runner.size_engine_slots``)."""
+    run's adapter slots sized to its largest group, for overlap (``nodus.runner.size_engine_slots``),
+    and its engine graphs to the sequences those slots can hold (``size_engine_graphs``)."""
     data = dict(config or {})
     if jobs is not None:
         if "jobs" in data:
@@ -55,7 +55,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
         data["trainer"] = {**data.get("trainer", {}), "share_prompts": share_prompts}
     if profile is not None:
         data["profile"] = profile
-    return size_engine_slots(size_engine_graphs(build_config(data)))
+    return size_engine_graphs(size_engine_slots(build_config(data)))  # the slots bound the sequences
 
 
 def simulate(cfg: RunConfig, out: str | Path | None = None) -> dict:
@@ -124,8 +124,10 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
     if graphs:  # the simulator's engine: a step past its CUDA graphs runs without them (~5x on the H200)
         lines.append(f"| engine CUDA graphs up to (tokens a step) / steps past them | "
                      f"{max(d['graph_max_tokens'] for d in graphs)} / {sum(d['graphless_steps'] for d in graphs)} |")
-    slots = [d["adapter_slots"] for d in s.get("diagnostics", []) if isinstance(d, dict) and d.get("adapter_slots")]
-    if slots:  # adapters one decode step holds (nodus.runner.size_engine_slots)
+    # Adapters one decode step holds (nodus.runner.size_engine_slots): the simulator's, or the real engine's.
+    slots = [d.get("adapter_slots") or d.get("engine_max_loras") for d in s.get("diagnostics", [])
+             if isinstance(d, dict) and (d.get("adapter_slots") or d.get("engine_max_loras"))]
+    if slots:
         lines.append(f"| engine adapter slots (adapters one decode step holds) | {max(slots)} |")
     evals = [d["eval"]["accuracy"] for d in s["per_job"].values() if d.get("eval")]
     if evals:

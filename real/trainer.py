@@ -342,6 +342,10 @@ class MultiLoRATrainer:
         if self._static_wanted():
             with record_function("nodus.forward_backward"):
                 losses = self._backward_static(jobs, seqs, audit_acc)
+            if losses is None and self.graph_error is not None:
+                # Built inside this step, the dropped programs lived on in _backward_static's frame
+                # until it returned: their memory goes back only now.
+                self._free_memory()
         plan = None
         if losses is None:
             plan = self._plan(seqs)
@@ -435,12 +439,19 @@ class MultiLoRATrainer:
         memory back, for the eager step that follows a failed capture: the programs captured before
         it held their pool (~30 GiB at 16k-token micro-batches on the H200), and the eager step ran
         out of memory beside it (session 23, two trainers of a timeslice arm). The jobs' adapters and
-        optimizer state live with the jobs, not here: nothing of a job is lost."""
-        import gc
-
+        optimizer state live with the jobs, not here: nothing of a job is lost. (``build_s`` keeps
+        what the builds cost.)"""
         self._static.clear()
         self._states.clear()
         self._pool = None
+        self._free_memory()
+
+    @staticmethod
+    def _free_memory() -> None:
+        """Collect what nothing references any more and give the allocator's cached GPU memory back,
+        for the other processes on the GPU (an engine, another stack's trainer)."""
+        import gc
+
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -114,11 +114,26 @@ def test_a_new_overlap_run_gets_adapter_slots_for_its_largest_group():
     pinned = {"jobs": [{"task": "gsm8k", "group": g} for g in [0] * 12 + [1] * 8],
               "arm": {"policy": "overlap", "groups": 2}}
     assert slots(pinned) == 12
-    # The sized config runs: the simulator admits that many adapters a step, and says so.
+    # The slots bound the sequences a step holds: 8 jobs' 512 fit vLLM's default graphs (the
+    # configuration measured), where 16 slots' 1024 get 1024-token graphs (size_engine_graphs).
+    assert config_from_args(jobs=16, steps=1, policy="overlap", groups=2).engine.cuda_graph_max_tokens is None
+    assert config_from_args({"engine": {"max_loras": 16}}, jobs=16, steps=1, policy="overlap",
+                            groups=2).engine.cuda_graph_max_tokens == 1024
+    # The dedicated baseline's engine is not the arm's: the same for every arm of the jobs.
+    from nodus.runner import dedicated_of
+
+    sized = config_from_args(jobs=16, steps=1, policy="overlap", groups=2)
+    assert dedicated_of(sized).engine.max_loras is None
+    assert dedicated_of(sized) == dedicated_of(config_from_args(jobs=16, steps=1, policy="shared-sync"))
+    # The sized config runs: the simulator admits that many adapters a step, and says so; a real
+    # run's table reads its engine's slots.
     from nodus.simulate import render_table, simulate
 
-    table = render_table(simulate(config_from_args(jobs=16, steps=1, policy="overlap", groups=2)))
-    assert "| engine adapter slots (adapters one decode step holds) | 8 |" in table
+    row = "| engine adapter slots (adapters one decode step holds) | 8 |"
+    summary = simulate(sized)
+    assert row in render_table(summary)
+    real = dict(summary, diagnostics=[{"engine_max_loras": 8, "engine_max_cpu_loras": 16}])
+    assert row in render_table(real)
     # A recorded run replays as recorded: build_config sizes nothing.
     recorded = build_config({"jobs": [{"task": "gsm8k"}] * 16, "arm": {"policy": "overlap", "groups": 2}})
     assert recorded.engine.max_loras is None

@@ -120,13 +120,20 @@ def test_one_invocation_runs_every_arm_on_the_largest_graph_size_any_arm_gets():
     from experiments.gpu_arms import invocation_graph_size, parse_arm
     from nodus.config import default_jobs
 
-    def workload(n):
-        return {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(n)]}
+    from experiments.gpu_arms import engine_section, largest_arm
 
-    def size(arms, counts=(8,)):
-        return invocation_graph_size([parse_arm(a) for a in arms.split(",")], list(counts), workload)
+    def size(arms, counts=(8,), slots=None):
+        specs = [parse_arm(a) for a in arms.split(",")]
+        call_slots = slots or largest_arm(specs, list(counts))  # as gpu_arms: --engine-slots, else this
+
+        def workload(n):
+            return {"jobs": [j.model_dump(exclude_none=True) for j in default_jobs(n)],
+                    "engine": engine_section(call_slots, None)}
+        return invocation_graph_size(specs, list(counts), workload)
 
     assert size("dedicated,shared-sync+mps,overlap+mps:j16") == 1024
+    # --engine-slots 8: a step holds at most 8 jobs' 512 sequences, inside vLLM's default graphs.
+    assert size("dedicated,shared-sync+mps,overlap+mps:j16", slots=8) is None
     assert size("dedicated,shared-sync+mps", (8, 16)) == 1024
     assert size("dedicated,shared-sync+mps,overlap+mps") is None
     assert size("dedicated:j16,timeslice:j16") is None

@@ -327,7 +327,10 @@ def test_a_new_config_sizes_the_engines_graphs_past_its_batch_and_a_recorded_one
         return config_from_args(config, steps=1, **kw).engine.cuda_graph_max_tokens
 
     assert graphs(jobs=16, policy="shared-sync") == 1024  # 16 x 64 = 1024 sequences > 512
-    assert graphs(jobs=16, policy="overlap", groups=2) == 1024  # two groups' generations may overlap
+    # Two groups' generations may overlap: on one slot per job, 1024 sequences; on the 8 slots a
+    # new 16-job overlap config gets (nodus.runner.size_engine_slots), at most 8 jobs' 512.
+    assert graphs({"engine": {"max_loras": 16}}, jobs=16, policy="overlap", groups=2) == 1024
+    assert graphs(jobs=16, policy="overlap", groups=2) is None
     assert graphs(jobs=8, policy="shared-sync") is None  # 512: never queues
     assert graphs(jobs=16, policy="dedicated") is None  # one job's 64 at a time
     assert graphs({"engine": {"max_num_seqs": 256}}, jobs=8, policy="shared-sync") == 512
