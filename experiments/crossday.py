@@ -8,9 +8,10 @@ configuration. A profile's own day is the in-day figure; the rest are what it gi
     python experiments/crossday.py --profile NAME[=DAY] ... --day DAY=RUN_DIR_GLOB ... \
         --out experiments/results/crossday [--annotate]
 
-Only runs of the trainer and engine settings every profile here describes are compared (the graphed
-trainer, the tuned LoRA kernels, the full audit, the engine in one process with no extra arguments
-or environment, vLLM's pinned publish; `--keep-any` compares every run); a run whose MPS settings
+Only runs of the trainer and engine settings a profile describes are compared (the graphed trainer,
+the tuned LoRA kernels, the full audit, the engine in one process with no extra arguments or
+environment, vLLM's pinned publish, and the adapter slots its engine terms were measured with, or one
+per job where it does not record them; `--keep-any` compares every run); a run whose MPS settings
 differ from a profile's is kept and counted (`mps_flagged`), as a planner would meet it. Writes
 crossday.{json,md}.
 """
@@ -26,16 +27,22 @@ from pathlib import Path
 from nodus.config import packed_rows
 
 # Run controls (calibration.validate.run_controls) of settings no profile here was fitted with.
-OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned", "engine_max_loras")
+OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned")
 
 
-def comparable(row: dict) -> bool:
-    """A run of the settings every profile here describes: the graphed trainer with plain rows
-    (no trainer.share_prompts packing, which only some profiles price), the tuned LoRA kernels and
-    none of OTHER_SETTINGS."""
+def comparable(row: dict, profile_slots: int | None = None) -> bool:
+    """A run of the settings the profile describes: the graphed trainer with plain rows (no
+    trainer.share_prompts packing, which only some profiles price), the tuned LoRA kernels, none of
+    OTHER_SETTINGS, and the engine's adapter slots: those the profile's engine terms were measured
+    with (``profile_slots``, its ``environment.engine_max_loras``; a run's are its
+    ``engine_max_loras`` control, else one per job), or one per job for a profile that does not
+    record them (session 23: 16 slots against 8 moved a run 11-27%)."""
     c = row.get("controls") or {}
+    slots = c.get("engine_max_loras") or row.get("jobs")
+    same_engine = "engine_max_loras" not in c if profile_slots is None else slots == profile_slots
     return (c.get("trainer_step_mode") == "graphed" and c.get("lora_kernels") == "tuned"
-            and not packed_rows(row.get("share_prompts")) and not any(k in c for k in OTHER_SETTINGS))
+            and not packed_rows(row.get("share_prompts")) and not any(k in c for k in OTHER_SETTINGS)
+            and same_engine)
 
 
 def mps_flagged(row: dict, profile_sharing: dict | None) -> bool:
@@ -69,9 +76,10 @@ def crossday(profiles: list[tuple[str, str | None]], days: list[tuple[str, list[
     out: dict = {"profiles": [{"profile": p, "fit_day": d} for p, d in profiles], "days": [d for d, _ in days],
                  "cells": {}, "matched": {}}
     for p, _ in profiles:
-        controls = profile_dict(p)["sharing"].get("controls")
+        prof = profile_dict(p)
+        controls, slots = prof["sharing"].get("controls"), prof["environment"].get("engine_max_loras")
         for day, runs in days:
-            rows = [r for r in validate(runs, p)["rows"] if r["heldout"] and (keep_any or comparable(r))]
+            rows = [r for r in validate(runs, p)["rows"] if r["heldout"] and (keep_any or comparable(r, slots))]
             out["cells"].setdefault(p, {})[day] = cell(rows, controls)
             # The runs whose MPS settings are the profile's (a planner picks the profile of the
             # settings the jobs will run under).

@@ -303,9 +303,10 @@ def main() -> None:
                          "11-12%% slower)")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=None, metavar="N",
                     help="the engine's CUDA graphs up to N tokens a step (config engine.cuda_graph_max_tokens; "
-                         "default: 2 x max_num_seqs for every arm of an invocation where one arm's jobs' sequences "
-                         "exceed max_num_seqs (nodus.config.size_engine_graphs), else vLLM's min(2 x max_num_seqs, "
-                         "512)); run keys get -gm<N> wherever the size is set")
+                         "default: 2 x max_num_seqs for every arm of an invocation where one arm's jobs' sequences, "
+                         "as many as the engine's slots hold, exceed max_num_seqs (nodus.config.size_engine_graphs; "
+                         "--engine-slots 8 at 16 jobs: 512), else vLLM's min(2 x max_num_seqs, 512)); run keys get "
+                         "-gm<N> wherever the size is set")
     ap.add_argument("--engine-core-process", action="store_true",
                     help="vLLM's engine core in a process of its own under each engine worker (run keys get -ep)")
     ap.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),

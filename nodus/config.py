@@ -135,7 +135,8 @@ class EngineSpec(_Model):
     # The engine's largest CUDA graph, in tokens per step (vLLM's max_cudagraph_capture_size); a
     # step of more tokens runs without graphs, as one that admits a waiting prompt beside a full
     # decode batch does. None: vLLM's default (engine_graph_max_tokens); a new run's config sets
-    # 2 x max_num_seqs where its jobs' sequences can exceed max_num_seqs (size_engine_graphs).
+    # 2 x max_num_seqs where the sequences its adapter slots can hold exceed max_num_seqs
+    # (size_engine_graphs, peak_engine_sequences).
     cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
     _graphs_sized: bool = PrivateAttr(default=False)  # nodus chose cuda_graph_max_tokens (size_engine_graphs)
 
@@ -159,7 +160,8 @@ def peak_engine_sequences(cfg: "RunConfig") -> int:
 
 def size_engine_graphs(cfg: "RunConfig") -> "RunConfig":
     """A new run's CUDA-graph size: left unset, it covers a full decode batch beside an admitted
-    prompt (2 x max_num_seqs) wherever the jobs' sequences can exceed ``max_num_seqs``.
+    prompt (2 x max_num_seqs) wherever the jobs' sequences, as many as its adapter slots hold
+    (``peak_engine_sequences``), can exceed ``max_num_seqs``.
 
     There vLLM queues the rest, and each step that admits a waiting prompt into a freed slot
     carries its prefill beside ~max_num_seqs decoding sequences: past vLLM's default graphs (512

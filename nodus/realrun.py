@@ -105,6 +105,14 @@ class ClusterPool:
         self.clusters.clear()
 
 
+def baseline_pool(cfg: RunConfig, opts) -> ClusterPool:
+    """The pool for an arm and its dedicated baseline: the arm's engine has the arm's slots (exact
+    where its config sets them, as ``size_engine_slots`` does for a large overlap arm), the
+    baseline's (a job at a time, ``nodus.runner.dedicated_of``) one slot per job of the arm, the
+    same for every arm of the jobs."""
+    return ClusterPool(opts, min_loras=len(cfg.jobs))
+
+
 def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None = None,
         baseline: bool = True) -> dict:
     """Run one arm (and, with `baseline`, its dedicated baseline) and return the summary; write a
@@ -121,7 +129,7 @@ def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None
     check_run_settings(cfg, opts)  # before an output folder or a process
     cfg = engine_args_size_graphs(cfg, opts.engine_args)  # graph sizes the engine args set stay theirs
     out_dir = make_out_dir(out) if out is not None else None
-    pool = ClusterPool(opts, min_loras=cfg.engine.max_loras or len(cfg.jobs))
+    pool = baseline_pool(cfg, opts)
     # A dedicated-GPU-per-job baseline must not share a cluster with the MPS arm's sharing mode:
     # run_arm asks the pool for a sharing='none' backend, which restarts the processes.
     try:

@@ -478,6 +478,8 @@ class MultiLoRATrainer:
                 for rows in sorted({program_rows(mb, w), program_rows(mb, w, left=0)}, reverse=True)]
         for key in keys:
             if self._static_step(key, state) is None:
+                del state  # the failed build's stacks, held here past the release: given back too
+                self._free_memory()
                 return []
         return keys
 

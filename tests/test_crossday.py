@@ -99,3 +99,18 @@ def test_an_in_place_validation_keeps_the_across_days_error(days, tmp_path):
     annotate_profile(str(copy), validate(days[0][1][:2], str(copy)), copy, "r.md")
     v = json.loads(copy.read_text())["validation"]
     assert v["across_days_mape"] == 0.05 and v["across_days_runs"] == 3 and v["report"] == "r.md"
+
+
+def test_a_profile_meets_the_runs_of_its_engine_slots():
+    """A profile that records its engine's adapter slots (environment.engine_max_loras) is compared
+    on runs of those slots (a run's engine_max_loras control, else one per job); one that does not,
+    on runs with one slot per job (session 23: 16 slots against 8 moved a run 11-27%)."""
+    from experiments.crossday import comparable
+
+    def row(jobs, slots=None):
+        controls = {"trainer_step_mode": "graphed", "lora_kernels": "tuned"}
+        return {"jobs": jobs, "controls": dict(controls, **({"engine_max_loras": slots} if slots else {}))}
+
+    assert comparable(row(8), 8) and comparable(row(16, 8), 8)
+    assert not comparable(row(16), 8) and not comparable(row(8, 16), 8)
+    assert comparable(row(16)) and comparable(row(8)) and not comparable(row(16, 8))

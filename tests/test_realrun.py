@@ -71,6 +71,23 @@ def test_fewer_slots_than_jobs_keep_every_jobs_adapter_loaded(monkeypatch):
     assert reserved.has_cluster(_cfg(8, "overlap", slots=4), 1) and not reserved.has_cluster(_cfg(8), 1)
 
 
+def test_the_dedicated_baseline_gets_one_slot_per_job_whatever_the_arm(monkeypatch):
+    """nodus run's pool: the arm's engine has the arm's slots (8, exact, for 16 jobs in 2 groups as
+    size_engine_slots sizes them), its dedicated baseline's one slot per job (16) for every arm."""
+    from nodus.realrun import baseline_pool
+    from nodus.runner import dedicated_of
+
+    monkeypatch.setattr(real.backend, "Cluster", FakeCluster)
+    monkeypatch.setattr(real.backend, "RealBackend", lambda cluster, cfg: cluster)
+    for arm, arm_slots in ((_cfg(16, "overlap", slots=8), 8), (_cfg(16), 16)):
+        FakeCluster.started = []
+        pool = baseline_pool(arm, None)
+        assert pool(arm, 1).max_loras == arm_slots
+        base = dedicated_of(arm)
+        one_job = base.model_copy(update={"jobs": base.jobs[:1]})  # the baseline runs a job at a time
+        assert pool(one_job, 1).max_loras == 16
+
+
 def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monkeypatch):
     from real.backend import RealOptions, engine_settings, trainer_settings
 

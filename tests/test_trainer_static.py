@@ -168,23 +168,31 @@ def test_a_failed_build_releases_every_program_and_trains_eager(monkeypatch):
     """A program build (a CUDA-graph capture on the GPU) that fails after others were built: the
     trainer drops them all, their stacks and graph pool (their memory would starve the eager step),
     records why, and its steps give the eager trainer's updates: no job loses anything."""
+    import weakref
+
     import real.trainer as rt
 
     step1, step2 = two_step_data()
     eager = make_trainer(JOBS, dtype=torch.float64, max_tokens_per_microbatch=96, step_mode="eager")
     failing = make_trainer(JOBS, dtype=torch.float64, max_tokens_per_microbatch=96, step_mode="static")
-    built, real_step = [], rt.StaticStep
+    built, real_step = [], rt.StaticStep  # weak references: the test keeps no program alive
 
     def build_then_fail(*args, **kwargs):
         if len(built) == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        built.append(real_step(*args, **kwargs))
-        return built[-1]
+        st = real_step(*args, **kwargs)
+        built.append(weakref.ref(st))
+        return st
 
+    freed = []  # at each give-back of memory: whether the program built is gone by then
     monkeypatch.setattr(rt, "StaticStep", build_then_fail)
+    monkeypatch.setattr(rt.MultiLoRATrainer, "_free_memory", staticmethod(lambda: freed.append(built[0]() is None)))
     got = [failing.train_step(step1), failing.train_step(step2)]
     want = [eager.train_step(step1), eager.train_step(step2)]
     assert len(built) == 1 and failing.step_mode == "eager"
+    # The build failed inside the step: the program built before it lived on in the step's frame at
+    # the release, and was gone at the give-back after the fixed-shape path returned.
+    assert freed == [False, True]
     assert failing.graph_error.startswith("OutOfMemoryError: CUDA out of memory (simulated)")
     assert failing.programs == [] and failing._states == {} and failing._pool is None
     for g, w in zip(got, want):
