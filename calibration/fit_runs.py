@@ -16,10 +16,15 @@ fitted step has the same adapter count, c cannot be told from a and is kept from
 profile; runs with one job per step never regroup, which leaves d at 0. In runs of 1-4 identical
 jobs a step's adapters, micro-batches and tokens grow together, so which of them carries the cost
 is barely determined, yet it decides the prediction at 8 and 16 jobs: the terms kept are those
-that predict runs left out of the fit (leave-one-run-out cross-validation over every subset
-holding a or b; ties go to fewer terms), the others are 0 (`train_fit.term_selection`). On the
-H200, of a + b, a + c, b + c and all three, it chose the one that then predicted the held-out 8-
-and 16-job runs best on each of the three days it was checked on (README, "Fit and validate").
+that predict steps left out of the fit (cross-validation over every subset holding a or b; ties
+go to fewer terms), the others are 0 (`train_fit.term_selection`). By default the folds
+extrapolate, as the profile will: each step size (adapters) above the smallest is predicted from
+the smaller steps, where those tell a subset's terms apart (a dedicated run's 1 adapter alone
+cannot tell a per-adapter cost from a fixed one). Leaving one run out instead
+(`term_selection="runs"`) rewards terms that only interpolate among the fit's sizes; on the H200's
+one-day protocols of sessions 21-24 the extrapolating folds predicted the held-out 8- and 16-job
+runs at 5.3% per run on average against 6.4% (better on two days, level on one, 0.4 points worse
+on one; `experiments/protocol_days.sh`; README, "Fit and validate").
 
 Publish: seconds = a fixed part + a part per adapter, fitted on the publishes that no train step
 on their GPU overlapped for more than half their time (relative least squares, each run weighing
@@ -267,7 +272,8 @@ def graphless_points(path: str | Path, graph_max_tokens: int | None = None) -> t
 
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
         lora_kernels: str | None = None, graphless_from: str | Path | None = None,
-        graph_max_tokens: int | None = None, scales_only: bool = False) -> dict:
+        graph_max_tokens: int | None = None, scales_only: bool = False,
+        term_selection: str = "extrapolate") -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs.
 
     ``trainer_mode`` (default: the base's ``train.step_mode``): the trainer the runs used and the
@@ -296,7 +302,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     (assumption ``day-scales``): what a dedicated run cannot separate stays in the base's proportion
     (the per-adapter train cost, scaled with the other terms) or the base's (the co-run and MPS
     rates), where a full refit on dedicated runs would guess it. Sessions 13-15 measured it over
-    four day-to-day carries: not reliably better than the base unchanged (README)."""
+    four day-to-day carries: not reliably better than the base unchanged (README).
+
+    ``term_selection``: how the train terms the runs support are chosen (``_select_train_terms``):
+    "extrapolate" scores each subset on the steps of each size fitted on the smaller ones, "runs"
+    leaves one run out."""
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
 
@@ -413,7 +423,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         selection = None
     else:
         a, b, c, d, names, w, c_source, selection = _fitted_train_terms(
-            prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run=[s["run"] for s in samples])
+            prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run=[s["run"] for s in samples],
+            scheme=term_selection)
         train_scale = None
     work = a * mb + b * tok + c * ad + d * rg
     # The step's predicted seconds: its work at the rates it ran under.
@@ -561,7 +572,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                                    else "0 (no multi-adapter micro-batch in the fitted runs)" if rg.max() == 0
                                    else "0: left out, it did not predict runs left out of the fit (cross-validation)"),
                       "d_layout": prof["train"]["extra_tokens_layout"],
-                      # Which terms leave-one-run-out cross-validation kept (None: not run,
+                      # Which terms cross-validation kept, by which scheme (None: not run,
                       # --scales-only), with each candidate's score.
                       "term_selection": selection,
                       "mape": float(np.mean(np.abs(rel))), "worst": float(np.max(np.abs(rel))),
@@ -661,20 +672,55 @@ def _solve_train(sharing: dict, y, feats: dict, terms: tuple, fixed: np.ndarray,
     return {t: float(w.get(t, 0.0)) for t in TRAIN_TERMS}, {k: float(w[k]) for k in rate_cols}
 
 
-def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, run) -> tuple[tuple, dict]:
-    """Which of the ``optional`` train terms the runs support: every subset holding a or b,
-    scored by leave-one-run-out cross-validation (fitted on the other runs, the mean relative
-    error of the left-out run's steps, averaged over runs). In runs of 1-4 identical jobs the
-    adapters, micro-batches and tokens of a step grow together, so a fit of every term can put a
-    cost on the wrong one, which then extrapolates wrongly to 8 or 16 jobs; a term that does not
-    predict runs left out of the fit is dropped (0). The sharing rates are those of the fit of
-    every term on every run (a step's work is its seconds at them): a fold without some run may
-    not pin a rate. Ties go to fewer terms. Returns the chosen terms and a record of the folds,
-    each subset's score (``cv_mape``; None with fewer than two runs, when every optional term is
-    kept) and the choice."""
+TERM_SELECTIONS = ("extrapolate", "runs")  # how the train terms are chosen (_select_train_terms)
+
+
+def _rank(X: np.ndarray) -> int:
+    """Column rank of ``X`` with each column scaled to its largest magnitude (features of seconds,
+    tokens and counts differ by orders of magnitude); a zero column adds nothing."""
+    peak = np.abs(X).max(0)
+    return int(np.linalg.matrix_rank(X[:, peak > 0] / peak[peak > 0])) if (peak > 0).any() else 0
+
+
+def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, run,
+                        scheme: str = "extrapolate") -> tuple[tuple, dict]:
+    """Which of the ``optional`` train terms the runs support: every subset holding a or b, scored
+    by cross-validation, the others 0. In runs of 1-4 identical jobs the adapters, micro-batches
+    and tokens of a step grow together, so a fit of every term can put a cost on the wrong one,
+    which then extrapolates wrongly to 8 or 16 jobs.
+
+    ``scheme`` "extrapolate" (the default) scores a subset the way the profile is used: for each
+    step size (its adapters) with at least two smaller sizes below it, fitted on the steps of fewer
+    adapters and scored on the steps of that size (the mean relative error of those steps, averaged
+    over the sizes; one size alone cannot tell a per-adapter cost from a fixed one). On
+    the H200's four one-day protocols (sessions 21-24) the held-out 8- and 16-job runs came out at
+    6.9 / 2.2 / 8.5 / 3.5% per run against 6.5 / 2.2 / 11.2 / 5.7% with "runs" (README, "Fit and
+    validate"). "runs": leave one
+    run out (fitted on the other runs, scored on the left-out run's steps, averaged over runs),
+    which rewards terms that interpolate among the fit's own sizes. With fewer than three step
+    sizes "extrapolate" has no fold and "runs" is used.
+
+    The sharing rates are those of the fit of every term on every run (a step's work is its seconds
+    at them): a fold without some run may not pin a rate. Ties go to fewer terms. Returns the chosen
+    terms and a record: the scheme used, its folds, each subset's score (``cv_mape``; None with one
+    fold or none, when every optional term is kept) and the choice."""
+    if scheme not in TERM_SELECTIONS:
+        raise ConfigError(f"nodus fit: term selection {scheme!r}: choose one of {', '.join(TERM_SELECTIONS)}")
+    size = feats["c"]
+    sizes = sorted(set(size.tolist()))
+    if scheme == "extrapolate" and len(sizes) < 2:
+        scheme = "runs"
     runs = sorted(set(run))
-    if len(runs) < 2:
-        return tuple(optional), {"folds": len(runs), "cv_mape": None, "chosen": "+".join(optional)}
+    if scheme == "extrapolate":
+        folds = [(size < s, size == s) for s in sizes[1:]]
+        every = np.stack([feats[t] for t in optional], 1)
+        if not any(_rank(every[train]) == len(optional) for train, _ in folds):
+            scheme = "runs"  # no smaller steps pin every term: nothing to score the full model on
+    if scheme == "runs":
+        folds = [(run != r, run == r) for r in runs]
+    if len(folds) < 2 and scheme == "runs":
+        return tuple(optional), {"scheme": scheme, "folds": len(folds), "cv_mape": None,
+                                 "chosen": "+".join(optional)}
     _, fitted = _solve_train(sharing, y, feats, tuple(optional), fixed, mode, alone, corun)
     sh = {k: dict(v) if isinstance(v, dict) else v for k, v in sharing.items()}
     for key, v in fitted.items():
@@ -686,16 +732,20 @@ def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, 
     for c in subsets:
         X = np.stack([feats[t] for t in c], 1)
         errs = []
-        for r in runs:
-            train, test = run != r, run == r
+        for train, test in folds:
+            if scheme == "extrapolate" and _rank(X[train]) < X.shape[1]:
+                continue  # the smaller steps cannot tell these terms apart: no score from this fold
             w = nonneg_rel_lstsq(X[train], work[train], scale=y[train])
             errs.append(float(np.mean(np.abs(X[test] @ w - work[test]) / (work[test] + fixed[test]))))
-        cv["+".join(c)] = float(np.mean(errs))
+        if errs:
+            cv["+".join(c)] = float(np.mean(errs))
+    subsets = [c for c in subsets if "+".join(c) in cv]
     best = min(subsets, key=lambda c: (round(cv["+".join(c)], 6), len(c)))
-    return best, {"folds": len(runs), "cv_mape": cv, "chosen": "+".join(best)}
+    return best, {"scheme": scheme, "folds": len(folds), "cv_mape": cv, "chosen": "+".join(best)}
 
 
-def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run=None) -> tuple:
+def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run=None,
+                        scheme: str = "extrapolate") -> tuple:
     """The train terms (a per micro-batch, b per padded token, c per adapter, d per regrouped
     token) and the trainer's unknown sharing rates fitted on the steps; the rates fitted are set in
     ``prof["sharing"]`` and ``rates``. ``run``: each step's run, for the choice of terms
@@ -716,7 +766,7 @@ def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run
     terms = tuple(optional)
     if run is not None:
         terms, selection = _select_train_terms(sharing, y, feats, tuple(optional), fixed, mode, alone, corun,
-                                               np.asarray(run))
+                                               np.asarray(run), scheme)
     w, fitted = _solve_train(sharing, y, feats, terms, fixed, mode, alone, corun)
     for key, v in fitted.items():
         rates[key] = v
@@ -930,10 +980,11 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,
                 trainer_mode: str | None = None, lora_kernels: str | None = None,
                 graphless_from: str | Path | None = None, graph_max_tokens: int | None = None,
-                scales_only: bool = False) -> dict:
+                scales_only: bool = False, term_selection: str = "extrapolate") -> dict:
     from sim.profile import refuse_existing, write_profile
 
     refuse_existing(out, "nodus fit")
-    prof = fit(runs, base, fit_max_jobs, trainer_mode, lora_kernels, graphless_from, graph_max_tokens, scales_only)
+    prof = fit(runs, base, fit_max_jobs, trainer_mode, lora_kernels, graphless_from, graph_max_tokens, scales_only,
+               term_selection)
     write_profile(prof, out, "nodus fit")
     return prof

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nodus.config import DEFAULT_PROFILE, DEFAULT_PROFILES, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
 from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
+from calibration.fit_runs import TERM_SELECTIONS
 from sim.profile import LORA_KERNELS, RATE_MAX, STEP_MODES
 
 
@@ -227,7 +228,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
 
     prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs, trainer_mode=a.trainer_mode,
                        lora_kernels=a.lora_kernels, graphless_from=a.graphless_from,
-                       graph_max_tokens=a.graph_max_tokens, scales_only=a.scales_only)
+                       graph_max_tokens=a.graph_max_tokens, scales_only=a.scales_only,
+                       term_selection=a.term_selection)
     f = prof["measurements"]["fit_runs"]
     t = f["train_fit"]
     if t.get("scale") is not None:
@@ -243,8 +245,10 @@ def cmd_fit(a: argparse.Namespace) -> int:
     sel = t.get("term_selection")
     if sel and sel.get("cv_mape"):
         cv = sel["cv_mape"]
-        print(f"train terms kept by leave-one-run-out cross-validation ({sel['folds']} folds): {sel['chosen']} "
-              f"(its error on left-out runs {cv[sel['chosen']]:.1%}; every term the runs vary: "
+        how = ("fitted on smaller steps, scored on each larger size" if sel.get("scheme") == "extrapolate"
+               else "leave-one-run-out")
+        print(f"train terms kept by cross-validation ({how}, {sel['folds']} folds): {sel['chosen']} "
+              f"(its error on left-out steps {cv[sel['chosen']]:.1%}; every term the runs vary: "
               f"{cv[max(cv, key=len)]:.1%})")
     n = f.get("publish_corun_samples") or {}
     print(f"publish beside a train step x {f['publish_corun_factor']:.2f} ({n['beside_train']} such publishes, "
@@ -481,6 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="carry the base to the runs' host and day instead of refitting it: its cost shapes and "
                         "sharing rates kept, the runs fit the trainer's scale, decode.scale and the publish cost "
                         "(the day's dedicated runs suffice; one is needed)")
+    p.add_argument("--term-selection", choices=TERM_SELECTIONS, default="extrapolate",
+                   help="how the train terms the runs support are chosen by cross-validation: extrapolate (each "
+                        "step size predicted from the smaller steps, as the profile is used at 8-16 jobs) or runs "
+                        "(leave one run out)")
     p.set_defaults(fn=cmd_fit)
 
     p = sub.add_parser("fit-packed", help="fit the packed rows' attention (trainer.share_prompts) from trainer "

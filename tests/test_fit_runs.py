@@ -3,6 +3,7 @@ a known profile are the data, so the fit must give that profile's coefficients b
 
 import json
 
+import numpy as np
 import pytest
 
 from calibration.fit_runs import fit, generate_samples, nonneg_rel_lstsq, train_samples
@@ -619,17 +620,63 @@ def test_fit_keeps_only_the_train_terms_that_predict_left_out_runs(tmp_path, cap
         runs.append(tmp_path / f"sync{jobs}")
         simulate(config_from_args(jobs=jobs, steps=3, policy="shared-sync", sharing="none", profile=truth,
                                   seed=jobs), runs[-1])
-    prof = fit(runs, base=wrong)
-    t, f = prof["train"], prof["measurements"]["fit_runs"]["train_fit"]
-    sel = f["term_selection"]
-    assert sel["folds"] == 3 and sel["chosen"] == "a+b" and sel["cv_mape"]["a+b"] == pytest.approx(0, abs=1e-9)
-    assert sel["cv_mape"]["a"] > 0.01 and sel["cv_mape"]["b+c"] > 0.01  # a true term left out: an error
-    assert t["s_per_adapter"] == 0.0 and "cross-validation" in f["c_source"]
-    assert t["per_microbatch"]["a_s"] == pytest.approx(0.1, rel=1e-6)
-    assert t["per_microbatch"]["b_s_per_unit"] == pytest.approx(1.5e-5, rel=1e-6)
+    for scheme, folds in (("extrapolate", 2), ("runs", 3)):  # step sizes 3 and 4 from the smaller; or 3 runs
+        prof = fit(runs, base=wrong, term_selection=scheme)
+        t, f = prof["train"], prof["measurements"]["fit_runs"]["train_fit"]
+        sel = f["term_selection"]
+        assert sel["scheme"] == scheme and sel["folds"] == folds and sel["chosen"] == "a+b"
+        assert sel["cv_mape"]["a+b"] == pytest.approx(0, abs=1e-9)
+        assert sel["cv_mape"]["a"] > 0.01 and sel["cv_mape"]["b+c"] > 0.01  # a true term left out: an error
+        assert t["s_per_adapter"] == 0.0 and "cross-validation" in f["c_source"]
+        assert t["per_microbatch"]["a_s"] == pytest.approx(0.1, rel=1e-6)
+        assert t["per_microbatch"]["b_s_per_unit"] == pytest.approx(1.5e-5, rel=1e-6)
+    with pytest.raises(ConfigError, match="term selection 'loo'"):
+        fit(runs, base=wrong, term_selection="loo")
     out = tmp_path / "fitted.json"
     assert main(["fit", *map(str, runs), "--base", wrong, "--out", str(out)]) == 0
-    assert "train terms kept by leave-one-run-out cross-validation (3 folds): a+b" in capsys.readouterr().out
+    assert ("train terms kept by cross-validation (fitted on smaller steps, scored on each larger size, 2 folds): "
+            "a+b") in capsys.readouterr().out
+    assert main(["fit", *map(str, runs), "--base", wrong, "--term-selection", "runs",
+                 "--out", str(tmp_path / "runs.json")]) == 0
+    assert "train terms kept by cross-validation (leave-one-run-out, 3 folds): a+b" in capsys.readouterr().out
+
+
+def test_extrapolating_term_selection_scores_each_size_from_the_smaller_steps():
+    """The extrapolating folds fit a subset on the steps of fewer adapters only and score it on each
+    larger size its smaller steps can be fitted for. Steps cost per token; their tokens grow with the
+    adapters up to 2 and less past that, so a per-adapter term fits sizes 1-2 and misses size 4."""
+    from calibration.fit_runs import _select_train_terms
+    sizes = np.array([1, 1, 2, 2, 4, 4], dtype=float)
+    tokens = np.array([1000, 1100, 2000, 2300, 3000, 3100], dtype=float)
+    mb = np.ones(6)
+    y = 4e-4 * tokens
+    sharing = {"mps_alone": {"trainer": 1.0}, "mps_corun": {"trainer": 0.5}, "none_corun": {"trainer": 0.5}}
+    feats = {"a": mb, "b": tokens, "c": sizes, "d": np.zeros(6)}
+    run = np.array(["r1", "r1", "r2", "r2", "r4", "r4"])
+    mode = np.array(["none"] * 6)
+    zero = np.zeros(6)
+    terms, sel = _select_train_terms(sharing, y, feats, ("a", "b", "c"), zero, mode, y, zero, run, "extrapolate")
+    assert sel["scheme"] == "extrapolate" and sel["folds"] == 2
+    # By hand: fitted on size 1, scored on size 2; fitted on sizes 1-2, scored on size 4.
+    def by_hand(cols):
+        X = np.stack(cols, 1)
+        errs = []
+        for fit_on, score in ((sizes < 2, sizes == 2), (sizes < 4, sizes == 4)):
+            if np.linalg.matrix_rank(X[fit_on]) < X.shape[1]:
+                continue  # size 1 alone cannot tell a per-adapter cost from a fixed one: not scored
+            w = nonneg_rel_lstsq(X[fit_on], y[fit_on], scale=y[fit_on])
+            errs.append(np.mean(np.abs(X[score] @ w - y[score]) / y[score]))
+        return np.mean(errs)
+    assert sel["cv_mape"]["a"] == pytest.approx(by_hand([mb]), rel=1e-9)
+    assert sel["cv_mape"]["a+c"] == pytest.approx(by_hand([mb, sizes]), rel=1e-9)
+    assert terms == ("b",) and sel["cv_mape"]["b"] == pytest.approx(0, abs=1e-9)
+    # a + c, scored on fold 2 only: ~0.43 s an adapter from sizes 1-2, ~1.7 s for the size-4 steps' ~1.22 s
+    assert sel["cv_mape"]["a+c"] > 0.3
+    # One step size only: nothing to extrapolate to, so the runs are left out instead.
+    one = np.ones(6)
+    _, sel1 = _select_train_terms(sharing, y, {**feats, "c": one}, ("a", "b"), zero, mode, y, zero, run,
+                                  "extrapolate")
+    assert sel1["scheme"] == "runs" and sel1["folds"] == 3
 
 
 def test_fit_recovers_a_publishs_fixed_and_per_adapter_cost(tmp_path):
