@@ -17,14 +17,10 @@ profile; runs with one job per step never regroup, which leaves d at 0. In runs 
 jobs a step's adapters, micro-batches and tokens grow together, so which of them carries the cost
 is barely determined, yet it decides the prediction at 8 and 16 jobs: the terms kept are those
 that predict steps left out of the fit (cross-validation over every subset holding a or b; ties
-go to fewer terms), the others are 0 (`train_fit.term_selection`). By default the folds
-extrapolate, as the profile will: each step size (adapters) above the smallest is predicted from
-the smaller steps, where those tell a subset's terms apart (a dedicated run's 1 adapter alone
-cannot tell a per-adapter cost from a fixed one). Leaving one run out instead
-(`term_selection="runs"`) rewards terms that only interpolate among the fit's sizes; on the H200's
-one-day protocols of sessions 21-24 the extrapolating folds predicted the held-out 8- and 16-job
-runs at 5.3% per run on average against 6.4% (better on two days, level on one, 0.4 points worse
-on one; `experiments/protocol_days.sh`; README, "Fit and validate").
+go to fewer terms), the others are 0 (`train_fit.term_selection`). By default one run is left out
+at a time; `term_selection="extrapolate"` instead predicts the largest steps from the smaller ones,
+as the profile will be used (`_select_train_terms`; on sessions 21-24's protocols one day better,
+one slightly worse, two the same: `experiments/protocol_days.sh`).
 
 Publish: seconds = a fixed part + a part per adapter, fitted on the publishes that no train step
 on their GPU overlapped for more than half their time (relative least squares, each run weighing
@@ -273,7 +269,7 @@ def graphless_points(path: str | Path, graph_max_tokens: int | None = None) -> t
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
         lora_kernels: str | None = None, graphless_from: str | Path | None = None,
         graph_max_tokens: int | None = None, scales_only: bool = False,
-        term_selection: str = "extrapolate") -> dict:
+        term_selection: str = "runs") -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs.
 
     ``trainer_mode`` (default: the base's ``train.step_mode``): the trainer the runs used and the
@@ -305,10 +301,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     four day-to-day carries: not reliably better than the base unchanged (README).
 
     ``term_selection``: how the train terms the runs support are chosen (``_select_train_terms``):
-    "extrapolate" scores each subset on the steps of each size fitted on the smaller ones, "runs"
-    leaves one run out."""
+    "runs" leaves one run out, "extrapolate" scores each subset on the larger steps fitted on the
+    smaller ones."""
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
+    if term_selection not in TERM_SELECTIONS:
+        raise ConfigError(f"nodus fit: term selection {term_selection!r}: choose one of {', '.join(TERM_SELECTIONS)}")
 
     from calibration.validate import run_controls, settings_text, sharing_controls
 
@@ -570,7 +568,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                       "d_s_per_regroup_token": float(d),
                       "d_source": ("fitted" if "d" in names else c_source if scales_only
                                    else "0 (no multi-adapter micro-batch in the fitted runs)" if rg.max() == 0
-                                   else "0: left out, it did not predict runs left out of the fit (cross-validation)"),
+                                   else "0: left out, it did not predict the steps left out of the fit (cross-validation)"),
                       "d_layout": prof["train"]["extra_tokens_layout"],
                       # Which terms cross-validation kept, by which scheme (None: not run,
                       # --scales-only), with each candidate's score.
@@ -672,7 +670,7 @@ def _solve_train(sharing: dict, y, feats: dict, terms: tuple, fixed: np.ndarray,
     return {t: float(w.get(t, 0.0)) for t in TRAIN_TERMS}, {k: float(w[k]) for k in rate_cols}
 
 
-TERM_SELECTIONS = ("extrapolate", "runs")  # how the train terms are chosen (_select_train_terms)
+TERM_SELECTIONS = ("runs", "extrapolate")  # how the train terms are chosen (_select_train_terms)
 
 
 def _rank(X: np.ndarray) -> int:
@@ -683,44 +681,45 @@ def _rank(X: np.ndarray) -> int:
 
 
 def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, run,
-                        scheme: str = "extrapolate") -> tuple[tuple, dict]:
+                        scheme: str = "runs") -> tuple[tuple, dict]:
     """Which of the ``optional`` train terms the runs support: every subset holding a or b, scored
     by cross-validation, the others 0. In runs of 1-4 identical jobs the adapters, micro-batches
     and tokens of a step grow together, so a fit of every term can put a cost on the wrong one,
     which then extrapolates wrongly to 8 or 16 jobs.
 
-    ``scheme`` "extrapolate" (the default) scores a subset the way the profile is used: for each
-    step size (its adapters) with at least two smaller sizes below it, fitted on the steps of fewer
-    adapters and scored on the steps of that size (the mean relative error of those steps, averaged
-    over the sizes; one size alone cannot tell a per-adapter cost from a fixed one). On
-    the H200's four one-day protocols (sessions 21-24) the held-out 8- and 16-job runs came out at
-    6.9 / 2.2 / 8.5 / 3.5% per run against 6.5 / 2.2 / 11.2 / 5.7% with "runs" (README, "Fit and
-    validate"). "runs": leave one
-    run out (fitted on the other runs, scored on the left-out run's steps, averaged over runs),
-    which rewards terms that interpolate among the fit's own sizes. With fewer than three step
-    sizes "extrapolate" has no fold and "runs" is used.
+    ``scheme`` "runs" (the default): leave one run out (fitted on the other runs, scored on the
+    left-out run's steps, averaged over runs). That scores how a subset interpolates among the
+    fit's own sizes. "extrapolate" scores it the way the profile is used instead: fitted on
+    the steps of fewer adapters than a size and scored on the steps of that size (the mean relative
+    error of those steps, averaged over the sizes). Only the sizes whose smaller steps tell every
+    optional term apart (full column rank) are folds, and every subset is scored on those same
+    folds: a dedicated run's 1-adapter steps alone cannot tell a per-adapter cost from a fixed one,
+    so with steps of 1, 2 and 4 adapters the one fold predicts the 4-adapter steps from the rest.
+    Where no size makes a fold it leaves one run out. On the H200's four one-day protocols
+    (sessions 21-24, ``experiments/protocol_days.sh``) the held-out 8- and 16-job runs came out at
+    6.9 / 2.2 / 11.2 / 3.5% per run with "extrapolate" against 6.5 / 2.2 / 11.2 / 5.7% with "runs":
+    one day better (the day it was built on), one slightly worse, so it is not the default.
 
     The sharing rates are those of the fit of every term on every run (a step's work is its seconds
     at them): a fold without some run may not pin a rate. Ties go to fewer terms. Returns the chosen
-    terms and a record: the scheme used, its folds, each subset's score (``cv_mape``; None with one
-    fold or none, when every optional term is kept) and the choice."""
+    terms and a record: the scheme used, its folds, each subset's score (``cv_mape``; None when
+    leaving one run out has fewer than two runs, and every optional term is kept) and the choice."""
     if scheme not in TERM_SELECTIONS:
         raise ConfigError(f"nodus fit: term selection {scheme!r}: choose one of {', '.join(TERM_SELECTIONS)}")
-    size = feats["c"]
-    sizes = sorted(set(size.tolist()))
-    if scheme == "extrapolate" and len(sizes) < 2:
-        scheme = "runs"
-    runs = sorted(set(run))
+    folds: list[tuple[np.ndarray, np.ndarray]] = []
     if scheme == "extrapolate":
-        folds = [(size < s, size == s) for s in sizes[1:]]
+        size = feats["c"]
         every = np.stack([feats[t] for t in optional], 1)
-        if not any(_rank(every[train]) == len(optional) for train, _ in folds):
-            scheme = "runs"  # no smaller steps pin every term: nothing to score the full model on
+        folds = [(size < s, size == s) for s in sorted(set(size.tolist()))[1:]]
+        folds = [(train, test) for train, test in folds if _rank(every[train]) == len(optional)]
+        if not folds:
+            scheme = "runs"  # no smaller steps pin every term: nothing to extrapolate from
+    runs = sorted(set(run))
     if scheme == "runs":
         folds = [(run != r, run == r) for r in runs]
-    if len(folds) < 2 and scheme == "runs":
-        return tuple(optional), {"scheme": scheme, "folds": len(folds), "cv_mape": None,
-                                 "chosen": "+".join(optional)}
+        if len(folds) < 2:
+            return tuple(optional), {"scheme": scheme, "folds": len(folds), "cv_mape": None,
+                                     "chosen": "+".join(optional)}
     _, fitted = _solve_train(sharing, y, feats, tuple(optional), fixed, mode, alone, corun)
     sh = {k: dict(v) if isinstance(v, dict) else v for k, v in sharing.items()}
     for key, v in fitted.items():
@@ -733,19 +732,15 @@ def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, 
         X = np.stack([feats[t] for t in c], 1)
         errs = []
         for train, test in folds:
-            if scheme == "extrapolate" and _rank(X[train]) < X.shape[1]:
-                continue  # the smaller steps cannot tell these terms apart: no score from this fold
             w = nonneg_rel_lstsq(X[train], work[train], scale=y[train])
             errs.append(float(np.mean(np.abs(X[test] @ w - work[test]) / (work[test] + fixed[test]))))
-        if errs:
-            cv["+".join(c)] = float(np.mean(errs))
-    subsets = [c for c in subsets if "+".join(c) in cv]
+        cv["+".join(c)] = float(np.mean(errs))
     best = min(subsets, key=lambda c: (round(cv["+".join(c)], 6), len(c)))
     return best, {"scheme": scheme, "folds": len(folds), "cv_mape": cv, "chosen": "+".join(best)}
 
 
 def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run=None,
-                        scheme: str = "extrapolate") -> tuple:
+                        scheme: str = "runs") -> tuple:
     """The train terms (a per micro-batch, b per padded token, c per adapter, d per regrouped
     token) and the trainer's unknown sharing rates fitted on the steps; the rates fitted are set in
     ``prof["sharing"]`` and ``rates``. ``run``: each step's run, for the choice of terms
@@ -777,7 +772,7 @@ def _fitted_train_terms(prof, y, mb, tok, ad, rg, mode, alone, corun, rates, run
     elif "c" in terms:
         c, c_source = w["c"], "fitted"
     else:
-        c, c_source = 0.0, "0: left out, it did not predict runs left out of the fit (cross-validation)"
+        c, c_source = 0.0, "0: left out, it did not predict the steps left out of the fit (cross-validation)"
     names = list(terms) + list(fitted)
     return a, b, c, d, names, {**w, **fitted}, c_source, selection
 
@@ -980,7 +975,7 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,
                 trainer_mode: str | None = None, lora_kernels: str | None = None,
                 graphless_from: str | Path | None = None, graph_max_tokens: int | None = None,
-                scales_only: bool = False, term_selection: str = "extrapolate") -> dict:
+                scales_only: bool = False, term_selection: str = "runs") -> dict:
     from sim.profile import refuse_existing, write_profile
 
     refuse_existing(out, "nodus fit")

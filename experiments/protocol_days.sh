@@ -1,11 +1,14 @@
 #!/bin/bash
 # #5's one-day protocol on each H200 day that ran it (sessions 21-24): fit the day's 1-4-job runs,
 # validate on its held-out 8- and 16-job runs, one line per day. No GPU: the runs are committed.
-#   bash experiments/protocol_days.sh [extrapolate|runs] [OUT_DIR]
-# (the first argument is nodus fit --term-selection; the profiles and reports land in OUT_DIR).
+#   bash experiments/protocol_days.sh [runs|extrapolate] [OUT_DIR]
+# (the first argument is nodus fit --term-selection, default runs; the profiles and reports land in
+# OUT_DIR, a new temporary folder by default). It runs this checkout's code whatever nodus is installed.
 set -euo pipefail
-SEL=${1:-extrapolate}; R=${2:-$(mktemp -d /tmp/protocol-days-XXXXXX)}; mkdir -p "$R"
+SEL=${1:-runs}; R=${2:-$(mktemp -d /tmp/protocol-days-XXXXXX)}; mkdir -p "$R"; R=$(realpath "$R")
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nodus() { python -m nodus.cli "$@"; }
 for day in 21 22 23 24; do
   S=experiments/results/h200/session$day/arms
   case $day in
@@ -20,11 +23,12 @@ for day in 21 22 23 24; do
     24) FIT="$S/dedicated-cg-gm512-ls8-j4-s1 $S/overlap-cg-gm512-ls8-j4-s1 $(ls -d $S/*mps*-j2-s* $S/*mps*-j4-s* | tr '\n' ' ')"
         HELD=$(ls -d $S/*/ | grep -v 'j2-s\|j4-s\|sp4');;
   esac
-  rm -f "$R/p$day.json"
+  rm -rf "$R/p$day.json" "$R/v$day"
   nodus fit $FIT --base h200-xeon16-20261130-qwen3-0.6b --trainer-mode graphed --lora-kernels tuned \
     --graphless-from calibration/data/h200_calibrate_2026-12-01.json --term-selection "$SEL" \
-    --out "$R/p$day.json" > "$R/fit$day.log" 2>&1
-  nodus validate $HELD --profile "$R/p$day.json" --out "$R/v$day" > "$R/val$day.log" 2>&1
+    --out "$R/p$day.json" > "$R/fit$day.log" 2>&1 || { tail -5 "$R/fit$day.log"; exit 1; }
+  nodus validate $HELD --profile "$R/p$day.json" --out "$R/v$day" > "$R/val$day.log" 2>&1 \
+    || { tail -5 "$R/val$day.log"; exit 1; }
   python - "$R" "$day" <<'PY'
 import json, sys
 R, day = sys.argv[1:]

@@ -245,7 +245,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     sel = t.get("term_selection")
     if sel and sel.get("cv_mape"):
         cv = sel["cv_mape"]
-        how = ("fitted on smaller steps, scored on each larger size" if sel.get("scheme") == "extrapolate"
+        how = ("fitted on smaller steps, scored on larger ones" if sel.get("scheme") == "extrapolate"
                else "leave-one-run-out")
         print(f"train terms kept by cross-validation ({how}, {sel['folds']} folds): {sel['chosen']} "
               f"(its error on left-out steps {cv[sel['chosen']]:.1%}; every term the runs vary: "
@@ -485,10 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="carry the base to the runs' host and day instead of refitting it: its cost shapes and "
                         "sharing rates kept, the runs fit the trainer's scale, decode.scale and the publish cost "
                         "(the day's dedicated runs suffice; one is needed)")
-    p.add_argument("--term-selection", choices=TERM_SELECTIONS, default="extrapolate",
-                   help="how the train terms the runs support are chosen by cross-validation: extrapolate (each "
-                        "step size predicted from the smaller steps, as the profile is used at 8-16 jobs) or runs "
-                        "(leave one run out)")
+    p.add_argument("--term-selection", choices=TERM_SELECTIONS, default="runs",
+                   help="how the train terms the runs support are chosen by cross-validation: runs (leave one run "
+                        "out) or extrapolate (the largest steps predicted from the smaller ones, as the profile is "
+                        "used at 8-16 jobs)")
     p.set_defaults(fn=cmd_fit)
 
     p = sub.add_parser("fit-packed", help="fit the packed rows' attention (trainer.share_prompts) from trainer "

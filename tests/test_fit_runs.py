@@ -620,7 +620,8 @@ def test_fit_keeps_only_the_train_terms_that_predict_left_out_runs(tmp_path, cap
         runs.append(tmp_path / f"sync{jobs}")
         simulate(config_from_args(jobs=jobs, steps=3, policy="shared-sync", sharing="none", profile=truth,
                                   seed=jobs), runs[-1])
-    for scheme, folds in (("extrapolate", 2), ("runs", 3)):  # step sizes 3 and 4 from the smaller; or 3 runs
+    for scheme, folds in (("runs", 3), ("extrapolate", 1)):  # 3 runs; or size 4 from sizes 2-3 (size 2 alone
+        # cannot tell a per-adapter cost from a fixed one: no fold)
         prof = fit(runs, base=wrong, term_selection=scheme)
         t, f = prof["train"], prof["measurements"]["fit_runs"]["train_fit"]
         sel = f["term_selection"]
@@ -634,17 +635,18 @@ def test_fit_keeps_only_the_train_terms_that_predict_left_out_runs(tmp_path, cap
         fit(runs, base=wrong, term_selection="loo")
     out = tmp_path / "fitted.json"
     assert main(["fit", *map(str, runs), "--base", wrong, "--out", str(out)]) == 0
-    assert ("train terms kept by cross-validation (fitted on smaller steps, scored on each larger size, 2 folds): "
-            "a+b") in capsys.readouterr().out
-    assert main(["fit", *map(str, runs), "--base", wrong, "--term-selection", "runs",
-                 "--out", str(tmp_path / "runs.json")]) == 0
     assert "train terms kept by cross-validation (leave-one-run-out, 3 folds): a+b" in capsys.readouterr().out
+    assert main(["fit", *map(str, runs), "--base", wrong, "--term-selection", "extrapolate",
+                 "--out", str(tmp_path / "extrapolate.json")]) == 0
+    assert ("train terms kept by cross-validation (fitted on smaller steps, scored on larger ones, 1 folds): "
+            "a+b") in capsys.readouterr().out
 
 
 def test_extrapolating_term_selection_scores_each_size_from_the_smaller_steps():
-    """The extrapolating folds fit a subset on the steps of fewer adapters only and score it on each
-    larger size its smaller steps can be fitted for. Steps cost per token; their tokens grow with the
-    adapters up to 2 and less past that, so a per-adapter term fits sizes 1-2 and misses size 4."""
+    """The extrapolating folds fit every subset on the steps of fewer adapters than a size and score
+    it on that size, on the same folds for every subset: only sizes whose smaller steps tell every
+    term apart. Steps cost per token; their tokens grow with the adapters up to 2 and less past
+    that, so a per-adapter term fits sizes 1-2 and misses size 4."""
     from calibration.fit_runs import _select_train_terms
     sizes = np.array([1, 1, 2, 2, 4, 4], dtype=float)
     tokens = np.array([1000, 1100, 2000, 2300, 3000, 3100], dtype=float)
@@ -656,28 +658,36 @@ def test_extrapolating_term_selection_scores_each_size_from_the_smaller_steps():
     mode = np.array(["none"] * 6)
     zero = np.zeros(6)
     terms, sel = _select_train_terms(sharing, y, feats, ("a", "b", "c"), zero, mode, y, zero, run, "extrapolate")
-    assert sel["scheme"] == "extrapolate" and sel["folds"] == 2
-    # By hand: fitted on size 1, scored on size 2; fitted on sizes 1-2, scored on size 4.
+    # Size 2 from size 1 alone is no fold (a and c are both 1 there): one fold, size 4 from sizes 1-2.
+    assert sel["scheme"] == "extrapolate" and sel["folds"] == 1
+
     def by_hand(cols):
         X = np.stack(cols, 1)
-        errs = []
-        for fit_on, score in ((sizes < 2, sizes == 2), (sizes < 4, sizes == 4)):
-            if np.linalg.matrix_rank(X[fit_on]) < X.shape[1]:
-                continue  # size 1 alone cannot tell a per-adapter cost from a fixed one: not scored
-            w = nonneg_rel_lstsq(X[fit_on], y[fit_on], scale=y[fit_on])
-            errs.append(np.mean(np.abs(X[score] @ w - y[score]) / y[score]))
-        return np.mean(errs)
+        w = nonneg_rel_lstsq(X[sizes < 4], y[sizes < 4], scale=y[sizes < 4])
+        return np.mean(np.abs(X[sizes == 4] @ w - y[sizes == 4]) / y[sizes == 4])
     assert sel["cv_mape"]["a"] == pytest.approx(by_hand([mb]), rel=1e-9)
     assert sel["cv_mape"]["a+c"] == pytest.approx(by_hand([mb, sizes]), rel=1e-9)
     assert terms == ("b",) and sel["cv_mape"]["b"] == pytest.approx(0, abs=1e-9)
-    # a + c, scored on fold 2 only: ~0.43 s an adapter from sizes 1-2, ~1.7 s for the size-4 steps' ~1.22 s
-    assert sel["cv_mape"]["a+c"] > 0.3
-    # One step size only: nothing to extrapolate to, so the runs are left out instead.
-    one = np.ones(6)
-    _, sel1 = _select_train_terms(sharing, y, {**feats, "c": one}, ("a", "b"), zero, mode, y, zero, run,
-                                  "extrapolate")
-    assert sel1["scheme"] == "runs" and sel1["folds"] == 3
+    assert sel["cv_mape"]["a+c"] > 0.3  # ~0.43 s an adapter from sizes 1-2: ~1.7 s for size 4's ~1.22 s
+    # A term that is 0 on the smallest steps (the masked layout's extra tokens of a 1-adapter step) is
+    # scored on the same fold as the others, so a subset with it never wins on fewer folds.
+    d = np.where(sizes > 1, tokens * (sizes - 1), 0.0)
+    terms_d, sel_d = _select_train_terms(sharing, y, {**feats, "d": d}, ("a", "b", "d"), zero, mode, y, zero, run,
+                                         "extrapolate")
+    assert sel_d["folds"] == 1 and terms_d == ("b",)
+    assert sel_d["cv_mape"]["b+d"] == pytest.approx(sel_d["cv_mape"]["b"], abs=1e-9)  # a tie: fewer terms win
+    # Steps of one size, or smaller steps that never pin every term: the runs are left out instead.
+    for c in (np.ones(6), np.array([1, 1, 1, 1, 4, 4], dtype=float)):
+        _, fallback = _select_train_terms(sharing, y, {**feats, "c": c, "a": c}, ("a", "b", "c"), zero, mode, y,
+                                          zero, run, "extrapolate")
+        assert fallback["scheme"] == "runs" and fallback["folds"] == 3
 
+
+def test_rank_scales_each_column_and_ignores_zero_ones():
+    from calibration.fit_runs import _rank
+    X = np.array([[1.0, 1e6, 0.0, -2.0], [2.0, 2.1e6, 0.0, -4.0], [3.0, 2.9e6, 0.0, -6.0]])
+    assert _rank(X) == 2  # column 4 is -2x column 1; column 3 is zero; 1e6-scale column 2 still counts
+    assert _rank(np.zeros((3, 2))) == 0
 
 def test_fit_recovers_a_publishs_fixed_and_per_adapter_cost(tmp_path):
     """Publishes of 1 adapter (dedicated) and of 4 (shared-sync): the fixed part and the part per
