@@ -305,10 +305,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     smaller ones."""
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
                              profile_step_mode)
+    from calibration.validate import run_controls, settings_text, sharing_controls
+
     if term_selection not in TERM_SELECTIONS:
         raise ConfigError(f"nodus fit: term selection {term_selection!r}: choose one of {', '.join(TERM_SELECTIONS)}")
-
-    from calibration.validate import run_controls, settings_text, sharing_controls
 
     prof = profile_dict(base)  # read once: the checks below read it, the fit changes it
     base_mode = profile_step_mode(prof)
@@ -568,7 +568,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                       "d_s_per_regroup_token": float(d),
                       "d_source": ("fitted" if "d" in names else c_source if scales_only
                                    else "0 (no multi-adapter micro-batch in the fitted runs)" if rg.max() == 0
-                                   else "0: left out, it did not predict the steps left out of the fit (cross-validation)"),
+                                   else "0: left out, it did not predict the steps left out of the fit "
+                                        "(cross-validation)"),
                       "d_layout": prof["train"]["extra_tokens_layout"],
                       # Which terms cross-validation kept, by which scheme (None: not run,
                       # --scales-only), with each candidate's score.
