@@ -697,8 +697,9 @@ def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, 
     folds: a dedicated run's 1-adapter steps alone cannot tell a per-adapter cost from a fixed one,
     so with steps of 1, 2 and 4 adapters the one fold predicts the 4-adapter steps from the rest.
     Where no size makes a fold it leaves one run out. On the H200's four one-day protocols
-    (sessions 21-24, ``experiments/protocol_days.sh``) the held-out 8- and 16-job runs came out at
-    6.9 / 2.2 / 11.2 / 3.5% per run with "extrapolate" against 6.5 / 2.2 / 11.2 / 5.7% with "runs":
+    (sessions 21-24, ``experiments/protocol_days.sh``; session 24's runs with plain rows) the held-out
+    8- and 16-job runs came out at 6.9 / 2.2 / 11.2 / 3.5% per run with "extrapolate" against 6.5 /
+    2.2 / 11.2 / 5.7% with "runs":
     one day better (the day it was built on), one slightly worse, so it is not the default.
 
     The sharing rates are those of the fit of every term on every run (a step's work is its seconds
