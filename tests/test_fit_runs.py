@@ -689,6 +689,7 @@ def test_rank_scales_each_column_and_ignores_zero_ones():
     assert _rank(X) == 2  # column 4 is -2x column 1; column 3 is zero; 1e6-scale column 2 still counts
     assert _rank(np.zeros((3, 2))) == 0
 
+
 def test_fit_recovers_a_publishs_fixed_and_per_adapter_cost(tmp_path):
     """Publishes of 1 adapter (dedicated) and of 4 (shared-sync): the fixed part and the part per
     adapter are told apart, each run weighing the same; the simulator then charges a 16-adapter
