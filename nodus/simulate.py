@@ -125,8 +125,8 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
         lines.append(f"| engine CUDA graphs up to (tokens a step) / steps past them | "
                      f"{max(d['graph_max_tokens'] for d in graphs)} / {sum(d['graphless_steps'] for d in graphs)} |")
     # Adapters one decode step holds (nodus.runner.size_engine_slots): the simulator's, or the real engine's.
-    slots = [d.get("adapter_slots") or d.get("engine_max_loras") for d in s.get("diagnostics", [])
-             if isinstance(d, dict) and (d.get("adapter_slots") or d.get("engine_max_loras"))]
+    slots = [n for d in s.get("diagnostics", [])
+             if isinstance(d, dict) and (n := d.get("adapter_slots") or d.get("engine_max_loras"))]
     if slots:
         lines.append(f"| engine adapter slots (adapters one decode step holds) | {max(slots)} |")
     evals = [d["eval"]["accuracy"] for d in s["per_job"].values() if d.get("eval")]
