@@ -16,11 +16,14 @@ import numpy as np
 
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, drop_idle_priority, packed_rows,
                           trainer_freed)
+from nodus.gpumon import SLOWDOWN_REASONS
 from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
 SAMPLE_SEED_OFFSET = 7919  # sampled lengths: the recorded jobs' seeds plus this
 HOST_SLOW = 1.3  # a run whose host probe took this many times the validated runs' median is flagged
+GPU_CLOCK_LOW = 0.05  # a run whose busy SM clock lies this far under the validated runs' median is flagged
+GPU_THROTTLE = 0.10  # ... or one with a slowdown reason (power cap, thermal, ...) active in this share of samples
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float | None:
@@ -174,7 +177,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
             arm = dict(arm, trainer_waits_for_publish=cfg["arm"]["trainer_waits_for_publish"])
         controls = run_controls(meas)
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
-               "host_probe": run_host_probe(meas), "jit_compiles": run_jit_compiles(meas),
+               "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
+               "jit_compiles": run_jit_compiles(meas),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
@@ -212,6 +216,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
             report[f"{split}_{mode}_components"] = per
     report["noise"] = measurement_noise(rows)
     report["host"] = host_flags(rows)
+    report["gpu"] = gpu_flags(rows)
     report["jit"] = jit_flags(rows)
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
@@ -418,6 +423,83 @@ def host_flags(rows: list[dict]) -> dict:
             "flagged": flagged}
 
 
+def run_gpu_monitor(summary: dict) -> dict | None:
+    """The slowest GPU state a run's GPU monitors recorded (``nodus.gpumon``, one per GPU's run):
+    the lowest SM clock while busy (the mean over samples above 50% utilisation), the largest
+    share of samples each slowdown reason was active in, and the tightest power limit; None for a
+    run without one (recorded before session 26), ``{"available": False, "why": ...}`` for one
+    whose monitors had no NVML."""
+    mons = [d["gpu_monitor"] for d in summary.get("diagnostics", []) if isinstance(d.get("gpu_monitor"), dict)]
+    if not mons:
+        return None
+    gpus = [g for m in mons if m.get("available") for g in (m.get("gpus") or {}).values()]
+    if not gpus:
+        return {"available": False, "why": "; ".join(sorted({str(m.get("why")) for m in mons}))}
+    busy = [g["busy"]["sm_clock_mhz"] for g in gpus if (g.get("busy") or {}).get("sm_clock_mhz") is not None]
+    limits = [g["power_limit_w"] for g in gpus if g.get("power_limit_w") is not None]
+    throttle = {}
+    for reason in SLOWDOWN_REASONS:
+        fracs = [(g.get("throttle") or {}).get(reason, 0.0) for g in gpus]
+        if max(fracs) > 0:
+            throttle[reason] = float(max(fracs))
+    return {"available": True, "busy_sm_clock_mhz": min(busy) if busy else None,
+            "max_sm_clock_mhz": max((g.get("max_sm_clock_mhz") or 0.0) for g in gpus) or None,
+            "power_limit_w": min(limits) if limits else None, "throttle": throttle}
+
+
+def gpu_flags(rows: list[dict]) -> dict:
+    """Runs whose GPU ran slow: a busy SM clock more than ``GPU_CLOCK_LOW`` under the median of
+    the validated runs' busy clocks, or a slowdown reason (power cap, thermal, hardware slowdown)
+    active in at least ``GPU_THROTTLE`` of the samples. Their error may be the GPU's state, not
+    the simulator's: session 25's 8-job (512-sequence) generations took 3.10 s a step against
+    2.41-2.67 s on four other days with the host probe unchanged. Flagged, never dropped."""
+    monitored = [r for r in rows if (r.get("gpu_monitor") or {}).get("available")]
+    clocks = [r["gpu_monitor"]["busy_sm_clock_mhz"] for r in monitored
+              if r["gpu_monitor"].get("busy_sm_clock_mhz") is not None]
+    median = float(np.median(clocks)) if clocks else None
+    flagged = []
+    for r in monitored:
+        m, why = r["gpu_monitor"], {}
+        clock = m.get("busy_sm_clock_mhz")
+        if median and clock is not None and clock < (1 - GPU_CLOCK_LOW) * median:
+            why["busy_sm_clock"] = clock / median
+        why.update({k: v for k, v in (m.get("throttle") or {}).items() if v >= GPU_THROTTLE})
+        if why:
+            flagged.append({"run": r["run"], "busy_sm_clock_mhz": clock, "why": why})
+    return {"runs_with_monitor": len(monitored), "runs": len(rows),
+            "runs_without_nvml": sum(1 for r in rows if r.get("gpu_monitor") and not r["gpu_monitor"].get("available")),
+            "median_busy_sm_clock_mhz": median, "clock_threshold": GPU_CLOCK_LOW, "throttle_threshold": GPU_THROTTLE,
+            "flagged": flagged}
+
+
+def gpu_flagged_text(flags: dict) -> str:
+    """``gpu_flags``' flagged runs as 'run (busy SM clock 1650 MHz, 0.88x the median; sw_power_cap in
+    30% of samples); ...' for a report."""
+    def one(f: dict) -> str:
+        parts = [f"busy SM clock {f['busy_sm_clock_mhz']:.0f} MHz, {v:.2f}x the median" if k == "busy_sm_clock"
+                 else f"{k} in {v:.0%} of samples" for k, v in f["why"].items()]
+        return f"{Path(f['run']).name} ({'; '.join(parts)})"
+    return "; ".join(one(f) for f in flags["flagged"])
+
+
+def gpu_text(flags: dict) -> str:
+    """The report's paragraph on ``gpu_flags``."""
+    if not flags.get("runs_with_monitor"):
+        extra = (f" ({flags['runs_without_nvml']} had no NVML)" if flags.get("runs_without_nvml") else
+                 " (recorded before session 26)")
+        return f"GPU monitor: no run records one{extra}."
+    med = flags["median_busy_sm_clock_mhz"]
+    head = (f"GPU monitor (NVML: SM clock, power, temperature and throttle reasons through each run; "
+            f"{flags['runs_with_monitor']} of {flags['runs']} runs have one): median SM clock while busy "
+            + ("-" if med is None else f"{med:.0f} MHz") + ". ")
+    rule = (f"a busy SM clock more than {flags['clock_threshold']:.0%} under the median, or a slowdown reason in "
+            f"{flags['throttle_threshold']:.0%} of samples or more")
+    if flags["flagged"]:
+        return (head + f"On a slowed GPU ({rule}; their GPU, not only the simulator, may explain their error): "
+                + gpu_flagged_text(flags))
+    return head + f"No run on a slowed GPU ({rule})."
+
+
 def run_jit_compiles(summary: dict) -> list[str] | None:
     """The kernels a run's engines JIT-compiled inside its measured window (``engine_jit_compiles``
     at run seconds >= 0; the warm-up's are before it), one entry per compile; None for a run that
@@ -564,6 +646,8 @@ def render_markdown(rep: dict) -> str:
                   + (f"Slower than {hostf['threshold']:.1f}x the median (their host, not only the simulator, may "
                      "explain their error): " + flagged_text(hostf) if hostf["flagged"] else "No run slower than "
                      f"{hostf['threshold']:.1f}x the median.")]
+    if rep.get("gpu") and rep["gpu"].get("runs"):
+        lines += ["", gpu_text(rep["gpu"])]
     jit = rep.get("jit") or {}
     if jit.get("runs_recorded"):
         lines += ["", f"JIT compiles inside the measured window ({jit['runs_recorded']} of {jit['runs']} runs record "

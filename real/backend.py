@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, fields, replace
 
 from nodus.config import JobSpec, RunConfig
+from nodus.gpumon import GpuMonitor
 from nodus.grpo import group_advantages
 from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
@@ -485,6 +486,9 @@ class RealBackend:
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self.adapter_root = tempfile.mkdtemp(prefix="nodus-adapters-", dir=self.opts.adapter_dir or _fast_dir())
         self.probe_start = host_probe(self.adapter_root)  # on the publish path, as the end's
+        # The GPU's clocks, power and throttle reasons over the measured window (started at t0,
+        # stopped before the evaluation): every stack of a cluster runs on its one GPU.
+        self.gpu_monitor = GpuMonitor(n_gpus=1 if cluster.device == "cuda" else 0)
         self._pending: dict[str, tuple] = {}
         self._local: deque[Result] = deque()
         self.failed: dict[str, str] = {}
@@ -511,6 +515,7 @@ class RealBackend:
         self._versions = dict(self._start)
         if self.opts.warmup:
             self._warm_up()
+        self.gpu_monitor.start()
         self.t0 = time.monotonic()
 
     def _warm_up(self) -> None:
@@ -686,6 +691,7 @@ class RealBackend:
 
     def evaluate(self) -> dict[str, dict]:
         """Greedy accuracy of each job's current adapter on its task's held-out eval set."""
+        self.gpu_monitor.stop()  # the run's GPU state, not the evaluation's (diagnostics reads it)
         if self.opts.mode != "tasks" or not self.opts.evaluate:
             return {}
         from nodus.tasks import eval_set, get_task
@@ -710,6 +716,9 @@ class RealBackend:
                 "workers": copy.deepcopy(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
+                # SM clock, power, temperature and throttle reasons sampled over the run (nodus.gpumon;
+                # {"available": False, "why": ...} on a CPU or without NVML).
+                "gpu_monitor": self.gpu_monitor.stop(),
                 "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),
                 "engine_core_process": self.c.opts.engine_core_process,
                 "publish_pinned": self.opts.publish_pinned,
@@ -729,6 +738,7 @@ class RealBackend:
                           "responses": self.opts.audit_responses}}
 
     def close(self) -> None:
+        self.gpu_monitor.stop()  # no sampling thread outlives the run, diagnostics read or not
         if self.c.closed:
             return
         ids = [j.id for j in self.cfg.jobs]

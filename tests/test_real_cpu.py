@@ -65,6 +65,19 @@ def test_a_real_run_records_its_host_probe_at_start_and_end(overlap_run):
     assert run_host_probe(s)["cpu_loop_s"] == max(probe[k]["cpu_loop_s"] for k in ("start", "end"))
 
 
+def test_a_real_run_records_its_gpu_monitor(overlap_run):
+    """On a CPU the monitor says the run used no GPU (and started no thread); on a GPU, what it
+    sampled over the run."""
+    import torch
+
+    s = json.loads((overlap_run / "summary.json").read_text())
+    mon = s["diagnostics"][0]["gpu_monitor"]
+    if torch.cuda.is_available():
+        assert mon["available"] is False or mon["gpus"]
+    else:
+        assert mon == {"available": False, "why": "the run uses no GPU"}
+
+
 def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsys):
     """--engine-arg NAME=VALUE: recorded with the run (the fixture's run passed max_logprobs=5 to
     vLLM and ran); a name vLLM does not take fails the run naming it; one nodus sets is refused

@@ -425,3 +425,63 @@ def test_each_phase_alone_and_beside_the_other():
     assert m["generate"]["n_beside"] == 3 and m["generate"]["beside"] == pytest.approx((1.85 + 1.5 + 1.5) / 3)
     # A group's own phases never count as beside each other.
     assert corun_phase_means([span("generate", 0, 0, 1), span("train", 0, 0.5, 1.5)])["train"]["n_alone"] == 1
+
+
+def _gpu_monitor(busy_mhz: float, power_cap: float = 0.0, idle: float = 0.0) -> dict:
+    """A GPU monitor's summary (nodus.gpumon.summarise) of 20 samples: ``idle`` of them idle, the
+    rest busy at ``busy_mhz``, ``power_cap`` of all of them held down by the software power cap."""
+    from nodus.gpumon import reason_bits, summarise
+
+    n_idle, n_cap = round(20 * idle), round(20 * power_cap)
+    rows = [(345.0, 2619.0, 80.0, 700.0, 35.0, 0.0, 0x1)] * n_idle
+    rows += [(busy_mhz, 2619.0, 690.0, 700.0, 70.0, 99.0, 0x4 if i < n_cap else 0) for i in range(20 - n_idle)]
+    return {"available": True, "interval_s": 0.2, "seconds": 4.0,
+            "gpus": {"0": summarise(rows, 1980.0, reason_bits(object()))}}
+
+
+def test_validate_and_the_gpu_table_name_runs_on_a_slowed_gpu(tmp_path):
+    """Runs whose summaries carry the real backend's GPU monitor: one whose busy SM clock lies more
+    than 5% under the runs' median, and one whose power cap held the clocks in 30% of its samples,
+    are named in the report and the GPU table; idle samples (gpu_idle) flag nothing. Runs without a
+    monitor (every run before session 26) are said to have none."""
+    import json
+
+    from calibration.validate import gpu_flags, render_markdown, run_gpu_monitor
+    from experiments.gpu_table import build, render
+
+    m = run_gpu_monitor({"diagnostics": [{"gpu_monitor": _gpu_monitor(1900, idle=0.5)},
+                                         {"gpu_monitor": _gpu_monitor(1700, power_cap=0.3)},
+                                         {"gpu_monitor": {"available": False, "why": "no pynvml"}}]})
+    assert m["busy_sm_clock_mhz"] == 1700 and m["throttle"] == {"sw_power_cap": pytest.approx(0.3)}  # the worst
+    assert m["power_limit_w"] == 700 and m["max_sm_clock_mhz"] == 1980
+    assert run_gpu_monitor({"diagnostics": [{}]}) is None
+    assert run_gpu_monitor({"diagnostics": [{"gpu_monitor": {"available": False, "why": "no pynvml"}}]}) == {
+        "available": False, "why": "no pynvml"}
+
+    runs = []
+    for seed, mon in ((1, _gpu_monitor(1900, idle=0.5)), (2, _gpu_monitor(1890, power_cap=0.3)),
+                      (3, _gpu_monitor(1600)), (4, None)):
+        out = tmp_path / f"ovl{seed}"
+        simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
+        s = json.loads((out / "summary.json").read_text())
+        s["diagnostics"] = [{"gpu_monitor": mon} if mon else {}]
+        (out / "summary.json").write_text(json.dumps(s))
+        runs.append(out)
+    rep = validate(runs, profile=DEFAULT_PROFILE)
+    g = rep["gpu"]
+    assert g["runs_with_monitor"] == 3 and g["runs"] == 4 and g["median_busy_sm_clock_mhz"] == pytest.approx(1890)
+    assert [(Path(f["run"]).name, f["why"]) for f in g["flagged"]] == [
+        ("ovl2", {"sw_power_cap": pytest.approx(0.3)}), ("ovl3", {"busy_sm_clock": pytest.approx(1600 / 1890)})]
+    text = render_markdown(rep)
+    assert "GPU monitor" in text and "3 of 4 runs" in text and "median SM clock while busy 1890 MHz" in text
+    assert "ovl2 (sw_power_cap in 30% of samples)" in text and "ovl3 (busy SM clock 1600 MHz, 0.85x the median)" in text
+    assert rep["heldout_mape_replay"] == pytest.approx(0, abs=1e-9)  # flagged, never dropped
+    table = build(runs, DEFAULT_PROFILE)
+    assert [Path(f["run"]).name for f in table["gpu"]["flagged"]] == ["ovl2", "ovl3"]
+    assert "Runs on a slowed GPU" in render(table) and "ovl3 (busy SM clock 1600 MHz" in render(table)
+    # Within 5% of the median and no slowdown reason: nothing flagged; no monitor at all: said so.
+    assert gpu_flags([{"run": "a", "gpu_monitor": run_gpu_monitor({"diagnostics": [{"gpu_monitor": _gpu_monitor(c)}]})}
+                      for c in (1900, 1850, 1810)])["flagged"] == []
+    old = gpu_flags([{"run": "old", "gpu_monitor": None}])
+    assert old["flagged"] == [] and "no run records one (recorded before session 26)" in render_markdown(
+        dict(rep, gpu=old))
