@@ -9,7 +9,7 @@ recorded it. The real backend runs a `GpuMonitor` over each run's measured windo
 summary in the run's diagnostics (``gpu_monitor``); ``nodus validate`` flags runs whose GPU ran
 slow.
 
-Never raises: without ``pynvml`` (the ``nvidia-ml-py`` package vLLM depends on), without a driver,
+Never raises: without ``pynvml`` (nvidia-ml-py's, or the copy vLLM ships), without a driver,
 or when an NVML call fails, ``stop()`` says why instead of giving figures.
 """
 
@@ -54,6 +54,21 @@ def gpu_indices(n_gpus: int) -> list[int]:
     return list(range(n_gpus))
 
 
+def load_pynvml():
+    """The pynvml module: nvidia-ml-py's (``pynvml``), else the copy vLLM ships
+    (``vllm.third_party.pynvml``; the H200 device bundle has only that one); a string saying why
+    where neither imports."""
+    import importlib
+
+    errors = []
+    for name in ("pynvml", "vllm.third_party.pynvml"):
+        try:
+            return importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - not installed, or broken
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    return "no pynvml (" + "; ".join(errors) + ")"
+
+
 def reason_bits(nv) -> dict[str, int]:
     """Each reason's bit in ``nv`` (a pynvml module): its constant where pynvml has one."""
     out = {}
@@ -88,12 +103,11 @@ class GpuMonitor:
         if self.n_gpus < 1:
             self._why = "the run uses no GPU"
             return self
-        try:
-            import pynvml
-        except Exception as e:  # noqa: BLE001 - not installed, or broken
-            self._why = f"no pynvml ({type(e).__name__}: {e})"
+        nv = load_pynvml()
+        if isinstance(nv, str):
+            self._why = nv
             return self
-        self._nv = nv = pynvml
+        self._nv = nv
         try:
             nv.nvmlInit()
         except Exception as e:  # noqa: BLE001 - no driver

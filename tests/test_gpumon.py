@@ -118,9 +118,10 @@ def test_the_thread_samples_until_stopped_and_stop_is_idempotent(monkeypatch):
 
 
 def test_without_nvml_stop_says_why_and_nothing_raises(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # the import fails, as without nvidia-ml-py
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # the import fails, as without nvidia-ml-py ...
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", None)  # ... and without vLLM's copy
     s = GpuMonitor().start().stop()
-    assert s["available"] is False and "no pynvml" in s["why"]
+    assert s["available"] is False and "no pynvml" in s["why"] and "vllm.third_party.pynvml" in s["why"]
     nv = fake_pynvml()
     nv.nvmlInit = lambda: (_ for _ in ()).throw(RuntimeError("NVMLError_DriverNotLoaded"))
     monkeypatch.setitem(sys.modules, "pynvml", nv)
@@ -148,3 +149,12 @@ def test_a_failing_call_ends_sampling_without_raising(monkeypatch):
     assert not m._thread.is_alive()  # the thread ended on its own
     s = m.stop()
     assert s["available"] is False and "NVMLError_GpuIsLost" in s["why"] and "after" in s["why"]
+
+
+def test_without_nvidia_ml_py_the_copy_vllm_ships_is_used(monkeypatch):
+    """The H200 device bundle has vLLM's vendored pynvml and no nvidia-ml-py."""
+    nv = fake_pynvml()
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", nv)
+    s = GpuMonitor(interval_s=0.01).start().stop()
+    assert s["available"] and s["gpus"]["0"]["samples"] >= 1 and nv.shutdowns == [1]
