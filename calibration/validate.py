@@ -126,6 +126,70 @@ def jobs_per_gpu(cfg: dict) -> int:
     return 1 if cfg["arm"]["policy"] == "dedicated" else len(cfg["jobs"])
 
 
+def generations_by_size(spans: list[dict], cover: float = 0.9) -> dict[str, dict]:
+    """A run's generate actions (a group's generations of one step, first start to last end) by
+    their size and what ran beside them: ``{"SEQ/alone" or "SEQ/beside": {"s": mean seconds, "n":
+    actions}}``, SEQ the sequences the action generated (its jobs' ``n_sequences``), "beside" where
+    another group's train step covered at least ``cover`` of it, "alone" at most 1 - ``cover``
+    (partly covered actions count in neither, as in ``corun_phase_means``). It tells a day whose
+    large generations slow more than its small ones: session 25's 512-sequence generations took
+    1.73x its 256-sequence ones, where sessions 21-24's took 1.25-1.32x, and a profile fitted on
+    1-4 jobs (at most 256 sequences) priced them 18% short (this table on its runs)."""
+    from nodus.accounting import union_length
+
+    acts: dict[str, dict[tuple, list]] = {"generate": {}, "train": {}}
+    for sp in spans:
+        if sp["phase"] in acts:
+            step = (sp.get("attrs") or {}).get("step")
+            key = (sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"]))
+            a = acts[sp["phase"]].setdefault(key, [sp["start_s"], sp["end_s"], 0])
+            a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
+            attrs = sp.get("attrs") or {}
+            a[2] += int(attrs.get("n_sequences") or len(attrs.get("response_tokens") or []))
+    sizes: dict[str, list[float]] = {}
+    for (gpu, group, _), (start, end, seqs) in acts["generate"].items():
+        span = end - start
+        if span <= 0 or seqs <= 0:
+            continue
+        covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e, _) in acts["train"].items()
+                   if g2 == gpu and grp2 != group and s < end and e > start]
+        frac = union_length(covered) / span
+        side = "alone" if frac <= 1 - cover else "beside" if frac >= cover else None
+        if side:
+            sizes.setdefault(f"{seqs}/{side}", []).append(span)
+    return {k: {"s": float(np.mean(v)), "n": len(v)} for k, v in sizes.items()}
+
+
+def generation_size_errors(rows: list[dict]) -> list[dict]:
+    """``generations_by_size`` over the validated runs, measured against replayed: per size, side
+    (alone / beside a train step) and sharing (mps / none), the mean seconds of the measured and of
+    the simulated actions (each run's mean weighted by its actions), the simulated error, and how
+    many of the runs were held out. Sorted by sharing, side and size."""
+    acc: dict[tuple, dict] = {}
+    for r in rows:
+        meas, sim = r["measured"].get("gen_by_size") or {}, r["replay"].get("gen_by_size") or {}
+        sharing = (r.get("arm") or {}).get("sharing") or "none"
+        for key, m in meas.items():
+            if key not in sim:
+                continue
+            seqs, side = key.split("/")
+            a = acc.setdefault((sharing, side, int(seqs)), {"meas": 0.0, "n_meas": 0, "sim": 0.0, "n_sim": 0,
+                                                            "runs": 0, "heldout_runs": 0})
+            a["meas"] += m["s"] * m["n"]
+            a["n_meas"] += m["n"]
+            a["sim"] += sim[key]["s"] * sim[key]["n"]
+            a["n_sim"] += sim[key]["n"]
+            a["runs"] += 1
+            a["heldout_runs"] += bool(r.get("heldout"))
+    out = []
+    for (sharing, side, seqs), a in sorted(acc.items()):
+        m, p = a["meas"] / a["n_meas"], a["sim"] / a["n_sim"]
+        out.append({"sequences": seqs, "side": side, "sharing": sharing, "runs": a["runs"],
+                    "heldout_runs": a["heldout_runs"], "actions": a["n_meas"], "measured_s": m, "simulated_s": p,
+                    "error": (p - m) / m if m else None})
+    return out
+
+
 def _simulate(cfg: dict, source: str) -> dict:
     """The simulator's summary of a configuration, with its own per-phase mean times."""
     from sim import backend_factory
@@ -134,7 +198,8 @@ def _simulate(cfg: dict, source: str) -> dict:
     summary, runs = run_arm(build_config(cfg, source), make)
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
-            "phase_s": _phase_means(spans), "outside_profile": sorted(make.cost.flags),
+            "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans),
+            "outside_profile": sorted(make.cost.flags),
             "per_job": {j: {"steps": d["steps"], "finish_s": d["finish_s"]}
                         for j, d in summary.get("per_job", {}).items()}}
 
@@ -183,8 +248,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
-                            "phase_s": _phase_means(spans)},
-               "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
+                            "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans)},
+               "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s", "gen_by_size")},
                "sampled": {k: sam[k] for k in ("steps_per_gpu_hour", "busy", "phase_s")},
                "outside_profile": sorted(set(rep["outside_profile"]) | set(sam["outside_profile"])
                                          | set(unmodelled_controls(controls, step_mode, lora_kernels,
@@ -215,6 +280,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                 per[f"busy_{side}"] = error_stats([a for a, _ in pairs], [b for _, b in pairs])
             report[f"{split}_{mode}_components"] = per
     report["noise"] = measurement_noise(rows)
+    report["generation_sizes"] = generation_size_errors(rows)
     report["host"] = host_flags(rows)
     report["gpu"] = gpu_flags(rows)
     report["jit"] = jit_flags(rows)
@@ -672,6 +738,18 @@ def render_markdown(rep: dict) -> str:
         for name, e in comp.items():
             if e["n"]:
                 lines.append(f"| {name} | {e['mape']:.1%} | {e['bias']:+.1%} | {e['n']} |")
+    sizes = rep.get("generation_sizes")
+    if sizes:
+        lines += ["", "Generations by size (a group's generations of one step; alone, or beside another group's "
+                  "train step for at least 90% of it), replayed lengths; a size the fitted runs did not reach "
+                  "is an extrapolation of the decode curves:", "",
+                  "| sharing | beside training | sequences | runs (held out) | actions | measured s | simulated s "
+                  "| error |", "|---|---|---|---|---|---|---|---|"]
+        for g in sizes:
+            err = "-" if g["error"] is None else f"{g['error']:+.1%}"
+            lines.append(f"| {g['sharing']} | {'yes' if g['side'] == 'beside' else 'no'} | {g['sequences']} | "
+                         f"{g['runs']} ({g['heldout_runs']}) | {g['actions']} | {g['measured_s']:.3f} | "
+                         f"{g['simulated_s']:.3f} | {err} |")
     return "\n".join(lines)
 
 

@@ -485,3 +485,49 @@ def test_validate_and_the_gpu_table_name_runs_on_a_slowed_gpu(tmp_path):
     old = gpu_flags([{"run": "old", "gpu_monitor": None}])
     assert old["flagged"] == [] and "no run records one (recorded before session 26)" in render_markdown(
         dict(rep, gpu=old))
+
+
+def test_generations_by_size_and_what_ran_beside_them():
+    from calibration.validate import generations_by_size
+
+    def span(phase, group, start, end, job="j", n=64, step=0):
+        return {"phase": phase, "group": group, "gpu": 0, "start_s": start, "end_s": end, "job": job,
+                "attrs": {"n_sequences": n, "step": step}}
+
+    spans = [span("generate", 0, 0.0, 1.0), span("generate", 0, 0.0, 1.4, "k"),  # 128 sequences alone, 1.4 s
+             span("train", 0, 1.4, 3.4), span("generate", 1, 1.4, 3.2, n=256),  # 256 beside a train step
+             span("generate", 0, 3.4, 4.0, step=1), span("generate", 0, 3.4, 4.2, "k", step=1),  # 128 alone, 0.8 s
+             span("train", 1, 4.2, 5.0),  # group 1's own train: beside nothing of group 1's
+             span("train", 0, 4.6, 5.4, step=1), span("generate", 1, 4.2, 5.2, n=256, step=1)]  # 0.6 of 1.0 s: neither
+    g = generations_by_size(spans)
+    assert g == {"128/alone": {"s": pytest.approx(1.1), "n": 2}, "256/beside": {"s": pytest.approx(1.8), "n": 1}}
+
+
+def test_a_size_the_profile_prices_short_shows_in_the_size_table(tmp_path):
+    """Runs simulated on one profile, validated on another whose large decode steps are cheaper:
+    the large generations come out short in the table, the small ones not."""
+    import json
+
+    from calibration.validate import render_markdown
+    from sim.profile import load_profile
+
+    prof = json.loads(load_profile("h200-qwen3-0.6b").profile.model_dump_json(by_alias=True))
+    fast = json.loads(json.dumps(prof))
+    for curve in fast["decode"]["curves"]:  # a 512-sequence decode step at half the price
+        curve["step_s"] = [s * 0.5 if b >= 512 else s for b, s in zip(curve["batch"], curve["step_s"])]
+    (tmp_path / "slow.json").write_text(json.dumps(prof))
+    (tmp_path / "fast.json").write_text(json.dumps(fast))
+    runs = []
+    for jobs in (1, 8):
+        out = tmp_path / f"j{jobs}"
+        simulate(config_from_args(jobs=jobs, steps=2, policy="dedicated" if jobs == 1 else "shared-sync",
+                                  profile=str(tmp_path / "slow.json")), out)
+        runs.append(out)
+    same = {(g["sequences"], g["side"]): g["error"]
+            for g in validate(runs, str(tmp_path / "slow.json"))["generation_sizes"]}
+    assert all(abs(e) < 0.02 for e in same.values()) and (512, "alone") in same
+    rep = validate(runs, str(tmp_path / "fast.json"))
+    err = {(g["sequences"], g["side"]): g for g in rep["generation_sizes"]}
+    assert err[(512, "alone")]["error"] < -0.1 and err[(512, "alone")]["heldout_runs"] == 1
+    assert abs(err[(64, "alone")]["error"]) < 0.02
+    assert "Generations by size" in render_markdown(rep)
