@@ -494,7 +494,7 @@ def run_gpu_monitor(summary: dict) -> dict | None:
     the lowest SM clock while busy (the mean over samples above 50% utilisation), the largest
     share of samples each slowdown reason was active in, and the tightest power limit; None for a
     run without one (recorded before session 26), ``{"available": False, "why": ...}`` for one
-    whose monitors had no NVML."""
+    whose monitors recorded no figures (no GPU, no NVML)."""
     mons = [d["gpu_monitor"] for d in summary.get("diagnostics", []) if isinstance(d.get("gpu_monitor"), dict)]
     if not mons:
         return None
@@ -533,7 +533,10 @@ def gpu_flags(rows: list[dict]) -> dict:
         if why:
             flagged.append({"run": r["run"], "busy_sm_clock_mhz": clock, "why": why})
     return {"runs_with_monitor": len(monitored), "runs": len(rows),
-            "runs_without_nvml": sum(1 for r in rows if r.get("gpu_monitor") and not r["gpu_monitor"].get("available")),
+            "runs_without_figures": sum(1 for r in rows
+                                        if r.get("gpu_monitor") and not r["gpu_monitor"].get("available")),
+            "why_without_figures": sorted({str(r["gpu_monitor"].get("why")) for r in rows
+                                           if r.get("gpu_monitor") and not r["gpu_monitor"].get("available")}),
             "median_busy_sm_clock_mhz": median, "clock_threshold": GPU_CLOCK_LOW, "throttle_threshold": GPU_THROTTLE,
             "flagged": flagged}
 
@@ -551,7 +554,8 @@ def gpu_flagged_text(flags: dict) -> str:
 def gpu_text(flags: dict) -> str:
     """The report's paragraph on ``gpu_flags``."""
     if not flags.get("runs_with_monitor"):
-        extra = (f" ({flags['runs_without_nvml']} had no NVML)" if flags.get("runs_without_nvml") else
+        extra = (f" ({flags['runs_without_figures']} recorded none: {'; '.join(flags['why_without_figures'])})"
+                 if flags.get("runs_without_figures") else
                  " (recorded before session 26)")
         return f"GPU monitor: no run records one{extra}."
     med = flags["median_busy_sm_clock_mhz"]

@@ -213,14 +213,15 @@ class TrainerSpec(_Model):
 DEFAULT_PROFILE = "h200-xeon16-20261130-qwen3-0.6b"
 # The shipped profile of each trainer step mode (train.step_mode) that real runs use: the graphed
 # trainer's (--trainer-graphs, with the tuned LoRA kernels and the overlap trainer at below-normal
-# MPS priority): fitted on session 22's day (8 adapter slots, 512-token engine graphs, the engine
-# every run uses since); on other days' runs under its MPS settings 8.5% per run, bias -1.5% (61
-# runs, sessions 12-25; experiments/results/crossday/crossday.md), the lowest of the graphed
-# profiles since session 25. Session 16's, the default before, is 9.6% (bias +6.4%, 59 runs; 14.3%
-# and 21.4% on sessions 24 and 25, where session 22's is 6.6% and 10.6%).
-DEFAULT_PROFILES = {"eager": DEFAULT_PROFILE, "graphed": "h200-xeon16-graphed-session22-qwen3-0.6b"}
+# MPS priority): fitted on session 16's day; on other days' runs under its MPS settings 9.6% per run
+# over sessions 12-25 (59 runs, per-day mean 9.2%; experiments/results/crossday/crossday.md). It
+# carries the packed-attention term (share_prompts rows; session 18's bench), which the later
+# day profiles lack. Session 22's profile is closer on the days of the 8-slot, 512-token engine
+# (sessions 23-25: 10.2% against 14.7% on the runs both are scored on) and further on sessions 12-21
+# (8.5% against 6.8%).
+DEFAULT_PROFILES = {"eager": DEFAULT_PROFILE, "graphed": "h200-xeon16-graphed-session16-qwen3-0.6b"}
 # The graphed trainer's shipped profile whose MPS rates were fitted at the default trainer priority:
-# for runs that co-run engine and trainer at that priority (8.6% on other days' such runs).
+# for runs that co-run engine and trainer at that priority (11.8% on 34 other days' such runs).
 GRAPHED_NORMAL_PRIORITY_PROFILE = "h200-xeon16-graphed-qwen3-0.6b"
 
 

@@ -93,6 +93,7 @@ class GpuMonitor:
         self._samples: dict[int, list[tuple]] = {}  # per NVML index: (sm, mem MHz, W, limit W, C, util %, reasons)
         self._static: dict[int, dict] = {}
         self._why: str | None = None  # set: no figures, and why
+        self._stopped: str | None = None  # set: sampling ended early in the thread, and why
         self._result: dict | None = None
         self._t0 = self._t1 = None
 
@@ -149,7 +150,9 @@ class GpuMonitor:
             try:
                 self._sample()
             except Exception as e:  # noqa: BLE001 - the driver stopped answering: stop sampling
-                self._fail(e)
+                # The samples so far stand; the summary says where and why sampling ended.
+                n = max((len(s) for s in self._samples.values()), default=0)
+                self._stopped = f"NVML call failed after {n} samples ({type(e).__name__}: {e})"
                 return
 
     def _fail(self, e: Exception) -> None:
@@ -186,6 +189,7 @@ class GpuMonitor:
                 samples = {i: list(s) for i, s in self._samples.items()}
             self._result = {"available": True, "interval_s": self.interval_s,
                             "seconds": (self._t1 or 0.0) - (self._t0 or 0.0),
+                            **({"stopped_early": self._stopped} if self._stopped else {}),
                             "gpus": {str(i): summarise(s, self._static[i]["max_sm_clock_mhz"], self._bits)
                                      for i, s in samples.items()}}
         return copy.deepcopy(self._result)

@@ -485,6 +485,8 @@ def test_validate_and_the_gpu_table_name_runs_on_a_slowed_gpu(tmp_path):
     old = gpu_flags([{"run": "old", "gpu_monitor": None}])
     assert old["flagged"] == [] and "no run records one (recorded before session 26)" in render_markdown(
         dict(rep, gpu=old))
+    cpu = gpu_flags([{"run": "cpu", "gpu_monitor": {"available": False, "why": "the run uses no GPU"}}])
+    assert "no run records one (1 recorded none: the run uses no GPU)" in render_markdown(dict(rep, gpu=cpu))
 
 
 def test_generations_by_size_and_what_ran_beside_them():
