@@ -14,6 +14,8 @@ from nodus.timeline import read_jsonl  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+MONITOR_EVENTS: list[tuple] = []  # the fixture run's GPU monitor calls, in order
+
 
 @pytest.fixture(scope="module")
 def overlap_run(tmp_path_factory):
@@ -25,7 +27,26 @@ def overlap_run(tmp_path_factory):
         "arm: {policy: overlap, groups: 2, sharing: none}\n"
         "engine: {cuda_graph_max_tokens: 64}\n")
     out = tmp_path_factory.mktemp("run") / "overlap"
+    import time
+
+    import real.backend
+    from nodus.gpumon import GpuMonitor
+
+    class Recording(GpuMonitor):  # the backend's monitor, its calls recorded (on a CPU it samples nothing)
+        def __init__(self, n_gpus=1, interval_s=0.2):
+            super().__init__(n_gpus, interval_s)
+            MONITOR_EVENTS.append(("init", n_gpus, time.monotonic()))
+
+        def start(self):
+            MONITOR_EVENTS.append(("start", None, time.monotonic()))
+            return super().start()
+
+        def stop(self):
+            MONITOR_EVENTS.append(("stop", None, time.monotonic()))
+            return super().stop()
+
     with pytest.MonkeyPatch.context() as mp:  # the trainer worker profiles its 2nd train command
+        mp.setattr(real.backend, "GpuMonitor", Recording)
         mp.setenv("NODUS_TRAINER_PROFILE", str(out.parent / "trainer_profile.jsonl"))
         mp.setenv("NODUS_TRAINER_PROFILE_AT", "2")
         # vLLM's core in a process of its own (the in-process core: every other run of this file).
@@ -76,6 +97,12 @@ def test_a_real_run_records_its_gpu_monitor(overlap_run):
         assert mon["available"] is False or mon["gpus"]
     else:
         assert mon == {"available": False, "why": "the run uses no GPU"}
+    # Made with the backend, started once, then only stopped (by the evaluation, the diagnostics
+    # and close; each stop after the first returns the same summary).
+    kinds = [k for k, _, _ in MONITOR_EVENTS]
+    assert kinds[0] == "init" and kinds.count("start") == 1 and kinds.count("stop") >= 2
+    assert kinds.index("start") < kinds.index("stop")
+    assert all(k == "stop" for k in kinds[kinds.index("start") + 1:])
 
 
 def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsys):
