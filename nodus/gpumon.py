@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import threading
 import time
 
@@ -54,16 +55,43 @@ def gpu_indices(n_gpus: int) -> list[int]:
     return list(range(n_gpus))
 
 
+def _vllm_pynvml():
+    """The copy of pynvml vLLM ships (``vllm/third_party/pynvml.py``, plain ctypes), loaded from its
+    file without importing the ``vllm`` package: that import runs vLLM's env overrides (it imports
+    torch and sets TORCHINDUCTOR_COMPILE_THREADS=1, among others, which processes the run starts
+    later would inherit)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")  # locates the package; runs none of it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("no vllm package")
+    path = Path(list(spec.submodule_search_locations)[0]) / "third_party" / "pynvml.py"
+    if not path.is_file():
+        raise ImportError(f"no {path}")
+    name = "nodus_vllm_pynvml"
+    if name in sys.modules:
+        return sys.modules[name]
+    mspec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(mspec)
+    sys.modules[name] = mod  # the module looks itself up there while it loads
+    try:
+        mspec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
 def load_pynvml():
-    """The pynvml module: nvidia-ml-py's (``pynvml``), else the copy vLLM ships
-    (``vllm.third_party.pynvml``; the H200 device bundle has only that one); a string saying why
-    where neither imports."""
+    """The pynvml module: nvidia-ml-py's (``pynvml``), else the copy vLLM ships (the H200 device
+    bundle has only that one); a string saying why where neither loads."""
     import importlib
 
     errors = []
-    for name in ("pynvml", "vllm.third_party.pynvml"):
+    for name, load in (("pynvml", lambda: importlib.import_module("pynvml")), ("vllm's copy", _vllm_pynvml)):
         try:
-            return importlib.import_module(name)
+            return load()
         except Exception as e:  # noqa: BLE001 - not installed, or broken
             errors.append(f"{name}: {type(e).__name__}: {e}")
     return "no pynvml (" + "; ".join(errors) + ")"

@@ -1,6 +1,7 @@
 """The GPU monitor (nodus.gpumon) against a scripted fake pynvml: its summary figures, the GPUs it
 picks, and that it never raises and never leaves its thread running."""
 
+import os
 import sys
 import threading
 import time
@@ -8,6 +9,7 @@ import types
 
 import pytest
 
+from nodus import gpumon
 from nodus.gpumon import GpuMonitor, gpu_indices, reason_bits
 
 IDLE = (345, 2619, 80_000, 700_000, 35, 0, 0x1)  # sm, mem MHz, power mW, limit mW, C, util %, reasons
@@ -119,9 +121,9 @@ def test_the_thread_samples_until_stopped_and_stop_is_idempotent(monkeypatch):
 
 def test_without_nvml_stop_says_why_and_nothing_raises(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # the import fails, as without nvidia-ml-py ...
-    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", None)  # ... and without vLLM's copy
-    s = GpuMonitor().start().stop()
-    assert s["available"] is False and "no pynvml" in s["why"] and "vllm.third_party.pynvml" in s["why"]
+    monkeypatch.setattr(gpumon, "_vllm_pynvml", lambda: (_ for _ in ()).throw(ImportError("no vllm package")))
+    s = GpuMonitor().start().stop()  # ... and without vLLM's copy
+    assert s["available"] is False and "no pynvml" in s["why"] and "vllm's copy" in s["why"]
     nv = fake_pynvml()
     nv.nvmlInit = lambda: (_ for _ in ()).throw(RuntimeError("NVMLError_DriverNotLoaded"))
     monkeypatch.setitem(sys.modules, "pynvml", nv)
@@ -157,6 +159,22 @@ def test_without_nvidia_ml_py_the_copy_vllm_ships_is_used(monkeypatch):
     """The H200 device bundle has vLLM's vendored pynvml and no nvidia-ml-py."""
     nv = fake_pynvml()
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", nv)
+    monkeypatch.setattr(gpumon, "_vllm_pynvml", lambda: nv)
     s = GpuMonitor(interval_s=0.01).start().stop()
     assert s["available"] and s["gpus"]["0"]["samples"] >= 1 and nv.shutdowns == [1]
+
+
+def test_vllms_copy_loads_without_importing_vllm():
+    """Importing vllm runs its env overrides (torch imported, TORCHINDUCTOR_COMPILE_THREADS=1):
+    the copy is loaded from its file alone."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    code = ("import sys, os; from nodus.gpumon import _vllm_pynvml; m = _vllm_pynvml(); "
+            "print(hasattr(m, 'nvmlInit'), 'vllm' in sys.modules, 'torch' in sys.modules, "
+            "'TORCHINDUCTOR_COMPILE_THREADS' in os.environ)")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["True", "False", "False", "False"]
