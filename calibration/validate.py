@@ -162,30 +162,36 @@ def generations_by_size(spans: list[dict], cover: float = 0.9) -> dict[str, dict
 
 def generation_size_errors(rows: list[dict]) -> list[dict]:
     """``generations_by_size`` over the validated runs, measured against replayed: per size, side
-    (alone / beside a train step) and sharing (mps / none), the mean seconds of the measured and of
-    the simulated actions (each run's mean weighted by its actions), the simulated error, and how
-    many of the runs were held out. Sorted by sharing, side and size."""
+    (alone / beside a train step) and sharing (mps / none), the measured actions' mean seconds, and
+    over the runs whose simulation has actions of that size and side too, the simulated mean (each
+    run's simulated mean weighted by its measured actions, so both sides weigh the runs alike) and
+    its error against those runs' measured mean; ``unsimulated`` counts the measured actions of runs
+    whose simulation has none of that key (it put them partly beside a train step, say). Sorted by
+    sharing, side and size."""
     acc: dict[tuple, dict] = {}
     for r in rows:
         meas, sim = r["measured"].get("gen_by_size") or {}, r["replay"].get("gen_by_size") or {}
         sharing = (r.get("arm") or {}).get("sharing") or "none"
         for key, m in meas.items():
-            if key not in sim:
-                continue
             seqs, side = key.split("/")
-            a = acc.setdefault((sharing, side, int(seqs)), {"meas": 0.0, "n_meas": 0, "sim": 0.0, "n_sim": 0,
+            a = acc.setdefault((sharing, side, int(seqs)), {"meas": 0.0, "n": 0, "sim": 0.0, "um": 0.0, "um_n": 0,
                                                             "runs": 0, "heldout_runs": 0})
-            a["meas"] += m["s"] * m["n"]
-            a["n_meas"] += m["n"]
-            a["sim"] += sim[key]["s"] * sim[key]["n"]
-            a["n_sim"] += sim[key]["n"]
             a["runs"] += 1
             a["heldout_runs"] += bool(r.get("heldout"))
+            if key in sim:
+                a["meas"] += m["s"] * m["n"]
+                a["sim"] += sim[key]["s"] * m["n"]
+                a["n"] += m["n"]
+            else:
+                a["um"] += m["s"] * m["n"]
+                a["um_n"] += m["n"]
     out = []
     for (sharing, side, seqs), a in sorted(acc.items()):
-        m, p = a["meas"] / a["n_meas"], a["sim"] / a["n_sim"]
+        m = a["meas"] / a["n"] if a["n"] else None
+        p = a["sim"] / a["n"] if a["n"] else None
         out.append({"sequences": seqs, "side": side, "sharing": sharing, "runs": a["runs"],
-                    "heldout_runs": a["heldout_runs"], "actions": a["n_meas"], "measured_s": m, "simulated_s": p,
+                    "heldout_runs": a["heldout_runs"], "actions": a["n"] + a["um_n"], "unsimulated": a["um_n"],
+                    "measured_s": (a["meas"] + a["um"]) / (a["n"] + a["um_n"]), "simulated_s": p,
                     "error": (p - m) / m if m else None})
     return out
 
@@ -508,17 +514,20 @@ def run_gpu_monitor(summary: dict) -> dict | None:
         fracs = [(g.get("throttle") or {}).get(reason, 0.0) for g in gpus]
         if max(fracs) > 0:
             throttle[reason] = float(max(fracs))
+    stopped = "; ".join(sorted({str(m["stopped_early"]) for m in mons if m.get("stopped_early")}))
     return {"available": True, "busy_sm_clock_mhz": min(busy) if busy else None,
             "max_sm_clock_mhz": max((g.get("max_sm_clock_mhz") or 0.0) for g in gpus) or None,
-            "power_limit_w": min(limits) if limits else None, "throttle": throttle}
+            "power_limit_w": min(limits) if limits else None, "throttle": throttle,
+            **({"stopped_early": stopped} if stopped else {})}
 
 
 def gpu_flags(rows: list[dict]) -> dict:
     """Runs whose GPU ran slow: a busy SM clock more than ``GPU_CLOCK_LOW`` under the median of
     the validated runs' busy clocks, or a slowdown reason (power cap, thermal, hardware slowdown)
-    active in at least ``GPU_THROTTLE`` of the samples. Their error may be the GPU's state, not
-    the simulator's: session 25's 8-job (512-sequence) generations took 3.10 s a step against
-    2.41-2.67 s on four other days with the host probe unchanged. Flagged, never dropped."""
+    active in at least ``GPU_THROTTLE`` of the samples; also a run whose sampling stopped early (its
+    figures cover part of it). Their error may be the GPU's state, not the simulator's: session
+    25's 8-job shared-sync + MPS generations (512 sequences) took 3.10 s a step against 2.41-2.67 s
+    on four other days with the host probe unchanged. Flagged, never dropped."""
     monitored = [r for r in rows if (r.get("gpu_monitor") or {}).get("available")]
     clocks = [r["gpu_monitor"]["busy_sm_clock_mhz"] for r in monitored
               if r["gpu_monitor"].get("busy_sm_clock_mhz") is not None]
@@ -530,6 +539,8 @@ def gpu_flags(rows: list[dict]) -> dict:
         if median and clock is not None and clock < (1 - GPU_CLOCK_LOW) * median:
             why["busy_sm_clock"] = clock / median
         why.update({k: v for k, v in (m.get("throttle") or {}).items() if v >= GPU_THROTTLE})
+        if m.get("stopped_early"):
+            why["stopped_early"] = m["stopped_early"]
         if why:
             flagged.append({"run": r["run"], "busy_sm_clock_mhz": clock, "why": why})
     return {"runs_with_monitor": len(monitored), "runs": len(rows),
@@ -546,6 +557,7 @@ def gpu_flagged_text(flags: dict) -> str:
     30% of samples); ...' for a report."""
     def one(f: dict) -> str:
         parts = [f"busy SM clock {f['busy_sm_clock_mhz']:.0f} MHz, {v:.2f}x the median" if k == "busy_sm_clock"
+                 else f"sampling stopped early: {v}" if k == "stopped_early"
                  else f"{k} in {v:.0%} of samples" for k, v in f["why"].items()]
         return f"{Path(f['run']).name} ({'; '.join(parts)})"
     return "; ".join(one(f) for f in flags["flagged"])
@@ -553,21 +565,21 @@ def gpu_flagged_text(flags: dict) -> str:
 
 def gpu_text(flags: dict) -> str:
     """The report's paragraph on ``gpu_flags``."""
+    without = (f"{flags['runs_without_figures']} of {flags['runs']} runs have no figures from it: "
+               f"{'; '.join(flags['why_without_figures'])}." if flags.get("runs_without_figures") else "")
     if not flags.get("runs_with_monitor"):
-        extra = (f" ({flags['runs_without_figures']} recorded none: {'; '.join(flags['why_without_figures'])})"
-                 if flags.get("runs_without_figures") else
-                 " (recorded before session 26)")
-        return f"GPU monitor: no run records one{extra}."
+        return "GPU monitor: " + (without or "no run records one (recorded before session 26).")
     med = flags["median_busy_sm_clock_mhz"]
     head = (f"GPU monitor (NVML: SM clock, power, temperature and throttle reasons through each run; "
             f"{flags['runs_with_monitor']} of {flags['runs']} runs have one): median SM clock while busy "
             + ("-" if med is None else f"{med:.0f} MHz") + ". ")
     rule = (f"a busy SM clock more than {flags['clock_threshold']:.0%} under the median, or a slowdown reason in "
             f"{flags['throttle_threshold']:.0%} of samples or more")
+    tail = f" {without}" if without else ""
     if flags["flagged"]:
         return (head + f"On a slowed GPU ({rule}; their GPU, not only the simulator, may explain their error): "
-                + gpu_flagged_text(flags))
-    return head + f"No run on a slowed GPU ({rule})."
+                + gpu_flagged_text(flags) + "." + tail)
+    return head + f"No run on a slowed GPU ({rule})." + tail
 
 
 def run_jit_compiles(summary: dict) -> list[str] | None:
@@ -747,13 +759,16 @@ def render_markdown(rep: dict) -> str:
         lines += ["", "Generations by size (a group's generations of one step; alone, or beside another group's "
                   "train step for at least 90% of it), replayed lengths; a size the fitted runs did not reach "
                   "is an extrapolation of the decode curves:", "",
-                  "| sharing | beside training | sequences | runs (held out) | actions | measured s | simulated s "
-                  "| error |", "|---|---|---|---|---|---|---|---|"]
+                  "| sharing | beside training | sequences | runs (held out) | actions (not simulated) | measured s "
+                  "| simulated s | error |", "|---|---|---|---|---|---|---|---|"]
         for g in sizes:
             err = "-" if g["error"] is None else f"{g['error']:+.1%}"
+            sim = "-" if g["simulated_s"] is None else f"{g['simulated_s']:.3f}"
             lines.append(f"| {g['sharing']} | {'yes' if g['side'] == 'beside' else 'no'} | {g['sequences']} | "
-                         f"{g['runs']} ({g['heldout_runs']}) | {g['actions']} | {g['measured_s']:.3f} | "
-                         f"{g['simulated_s']:.3f} | {err} |")
+                         f"{g['runs']} ({g['heldout_runs']}) | {g['actions']} ({g.get('unsimulated', 0)}) | "
+                         f"{g['measured_s']:.3f} | {sim} | {err} |")
+        lines += ["", "(The error compares the runs whose simulation has actions of that size and side; each "
+                  "run weighs by its measured actions.)"]
     return "\n".join(lines)
 
 

@@ -2,15 +2,17 @@
 against the enforced limit, temperature, utilisation, and the reasons the driver gives for holding
 the clocks down (power cap, thermal, hardware slowdown).
 
-Why: on the H200 the 8-job 512-sequence generation took 2.4-2.7 s on four days and 3.1 s on
-session 25, while launch-bound phases and the host probe (``nodus.outdir.host_probe``) were
-unchanged. A GPU slowed under heavy load (power cap, heat, clocks) would do that and nothing else
-recorded it. The real backend runs a `GpuMonitor` over each run's measured window and keeps its
+Why: on the H200 the 8-job shared-sync + MPS generation (512 sequences) took 2.4-2.7 s a step
+on four days and 3.1 s on session 25, while the host probe (``nodus.outdir.host_probe``) read the
+same. A GPU slowed under heavy load (power cap, heat, clocks) would do that, and nothing recorded
+the GPU's state. The real backend runs a `GpuMonitor` over each run's measured window and keeps its
 summary in the run's diagnostics (``gpu_monitor``); ``nodus validate`` flags runs whose GPU ran
 slow.
 
 Never raises: without ``pynvml`` (nvidia-ml-py's, or the copy vLLM ships), without a driver,
-or when an NVML call fails, ``stop()`` says why instead of giving figures.
+or when an NVML call fails at the start, ``stop()`` says why instead of giving figures; a call that
+fails later ends the sampling, and the figures so far come with ``stopped_early`` (why, and after
+how many samples).
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ class GpuMonitor:
                 # The samples so far stand; the summary says where and why sampling ended.
                 n = max((len(s) for s in self._samples.values()), default=0)
                 self._stopped = f"NVML call failed after {n} samples ({type(e).__name__}: {e})"
+                self._t1 = time.monotonic()  # the figures cover the window up to here
                 return
 
     def _fail(self, e: Exception) -> None:
@@ -205,7 +208,7 @@ class GpuMonitor:
         self._halt.set()
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, 5 * self.interval_s))
-            self._t1 = time.monotonic()
+            self._t1 = self._t1 or time.monotonic()
             if not self._thread.is_alive():  # a hung NVML call keeps the library it is in
                 self._shutdown()
         if self._thread is None and self._why is None:

@@ -144,7 +144,8 @@ def test_a_failing_call_ends_sampling_without_raising(monkeypatch):
     nv = fake_pynvml()
     monkeypatch.setitem(sys.modules, "pynvml", nv)
     m = GpuMonitor(interval_s=0.005).start()
-    while nv.served.get(0, 0) < 3:
+    deadline = time.monotonic() + 10
+    while nv.served.get(0, 0) < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
     nv.nvmlDeviceGetTemperature = lambda h, sensor: (_ for _ in ()).throw(RuntimeError("NVMLError_GpuIsLost"))
     m._thread.join(timeout=10)

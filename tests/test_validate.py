@@ -486,7 +486,17 @@ def test_validate_and_the_gpu_table_name_runs_on_a_slowed_gpu(tmp_path):
     assert old["flagged"] == [] and "no run records one (recorded before session 26)" in render_markdown(
         dict(rep, gpu=old))
     cpu = gpu_flags([{"run": "cpu", "gpu_monitor": {"available": False, "why": "the run uses no GPU"}}])
-    assert "no run records one (1 recorded none: the run uses no GPU)" in render_markdown(dict(rep, gpu=cpu))
+    assert "GPU monitor: 1 of 1 runs have no figures from it: the run uses no GPU." in render_markdown(
+        dict(rep, gpu=cpu))
+    # A run whose sampling stopped early is flagged with why; runs without figures are named beside the others.
+    part = dict(_gpu_monitor(1890), stopped_early="NVML call failed after 3 samples (RuntimeError: lost)")
+    mixed = gpu_flags([{"run": name, "gpu_monitor": run_gpu_monitor({"diagnostics": [{"gpu_monitor": mon}]})}
+                       for name, mon in (("a", _gpu_monitor(1890)), ("b", part))]
+                      + [{"run": "c", "gpu_monitor": {"available": False, "why": "no pynvml"}}])
+    assert [f["run"] for f in mixed["flagged"]] == ["b"] and "stopped_early" in mixed["flagged"][0]["why"]
+    text = render_markdown(dict(rep, gpu=mixed))
+    assert "b (sampling stopped early: NVML call failed after 3 samples" in text
+    assert "1 of 3 runs have no figures from it: no pynvml." in text
 
 
 def test_generations_by_size_and_what_ran_beside_them():
