@@ -408,6 +408,16 @@ def _train_and_save(out: Path, spec: BaseSpec, device: str, log: Callable[[str],
     return report
 
 
+# The files a finished base folder holds: its report is written last, but a folder whose other
+# files went missing (a clean-up that ran while it was built) has the report and cannot answer.
+BASE_FILES = (REPORT_NAME, "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def base_complete(path: Path) -> bool:
+    """Whether ``path`` is a finished base folder: every file of ``BASE_FILES`` there."""
+    return all((path / f).is_file() for f in BASE_FILES)
+
+
 def ensure_tiny_base(cache_dir: str | os.PathLike | None = None, seed: int = 0,
                      log: Callable[[str], None] = print, cpu_threads: int = 1,
                      **spec_overrides) -> Path:
@@ -421,8 +431,10 @@ def ensure_tiny_base(cache_dir: str | os.PathLike | None = None, seed: int = 0,
     spec = default_spec("tiny", seed=seed, **spec_overrides)
     root = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "nodus"
     path = root / f"tiny-base-{spec.key()}-t{cpu_threads}"
-    if (path / REPORT_NAME).exists():
+    if base_complete(path):
         return path
-    with building(path, ready=lambda p: (p / REPORT_NAME).exists()) as tmp:
+    if path.exists():
+        log(f"{path} is incomplete (a file of {', '.join(BASE_FILES)} is missing): training it again")
+    with building(path, ready=base_complete) as tmp:
         _train_into(tmp, spec, "cpu", log, cpu_threads)
     return path

@@ -31,6 +31,20 @@ def test_corrupted_answers_are_wrong_and_well_formed():
             assert len(wrong.split()) == len(item.answer.split())
 
 
+def test_a_base_folder_missing_a_file_is_not_taken_as_finished(tmp_path):
+    """Session 25's fresh-clone run found a cached base folder with its report and weights but no
+    tokenizer (a clean-up had run while it trained); the learning tests then failed on empty
+    prompts. Such a folder is not finished, so ensure_tiny_base trains it again."""
+    from real.base_model import BASE_FILES, base_complete
+
+    for f in BASE_FILES:
+        (tmp_path / f).write_text("{}")
+    assert base_complete(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    assert not base_complete(tmp_path)
+    assert not base_complete(tmp_path / "absent")
+
+
 def test_spec_key_names_the_recipe():
     from real.base_model import default_spec
 
