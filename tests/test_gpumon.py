@@ -102,13 +102,19 @@ def test_cuda_visible_devices_picks_the_physical_gpus(monkeypatch):
     assert gpu_indices(1) == [0] and gpu_indices(0) == []
 
 
-def test_the_thread_samples_until_stopped_and_stop_is_idempotent(monkeypatch):
+def sampling(monkeypatch, samples: int):
+    """A monitor on a fresh fake pynvml, once its thread has taken ``samples`` samples (10 s at most)."""
     nv = fake_pynvml()
     monkeypatch.setitem(sys.modules, "pynvml", nv)
     m = GpuMonitor(interval_s=0.005).start()
     deadline = time.monotonic() + 10
-    while nv.served.get(0, 0) < 5 and time.monotonic() < deadline:
+    while nv.served.get(0, 0) < samples and time.monotonic() < deadline:
         time.sleep(0.005)
+    return m, nv
+
+
+def test_the_thread_samples_until_stopped_and_stop_is_idempotent(monkeypatch):
+    m, nv = sampling(monkeypatch, 5)
     s = m.stop()
     n = s["gpus"]["0"]["samples"]
     assert s["available"] and n >= 5 and s["seconds"] > 0
@@ -141,12 +147,7 @@ def test_a_failing_call_ends_sampling_without_raising(monkeypatch):
     assert m.stop() == {"available": False,
                         "why": "NVML call failed after 0 samples (RuntimeError: NVMLError_NotSupported)"}
     # In the thread: the driver stops answering after some samples.
-    nv = fake_pynvml()
-    monkeypatch.setitem(sys.modules, "pynvml", nv)
-    m = GpuMonitor(interval_s=0.005).start()
-    deadline = time.monotonic() + 10
-    while nv.served.get(0, 0) < 3 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    m, nv = sampling(monkeypatch, 3)
     nv.nvmlDeviceGetTemperature = lambda h, sensor: (_ for _ in ()).throw(RuntimeError("NVMLError_GpuIsLost"))
     m._thread.join(timeout=10)
     assert not m._thread.is_alive()  # the thread ended on its own
