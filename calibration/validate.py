@@ -78,33 +78,51 @@ def _phase_means(spans: list[dict]) -> dict[str, float]:
     return out
 
 
+def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
+    """A run's generate and train actions: a group's spans of one step (their start, where a span
+    has no step) as one action, ``{phase: {(gpu, group, step): [first start, last end, sequences]}}``
+    (sequences: its spans' ``n_sequences``, 0 for a train step)."""
+    acts: dict[str, dict[tuple, list]] = {"generate": {}, "train": {}}
+    for sp in spans:
+        if sp["phase"] in acts:
+            attrs = sp.get("attrs") or {}
+            step = attrs.get("step")
+            key = (sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"]))
+            a = acts[sp["phase"]].setdefault(key, [sp["start_s"], sp["end_s"], 0])
+            a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
+            if sp["phase"] == "generate":
+                a[2] += int(attrs.get("n_sequences") or len(attrs.get("response_tokens") or []))
+    return acts
+
+
+def _corun_side(key: tuple, start: float, end: float, others: dict[tuple, list], cover: float) -> str | None:
+    """Whether the action ``key`` (``start``-``end``) ran "alone" (other groups' actions of the
+    other phase, ``others``, beside it for at most 1 - ``cover`` of it on its GPU) or "beside"
+    them (for at least ``cover``); None in between."""
+    from nodus.accounting import union_length
+
+    gpu, group, _ = key
+    covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e, _) in others.items()
+               if g2 == gpu and grp2 != group and s < end and e > start]
+    frac = union_length(covered) / (end - start)
+    return "alone" if frac <= 1 - cover else "beside" if frac >= cover else None
+
+
 def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
     """Mean seconds of a run's generate and train actions that ran alone (the other phase beside them
     for at most 1 - ``cover`` of their length) and beside the other phase (for at least ``cover``):
     what co-running costs each side. A group's generate action spans its jobs' generations of one
     step (from the first start to the last end); other actions partly beside the other phase count in
     neither. {phase: {"alone": s, "beside": s, "n_alone": k, "n_beside": k}}, means None where none."""
-    from nodus.accounting import union_length
-
-    acts: dict[str, dict[tuple, list[float]]] = {"generate": {}, "train": {}}
-    for sp in spans:
-        if sp["phase"] in acts:
-            # One action: a group's spans of one step (their start, where a span has no step).
-            step = (sp.get("attrs") or {}).get("step")
-            key = (sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"]))
-            a = acts[sp["phase"]].setdefault(key, [sp["start_s"], sp["end_s"]])
-            a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
+    acts = _phase_actions(spans)
     out = {}
     for ph, other in (("generate", "train"), ("train", "generate")):
         alone, beside = [], []
-        for (gpu, group, _), (start, end) in acts[ph].items():
-            span = end - start
-            if span <= 0:
+        for key, (start, end, _) in acts[ph].items():
+            if end - start <= 0:
                 continue
-            covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e) in acts[other].items()
-                       if g2 == gpu and grp2 != group and s < end and e > start]
-            frac = union_length(covered) / span
-            (alone if frac <= 1 - cover else beside if frac >= cover else []).append(span)
+            side = _corun_side(key, start, end, acts[other], cover)
+            (alone if side == "alone" else beside if side == "beside" else []).append(end - start)
         out[ph] = {"alone": float(np.mean(alone)) if alone else None,
                    "beside": float(np.mean(beside)) if beside else None,
                    "n_alone": len(alone), "n_beside": len(beside)}
@@ -135,28 +153,14 @@ def generations_by_size(spans: list[dict], cover: float = 0.9) -> dict[str, dict
     large generations slow more than its small ones: session 25's 512-sequence generations took
     1.73x its 256-sequence ones, where sessions 21-24's took 1.25-1.32x, and a profile fitted on
     1-4 jobs (at most 256 sequences) priced them 18% short (this table on its runs)."""
-    from nodus.accounting import union_length
-
-    acts: dict[str, dict[tuple, list]] = {"generate": {}, "train": {}}
-    for sp in spans:
-        if sp["phase"] in acts:
-            step = (sp.get("attrs") or {}).get("step")
-            key = (sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"]))
-            a = acts[sp["phase"]].setdefault(key, [sp["start_s"], sp["end_s"], 0])
-            a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
-            attrs = sp.get("attrs") or {}
-            a[2] += int(attrs.get("n_sequences") or len(attrs.get("response_tokens") or []))
+    acts = _phase_actions(spans)
     sizes: dict[str, list[float]] = {}
-    for (gpu, group, _), (start, end, seqs) in acts["generate"].items():
-        span = end - start
-        if span <= 0 or seqs <= 0:
+    for key, (start, end, seqs) in acts["generate"].items():
+        if end - start <= 0 or seqs <= 0:
             continue
-        covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e, _) in acts["train"].items()
-                   if g2 == gpu and grp2 != group and s < end and e > start]
-        frac = union_length(covered) / span
-        side = "alone" if frac <= 1 - cover else "beside" if frac >= cover else None
+        side = _corun_side(key, start, end, acts["train"], cover)
         if side:
-            sizes.setdefault(f"{seqs}/{side}", []).append(span)
+            sizes.setdefault(f"{seqs}/{side}", []).append(end - start)
     return {k: {"s": float(np.mean(v)), "n": len(v)} for k, v in sizes.items()}
 
 
@@ -543,11 +547,9 @@ def gpu_flags(rows: list[dict]) -> dict:
             why["stopped_early"] = m["stopped_early"]
         if why:
             flagged.append({"run": r["run"], "busy_sm_clock_mhz": clock, "why": why})
-    return {"runs_with_monitor": len(monitored), "runs": len(rows),
-            "runs_without_figures": sum(1 for r in rows
-                                        if r.get("gpu_monitor") and not r["gpu_monitor"].get("available")),
-            "why_without_figures": sorted({str(r["gpu_monitor"].get("why")) for r in rows
-                                           if r.get("gpu_monitor") and not r["gpu_monitor"].get("available")}),
+    without = [r["gpu_monitor"] for r in rows if r.get("gpu_monitor") and not r["gpu_monitor"].get("available")]
+    return {"runs_with_monitor": len(monitored), "runs": len(rows), "runs_without_figures": len(without),
+            "why_without_figures": sorted({str(m.get("why")) for m in without}),
             "median_busy_sm_clock_mhz": median, "clock_threshold": GPU_CLOCK_LOW, "throttle_threshold": GPU_THROTTLE,
             "flagged": flagged}
 

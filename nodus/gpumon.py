@@ -157,7 +157,7 @@ class GpuMonitor:
                 self._samples[i] = []
             self._sample()  # one at once: a query the GPU does not answer fails here, not in the thread
         except Exception as e:  # noqa: BLE001 - a bad index, an unsupported query
-            self._fail(e)
+            self._why = self._failure(e)
             self._shutdown()
             return self
         self._t0 = time.monotonic()
@@ -181,14 +181,13 @@ class GpuMonitor:
                 self._sample()
             except Exception as e:  # noqa: BLE001 - the driver stopped answering: stop sampling
                 # The samples so far stand; the summary says where and why sampling ended.
-                n = max((len(s) for s in self._samples.values()), default=0)
-                self._stopped = f"NVML call failed after {n} samples ({type(e).__name__}: {e})"
+                self._stopped = self._failure(e)
                 self._t1 = time.monotonic()  # the figures cover the window up to here
                 return
 
-    def _fail(self, e: Exception) -> None:
+    def _failure(self, e: Exception) -> str:
         n = max((len(s) for s in self._samples.values()), default=0)
-        self._why = f"NVML call failed after {n} samples ({type(e).__name__}: {e})"
+        return f"NVML call failed after {n} samples ({type(e).__name__}: {e})"
 
     def _shutdown(self) -> None:
         try:
