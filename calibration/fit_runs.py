@@ -696,11 +696,11 @@ def _select_train_terms(sharing, y, feats, optional, fixed, mode, alone, corun, 
     optional term apart (full column rank) are folds, and every subset is scored on those same
     folds: a dedicated run's 1-adapter steps alone cannot tell a per-adapter cost from a fixed one,
     so with steps of 1, 2 and 4 adapters the one fold predicts the 4-adapter steps from the rest.
-    Where no size makes a fold it leaves one run out. On the H200's four one-day protocols
-    (sessions 21-24, ``experiments/protocol_days.sh``; session 24's runs with plain rows) the held-out
-    8- and 16-job runs came out at 6.9 / 2.2 / 11.2 / 3.5% per run with "extrapolate" against 6.5 /
-    2.2 / 11.2 / 5.7% with "runs":
-    one day better (the day it was built on), one slightly worse, so it is not the default.
+    Where no size makes a fold it leaves one run out. On the H200's five one-day protocols
+    (sessions 21-25, ``experiments/protocol_days.sh``; session 24's runs with plain rows) the held-out
+    8- and 16-job runs came out at 6.9 / 2.2 / 11.2 / 3.5 / 22.2% per run with "extrapolate" against
+    6.5 / 2.2 / 11.2 / 5.7 / 14.6% with "runs": better on the day it was built on, worse on its first
+    day out of sample (session 25) and slightly on one other, so it is not the default.
 
     The sharing rates are those of the fit of every term on every run (a step's work is its seconds
     at them): a fold without some run may not pin a rate. Ties go to fewer terms. Returns the chosen
