@@ -1,5 +1,5 @@
 #!/bin/bash
-# #5's one-day protocol on each H200 day that ran it (sessions 21-25): fit the day's 1-4-job runs,
+# #5's one-day protocol on each H200 day that ran it (sessions 21-26): fit the day's 1-4-job runs,
 # validate on its held-out 8- and 16-job runs, one line per day. No GPU: the runs are committed.
 #   bash experiments/protocol_days.sh [runs|extrapolate] [OUT_DIR]
 # (the first argument is nodus fit --term-selection, default runs; the profiles and reports land in
@@ -9,7 +9,7 @@ SEL=${1:-runs}; R=${2:-$(mktemp -d /tmp/protocol-days-XXXXXX)}; mkdir -p "$R"; R
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nodus() { python -m nodus.cli "$@"; }
-for day in 21 22 23 24 25; do
+for day in 21 22 23 24 25 26; do
   S=experiments/results/h200/session$day/arms
   case $day in
     21) FIT="$S/dedicated-cg-j4-s1 $S/shared-sync+mps-cg-lowpri-j2-s1 $S/overlap+mps-cg-lowpri-j2-s1 $S/shared-sync+mps-cg-lowpri-j4-s1 $S/overlap+mps-cg-lowpri-j4-s1"
@@ -22,8 +22,8 @@ for day in 21 22 23 24 25; do
     # session 24: the packed-trainer runs (sp4) are left out here: this base has no packed-attention term
     24) FIT="$S/dedicated-cg-gm512-ls8-j4-s1 $S/overlap-cg-gm512-ls8-j4-s1 $(ls -d $S/*mps*-j2-s* $S/*mps*-j4-s* | tr '\n' ' ')"
         HELD=$(ls -d $S/*/ | grep -v 'j2-s\|j4-s\|sp4');;
-    # session 25: day 24's fit set; the dedicated run repeated at the day's end (A/A, -r2) is in neither set
-    25) FIT="$S/dedicated-cg-gm512-ls8-j4-s1 $S/overlap-cg-gm512-ls8-j4-s1 $(ls -d $S/*mps*-j2-s* $S/*mps*-j4-s* | tr '\n' ' ')"
+    # sessions 25-26: day 24's fit set; the dedicated run repeated later in the day (A/A, -r2) is in neither set
+    25|26) FIT="$S/dedicated-cg-gm512-ls8-j4-s1 $S/overlap-cg-gm512-ls8-j4-s1 $(ls -d $S/*mps*-j2-s* $S/*mps*-j4-s* | tr '\n' ' ')"
         HELD=$(ls -d $S/*/ | grep -v 'j2-s\|j4-s\|j4-r2');;
   esac
   rm -rf "$R/p$day.json" "$R/v$day"
