@@ -24,6 +24,10 @@ SAMPLE_SEED_OFFSET = 7919  # sampled lengths: the recorded jobs' seeds plus this
 HOST_SLOW = 1.3  # a run whose host probe took this many times the validated runs' median is flagged
 GPU_CLOCK_LOW = 0.05  # a run whose busy SM clock lies this far under the validated runs' median is flagged
 GPU_THROTTLE = 0.10  # ... or one with a slowdown reason (power cap, thermal, ...) active in this share of samples
+# The host monitor (nodus.hostmon) flags a run whose host lost this share of its CPU time to the
+# hypervisor (steal), whose cgroup was quota-throttled in this share of its periods, where other
+# processes than the run's took this many cores, or whose cores' clock sat this far under the median.
+HOSTMON_STEAL, HOSTMON_CG_THROTTLED, HOSTMON_OTHER_CORES, HOSTMON_MHZ_LOW = 0.02, 0.05, 1.0, 0.05
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float | None:
@@ -253,7 +257,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         controls = run_controls(meas)
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
-               "jit_compiles": run_jit_compiles(meas),
+               "host_monitor": run_host_monitor(meas), "jit_compiles": run_jit_compiles(meas),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
@@ -293,6 +297,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     report["generation_sizes"] = generation_size_errors(rows)
     report["host"] = host_flags(rows)
     report["gpu"] = gpu_flags(rows)
+    report["host_monitor"] = host_monitor_flags(rows)
     report["jit"] = jit_flags(rows)
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
@@ -584,6 +589,111 @@ def gpu_text(flags: dict) -> str:
     return head + f"No run on a slowed GPU ({rule})." + tail
 
 
+def run_host_monitor(summary: dict) -> dict | None:
+    """The most contended host state a run's host monitors recorded (``nodus.hostmon``, one per GPU's
+    run): the largest steal share, cgroup-throttled share and other processes' cores, the lowest
+    mean core clock, and the run's own cores and busiest thread (the largest); None for a run
+    without one (recorded before session 27), ``{"available": False, "why": ...}`` for one whose
+    monitors recorded no figures."""
+    mons = [d["host_monitor"] for d in summary.get("diagnostics", []) if isinstance(d.get("host_monitor"), dict)]
+    if not mons:
+        return None
+    ok = [m for m in mons if m.get("available") and "cores_busy" in m]
+    if not ok:
+        return {"available": False, "why": "; ".join(sorted({str(m.get("why", "an empty window")) for m in mons}))}
+
+    def top(key, f=max):
+        vals = [v for v in (key(m) for m in ok) if v is not None]
+        return float(f(vals)) if vals else None
+
+    busiest = max((m["busiest_thread"] for m in ok if m.get("busiest_thread")), key=lambda b: b["core_frac"],
+                  default=None)
+    stopped = "; ".join(sorted({str(m["stopped_early"]) for m in mons if m.get("stopped_early")}))
+    return {"available": True, "steal_frac": top(lambda m: m.get("steal_frac")),
+            "other_cores": top(lambda m: m.get("other_cores")), "run_cores": top(lambda m: m.get("run_cores")),
+            "cgroup_throttled_frac": top(lambda m: (m.get("cgroup") or {}).get("throttled_frac")),
+            "cpu_mhz": top(lambda m: (m.get("cpu_mhz") or {}).get("mean"), min),
+            "busiest_thread": busiest, **({"stopped_early": stopped} if stopped else {})}
+
+
+def host_monitor_flags(rows: list[dict]) -> dict:
+    """Runs whose host was contended while measured: steal time at least ``HOSTMON_STEAL`` of the
+    CPU time, the cgroup quota-throttled in ``HOSTMON_CG_THROTTLED`` of its periods, other
+    processes on ``HOSTMON_OTHER_CORES`` cores or more, or the cores' clock more than
+    ``HOSTMON_MHZ_LOW`` under the validated runs' median; also a run whose sampling stopped early.
+    The phases are host-bound in part, so their error may be the host's. Flagged, never dropped."""
+    monitored = [r for r in rows if (r.get("host_monitor") or {}).get("available")]
+
+    def med(key):
+        vals = [key(r["host_monitor"]) for r in monitored]
+        vals = [v for v in vals if v is not None]
+        return float(np.median(vals)) if vals else None
+
+    median = {"cpu_mhz": med(lambda m: m.get("cpu_mhz")), "run_cores": med(lambda m: m.get("run_cores")),
+              "other_cores": med(lambda m: m.get("other_cores")), "steal_frac": med(lambda m: m.get("steal_frac")),
+              "busiest_thread_core_frac": med(lambda m: (m.get("busiest_thread") or {}).get("core_frac"))}
+    flagged = []
+    for r in monitored:
+        m, why = r["host_monitor"], {}
+        if (m.get("steal_frac") or 0) >= HOSTMON_STEAL:
+            why["steal"] = m["steal_frac"]
+        if (m.get("cgroup_throttled_frac") or 0) >= HOSTMON_CG_THROTTLED:
+            why["cgroup_throttled"] = m["cgroup_throttled_frac"]
+        if (m.get("other_cores") or 0) >= HOSTMON_OTHER_CORES:
+            why["other_cores"] = m["other_cores"]
+        if median["cpu_mhz"] and m.get("cpu_mhz") and m["cpu_mhz"] < (1 - HOSTMON_MHZ_LOW) * median["cpu_mhz"]:
+            why["cpu_mhz"] = m["cpu_mhz"] / median["cpu_mhz"]
+        if m.get("stopped_early"):
+            why["stopped_early"] = m["stopped_early"]
+        if why:
+            flagged.append({"run": r["run"], "why": why})
+    without = [r["host_monitor"] for r in rows if r.get("host_monitor") and not r["host_monitor"].get("available")]
+    return {"runs_with_monitor": len(monitored), "runs": len(rows), "runs_without_figures": len(without),
+            "why_without_figures": sorted({str(m.get("why")) for m in without}), "median": median,
+            "thresholds": {"steal_frac": HOSTMON_STEAL, "cgroup_throttled_frac": HOSTMON_CG_THROTTLED,
+                           "other_cores": HOSTMON_OTHER_CORES, "cpu_mhz_low": HOSTMON_MHZ_LOW},
+            "flagged": flagged}
+
+
+def host_monitor_flagged_text(flags: dict) -> str:
+    """``host_monitor_flags``' flagged runs as 'run (steal 4% of CPU time; other processes on 2.1
+    cores); ...' for a report."""
+    def one(f: dict) -> str:
+        text = {"steal": lambda v: f"steal {v:.0%} of CPU time",
+                "cgroup_throttled": lambda v: f"cgroup quota-throttled in {v:.0%} of periods",
+                "other_cores": lambda v: f"other processes on {v:.1f} cores",
+                "cpu_mhz": lambda v: f"core clock {v:.2f}x the median",
+                "stopped_early": lambda v: f"sampling stopped early: {v}"}
+        return f"{Path(f['run']).name} ({'; '.join(text[k](v) for k, v in f['why'].items())})"
+    return "; ".join(one(f) for f in flags["flagged"])
+
+
+def host_monitor_text(flags: dict) -> str:
+    """The report's paragraph on ``host_monitor_flags``."""
+    without = (f"{flags['runs_without_figures']} of {flags['runs']} runs have no figures from it: "
+               f"{'; '.join(flags['why_without_figures'])}." if flags.get("runs_without_figures") else "")
+    if not flags.get("runs_with_monitor"):
+        return "Host monitor: " + (without or "no run records one (recorded before session 27).")
+    m = flags["median"]
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    head = (f"Host monitor (/proc and the cgroup through each run; {flags['runs_with_monitor']} of {flags['runs']} "
+            f"runs have one): median cores used by the run {f(m['run_cores'], '.2f')}, its busiest thread "
+            f"{f(m['busiest_thread_core_frac'], '.0%')} of a core, other processes {f(m['other_cores'], '.2f')} "
+            f"cores, steal {f(m['steal_frac'], '.1%')}, core clock {f(m['cpu_mhz'], '.0f')} MHz. ")
+    t = flags["thresholds"]
+    rule = (f"steal {t['steal_frac']:.0%} of CPU time or more, the cgroup quota-throttled in "
+            f"{t['cgroup_throttled_frac']:.0%} of periods, other processes on {t['other_cores']:.0f} core or more, "
+            f"or a core clock more than {t['cpu_mhz_low']:.0%} under the median")
+    tail = f" {without}" if without else ""
+    if flags["flagged"]:
+        return (head + f"On a contended host ({rule}; their host, not only the simulator, may explain their "
+                "error): " + host_monitor_flagged_text(flags) + "." + tail)
+    return head + f"No run on a contended host ({rule})." + tail
+
+
 def run_jit_compiles(summary: dict) -> list[str] | None:
     """The kernels a run's engines JIT-compiled inside its measured window (``engine_jit_compiles``
     at run seconds >= 0; the warm-up's are before it), one entry per compile; None for a run that
@@ -732,6 +842,9 @@ def render_markdown(rep: dict) -> str:
                      f"{hostf['threshold']:.1f}x the median.")]
     if rep.get("gpu") and rep["gpu"].get("runs"):
         lines += ["", gpu_text(rep["gpu"])]
+    hm = rep.get("host_monitor") or {}
+    if hm.get("runs_with_monitor") or hm.get("runs_without_figures"):  # silent on runs from before it
+        lines += ["", host_monitor_text(hm)]
     jit = rep.get("jit") or {}
     if jit.get("runs_recorded"):
         lines += ["", f"JIT compiles inside the measured window ({jit['runs_recorded']} of {jit['runs']} runs record "

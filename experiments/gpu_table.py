@@ -118,9 +118,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
           notes: list[str] | None = None) -> dict:
     """`run_profiles`: run-folder path prefix -> profile for the runs under it (runs made on
     another host are simulated on that host's profile); the rest use `profile`."""
-    from calibration.validate import (_phase_means, _simulate, corun_phase_means, gpu_flags, host_flags, jit_flags,
-                                      load_recorded, recorded_configs, run_gpu_monitor, run_host_probe,
-                                      run_jit_compiles)
+    from calibration.validate import (_phase_means, _simulate, corun_phase_means, gpu_flags, host_flags,
+                                      host_monitor_flags, jit_flags, load_recorded, recorded_configs,
+                                      run_gpu_monitor, run_host_monitor, run_host_probe, run_jit_compiles)
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
@@ -250,6 +250,10 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     # in many samples): named, never dropped; runs recorded before the GPU monitor have none.
     table["gpu"] = gpu_flags([{"run": str(rd), "gpu_monitor": run_gpu_monitor(summary)}
                               for rd, _, summary, *_ in rows])
+    # Runs on a contended host (steal time, cgroup quota throttling, other processes' cores, a slow
+    # core clock): named, never dropped; runs recorded before the host monitor have none.
+    table["host_monitor"] = host_monitor_flags([{"run": str(rd), "host_monitor": run_host_monitor(summary)}
+                                                for rd, _, summary, *_ in rows])
     # Runs whose engine JIT-compiled kernels inside the measured window (a stall the simulator does
     # not model): named, never dropped.
     table["jit"] = jit_flags([{"run": str(rd), "jit_compiles": run_jit_compiles(summary)}
@@ -425,6 +429,11 @@ def render(table: dict) -> str:
         lines.append(f"\nRuns on a slowed GPU (busy SM clock more than {gpuf['clock_threshold']:.0%} under the table's "
                      f"median{'' if med is None else f' of {med:.0f} MHz'}, or a power, thermal or hardware slowdown "
                      f"in {gpuf['throttle_threshold']:.0%} of samples or more): " + gpu_flagged_text(gpuf))
+    hm = table.get("host_monitor") or {}
+    if hm.get("flagged"):
+        from calibration.validate import host_monitor_text
+
+        lines.append("\n" + host_monitor_text(hm))
     jit = table.get("jit") or {}
     if jit.get("flagged"):
         from calibration.validate import jit_text

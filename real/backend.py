@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 
 from nodus.config import JobSpec, RunConfig
 from nodus.gpumon import GpuMonitor
+from nodus.hostmon import HostMonitor
 from nodus.grpo import group_advantages
 from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
@@ -489,6 +490,9 @@ class RealBackend:
         # The GPU's clocks, power and throttle reasons over the measured window (started at t0,
         # stopped before the evaluation): every stack of a cluster runs on its one GPU.
         self.gpu_monitor = GpuMonitor(n_gpus=1 if cluster.device == "cuda" else 0)
+        # The host's CPU over the same window: the run's processes, other processes, steal, the
+        # cgroup's quota throttling (session 26: the GPU at full clock on runs 22% apart).
+        self.host_monitor = HostMonitor()
         self._pending: dict[str, tuple] = {}
         self._local: deque[Result] = deque()
         self.failed: dict[str, str] = {}
@@ -516,6 +520,7 @@ class RealBackend:
         if self.opts.warmup:
             self._warm_up()
         self.gpu_monitor.start()
+        self.host_monitor.start()
         self.t0 = time.monotonic()
 
     def _warm_up(self) -> None:
@@ -692,6 +697,7 @@ class RealBackend:
     def evaluate(self) -> dict[str, dict]:
         """Greedy accuracy of each job's current adapter on its task's held-out eval set."""
         self.gpu_monitor.stop()  # the run's GPU state, not the evaluation's (diagnostics reads it)
+        self.host_monitor.stop()
         if self.opts.mode != "tasks" or not self.opts.evaluate:
             return {}
         from nodus.tasks import eval_set, get_task
@@ -719,6 +725,9 @@ class RealBackend:
                 # SM clock, power, temperature and throttle reasons sampled over the run (nodus.gpumon;
                 # {"available": False, "why": ...} on a CPU or without NVML).
                 "gpu_monitor": self.gpu_monitor.stop(),
+                # The run's CPU cores and busiest thread, other processes' cores, steal time, the
+                # cgroup's quota throttling and the cores' clock over the run (nodus.hostmon).
+                "host_monitor": self.host_monitor.stop(),
                 "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),
                 "engine_core_process": self.c.opts.engine_core_process,
                 "publish_pinned": self.opts.publish_pinned,
@@ -739,6 +748,7 @@ class RealBackend:
 
     def close(self) -> None:
         self.gpu_monitor.stop()  # no sampling thread outlives the run, diagnostics read or not
+        self.host_monitor.stop()
         if self.c.closed:
             return
         ids = [j.id for j in self.cfg.jobs]

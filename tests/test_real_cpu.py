@@ -103,6 +103,18 @@ def test_a_real_run_records_its_gpu_monitor(overlap_run):
     assert all(k == "stop" for k in kinds[kinds.index("start") + 1:])
 
 
+def test_a_real_run_records_its_host_monitor(overlap_run):
+    """The run's processes (the controller, its trainer and engine workers, vLLM's core) over the
+    measured window, read from this machine's /proc."""
+    from calibration.validate import run_host_monitor
+
+    s = json.loads((overlap_run / "summary.json").read_text())
+    mon = s["diagnostics"][0]["host_monitor"]
+    assert mon["available"] and mon["seconds"] > 0 and mon["run_processes"] >= 3
+    assert mon["run_cores"] > 0.1 and mon["busiest_thread"]["core_frac"] > 0
+    assert run_host_monitor(s)["run_cores"] == mon["run_cores"]
+
+
 def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsys):
     """--engine-arg NAME=VALUE: recorded with the run (the fixture's run passed max_logprobs=5 to
     vLLM and ran); a name vLLM does not take fails the run naming it; one nodus sets is refused

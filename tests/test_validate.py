@@ -543,3 +543,69 @@ def test_a_size_the_profile_prices_short_shows_in_the_size_table(tmp_path):
     assert err[(512, "alone")]["error"] < -0.1 and err[(512, "alone")]["heldout_runs"] == 1
     assert abs(err[(64, "alone")]["error"]) < 0.02
     assert "Generations by size" in render_markdown(rep)
+
+
+def _host_monitor(steal=0.0, other=0.2, mhz=2100.0, throttled=0.0, run_cores=1.5, hot=0.9) -> dict:
+    """A host monitor's summary (nodus.hostmon) with the given figures."""
+    return {"available": True, "seconds": 30.0, "samples": 60, "cpus": 16, "cores_busy": run_cores + other,
+            "steal_frac": steal, "iowait_frac": 0.0, "run_cores": run_cores, "run_processes": 4,
+            "other_cores": other, "busiest_thread": {"name": "VLLM::EngineCore", "core_frac": hot},
+            "run_queue": {"mean": 2.0, "max": 5}, "cpu_mhz": {"mean": mhz, "min": mhz},
+            "cgroup": {"periods": 300, "throttled_periods": round(300 * throttled), "throttled_frac": throttled,
+                       "throttled_s": 0.0}}
+
+
+def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
+    """Runs whose summaries carry the host monitor: steal time, a quota-throttled cgroup, other
+    processes' cores and a slow core clock each flag a run, named in the report and the GPU table;
+    a run's several monitors (a dedicated arm's jobs) give its most contended figures."""
+    import json
+
+    from calibration.validate import host_monitor_flags, render_markdown, run_host_monitor
+    from experiments.gpu_table import build, render
+
+    m = run_host_monitor({"diagnostics": [{"host_monitor": _host_monitor(steal=0.01, hot=0.95)},
+                                          {"host_monitor": _host_monitor(other=1.4, mhz=1900.0)},
+                                          {"host_monitor": {"available": False, "why": "no /proc"}}]})
+    assert m["steal_frac"] == 0.01 and m["other_cores"] == 1.4 and m["cpu_mhz"] == 1900.0
+    assert m["busiest_thread"]["core_frac"] == 0.95 and m["cgroup_throttled_frac"] == 0.0
+    assert run_host_monitor({"diagnostics": [{}]}) is None
+    assert run_host_monitor({"diagnostics": [{"host_monitor": {"available": False, "why": "no /proc"}}]}) == {
+        "available": False, "why": "no /proc"}
+
+    runs = []
+    for seed, mon in ((1, _host_monitor()), (2, _host_monitor(steal=0.05)), (3, _host_monitor(throttled=0.2)),
+                      (4, _host_monitor(other=2.5)), (5, _host_monitor(mhz=1800.0)), (6, None)):
+        out = tmp_path / f"ovl{seed}"
+        simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
+        s = json.loads((out / "summary.json").read_text())
+        s["diagnostics"] = [{"host_monitor": mon} if mon else {}]
+        (out / "summary.json").write_text(json.dumps(s))
+        runs.append(out)
+    rep = validate(runs, profile=DEFAULT_PROFILE)
+    h = rep["host_monitor"]
+    assert h["runs_with_monitor"] == 5 and h["runs"] == 6 and h["median"]["cpu_mhz"] == 2100.0
+    assert [(Path(f["run"]).name, f["why"]) for f in h["flagged"]] == [
+        ("ovl2", {"steal": 0.05}), ("ovl3", {"cgroup_throttled": 0.2}), ("ovl4", {"other_cores": 2.5}),
+        ("ovl5", {"cpu_mhz": pytest.approx(1800 / 2100)})]
+    text = render_markdown(rep)
+    assert "Host monitor (/proc and the cgroup through each run; 5 of 6 runs have one)" in text
+    assert "its busiest thread 90% of a core" in text and "ovl2 (steal 5% of CPU time)" in text
+    assert "ovl3 (cgroup quota-throttled in 20% of periods)" in text and "ovl4 (other processes on 2.5 cores)" in text
+    assert "ovl5 (core clock 0.86x the median)" in text
+    assert rep["heldout_mape_replay"] == pytest.approx(0, abs=1e-9)  # flagged, never dropped
+    table = build(runs, DEFAULT_PROFILE)
+    assert [Path(f["run"]).name for f in table["host_monitor"]["flagged"]] == ["ovl2", "ovl3", "ovl4", "ovl5"]
+    assert "On a contended host" in render(table)
+    # Nothing contended: nothing flagged; runs from before the monitor: the report says nothing of it.
+    clean = host_monitor_flags([{"run": "a", "host_monitor": run_host_monitor({"diagnostics": [
+        {"host_monitor": _host_monitor(mhz=x)}]})} for x in (2100.0, 2050.0, 2000.0)])
+    assert clean["flagged"] == [] and "No run on a contended host" in render_markdown(dict(rep, host_monitor=clean))
+    old = host_monitor_flags([{"run": "old", "host_monitor": None}])
+    assert "Host monitor" not in render_markdown(dict(rep, host_monitor=old))
+    part = dict(_host_monitor(), stopped_early="a /proc read failed after 3 samples (OSError: gone)")
+    mixed = host_monitor_flags([{"run": "b", "host_monitor": run_host_monitor({"diagnostics": [
+        {"host_monitor": part}]})}, {"run": "c", "host_monitor": {"available": False, "why": "no /proc"}}])
+    text = render_markdown(dict(rep, host_monitor=mixed))
+    assert "b (sampling stopped early: a /proc read failed after 3 samples" in text
+    assert "1 of 2 runs have no figures from it: no /proc." in text

@@ -1,0 +1,279 @@
+"""The host's CPU while a run runs, read from /proc and the run's cgroup: how many cores the run's
+processes used and its busiest thread, the CPU time other processes took, the hypervisor's steal
+time, the run queue, the cores' clock, and CFS quota throttling of the run's cgroup.
+
+Why: on session 26 every run's GPU sat at its maximum SM clock with no throttle reason
+(``nodus.gpumon``), yet two identical dedicated runs an hour apart measured 2344 and 1869
+steps/GPU-h: generations 24% slower, train steps 18% slower and adapter publishes (host work)
+2.2x slower, at lower GPU utilisation. The phases are host-bound in part (kernel launches, the
+engine's scheduler, adapter save and load), and the host probe (``nodus.outdir.host_probe``) times
+the host only at a run's start and end. This monitor covers the measured window; the real backend
+keeps its summary in the run's diagnostics (``host_monitor``) and ``nodus validate`` flags runs
+whose host was contended.
+
+Linux only. Never raises: without /proc, ``stop()`` says why instead of giving figures; a read that
+fails later ends the sampling, and the figures so far come with ``stopped_early``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+# /proc/stat's aggregate cpu line, in order (USER_HZ ticks); guest time is already in user.
+STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def read_cpu_times(proc: Path) -> dict[str, int]:
+    """The aggregate ``cpu`` line of /proc/stat as ticks per field."""
+    with open(proc / "stat") as f:
+        for line in f:
+            if line.startswith("cpu "):
+                vals = [int(x) for x in line.split()[1:]]
+                vals += [0] * (len(STAT_FIELDS) - len(vals))
+                return dict(zip(STAT_FIELDS, vals))
+    raise ValueError(f"no aggregate cpu line in {proc / 'stat'}")
+
+
+def read_procs_running(proc: Path) -> int | None:
+    with open(proc / "stat") as f:
+        for line in f:
+            if line.startswith("procs_running "):
+                return int(line.split()[1])
+    return None
+
+
+def read_cpu_mhz(proc: Path) -> float | None:
+    """The mean of the cores' current clocks /proc/cpuinfo gives (None where it gives none)."""
+    try:
+        with open(proc / "cpuinfo") as f:
+            mhz = [float(line.split(":", 1)[1]) for line in f if line.startswith("cpu MHz")]
+    except (OSError, ValueError):
+        return None
+    return float(np.mean(mhz)) if mhz else None
+
+
+def parse_stat(text: str) -> tuple[str, int, int]:
+    """(comm, ppid, utime + stime ticks) of a /proc/PID/stat or /proc/PID/task/TID/stat line. The
+    name is in parentheses and may hold spaces or parentheses: the fields follow the last ')'."""
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    rest = text[text.rindex(")") + 2:].split()
+    return comm, int(rest[1]), int(rest[11]) + int(rest[12])  # fields 4, 14 and 15 of proc(5)
+
+
+def process_tree(proc: Path, root: int) -> list[int]:
+    """``root`` and every process descended from it, from the ppid of each /proc/PID/stat."""
+    parent = {}
+    for p in proc.iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            parent[int(p.name)] = parse_stat((p / "stat").read_text())[1]
+        except (OSError, ValueError, IndexError):
+            continue  # exited while listed
+    tree, frontier = [root], [root]
+    while frontier:
+        kids = [pid for pid, pp in parent.items() if pp in frontier]
+        tree += kids
+        frontier = kids
+    return tree
+
+
+def process_ticks(proc: Path, pids: list[int]) -> dict[int, int]:
+    """Per process of ``pids``: its CPU ticks so far, the threads that have exited included."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = parse_stat((proc / str(pid) / "stat").read_text())[2]
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def thread_ticks(proc: Path, pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
+    """Per (pid, tid) of the processes ``pids``: the thread's name and its CPU ticks so far."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = list((proc / str(pid) / "task").iterdir())
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                comm, _, ticks = parse_stat((t / "stat").read_text())
+            except (OSError, ValueError, IndexError):
+                continue
+            out[(pid, int(t.name))] = (comm, ticks)
+    return out
+
+
+def cgroup_cpu_stat_path(proc: Path, sys_cgroup: Path) -> Path | None:
+    """The cpu.stat of the cgroup this process is in (v2, else v1's cpu controller), or None."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    cands = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, ctrls, rel = parts
+        rel = rel.lstrip("/")
+        if ctrls == "":
+            cands += [sys_cgroup / rel / "cpu.stat", sys_cgroup / "cpu.stat"]
+        elif "cpu" in ctrls.split(","):
+            for d in (ctrls, "cpu", "cpu,cpuacct"):
+                cands += [sys_cgroup / d / rel / "cpu.stat", sys_cgroup / d / "cpu.stat"]
+    for c in cands:
+        try:
+            text = c.read_text()
+        except OSError:
+            continue
+        if "nr_throttled" in text:  # v2's root cpu.stat has only usage lines
+            return c
+    return None
+
+
+def read_cgroup_cpu(path: Path) -> dict[str, float]:
+    """nr_periods, nr_throttled and throttled seconds of a cpu.stat (v2 ``throttled_usec``, v1
+    ``throttled_time`` in ns)."""
+    kv = {}
+    for line in path.read_text().splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().lstrip("-").isdigit():
+            kv[k] = int(v)
+    throttled = kv["throttled_usec"] / 1e6 if "throttled_usec" in kv else kv.get("throttled_time", 0) / 1e9
+    return {"nr_periods": kv.get("nr_periods", 0), "nr_throttled": kv.get("nr_throttled", 0),
+            "throttled_s": throttled}
+
+
+class HostMonitor:
+    """Samples the host every ``interval_s`` in a daemon thread between `start` and `stop`: the
+    aggregate CPU times, the run queue and the cores' clock (a few small /proc reads, well under
+    1 ms). The run's process tree (the calling process and its descendants) and its threads are
+    read at the start and the stop: their CPU time over the window, the busiest thread's share of
+    one core. A process of the tree that exits inside the window is not counted."""
+
+    def __init__(self, interval_s: float = 0.5, root_pid: int | None = None, proc: str = "/proc",
+                 sys_cgroup: str = "/sys/fs/cgroup"):
+        self.interval_s = interval_s
+        self.root_pid = root_pid or os.getpid()
+        self.proc, self.sys_cgroup = Path(proc), Path(sys_cgroup)
+        self._thread: threading.Thread | None = None
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._samples: list[tuple] = []  # (monotonic s, cpu times, procs_running, MHz)
+        self._why: str | None = None
+        self._stopped: str | None = None
+        self._result: dict | None = None
+
+    def _tree(self) -> tuple[dict, dict]:
+        pids = process_tree(self.proc, self.root_pid)
+        return process_ticks(self.proc, pids), thread_ticks(self.proc, pids)
+
+    def _sample(self) -> None:
+        row = (time.monotonic(), read_cpu_times(self.proc), read_procs_running(self.proc), read_cpu_mhz(self.proc))
+        with self._lock:
+            self._samples.append(row)
+
+    def start(self) -> HostMonitor:
+        if self._thread is not None or self._result is not None:
+            return self
+        try:
+            self._sample()
+            self._cg_path = cgroup_cpu_stat_path(self.proc, self.sys_cgroup)
+            self._cg0 = read_cgroup_cpu(self._cg_path) if self._cg_path else None
+            self._tree0 = self._tree()
+        except Exception as e:  # noqa: BLE001 - no /proc (not Linux), an unreadable file
+            self._why = f"cannot read the host's CPU state ({type(e).__name__}: {e})"
+            return self
+        self._thread = threading.Thread(target=self._loop, name="nodus-hostmon", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._halt.wait(self.interval_s):
+            try:
+                self._sample()
+            except Exception as e:  # noqa: BLE001 - stop sampling; the samples so far stand
+                self._stopped = f"a /proc read failed after {len(self._samples)} samples ({type(e).__name__}: {e})"
+                return
+
+    def stop(self) -> dict:
+        """Stop and summarise (the same summary on every later call). Without figures:
+        ``{"available": False, "why": ...}``. With them: the window's seconds and the host's
+        logical cores; ``cores_busy`` (all processes), ``run_cores`` (the run's process tree),
+        ``other_cores`` (the difference: CPU time taken by processes outside the run), each in
+        cores over the window; ``steal_frac`` and ``iowait_frac`` of all CPU time; the busiest
+        thread (name, share of one core); the run queue (mean, max); the clock (mean, min MHz);
+        and the cgroup's quota throttling (periods, throttled periods, their share, seconds)."""
+        if self._result is not None:
+            return copy.deepcopy(self._result)
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, 5 * self.interval_s))
+        if self._thread is None and self._why is None:
+            self._why = "never started"
+        if self._why is not None:
+            self._result = {"available": False, "why": self._why}
+            return copy.deepcopy(self._result)
+        ends = {}
+        if not self._stopped:
+            try:
+                self._sample()
+                ends["tree"] = self._tree()
+                if self._cg_path:
+                    ends["cgroup"] = read_cgroup_cpu(self._cg_path)
+            except Exception as e:  # noqa: BLE001 - the end reads failed: the window's samples stand
+                self._stopped = f"the end's /proc reads failed ({type(e).__name__}: {e})"
+        with self._lock:
+            samples = list(self._samples)
+        self._result = summarise(samples, self._tree0, ends.get("tree"), self._cg0, ends.get("cgroup"),
+                                 os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, os.cpu_count() or 1)
+        self._result["interval_s"] = self.interval_s
+        if self._stopped:
+            self._result["stopped_early"] = self._stopped
+        return copy.deepcopy(self._result)
+
+
+def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict, dict] | None, cg0: dict | None,
+               cg1: dict | None, hz: int, cpus: int) -> dict:
+    """The summary `HostMonitor.stop` returns, from its samples and its start and end reads (each
+    tree read: per-process ticks, per-thread names and ticks)."""
+    (ta, ca, _, _), (tb, cb, _, _) = samples[0], samples[-1]
+    seconds = tb - ta
+    total = sum(cb.values()) - sum(ca.values())
+    out: dict = {"available": True, "seconds": seconds, "samples": len(samples), "cpus": cpus}
+    if seconds <= 0 or total <= 0:
+        return out
+    busy = total - (cb["idle"] - ca["idle"]) - (cb["iowait"] - ca["iowait"]) - (cb["steal"] - ca["steal"])
+    out["cores_busy"] = busy / hz / seconds
+    out["steal_frac"] = (cb["steal"] - ca["steal"]) / total
+    out["iowait_frac"] = (cb["iowait"] - ca["iowait"]) / total
+    if tree1 is not None:
+        (procs0, threads0), (procs1, threads1) = tree0, tree1
+        out["run_cores"] = sum(t - procs0.get(pid, 0) for pid, t in procs1.items()) / hz / seconds
+        out["run_processes"] = len(procs1)
+        out["other_cores"] = max(0.0, out["cores_busy"] - out["run_cores"])
+        hot = max(((t - threads0.get(k, (None, 0))[1], name) for k, (name, t) in threads1.items()), default=None)
+        if hot is not None:
+            out["busiest_thread"] = {"name": hot[1], "core_frac": hot[0] / hz / seconds}
+    running = [s[2] for s in samples if s[2] is not None]
+    if running:
+        out["run_queue"] = {"mean": float(np.mean(running)), "max": int(max(running))}
+    mhz = [s[3] for s in samples if s[3] is not None]
+    if mhz:
+        out["cpu_mhz"] = {"mean": float(np.mean(mhz)), "min": float(min(mhz))}
+    if cg0 is not None and cg1 is not None:
+        periods = cg1["nr_periods"] - cg0["nr_periods"]
+        throttled = cg1["nr_throttled"] - cg0["nr_throttled"]
+        out["cgroup"] = {"periods": periods, "throttled_periods": throttled,
+                         "throttled_frac": throttled / periods if periods > 0 else 0.0,
+                         "throttled_s": cg1["throttled_s"] - cg0["throttled_s"]}
+    return out

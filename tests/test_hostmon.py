@@ -1,0 +1,141 @@
+"""The host monitor (nodus.hostmon): its readers on a scripted /proc and cgroup tree, its summary
+figures, this machine's own /proc while a thread burns CPU, and that it never raises."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nodus.hostmon import (HostMonitor, cgroup_cpu_stat_path, parse_stat, process_tree, read_cgroup_cpu,
+                           read_cpu_times, summarise)
+
+
+def stat_line(pid: int, comm: str, ppid: int, ticks: int) -> str:
+    """A /proc/PID/stat line: utime ``ticks``, stime 0 (fields 14 and 15)."""
+    rest = ["S", str(ppid)] + ["0"] * 9 + [str(ticks), "0"] + ["0"] * 30
+    return f"{pid} ({comm}) " + " ".join(rest) + "\n"
+
+
+def fake_proc(root: Path, cpu=(100, 0, 50, 800, 10, 0, 0, 40), procs=None, cgroup="0::/job\n", mhz=(2000, 1800)):
+    """A /proc with an aggregate cpu line, a run queue, two cores' clocks, and ``procs``: pid ->
+    (comm, ppid, {tid: (thread comm, ticks)})."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "stat").write_text("cpu  " + " ".join(map(str, cpu)) + "\ncpu0 1 2 3\nprocs_running 3\n")
+    (root / "cpuinfo").write_text("".join(f"processor\t: {i}\ncpu MHz\t\t: {m}\n" for i, m in enumerate(mhz)))
+    (root / "self").mkdir(exist_ok=True)
+    (root / "self" / "cgroup").write_text(cgroup)
+    for pid, (comm, ppid, threads) in (procs or {}).items():
+        d = root / str(pid)
+        (d / "task").mkdir(parents=True, exist_ok=True)
+        (d / "stat").write_text(stat_line(pid, comm, ppid, sum(t for _, t in threads.values())))
+        for tid, (tcomm, t) in threads.items():
+            (d / "task" / str(tid)).mkdir(exist_ok=True)
+            (d / "task" / str(tid) / "stat").write_text(stat_line(tid, tcomm, ppid, t))
+    return root
+
+
+def test_parse_stat_takes_fields_after_the_last_parenthesis():
+    assert parse_stat(stat_line(7, "a (b) c", 3, 42)) == ("a (b) c", 3, 42)
+    assert parse_stat(stat_line(7, "VLLM::EngineCore", 1, 5)) == ("VLLM::EngineCore", 1, 5)
+
+
+def test_process_tree_is_the_root_and_its_descendants_only(tmp_path):
+    proc = fake_proc(tmp_path / "proc", procs={
+        10: ("python", 1, {10: ("python", 1)}), 11: ("engine", 10, {11: ("engine", 1)}),
+        12: ("core", 11, {12: ("core", 1)}), 20: ("other", 1, {20: ("other", 1)})})
+    assert sorted(process_tree(proc, 10)) == [10, 11, 12]
+    assert process_tree(proc, 20) == [20]
+
+
+def test_the_cgroup_cpu_stat_is_found_for_v2_and_v1_and_read_in_seconds(tmp_path):
+    proc = fake_proc(tmp_path / "proc", cgroup="0::/job\n")
+    cg = tmp_path / "cg"
+    (cg / "job").mkdir(parents=True)
+    (cg / "job" / "cpu.stat").write_text("usage_usec 10\nnr_periods 200\nnr_throttled 20\nthrottled_usec 1500000\n")
+    path = cgroup_cpu_stat_path(proc, cg)
+    assert path == cg / "job" / "cpu.stat"
+    assert read_cgroup_cpu(path) == {"nr_periods": 200, "nr_throttled": 20, "throttled_s": 1.5}
+    # v1: the cpu controller's folder, throttled_time in nanoseconds; a file without throttling
+    # counters (v2's root cpu.stat) is passed over.
+    proc1 = fake_proc(tmp_path / "proc1", cgroup="4:memory:/x\n2:cpu,cpuacct:/\n0::/\n")
+    cg1 = tmp_path / "cg1"
+    (cg1 / "cpu,cpuacct").mkdir(parents=True)
+    (cg1 / "cpu.stat").write_text("usage_usec 10\n")
+    (cg1 / "cpu,cpuacct" / "cpu.stat").write_text("nr_periods 10\nnr_throttled 0\nthrottled_time 2000000000\n")
+    path1 = cgroup_cpu_stat_path(proc1, cg1)
+    assert path1 == cg1 / "cpu,cpuacct" / "cpu.stat" and read_cgroup_cpu(path1)["throttled_s"] == 2.0
+    assert cgroup_cpu_stat_path(fake_proc(tmp_path / "proc2", cgroup="0::/none\n"), tmp_path / "nothing") is None
+
+
+def test_summary_figures_from_known_reads():
+    """Two seconds, 100 ticks a second: 4 cores busy of which the run used 2.5; 10% steal."""
+    a = {"user": 0, "nice": 0, "system": 0, "idle": 0, "iowait": 0, "irq": 0, "softirq": 0, "steal": 0}
+    b = dict(a, user=700, system=100, idle=880, iowait=20, steal=200)  # 1900 ticks over 2 s (9.5 cores)
+    samples = [(10.0, a, 2, 2000.0), (11.0, a, 6, 1900.0), (12.0, b, 4, 1800.0)]
+    tree0 = ({1: 100, 2: 0}, {(1, 1): ("python", 100), (2, 2): ("engine", 0), (2, 3): ("gone", 9)})
+    tree1 = ({1: 150, 2: 400, 3: 50}, {(1, 1): ("python", 150), (2, 2): ("engine", 300), (3, 3): ("new", 50)})
+    cg0 = {"nr_periods": 100, "nr_throttled": 1, "throttled_s": 0.0}
+    cg1 = {"nr_periods": 120, "nr_throttled": 6, "throttled_s": 0.25}
+    s = summarise(samples, tree0, tree1, cg0, cg1, hz=100, cpus=16)
+    assert s["seconds"] == 2.0 and s["cpus"] == 16 and s["samples"] == 3
+    assert s["cores_busy"] == pytest.approx(800 / 100 / 2)  # user + system; idle, iowait and steal are not
+    assert s["steal_frac"] == pytest.approx(200 / 1900) and s["iowait_frac"] == pytest.approx(20 / 1900)
+    assert s["run_cores"] == pytest.approx((50 + 400 + 50) / 100 / 2) and s["run_processes"] == 3
+    assert s["other_cores"] == pytest.approx(4.0 - 2.5)
+    assert s["busiest_thread"] == {"name": "engine", "core_frac": pytest.approx(1.5)}
+    assert s["run_queue"] == {"mean": 4.0, "max": 6} and s["cpu_mhz"] == {"mean": 1900.0, "min": 1800.0}
+    assert s["cgroup"] == {"periods": 20, "throttled_periods": 5, "throttled_frac": 0.25,
+                           "throttled_s": pytest.approx(0.25)}
+    # Without the end's tree or cgroup reads: the host-wide figures only.
+    bare = summarise(samples, tree0, None, None, None, hz=100, cpus=16)
+    assert "run_cores" not in bare and "cgroup" not in bare and bare["cores_busy"] == s["cores_busy"]
+
+
+def test_the_monitor_on_a_scripted_proc_and_without_one(tmp_path):
+    proc = fake_proc(tmp_path / "proc", procs={10: ("python", 1, {10: ("python", 5)})})
+    m = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none")).start()
+    (proc / "stat").write_text("cpu  200 0 50 900 10 0 0 40\nprocs_running 5\n")
+    (proc / "10" / "stat").write_text(stat_line(10, "python", 1, 105))
+    s = m.stop()
+    assert s["available"] and s["samples"] == 2 and s["run_processes"] == 1 and "cgroup" not in s
+    assert s["steal_frac"] == 0.0 and s["run_queue"] == {"mean": 4.0, "max": 5}
+    assert m.stop() == s  # the same summary on every later call
+    gone = HostMonitor(proc=str(tmp_path / "no-proc")).start().stop()
+    assert gone["available"] is False and "cannot read the host's CPU state" in gone["why"]
+    assert HostMonitor(proc=str(proc)).stop() == {"available": False, "why": "never started"}
+
+
+def test_a_read_that_fails_mid_run_keeps_the_samples_so_far(tmp_path):
+    proc = fake_proc(tmp_path / "proc", procs={10: ("python", 1, {10: ("python", 5)})})
+    m = HostMonitor(interval_s=0.02, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none")).start()
+    time.sleep(0.1)
+    (proc / "stat").unlink()
+    deadline = time.monotonic() + 5
+    while m._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    s = m.stop()
+    assert s["available"] and s["samples"] >= 2 and "a /proc read failed after" in s["stopped_early"]
+    assert "run_cores" not in s  # no end reads after the failure
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="Linux /proc")
+def test_on_this_machine_a_busy_thread_shows_in_the_runs_cores():
+    """A thread of this process burns 0.6 s of CPU and exits inside the window: the run's cores
+    count it (a process's ticks keep its finished threads'), and nothing is left running."""
+    m = HostMonitor(interval_s=0.05).start()
+
+    def burn():
+        t = time.process_time()
+        while time.process_time() - t < 0.6:
+            pass
+
+    th = threading.Thread(target=burn)
+    th.start()
+    th.join()
+    s = m.stop()
+    assert s["available"] and s["seconds"] > 0.3 and s["run_processes"] >= 1
+    assert s["run_cores"] * s["seconds"] >= 0.4  # at least most of the burned 0.6 CPU-seconds
+    assert s["cores_busy"] > 0 and 0 <= s["steal_frac"] < 1 and s["cpus"] >= 1
+    assert not m._thread.is_alive()
+    assert read_cpu_times(Path("/proc"))["idle"] > 0
