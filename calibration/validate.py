@@ -24,10 +24,12 @@ SAMPLE_SEED_OFFSET = 7919  # sampled lengths: the recorded jobs' seeds plus this
 HOST_SLOW = 1.3  # a run whose host probe took this many times the validated runs' median is flagged
 GPU_CLOCK_LOW = 0.05  # a run whose busy SM clock lies this far under the validated runs' median is flagged
 GPU_THROTTLE = 0.10  # ... or one with a slowdown reason (power cap, thermal, ...) active in this share of samples
-# The host monitor (nodus.hostmon) flags a run whose host lost this share of its CPU time to the
-# hypervisor (steal), whose cgroup was quota-throttled in this share of its periods, where other
-# processes than the run's took this many cores, or whose cores' clock sat this far under the median.
-HOSTMON_STEAL, HOSTMON_CG_THROTTLED, HOSTMON_OTHER_CORES, HOSTMON_MHZ_LOW = 0.02, 0.05, 1.0, 0.05
+# The host monitor (nodus.hostmon) flags a run whose CPUs lost this share of the time they wanted
+# to run to the hypervisor (steal), whose cgroup was quota-throttled in this share of its periods,
+# where other processes than the run's took this many cores, or whose cores' clock sat this far
+# under the median; and names (not flags) a run whose busiest thread used this share of a core.
+HOSTMON_STEAL, HOSTMON_CG_THROTTLED, HOSTMON_OTHER_CORES, HOSTMON_MHZ_LOW = 0.05, 0.05, 1.0, 0.05
+HOSTMON_ONE_THREAD = 0.9
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float | None:
@@ -647,19 +649,24 @@ def host_monitor_flags(rows: list[dict]) -> dict:
             why["stopped_early"] = m["stopped_early"]
         if why:
             flagged.append({"run": r["run"], "why": why})
+    # A thread of the run near a full core: the run's own host work paces it there (not a
+    # contended host, so named apart from the flags).
+    one_thread = [{"run": r["run"], **r["host_monitor"]["busiest_thread"]} for r in monitored
+                  if (r["host_monitor"].get("busiest_thread") or {}).get("core_frac", 0) >= HOSTMON_ONE_THREAD]
     without = [r["host_monitor"] for r in rows if r.get("host_monitor") and not r["host_monitor"].get("available")]
     return {"runs_with_monitor": len(monitored), "runs": len(rows), "runs_without_figures": len(without),
             "why_without_figures": sorted({str(m.get("why")) for m in without}), "median": median,
             "thresholds": {"steal_frac": HOSTMON_STEAL, "cgroup_throttled_frac": HOSTMON_CG_THROTTLED,
-                           "other_cores": HOSTMON_OTHER_CORES, "cpu_mhz_low": HOSTMON_MHZ_LOW},
-            "flagged": flagged}
+                           "other_cores": HOSTMON_OTHER_CORES, "cpu_mhz_low": HOSTMON_MHZ_LOW,
+                           "one_thread_core_frac": HOSTMON_ONE_THREAD},
+            "flagged": flagged, "one_thread": one_thread}
 
 
 def host_monitor_flagged_text(flags: dict) -> str:
     """``host_monitor_flags``' flagged runs as 'run (steal 4% of CPU time; other processes on 2.1
     cores); ...' for a report."""
     def one(f: dict) -> str:
-        text = {"steal": lambda v: f"steal {v:.0%} of CPU time",
+        text = {"steal": lambda v: f"steal {v:.0%} of the CPU time wanted",
                 "cgroup_throttled": lambda v: f"cgroup quota-throttled in {v:.0%} of periods",
                 "other_cores": lambda v: f"other processes on {v:.1f} cores",
                 "cpu_mhz": lambda v: f"core clock {v:.2f}x the median",
@@ -684,10 +691,15 @@ def host_monitor_text(flags: dict) -> str:
             f"{f(m['busiest_thread_core_frac'], '.0%')} of a core, other processes {f(m['other_cores'], '.2f')} "
             f"cores, steal {f(m['steal_frac'], '.1%')}, core clock {f(m['cpu_mhz'], '.0f')} MHz. ")
     t = flags["thresholds"]
-    rule = (f"steal {t['steal_frac']:.0%} of CPU time or more, the cgroup quota-throttled in "
-            f"{t['cgroup_throttled_frac']:.0%} of periods, other processes on {t['other_cores']:.0f} core or more, "
+    rule = (f"steal {t['steal_frac']:.0%} of the CPU time wanted or more, the cgroup quota-throttled in "
+            f"{t['cgroup_throttled_frac']:.0%} of periods, other processes on {t['other_cores']:g} "
+            f"core{'' if t['other_cores'] == 1 else 's'} or more, "
             f"or a core clock more than {t['cpu_mhz_low']:.0%} under the median")
-    tail = f" {without}" if without else ""
+    one = flags.get("one_thread") or []
+    tail = (f" A thread of the run on {t['one_thread_core_frac']:.0%} of a core or more (its own host work paces "
+            "it): " + "; ".join(f"{Path(o['run']).name} ({o['name']}, {o['core_frac']:.0%})" for o in one) + "."
+            if one else "")
+    tail += f" {without}" if without else ""
     if flags["flagged"]:
         return (head + f"On a contended host ({rule}; their host, not only the simulator, may explain their "
                 "error): " + host_monitor_flagged_text(flags) + "." + tail)

@@ -5,14 +5,21 @@ time, the run queue, the cores' clock, and CFS quota throttling of the run's cgr
 Why: on session 26 every run's GPU sat at its maximum SM clock with no throttle reason
 (``nodus.gpumon``), yet two identical dedicated runs an hour apart measured 2344 and 1869
 steps/GPU-h: generations 24% slower, train steps 18% slower and adapter publishes (host work)
-2.2x slower, at lower GPU utilisation. The phases are host-bound in part (kernel launches, the
-engine's scheduler, adapter save and load), and the host probe (``nodus.outdir.host_probe``) times
-the host only at a run's start and end. This monitor covers the measured window; the real backend
+2.2x slower, with the GPU running kernels less of the time: consistent with phases bound in part by
+the host (kernel launches, the engine's scheduler, adapter save and load), which the host probe
+(``nodus.outdir.host_probe``) times only at a run's start and end. This monitor covers the
+measured window, to test that; the real backend
 keeps its summary in the run's diagnostics (``host_monitor``) and ``nodus validate`` flags runs
 whose host was contended.
 
+Host-wide figures count the CPUs the run may use (its affinity), from their ``cpuN`` lines of
+/proc/stat; in a container /proc/stat is the host's, so ``other_cores`` is other processes on
+those CPUs, the MPS control daemon (not a descendant of the run) among them. The run queue is
+host-wide and includes the monitor's own thread. On a VM the cores' reported clock is often fixed.
+
 Linux only. Never raises: without /proc, ``stop()`` says why instead of giving figures; a read that
-fails later ends the sampling, and the figures so far come with ``stopped_early``.
+fails later ends the sampling, and the figures so far come with ``stopped_early``; a cgroup that
+cannot be read leaves out the throttling figures and says why (``cgroup_error``).
 """
 
 from __future__ import annotations
@@ -29,15 +36,37 @@ import numpy as np
 STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
 
-def read_cpu_times(proc: Path) -> dict[str, int]:
-    """The aggregate ``cpu`` line of /proc/stat as ticks per field."""
+def run_cpus() -> list[int] | None:
+    """The CPUs this process may run on (its affinity), or None where the OS does not say."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def read_cpu_times(proc: Path, cpus: list[int] | None = None) -> dict[str, int]:
+    """/proc/stat's ticks per field, summed over the ``cpuN`` lines of ``cpus`` (every listed one
+    found), else the aggregate ``cpu`` line."""
+    want = {f"cpu{c}" for c in cpus} if cpus else None
+    total, agg, found = dict.fromkeys(STAT_FIELDS, 0), None, 0
     with open(proc / "stat") as f:
         for line in f:
-            if line.startswith("cpu "):
-                vals = [int(x) for x in line.split()[1:]]
-                vals += [0] * (len(STAT_FIELDS) - len(vals))
-                return dict(zip(STAT_FIELDS, vals))
-    raise ValueError(f"no aggregate cpu line in {proc / 'stat'}")
+            if not line.startswith("cpu"):
+                continue
+            name, *fields = line.split()
+            vals = [int(x) for x in fields[:len(STAT_FIELDS)]]
+            vals += [0] * (len(STAT_FIELDS) - len(vals))
+            if name == "cpu":
+                agg = dict(zip(STAT_FIELDS, vals))
+            elif want is not None and name in want:
+                found += 1
+                for k, v in zip(STAT_FIELDS, vals):
+                    total[k] += v
+    if want is not None and found == len(want):
+        return total
+    if agg is None:
+        raise ValueError(f"no aggregate cpu line in {proc / 'stat'}")
+    return agg
 
 
 def read_procs_running(proc: Path) -> int | None:
@@ -76,9 +105,13 @@ def process_tree(proc: Path, root: int) -> list[int]:
             parent[int(p.name)] = parse_stat((p / "stat").read_text())[1]
         except (OSError, ValueError, IndexError):
             continue  # exited while listed
-    tree, frontier = [root], [root]
+    children: dict[int, list[int]] = {}
+    for pid, pp in parent.items():
+        children.setdefault(pp, []).append(pid)
+    tree, seen, frontier = [root], {root}, [root]
     while frontier:
-        kids = [pid for pid, pp in parent.items() if pp in frontier]
+        kids = [k for pid in frontier for k in children.get(pid, ()) if k not in seen]
+        seen.update(kids)
         tree += kids
         frontier = kids
     return tree
@@ -112,32 +145,35 @@ def thread_ticks(proc: Path, pids: list[int]) -> dict[tuple[int, int], tuple[str
     return out
 
 
-def cgroup_cpu_stat_path(proc: Path, sys_cgroup: Path) -> Path | None:
-    """The cpu.stat of the cgroup this process is in (v2, else v1's cpu controller), or None."""
+def cgroup_cpu_stat_paths(proc: Path, sys_cgroup: Path, pid: int | str = "self") -> list[Path]:
+    """The cpu.stat files with CFS throttling counters of process ``pid``'s cgroup and each of its
+    ancestors, leaf first (v2, and v1's cpu controller): a quota set on a parent throttles its
+    children, whose own counters then stay at 0."""
     try:
-        lines = (proc / "self" / "cgroup").read_text().splitlines()
+        lines = (proc / str(pid) / "cgroup").read_text().splitlines()
     except OSError:
-        return None
+        return []
     cands = []
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, ctrls, rel = parts
-        rel = rel.lstrip("/")
-        if ctrls == "":
-            cands += [sys_cgroup / rel / "cpu.stat", sys_cgroup / "cpu.stat"]
-        elif "cpu" in ctrls.split(","):
-            for d in (ctrls, "cpu", "cpu,cpuacct"):
-                cands += [sys_cgroup / d / rel / "cpu.stat", sys_cgroup / d / "cpu.stat"]
-    for c in cands:
+        rel_parts = [x for x in rel.strip("/").split("/") if x]
+        roots = [sys_cgroup] if ctrls == "" else (
+            [sys_cgroup / d for d in dict.fromkeys((ctrls, "cpu", "cpu,cpuacct"))] if "cpu" in ctrls.split(",") else [])
+        for r in roots:
+            for n in range(len(rel_parts), -1, -1):  # the leaf, then each ancestor up to the mount's root
+                cands.append(r.joinpath(*rel_parts[:n], "cpu.stat"))
+    out = []
+    for c in dict.fromkeys(cands):
         try:
             text = c.read_text()
         except OSError:
             continue
         if "nr_throttled" in text:  # v2's root cpu.stat has only usage lines
-            return c
-    return None
+            out.append(c)
+    return out
 
 
 def read_cgroup_cpu(path: Path) -> dict[str, float]:
@@ -161,7 +197,9 @@ class HostMonitor:
     one core. A process of the tree that exits inside the window is not counted."""
 
     def __init__(self, interval_s: float = 0.5, root_pid: int | None = None, proc: str = "/proc",
-                 sys_cgroup: str = "/sys/fs/cgroup"):
+                 sys_cgroup: str = "/sys/fs/cgroup", cpus: list[int] | None = None):
+        """``cpus``: the CPUs whose /proc/stat lines count (default this process's affinity; ``[]``:
+        the aggregate line)."""
         self.interval_s = interval_s
         self.root_pid = root_pid or os.getpid()
         self.proc, self.sys_cgroup = Path(proc), Path(sys_cgroup)
@@ -169,6 +207,10 @@ class HostMonitor:
         self._halt = threading.Event()
         self._lock = threading.Lock()
         self._samples: list[tuple] = []  # (monotonic s, cpu times, procs_running, MHz)
+        self._cpus = run_cpus() if cpus is None else list(cpus)
+        self._cg_paths: list[Path] = []
+        self._cg0: dict[Path, dict] = {}
+        self._cg_error: str | None = None
         self._why: str | None = None
         self._stopped: str | None = None
         self._result: dict | None = None
@@ -178,23 +220,33 @@ class HostMonitor:
         return process_ticks(self.proc, pids), thread_ticks(self.proc, pids)
 
     def _sample(self) -> None:
-        row = (time.monotonic(), read_cpu_times(self.proc), read_procs_running(self.proc), read_cpu_mhz(self.proc))
+        row = (time.monotonic(), read_cpu_times(self.proc, self._cpus), read_procs_running(self.proc),
+               read_cpu_mhz(self.proc))
         with self._lock:
             self._samples.append(row)
 
     def start(self) -> HostMonitor:
         if self._thread is not None or self._result is not None:
             return self
+        self._why = None
         try:
             self._sample()
-            self._cg_path = cgroup_cpu_stat_path(self.proc, self.sys_cgroup)
-            self._cg0 = read_cgroup_cpu(self._cg_path) if self._cg_path else None
             self._tree0 = self._tree()
         except Exception as e:  # noqa: BLE001 - no /proc (not Linux), an unreadable file
             self._why = f"cannot read the host's CPU state ({type(e).__name__}: {e})"
             return self
-        self._thread = threading.Thread(target=self._loop, name="nodus-hostmon", daemon=True)
-        self._thread.start()
+        try:  # the throttling figures alone depend on it: a failure leaves them out, and says why
+            self._cg_paths = cgroup_cpu_stat_paths(self.proc, self.sys_cgroup, self.root_pid)
+            self._cg0 = {p: read_cgroup_cpu(p) for p in self._cg_paths}
+        except Exception as e:  # noqa: BLE001
+            self._cg_paths, self._cg_error = [], f"cgroup cpu.stat unreadable ({type(e).__name__}: {e})"
+        thread = threading.Thread(target=self._loop, name="nodus-hostmon", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as e:  # no thread to be had: no figures, and why
+            self._why = f"cannot start the sampling thread ({e})"
+            return self
+        self._thread = thread
         return self
 
     def _loop(self) -> None:
@@ -228,33 +280,45 @@ class HostMonitor:
             try:
                 self._sample()
                 ends["tree"] = self._tree()
-                if self._cg_path:
-                    ends["cgroup"] = read_cgroup_cpu(self._cg_path)
             except Exception as e:  # noqa: BLE001 - the end reads failed: the window's samples stand
                 self._stopped = f"the end's /proc reads failed ({type(e).__name__}: {e})"
+        cg = None
+        if self._cg_paths:
+            try:
+                cg = [(self._cg0[p], read_cgroup_cpu(p)) for p in self._cg_paths]
+            except Exception as e:  # noqa: BLE001
+                self._cg_error = f"cgroup cpu.stat unreadable at the end ({type(e).__name__}: {e})"
         with self._lock:
             samples = list(self._samples)
-        self._result = summarise(samples, self._tree0, ends.get("tree"), self._cg0, ends.get("cgroup"),
-                                 os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, os.cpu_count() or 1)
+        cpus = len(self._cpus) if self._cpus else (os.cpu_count() or 1)
+        self._result = summarise(samples, self._tree0, ends.get("tree"), cg,
+                                 os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, cpus)
         self._result["interval_s"] = self.interval_s
+        if self._cg_error:
+            self._result["cgroup_error"] = self._cg_error
         if self._stopped:
             self._result["stopped_early"] = self._stopped
         return copy.deepcopy(self._result)
 
 
-def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict, dict] | None, cg0: dict | None,
-               cg1: dict | None, hz: int, cpus: int) -> dict:
+def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict, dict] | None,
+              cgroups: list[tuple[dict, dict]] | None, hz: int, cpus: int) -> dict:
     """The summary `HostMonitor.stop` returns, from its samples and its start and end reads (each
-    tree read: per-process ticks, per-thread names and ticks)."""
+    tree read: per-process ticks, per-thread names and ticks; per cgroup of the run and its
+    ancestors, its counters at the start and the end: the one throttled most is reported)."""
     (ta, ca, _, _), (tb, cb, _, _) = samples[0], samples[-1]
     seconds = tb - ta
     total = sum(cb.values()) - sum(ca.values())
     out: dict = {"available": True, "seconds": seconds, "samples": len(samples), "cpus": cpus}
     if seconds <= 0 or total <= 0:
         return out
-    busy = total - (cb["idle"] - ca["idle"]) - (cb["iowait"] - ca["iowait"]) - (cb["steal"] - ca["steal"])
+    steal = cb["steal"] - ca["steal"]
+    busy = total - (cb["idle"] - ca["idle"]) - (cb["iowait"] - ca["iowait"]) - steal
     out["cores_busy"] = busy / hz / seconds
-    out["steal_frac"] = (cb["steal"] - ca["steal"]) / total
+    # Steal against the time the CPUs wanted to run (busy + stolen), not against idle time too:
+    # one thread losing a fifth of its core on an idle 16-core VM is 20%, not 1.25%.
+    out["steal_frac"] = steal / (busy + steal) if busy + steal > 0 else 0.0
+    out["steal_cores"] = steal / hz / seconds
     out["iowait_frac"] = (cb["iowait"] - ca["iowait"]) / total
     if tree1 is not None:
         (procs0, threads0), (procs1, threads1) = tree0, tree1
@@ -270,10 +334,13 @@ def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict,
     mhz = [s[3] for s in samples if s[3] is not None]
     if mhz:
         out["cpu_mhz"] = {"mean": float(np.mean(mhz)), "min": float(min(mhz))}
-    if cg0 is not None and cg1 is not None:
-        periods = cg1["nr_periods"] - cg0["nr_periods"]
-        throttled = cg1["nr_throttled"] - cg0["nr_throttled"]
-        out["cgroup"] = {"periods": periods, "throttled_periods": throttled,
+    if cgroups:
+        rows = []
+        for cg0, cg1 in cgroups:
+            periods = cg1["nr_periods"] - cg0["nr_periods"]
+            throttled = cg1["nr_throttled"] - cg0["nr_throttled"]
+            rows.append({"periods": periods, "throttled_periods": throttled,
                          "throttled_frac": throttled / periods if periods > 0 else 0.0,
-                         "throttled_s": cg1["throttled_s"] - cg0["throttled_s"]}
+                         "throttled_s": cg1["throttled_s"] - cg0["throttled_s"]})
+        out["cgroup"] = max(rows, key=lambda r: (r["throttled_frac"], r["throttled_s"]))  # ties: the leaf's
     return out

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from nodus.hostmon import (HostMonitor, cgroup_cpu_stat_path, parse_stat, process_tree, read_cgroup_cpu,
+from nodus.hostmon import (HostMonitor, cgroup_cpu_stat_paths, parse_stat, process_tree, read_cgroup_cpu,
                            read_cpu_times, summarise)
 
 
 def stat_line(pid: int, comm: str, ppid: int, ticks: int) -> str:
-    """A /proc/PID/stat line: utime ``ticks``, stime 0 (fields 14 and 15)."""
-    rest = ["S", str(ppid)] + ["0"] * 9 + [str(ticks), "0"] + ["0"] * 30
+    """A /proc/PID/stat line whose CPU ticks are ``ticks``: utime (field 14) ``ticks - 3``, stime
+    (15) 3; every other numeric field a distinct value no sum of the right fields matches."""
+    fields = {4: ppid, 14: ticks - 3, 15: 3}
+    rest = ["S"] + [str(fields.get(i, 1000 + 17 * i)) for i in range(4, 45)]
     return f"{pid} ({comm}) " + " ".join(rest) + "\n"
 
 
@@ -21,7 +23,8 @@ def fake_proc(root: Path, cpu=(100, 0, 50, 800, 10, 0, 0, 40), procs=None, cgrou
     """A /proc with an aggregate cpu line, a run queue, two cores' clocks, and ``procs``: pid ->
     (comm, ppid, {tid: (thread comm, ticks)})."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "stat").write_text("cpu  " + " ".join(map(str, cpu)) + "\ncpu0 1 2 3\nprocs_running 3\n")
+    (root / "stat").write_text("cpu  " + " ".join(map(str, cpu)) + "\ncpu0 1 2 3 4 5 6 7 8\n"
+                               "cpu1 10 20 30 40 50 60 70 80\nprocs_running 3\n")
     (root / "cpuinfo").write_text("".join(f"processor\t: {i}\ncpu MHz\t\t: {m}\n" for i, m in enumerate(mhz)))
     (root / "self").mkdir(exist_ok=True)
     (root / "self" / "cgroup").write_text(cgroup)
@@ -40,6 +43,15 @@ def test_parse_stat_takes_fields_after_the_last_parenthesis():
     assert parse_stat(stat_line(7, "VLLM::EngineCore", 1, 5)) == ("VLLM::EngineCore", 1, 5)
 
 
+def test_cpu_times_sum_the_runs_cpus_else_the_aggregate_line(tmp_path):
+    proc = fake_proc(tmp_path / "proc")
+    assert read_cpu_times(proc)["user"] == 100 and read_cpu_times(proc)["steal"] == 40
+    assert read_cpu_times(proc, [1]) == dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq",
+                                                  "steal"), (10, 20, 30, 40, 50, 60, 70, 80)))
+    assert read_cpu_times(proc, [0, 1])["idle"] == 44
+    assert read_cpu_times(proc, [0, 7])["user"] == 100  # a CPU /proc/stat does not list: the aggregate
+
+
 def test_process_tree_is_the_root_and_its_descendants_only(tmp_path):
     proc = fake_proc(tmp_path / "proc", procs={
         10: ("python", 1, {10: ("python", 1)}), 11: ("engine", 10, {11: ("engine", 1)}),
@@ -48,28 +60,38 @@ def test_process_tree_is_the_root_and_its_descendants_only(tmp_path):
     assert process_tree(proc, 20) == [20]
 
 
-def test_the_cgroup_cpu_stat_is_found_for_v2_and_v1_and_read_in_seconds(tmp_path):
-    proc = fake_proc(tmp_path / "proc", cgroup="0::/job\n")
+def test_the_cgroup_cpu_stat_is_found_for_v2_and_v1_with_ancestors_and_read_in_seconds(tmp_path):
+    proc = fake_proc(tmp_path / "proc", cgroup="0::/a/job\n")
     cg = tmp_path / "cg"
-    (cg / "job").mkdir(parents=True)
-    (cg / "job" / "cpu.stat").write_text("usage_usec 10\nnr_periods 200\nnr_throttled 20\nthrottled_usec 1500000\n")
-    path = cgroup_cpu_stat_path(proc, cg)
-    assert path == cg / "job" / "cpu.stat"
-    assert read_cgroup_cpu(path) == {"nr_periods": 200, "nr_throttled": 20, "throttled_s": 1.5}
-    # v1: the cpu controller's folder, throttled_time in nanoseconds; a file without throttling
-    # counters (v2's root cpu.stat) is passed over.
-    proc1 = fake_proc(tmp_path / "proc1", cgroup="4:memory:/x\n2:cpu,cpuacct:/\n0::/\n")
+    (cg / "a" / "job").mkdir(parents=True)
+    (cg / "a" / "job" / "cpu.stat").write_text(
+        "usage_usec 10\nnr_periods 200\nnr_throttled 20\nthrottled_usec 1500000\n")
+    (cg / "a" / "cpu.stat").write_text("usage_usec 10\nnr_periods 9\nnr_throttled 1\nthrottled_usec 0\n")
+    (cg / "cpu.stat").write_text("usage_usec 10\n")  # v2's root: no throttling counters, passed over
+    assert cgroup_cpu_stat_paths(proc, cg) == [cg / "a" / "job" / "cpu.stat", cg / "a" / "cpu.stat"]
+    assert read_cgroup_cpu(cg / "a" / "job" / "cpu.stat") == {"nr_periods": 200, "nr_throttled": 20, "throttled_s": 1.5}
+    # A leaf and root with usage lines only: nothing to read throttling from.
+    only = tmp_path / "only"
+    (only / "a" / "job").mkdir(parents=True)
+    (only / "a" / "job" / "cpu.stat").write_text("usage_usec 10\n")
+    (only / "cpu.stat").write_text("usage_usec 10\n")
+    assert cgroup_cpu_stat_paths(proc, only) == []
+    # v1: the cpu controller's folder, throttled_time in nanoseconds.
+    proc1 = fake_proc(tmp_path / "proc1", cgroup="4:memory:/x\n2:cpu,cpuacct:/\n")
     cg1 = tmp_path / "cg1"
     (cg1 / "cpu,cpuacct").mkdir(parents=True)
-    (cg1 / "cpu.stat").write_text("usage_usec 10\n")
     (cg1 / "cpu,cpuacct" / "cpu.stat").write_text("nr_periods 10\nnr_throttled 0\nthrottled_time 2000000000\n")
-    path1 = cgroup_cpu_stat_path(proc1, cg1)
-    assert path1 == cg1 / "cpu,cpuacct" / "cpu.stat" and read_cgroup_cpu(path1)["throttled_s"] == 2.0
-    assert cgroup_cpu_stat_path(fake_proc(tmp_path / "proc2", cgroup="0::/none\n"), tmp_path / "nothing") is None
+    paths1 = cgroup_cpu_stat_paths(proc1, cg1)
+    assert paths1 == [cg1 / "cpu,cpuacct" / "cpu.stat"] and read_cgroup_cpu(paths1[0])["throttled_s"] == 2.0
+    assert cgroup_cpu_stat_paths(fake_proc(tmp_path / "proc2", cgroup="0::/none\n"), tmp_path / "nothing") == []
+    # Another process's cgroup: the pid's own file.
+    (proc / "42").mkdir()
+    (proc / "42" / "cgroup").write_text("0::/a\n")
+    assert cgroup_cpu_stat_paths(proc, cg, 42) == [cg / "a" / "cpu.stat"]
 
 
 def test_summary_figures_from_known_reads():
-    """Two seconds, 100 ticks a second: 4 cores busy of which the run used 2.5; 10% steal."""
+    """Two seconds, 100 ticks a second: 4 cores busy of which the run used 2.5; 1 core stolen."""
     a = {"user": 0, "nice": 0, "system": 0, "idle": 0, "iowait": 0, "irq": 0, "softirq": 0, "steal": 0}
     b = dict(a, user=700, system=100, idle=880, iowait=20, steal=200)  # 1900 ticks over 2 s (9.5 cores)
     samples = [(10.0, a, 2, 2000.0), (11.0, a, 6, 1900.0), (12.0, b, 4, 1800.0)]
@@ -77,30 +99,46 @@ def test_summary_figures_from_known_reads():
     tree1 = ({1: 150, 2: 400, 3: 50}, {(1, 1): ("python", 150), (2, 2): ("engine", 300), (3, 3): ("new", 50)})
     cg0 = {"nr_periods": 100, "nr_throttled": 1, "throttled_s": 0.0}
     cg1 = {"nr_periods": 120, "nr_throttled": 6, "throttled_s": 0.25}
-    s = summarise(samples, tree0, tree1, cg0, cg1, hz=100, cpus=16)
+    parent = ({"nr_periods": 10, "nr_throttled": 0, "throttled_s": 0.0}, {"nr_periods": 30, "nr_throttled": 2,
+                                                                           "throttled_s": 0.1})
+    s = summarise(samples, tree0, tree1, [parent, (cg0, cg1)], hz=100, cpus=16)
     assert s["seconds"] == 2.0 and s["cpus"] == 16 and s["samples"] == 3
     assert s["cores_busy"] == pytest.approx(800 / 100 / 2)  # user + system; idle, iowait and steal are not
-    assert s["steal_frac"] == pytest.approx(200 / 1900) and s["iowait_frac"] == pytest.approx(20 / 1900)
+    # Steal against the time the CPUs wanted (busy + stolen), and in cores.
+    assert s["steal_frac"] == pytest.approx(200 / 1000) and s["steal_cores"] == pytest.approx(1.0)
+    assert s["iowait_frac"] == pytest.approx(20 / 1900)
     assert s["run_cores"] == pytest.approx((50 + 400 + 50) / 100 / 2) and s["run_processes"] == 3
     assert s["other_cores"] == pytest.approx(4.0 - 2.5)
     assert s["busiest_thread"] == {"name": "engine", "core_frac": pytest.approx(1.5)}
     assert s["run_queue"] == {"mean": 4.0, "max": 6} and s["cpu_mhz"] == {"mean": 1900.0, "min": 1800.0}
+    # The cgroup throttled most of the run's and its ancestors' (here the leaf, 25% against 10%).
     assert s["cgroup"] == {"periods": 20, "throttled_periods": 5, "throttled_frac": 0.25,
                            "throttled_s": pytest.approx(0.25)}
     # Without the end's tree or cgroup reads: the host-wide figures only.
-    bare = summarise(samples, tree0, None, None, None, hz=100, cpus=16)
+    bare = summarise(samples, tree0, None, None, hz=100, cpus=16)
     assert "run_cores" not in bare and "cgroup" not in bare and bare["cores_busy"] == s["cores_busy"]
 
 
 def test_the_monitor_on_a_scripted_proc_and_without_one(tmp_path):
     proc = fake_proc(tmp_path / "proc", procs={10: ("python", 1, {10: ("python", 5)})})
-    m = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none")).start()
+    m = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none"), cpus=[]).start()
     (proc / "stat").write_text("cpu  200 0 50 900 10 0 0 40\nprocs_running 5\n")
     (proc / "10" / "stat").write_text(stat_line(10, "python", 1, 105))
     s = m.stop()
     assert s["available"] and s["samples"] == 2 and s["run_processes"] == 1 and "cgroup" not in s
     assert s["steal_frac"] == 0.0 and s["run_queue"] == {"mean": 4.0, "max": 5}
     assert m.stop() == s  # the same summary on every later call
+    # The run's cgroup read at the start and gone at the end: no throttling figures, and why;
+    # the rest of the summary stands.
+    (proc / "10" / "cgroup").write_text("0::/job\n")
+    cg = tmp_path / "cg"
+    (cg / "job").mkdir(parents=True)
+    (cg / "job" / "cpu.stat").write_text("nr_periods 5\nnr_throttled 0\nthrottled_usec 0\n")
+    m2 = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(cg), cpus=[]).start()
+    (cg / "job" / "cpu.stat").unlink()
+    s2 = m2.stop()
+    assert s2["available"] and "cgroup" not in s2 and "stopped_early" not in s2
+    assert "cgroup cpu.stat unreadable at the end (FileNotFoundError" in s2["cgroup_error"]
     gone = HostMonitor(proc=str(tmp_path / "no-proc")).start().stop()
     assert gone["available"] is False and "cannot read the host's CPU state" in gone["why"]
     assert HostMonitor(proc=str(proc)).stop() == {"available": False, "why": "never started"}
@@ -108,8 +146,10 @@ def test_the_monitor_on_a_scripted_proc_and_without_one(tmp_path):
 
 def test_a_read_that_fails_mid_run_keeps_the_samples_so_far(tmp_path):
     proc = fake_proc(tmp_path / "proc", procs={10: ("python", 1, {10: ("python", 5)})})
-    m = HostMonitor(interval_s=0.02, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none")).start()
-    time.sleep(0.1)
+    m = HostMonitor(interval_s=0.02, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none"), cpus=[]).start()
+    deadline = time.monotonic() + 10
+    while len(m._samples) < 2 and time.monotonic() < deadline:  # one sample from the thread first
+        time.sleep(0.02)
     (proc / "stat").unlink()
     deadline = time.monotonic() + 5
     while m._thread.is_alive() and time.monotonic() < deadline:

@@ -545,7 +545,7 @@ def test_a_size_the_profile_prices_short_shows_in_the_size_table(tmp_path):
     assert "Generations by size" in render_markdown(rep)
 
 
-def _host_monitor(steal=0.0, other=0.2, mhz=2100.0, throttled=0.0, run_cores=1.5, hot=0.9) -> dict:
+def _host_monitor(steal=0.0, other=0.2, mhz=2100.0, throttled=0.0, run_cores=1.5, hot=0.6) -> dict:
     """A host monitor's summary (nodus.hostmon) with the given figures."""
     return {"available": True, "seconds": 30.0, "samples": 60, "cpus": 16, "cores_busy": run_cores + other,
             "steal_frac": steal, "iowait_frac": 0.0, "run_cores": run_cores, "run_processes": 4,
@@ -574,7 +574,7 @@ def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
         "available": False, "why": "no /proc"}
 
     runs = []
-    for seed, mon in ((1, _host_monitor()), (2, _host_monitor(steal=0.05)), (3, _host_monitor(throttled=0.2)),
+    for seed, mon in ((1, _host_monitor(hot=0.95)), (2, _host_monitor(steal=0.05)), (3, _host_monitor(throttled=0.2)),
                       (4, _host_monitor(other=2.5)), (5, _host_monitor(mhz=1800.0)), (6, None)):
         out = tmp_path / f"ovl{seed}"
         simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
@@ -590,7 +590,12 @@ def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
         ("ovl5", {"cpu_mhz": pytest.approx(1800 / 2100)})]
     text = render_markdown(rep)
     assert "Host monitor (/proc and the cgroup through each run; 5 of 6 runs have one)" in text
-    assert "its busiest thread 90% of a core" in text and "ovl2 (steal 5% of CPU time)" in text
+    assert "its busiest thread 60% of a core" in text and "ovl2 (steal 5% of the CPU time wanted)" in text
+    assert "other processes on 1 core or more" in text
+    # A thread near a full core is named apart, not flagged.
+    assert [Path(o["run"]).name for o in h["one_thread"]] == ["ovl1"]
+    assert ("A thread of the run on 90% of a core or more (its own host work paces it): "
+            "ovl1 (VLLM::EngineCore, 95%)") in text
     assert "ovl3 (cgroup quota-throttled in 20% of periods)" in text and "ovl4 (other processes on 2.5 cores)" in text
     assert "ovl5 (core clock 0.86x the median)" in text
     assert rep["heldout_mape_replay"] == pytest.approx(0, abs=1e-9)  # flagged, never dropped
