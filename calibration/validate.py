@@ -572,12 +572,21 @@ def gpu_flagged_text(flags: dict) -> str:
     return "; ".join(one(f) for f in flags["flagged"])
 
 
-def gpu_text(flags: dict) -> str:
-    """The report's paragraph on ``gpu_flags``."""
+def _monitor_preamble(flags: dict, name: str, since: int) -> tuple[str, str | None]:
+    """A monitor's flags (``gpu_flags``, ``host_monitor_flags``) as the sentence on the runs
+    without figures from it, and the whole paragraph where no run has figures (else None)."""
     without = (f"{flags['runs_without_figures']} of {flags['runs']} runs have no figures from it: "
                f"{'; '.join(flags['why_without_figures'])}." if flags.get("runs_without_figures") else "")
     if not flags.get("runs_with_monitor"):
-        return "GPU monitor: " + (without or "no run records one (recorded before session 26).")
+        return without, f"{name}: " + (without or f"no run records one (recorded before session {since}).")
+    return without, None
+
+
+def gpu_text(flags: dict) -> str:
+    """The report's paragraph on ``gpu_flags``."""
+    without, only = _monitor_preamble(flags, "GPU monitor", 26)
+    if only:
+        return only
     med = flags["median_busy_sm_clock_mhz"]
     head = (f"GPU monitor (NVML: SM clock, power, temperature and throttle reasons through each run; "
             f"{flags['runs_with_monitor']} of {flags['runs']} runs have one): median SM clock while busy "
@@ -611,19 +620,23 @@ def run_host_monitor(summary: dict) -> dict | None:
     busiest = max((m["busiest_thread"] for m in ok if m.get("busiest_thread")), key=lambda b: b["core_frac"],
                   default=None)
     stopped = "; ".join(sorted({str(m["stopped_early"]) for m in mons if m.get("stopped_early")}))
+    cg_error = "; ".join(sorted({str(m["cgroup_error"]) for m in mons if m.get("cgroup_error")}))
     return {"available": True, "steal_frac": top(lambda m: m.get("steal_frac")),
             "other_cores": top(lambda m: m.get("other_cores")), "run_cores": top(lambda m: m.get("run_cores")),
             "cgroup_throttled_frac": top(lambda m: (m.get("cgroup") or {}).get("throttled_frac")),
             "cpu_mhz": top(lambda m: (m.get("cpu_mhz") or {}).get("mean"), min),
-            "busiest_thread": busiest, **({"stopped_early": stopped} if stopped else {})}
+            "busiest_thread": busiest, **({"stopped_early": stopped} if stopped else {}),
+            **({"cgroup_error": cg_error} if cg_error else {})}
 
 
 def host_monitor_flags(rows: list[dict]) -> dict:
-    """Runs whose host was contended while measured: steal time at least ``HOSTMON_STEAL`` of the
-    CPU time, the cgroup quota-throttled in ``HOSTMON_CG_THROTTLED`` of its periods, other
-    processes on ``HOSTMON_OTHER_CORES`` cores or more, or the cores' clock more than
+    """Runs whose host was contended while measured: steal at least ``HOSTMON_STEAL`` of the time
+    the run's CPUs wanted, a cgroup quota-throttled in ``HOSTMON_CG_THROTTLED`` of its periods or
+    more, other processes on ``HOSTMON_OTHER_CORES`` cores or more, or the cores' clock more than
     ``HOSTMON_MHZ_LOW`` under the validated runs' median; also a run whose sampling stopped early.
-    The phases are host-bound in part, so their error may be the host's. Flagged, never dropped."""
+    Their error may be the host's. Flagged, never dropped. Named apart: runs with a thread on
+    ``HOSTMON_ONE_THREAD`` of a core or more, and runs whose cgroup could not be read (their
+    throttling is unknown, not absent)."""
     monitored = [r for r in rows if (r.get("host_monitor") or {}).get("available")]
 
     def med(key):
@@ -653,18 +666,20 @@ def host_monitor_flags(rows: list[dict]) -> dict:
     # contended host, so named apart from the flags).
     one_thread = [{"run": r["run"], **r["host_monitor"]["busiest_thread"]} for r in monitored
                   if (r["host_monitor"].get("busiest_thread") or {}).get("core_frac", 0) >= HOSTMON_ONE_THREAD]
+    cgroup_unread = [{"run": r["run"], "why": r["host_monitor"]["cgroup_error"]} for r in monitored
+                     if r["host_monitor"].get("cgroup_error")]
     without = [r["host_monitor"] for r in rows if r.get("host_monitor") and not r["host_monitor"].get("available")]
     return {"runs_with_monitor": len(monitored), "runs": len(rows), "runs_without_figures": len(without),
             "why_without_figures": sorted({str(m.get("why")) for m in without}), "median": median,
             "thresholds": {"steal_frac": HOSTMON_STEAL, "cgroup_throttled_frac": HOSTMON_CG_THROTTLED,
                            "other_cores": HOSTMON_OTHER_CORES, "cpu_mhz_low": HOSTMON_MHZ_LOW,
                            "one_thread_core_frac": HOSTMON_ONE_THREAD},
-            "flagged": flagged, "one_thread": one_thread}
+            "flagged": flagged, "one_thread": one_thread, "cgroup_unread": cgroup_unread}
 
 
 def host_monitor_flagged_text(flags: dict) -> str:
-    """``host_monitor_flags``' flagged runs as 'run (steal 4% of CPU time; other processes on 2.1
-    cores); ...' for a report."""
+    """``host_monitor_flags``' flagged runs as 'run (steal 6% of the CPU time wanted; other
+    processes on 2.1 cores); ...' for a report."""
     def one(f: dict) -> str:
         text = {"steal": lambda v: f"steal {v:.0%} of the CPU time wanted",
                 "cgroup_throttled": lambda v: f"cgroup quota-throttled in {v:.0%} of periods",
@@ -677,10 +692,9 @@ def host_monitor_flagged_text(flags: dict) -> str:
 
 def host_monitor_text(flags: dict) -> str:
     """The report's paragraph on ``host_monitor_flags``."""
-    without = (f"{flags['runs_without_figures']} of {flags['runs']} runs have no figures from it: "
-               f"{'; '.join(flags['why_without_figures'])}." if flags.get("runs_without_figures") else "")
-    if not flags.get("runs_with_monitor"):
-        return "Host monitor: " + (without or "no run records one (recorded before session 27).")
+    without, only = _monitor_preamble(flags, "Host monitor", 27)
+    if only:
+        return only
     m = flags["median"]
 
     def f(v, fmt):
@@ -691,14 +705,17 @@ def host_monitor_text(flags: dict) -> str:
             f"{f(m['busiest_thread_core_frac'], '.0%')} of a core, other processes {f(m['other_cores'], '.2f')} "
             f"cores, steal {f(m['steal_frac'], '.1%')}, core clock {f(m['cpu_mhz'], '.0f')} MHz. ")
     t = flags["thresholds"]
-    rule = (f"steal {t['steal_frac']:.0%} of the CPU time wanted or more, the cgroup quota-throttled in "
-            f"{t['cgroup_throttled_frac']:.0%} of periods, other processes on {t['other_cores']:g} "
+    rule = (f"steal {t['steal_frac']:.0%} of the CPU time wanted or more, a cgroup quota-throttled in "
+            f"{t['cgroup_throttled_frac']:.0%} of its periods or more, other processes on {t['other_cores']:g} "
             f"core{'' if t['other_cores'] == 1 else 's'} or more, "
             f"or a core clock more than {t['cpu_mhz_low']:.0%} under the median")
     one = flags.get("one_thread") or []
     tail = (f" A thread of the run on {t['one_thread_core_frac']:.0%} of a core or more (its own host work paces "
             "it): " + "; ".join(f"{Path(o['run']).name} ({o['name']}, {o['core_frac']:.0%})" for o in one) + "."
             if one else "")
+    unread = flags.get("cgroup_unread") or []
+    tail += (" Throttling unknown (a cgroup unread): " + "; ".join(f"{Path(u['run']).name} ({u['why']})"
+                                                                   for u in unread) + "." if unread else "")
     tail += f" {without}" if without else ""
     if flags["flagged"]:
         return (head + f"On a contended host ({rule}; their host, not only the simulator, may explain their "

@@ -430,7 +430,7 @@ def render(table: dict) -> str:
                      f"median{'' if med is None else f' of {med:.0f} MHz'}, or a power, thermal or hardware slowdown "
                      f"in {gpuf['throttle_threshold']:.0%} of samples or more): " + gpu_flagged_text(gpuf))
     hm = table.get("host_monitor") or {}
-    if hm.get("flagged"):
+    if hm.get("flagged") or hm.get("one_thread") or hm.get("cgroup_unread") or hm.get("runs_without_figures"):
         from calibration.validate import host_monitor_text
 
         lines.append("\n" + host_monitor_text(hm))

@@ -3,7 +3,7 @@ processes used and its busiest thread, the CPU time other processes took, the hy
 time, the run queue, the cores' clock, and CFS quota throttling of the run's cgroup.
 
 Why: on session 26 every run's GPU sat at its maximum SM clock with no throttle reason
-(``nodus.gpumon``), yet two identical dedicated runs an hour apart measured 2344 and 1869
+(``nodus.gpumon``), yet two identical dedicated runs about 21 minutes apart measured 2344 and 1869
 steps/GPU-h: generations 24% slower, train steps 18% slower and adapter publishes (host work)
 2.2x slower, with the GPU running kernels less of the time: consistent with phases bound in part by
 the host (kernel launches, the engine's scheduler, adapter save and load), which the host probe
@@ -13,9 +13,13 @@ keeps its summary in the run's diagnostics (``host_monitor``) and ``nodus valida
 whose host was contended.
 
 Host-wide figures count the CPUs the run may use (its affinity), from their ``cpuN`` lines of
-/proc/stat; in a container /proc/stat is the host's, so ``other_cores`` is other processes on
-those CPUs, the MPS control daemon (not a descendant of the run) among them. The run queue is
-host-wide and includes the monitor's own thread. On a VM the cores' reported clock is often fixed.
+/proc/stat, where it lists every one of them (``cpu_lines: "affinity"``; else the aggregate line,
+``"aggregate"``, chosen once at the start); in a container /proc/stat is the host's. So
+``other_cores`` is the CPU time on those CPUs that the run's processes did not take: other
+processes (the MPS control daemon, not a descendant of the run, among them), kernel threads,
+interrupts, and the run's own children that exited inside the window (a process's time is read
+from the process while it lives). The run queue is host-wide and includes the monitor's own
+thread. On a VM the cores' reported clock is often fixed.
 
 Linux only. Never raises: without /proc, ``stop()`` says why instead of giving figures; a read that
 fails later ends the sampling, and the figures so far come with ``stopped_early``; a cgroup that
@@ -44,9 +48,9 @@ def run_cpus() -> list[int] | None:
         return None
 
 
-def read_cpu_times(proc: Path, cpus: list[int] | None = None) -> dict[str, int]:
+def read_cpu_times(proc: Path, cpus: list[int] | None = None, strict: bool = False) -> dict[str, int]:
     """/proc/stat's ticks per field, summed over the ``cpuN`` lines of ``cpus`` (every listed one
-    found), else the aggregate ``cpu`` line."""
+    found), else the aggregate ``cpu`` line; ``strict``: a CPU of ``cpus`` missing raises instead."""
     want = {f"cpu{c}" for c in cpus} if cpus else None
     total, agg, found = dict.fromkeys(STAT_FIELDS, 0), None, 0
     with open(proc / "stat") as f:
@@ -64,6 +68,8 @@ def read_cpu_times(proc: Path, cpus: list[int] | None = None) -> dict[str, int]:
                     total[k] += v
     if want is not None and found == len(want):
         return total
+    if want is not None and strict:
+        raise ValueError(f"{proc / 'stat'} lists {found} of the run's {len(want)} CPUs")
     if agg is None:
         raise ValueError(f"no aggregate cpu line in {proc / 'stat'}")
     return agg
@@ -77,13 +83,23 @@ def read_procs_running(proc: Path) -> int | None:
     return None
 
 
-def read_cpu_mhz(proc: Path) -> float | None:
-    """The mean of the cores' current clocks /proc/cpuinfo gives (None where it gives none)."""
+def read_cpu_mhz(proc: Path, cpus: list[int] | None = None) -> float | None:
+    """The mean of the current clocks /proc/cpuinfo gives for ``cpus`` (each ``processor`` block's
+    ``cpu MHz``; every core where ``cpus`` is empty or none of them is listed); None without any."""
     try:
+        by_cpu, cur = {}, None
         with open(proc / "cpuinfo") as f:
-            mhz = [float(line.split(":", 1)[1]) for line in f if line.startswith("cpu MHz")]
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    cur = int(val)
+                elif key == "cpu MHz":
+                    by_cpu[cur] = float(val)
     except (OSError, ValueError):
         return None
+    mine = [v for c, v in by_cpu.items() if cpus and c in cpus]
+    mhz = mine or list(by_cpu.values())
     return float(np.mean(mhz)) if mhz else None
 
 
@@ -160,17 +176,23 @@ def cgroup_cpu_stat_paths(proc: Path, sys_cgroup: Path, pid: int | str = "self")
             continue
         _, ctrls, rel = parts
         rel_parts = [x for x in rel.strip("/").split("/") if x]
+        if ".." in rel_parts:  # a cgroup outside this namespace's view: not under the mount
+            continue
         roots = [sys_cgroup] if ctrls == "" else (
             [sys_cgroup / d for d in dict.fromkeys((ctrls, "cpu", "cpu,cpuacct"))] if "cpu" in ctrls.split(",") else [])
         for r in roots:
             for n in range(len(rel_parts), -1, -1):  # the leaf, then each ancestor up to the mount's root
                 cands.append(r.joinpath(*rel_parts[:n], "cpu.stat"))
-    out = []
+    out, seen = [], set()
     for c in dict.fromkeys(cands):
         try:
+            st = c.stat()
             text = c.read_text()
         except OSError:
             continue
+        if (st.st_dev, st.st_ino) in seen:  # v1's cpu and cpu,cpuacct: one folder, two names
+            continue
+        seen.add((st.st_dev, st.st_ino))
         if "nr_throttled" in text:  # v2's root cpu.stat has only usage lines
             out.append(c)
     return out
@@ -191,10 +213,11 @@ def read_cgroup_cpu(path: Path) -> dict[str, float]:
 
 class HostMonitor:
     """Samples the host every ``interval_s`` in a daemon thread between `start` and `stop`: the
-    aggregate CPU times, the run queue and the cores' clock (a few small /proc reads, well under
-    1 ms). The run's process tree (the calling process and its descendants) and its threads are
-    read at the start and the stop: their CPU time over the window, the busiest thread's share of
-    one core. A process of the tree that exits inside the window is not counted."""
+    run's CPUs' times, the run queue and the cores' clock (a few small /proc reads, well under
+    1 ms). The run's process tree (the calling process and its descendants), its threads and its
+    cgroups' throttling counters are read at the start and the stop only: their CPU time over the
+    window, the busiest thread's share of one core. A process of the tree that exits inside the
+    window is not counted."""
 
     def __init__(self, interval_s: float = 0.5, root_pid: int | None = None, proc: str = "/proc",
                  sys_cgroup: str = "/sys/fs/cgroup", cpus: list[int] | None = None):
@@ -220,8 +243,8 @@ class HostMonitor:
         return process_ticks(self.proc, pids), thread_ticks(self.proc, pids)
 
     def _sample(self) -> None:
-        row = (time.monotonic(), read_cpu_times(self.proc, self._cpus), read_procs_running(self.proc),
-               read_cpu_mhz(self.proc))
+        row = (time.monotonic(), read_cpu_times(self.proc, self._cpus, strict=True), read_procs_running(self.proc),
+               read_cpu_mhz(self.proc, self._cpus))
         with self._lock:
             self._samples.append(row)
 
@@ -230,6 +253,11 @@ class HostMonitor:
             return self
         self._why = None
         try:
+            if self._cpus:  # the run's CPUs' lines where /proc/stat lists them all, else the aggregate
+                try:
+                    read_cpu_times(self.proc, self._cpus, strict=True)
+                except ValueError:
+                    self._cpus = []
             self._sample()
             self._tree0 = self._tree()
         except Exception as e:  # noqa: BLE001 - no /proc (not Linux), an unreadable file
@@ -259,12 +287,16 @@ class HostMonitor:
 
     def stop(self) -> dict:
         """Stop and summarise (the same summary on every later call). Without figures:
-        ``{"available": False, "why": ...}``. With them: the window's seconds and the host's
-        logical cores; ``cores_busy`` (all processes), ``run_cores`` (the run's process tree),
-        ``other_cores`` (the difference: CPU time taken by processes outside the run), each in
-        cores over the window; ``steal_frac`` and ``iowait_frac`` of all CPU time; the busiest
-        thread (name, share of one core); the run queue (mean, max); the clock (mean, min MHz);
-        and the cgroup's quota throttling (periods, throttled periods, their share, seconds)."""
+        ``{"available": False, "why": ...}``. With them: the window's seconds, ``cpus`` (the run's
+        CPUs, or the host's logical cores where /proc/stat is read whole: ``cpu_lines``);
+        ``cores_busy`` (everything on those CPUs), ``run_cores`` (the run's process tree),
+        ``other_cores`` (the difference), ``steal_cores``, each in cores over the window;
+        ``steal_frac`` (of the time the CPUs wanted: busy + stolen) and ``iowait_frac`` (of all
+        their time); the busiest thread (name, share of one core); the run queue (mean, max); the
+        clock (mean, min MHz); the quota throttling of the cgroup, of the run's and its ancestors',
+        throttled in the largest share of its periods (its cpu.stat path, periods, throttled
+        periods, their share, seconds); ``cgroup_error`` where a cgroup could not be read, and
+        ``stopped_early`` where sampling ended before the stop."""
         if self._result is not None:
             return copy.deepcopy(self._result)
         self._halt.set()
@@ -285,7 +317,7 @@ class HostMonitor:
         cg = None
         if self._cg_paths:
             try:
-                cg = [(self._cg0[p], read_cgroup_cpu(p)) for p in self._cg_paths]
+                cg = [(self._cg0[p], read_cgroup_cpu(p), str(p)) for p in self._cg_paths]
             except Exception as e:  # noqa: BLE001
                 self._cg_error = f"cgroup cpu.stat unreadable at the end ({type(e).__name__}: {e})"
         with self._lock:
@@ -293,6 +325,7 @@ class HostMonitor:
         cpus = len(self._cpus) if self._cpus else (os.cpu_count() or 1)
         self._result = summarise(samples, self._tree0, ends.get("tree"), cg,
                                  os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, cpus)
+        self._result["cpu_lines"] = "affinity" if self._cpus else "aggregate"
         self._result["interval_s"] = self.interval_s
         if self._cg_error:
             self._result["cgroup_error"] = self._cg_error
@@ -302,10 +335,11 @@ class HostMonitor:
 
 
 def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict, dict] | None,
-              cgroups: list[tuple[dict, dict]] | None, hz: int, cpus: int) -> dict:
+              cgroups: list[tuple[dict, dict, str]] | None, hz: int, cpus: int) -> dict:
     """The summary `HostMonitor.stop` returns, from its samples and its start and end reads (each
     tree read: per-process ticks, per-thread names and ticks; per cgroup of the run and its
-    ancestors, its counters at the start and the end: the one throttled most is reported)."""
+    ancestors, leaf first, its counters at the start and the end and its cpu.stat path: the one
+    throttled in the largest share of its periods is reported, the leaf on a tie)."""
     (ta, ca, _, _), (tb, cb, _, _) = samples[0], samples[-1]
     seconds = tb - ta
     total = sum(cb.values()) - sum(ca.values())
@@ -336,11 +370,11 @@ def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict,
         out["cpu_mhz"] = {"mean": float(np.mean(mhz)), "min": float(min(mhz))}
     if cgroups:
         rows = []
-        for cg0, cg1 in cgroups:
+        for cg0, cg1, path in cgroups:
             periods = cg1["nr_periods"] - cg0["nr_periods"]
             throttled = cg1["nr_throttled"] - cg0["nr_throttled"]
-            rows.append({"periods": periods, "throttled_periods": throttled,
+            rows.append({"path": path, "periods": periods, "throttled_periods": throttled,
                          "throttled_frac": throttled / periods if periods > 0 else 0.0,
                          "throttled_s": cg1["throttled_s"] - cg0["throttled_s"]})
-        out["cgroup"] = max(rows, key=lambda r: (r["throttled_frac"], r["throttled_s"]))  # ties: the leaf's
+        out["cgroup"] = max(rows, key=lambda r: r["throttled_frac"])  # max keeps the first: the leaf on a tie
     return out

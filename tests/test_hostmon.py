@@ -1,6 +1,7 @@
 """The host monitor (nodus.hostmon): its readers on a scripted /proc and cgroup tree, its summary
 figures, this machine's own /proc while a thread burns CPU, and that it never raises."""
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -99,9 +100,9 @@ def test_summary_figures_from_known_reads():
     tree1 = ({1: 150, 2: 400, 3: 50}, {(1, 1): ("python", 150), (2, 2): ("engine", 300), (3, 3): ("new", 50)})
     cg0 = {"nr_periods": 100, "nr_throttled": 1, "throttled_s": 0.0}
     cg1 = {"nr_periods": 120, "nr_throttled": 6, "throttled_s": 0.25}
-    parent = ({"nr_periods": 10, "nr_throttled": 0, "throttled_s": 0.0}, {"nr_periods": 30, "nr_throttled": 2,
-                                                                           "throttled_s": 0.1})
-    s = summarise(samples, tree0, tree1, [parent, (cg0, cg1)], hz=100, cpus=16)
+    parent = ({"nr_periods": 10, "nr_throttled": 0, "throttled_s": 0.0},
+              {"nr_periods": 30, "nr_throttled": 2, "throttled_s": 0.9}, "/cg/cpu.stat")
+    s = summarise(samples, tree0, tree1, [(cg0, cg1, "/cg/job/cpu.stat"), parent], hz=100, cpus=16)
     assert s["seconds"] == 2.0 and s["cpus"] == 16 and s["samples"] == 3
     assert s["cores_busy"] == pytest.approx(800 / 100 / 2)  # user + system; idle, iowait and steal are not
     # Steal against the time the CPUs wanted (busy + stolen), and in cores.
@@ -111,9 +112,19 @@ def test_summary_figures_from_known_reads():
     assert s["other_cores"] == pytest.approx(4.0 - 2.5)
     assert s["busiest_thread"] == {"name": "engine", "core_frac": pytest.approx(1.5)}
     assert s["run_queue"] == {"mean": 4.0, "max": 6} and s["cpu_mhz"] == {"mean": 1900.0, "min": 1800.0}
-    # The cgroup throttled most of the run's and its ancestors' (here the leaf, 25% against 10%).
-    assert s["cgroup"] == {"periods": 20, "throttled_periods": 5, "throttled_frac": 0.25,
-                           "throttled_s": pytest.approx(0.25)}
+    # The cgroup throttled in the largest share of its periods, of the run's and its ancestors':
+    # here the leaf (25% against the parent's 10%, though the parent lost more seconds) ...
+    assert s["cgroup"] == {"path": "/cg/job/cpu.stat", "periods": 20, "throttled_periods": 5,
+                           "throttled_frac": 0.25, "throttled_s": pytest.approx(0.25)}
+    # ... a parent whose quota throttles while the leaf's counters stay at 0 ...
+    idle_leaf = ({"nr_periods": 0, "nr_throttled": 0, "throttled_s": 0.0},) * 2 + ("/cg/job/cpu.stat",)
+    up = summarise(samples, tree0, tree1, [idle_leaf, parent], hz=100, cpus=16)["cgroup"]
+    assert up["path"] == "/cg/cpu.stat" and up["throttled_frac"] == pytest.approx(0.1)
+    # ... and on a tie the leaf.
+    calm = ({"nr_periods": 5, "nr_throttled": 0, "throttled_s": 0.0}, {"nr_periods": 9, "nr_throttled": 0,
+                                                                     "throttled_s": 0.0})
+    tie = summarise(samples, tree0, tree1, [calm + ("/leaf",), calm + ("/parent",)], hz=100, cpus=16)
+    assert tie["cgroup"]["path"] == "/leaf"
     # Without the end's tree or cgroup reads: the host-wide figures only.
     bare = summarise(samples, tree0, None, None, hz=100, cpus=16)
     assert "run_cores" not in bare and "cgroup" not in bare and bare["cores_busy"] == s["cores_busy"]
@@ -177,5 +188,68 @@ def test_on_this_machine_a_busy_thread_shows_in_the_runs_cores():
     assert s["available"] and s["seconds"] > 0.3 and s["run_processes"] >= 1
     assert s["run_cores"] * s["seconds"] >= 0.4  # at least most of the burned 0.6 CPU-seconds
     assert s["cores_busy"] > 0 and 0 <= s["steal_frac"] < 1 and s["cpus"] >= 1
+    deadline = time.monotonic() + 10
+    while m._thread.is_alive() and time.monotonic() < deadline:  # a loaded machine wakes it late
+        time.sleep(0.05)
     assert not m._thread.is_alive()
     assert read_cpu_times(Path("/proc"))["idle"] > 0
+
+
+def test_the_runs_cpus_are_read_where_proc_stat_lists_them_else_the_whole_host(tmp_path):
+    """A run on CPU 1 reads cpu1's line and cpu1's clock; a run on CPUs /proc/stat does not list
+    falls back to the aggregate line once, at the start, and says so."""
+    proc = fake_proc(tmp_path / "proc", procs={10: ("python", 1, {10: ("python", 5)})}, mhz=(2000, 1500))
+    m = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none"), cpus=[1]).start()
+    (proc / "stat").write_text("cpu  999 0 0 0 0 0 0 0\ncpu0 900 0 0 0 0 0 0 0\n"
+                               "cpu1 110 20 30 140 50 60 70 80\nprocs_running 1\n")
+    s = m.stop()
+    assert s["cpu_lines"] == "affinity" and s["cpus"] == 1 and s["cpu_mhz"]["mean"] == 1500.0
+    # cpu1 moved by 100 user ticks and 100 idle ticks: half its time busy, whatever cpu0 did.
+    assert s["cores_busy"] * s["seconds"] * os.sysconf("SC_CLK_TCK") == pytest.approx(100)
+    gone = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none"),
+                       cpus=[5, 6]).start().stop()
+    assert gone["cpu_lines"] == "aggregate" and gone["available"]
+    # CPU 1's line vanishing mid-run ends the sampling instead of switching to the whole host.
+    m2 = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(tmp_path / "none"), cpus=[1]).start()
+    (proc / "stat").write_text("cpu  999 0 0 0 0 0 0 0\ncpu0 900 0 0 0 0 0 0 0\n")
+    s2 = m2.stop()
+    assert "lists 0 of the run's 1 CPUs" in s2["stopped_early"] and s2["samples"] == 1
+
+
+def test_no_thread_or_an_unreadable_cgroup_never_raises(tmp_path, monkeypatch):
+    import nodus.hostmon as hostmon
+
+    proc = fake_proc(tmp_path / "proc", procs={10: ("python", 1, {10: ("python", 5)})})
+    (proc / "10" / "cgroup").write_text("0::/job\n")
+    cg = tmp_path / "cg"
+    (cg / "job").mkdir(parents=True)
+    (cg / "job" / "cpu.stat").write_text("nr_periods 5\nnr_throttled 0\nthrottled_usec 0\n")
+
+    def broken(path):
+        raise PermissionError("denied")
+
+    monkeypatch.setattr(hostmon, "read_cgroup_cpu", broken)
+    s = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(cg), cpus=[]).start().stop()
+    assert s["available"] and "cgroup" not in s and "cgroup cpu.stat unreadable (PermissionError" in s["cgroup_error"]
+    monkeypatch.undo()
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    m = HostMonitor(interval_s=3600, root_pid=10, proc=str(proc), sys_cgroup=str(cg), cpus=[]).start()
+    assert m.stop() == {"available": False, "why": "cannot start the sampling thread (can't start new thread)"}
+
+
+def test_v1_cgroups_under_two_names_are_read_once_and_paths_outside_the_mount_skipped(tmp_path):
+    proc = fake_proc(tmp_path / "proc", cgroup="3:cpu,cpuacct:/docker/abc\n")
+    cg = tmp_path / "cg"
+    (cg / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.stat").write_text("nr_periods 1\nnr_throttled 0\nthrottled_time 0\n")
+    (cg / "cpu,cpuacct" / "docker" / "cpu.stat").write_text("nr_periods 1\nnr_throttled 0\nthrottled_time 0\n")
+    (cg / "cpu").symlink_to(cg / "cpu,cpuacct")  # as v1 hosts mount it
+    assert cgroup_cpu_stat_paths(proc, cg) == [cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.stat",
+                                               cg / "cpu,cpuacct" / "docker" / "cpu.stat"]
+    outside = fake_proc(tmp_path / "proc2", cgroup="0::/../../other\n")
+    (cg / "cpu.stat").write_text("nr_periods 1\nnr_throttled 0\nthrottled_usec 0\n")
+    assert cgroup_cpu_stat_paths(outside, cg) == []

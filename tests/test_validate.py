@@ -427,6 +427,22 @@ def test_each_phase_alone_and_beside_the_other():
     assert corun_phase_means([span("generate", 0, 0, 1), span("train", 0, 0.5, 1.5)])["train"]["n_alone"] == 1
 
 
+def _monitored_runs(tmp_path, key: str, monitors: dict) -> list:
+    """8-job overlap + MPS runs simulated per seed, each summary's diagnostics holding ``key``:
+    that seed's monitor summary (none where it is None)."""
+    import json
+
+    runs = []
+    for seed, mon in monitors.items():
+        out = tmp_path / f"ovl{seed}"
+        simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
+        s = json.loads((out / "summary.json").read_text())
+        s["diagnostics"] = [{key: mon} if mon else {}]
+        (out / "summary.json").write_text(json.dumps(s))
+        runs.append(out)
+    return runs
+
+
 def _gpu_monitor(busy_mhz: float, power_cap: float = 0.0, idle: float = 0.0) -> dict:
     """A GPU monitor's summary (nodus.gpumon.summarise) of 20 samples: ``idle`` of them idle, the
     rest busy at ``busy_mhz``, ``power_cap`` of all of them held down by the software power cap."""
@@ -444,8 +460,6 @@ def test_validate_and_the_gpu_table_name_runs_on_a_slowed_gpu(tmp_path):
     than 5% under the runs' median, and one whose power cap held the clocks in 30% of its samples,
     are named in the report and the GPU table; idle samples (gpu_idle) flag nothing. Runs without a
     monitor (every run before session 26) are said to have none."""
-    import json
-
     from calibration.validate import gpu_flags, render_markdown, run_gpu_monitor
     from experiments.gpu_table import build, render
 
@@ -458,15 +472,9 @@ def test_validate_and_the_gpu_table_name_runs_on_a_slowed_gpu(tmp_path):
     assert run_gpu_monitor({"diagnostics": [{"gpu_monitor": {"available": False, "why": "no pynvml"}}]}) == {
         "available": False, "why": "no pynvml"}
 
-    runs = []
-    for seed, mon in ((1, _gpu_monitor(1900, idle=0.5)), (2, _gpu_monitor(1890, power_cap=0.3)),
-                      (3, _gpu_monitor(1600)), (4, None)):
-        out = tmp_path / f"ovl{seed}"
-        simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
-        s = json.loads((out / "summary.json").read_text())
-        s["diagnostics"] = [{"gpu_monitor": mon} if mon else {}]
-        (out / "summary.json").write_text(json.dumps(s))
-        runs.append(out)
+    runs = _monitored_runs(tmp_path, "gpu_monitor", {1: _gpu_monitor(1900, idle=0.5),
+                                                      2: _gpu_monitor(1890, power_cap=0.3), 3: _gpu_monitor(1600),
+                                                      4: None})
     rep = validate(runs, profile=DEFAULT_PROFILE)
     g = rep["gpu"]
     assert g["runs_with_monitor"] == 3 and g["runs"] == 4 and g["median_busy_sm_clock_mhz"] == pytest.approx(1890)
@@ -559,8 +567,6 @@ def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
     """Runs whose summaries carry the host monitor: steal time, a quota-throttled cgroup, other
     processes' cores and a slow core clock each flag a run, named in the report and the GPU table;
     a run's several monitors (a dedicated arm's jobs) give its most contended figures."""
-    import json
-
     from calibration.validate import host_monitor_flags, render_markdown, run_host_monitor
     from experiments.gpu_table import build, render
 
@@ -573,15 +579,9 @@ def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
     assert run_host_monitor({"diagnostics": [{"host_monitor": {"available": False, "why": "no /proc"}}]}) == {
         "available": False, "why": "no /proc"}
 
-    runs = []
-    for seed, mon in ((1, _host_monitor(hot=0.95)), (2, _host_monitor(steal=0.05)), (3, _host_monitor(throttled=0.2)),
-                      (4, _host_monitor(other=2.5)), (5, _host_monitor(mhz=1800.0)), (6, None)):
-        out = tmp_path / f"ovl{seed}"
-        simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
-        s = json.loads((out / "summary.json").read_text())
-        s["diagnostics"] = [{"host_monitor": mon} if mon else {}]
-        (out / "summary.json").write_text(json.dumps(s))
-        runs.append(out)
+    runs = _monitored_runs(tmp_path, "host_monitor", {1: _host_monitor(hot=0.95), 2: _host_monitor(steal=0.05),
+                                                       3: _host_monitor(throttled=0.2), 4: _host_monitor(other=2.5),
+                                                       5: _host_monitor(mhz=1800.0), 6: None})
     rep = validate(runs, profile=DEFAULT_PROFILE)
     h = rep["host_monitor"]
     assert h["runs_with_monitor"] == 5 and h["runs"] == 6 and h["median"]["cpu_mhz"] == 2100.0
@@ -602,6 +602,13 @@ def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
     table = build(runs, DEFAULT_PROFILE)
     assert [Path(f["run"]).name for f in table["host_monitor"]["flagged"]] == ["ovl2", "ovl3", "ovl4", "ovl5"]
     assert "On a contended host" in render(table)
+    # Nothing flagged, one run near a full core and one whose cgroup was not read: the table names both.
+    quiet = build(runs[:1], DEFAULT_PROFILE)
+    assert quiet["host_monitor"]["flagged"] == [] and "ovl1 (VLLM::EngineCore, 95%)" in render(quiet)
+    unread = host_monitor_flags([{"run": "u", "host_monitor": run_host_monitor({"diagnostics": [
+        {"host_monitor": dict(_host_monitor(), cgroup_error="cgroup cpu.stat unreadable (PermissionError: no)")}]})}])
+    assert "Throttling unknown (a cgroup unread): u (cgroup cpu.stat unreadable (PermissionError: no))" in (
+        render_markdown(dict(rep, host_monitor=unread)))
     # Nothing contended: nothing flagged; runs from before the monitor: the report says nothing of it.
     clean = host_monitor_flags([{"run": "a", "host_monitor": run_host_monitor({"diagnostics": [
         {"host_monitor": _host_monitor(mhz=x)}]})} for x in (2100.0, 2050.0, 2000.0)])
