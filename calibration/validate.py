@@ -301,6 +301,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     report["gpu"] = gpu_flags(rows)
     report["host_monitor"] = host_monitor_flags(rows)
     report["jit"] = jit_flags(rows)
+    report["error_drivers"] = error_drivers(rows)
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
     h = report["heldout_replay"]
@@ -526,7 +527,16 @@ def run_gpu_monitor(summary: dict) -> dict | None:
         if max(fracs) > 0:
             throttle[reason] = float(max(fracs))
     stopped = "; ".join(sorted({str(m["stopped_early"]) for m in mons if m.get("stopped_early")}))
+    n = sum(g.get("samples") or 0 for g in gpus)
+
+    def weighted(get):  # over every GPU's samples (a dedicated arm's jobs are one monitor each)
+        pairs = [(get(g), g.get("samples") or 0) for g in gpus]
+        pairs = [(v, w) for v, w in pairs if v is not None and w > 0]
+        return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs and n else None
+
     return {"available": True, "busy_sm_clock_mhz": min(busy) if busy else None,
+            "busy_fraction": weighted(lambda g: (g.get("busy") or {}).get("fraction")),
+            "util_pct": weighted(lambda g: (g.get("util_pct") or {}).get("mean")),
             "max_sm_clock_mhz": max((g.get("max_sm_clock_mhz") or 0.0) for g in gpus) or None,
             "power_limit_w": min(limits) if limits else None, "throttle": throttle,
             **({"stopped_early": stopped} if stopped else {})}
@@ -723,6 +733,57 @@ def host_monitor_text(flags: dict) -> str:
     return head + f"No run on a contended host ({rule})." + tail
 
 
+# What a run recorded of its own state, by name: the figures `error_drivers` sets against the
+# simulator's error (each a function of a validated row; None where the run lacks it).
+RUN_STATE = {
+    "GPU busy share (samples over 50% utilisation)": lambda r: (r.get("gpu_monitor") or {}).get("busy_fraction"),
+    "GPU utilisation": lambda r: (r.get("gpu_monitor") or {}).get("util_pct"),
+    "host probe loop s": lambda r: (r.get("host_probe") or {}).get("cpu_loop_s"),
+    "host probe file s": lambda r: (r.get("host_probe") or {}).get("file_rw_s"),
+    "run's cores": lambda r: (r.get("host_monitor") or {}).get("run_cores"),
+    "busiest thread's core share": lambda r: ((r.get("host_monitor") or {}).get("busiest_thread") or {}).get(
+        "core_frac"),
+    "other processes' cores": lambda r: (r.get("host_monitor") or {}).get("other_cores"),
+    "steal share": lambda r: (r.get("host_monitor") or {}).get("steal_frac"),
+}
+MIN_DRIVER_RUNS = 5  # runs with a figure needed before its correlation is reported
+
+
+def error_drivers(rows: list[dict]) -> dict:
+    """The Pearson correlation between the simulator's replayed error (simulated over measured
+    steps per GPU-hour, minus 1) and each figure of ``RUN_STATE`` across the held-out runs (every
+    run where fewer than ``MIN_DRIVER_RUNS`` are held out), for figures at least that many runs
+    recorded and that vary. A pointer to what the error moves with, not a cause: runs of one
+    configuration are not independent, and a figure may follow the arm's structure. Session 26's
+    held-out runs: r = -0.92 against the GPU busy share."""
+    held = [r for r in rows if r["heldout"]]
+    sel, split = (held, "heldout") if len(held) >= MIN_DRIVER_RUNS else (rows, "all")
+    out = {"split": split, "runs": len(sel), "min_runs": MIN_DRIVER_RUNS, "figures": {}}
+    for name, get in RUN_STATE.items():
+        pairs = [(float(get(r)), r["replay"]["steps_per_gpu_hour"] / r["measured"]["steps_per_gpu_hour"] - 1)
+                 for r in sel if get(r) is not None and r["measured"]["steps_per_gpu_hour"]]
+        if len(pairs) < MIN_DRIVER_RUNS:
+            continue
+        x, y = np.array(pairs).T
+        if np.std(x) == 0 or np.std(y) == 0:
+            continue
+        out["figures"][name] = {"pearson_r": float(np.corrcoef(x, y)[0, 1]), "runs": len(pairs),
+                                "configurations": len({config_key(r) for r in sel if get(r) is not None})}
+    return out
+
+
+def error_drivers_text(d: dict) -> str:
+    """``error_drivers`` as one report line, strongest correlation first ('' without any)."""
+    if not d.get("figures"):
+        return ""
+    items = sorted(d["figures"].items(), key=lambda kv: -abs(kv[1]["pearson_r"]))
+    return (f"The simulator's replayed error against what the runs recorded of their state (Pearson r over the "
+            f"{'held-out' if d['split'] == 'heldout' else 'validated'} runs that record it; a pointer, not a cause: "
+            "runs of one configuration are not independent, and a figure can follow the arm): "
+            + "; ".join(f"{k} {v['pearson_r']:+.2f} ({v['runs']} runs, {v['configurations']} configurations)"
+                        for k, v in items) + ".")
+
+
 def run_jit_compiles(summary: dict) -> list[str] | None:
     """The kernels a run's engines JIT-compiled inside its measured window (``engine_jit_compiles``
     at run seconds >= 0; the warm-up's are before it), one entry per compile; None for a run that
@@ -874,6 +935,9 @@ def render_markdown(rep: dict) -> str:
     hm = rep.get("host_monitor") or {}
     if hm.get("runs_with_monitor") or hm.get("runs_without_figures"):  # silent on runs from before it
         lines += ["", host_monitor_text(hm)]
+    drivers = error_drivers_text(rep.get("error_drivers") or {})
+    if drivers:
+        lines += ["", drivers]
     jit = rep.get("jit") or {}
     if jit.get("runs_recorded"):
         lines += ["", f"JIT compiles inside the measured window ({jit['runs_recorded']} of {jit['runs']} runs record "

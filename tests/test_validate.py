@@ -621,3 +621,36 @@ def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
     text = render_markdown(dict(rep, host_monitor=mixed))
     assert "b (sampling stopped early: a /proc read failed after 3 samples" in text
     assert "1 of 2 runs have no figures from it: no /proc." in text
+
+
+def test_error_drivers_correlate_the_error_with_what_runs_recorded():
+    """The simulator's error set against each recorded figure of the runs' state: reported with
+    enough runs that vary, over the held-out runs where there are enough of them."""
+    from calibration.validate import error_drivers, error_drivers_text, run_gpu_monitor
+
+    def row(i, busy, err, held=True, probe=None):
+        return {"run": f"r{i}", "heldout": held, "jobs": 8, "arm": {"policy": "overlap", "groups": 2, "sharing": "mps"},
+                "controls": {}, "mb_tokens": 16384, "share_prompts": None,
+                "gpu_monitor": {"available": True, "busy_fraction": busy, "util_pct": 50.0},
+                "host_probe": {"cpu_loop_s": probe} if probe is not None else None,
+                "measured": {"steps_per_gpu_hour": 1000.0}, "replay": {"steps_per_gpu_hour": 1000.0 * (1 + err)}}
+
+    # The error falls as the busy share rises; utilisation is the same everywhere (no correlation to
+    # report); the host probe is on 4 runs only (too few).
+    rows = [row(i, b, e, probe=0.07 if i < 4 else None)
+            for i, (b, e) in enumerate([(0.4, 0.2), (0.5, 0.15), (0.6, 0.1), (0.7, 0.05), (0.8, 0.0), (0.9, -0.05)])]
+    d = error_drivers(rows)
+    assert d["split"] == "heldout" and d["runs"] == 6
+    assert list(d["figures"]) == ["GPU busy share (samples over 50% utilisation)"]
+    assert d["figures"]["GPU busy share (samples over 50% utilisation)"]["pearson_r"] == pytest.approx(-1.0)
+    assert "GPU busy share (samples over 50% utilisation) -1.00 (6 runs, 1 configurations)" in error_drivers_text(d)
+    # Fewer than 5 held-out runs: every validated run counts.
+    mixed = [dict(r, heldout=i < 2) for i, r in enumerate(rows)]
+    assert error_drivers(mixed)["split"] == "all"
+    assert error_drivers(rows[:4])["figures"] == {} and error_drivers_text(error_drivers(rows[:4])) == ""
+    # The GPU monitor's busy share and utilisation per run, weighted by each GPU run's samples.
+    g = lambda n, frac, util: {"samples": n, "busy": {"fraction": frac, "sm_clock_mhz": 1980.0},  # noqa: E731
+                               "util_pct": {"mean": util}, "throttle": {}}
+    m = run_gpu_monitor({"diagnostics": [{"gpu_monitor": {"available": True, "gpus": {"0": g(30, 0.9, 70.0)}}},
+                                         {"gpu_monitor": {"available": True, "gpus": {"0": g(10, 0.5, 30.0)}}}]})
+    assert m["busy_fraction"] == pytest.approx(0.8) and m["util_pct"] == pytest.approx(60.0)
