@@ -301,7 +301,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     report["gpu"] = gpu_flags(rows)
     report["host_monitor"] = host_monitor_flags(rows)
     report["jit"] = jit_flags(rows)
-    report["error_drivers"] = error_drivers(rows)
+    report["error_correlates"] = error_correlates(rows)
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
     h = report["heldout_replay"]
@@ -527,12 +527,10 @@ def run_gpu_monitor(summary: dict) -> dict | None:
         if max(fracs) > 0:
             throttle[reason] = float(max(fracs))
     stopped = "; ".join(sorted({str(m["stopped_early"]) for m in mons if m.get("stopped_early")}))
-    n = sum(g.get("samples") or 0 for g in gpus)
-
     def weighted(get):  # over every GPU's samples (a dedicated arm's jobs are one monitor each)
         pairs = [(get(g), g.get("samples") or 0) for g in gpus]
         pairs = [(v, w) for v, w in pairs if v is not None and w > 0]
-        return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs and n else None
+        return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else None
 
     return {"available": True, "busy_sm_clock_mhz": min(busy) if busy else None,
             "busy_fraction": weighted(lambda g: (g.get("busy") or {}).get("fraction")),
@@ -733,55 +731,96 @@ def host_monitor_text(flags: dict) -> str:
     return head + f"No run on a contended host ({rule})." + tail
 
 
-# What a run recorded of its own state, by name: the figures `error_drivers` sets against the
-# simulator's error (each a function of a validated row; None where the run lacks it).
+# What a run recorded of its own state: key -> (label, the figure from a validated row, None where
+# the run lacks it). `error_correlates` sets each against the simulator's error. The host monitor's
+# figures are a run's most contended monitor's (`run_host_monitor`), the GPU's sample-weighted.
 RUN_STATE = {
-    "GPU busy share (samples over 50% utilisation)": lambda r: (r.get("gpu_monitor") or {}).get("busy_fraction"),
-    "GPU utilisation": lambda r: (r.get("gpu_monitor") or {}).get("util_pct"),
-    "host probe loop s": lambda r: (r.get("host_probe") or {}).get("cpu_loop_s"),
-    "host probe file s": lambda r: (r.get("host_probe") or {}).get("file_rw_s"),
-    "run's cores": lambda r: (r.get("host_monitor") or {}).get("run_cores"),
-    "busiest thread's core share": lambda r: ((r.get("host_monitor") or {}).get("busiest_thread") or {}).get(
-        "core_frac"),
-    "other processes' cores": lambda r: (r.get("host_monitor") or {}).get("other_cores"),
-    "steal share": lambda r: (r.get("host_monitor") or {}).get("steal_frac"),
+    "gpu_busy_share": ("GPU busy share (samples over 50% utilisation)",
+                       lambda r: (r.get("gpu_monitor") or {}).get("busy_fraction")),
+    "gpu_util": ("GPU utilisation", lambda r: (r.get("gpu_monitor") or {}).get("util_pct")),
+    "probe_loop_s": ("host probe loop s", lambda r: (r.get("host_probe") or {}).get("cpu_loop_s")),
+    "probe_file_s": ("host probe file s", lambda r: (r.get("host_probe") or {}).get("file_rw_s")),
+    "run_cores": ("run's cores (its largest monitor's)", lambda r: (r.get("host_monitor") or {}).get("run_cores")),
+    "busiest_thread": ("busiest thread's core share",
+                       lambda r: ((r.get("host_monitor") or {}).get("busiest_thread") or {}).get("core_frac")),
+    "other_cores": ("other processes' cores", lambda r: (r.get("host_monitor") or {}).get("other_cores")),
+    "steal": ("steal share", lambda r: (r.get("host_monitor") or {}).get("steal_frac")),
+    "cgroup_throttled": ("cgroup throttled share",
+                         lambda r: (r.get("host_monitor") or {}).get("cgroup_throttled_frac")),
+    "cpu_mhz": ("core clock", lambda r: (r.get("host_monitor") or {}).get("cpu_mhz")),
 }
-MIN_DRIVER_RUNS = 5  # runs with a figure needed before its correlation is reported
+MIN_CORRELATE_RUNS = 5  # runs (with at least 3 distinct values) before a figure's correlation is reported
+PERMUTATIONS = 20000  # for the permutation p-value of each r (seeded: a report regenerates the same)
 
 
-def error_drivers(rows: list[dict]) -> dict:
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def _varies(v: np.ndarray) -> bool:
+    return len(np.unique(np.round(v, 12))) >= 3 and np.ptp(v) > 1e-9 * max(1.0, float(np.abs(v).max()))
+
+
+def error_correlates(rows: list[dict]) -> dict:
     """The Pearson correlation between the simulator's replayed error (simulated over measured
-    steps per GPU-hour, minus 1) and each figure of ``RUN_STATE`` across the held-out runs (every
-    run where fewer than ``MIN_DRIVER_RUNS`` are held out), for figures at least that many runs
-    recorded and that vary. A pointer to what the error moves with, not a cause: runs of one
-    configuration are not independent, and a figure may follow the arm's structure. Session 26's
-    held-out runs: r = -0.92 against the GPU busy share."""
-    held = [r for r in rows if r["heldout"]]
-    sel, split = (held, "heldout") if len(held) >= MIN_DRIVER_RUNS else (rows, "all")
-    out = {"split": split, "runs": len(sel), "min_runs": MIN_DRIVER_RUNS, "figures": {}}
-    for name, get in RUN_STATE.items():
-        pairs = [(float(get(r)), r["replay"]["steps_per_gpu_hour"] / r["measured"]["steps_per_gpu_hour"] - 1)
-                 for r in sel if get(r) is not None and r["measured"]["steps_per_gpu_hour"]]
-        if len(pairs) < MIN_DRIVER_RUNS:
+    steps per GPU-hour, minus 1) and each figure of ``RUN_STATE``, over the held-out runs (every
+    validated run where fewer than ``MIN_CORRELATE_RUNS`` are held out: the fit runs' in-sample
+    errors then count too), for figures at least that many runs recorded with 3 or more distinct
+    values; with a two-sided permutation p-value, and the r over configuration means where as many
+    configurations have the figure. A pointer to what the error moves with, not a cause: runs of one
+    configuration are not independent, and a figure may follow the arm's structure (session 26's
+    held-out runs: r = -0.92 against the GPU busy share, -0.91 over its 7 configurations' means)."""
+    usable = [r for r in rows if r["measured"].get("steps_per_gpu_hour")]
+    held = [r for r in usable if r["heldout"]]
+    sel, split = (held, "heldout") if len(held) >= MIN_CORRELATE_RUNS else (usable, "all")
+    out = {"split": split, "runs": len(sel), "min_runs": MIN_CORRELATE_RUNS, "figures": {}}
+    rng = np.random.default_rng(0)
+    for key, (label, get) in RUN_STATE.items():
+        used = [r for r in sel if get(r) is not None and np.isfinite(float(get(r)))]
+        if len(used) < MIN_CORRELATE_RUNS:
             continue
-        x, y = np.array(pairs).T
-        if np.std(x) == 0 or np.std(y) == 0:
+        x = np.array([float(get(r)) for r in used])
+        y = np.array([r["replay"]["steps_per_gpu_hour"] / r["measured"]["steps_per_gpu_hour"] - 1 for r in used])
+        if not (_varies(x) and _varies(y)):
             continue
-        out["figures"][name] = {"pearson_r": float(np.corrcoef(x, y)[0, 1]), "runs": len(pairs),
-                                "configurations": len({config_key(r) for r in sel if get(r) is not None})}
+        r = _pearson(x, y)
+        # Every permutation's r at once: y's shuffles standardised, against x standardised.
+        ys = rng.permuted(np.tile(y, (PERMUTATIONS, 1)), axis=1)
+        zx = (x - x.mean()) / x.std()
+        perm = ((ys - y.mean()) / y.std()) @ zx / len(x)
+        fig = {"label": label, "pearson_r": r, "p_value": float((np.sum(np.abs(perm) >= abs(r) - 1e-12) + 1)
+                                                                / (PERMUTATIONS + 1)),
+               "runs": len(used), "configurations": len({config_key(u) for u in used})}
+        by_cfg: dict = {}
+        for u, xi, yi in zip(used, x, y):
+            by_cfg.setdefault(config_key(u), []).append((xi, yi))
+        if len(by_cfg) >= MIN_CORRELATE_RUNS:
+            cx, cy = np.array([np.mean(v, axis=0) for v in by_cfg.values()]).T
+            if _varies(cx) and _varies(cy):
+                fig["pearson_r_config_means"] = _pearson(cx, cy)
+        out["figures"][key] = fig
     return out
 
 
-def error_drivers_text(d: dict) -> str:
-    """``error_drivers`` as one report line, strongest correlation first ('' without any)."""
+def error_correlates_text(d: dict) -> str:
+    """``error_correlates`` as one report line, strongest correlation first ('' without any)."""
     if not d.get("figures"):
         return ""
-    items = sorted(d["figures"].items(), key=lambda kv: -abs(kv[1]["pearson_r"]))
-    return (f"The simulator's replayed error against what the runs recorded of their state (Pearson r over the "
-            f"{'held-out' if d['split'] == 'heldout' else 'validated'} runs that record it; a pointer, not a cause: "
-            "runs of one configuration are not independent, and a figure can follow the arm): "
-            + "; ".join(f"{k} {v['pearson_r']:+.2f} ({v['runs']} runs, {v['configurations']} configurations)"
-                        for k, v in items) + ".")
+    items = sorted(d["figures"].values(), key=lambda v: -abs(v["pearson_r"]))
+
+    def one(v: dict) -> str:
+        cfg = v["configurations"]
+        means = (f", {v['pearson_r_config_means']:+.2f} over the configurations' means"
+                 if "pearson_r_config_means" in v else "")
+        pv = "p < 0.001" if v["p_value"] < 0.001 else f"p = {v['p_value']:.3f}"
+        return (f"{v['label']} {v['pearson_r']:+.2f} ({pv}; {v['runs']} runs, {cfg} "
+                f"configuration{'' if cfg == 1 else 's'}{means})")
+
+    which = ("held-out runs" if d["split"] == "heldout" else
+             "validated runs, fit runs included (fewer than " f"{d['min_runs']} held out)")
+    return (f"The simulator's replayed error against what the runs recorded of their state (Pearson r over the {which} "
+            "that record it, with a permutation p-value; a pointer, not a cause: runs of one configuration are not "
+            "independent, and a figure can follow the arm): " + "; ".join(one(v) for v in items) + ".")
 
 
 def run_jit_compiles(summary: dict) -> list[str] | None:
@@ -935,9 +974,9 @@ def render_markdown(rep: dict) -> str:
     hm = rep.get("host_monitor") or {}
     if hm.get("runs_with_monitor") or hm.get("runs_without_figures"):  # silent on runs from before it
         lines += ["", host_monitor_text(hm)]
-    drivers = error_drivers_text(rep.get("error_drivers") or {})
-    if drivers:
-        lines += ["", drivers]
+    correlates = error_correlates_text(rep.get("error_correlates") or {})
+    if correlates:
+        lines += ["", correlates]
     jit = rep.get("jit") or {}
     if jit.get("runs_recorded"):
         lines += ["", f"JIT compiles inside the measured window ({jit['runs_recorded']} of {jit['runs']} runs record "

@@ -623,34 +623,63 @@ def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
     assert "1 of 2 runs have no figures from it: no /proc." in text
 
 
-def test_error_drivers_correlate_the_error_with_what_runs_recorded():
-    """The simulator's error set against each recorded figure of the runs' state: reported with
-    enough runs that vary, over the held-out runs where there are enough of them."""
-    from calibration.validate import error_drivers, error_drivers_text, run_gpu_monitor
+def test_error_correlates_set_the_error_against_what_runs_recorded(tmp_path):
+    """The simulator's error set against each recorded figure of the runs' state: over the
+    held-out runs where there are enough, with a permutation p-value and the r over configuration
+    means; figures on too few runs, with too few distinct values, or not finite are left out."""
+    from calibration.validate import error_correlates, error_correlates_text, render_markdown, run_gpu_monitor
 
-    def row(i, busy, err, held=True, probe=None):
-        return {"run": f"r{i}", "heldout": held, "jobs": 8, "arm": {"policy": "overlap", "groups": 2, "sharing": "mps"},
+    def row(i, busy, err, held=True, probe=None, groups=2, measured=1000.0):
+        return {"run": f"r{i}", "heldout": held, "jobs": 8, "arm": {"policy": "overlap", "groups": groups,
+                                                                     "sharing": "mps"},
                 "controls": {}, "mb_tokens": 16384, "share_prompts": None,
                 "gpu_monitor": {"available": True, "busy_fraction": busy, "util_pct": 50.0},
                 "host_probe": {"cpu_loop_s": probe} if probe is not None else None,
-                "measured": {"steps_per_gpu_hour": 1000.0}, "replay": {"steps_per_gpu_hour": 1000.0 * (1 + err)}}
+                "measured": {"steps_per_gpu_hour": measured},
+                "replay": {"steps_per_gpu_hour": measured * (1 + err)}}
 
-    # The error falls as the busy share rises; utilisation is the same everywhere (no correlation to
-    # report); the host probe is on 4 runs only (too few).
-    rows = [row(i, b, e, probe=0.07 if i < 4 else None)
-            for i, (b, e) in enumerate([(0.4, 0.2), (0.5, 0.15), (0.6, 0.1), (0.7, 0.05), (0.8, 0.0), (0.9, -0.05)])]
-    d = error_drivers(rows)
+    # Held out: the error (simulated over measured, minus 1; measured varies) falls as the busy
+    # share rises, the host probe's loop time rises with it less tightly; utilisation is the same
+    # everywhere (left out). Two groups and three groups: two configurations. Not held out: two
+    # runs that contradict the held-out ones, which must not count.
+    spec = [(0.4, 0.20, 0.070), (0.5, 0.15, 0.072), (0.6, 0.10, 0.071), (0.7, 0.05, 0.075), (0.8, 0.0, 0.074),
+            (0.9, -0.05, 0.078)]
+    rows = [row(i, b, e, probe=p, groups=2 + i % 2, measured=800.0 + 100 * i) for i, (b, e, p) in enumerate(spec)]
+    rows += [row(10, 0.4, -0.3, held=False, probe=0.07), row(11, 0.9, 0.4, held=False, probe=0.09)]
+    rows.append(row(12, 0.5, 0.1, measured=0.0))  # no measured figure: unusable
+    d = error_correlates(rows)
     assert d["split"] == "heldout" and d["runs"] == 6
-    assert list(d["figures"]) == ["GPU busy share (samples over 50% utilisation)"]
-    assert d["figures"]["GPU busy share (samples over 50% utilisation)"]["pearson_r"] == pytest.approx(-1.0)
-    assert "GPU busy share (samples over 50% utilisation) -1.00 (6 runs, 1 configurations)" in error_drivers_text(d)
-    # Fewer than 5 held-out runs: every validated run counts.
+    assert list(d["figures"]) == ["gpu_busy_share", "probe_loop_s"]
+    busy = d["figures"]["gpu_busy_share"]
+    assert busy["pearson_r"] == pytest.approx(-1.0) and busy["runs"] == 6 and busy["configurations"] == 2
+    assert busy["p_value"] < 0.01 and "pearson_r_config_means" not in busy  # 2 configurations: too few
+    loop = d["figures"]["probe_loop_s"]
+    assert -1.0 < loop["pearson_r"] < -0.5 and loop["p_value"] > busy["p_value"]
+    text = error_correlates_text(d)
+    assert text.index("GPU busy share") < text.index("host probe loop s")  # strongest first
+    assert "GPU busy share (samples over 50% utilisation) -1.00 (p = 0.00" in text
+    assert "6 runs, 2 configurations" in text
+    rep = validate(_monitored_runs(tmp_path, "gpu_monitor", {1: None}), profile=DEFAULT_PROFILE)
+    assert rep["error_correlates"]["figures"] == {}  # one run, simulated on its own profile
+    assert text not in render_markdown(rep) and text in render_markdown(dict(rep, error_correlates=d))
+    # Fewer than 5 held-out runs: every usable validated run counts, and the line says so.
     mixed = [dict(r, heldout=i < 2) for i, r in enumerate(rows)]
-    assert error_drivers(mixed)["split"] == "all"
-    assert error_drivers(rows[:4])["figures"] == {} and error_drivers_text(error_drivers(rows[:4])) == ""
+    dm = error_correlates(mixed)
+    assert dm["split"] == "all" and dm["runs"] == len(mixed) - 1
+    assert "fit runs included" in error_correlates_text(dm)
+    # Too few runs, too few distinct values, a value that is not finite: nothing to report.
+    assert error_correlates(rows[:4])["figures"] == {} and error_correlates_text(error_correlates(rows[:4])) == ""
+    flat = [row(i, 0.1 if i % 2 else 0.3, 0.01 * i) for i in range(6)]
+    assert "gpu_busy_share" not in error_correlates(flat)["figures"]
+    nan = [row(i, float("nan") if i == 0 else 0.1 * i, 0.01 * i) for i in range(6)]
+    assert error_correlates(nan)["figures"]["gpu_busy_share"]["runs"] == 5
+    # Configuration means, where 5 or more configurations have the figure.
+    many = [row(i, 0.1 * (i % 6), 0.02 * (i % 6) + 0.001 * i, groups=2 + i % 6) for i in range(12)]
+    m = error_correlates(many)["figures"]["gpu_busy_share"]
+    assert m["configurations"] == 6 and m["pearson_r_config_means"] == pytest.approx(1.0, abs=1e-3)
     # The GPU monitor's busy share and utilisation per run, weighted by each GPU run's samples.
     g = lambda n, frac, util: {"samples": n, "busy": {"fraction": frac, "sm_clock_mhz": 1980.0},  # noqa: E731
                                "util_pct": {"mean": util}, "throttle": {}}
-    m = run_gpu_monitor({"diagnostics": [{"gpu_monitor": {"available": True, "gpus": {"0": g(30, 0.9, 70.0)}}},
-                                         {"gpu_monitor": {"available": True, "gpus": {"0": g(10, 0.5, 30.0)}}}]})
-    assert m["busy_fraction"] == pytest.approx(0.8) and m["util_pct"] == pytest.approx(60.0)
+    mon = run_gpu_monitor({"diagnostics": [{"gpu_monitor": {"available": True, "gpus": {"0": g(30, 0.9, 70.0)}}},
+                                           {"gpu_monitor": {"available": True, "gpus": {"0": g(10, 0.5, 30.0)}}}]})
+    assert mon["busy_fraction"] == pytest.approx(0.8) and mon["util_pct"] == pytest.approx(60.0)
