@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields, replace
 
 from nodus.config import JobSpec, RunConfig
 from nodus.gpumon import GpuMonitor
-from nodus.hostmon import HostMonitor
 from nodus.grpo import group_advantages
+from nodus.hostmon import HostMonitor
 from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
