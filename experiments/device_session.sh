@@ -21,6 +21,22 @@ save_cache() {
   fi
 }
 trap save_cache EXIT
+# The two monitors a real run keeps (nodus.gpumon, nodus.hostmon), each sampled for 1 s here so a
+# call shows at once whether they work on this machine (NVML found, the run's CPUs listed in
+# /proc/stat, a cgroup with throttling counters): written to $OUT/monitors.txt by the arms and
+# learn modes.
+monitor_check() {
+  python - > "$OUT/monitors.txt" 2>&1 <<'PY'
+import json, time
+from nodus.gpumon import GpuMonitor
+from nodus.hostmon import HostMonitor
+g, h = GpuMonitor(1).start(), HostMonitor(interval_s=0.2).start()
+time.sleep(1.0)
+print("gpu_monitor", json.dumps(g.stop()))
+print("host_monitor", json.dumps(h.stop()))
+PY
+  echo "monitors: $(grep -o '"available": [a-z]*' "$OUT/monitors.txt" | tr '\n' ' ')$(grep -o '"cpu_lines": "[a-z]*"' "$OUT/monitors.txt")"
+}
 # A Qwen3-0.6B-shaped model with saved random weights (engine and trainer load the same ones).
 random_model() {
   python -c "from pathlib import Path; from experiments.gpu_arms import make_random_model; make_random_model(Path('/tmp/nodus-qwen3-0.6b-random'), 'qwen3-0.6b')"
@@ -100,6 +116,7 @@ case "${1:-arms}" in
     echo "engine_profile rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/engine_profile.log" | tail -70 ;;
   arms)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+    monitor_check
     # A fresh folder per invocation: a warm machine keeps /tmp between calls. Never time two
     # invocations side by side, even on two GPUs of one host: the phases are host-bound in part,
     # and session 4's side-by-side runs measured half the throughput (results/h200/session4).
@@ -124,6 +141,7 @@ case "${1:-arms}" in
     # runs measure learning (eager engine and trainer, nothing to compile), and a primed run
     # would also evaluate every job.
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+    monitor_check
     D=$(mktemp -d /tmp/learn-XXXXXX)
     T=${TAG:-}
     timeout "${LEARN_TIMEOUT:-330}" python experiments/gpu_arms.py --out "$D/learn" --mode tasks \
