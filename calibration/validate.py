@@ -527,6 +527,7 @@ def run_gpu_monitor(summary: dict) -> dict | None:
         if max(fracs) > 0:
             throttle[reason] = float(max(fracs))
     stopped = "; ".join(sorted({str(m["stopped_early"]) for m in mons if m.get("stopped_early")}))
+
     def weighted(get):  # over every GPU's samples (a dedicated arm's jobs are one monitor each)
         pairs = [(get(g), g.get("samples") or 0) for g in gpus]
         pairs = [(v, w) for v, w in pairs if v is not None and w > 0]
@@ -776,11 +777,12 @@ def error_correlates(rows: list[dict]) -> dict:
     out = {"split": split, "runs": len(sel), "min_runs": MIN_CORRELATE_RUNS, "figures": {}}
     rng = np.random.default_rng(0)
     for key, (label, get) in RUN_STATE.items():
-        used = [r for r in sel if get(r) is not None and np.isfinite(float(get(r)))]
+        vals = [(r, get(r)) for r in sel]
+        used = [(r, float(v)) for r, v in vals if v is not None and np.isfinite(float(v))]
         if len(used) < MIN_CORRELATE_RUNS:
             continue
-        x = np.array([float(get(r)) for r in used])
-        y = np.array([r["replay"]["steps_per_gpu_hour"] / r["measured"]["steps_per_gpu_hour"] - 1 for r in used])
+        x = np.array([v for _, v in used])
+        y = np.array([r["replay"]["steps_per_gpu_hour"] / r["measured"]["steps_per_gpu_hour"] - 1 for r, _ in used])
         if not (_varies(x) and _varies(y)):
             continue
         r = _pearson(x, y)
@@ -788,12 +790,12 @@ def error_correlates(rows: list[dict]) -> dict:
         ys = rng.permuted(np.tile(y, (PERMUTATIONS, 1)), axis=1)
         zx = (x - x.mean()) / x.std()
         perm = ((ys - y.mean()) / y.std()) @ zx / len(x)
+        by_cfg: dict = {}
+        for (u, _), xi, yi in zip(used, x, y):
+            by_cfg.setdefault(config_key(u), []).append((xi, yi))
         fig = {"label": label, "pearson_r": r, "p_value": float((np.sum(np.abs(perm) >= abs(r) - 1e-12) + 1)
                                                                 / (PERMUTATIONS + 1)),
-               "runs": len(used), "configurations": len({config_key(u) for u in used})}
-        by_cfg: dict = {}
-        for u, xi, yi in zip(used, x, y):
-            by_cfg.setdefault(config_key(u), []).append((xi, yi))
+               "runs": len(used), "configurations": len(by_cfg)}
         if len(by_cfg) >= MIN_CORRELATE_RUNS:
             cx, cy = np.array([np.mean(v, axis=0) for v in by_cfg.values()]).T
             if _varies(cx) and _varies(cy):

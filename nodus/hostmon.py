@@ -48,13 +48,16 @@ def run_cpus() -> list[int] | None:
         return None
 
 
-def read_cpu_times(proc: Path, cpus: list[int] | None = None, strict: bool = False) -> dict[str, int]:
-    """/proc/stat's ticks per field, summed over the ``cpuN`` lines of ``cpus`` (every listed one
-    found), else the aggregate ``cpu`` line; ``strict``: a CPU of ``cpus`` missing raises instead."""
+def read_stat(proc: Path, cpus: list[int] | None = None, strict: bool = False) -> tuple[dict[str, int], int | None]:
+    """One read of /proc/stat: its ticks per field, summed over the ``cpuN`` lines of ``cpus``
+    (every listed one found), else the aggregate ``cpu`` line (``strict``: a CPU of ``cpus``
+    missing raises instead); and the run queue (``procs_running``, None where it is not given)."""
     want = {f"cpu{c}" for c in cpus} if cpus else None
-    total, agg, found = dict.fromkeys(STAT_FIELDS, 0), None, 0
+    total, agg, found, running = dict.fromkeys(STAT_FIELDS, 0), None, 0, None
     with open(proc / "stat") as f:
         for line in f:
+            if line.startswith("procs_running "):
+                running = int(line.split()[1])
             if not line.startswith("cpu"):
                 continue
             name, *fields = line.split()
@@ -67,20 +70,17 @@ def read_cpu_times(proc: Path, cpus: list[int] | None = None, strict: bool = Fal
                 for k, v in zip(STAT_FIELDS, vals):
                     total[k] += v
     if want is not None and found == len(want):
-        return total
+        return total, running
     if want is not None and strict:
         raise ValueError(f"{proc / 'stat'} lists {found} of the run's {len(want)} CPUs")
     if agg is None:
         raise ValueError(f"no aggregate cpu line in {proc / 'stat'}")
-    return agg
+    return agg, running
 
 
-def read_procs_running(proc: Path) -> int | None:
-    with open(proc / "stat") as f:
-        for line in f:
-            if line.startswith("procs_running "):
-                return int(line.split()[1])
-    return None
+def read_cpu_times(proc: Path, cpus: list[int] | None = None, strict: bool = False) -> dict[str, int]:
+    """``read_stat``'s ticks alone."""
+    return read_stat(proc, cpus, strict)[0]
 
 
 def read_cpu_mhz(proc: Path, cpus: list[int] | None = None) -> float | None:
@@ -243,8 +243,8 @@ class HostMonitor:
         return process_ticks(self.proc, pids), thread_ticks(self.proc, pids)
 
     def _sample(self) -> None:
-        row = (time.monotonic(), read_cpu_times(self.proc, self._cpus, strict=True), read_procs_running(self.proc),
-               read_cpu_mhz(self.proc, self._cpus))
+        times, running = read_stat(self.proc, self._cpus, strict=True)
+        row = (time.monotonic(), times, running, read_cpu_mhz(self.proc, self._cpus))
         with self._lock:
             self._samples.append(row)
 
