@@ -30,6 +30,7 @@ from nodus.lengths import prompt_tokens as prompt_tokens_of
 from nodus.outdir import host, host_probe
 from real.mps import MPSDaemon
 from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
+from real.stepstats import summarise_generations
 
 
 @dataclass(frozen=True)
@@ -499,6 +500,7 @@ class RealBackend:
         self.audit: list[dict] = []
         self.microbatches: list[int] = []  # micro-batches per train step, in order
         self.jit_compiles: list[dict] | None = []  # the engine's JIT compiles while serving (None: not seen)
+        self.generations: list[dict] = []  # each generation's engine steps and collections (real.stepstats)
         self._stack_of = {j.id: 0 for j in cfg.jobs}  # the stack whose engine has the newest version
         self._start: dict[str, int] = {}
         for s in range(cluster.n_stacks):
@@ -647,7 +649,11 @@ class RealBackend:
                 self.jit_compiles = None  # not seen (the engine core in a process of its own)
             else:
                 self.jit_compiles += [{"t_s": round(t - self.t0, 3), "kernel": k} for t, k in jit]
-            return self._generated(a, extra, msg[2], msg[3])
+            done = self._generated(a, extra, msg[2], msg[3])
+            if len(msg) > 5 and msg[5]:
+                self.generations.append({"action": tag, "stack": a.stack, "jobs": len(a.requests),
+                                         "seconds": round(done.end_s - done.start_s, 6), **msg[5]})
+            return done
         if kind == "trained":
             _, _, start, end, stats, agreement, n_mb, *state = msg
             self.microbatches.append(n_mb)
@@ -742,6 +748,11 @@ class RealBackend:
                 # clock); None where they are not seen (--engine-core-process: vLLM's core logs in
                 # its own process).
                 "engine_jit_compiles": None if self.jit_compiles is None else list(self.jit_compiles),
+                # Each generation's engine steps (count, summed and longest wall time), the time
+                # between them and the engine process's garbage collections, and their sums
+                # (real.stepstats): a slow generation's time in slower steps, pauses or collections.
+                "engine_steps": {"summary": summarise_generations(self.generations),
+                                 "generations": list(self.generations)},
                 # Which steps' rollouts carried the engine's logprobs (host work on every decode step).
                 "audit": {"logprobs": self.opts.audit_logprobs, "every": self.opts.audit_every,
                           "responses": self.opts.audit_responses}}

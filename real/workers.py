@@ -105,6 +105,10 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
     except Exception:  # noqa: BLE001 - the controller reports it
         outbox.put(("error", name, traceback.format_exc()))
         return
+    from real.stepstats import EngineStepStats, GcPauses
+
+    # Each generation's engine steps, the time between them and this process's collections.
+    steps = EngineStepStats(GcPauses().install())
     while True:
         try:
             cmd = inbox.get_nowait() if eng.has_unfinished() else inbox.get()
@@ -119,6 +123,7 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                     return
                 if kind == "gen":
                     eng.submit(cmd[1], cmd[2])
+                    steps.begin(cmd[1], time.perf_counter())
                 elif kind == "publish":
                     start = time.monotonic()
                     pinned = cmd[3] if len(cmd) > 3 else True
@@ -137,8 +142,11 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                     eng.forget(cmd[2])
                     outbox.put(("reset", cmd[1]))
                 continue
-            for tag, batches, ends in eng.step():
-                outbox.put(("generated", tag, batches, ends, eng.drain_jit_events()))
+            start = time.perf_counter()
+            done = eng.step()
+            steps.step(start, time.perf_counter())
+            for tag, batches, ends in done:
+                outbox.put(("generated", tag, batches, ends, eng.drain_jit_events(), steps.finish(tag)))
         except Exception:  # noqa: BLE001
             outbox.put(("error", name, traceback.format_exc()))
             return

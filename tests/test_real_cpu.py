@@ -115,6 +115,23 @@ def test_a_real_run_records_its_host_monitor(overlap_run):
     assert run_host_monitor(s)["run_cores"] == mon["run_cores"]
 
 
+def test_a_real_run_records_each_generations_engine_steps(overlap_run):
+    """real.stepstats through the engine worker: every measured generation, its steps inside its
+    wall time, the summary their sum."""
+    s = json.loads((overlap_run / "summary.json").read_text())
+    es = s["diagnostics"][0]["engine_steps"]
+    gens = es["generations"]
+    n_gen = sum(1 for line in (overlap_run / "spans.jsonl").read_text().splitlines()
+                if json.loads(line)["phase"] == "generate")
+    assert len({g["action"] for g in gens}) == len(gens) and sum(g["jobs"] for g in gens) == n_gen
+    for g in gens:
+        assert g["steps"] >= 2 and 0 < g["step_max_s"] <= g["step_s"]
+        assert g["step_s"] + g["between_s"] <= g["seconds"] + 0.05
+        assert g["gc_collections"] >= 0 and g["gc_s"] >= 0
+    assert es["summary"]["generations"] == len(gens) and es["summary"]["steps"] == sum(g["steps"] for g in gens)
+    assert 0 < es["summary"]["step_share"] <= 1.01
+
+
 def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsys):
     """--engine-arg NAME=VALUE: recorded with the run (the fixture's run passed max_logprobs=5 to
     vLLM and ran); a name vLLM does not take fails the run naming it; one nodus sets is refused
