@@ -720,7 +720,9 @@ def host_monitor_text(flags: dict) -> str:
             f"or a core clock more than {t['cpu_mhz_low']:.0%} under the median")
     one = flags.get("one_thread") or []
     tail = (f" A thread of the run on {t['one_thread_core_frac']:.0%} of a core or more (its own host work paces "
-            "it): " + "; ".join(f"{Path(o['run']).name} ({o['name']}, {o['core_frac']:.0%})" for o in one) + "."
+            "it): " + "; ".join(f"{Path(o['run']).name} ({o['name']}"
+                                + (f" of {o['process']}" if o.get("process") else "")  # older runs lack it
+                                + f", {o['core_frac']:.0%})" for o in one) + "."
             if one else "")
     unread = flags.get("cgroup_unread") or []
     tail += (" Throttling unknown (a cgroup unread): " + "; ".join(f"{Path(u['run']).name} ({u['why']})"

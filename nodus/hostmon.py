@@ -38,6 +38,8 @@ import numpy as np
 
 # /proc/stat's aggregate cpu line, in order (USER_HZ ticks); guest time is already in user.
 STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+DESCRIPTION_CHARS = 120  # a process's description (comm and command line) is cut to this length
+TOP_PROCESSES = 5  # the run's processes the summary lists, the most cores first
 
 
 def run_cpus() -> list[int] | None:
@@ -144,6 +146,31 @@ def process_ticks(proc: Path, pids: list[int]) -> dict[int, int]:
     return out
 
 
+def describe_process(proc: Path, pid: int) -> str | None:
+    """Which process ``pid`` is, in at most ``DESCRIPTION_CHARS`` characters: its name (comm) and
+    its command line's arguments joined by spaces (``"VLLM::EngineCore: python -c ..."``; the name
+    alone where the command line is empty, as for a kernel thread or a zombie); None where the
+    process cannot be read (it exited)."""
+    try:
+        comm = parse_stat((proc / str(pid) / "stat").read_text())[0]
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return None
+    args = " ".join(a for a in raw.decode(errors="replace").split("\0") if a)
+    text = f"{comm}: {args}" if args else comm
+    return text if len(text) <= DESCRIPTION_CHARS else text[:DESCRIPTION_CHARS - 3] + "..."
+
+
+def describe_processes(proc: Path, pids: list[int]) -> dict[int, str]:
+    """``describe_process`` of each of ``pids`` that can be read."""
+    out = {}
+    for pid in pids:
+        text = describe_process(proc, pid)
+        if text is not None:
+            out[pid] = text
+    return out
+
+
 def thread_ticks(proc: Path, pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
     """Per (pid, tid) of the processes ``pids``: the thread's name and its CPU ticks so far."""
     out = {}
@@ -216,8 +243,9 @@ class HostMonitor:
     run's CPUs' times, the run queue and the cores' clock (a few small /proc reads, well under
     1 ms). The run's process tree (the calling process and its descendants), its threads and its
     cgroups' throttling counters are read at the start and the stop only: their CPU time over the
-    window, the busiest thread's share of one core. A process of the tree that exits inside the
-    window is not counted."""
+    window, the busiest thread's share of one core, and which process each is (its name and command
+    line, read at the stop, else at the start). A process of the tree that exits inside the window
+    is not counted."""
 
     def __init__(self, interval_s: float = 0.5, root_pid: int | None = None, proc: str = "/proc",
                  sys_cgroup: str = "/sys/fs/cgroup", cpus: list[int] | None = None):
@@ -238,9 +266,10 @@ class HostMonitor:
         self._stopped: str | None = None
         self._result: dict | None = None
 
-    def _tree(self) -> tuple[dict, dict]:
+    def _tree(self) -> tuple[dict, dict, dict]:
+        """The tree's per-process ticks, per-thread names and ticks, and process descriptions."""
         pids = process_tree(self.proc, self.root_pid)
-        return process_ticks(self.proc, pids), thread_ticks(self.proc, pids)
+        return process_ticks(self.proc, pids), thread_ticks(self.proc, pids), describe_processes(self.proc, pids)
 
     def _sample(self) -> None:
         times, running = read_stat(self.proc, self._cpus, strict=True)
@@ -292,7 +321,8 @@ class HostMonitor:
         ``cores_busy`` (everything on those CPUs), ``run_cores`` (the run's process tree),
         ``other_cores`` (the difference), ``steal_cores``, each in cores over the window;
         ``steal_frac`` (of the time the CPUs wanted: busy + stolen) and ``iowait_frac`` (of all
-        their time); the busiest thread (name, share of one core); the run queue (mean, max); the
+        their time); the busiest thread (name, share of one core, pid, tid, its process) and the
+        run's processes using the most cores (``summarise``); the run queue (mean, max); the
         clock (mean, min MHz); the quota throttling of the cgroup, of the run's and its ancestors',
         throttled in the largest share of its periods (its cpu.stat path, periods, throttled
         periods, their share, seconds); ``cgroup_error`` where a cgroup could not be read, and
@@ -323,8 +353,10 @@ class HostMonitor:
         with self._lock:
             samples = list(self._samples)
         cpus = len(self._cpus) if self._cpus else (os.cpu_count() or 1)
-        self._result = summarise(samples, self._tree0, ends.get("tree"), cg,
-                                 os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, cpus)
+        tree1 = ends.get("tree")
+        described = {**self._tree0[2], **(tree1[2] if tree1 else {})}  # the end's where the process still lives
+        self._result = summarise(samples, self._tree0[:2], tree1[:2] if tree1 else None, cg,
+                                 os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, cpus, described)
         self._result["cpu_lines"] = "affinity" if self._cpus else "aggregate"
         self._result["interval_s"] = self.interval_s
         if self._cg_error:
@@ -335,11 +367,21 @@ class HostMonitor:
 
 
 def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict, dict] | None,
-              cgroups: list[tuple[dict, dict, str]] | None, hz: int, cpus: int) -> dict:
+              cgroups: list[tuple[dict, dict, str]] | None, hz: int, cpus: int,
+              described: dict[int, str] | None = None) -> dict:
     """The summary `HostMonitor.stop` returns, from its samples and its start and end reads (each
     tree read: per-process ticks, per-thread names and ticks; per cgroup of the run and its
     ancestors, leaf first, its counters at the start and the end and its cpu.stat path: the one
-    throttled in the largest share of its periods is reported, the leaf on a tie)."""
+    throttled in the largest share of its periods is reported, the leaf on a tie) and
+    ``described``, pid -> its process's description (``describe_process``).
+
+    The run's processes and threads are those of the end's read; one not in the start's counts its
+    ticks from 0 (it started inside the window), one gone by the end is not counted. From them:
+    ``busiest_thread`` (name, share of one core, pid, tid, and ``process`` where described), and
+    ``processes``, the ``TOP_PROCESSES`` using the most cores: each one's pid, ``process`` (where
+    described), cores (its ticks, its exited threads' included), its living threads on half a core
+    or more (``threads_over_half_core``) and its busiest one's share of a core
+    (``busiest_thread_core_frac``, left out where none of its threads was read)."""
     (ta, ca, _, _), (tb, cb, _, _) = samples[0], samples[-1]
     seconds = tb - ta
     total = sum(cb.values()) - sum(ca.values())
@@ -359,9 +401,24 @@ def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict,
         out["run_cores"] = sum(t - procs0.get(pid, 0) for pid, t in procs1.items()) / hz / seconds
         out["run_processes"] = len(procs1)
         out["other_cores"] = max(0.0, out["cores_busy"] - out["run_cores"])
-        hot = max(((t - threads0.get(k, (None, 0))[1], name) for k, (name, t) in threads1.items()), default=None)
+        described = described or {}
+        frac = {k: (t - threads0.get(k, (None, 0))[1]) / hz / seconds for k, (_, t) in threads1.items()}
+        # Ties go to the greater name, then the first read.
+        hot = max(frac, key=lambda k: (frac[k], threads1[k][0]), default=None)
         if hot is not None:
-            out["busiest_thread"] = {"name": hot[1], "core_frac": hot[0] / hz / seconds}
+            out["busiest_thread"] = {"name": threads1[hot][0], "core_frac": frac[hot], "pid": hot[0], "tid": hot[1],
+                                     **({"process": described[hot[0]]} if hot[0] in described else {})}
+        by_pid: dict[int, list[float]] = {}
+        for (pid, _), f in frac.items():
+            by_pid.setdefault(pid, []).append(f)
+        rows = []
+        for pid, t in procs1.items():
+            mine = by_pid.get(pid, [])
+            rows.append({"pid": pid, **({"process": described[pid]} if pid in described else {}),
+                         "cores": (t - procs0.get(pid, 0)) / hz / seconds,
+                         "threads_over_half_core": sum(f >= 0.5 for f in mine),
+                         **({"busiest_thread_core_frac": max(mine)} if mine else {})})
+        out["processes"] = sorted(rows, key=lambda r: -r["cores"])[:TOP_PROCESSES]
     running = [s[2] for s in samples if s[2] is not None]
     if running:
         out["run_queue"] = {"mean": float(np.mean(running)), "max": int(max(running))}

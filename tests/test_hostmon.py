@@ -2,14 +2,15 @@
 figures, this machine's own /proc while a thread burns CPU, and that it never raises."""
 
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from nodus.hostmon import (HostMonitor, cgroup_cpu_stat_paths, parse_stat, process_tree, read_cgroup_cpu,
-                           read_cpu_times, summarise)
+from nodus.hostmon import (HostMonitor, cgroup_cpu_stat_paths, describe_process, parse_stat, process_tree,
+                           read_cgroup_cpu, read_cpu_times, summarise)
 
 
 def stat_line(pid: int, comm: str, ppid: int, ticks: int) -> str:
@@ -22,16 +23,17 @@ def stat_line(pid: int, comm: str, ppid: int, ticks: int) -> str:
 
 def fake_proc(root: Path, cpu=(100, 0, 50, 800, 10, 0, 0, 40), procs=None, cgroup="0::/job\n", mhz=(2000, 1800)):
     """A /proc with an aggregate cpu line, a run queue, two cores' clocks, and ``procs``: pid ->
-    (comm, ppid, {tid: (thread comm, ticks)})."""
+    (comm, ppid, {tid: (thread comm, ticks)}[, cmdline bytes, empty where not given])."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "stat").write_text("cpu  " + " ".join(map(str, cpu)) + "\ncpu0 1 2 3 4 5 6 7 8\n"
                                "cpu1 10 20 30 40 50 60 70 80\nprocs_running 3\n")
     (root / "cpuinfo").write_text("".join(f"processor\t: {i}\ncpu MHz\t\t: {m}\n" for i, m in enumerate(mhz)))
     (root / "self").mkdir(exist_ok=True)
     (root / "self" / "cgroup").write_text(cgroup)
-    for pid, (comm, ppid, threads) in (procs or {}).items():
+    for pid, (comm, ppid, threads, *cmdline) in (procs or {}).items():
         d = root / str(pid)
         (d / "task").mkdir(parents=True, exist_ok=True)
+        (d / "cmdline").write_bytes(cmdline[0] if cmdline else b"")
         (d / "stat").write_text(stat_line(pid, comm, ppid, sum(t for _, t in threads.values())))
         for tid, (tcomm, t) in threads.items():
             (d / "task" / str(tid)).mkdir(exist_ok=True)
@@ -110,7 +112,7 @@ def test_summary_figures_from_known_reads():
     assert s["iowait_frac"] == pytest.approx(20 / 1900)
     assert s["run_cores"] == pytest.approx((50 + 400 + 50) / 100 / 2) and s["run_processes"] == 3
     assert s["other_cores"] == pytest.approx(4.0 - 2.5)
-    assert s["busiest_thread"] == {"name": "engine", "core_frac": pytest.approx(1.5)}
+    assert s["busiest_thread"] == {"name": "engine", "core_frac": pytest.approx(1.5), "pid": 2, "tid": 2}
     assert s["run_queue"] == {"mean": 4.0, "max": 6} and s["cpu_mhz"] == {"mean": 1900.0, "min": 1800.0}
     # The cgroup throttled in the largest share of its periods, of the run's and its ancestors':
     # here the leaf (25% against the parent's 10%, though the parent lost more seconds) ...
@@ -128,6 +130,90 @@ def test_summary_figures_from_known_reads():
     # Without the end's tree or cgroup reads: the host-wide figures only.
     bare = summarise(samples, tree0, None, None, hz=100, cpus=16)
     assert "run_cores" not in bare and "cgroup" not in bare and bare["cores_busy"] == s["cores_busy"]
+
+
+def test_a_process_is_described_by_its_name_and_command_line_cut_to_120_characters(tmp_path):
+    proc = fake_proc(tmp_path / "proc", procs={
+        10: ("pt_main_thread", 1, {10: ("pt_main_thread", 1)}, b"python\0-m\0nodus.real\0--gpu\0\0" + b"0\0"),
+        11: ("kworker/0:1", 1, {11: ("kworker/0:1", 1)}),  # an empty command line: the name alone
+        12: ("VLLM::EngineCore", 10, {12: ("python", 1)}, b"python\0-c\0" + b"x" * 200 + b"\0"),
+        13: ("a (b)", 10, {13: ("a (b)", 1)}, b"sh\0-c\0" + b"y" * 107 + b"\0")})  # 120 exactly
+    assert describe_process(proc, 10) == "pt_main_thread: python -m nodus.real --gpu 0"
+    assert describe_process(proc, 11) == "kworker/0:1"
+    long = describe_process(proc, 12)
+    assert len(long) == 120 and long == ("VLLM::EngineCore: python -c " + "x" * 200)[:117] + "..."
+    assert describe_process(proc, 13) == "a (b): sh -c " + "y" * 107 and len(describe_process(proc, 13)) == 120
+    assert describe_process(proc, 99) is None  # exited: no description, no exception
+    (proc / "10" / "cmdline").unlink()
+    assert describe_process(proc, 10) is None
+
+
+def test_the_busiest_thread_and_the_runs_top_processes_say_which_process_they_are():
+    """Two seconds, 100 ticks a second: 200 ticks are one core."""
+    a = dict.fromkeys(("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"), 0)
+    samples = [(0.0, a, 1, None), (2.0, dict(a, user=1600, idle=1600), 1, None)]
+    procs0 = {10: 100, 11: 50, 12: 1000, 13: 0, 14: 0, 15: 5, 17: 400}
+    threads0 = {(10, 10): ("python", 100), (11, 11): ("pt_main", 0), (11, 12): ("loader", 0), (11, 13): ("t", 0),
+                (11, 14): ("done", 50), (12, 12): ("python", 700), (12, 20): ("python", 300),
+                (17, 17): ("gone", 400)}
+    # 17 exits inside the window; 16 starts inside it (its ticks from 0); 11's thread 14 exits (its
+    # ticks stay in 11's); 13's threads were not read at the end.
+    procs1 = {10: 200, 11: 550, 12: 1300, 13: 20, 14: 10, 15: 5, 16: 60}
+    threads1 = {(10, 10): ("python", 180), (10, 11): ("new", 20), (11, 11): ("pt_main", 180),
+                (11, 12): ("loader", 100), (11, 13): ("t", 99), (12, 12): ("python", 883),
+                (12, 20): ("python", 417), (14, 14): ("w", 10), (15, 15): ("w", 5), (16, 16): ("late", 60)}
+    described = {10: "python: python -m nodus.cli run", 11: "trainer: python -m nodus.real.trainer",
+                 12: "VLLM::EngineCore: python -c from multiprocessing.spawn import spawn_main", 17: "gone: x"}
+    s = summarise(samples, (procs0, threads0), (procs1, threads1), None, hz=100, cpus=8, described=described)
+    assert s["busiest_thread"] == {"name": "python", "core_frac": pytest.approx(0.915), "pid": 12, "tid": 12,
+                                   "process": described[12]}
+    assert s["run_processes"] == 7 and s["run_cores"] == pytest.approx(
+        sum(v - procs0.get(k, 0) for k, v in procs1.items()) / 200)  # the existing figures stand
+    top = s["processes"]
+    assert [p["pid"] for p in top] == [11, 12, 10, 16, 13]  # the 5 with the most cores; 17 exited
+    assert top[0] == {"pid": 11, "process": described[11], "cores": pytest.approx(2.5), "threads_over_half_core": 2,
+                      "busiest_thread_core_frac": pytest.approx(0.9)}  # 0.9 and exactly 0.5; not 0.495
+    assert top[1] == {"pid": 12, "process": described[12], "cores": pytest.approx(1.5), "threads_over_half_core": 2,
+                      "busiest_thread_core_frac": pytest.approx(0.915)}
+    assert top[2] == {"pid": 10, "process": described[10], "cores": pytest.approx(0.5), "threads_over_half_core": 0,
+                      "busiest_thread_core_frac": pytest.approx(0.4)}
+    assert top[3] == {"pid": 16, "cores": pytest.approx(0.3), "threads_over_half_core": 0,  # not described
+                      "busiest_thread_core_frac": pytest.approx(0.3)}
+    assert top[4] == {"pid": 13, "cores": pytest.approx(0.1), "threads_over_half_core": 0}  # no thread read
+    # Without descriptions (an older caller): the same figures, no process text.
+    bare = summarise(samples, (procs0, threads0), (procs1, threads1), None, hz=100, cpus=8)
+    assert bare["busiest_thread"] == {"name": "python", "core_frac": pytest.approx(0.915), "pid": 12, "tid": 12}
+    assert [p["pid"] for p in bare["processes"]] == [11, 12, 10, 16, 13]
+    assert all("process" not in p for p in bare["processes"])
+    assert "processes" not in summarise(samples, (procs0, threads0), None, None, hz=100, cpus=8)
+
+
+def test_the_monitor_describes_processes_at_the_end_else_the_start_and_drops_one_that_exits(tmp_path):
+    root = tmp_path / "proc"
+    fake_proc(root, procs={10: ("python", 1, {10: ("python", 5)}, b"python\0run.py\0"),
+                           11: ("trainer", 10, {11: ("trainer", 0), 12: ("loader", 0)}, b"python\0-m\0train\0"),
+                           12: ("worker", 10, {13: ("worker", 0)}, b"python\0worker.py\0")})
+    m = HostMonitor(interval_s=3600, root_pid=10, proc=str(root), sys_cgroup=str(tmp_path / "none"), cpus=[]).start()
+    # Inside the window: the root renames itself (the end's text wins), the trainer's command line
+    # becomes unreadable (the start's stands), the worker exits, a new process starts.
+    shutil.rmtree(root / "12")
+    fake_proc(root, cpu=(1100, 0, 50, 1800, 10, 0, 0, 40), procs={
+        10: ("python", 1, {10: ("python", 25)}, b"nodus-controller\0"),
+        11: ("trainer", 10, {11: ("trainer", 300), 12: ("loader", 100)}),
+        14: ("engine", 10, {14: ("engine", 200)}, b"python\0-m\0engine\0")})
+    (root / "11" / "cmdline").unlink()
+    s = m.stop()
+    assert s["available"] and "stopped_early" not in s and s["run_processes"] == 3
+    assert s["busiest_thread"]["pid"] == 11 and s["busiest_thread"]["tid"] == 11
+    assert s["busiest_thread"]["name"] == "trainer" and s["busiest_thread"]["process"] == "trainer: python -m train"
+    top = s["processes"]
+    assert [p["pid"] for p in top] == [11, 14, 10]  # 12 exited: not listed
+    assert [p.get("process") for p in top] == ["trainer: python -m train", "engine: python -m engine",
+                                               "python: nodus-controller"]
+    ticks = [round(p["cores"] * s["seconds"] * os.sysconf("SC_CLK_TCK")) for p in top]
+    assert ticks == [400, 200, 20]  # 14 from 0: it started inside the window
+    assert top[0]["busiest_thread_core_frac"] == pytest.approx(s["busiest_thread"]["core_frac"])
+    assert top[0]["threads_over_half_core"] == 2  # a window of milliseconds: every busy thread is over
 
 
 def test_the_monitor_on_a_scripted_proc_and_without_one(tmp_path):
@@ -193,6 +279,42 @@ def test_on_this_machine_a_busy_thread_shows_in_the_runs_cores():
         time.sleep(0.05)
     assert not m._thread.is_alive()
     assert read_cpu_times(Path("/proc"))["idle"] > 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux /proc")
+def test_on_this_machine_the_busiest_thread_is_the_burning_one_of_this_process():
+    """A thread of this process burns 0.6 s of CPU and is still alive at the stop: it is the busiest
+    thread, by its tid, and this process, by its command line, uses the most cores."""
+    burned, release, tid = threading.Event(), threading.Event(), []
+
+    def burn():
+        tid.append(threading.get_native_id())
+        t = time.thread_time()
+        while time.thread_time() - t < 0.6:
+            pass
+        burned.set()
+        release.wait(30)
+
+    m = HostMonitor(interval_s=0.05).start()
+    th = threading.Thread(target=burn)
+    th.start()
+    try:
+        assert burned.wait(60)
+        s = m.stop()
+    finally:
+        release.set()
+        th.join()
+    comm = Path("/proc/self/comm").read_text().strip()
+    args = " ".join(a for a in Path("/proc/self/cmdline").read_bytes().decode(errors="replace").split("\0") if a)
+    want = f"{comm}: {args}"
+    want = want if len(want) <= 120 else want[:117] + "..."
+    hot = s["busiest_thread"]
+    assert hot["tid"] == tid[0] != os.getpid() and hot["pid"] == os.getpid() and hot["process"] == want
+    assert hot["core_frac"] * s["seconds"] >= 0.4  # most of the burned 0.6 CPU-seconds
+    top = s["processes"][0]
+    assert top["pid"] == os.getpid() and top["process"] == want
+    assert top["busiest_thread_core_frac"] == hot["core_frac"] and top["cores"] >= hot["core_frac"]
+    assert top["threads_over_half_core"] >= (hot["core_frac"] >= 0.5)
 
 
 def test_the_runs_cpus_are_read_where_proc_stat_lists_them_else_the_whole_host(tmp_path):
