@@ -24,7 +24,8 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="run seed (default 1)")
     p.add_argument("--share-prompts", type=int, metavar="K",
                    help="trainer.share_prompts: each prompt's responses trained K to a row, the prompt once "
-                        "(the graphed trainer: --trainer-graphs on the real backend, a graphed profile in the sim)")
+                        "(the graphed trainer: --trainer-graphs on the real backend, a graphed profile in the sim); "
+                        "default: the config's, else 4 with the graphed trainer and 0 (a row per response) without")
     p.add_argument("--out", help="write config, summary, timeline and plots into this new folder")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -67,6 +68,29 @@ def what_if_factors(items: list[str]) -> dict[str, float]:
     return out
 
 
+def profile_graphed(profile: str) -> bool:
+    """Whether a profile's train terms describe the graphed trainer (train.step_mode); False for one
+    that cannot be loaded (the simulation then names that error)."""
+    from sim.profile import load_profile
+
+    try:
+        return load_profile(profile).profile.train.step_mode == "graphed"
+    except Exception:  # noqa: BLE001 - reported by simulate
+        return False
+
+
+def default_packing(cfg, graphed: bool):
+    """``nodus.config.with_default_packing``, saying on stderr when it packs the rows."""
+    from nodus.config import AUTO_SHARE_PROMPTS, with_default_packing
+
+    out = with_default_packing(cfg, graphed)
+    if out is not cfg:
+        print(f"nodus: trainer.share_prompts={AUTO_SHARE_PROMPTS}, the graphed trainer's default (each prompt's "
+              f"responses {AUTO_SHARE_PROMPTS} to a row, the prompt once; --share-prompts 0: a row per response)",
+              file=sys.stderr)
+    return out
+
+
 def cmd_sim(a: argparse.Namespace) -> int:
     from nodus.simulate import config_from_args, render_table, simulate
 
@@ -83,6 +107,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=profile,
                            share_prompts=a.share_prompts)
+    cfg = default_packing(cfg, profile_graphed(cfg.profile))
     summary = simulate(cfg, a.out)
     if a.what_if and a.out:
         shutil.copy(profile, Path(a.out) / "what_if_profile.json")
@@ -115,6 +140,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts)
+    cfg = default_packing(cfg, a.trainer_graphs if a.backend == "real" else profile_graphed(cfg.profile))
     opts = None
     if a.backend == "real":
         from real.backend import RealOptions
@@ -332,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="all", help="comma list of " + ",".join(POLICIES) + " or all")
     p.add_argument("--sharing", default="none,mps")
     p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--share-prompts", default="0", metavar="K,...",
-                   help="trainer.share_prompts values to sweep (0: plain rows; K > 1 needs a graphed profile); "
+    p.add_argument("--share-prompts", default=None, metavar="K,...",
+                   help="trainer.share_prompts values to sweep (0: plain rows; K > 1 needs a graphed profile; "
+                        "default: 4 on a graphed profile, 0 on an eager one); "
                         "each value's ratios are over its own dedicated arm")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", default=DEFAULT_PROFILE)
@@ -384,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "start-up (default: on a GPU, where it measured 1.44x on the H200; off on a CPU)")
     p.add_argument("--trainer-graphs", action=argparse.BooleanOptionalAction, default=False,
                    help="each trainer micro-batch as one CUDA graph replay (fixed shapes: rows padded to a few "
-                        "bucket widths, captured in the warm-up; masked layout; a GPU). Off: the eager step")
+                        "bucket widths, captured in the warm-up; masked layout; a GPU); it also packs each prompt's "
+                        "responses 4 to a row unless the config or --share-prompts says otherwise. Off: the eager step")
     p.add_argument("--lora-layout", default="masked", choices=("padded", "masked", "auto"),
                    help="trainer's multi-adapter path (same update; masked measured 1.21x padded on the H200)")
     p.add_argument("--unseeded", action="store_true",

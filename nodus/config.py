@@ -207,6 +207,18 @@ class TrainerSpec(_Model):
     share_prompts: int = Field(default=0, ge=0)
 
 
+# trainer.share_prompts that `nodus run` and `nodus sim` use where neither the config nor
+# --share-prompts sets it and the trainer is the graphed one (--trainer-graphs on the real backend,
+# a graphed profile in the simulator; `with_default_packing`): each prompt's responses 4 to a row.
+# On the H200 with the Qwen3-0.6B shape the packed step alone ran 1.2-1.3x faster (sessions 18, 20);
+# 16 jobs in 2 groups under overlap + MPS gained 4.8% (session 20) and 8.5% / 9.5% (session 24), 8
+# jobs in 2 groups 0.8% (session 20). Learning stayed within the gate: overlap + MPS with K = 4
+# against dedicated jobs with plain rows, seeds 1-3 pooled (sessions 15/18/20/27, tiny base, 8 jobs x
+# 20 steps), accuracy +0.012 [-0.010, +0.035], reward +0.006 [-0.016, +0.026]
+# (experiments/results/h200/session27/learning/). The eager trainer cannot pack: 0 there.
+AUTO_SHARE_PROMPTS = 4
+
+
 # The shipped profile a simulation uses unless told: the H200 profile with the smallest held-out
 # error against real runs (fitted on one day's 1-4-job runs on a 16-core Xeon H200 host,
 # validated on that day's 8- and 16-job runs: calibration/reports/validation-h200.md).
@@ -316,3 +328,13 @@ def load_config(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top, got {type(data).__name__}")
     return data
+
+
+def with_default_packing(cfg: RunConfig, graphed: bool) -> RunConfig:
+    """``cfg`` with trainer.share_prompts = ``AUTO_SHARE_PROMPTS`` where the config leaves the field
+    unset and the trainer is the graphed one (``graphed``); otherwise ``cfg`` as it is. A config or
+    --share-prompts that sets it, 0 included, is kept. (The packing a run trains then also caps it
+    at the responses a job samples per prompt: ``RunConfig.trainer_packing``.)"""
+    if not graphed or "share_prompts" in cfg.trainer.model_fields_set:
+        return cfg
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"share_prompts": AUTO_SHARE_PROMPTS})})

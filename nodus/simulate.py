@@ -13,8 +13,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from nodus.config import (DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config, default_jobs,
-                          packed_rows, size_engine_graphs)
+from nodus.config import (AUTO_SHARE_PROMPTS, DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config,
+                          default_jobs, packed_rows, size_engine_graphs)
 from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import run_arm, run_spans, size_engine_slots
 from nodus.accounting import summarize
@@ -201,11 +201,12 @@ def _parse_list(text: str, cast, name: str, choices=None) -> list:
 
 def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", sharing: str = "none,mps",
           seeds: str = "1,2,3", steps: int = 20, profile: str = DEFAULT_PROFILE, workers: int | None = None,
-          out: str | Path | None = None, progress: bool = True, share_prompts: str = "0") -> dict:
+          out: str | Path | None = None, progress: bool = True, share_prompts: str | None = None) -> dict:
     """Every arm for every job count, seed and ``share_prompts`` (the trainer's responses a packed
-    row, ``trainer.share_prompts``; 0: plain rows); ratios are against the dedicated arm of the same
-    job count, seed and trainer setting (the job alone trains the same way). Writes sweep.csv,
-    sweep.json and sweep.png into `out`."""
+    row, ``trainer.share_prompts``; 0: plain rows; None: ``AUTO_SHARE_PROMPTS`` on a graphed profile,
+    0 on an eager one, as ``nodus sim``); ratios are against the dedicated arm of the same job count,
+    seed and trainer setting (the job alone trains the same way). Writes sweep.csv, sweep.json and
+    sweep.png into `out`."""
     job_list = _parse_list(jobs, int, "jobs")
     if min(job_list) < 1:
         raise ConfigError(f"--jobs {jobs}: every job count must be >= 1")
@@ -215,13 +216,15 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
         pol = ["dedicated"] + pol  # ratios need the baseline
     shr = list(SHARINGS) if sharing == "all" else _parse_list(sharing, str, "sharing", SHARINGS)
     seed_list = _parse_list(seeds, int, "seeds")
+    from sim.profile import load_profile
+
+    cost = load_profile(profile)  # fails fast on a bad profile, before forking workers
+    if share_prompts is None:
+        share_prompts = str(AUTO_SHARE_PROMPTS if cost.profile.train.step_mode == "graphed" else 0)
     share_list = _parse_list(share_prompts, int, "share-prompts")
     if min(share_list) < 0:
         raise ConfigError(f"--share-prompts {share_prompts}: responses a row holds, integers >= 0 (0: none)")
     share_list = sorted({packed_rows(k) for k in share_list})
-    from sim.profile import load_profile
-
-    cost = load_profile(profile)  # fails fast on a bad profile, before forking workers
     validation = cost.validation()
     if max(share_list) > 1 and cost.profile.train.step_mode == "eager":
         raise ConfigError(f"--share-prompts {share_prompts}: packed rows run on the graphed trainer only, and profile "

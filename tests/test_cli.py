@@ -55,12 +55,17 @@ def test_sim_share_prompts_on_a_graphed_profile_and_its_errors(capsys):
     from nodus.config import DEFAULT_PROFILES
 
     graphed = ["--jobs", "4", "--steps", "2", "--json", "--profile", DEFAULT_PROFILES["graphed"]]
-    assert main(["sim", *graphed]) == 0
+    assert main(["sim", *graphed, "--share-prompts", "0"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(["sim", *graphed, "--share-prompts", "4"]) == 0
     packed = json.loads(capsys.readouterr().out)
     assert packed["steps_per_gpu_hour"] > plain["steps_per_gpu_hour"]
     assert any("trainer.share_prompts=4" in f for f in packed["outside_profile"])
+    # Unset, a graphed profile packs 4 to a row (the graphed trainer's default) and says so.
+    assert main(["sim", *graphed]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["steps_per_gpu_hour"] == packed["steps_per_gpu_hour"]
+    assert "trainer.share_prompts=4, the graphed trainer's default" in out.err
     assert main(["sim", "--jobs", "2", "--share-prompts", "4"]) == 2  # the default profile: the eager trainer's
     assert "runs on the graphed trainer only" in capsys.readouterr().err
     assert main(["sim", "--jobs", "2", "--share-prompts", "-1"]) == 2
@@ -178,3 +183,38 @@ def test_calibrate_sharing_from_a_log_without_model_or_gpu_and_its_errors(tmp_pa
     assert main(["calibrate-sharing", "--from-raw", str(tmp_path / "bad.json")] + q) == 2
     assert "bad.json': not valid JSON" in capsys.readouterr().err
     assert not (tmp_path / "q.json").exists()
+
+
+def test_packing_default_follows_the_trainer_and_yields_to_the_config(tmp_path, capsys, monkeypatch):
+    """Unset trainer.share_prompts: 4 with the graphed trainer (a graphed profile in the sim,
+    --trainer-graphs on the real backend), 0 without; a config's or --share-prompts' value, 0
+    included, is kept."""
+    import nodus.realrun
+    from nodus.config import AUTO_SHARE_PROMPTS, DEFAULT_PROFILES
+
+    seen = []
+    monkeypatch.setattr(nodus.realrun, "run", lambda cfg, **kw: seen.append(cfg) or {})
+    cfg0 = tmp_path / "plain.yaml"
+    cfg0.write_text("trainer:\n  share_prompts: 0\n")
+    base = ["run", "--backend", "real", "--jobs", "2", "--json"]
+    for argv, want, defaulted in ((base, 0, False), ([*base, "--trainer-graphs"], AUTO_SHARE_PROMPTS, True),
+                                  ([*base, "--trainer-graphs", "--share-prompts", "0"], 0, False),
+                                  (["run", str(cfg0), "--backend", "real", "--trainer-graphs", "--json"], 0, False),
+                                  ([*base, "--trainer-graphs", "--share-prompts", "2"], 2, False)):
+        assert main(argv) == 0, argv
+        assert seen[-1].trainer.share_prompts == want, argv
+        assert ("the graphed trainer's default" in capsys.readouterr().err) == defaulted, argv
+    # The sim's eager default profile keeps plain rows; a graphed one packs, written to the run's config.
+    assert main(["sim", "--jobs", "2", "--steps", "1", "--json", "--out", str(tmp_path / "e")]) == 0
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["trainer"]["share_prompts"] == 0
+    assert main(["sim", "--jobs", "2", "--steps", "1", "--json", "--profile", DEFAULT_PROFILES["graphed"],
+                 "--out", str(tmp_path / "g")]) == 0
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["trainer"]["share_prompts"] == AUTO_SHARE_PROMPTS
+    capsys.readouterr()
+    # The sweep likewise: 4 on a graphed profile, 0 on an eager one, unless told.
+    sw = ["sweep", "--jobs", "2", "--groups", "2", "--policies", "overlap", "--sharing", "mps", "--seeds", "1",
+          "--steps", "1", "--workers", "1", "--json"]
+    assert main([*sw, "--profile", DEFAULT_PROFILES["graphed"]]) == 0
+    assert json.loads(capsys.readouterr().out)["share_prompts"] == [AUTO_SHARE_PROMPTS]
+    assert main(sw) == 0
+    assert json.loads(capsys.readouterr().out)["share_prompts"] == [0]
