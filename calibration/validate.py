@@ -260,6 +260,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
                "host_monitor": run_host_monitor(meas), "jit_compiles": run_jit_compiles(meas),
+               **({"engine_steps": es} if (es := run_engine_steps(meas)) else {}),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
                "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
@@ -638,6 +639,29 @@ def run_host_monitor(summary: dict) -> dict | None:
             **({"cgroup_error": cg_error} if cg_error else {})}
 
 
+def run_engine_steps(summary: dict) -> dict | None:
+    """A run's engine step figures (``real.stepstats``, ``diagnostics[].engine_steps``; one per
+    GPU's run): the mean step in ms over every generation, the slowest generation's mean step over
+    the fastest's, and the largest shares of generation time between steps and in garbage
+    collection; None for a run without them (recorded before session 28) or with no generation."""
+    sums = [d["engine_steps"]["summary"] for d in summary.get("diagnostics", [])
+            if isinstance(d.get("engine_steps"), dict) and (d["engine_steps"].get("summary") or {}).get("generations")]
+    if not sums:
+        return None
+    steps = sum(x["steps"] for x in sums)
+    per = [x["step_ms_per_generation"] for x in sums]
+
+    def top(key):
+        vals = [x[key] for x in sums if x.get(key) is not None]
+        return float(max(vals)) if vals else None
+
+    lo = min(p["min"] for p in per)
+    return {"generations": sum(x["generations"] for x in sums), "steps": steps,
+            "mean_step_ms": sum(x["mean_step_ms"] * x["steps"] for x in sums) / steps,
+            "step_ms_spread": max(p["max"] for p in per) / lo if lo > 0 else None,
+            "between_share": top("between_share"), "gc_share": top("gc_share")}
+
+
 def host_monitor_flags(rows: list[dict]) -> dict:
     """Runs whose host was contended while measured: steal at least ``HOSTMON_STEAL`` of the time
     the run's CPUs wanted, a cgroup quota-throttled in ``HOSTMON_CG_THROTTLED`` of its periods or
@@ -751,6 +775,12 @@ RUN_STATE = {
     "cgroup_throttled": ("cgroup throttled share",
                          lambda r: (r.get("host_monitor") or {}).get("cgroup_throttled_frac")),
     "cpu_mhz": ("core clock", lambda r: (r.get("host_monitor") or {}).get("cpu_mhz")),
+    "engine_step_ms": ("engine's mean step ms", lambda r: (r.get("engine_steps") or {}).get("mean_step_ms")),
+    "engine_step_spread": ("engine step spread (slowest generation's mean step over the fastest's)",
+                           lambda r: (r.get("engine_steps") or {}).get("step_ms_spread")),
+    "engine_between": ("share of generation time between engine steps",
+                       lambda r: (r.get("engine_steps") or {}).get("between_share")),
+    "engine_gc": ("share of generation time in the engine's GC", lambda r: (r.get("engine_steps") or {}).get("gc_share")),
 }
 MIN_CORRELATE_RUNS = 5  # runs (with at least 3 distinct values) before a figure's correlation is reported
 PERMUTATIONS = 20000  # for the permutation p-value of each r (seeded: a report regenerates the same)

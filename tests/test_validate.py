@@ -683,3 +683,40 @@ def test_error_correlates_set_the_error_against_what_runs_recorded(tmp_path):
     mon = run_gpu_monitor({"diagnostics": [{"gpu_monitor": {"available": True, "gpus": {"0": g(30, 0.9, 70.0)}}},
                                            {"gpu_monitor": {"available": True, "gpus": {"0": g(10, 0.5, 30.0)}}}]})
     assert mon["busy_fraction"] == pytest.approx(0.8) and mon["util_pct"] == pytest.approx(60.0)
+
+
+def test_engine_step_figures_reach_the_validated_rows_and_the_correlates(tmp_path):
+    """real.stepstats' per-run summaries (one per GPU's run) pooled by run_engine_steps: the mean step
+    weighted by steps, the spread from the fastest and slowest generations, the largest shares; a run
+    without them has none, and error_correlates sets the mean step against the error."""
+    from calibration.validate import error_correlates, run_engine_steps, validate
+
+    def es(gens, steps, mean_ms, lo, hi, between, gc):
+        return {"summary": {"generations": gens, "steps": steps, "mean_step_ms": mean_ms,
+                            "step_ms_per_generation": {"min": lo, "median": mean_ms, "max": hi},
+                            "between_share": between, "gc_share": gc}, "generations": []}
+
+    two = {"diagnostics": [{"engine_steps": es(4, 300, 4.0, 3.5, 5.0, 0.05, 0.001)},
+                           {"engine_steps": es(2, 100, 8.0, 7.0, 9.0, 0.10, 0.002)}, {}]}
+    got = run_engine_steps(two)
+    assert got["generations"] == 6 and got["steps"] == 400
+    assert got["mean_step_ms"] == pytest.approx(5.0)  # (300 x 4 + 100 x 8) / 400
+    assert got["step_ms_spread"] == pytest.approx(9.0 / 3.5)
+    assert got["between_share"] == pytest.approx(0.10) and got["gc_share"] == pytest.approx(0.002)
+    assert run_engine_steps({"diagnostics": [{}]}) is None
+    assert run_engine_steps({"diagnostics": [{"engine_steps": {"summary": {"generations": 0}}}]}) is None
+
+    # Through validate: the figures land in each row; the correlates set them against the error.
+    mons = {seed: es(4, 400, 3.0 + seed, 3.0, 4.0 + seed, 0.01 * seed, 0.0) for seed in range(1, 7)}
+    runs = _monitored_runs(tmp_path, "engine_steps", mons)
+    rep = validate(runs, DEFAULT_PROFILE)
+    rows = {Path(r["run"]).name: r for r in rep["rows"]}
+    assert rows["ovl3"]["engine_steps"]["mean_step_ms"] == pytest.approx(6.0)
+    for r in rep["rows"]:  # simulated on the profile they are validated on: give the error a slope
+        seed = int(Path(r["run"]).name[3:])
+        r["replay"]["steps_per_gpu_hour"] = r["measured"]["steps_per_gpu_hour"] * (1 - 0.02 * seed)
+    corr = error_correlates(rep["rows"])
+    assert corr["figures"]["engine_step_ms"]["pearson_r"] == pytest.approx(-1.0)
+    assert {"engine_step_ms", "engine_step_spread", "engine_between"} <= set(corr["figures"])
+    assert "engine_gc" not in corr["figures"]  # the same everywhere: nothing to correlate
+    assert corr["figures"]["engine_step_ms"]["runs"] == 6
