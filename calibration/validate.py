@@ -780,7 +780,8 @@ RUN_STATE = {
                            lambda r: (r.get("engine_steps") or {}).get("step_ms_spread")),
     "engine_between": ("share of generation time between engine steps",
                        lambda r: (r.get("engine_steps") or {}).get("between_share")),
-    "engine_gc": ("share of generation time in the engine's GC", lambda r: (r.get("engine_steps") or {}).get("gc_share")),
+    "engine_gc": ("share of generation time in the engine's GC",
+                  lambda r: (r.get("engine_steps") or {}).get("gc_share")),
 }
 MIN_CORRELATE_RUNS = 5  # runs (with at least 3 distinct values) before a figure's correlation is reported
 PERMUTATIONS = 20000  # for the permutation p-value of each r (seeded: a report regenerates the same)
