@@ -211,7 +211,10 @@ def _simulate(cfg: dict, source: str) -> dict:
     from sim import backend_factory
 
     make = backend_factory(cfg["profile"])
-    summary, runs = run_arm(build_config(cfg, source), make)
+    try:
+        summary, runs = run_arm(build_config(cfg, source), make)
+    except ConfigError as err:  # e.g. packed rows on an eager profile: name the run it came from
+        raise ConfigError(f"{source}: {err}") from None
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
             "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans),
@@ -641,15 +644,17 @@ def run_host_monitor(summary: dict) -> dict | None:
 
 def run_engine_steps(summary: dict) -> dict | None:
     """A run's engine step figures (``real.stepstats``, ``diagnostics[].engine_steps``; one per
-    GPU's run): the mean step in ms over every generation, the slowest generation's mean step over
-    the fastest's, and the largest shares of generation time between steps and in garbage
-    collection; None for a run without them (recorded before session 28) or with no generation."""
+    GPU's run): the mean engine step in ms (each step counted once, weighted by steps across GPUs),
+    the slowest generation's mean step over the fastest's, and the largest shares of the engines'
+    time between steps and in garbage collection; None for a run without them (recorded before
+    session 28) or with no generation."""
     sums = [d["engine_steps"]["summary"] for d in summary.get("diagnostics", [])
             if isinstance(d.get("engine_steps"), dict) and (d["engine_steps"].get("summary") or {}).get("generations")]
     if not sums:
         return None
-    steps = sum(x["steps"] for x in sums)
     per = [x["step_ms_per_generation"] for x in sums]
+    counted = [x for x in sums if x.get("steps") and x.get("mean_step_ms") is not None]
+    steps = sum(x["steps"] for x in counted)
 
     def top(key):
         vals = [x[key] for x in sums if x.get(key) is not None]
@@ -657,7 +662,7 @@ def run_engine_steps(summary: dict) -> dict | None:
 
     lo = min(p["min"] for p in per)
     return {"generations": sum(x["generations"] for x in sums), "steps": steps,
-            "mean_step_ms": sum(x["mean_step_ms"] * x["steps"] for x in sums) / steps,
+            "mean_step_ms": sum(x["mean_step_ms"] * x["steps"] for x in counted) / steps if steps else None,
             "step_ms_spread": max(p["max"] for p in per) / lo if lo > 0 else None,
             "between_share": top("between_share"), "gc_share": top("gc_share")}
 

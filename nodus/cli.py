@@ -85,8 +85,9 @@ def default_packing(cfg, graphed: bool):
 
     out = with_default_packing(cfg, graphed)
     if out is not cfg:
-        print(f"nodus: trainer.share_prompts={AUTO_SHARE_PROMPTS}, the graphed trainer's default (each prompt's "
-              f"responses {AUTO_SHARE_PROMPTS} to a row, the prompt once; --share-prompts 0: a row per response)",
+        k = out.trainer.share_prompts
+        print(f"nodus: trainer.share_prompts={k}, the graphed trainer's default (each prompt's responses {k} to a "
+              f"row, the prompt once; at most {AUTO_SHARE_PROMPTS}; --share-prompts 0: a row per response)",
               file=sys.stderr)
     return out
 

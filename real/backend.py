@@ -748,9 +748,11 @@ class RealBackend:
                 # clock); None where they are not seen (--engine-core-process: vLLM's core logs in
                 # its own process).
                 "engine_jit_compiles": None if self.jit_compiles is None else list(self.jit_compiles),
-                # Each generation's engine steps (count, summed and longest wall time), the time
-                # between them and the engine process's garbage collections, and their sums
-                # (real.stepstats): a slow generation's time in slower steps, pauses or collections.
+                # Each generation's submit, engine steps (count, summed and longest wall time), the
+                # time between them, the results' collection and the engine worker's garbage
+                # collections (the client's with --engine-core-process), and the engine's totals with
+                # each step once (real.stepstats): a slow generation's time in slower steps, pauses
+                # or collections.
                 "engine_steps": {"summary": summarise_generations(self.generations),
                                  "generations": list(self.generations)},
                 # Which steps' rollouts carried the engine's logprobs (host work on every decode step).

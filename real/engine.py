@@ -253,6 +253,7 @@ class MultiLoRAEngine:
         self._issued: dict[str, tuple[str, int, int]] = {}  # lora_name -> (job, version, lora id)
         self._job_ids: dict[str, int] = {}  # "inplace": the job's fixed lora id
         self._next_id = 1
+        self.last_engine_step_s: float | None = None  # the last step()'s vLLM step alone (real.stepstats)
         self._prefill_calls = 0  # run_prefill_steps' calls: each draws new prompts
         # Every JIT compile while serving is logged (vLLM logs a kernel's first only), and recorded
         # below, where the engine core runs in this process (not under VLLM_ENABLE_V1_MULTIPROCESSING=1).
@@ -502,7 +503,10 @@ class MultiLoRAEngine:
     def step(self) -> list[tuple[str, list[RolloutBatch], dict[str, float]]]:
         """One engine step; returns (tag, batches, per-job end time) for each tag now complete."""
         done = []
-        for out in self.llm.llm_engine.step():
+        t0 = time.perf_counter()
+        outs = self.llm.llm_engine.step()
+        self.last_engine_step_s = time.perf_counter() - t0  # vLLM's step alone (real.stepstats)
+        for out in outs:
             if not out.finished:
                 continue
             tag, k, job = out.request_id.rsplit("#", 2)

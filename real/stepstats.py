@@ -1,5 +1,5 @@
-"""How the engine worker spends a generation's time: its engine steps, the time between them and
-the garbage collector's pauses.
+"""How the engine worker spends a generation's time: its engine steps, the time between them and the
+garbage collector's pauses.
 
 Why: on session 27's dedicated A/A pair the same job's generations did identical work (the same
 sampled tokens, step by step) and still took 0.77-1.67x as long on one run as on the other, with
@@ -9,11 +9,25 @@ figures say whether a slow generation had slower steps throughout (every decode 
 GPU work), a few long ones (a pause), more time between steps (the worker's own loop: commands,
 adapter loads), or garbage collections.
 
-Per generation (one ``gen`` command's requests, its tag): the engine steps taken while it was open
-(a step serves every open generation, so each is counted in each), their summed and longest wall
-time, the time between those steps, and the collections this process ran while it was open (count,
-seconds, longest). With the engine core in a process of its own (``--engine-core-process``) a step
-is the client's wait for it and that process's collections are not seen.
+Per generation (one ``gen`` command's requests, its tag), from the clock read before its requests
+are submitted to the end of the step that completes it:
+
+- ``submit_s``: building and adding its requests;
+- ``steps``, ``step_s``, ``step_max_s``: the engine steps taken while it was open (vLLM's
+  ``LLMEngine.step`` only), summed and the longest; a step serves every open generation, so each
+  counts it;
+- ``between_s``: the time between those steps (from its submit, or the last step's end where that
+  is later), the worker's loop: other commands (publishes), queue reads;
+- ``collect_s``: turning finished requests into results after each step (the adapter check, token
+  tuples, sampled logprobs);
+- ``gc_collections``, ``gc_s``: the collections the worker's process ran while it was open (inside
+  the times above, not beside them).
+
+Those parts add up to its time from submit to its last step's end. ``cumulative`` (the worker's
+totals when it finished) and ``cumulative_at_begin`` count each engine step once, so a run's
+engine-level figures (``summarise_generations``) do not weigh steps by how many generations were
+open. With the engine core in a process of its own (``--engine-core-process``) a step is the
+client's wait for it, and the collections are the client's, not the core's.
 """
 
 from __future__ import annotations
@@ -21,10 +35,12 @@ from __future__ import annotations
 import gc
 import time
 
+TOTALS = ("steps", "step_s", "between_s", "collect_s", "gc_collections", "gc_s")
+
 
 class GcPauses:
     """This process's garbage collections, timed through ``gc.callbacks`` once ``install``-ed:
-    cumulative count, seconds and the longest one."""
+    cumulative count and seconds."""
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
@@ -53,28 +69,48 @@ class GcPauses:
 class EngineStepStats:
     """Engine steps and collections per open generation (see the module's docstring).
 
-    ``begin(tag, now)`` when a generation is submitted, ``step(start, end)`` around every engine
-    step, ``finish(tag)`` when it completes (its figures, a dict). Times are the clock's seconds."""
+    ``begin(tag, submitted, now)`` once a generation's requests are added (``submitted``: the clock
+    before they were built), ``step(start, end, engine_s)`` around every engine step (``engine_s``:
+    the engine's own step inside it, the rest being the results' collection), ``finish(tag)`` when it
+    completes (its figures, a dict). Times are the clock's seconds."""
 
     def __init__(self, gc_pauses: GcPauses | None = None):
         self.gc = gc_pauses
         self.open: dict[str, dict] = {}
-        self._last_end: float | None = None
+        self._last_end: float | None = None  # the last step's end while a generation was open
+        self.total = dict.fromkeys(TOTALS[:4], 0.0)
+        self.total["steps"] = 0
 
-    def begin(self, tag: str, now: float) -> None:
+    def _cumulative(self) -> dict:
+        out = dict(self.total)
+        if self.gc:
+            out["gc_collections"], out["gc_s"] = self.gc.totals()
+        return out
+
+    def begin(self, tag: str, submitted: float, now: float) -> None:
         if not self.open:
-            self._last_end = now  # the engine was idle: the wait before the first step starts here
-        self.open[tag] = {"steps": 0, "step_s": 0.0, "step_max_s": 0.0, "between_s": 0.0,
-                          "gc0": self.gc.totals() if self.gc else None}
+            self._last_end = None  # the engine was idle: its wait is no generation's
+        self.open[tag] = {"since": now, "submit_s": max(0.0, now - submitted), "steps": 0, "step_s": 0.0,
+                          "step_max_s": 0.0, "between_s": 0.0, "collect_s": 0.0,
+                          "cumulative_at_begin": self._cumulative()}
 
-    def step(self, start: float, end: float) -> None:
-        between = 0.0 if self._last_end is None else max(0.0, start - self._last_end)
-        dt = end - start
+    def step(self, start: float, end: float, engine_s: float | None = None) -> None:
+        if not self.open:
+            return
+        dt = end - start if engine_s is None else min(max(engine_s, 0.0), end - start)
+        collect = (end - start) - dt
         for rec in self.open.values():
+            since = rec["since"] if self._last_end is None else max(self._last_end, rec["since"])
             rec["steps"] += 1
             rec["step_s"] += dt
             rec["step_max_s"] = max(rec["step_max_s"], dt)
-            rec["between_s"] += between
+            rec["between_s"] += max(0.0, start - since)
+            rec["collect_s"] += collect
+        first = min(rec["since"] for rec in self.open.values())
+        self.total["between_s"] += max(0.0, start - (first if self._last_end is None else self._last_end))
+        self.total["steps"] += 1
+        self.total["step_s"] += dt
+        self.total["collect_s"] += collect
         self._last_end = end
 
     def finish(self, tag: str) -> dict | None:
@@ -82,38 +118,56 @@ class EngineStepStats:
         rec = self.open.pop(tag, None)
         if rec is None:
             return None
-        if not self.open:
-            self._last_end = None
-        gc0 = rec.pop("gc0")
+        rec.pop("since")
+        begin = rec.pop("cumulative_at_begin")
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in rec.items()}
-        if gc0 is not None:
+        if self.gc:
             n, s = self.gc.totals()
-            out["gc_collections"], out["gc_s"] = n - gc0[0], round(s - gc0[1], 6)
+            out["gc_collections"], out["gc_s"] = n - begin["gc_collections"], round(s - begin["gc_s"], 6)
+        out["cumulative_at_begin"] = _rounded(begin)
+        out["cumulative"] = _rounded(self._cumulative())
         return out
 
 
+def _rounded(d: dict) -> dict:
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in d.items()}
+
+
 def summarise_generations(records: list[dict]) -> dict:
-    """A run's per-generation engine figures (``EngineStepStats.finish``'s, each with the
-    generation's wall ``seconds``) summed: the mean step in milliseconds, the shares of generation
-    time in steps, between them and in collections, the longest step, and the per-generation mean
-    step's spread (min, median, max ms). Empty records: {"generations": 0}."""
+    """A run's generations (``EngineStepStats.finish``'s figures, each with its wall ``seconds`` and
+    ``stack``): per generation, the mean step's spread in ms (min, median, max) and the longest
+    step; per engine (each step counted once: the worker's totals from the first generation's begin
+    to the last one's end, summed over stacks), the steps, the mean step in ms, and the shares of
+    that span in steps, between steps and collecting results, and in garbage collection (inside the
+    others, and over the whole span: idle gaps between generations included). Records without steps are left out; none: {"generations": 0}."""
     recs = [r for r in records if r and r.get("steps")]
     if not recs:
         return {"generations": 0}
     import numpy as np
 
-    wall = sum(r["seconds"] for r in recs)
-    steps = sum(r["steps"] for r in recs)
     per = np.array([1000 * r["step_s"] / r["steps"] for r in recs])
-    out = {"generations": len(recs), "steps": steps,
-           "mean_step_ms": round(1000 * sum(r["step_s"] for r in recs) / steps, 4),
+    out = {"generations": len(recs),
            "step_ms_per_generation": {"min": round(float(per.min()), 4), "median": round(float(np.median(per)), 4),
                                       "max": round(float(per.max()), 4)},
-           "step_max_ms": round(1000 * max(r["step_max_s"] for r in recs), 3),
-           "step_share": round(sum(r["step_s"] for r in recs) / wall, 4) if wall > 0 else None,
-           "between_share": round(sum(r["between_s"] for r in recs) / wall, 4) if wall > 0 else None}
-    if all("gc_s" in r for r in recs):
-        out["gc_collections"] = sum(r["gc_collections"] for r in recs)
-        out["gc_s"] = round(sum(r["gc_s"] for r in recs), 6)
-        out["gc_share"] = round(out["gc_s"] / wall, 5) if wall > 0 else None
+           "step_max_ms": round(1000 * max(r["step_max_s"] for r in recs), 3)}
+    if not all("cumulative" in r and "cumulative_at_begin" in r for r in recs):
+        return out
+    span = dict.fromkeys(TOTALS, 0.0)
+    for stack in {r.get("stack", 0) for r in recs}:
+        mine = [r for r in recs if r.get("stack", 0) == stack]
+        first = min(mine, key=lambda r: r["cumulative_at_begin"]["steps"])["cumulative_at_begin"]
+        last = max(mine, key=lambda r: r["cumulative"]["steps"])["cumulative"]
+        for k in TOTALS:
+            if k in last and k in first:
+                span[k] += last[k] - first[k]
+    busy = span["step_s"] + span["between_s"] + span["collect_s"]
+    steps = int(span["steps"])
+    out.update({"steps": steps, "mean_step_ms": round(1000 * span["step_s"] / steps, 4) if steps else None,
+                "step_share": round(span["step_s"] / busy, 4) if busy > 0 else None,
+                "between_share": round(span["between_s"] / busy, 4) if busy > 0 else None,
+                "collect_share": round(span["collect_s"] / busy, 4) if busy > 0 else None})
+    if all("gc_s" in r["cumulative"] for r in recs):
+        out["gc_collections"] = int(span["gc_collections"])
+        out["gc_s"] = round(span["gc_s"], 6)
+        out["gc_share"] = round(span["gc_s"] / busy, 5) if busy > 0 else None
     return out

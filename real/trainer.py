@@ -741,7 +741,8 @@ def _check_shared_prompt_model(model, decoder) -> None:
     types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
         raise ValueError(f"share_prompts needs a model whose every layer is full attention; this one has "
-                         f"{sorted(types)}")
+                         f"{sorted(types)} (the graphed trainer packs rows by default: --share-prompts 0 or "
+                         "trainer.share_prompts: 0 for a row per response)")
     dev = next(model.parameters()).device
     ids, pos = torch.tensor([[1, 2, 3, 4]], device=dev), torch.tensor([[0, 1, 2, 2]], device=dev)
     seg = torch.tensor([[0, 0, 1, 2]], device=dev)
@@ -757,7 +758,8 @@ def _check_shared_prompt_model(model, decoder) -> None:
         raise ValueError(f"share_prompts: this transformers' decoder does not honour the packed row's attention mask "
                          f"(a response's hidden state lies {rel['packed']:.3g} of its size from its own alone, and "
                          f"{rel['leaky']:.3g} when it may see the other response): it needs a decoder that takes "
-                         "attention_mask as a dict per layer type (transformers >= 4.53)")
+                         "attention_mask as a dict per layer type (transformers >= 4.53), or --share-prompts 0 "
+                         "(trainer.share_prompts: 0; the graphed trainer packs rows by default)")
 
 
 def _to_cpu(obj):

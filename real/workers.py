@@ -81,10 +81,24 @@ def _apply_env(env: dict) -> None:
     os.dup2(2, 1)
 
 
+def name_process(name: str) -> bool:
+    """Name this process (and the threads it starts from now on) ``nodus-<name>`` in /proc's comm
+    (prctl PR_SET_NAME, 15 characters), so the host monitor tells the engine and trainer workers
+    apart (all would read "python"); False where the OS does not allow it (not Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(15, f"nodus-{name}"[:15].encode(), 0, 0, 0) == 0  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        return False
+
+
 def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
     """Commands: ("gen", tag, [GenRequest]), ("publish", tag, [(job, version, path)][, pinned]),
     ("eval", tag, [GenRequest]) (greedy, answered when done), ("warmkernels", tag, job_id) (the
     kernels of every eager step size compiled with the job's adapter), ("stop",)."""
+    name_process(name)
     _apply_env(spec.env)
     try:
         from real.engine import MultiLoRAEngine
@@ -122,8 +136,9 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                     outbox.put(("stopped", name))
                     return
                 if kind == "gen":
+                    submitted = time.perf_counter()
                     eng.submit(cmd[1], cmd[2])
-                    steps.begin(cmd[1], time.perf_counter())
+                    steps.begin(cmd[1], submitted, time.perf_counter())
                 elif kind == "publish":
                     start = time.monotonic()
                     pinned = cmd[3] if len(cmd) > 3 else True
@@ -144,7 +159,7 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                 continue
             start = time.perf_counter()
             done = eng.step()
-            steps.step(start, time.perf_counter())
+            steps.step(start, time.perf_counter(), eng.last_engine_step_s)
             for tag, batches, ends in done:
                 outbox.put(("generated", tag, batches, ends, eng.drain_jit_events(), steps.finish(tag)))
         except Exception:  # noqa: BLE001
@@ -157,6 +172,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir[, mb_tokens[, share_prompts]]);
     ("warmup", tag, rank, rows, seq[, jobs[, share_prompts, packed_row_tokens]]);
     ("remove", tag, [job]); ("stop",)."""
+    name_process(name)
     _apply_env(spec.env)
     try:
         import torch

@@ -204,6 +204,17 @@ def test_packing_default_follows_the_trainer_and_yields_to_the_config(tmp_path, 
         assert main(argv) == 0, argv
         assert seen[-1].trainer.share_prompts == want, argv
         assert ("the graphed trainer's default" in capsys.readouterr().err) == defaulted, argv
+    # Capped at the responses a job samples per prompt: none with one (plain rows), 2 with two.
+    for r, want in ((1, 0), (2, 2)):
+        one = tmp_path / f"r{r}.yaml"
+        one.write_text(f"jobs:\n  - task: gsm8k\n    responses_per_prompt: {r}\n")
+        assert main(["run", str(one), "--backend", "real", "--trainer-graphs", "--json"]) == 0
+        assert seen[-1].trainer.share_prompts == want
+        assert ("share_prompts=2, the graphed trainer's default" in capsys.readouterr().err) == (want == 2)
+    # The sim backend of `nodus run` follows its profile (the eager default here: plain rows).
+    assert main(["run", "--backend", "sim", "--jobs", "2", "--steps", "1", "--json"]) == 0
+    assert seen[-1].trainer.share_prompts == 0
+    capsys.readouterr()
     # The sim's eager default profile keeps plain rows; a graphed one packs, written to the run's config.
     assert main(["sim", "--jobs", "2", "--steps", "1", "--json", "--out", str(tmp_path / "e")]) == 0
     assert json.loads((tmp_path / "e" / "config.json").read_text())["trainer"]["share_prompts"] == 0

@@ -59,7 +59,7 @@ def test_sim_prices_packed_attention_where_the_profile_has_it(tmp_path, capsys):
     prof["train"]["packed_pair_per_token"] = None
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps(prof))
-    plain = _sim_json(capsys, "--profile", GRAPHED)
+    plain = _sim_json(capsys, "--profile", GRAPHED, "--share-prompts", "0")
     priced = _sim_json(capsys, "--profile", GRAPHED, "--share-prompts", "4")
     unpriced = _sim_json(capsys, "--profile", str(bare), "--share-prompts", "4")
     assert unpriced["steps_per_gpu_hour"] > priced["steps_per_gpu_hour"]

@@ -126,10 +126,16 @@ def test_a_real_run_records_each_generations_engine_steps(overlap_run):
     assert len({g["action"] for g in gens}) == len(gens) and sum(g["jobs"] for g in gens) == n_gen
     for g in gens:
         assert g["steps"] >= 2 and 0 < g["step_max_s"] <= g["step_s"]
-        assert g["step_s"] + g["between_s"] <= g["seconds"] + 0.05
-        assert g["gc_collections"] >= 0 and g["gc_s"] >= 0
-    assert es["summary"]["generations"] == len(gens) and es["summary"]["steps"] == sum(g["steps"] for g in gens)
-    assert 0 < es["summary"]["step_share"] <= 1.01
+        # From its submit to its last step's end: covers the generation's recorded time (which starts
+        # inside the submit and ends inside its last step), and not much more.
+        parts = g["submit_s"] + g["between_s"] + g["step_s"] + g["collect_s"]
+        assert g["seconds"] - 0.01 <= parts <= g["seconds"] + g["submit_s"] + g["collect_s"] + 0.01
+        assert 0 <= g["gc_s"] <= parts and isinstance(g["gc_collections"], int)
+        assert g["cumulative"]["steps"] - g["cumulative_at_begin"]["steps"] == g["steps"]  # every step while open
+    assert es["summary"]["generations"] == len(gens)
+    # Each engine step once: no more than the generations' counts summed, no fewer than the largest.
+    assert max(g["steps"] for g in gens) <= es["summary"]["steps"] <= sum(g["steps"] for g in gens)
+    assert 0 < es["summary"]["step_share"] <= 1 and es["summary"]["mean_step_ms"] > 0
 
 
 def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsys):

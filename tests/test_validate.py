@@ -703,6 +703,9 @@ def test_engine_step_figures_reach_the_validated_rows_and_the_correlates(tmp_pat
     assert got["mean_step_ms"] == pytest.approx(5.0)  # (300 x 4 + 100 x 8) / 400
     assert got["step_ms_spread"] == pytest.approx(9.0 / 3.5)
     assert got["between_share"] == pytest.approx(0.10) and got["gc_share"] == pytest.approx(0.002)
+    no_totals = {"diagnostics": [{"engine_steps": {"summary": {"generations": 2, "step_ms_per_generation": {
+        "min": 4.0, "median": 5.0, "max": 6.0}, "step_max_ms": 9.0}}}]}  # records without cumulative totals
+    assert run_engine_steps(no_totals)["mean_step_ms"] is None and run_engine_steps(no_totals)["step_ms_spread"] == 1.5
     assert run_engine_steps({"diagnostics": [{}]}) is None
     assert run_engine_steps({"diagnostics": [{"engine_steps": {"summary": {"generations": 0}}}]}) is None
 
@@ -720,3 +723,15 @@ def test_engine_step_figures_reach_the_validated_rows_and_the_correlates(tmp_pat
     assert {"engine_step_ms", "engine_step_spread", "engine_between"} <= set(corr["figures"])
     assert "engine_gc" not in corr["figures"]  # the same everywhere: nothing to correlate
     assert corr["figures"]["engine_step_ms"]["runs"] == 6
+
+
+def test_validate_names_the_run_it_cannot_price(tmp_path):
+    """A run with packed rows (the graphed trainer's default) on an eager profile: the error names
+    the run folder and the setting."""
+    from nodus.config import DEFAULT_PROFILES
+
+    out = tmp_path / "packed"
+    simulate(config_from_args(jobs=4, steps=2, policy="overlap", sharing="mps", share_prompts=4,
+                              profile=DEFAULT_PROFILES["graphed"]), out)
+    with pytest.raises(ConfigError, match=r"packed/config.json: trainer.share_prompts=4 runs on the graphed trainer"):
+        validate([out], DEFAULT_PROFILE)
