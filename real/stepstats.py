@@ -139,7 +139,8 @@ def summarise_generations(records: list[dict]) -> dict:
     step; per engine (each step counted once: the worker's totals from the first generation's begin
     to the last one's end, summed over stacks), the steps, the mean step in ms, and the shares of
     that span in steps, between steps and collecting results, and in garbage collection (inside the
-    others, and over the whole span: idle gaps between generations included). Records without steps are left out; none: {"generations": 0}."""
+    others, and over the whole span: idle gaps between generations included). Records without steps
+    are left out; none: {"generations": 0}."""
     recs = [r for r in records if r and r.get("steps")]
     if not recs:
         return {"generations": 0}
