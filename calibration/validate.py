@@ -646,7 +646,7 @@ def run_engine_steps(summary: dict) -> dict | None:
     """A run's engine step figures (``real.stepstats``, ``diagnostics[].engine_steps``; one per
     GPU's run): the mean engine step in ms (each step counted once, weighted by steps across GPUs),
     the slowest generation's mean step over the fastest's, and the largest shares of the engines'
-    time between steps and in garbage collection; None for a run without them (recorded before
+    busy time between steps, collecting results and in garbage collection; None for a run without them (recorded before
     session 28) or with no generation."""
     sums = [d["engine_steps"]["summary"] for d in summary.get("diagnostics", [])
             if isinstance(d.get("engine_steps"), dict) and (d["engine_steps"].get("summary") or {}).get("generations")]
@@ -664,7 +664,8 @@ def run_engine_steps(summary: dict) -> dict | None:
     return {"generations": sum(x["generations"] for x in sums), "steps": steps,
             "mean_step_ms": sum(x["mean_step_ms"] * x["steps"] for x in counted) / steps if steps else None,
             "step_ms_spread": max(p["max"] for p in per) / lo if lo > 0 else None,
-            "between_share": top("between_share"), "gc_share": top("gc_share")}
+            "between_share": top("between_share"), "collect_share": top("collect_share"),
+            "gc_share": top("gc_share")}
 
 
 def host_monitor_flags(rows: list[dict]) -> dict:
@@ -783,9 +784,11 @@ RUN_STATE = {
     "engine_step_ms": ("engine's mean step ms", lambda r: (r.get("engine_steps") or {}).get("mean_step_ms")),
     "engine_step_spread": ("engine step spread (slowest generation's mean step over the fastest's)",
                            lambda r: (r.get("engine_steps") or {}).get("step_ms_spread")),
-    "engine_between": ("share of generation time between engine steps",
+    "engine_between": ("share of the engines' busy time between steps (submits included)",
                        lambda r: (r.get("engine_steps") or {}).get("between_share")),
-    "engine_gc": ("share of generation time in the engine's GC",
+    "engine_collect": ("share of the engines' busy time collecting results",
+                       lambda r: (r.get("engine_steps") or {}).get("collect_share")),
+    "engine_gc": ("share of the engines' busy time in GC",
                   lambda r: (r.get("engine_steps") or {}).get("gc_share")),
 }
 MIN_CORRELATE_RUNS = 5  # runs (with at least 3 distinct values) before a figure's correlation is reported

@@ -20,8 +20,8 @@ are submitted to the end of the step that completes it:
   is later), the worker's loop: other commands (publishes), queue reads;
 - ``collect_s``: turning finished requests into results after each step (the adapter check, token
   tuples, sampled logprobs);
-- ``gc_collections``, ``gc_s``: the collections the worker's process ran while it was open (inside
-  the times above, not beside them).
+- ``gc_collections``, ``gc_s``: the collections the worker's process ran from just before its
+  submit to its finish (inside the times above, not beside them).
 
 Those parts add up to its time from submit to its last step's end. ``cumulative`` (the worker's
 totals when it finished) and ``cumulative_at_begin`` count each engine step once, so a run's
@@ -69,30 +69,54 @@ class GcPauses:
 class EngineStepStats:
     """Engine steps and collections per open generation (see the module's docstring).
 
-    ``begin(tag, submitted, now)`` once a generation's requests are added (``submitted``: the clock
-    before they were built), ``step(start, end, engine_s)`` around every engine step (``engine_s``:
-    the engine's own step inside it, the rest being the results' collection), ``finish(tag)`` when it
-    completes (its figures, a dict). Times are the clock's seconds."""
+    ``mark()`` just before a generation's requests are built (the clock and the collector's totals
+    then), ``begin(tag, mark, now)`` once they are added, ``step(start, end, engine_s)`` around every
+    engine step (``engine_s``: the engine's own step inside it, the rest being the results'
+    collection), ``finish(tag)`` when it completes (its figures, a dict). Times are the clock's
+    seconds.
 
-    def __init__(self, gc_pauses: GcPauses | None = None):
-        self.gc = gc_pauses
+    The worker's totals (``cumulative``) grow only while a generation is open, each step once: a
+    busy period runs from the submit of the generation that opened it to the last step's end, its
+    ``between_s`` the time not in steps or collection (submits included). Each snapshot carries a
+    sequence number (``seq``), which orders snapshots taken at the same step count."""
+
+    def __init__(self, gc_pauses: GcPauses | None = None, clock=time.perf_counter):
+        self.gc, self.clock = gc_pauses, clock
         self.open: dict[str, dict] = {}
-        self._last_end: float | None = None  # the last step's end while a generation was open
-        self.total = dict.fromkeys(TOTALS[:4], 0.0)
-        self.total["steps"] = 0
+        self._last_end: float | None = None  # the last step's end in this busy period
+        self._opened: float | None = None  # the submit that opened this busy period
+        self._gc_mark: tuple[int, float] | None = None  # the collector's totals last added to total
+        self.total = dict.fromkeys(TOTALS, 0.0)
+        self.total["steps"] = self.total["gc_collections"] = 0
+        self._seq = 0
 
-    def _cumulative(self) -> dict:
-        out = dict(self.total)
-        if self.gc:
-            out["gc_collections"], out["gc_s"] = self.gc.totals()
-        return out
+    def mark(self) -> tuple[float, tuple[int, float] | None]:
+        return self.clock(), self.gc.totals() if self.gc else None
 
-    def begin(self, tag: str, submitted: float, now: float) -> None:
-        if not self.open:
-            self._last_end = None  # the engine was idle: its wait is no generation's
+    def _sync_gc(self) -> None:
+        """Add the collections since the last mark to the totals (only while a period is open)."""
+        if self.gc and self._gc_mark is not None:
+            n, s = self.gc.totals()
+            self.total["gc_collections"] += n - self._gc_mark[0]
+            self.total["gc_s"] += s - self._gc_mark[1]
+            self._gc_mark = (n, s)
+
+    def _snapshot(self) -> dict:
+        self._seq += 1
+        out = {"seq": self._seq, **{k: v for k, v in self.total.items() if self.gc or not k.startswith("gc")}}
+        return _rounded(out)
+
+    def begin(self, tag: str, mark: tuple[float, tuple[int, float] | None], now: float) -> None:
+        submitted, gc0 = mark
+        if not self.open:  # the engine was idle: a busy period opens at this submit
+            self._last_end, self._opened, self._gc_mark = None, submitted, gc0
+            at_begin = self._snapshot()  # before this submit's collections (added at the next sync)
+        else:
+            self._sync_gc()
+            at_begin = self._snapshot()
         self.open[tag] = {"since": now, "submit_s": max(0.0, now - submitted), "steps": 0, "step_s": 0.0,
-                          "step_max_s": 0.0, "between_s": 0.0, "collect_s": 0.0,
-                          "cumulative_at_begin": self._cumulative()}
+                          "step_max_s": 0.0, "between_s": 0.0, "collect_s": 0.0, "gc0": gc0,
+                          "cumulative_at_begin": at_begin}
 
     def step(self, start: float, end: float, engine_s: float | None = None) -> None:
         if not self.open:
@@ -106,26 +130,30 @@ class EngineStepStats:
             rec["step_max_s"] = max(rec["step_max_s"], dt)
             rec["between_s"] += max(0.0, start - since)
             rec["collect_s"] += collect
-        first = min(rec["since"] for rec in self.open.values())
-        self.total["between_s"] += max(0.0, start - (first if self._last_end is None else self._last_end))
+        self.total["between_s"] += max(0.0, start - (self._opened if self._last_end is None else self._last_end))
         self.total["steps"] += 1
         self.total["step_s"] += dt
         self.total["collect_s"] += collect
         self._last_end = end
+        self._sync_gc()
 
     def finish(self, tag: str) -> dict | None:
         """The generation's figures (None for a tag never begun); the tag is closed."""
         rec = self.open.pop(tag, None)
         if rec is None:
             return None
+        self._sync_gc()
         rec.pop("since")
+        gc0 = rec.pop("gc0")
         begin = rec.pop("cumulative_at_begin")
-        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in rec.items()}
-        if self.gc:
+        out = _rounded(rec)
+        if self.gc and gc0 is not None:
             n, s = self.gc.totals()
-            out["gc_collections"], out["gc_s"] = n - begin["gc_collections"], round(s - begin["gc_s"], 6)
-        out["cumulative_at_begin"] = _rounded(begin)
-        out["cumulative"] = _rounded(self._cumulative())
+            out["gc_collections"], out["gc_s"] = n - gc0[0], round(s - gc0[1], 6)
+        out["cumulative_at_begin"] = begin
+        out["cumulative"] = self._snapshot()
+        if not self.open:
+            self._gc_mark = None  # idle: collections from now on are no generation's
         return out
 
 
@@ -136,11 +164,11 @@ def _rounded(d: dict) -> dict:
 def summarise_generations(records: list[dict]) -> dict:
     """A run's generations (``EngineStepStats.finish``'s figures, each with its wall ``seconds`` and
     ``stack``): per generation, the mean step's spread in ms (min, median, max) and the longest
-    step; per engine (each step counted once: the worker's totals from the first generation's begin
-    to the last one's end, summed over stacks), the steps, the mean step in ms, and the shares of
-    that span in steps, between steps and collecting results, and in garbage collection (inside the
-    others, and over the whole span: idle gaps between generations included). Records without steps
-    are left out; none: {"generations": 0}."""
+    step; per engine (each step counted once: the worker's totals, which grow only in busy periods,
+    from the first generation's begin to the last one's finish, summed over stacks), the steps, the mean step in ms, and the shares of
+    its busy time in steps, between steps (submits included) and collecting results, and in garbage
+    collection (inside the others; idle gaps between busy periods are in none of them). Records
+    without steps are left out; none: {"generations": 0}."""
     recs = [r for r in records if r and r.get("steps")]
     if not recs:
         return {"generations": 0}
@@ -156,8 +184,8 @@ def summarise_generations(records: list[dict]) -> dict:
     span = dict.fromkeys(TOTALS, 0.0)
     for stack in {r.get("stack", 0) for r in recs}:
         mine = [r for r in recs if r.get("stack", 0) == stack]
-        first = min(mine, key=lambda r: r["cumulative_at_begin"]["steps"])["cumulative_at_begin"]
-        last = max(mine, key=lambda r: r["cumulative"]["steps"])["cumulative"]
+        first = min((r["cumulative_at_begin"] for r in mine), key=lambda c: (c.get("seq", 0), c["steps"]))
+        last = max((r["cumulative"] for r in mine), key=lambda c: (c.get("seq", 0), c["steps"]))
         for k in TOTALS:
             if k in last and k in first:
                 span[k] += last[k] - first[k]

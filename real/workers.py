@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -86,11 +87,13 @@ def name_process(name: str) -> bool:
     (prctl PR_SET_NAME, 15 characters), so the host monitor tells the engine and trainer workers
     apart (all would read "python"); False where the OS does not allow it (not Linux)."""
     try:
+        if not sys.platform.startswith("linux"):
+            return False
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(15, f"nodus-{name}"[:15].encode(), 0, 0, 0) == 0  # 15: PR_SET_NAME
-    except (OSError, AttributeError):
+    except Exception:  # noqa: BLE001 - a name is a convenience, never a reason to fail
         return False
 
 
@@ -136,9 +139,9 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                     outbox.put(("stopped", name))
                     return
                 if kind == "gen":
-                    submitted = time.perf_counter()
+                    mark = steps.mark()
                     eng.submit(cmd[1], cmd[2])
-                    steps.begin(cmd[1], submitted, time.perf_counter())
+                    steps.begin(cmd[1], mark, time.perf_counter())
                 elif kind == "publish":
                     start = time.monotonic()
                     pinned = cmd[3] if len(cmd) > 3 else True

@@ -377,26 +377,30 @@ def test_v1_cgroups_under_two_names_are_read_once_and_paths_outside_the_mount_sk
     assert cgroup_cpu_stat_paths(outside, cg) == []
 
 
-def _named_child(q):
+def _named_child(q, done):
     from real.workers import name_process
 
     ok = name_process("engine0")
     q.put((ok, Path("/proc/self/comm").read_text().strip()))
+    done.wait(60)
 
 
 @pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="Linux /proc only")
 def test_workers_name_their_process_so_the_monitor_tells_them_apart():
-    """real.workers.name_process: a spawned worker's comm becomes nodus-<name> (the host monitor's
-    description of it), where every spawned worker would otherwise read the same."""
+    """real.workers.name_process: a spawned worker's comm becomes nodus-<name>, and the host
+    monitor's description of it says so (every spawned worker would otherwise read the same)."""
     import multiprocessing as mp
 
     from nodus.hostmon import describe_process
 
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_named_child, args=(q,))
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_named_child, args=(q, done))
     p.start()
-    ok, comm = q.get(timeout=60)
-    p.join(60)
-    assert ok and comm == "nodus-engine0"
-    assert describe_process(Path("/proc"), os.getpid()).split(":")[0] != "nodus-engine0"  # the parent keeps its name
+    try:
+        ok, comm = q.get(timeout=60)
+        assert ok and comm == "nodus-engine0"
+        assert describe_process(Path("/proc"), p.pid).startswith("nodus-engine0: ")
+    finally:
+        done.set()
+        p.join(60)

@@ -691,10 +691,10 @@ def test_engine_step_figures_reach_the_validated_rows_and_the_correlates(tmp_pat
     without them has none, and error_correlates sets the mean step against the error."""
     from calibration.validate import error_correlates, run_engine_steps, validate
 
-    def es(gens, steps, mean_ms, lo, hi, between, gc):
+    def es(gens, steps, mean_ms, lo, hi, between, gc, collect=0.02):
         return {"summary": {"generations": gens, "steps": steps, "mean_step_ms": mean_ms,
                             "step_ms_per_generation": {"min": lo, "median": mean_ms, "max": hi},
-                            "between_share": between, "gc_share": gc}, "generations": []}
+                            "between_share": between, "collect_share": collect, "gc_share": gc}, "generations": []}
 
     two = {"diagnostics": [{"engine_steps": es(4, 300, 4.0, 3.5, 5.0, 0.05, 0.001)},
                            {"engine_steps": es(2, 100, 8.0, 7.0, 9.0, 0.10, 0.002)}, {}]}
@@ -703,6 +703,7 @@ def test_engine_step_figures_reach_the_validated_rows_and_the_correlates(tmp_pat
     assert got["mean_step_ms"] == pytest.approx(5.0)  # (300 x 4 + 100 x 8) / 400
     assert got["step_ms_spread"] == pytest.approx(9.0 / 3.5)
     assert got["between_share"] == pytest.approx(0.10) and got["gc_share"] == pytest.approx(0.002)
+    assert got["collect_share"] == pytest.approx(0.02)
     no_totals = {"diagnostics": [{"engine_steps": {"summary": {"generations": 2, "step_ms_per_generation": {
         "min": 4.0, "median": 5.0, "max": 6.0}, "step_max_ms": 9.0}}}]}  # records without cumulative totals
     assert run_engine_steps(no_totals)["mean_step_ms"] is None and run_engine_steps(no_totals)["step_ms_spread"] == 1.5
