@@ -130,7 +130,8 @@ class EngineStepStats:
             rec["step_max_s"] = max(rec["step_max_s"], dt)
             rec["between_s"] += max(0.0, start - since)
             rec["collect_s"] += collect
-        self.total["between_s"] += max(0.0, start - (self._opened if self._last_end is None else self._last_end))
+        prev = self._opened if self._last_end is None else self._last_end
+        self.total["between_s"] += max(0.0, start - prev)
         self.total["steps"] += 1
         self.total["step_s"] += dt
         self.total["collect_s"] += collect
