@@ -167,9 +167,9 @@ def summarise_generations(records: list[dict]) -> dict:
     ``stack``): per generation, the mean step's spread in ms (min, median, max) and the longest
     step; per engine (each step counted once: the worker's totals, which grow only in busy periods,
     from the first generation's begin to the last one's finish, summed over stacks), the steps, the
-    mean step in ms, and the shares of its busy time in steps, between steps (submits included) and collecting results, and in garbage
-    collection (inside the others; idle gaps between busy periods are in none of them). Records
-    without steps are left out; none: {"generations": 0}."""
+    mean step in ms, and the shares of its busy time in steps, between steps (submits included),
+    collecting results and in garbage collection (inside the others; idle gaps between busy periods
+    are in none of them). Records without steps are left out; none: {"generations": 0}."""
     recs = [r for r in records if r and r.get("steps")]
     if not recs:
         return {"generations": 0}
