@@ -17,13 +17,13 @@ how many samples).
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
-import threading
 import time
 
 import numpy as np
+
+from nodus.monitor import SamplingMonitor
 
 # The clock event ("throttle") reasons NVML reports as a bitmask, by the short name the summary
 # uses: pynvml's constant suffix (``nvmlClocksEventReason*`` since NVML 12, before that
@@ -110,40 +110,35 @@ def reason_bits(nv) -> dict[str, int]:
     return out
 
 
-class GpuMonitor:
+class GpuMonitor(SamplingMonitor):
     """Samples the run's GPUs every ``interval_s`` in a daemon thread between `start` and `stop`.
     A sample is 7 NVML calls per GPU (tens of microseconds each): at the default 0.2 s, well under
     1 ms of the controller's time a second."""
 
+    thread_name = "nodus-gpumon"
+
     def __init__(self, n_gpus: int = 1, interval_s: float = 0.2):
-        self.n_gpus, self.interval_s = n_gpus, interval_s
-        self._thread: threading.Thread | None = None
-        self._halt = threading.Event()
-        self._lock = threading.Lock()
+        super().__init__(interval_s)
+        self.n_gpus = n_gpus
         self._samples: dict[int, list[tuple]] = {}  # per NVML index: (sm, mem MHz, W, limit W, C, util %, reasons)
         self._static: dict[int, dict] = {}
-        self._why: str | None = None  # set: no figures, and why
-        self._stopped: str | None = None  # set: sampling ended early in the thread, and why
-        self._result: dict | None = None
         self._t0 = self._t1 = None
 
-    def start(self) -> GpuMonitor:
-        """Initialise NVML and start sampling; on any failure, record why and sample nothing."""
-        if self._thread is not None or self._result is not None:
-            return self
+    def _begin(self) -> None:
+        """Initialise NVML and take the first sample; on any failure, record why."""
         if self.n_gpus < 1:
             self._why = "the run uses no GPU"
-            return self
+            return
         nv = load_pynvml()
         if isinstance(nv, str):
             self._why = nv
-            return self
+            return
         self._nv = nv
         try:
             nv.nvmlInit()
         except Exception as e:  # noqa: BLE001 - no driver
             self._why = f"nvmlInit failed ({type(e).__name__}: {e})"
-            return self
+            return
         self._sm = getattr(nv, "NVML_CLOCK_SM", NVML_CLOCK_SM)
         self._mem = getattr(nv, "NVML_CLOCK_MEM", NVML_CLOCK_MEM)
         self._temp = getattr(nv, "NVML_TEMPERATURE_GPU", NVML_TEMPERATURE_GPU)
@@ -158,12 +153,9 @@ class GpuMonitor:
             self._sample()  # one at once: a query the GPU does not answer fails here, not in the thread
         except Exception as e:  # noqa: BLE001 - a bad index, an unsupported query
             self._why = self._failure(e)
-            self._shutdown()
-            return self
+            self._release()
+            return
         self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name="nodus-gpumon", daemon=True)
-        self._thread.start()
-        return self
 
     def _sample(self) -> None:
         nv = self._nv
@@ -175,54 +167,35 @@ class GpuMonitor:
             with self._lock:
                 self._samples[i].append(row)
 
-    def _loop(self) -> None:
-        while not self._halt.wait(self.interval_s):
-            try:
-                self._sample()
-            except Exception as e:  # noqa: BLE001 - the driver stopped answering: stop sampling
-                # The samples so far stand; the summary says where and why sampling ended.
-                self._stopped = self._failure(e)
-                self._t1 = time.monotonic()  # the figures cover the window up to here
-                return
-
     def _failure(self, e: Exception) -> str:
         n = max((len(s) for s in self._samples.values()), default=0)
         return f"NVML call failed after {n} samples ({type(e).__name__}: {e})"
 
-    def _shutdown(self) -> None:
+    def _after_join(self, alive: bool) -> None:
+        # The figures cover the window up to the thread's failure, else up to the stop; a hung
+        # NVML call keeps the library it is in (the base releases it only once the thread ended).
+        self._t1 = self._stopped_s or time.monotonic()
+        super()._after_join(alive)
+
+    def _release(self) -> None:
         try:
             self._nv.nvmlShutdown()
         except Exception:  # noqa: BLE001 - shutting down what failed
             pass
 
-    def stop(self) -> dict:
-        """Stop sampling and summarise (the same summary on every later call): per GPU (NVML index),
-        the samples, SM clock (mean, min, 10th percentile) against its maximum, memory clock,
-        power against the enforced limit, temperature, utilisation, the fraction of samples above
-        ``BUSY_UTIL_PCT`` utilisation and their mean SM clock (the clock the kernels ran at), and
-        per clock event reason seen the fraction of samples it was active in. Without figures:
-        ``{"available": False, "why": ...}``."""
-        if self._result is not None:
-            return copy.deepcopy(self._result)
-        self._halt.set()
-        if self._thread is not None:
-            self._thread.join(timeout=max(1.0, 5 * self.interval_s))
-            self._t1 = self._t1 or time.monotonic()
-            if not self._thread.is_alive():  # a hung NVML call keeps the library it is in
-                self._shutdown()
-        if self._thread is None and self._why is None:
-            self._why = "never started"
-        if self._why is not None:
-            self._result = {"available": False, "why": self._why}
-        else:
-            with self._lock:
-                samples = {i: list(s) for i, s in self._samples.items()}
-            self._result = {"available": True, "interval_s": self.interval_s,
-                            "seconds": (self._t1 or 0.0) - (self._t0 or 0.0),
-                            **({"stopped_early": self._stopped} if self._stopped else {}),
-                            "gpus": {str(i): summarise(s, self._static[i]["max_sm_clock_mhz"], self._bits)
-                                     for i, s in samples.items()}}
-        return copy.deepcopy(self._result)
+    def _summary(self) -> dict:
+        """Per GPU (NVML index): the samples, SM clock (mean, min, 10th percentile) against its
+        maximum, memory clock, power against the enforced limit, temperature, utilisation, the
+        fraction of samples above ``BUSY_UTIL_PCT`` utilisation and their mean SM clock (the clock
+        the kernels ran at), and per clock event reason seen the fraction of samples it was active
+        in; the window's ``seconds`` and ``stopped_early`` where the thread's sampling failed."""
+        with self._lock:
+            samples = {i: list(s) for i, s in self._samples.items()}
+        return {"available": True, "interval_s": self.interval_s,
+                "seconds": (self._t1 or 0.0) - (self._t0 or 0.0),
+                **({"stopped_early": self._stopped} if self._stopped else {}),
+                "gpus": {str(i): summarise(s, self._static[i]["max_sm_clock_mhz"], self._bits)
+                         for i, s in samples.items()}}
 
 
 def summarise(samples: list[tuple], max_sm_clock_mhz: float, bits: dict[str, int]) -> dict:

@@ -28,13 +28,13 @@ cannot be read leaves out the throttling figures and says why (``cgroup_error``)
 
 from __future__ import annotations
 
-import copy
 import os
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from nodus.monitor import SamplingMonitor
 
 # /proc/stat's aggregate cpu line, in order (USER_HZ ticks); guest time is already in user.
 STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -238,7 +238,7 @@ def read_cgroup_cpu(path: Path) -> dict[str, float]:
             "throttled_s": throttled}
 
 
-class HostMonitor:
+class HostMonitor(SamplingMonitor):
     """Samples the host every ``interval_s`` in a daemon thread between `start` and `stop`: the
     run's CPUs' times, the run queue and the cores' clock (a few small /proc reads, well under
     1 ms). The run's process tree (the calling process and its descendants), its threads and its
@@ -247,24 +247,20 @@ class HostMonitor:
     line, read at the stop, else at the start). A process of the tree that exits inside the window
     is not counted."""
 
+    thread_name = "nodus-hostmon"
+
     def __init__(self, interval_s: float = 0.5, root_pid: int | None = None, proc: str = "/proc",
                  sys_cgroup: str = "/sys/fs/cgroup", cpus: list[int] | None = None):
         """``cpus``: the CPUs whose /proc/stat lines count (default this process's affinity; ``[]``:
         the aggregate line)."""
-        self.interval_s = interval_s
+        super().__init__(interval_s)
         self.root_pid = root_pid or os.getpid()
         self.proc, self.sys_cgroup = Path(proc), Path(sys_cgroup)
-        self._thread: threading.Thread | None = None
-        self._halt = threading.Event()
-        self._lock = threading.Lock()
         self._samples: list[tuple] = []  # (monotonic s, cpu times, procs_running, MHz)
         self._cpus = run_cpus() if cpus is None else list(cpus)
         self._cg_paths: list[Path] = []
         self._cg0: dict[Path, dict] = {}
         self._cg_error: str | None = None
-        self._why: str | None = None
-        self._stopped: str | None = None
-        self._result: dict | None = None
 
     def _tree(self) -> tuple[dict, dict, dict]:
         """The tree's per-process ticks, per-thread names and ticks, and process descriptions."""
@@ -277,10 +273,9 @@ class HostMonitor:
         with self._lock:
             self._samples.append(row)
 
-    def start(self) -> HostMonitor:
-        if self._thread is not None or self._result is not None:
-            return self
-        self._why = None
+    def _begin(self) -> None:
+        """Which /proc/stat lines count (chosen once, here), a first sample and the tree's start
+        read; then the cgroups' counters, whose failure leaves out the throttling figures alone."""
         try:
             if self._cpus:  # the run's CPUs' lines where /proc/stat lists them all, else the aggregate
                 try:
@@ -291,35 +286,21 @@ class HostMonitor:
             self._tree0 = self._tree()
         except Exception as e:  # noqa: BLE001 - no /proc (not Linux), an unreadable file
             self._why = f"cannot read the host's CPU state ({type(e).__name__}: {e})"
-            return self
+            return
         try:  # the throttling figures alone depend on it: a failure leaves them out, and says why
             self._cg_paths = cgroup_cpu_stat_paths(self.proc, self.sys_cgroup, self.root_pid)
             self._cg0 = {p: read_cgroup_cpu(p) for p in self._cg_paths}
         except Exception as e:  # noqa: BLE001
             self._cg_paths, self._cg_error = [], f"cgroup cpu.stat unreadable ({type(e).__name__}: {e})"
-        thread = threading.Thread(target=self._loop, name="nodus-hostmon", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError as e:  # no thread to be had: no figures, and why
-            self._why = f"cannot start the sampling thread ({e})"
-            return self
-        self._thread = thread
-        return self
 
-    def _loop(self) -> None:
-        while not self._halt.wait(self.interval_s):
-            try:
-                self._sample()
-            except Exception as e:  # noqa: BLE001 - stop sampling; the samples so far stand
-                self._stopped = f"a /proc read failed after {len(self._samples)} samples ({type(e).__name__}: {e})"
-                return
+    def _failure(self, e: Exception) -> str:
+        return f"a /proc read failed after {len(self._samples)} samples ({type(e).__name__}: {e})"
 
-    def stop(self) -> dict:
-        """Stop and summarise (the same summary on every later call). Without figures:
-        ``{"available": False, "why": ...}``. With them: the window's seconds, ``cpus`` (the run's
-        CPUs, or the host's logical cores where /proc/stat is read whole: ``cpu_lines``);
-        ``cores_busy`` (everything on those CPUs), ``run_cores`` (the run's process tree),
-        ``other_cores`` (the difference), ``steal_cores``, each in cores over the window;
+    def _summary(self) -> dict:
+        """With the end's reads (a last sample, the tree, the cgroups): the window's seconds,
+        ``cpus`` (the run's CPUs, or the host's logical cores where /proc/stat is read whole:
+        ``cpu_lines``); ``cores_busy`` (everything on those CPUs), ``run_cores`` (the run's process
+        tree), ``other_cores`` (the difference), ``steal_cores``, each in cores over the window;
         ``steal_frac`` (of the time the CPUs wanted: busy + stolen) and ``iowait_frac`` (of all
         their time); the busiest thread (name, share of one core, pid, tid, its process) and the
         run's processes using the most cores (``summarise``); the run queue (mean, max); the
@@ -327,16 +308,6 @@ class HostMonitor:
         throttled in the largest share of its periods (its cpu.stat path, periods, throttled
         periods, their share, seconds); ``cgroup_error`` where a cgroup could not be read, and
         ``stopped_early`` where sampling ended before the stop."""
-        if self._result is not None:
-            return copy.deepcopy(self._result)
-        self._halt.set()
-        if self._thread is not None:
-            self._thread.join(timeout=max(1.0, 5 * self.interval_s))
-        if self._thread is None and self._why is None:
-            self._why = "never started"
-        if self._why is not None:
-            self._result = {"available": False, "why": self._why}
-            return copy.deepcopy(self._result)
         ends = {}
         if not self._stopped:
             try:
@@ -355,15 +326,15 @@ class HostMonitor:
         cpus = len(self._cpus) if self._cpus else (os.cpu_count() or 1)
         tree1 = ends.get("tree")
         described = {**self._tree0[2], **(tree1[2] if tree1 else {})}  # the end's where the process still lives
-        self._result = summarise(samples, self._tree0[:2], tree1[:2] if tree1 else None, cg,
-                                 os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, cpus, described)
-        self._result["cpu_lines"] = "affinity" if self._cpus else "aggregate"
-        self._result["interval_s"] = self.interval_s
+        out = summarise(samples, self._tree0[:2], tree1[:2] if tree1 else None, cg,
+                        os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, cpus, described)
+        out["cpu_lines"] = "affinity" if self._cpus else "aggregate"
+        out["interval_s"] = self.interval_s
         if self._cg_error:
-            self._result["cgroup_error"] = self._cg_error
+            out["cgroup_error"] = self._cg_error
         if self._stopped:
-            self._result["stopped_early"] = self._stopped
-        return copy.deepcopy(self._result)
+            out["stopped_early"] = self._stopped
+        return out
 
 
 def summarise(samples: list[tuple], tree0: tuple[dict, dict], tree1: tuple[dict, dict] | None,

@@ -157,6 +157,20 @@ def test_a_failing_call_ends_sampling_without_raising(monkeypatch):
     assert f"after {n} samples" in s["stopped_early"]
 
 
+def test_no_thread_to_be_had_says_why_releases_nvml_and_never_raises(monkeypatch):
+    nv = fake_pynvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    m = GpuMonitor(interval_s=3600).start()
+    assert m._thread is None and nv.shutdowns == [1]  # NVML released: no thread will sample with it
+    assert m.stop() == {"available": False, "why": "cannot start the sampling thread (can't start new thread)"}
+    assert m.stop()["why"].startswith("cannot start") and nv.shutdowns == [1]
+
+
 def test_without_nvidia_ml_py_the_copy_vllm_ships_is_used(monkeypatch):
     """The H200 device bundle has vLLM's vendored pynvml and no nvidia-ml-py."""
     nv = fake_pynvml()
