@@ -235,6 +235,26 @@ def make_random_model(path: Path, shape: str) -> Path:
     return path
 
 
+def state_text(summary: dict) -> str:
+    """What a run recorded of its engine and host, for its progress line: the mean engine step and
+    its spread across generations, the share of the engines' busy time in GC, and the busiest
+    thread's share of a core and its process's name ('' for a run without them)."""
+    from calibration.validate import run_engine_steps, run_host_monitor
+
+    out = ""
+    es = run_engine_steps(summary)
+    if es and es.get("mean_step_ms") is not None:
+        out += f", engine step {es['mean_step_ms']:.2f} ms"
+        if es.get("step_ms_spread"):
+            out += f" (generations {es['step_ms_spread']:.2f}x apart"
+            out += f", GC {es['gc_share']:.1%})" if es.get("gc_share") is not None else ")"
+    busiest = (run_host_monitor(summary) or {}).get("busiest_thread") or {}
+    if busiest.get("core_frac") is not None:
+        where = (busiest.get("process") or busiest.get("name") or "?").split(":")[0]
+        out += f", busiest thread {busiest['core_frac']:.0%} of a core ({where})"
+    return out
+
+
 def _options(args, engine_env, engine_args=()):
     from real.backend import RealOptions
 
@@ -515,7 +535,7 @@ def main() -> None:
                 }
                 print(f"[{time.monotonic() - t_all:6.1f}s] {key} seed {seed}: "
                       f"{summary['steps_per_gpu_hour']:.0f} steps/GPU-h (sim {pred['steps_per_gpu_hour']:.0f}), "
-                      f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s"
+                      f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s" + state_text(summary)
                       + (f", JIT compiles {len(jit)} ({', '.join(sorted(set(jit)))})" if jit else ""),
                       flush=True)
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))

@@ -176,3 +176,20 @@ def test_an_arms_ratio_is_over_the_dedicated_run_of_its_own_trainer():
     assert dedicated_key("overlap+mps-cg-gm1024-lowpri-j16", keys) is None
     assert dedicated_key("dedicated-cg", keys) == "dedicated-cg"
     assert dedicated_key("overlap+mps-cg", ["dedicated-aa", "dedicated-gm1024"]) is None
+
+
+def test_a_runs_progress_line_names_its_engine_step_and_busiest_thread():
+    """gpu_arms' progress line: the engine step figures and the busiest thread's process, from the
+    run's diagnostics; nothing for a run without them."""
+    from experiments.gpu_arms import state_text
+
+    summary = {"diagnostics": [{
+        "engine_steps": {"summary": {"generations": 4, "steps": 400, "mean_step_ms": 4.6,
+                                     "step_ms_per_generation": {"min": 3.2, "median": 4.6, "max": 5.1},
+                                     "between_share": 0.1, "collect_share": 0.05, "gc_share": 0.012}},
+        "host_monitor": {"available": True, "cores_busy": 7.3, "run_cores": 7.2, "other_cores": 0.05,
+                         "steal_frac": 0.001, "busiest_thread": {"name": "python", "core_frac": 0.915, "pid": 7,
+                                                                 "tid": 9, "process": "nodus-engine0: python -c x"}}}]}
+    assert state_text(summary) == (", engine step 4.60 ms (generations 1.59x apart, GC 1.2%), "
+                                   "busiest thread 92% of a core (nodus-engine0)")
+    assert state_text({"diagnostics": [{}]}) == ""
