@@ -613,6 +613,12 @@ def gpu_text(flags: dict) -> str:
     return head + f"No run on a slowed GPU ({rule})." + tail
 
 
+def _extreme(items: list[dict], get, f=max) -> float | None:
+    """``f`` (max or min) of ``get(item)`` over the items that have it; None where none does."""
+    vals = [v for v in (get(m) for m in items) if v is not None]
+    return float(f(vals)) if vals else None
+
+
 def run_host_monitor(summary: dict) -> dict | None:
     """The most contended host state a run's host monitors recorded (``nodus.hostmon``, one per GPU's
     run): the largest steal share, cgroup-throttled share and other processes' cores, the lowest
@@ -627,8 +633,7 @@ def run_host_monitor(summary: dict) -> dict | None:
         return {"available": False, "why": "; ".join(sorted({str(m.get("why", "an empty window")) for m in mons}))}
 
     def top(key, f=max):
-        vals = [v for v in (key(m) for m in ok) if v is not None]
-        return float(f(vals)) if vals else None
+        return _extreme(ok, key, f)
 
     busiest = max((m["busiest_thread"] for m in ok if m.get("busiest_thread")), key=lambda b: b["core_frac"],
                   default=None)
@@ -646,8 +651,8 @@ def run_engine_steps(summary: dict) -> dict | None:
     """A run's engine step figures (``real.stepstats``, ``diagnostics[].engine_steps``; one per
     GPU's run): the mean engine step in ms (each step counted once, weighted by steps across GPUs),
     the slowest generation's mean step over the fastest's, and the largest shares of the engines'
-    busy time between steps, collecting results and in garbage collection; None for a run without them (recorded before
-    session 28) or with no generation."""
+    busy time between steps, collecting results and in garbage collection; None for a run without
+    them (recorded before session 28) or with no generation."""
     sums = [d["engine_steps"]["summary"] for d in summary.get("diagnostics", [])
             if isinstance(d.get("engine_steps"), dict) and (d["engine_steps"].get("summary") or {}).get("generations")]
     if not sums:
@@ -657,8 +662,7 @@ def run_engine_steps(summary: dict) -> dict | None:
     steps = sum(x["steps"] for x in counted)
 
     def top(key):
-        vals = [x[key] for x in sums if x.get(key) is not None]
-        return float(max(vals)) if vals else None
+        return _extreme(sums, lambda x: x.get(key))
 
     lo = min(p["min"] for p in per)
     return {"generations": sum(x["generations"] for x in sums), "steps": steps,
@@ -767,29 +771,30 @@ def host_monitor_text(flags: dict) -> str:
 # What a run recorded of its own state: key -> (label, the figure from a validated row, None where
 # the run lacks it). `error_correlates` sets each against the simulator's error. The host monitor's
 # figures are a run's most contended monitor's (`run_host_monitor`), the GPU's sample-weighted.
+def _figure(section: str, key: str):
+    """A validated row's ``row[section][key]`` (None where the run lacks either)."""
+    return lambda r: (r.get(section) or {}).get(key)
+
+
 RUN_STATE = {
-    "gpu_busy_share": ("GPU busy share (samples over 50% utilisation)",
-                       lambda r: (r.get("gpu_monitor") or {}).get("busy_fraction")),
-    "gpu_util": ("GPU utilisation", lambda r: (r.get("gpu_monitor") or {}).get("util_pct")),
-    "probe_loop_s": ("host probe loop s", lambda r: (r.get("host_probe") or {}).get("cpu_loop_s")),
-    "probe_file_s": ("host probe file s", lambda r: (r.get("host_probe") or {}).get("file_rw_s")),
-    "run_cores": ("run's cores (its largest monitor's)", lambda r: (r.get("host_monitor") or {}).get("run_cores")),
+    "gpu_busy_share": ("GPU busy share (samples over 50% utilisation)", _figure("gpu_monitor", "busy_fraction")),
+    "gpu_util": ("GPU utilisation", _figure("gpu_monitor", "util_pct")),
+    "probe_loop_s": ("host probe loop s", _figure("host_probe", "cpu_loop_s")),
+    "probe_file_s": ("host probe file s", _figure("host_probe", "file_rw_s")),
+    "run_cores": ("run's cores (its largest monitor's)", _figure("host_monitor", "run_cores")),
     "busiest_thread": ("busiest thread's core share",
                        lambda r: ((r.get("host_monitor") or {}).get("busiest_thread") or {}).get("core_frac")),
-    "other_cores": ("other processes' cores", lambda r: (r.get("host_monitor") or {}).get("other_cores")),
-    "steal": ("steal share", lambda r: (r.get("host_monitor") or {}).get("steal_frac")),
-    "cgroup_throttled": ("cgroup throttled share",
-                         lambda r: (r.get("host_monitor") or {}).get("cgroup_throttled_frac")),
-    "cpu_mhz": ("core clock", lambda r: (r.get("host_monitor") or {}).get("cpu_mhz")),
-    "engine_step_ms": ("engine's mean step ms", lambda r: (r.get("engine_steps") or {}).get("mean_step_ms")),
+    "other_cores": ("other processes' cores", _figure("host_monitor", "other_cores")),
+    "steal": ("steal share", _figure("host_monitor", "steal_frac")),
+    "cgroup_throttled": ("cgroup throttled share", _figure("host_monitor", "cgroup_throttled_frac")),
+    "cpu_mhz": ("core clock", _figure("host_monitor", "cpu_mhz")),
+    "engine_step_ms": ("engine's mean step ms", _figure("engine_steps", "mean_step_ms")),
     "engine_step_spread": ("engine step spread (slowest generation's mean step over the fastest's)",
-                           lambda r: (r.get("engine_steps") or {}).get("step_ms_spread")),
+                           _figure("engine_steps", "step_ms_spread")),
     "engine_between": ("share of the engines' busy time between steps (submits included)",
-                       lambda r: (r.get("engine_steps") or {}).get("between_share")),
-    "engine_collect": ("share of the engines' busy time collecting results",
-                       lambda r: (r.get("engine_steps") or {}).get("collect_share")),
-    "engine_gc": ("share of the engines' busy time in GC",
-                  lambda r: (r.get("engine_steps") or {}).get("gc_share")),
+                       _figure("engine_steps", "between_share")),
+    "engine_collect": ("share of the engines' busy time collecting results", _figure("engine_steps", "collect_share")),
+    "engine_gc": ("share of the engines' busy time in GC", _figure("engine_steps", "gc_share")),
 }
 MIN_CORRELATE_RUNS = 5  # runs (with at least 3 distinct values) before a figure's correlation is reported
 PERMUTATIONS = 20000  # for the permutation p-value of each r (seeded: a report regenerates the same)
