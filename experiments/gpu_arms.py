@@ -109,8 +109,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     (None, the default True, unless asked; `free`: the trainer takes the next train while the engine
     loads the last adapters). The last field: this arm's trainer settings over the command line's
     (`cg` / `nocg`: --trainer-graphs on / off; `lowpri`: MPS client priority below-normal; `tN`: the
-    trainer's MPS active thread percentage): arms that differ only in these share the engines, and
-    only the trainer processes restart between them; and `aN`, the logprob audit every N-th step of
+    trainer's MPS active thread percentage; `cpuN`: torch's CPU threads in the trainer): arms that
+    differ only in these share the engines, and only the trainer processes restart between them; and
+    `aN`, the logprob audit every N-th step of
     each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, and `np`, the
     engine's adapter loads into pageable host memory (settings of the run loop only: no process
     restarts)."""
@@ -132,6 +133,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             trainer["trainer_graphs"] = o == "cg"
         elif o == "lowpri":
             trainer["trainer_priority"] = "below-normal"
+        elif re.fullmatch(r"cpu[1-9][0-9]*", o):
+            trainer["trainer_cpu_threads"] = int(o[3:])
         elif len(o) > 1 and o[0] == "t" and o[1:].isdigit() and 1 <= int(o[1:]) <= 100:
             trainer["trainer_thread_pct"] = int(o[1:])
         elif len(o) > 1 and o[0] == "a" and o[1:].isdigit():
@@ -159,9 +162,10 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             raise SystemExit(f"--arms {text!r}: {o!r} is not jN (job count), gG (groups), sN (seed), "
                              "mN (trainer micro-batch tokens, >= 256), wait or free (trainer waits for each publish, the "
                              "default, or takes the next train at once), cg or nocg (trainer graphs), lowpri (trainer "
-                             "at below-normal MPS priority), tN (trainer MPS thread percentage, 1-100), aN "
-                             "(the engine's logprobs audited every N-th step; a0: never), rK (the first K "
-                             "responses of each prompt audited), np (published adapters loaded unpinned) or spK "
+                             "at below-normal MPS priority), cpuN (torch's CPU threads in the trainer), tN (trainer "
+                             "MPS thread percentage, 1-100), aN (the engine's logprobs audited every N-th step; a0: "
+                             "never), rK (the first K responses of each prompt audited), np (published adapters "
+                             "loaded unpinned) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
     return name, jobs, groups, seeds, mb, wait, trainer
 
@@ -263,7 +267,8 @@ def _options(args, engine_env, engine_args=()):
                        audit_responses=args.audit_responses,
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
                        engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
-                       engine_env=engine_env, engine_args=tuple(engine_args),
+                       trainer_cpu_threads=args.trainer_cpu_threads, engine_env=engine_env,
+                       engine_args=tuple(engine_args),
                        tuned_lora_kernels=args.tuned_lora_kernels, engine_core_process=args.engine_core_process,
                        trainer_compile=args.trainer_compile, trainer_graphs=args.trainer_graphs,
                        evaluate=args.mode == "tasks",
@@ -308,6 +313,8 @@ def main() -> None:
                     help="MPS active thread percentage of the engine (MPS arms; run keys get -e<pct>)")
     ap.add_argument("--trainer-thread-pct", type=int, default=None,
                     help="MPS active thread percentage of the trainer (MPS arms; run keys get -t<pct>)")
+    ap.add_argument("--trainer-cpu-threads", type=int, default=None, metavar="N",
+                    help="torch's CPU threads in each trainer process (run keys get -cpu<N>; an arm's :cpuN wins)")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
     ap.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -419,7 +426,8 @@ def main() -> None:
                      "engine_core_process": args.engine_core_process,
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
                      "engine_thread_pct": args.engine_thread_pct, "trainer_thread_pct": args.trainer_thread_pct,
-                     "engine_env": args.engine_env, "tuned_lora_kernels": args.tuned_lora_kernels,
+                     "trainer_cpu_threads": args.trainer_cpu_threads, "engine_env": args.engine_env,
+                     "tuned_lora_kernels": args.tuned_lora_kernels,
                      "share_prompts": args.share_prompts, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
     # Every job's adapter stays loaded, for the largest arm too: no arm needs a new engine for that.
@@ -465,6 +473,7 @@ def main() -> None:
                     variant += "-lowpri" if arm_opts.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""
                     variant += f"-t{arm_opts.trainer_thread_pct}" if arm_opts.trainer_thread_pct else ""
+                variant += f"-cpu{arm_opts.trainer_cpu_threads}" if arm_opts.trainer_cpu_threads else ""
                 # The audit away from its default (every step): the engine returns logprobs less often.
                 if not arm_opts.audit_logprobs:
                     variant += "-noaudit"

@@ -151,6 +151,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                            audit_logprobs=not a.no_audit, audit_every=a.audit_every,
                            audit_responses=a.audit_responses, engine_thread_pct=a.engine_thread_pct,
                            trainer_thread_pct=a.trainer_thread_pct, trainer_priority=a.trainer_priority,
+                           trainer_cpu_threads=a.trainer_cpu_threads,
                            engine_env=tuple(env_pairs(a.engine_env)),
                            engine_args=tuple(engine_arg_pairs(a.engine_arg)),
                            checkpoint_dir=a.checkpoint_dir,
@@ -386,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-thread-pct", type=int, help="MPS active thread percentage of the trainer")
     p.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
                    help="MPS client priority of the trainer: below-normal lets the engine's kernels go first")
+    p.add_argument("--trainer-cpu-threads", type=int, metavar="N",
+                   help="torch's CPU threads in each trainer process (default: torch's, one per CPU)")
     p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the engine processes, e.g. "
                         "VLLM_TUNED_CONFIG_FOLDER=DIR (tuned multi-LoRA kernel configs); repeatable")

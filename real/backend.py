@@ -92,6 +92,11 @@ class RealOptions:
     # Each trainer micro-batch one CUDA graph replay (real/graphed.py; the masked layout; on a CPU
     # the same fixed-shape program without capture).
     trainer_graphs: bool = False
+    # torch's CPU threads (intra-op, OpenMP) in each trainer process. The trainer's CPU work is
+    # small (building micro-batches, scattering logprobs), yet with torch's default, one thread per
+    # CPU, a trainer beside a busy engine used 4.5-5.4 cores of 16 on the H200 host (session 28's
+    # host monitor) while the engine's own thread was at 85-91% of a core. None: torch's default.
+    trainer_cpu_threads: int | None = None
     start_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -123,6 +128,9 @@ class RealOptions:
         if self.audit_responses is not None and self.audit_responses < 1:
             raise ValueError(f"audit_responses={self.audit_responses}: audit the first N responses of each "
                              "prompt needs N >= 1 (None: every response; audit_logprobs=False: none)")
+        if self.trainer_cpu_threads is not None and self.trainer_cpu_threads < 1:
+            raise ValueError(f"trainer_cpu_threads={self.trainer_cpu_threads}: a trainer needs >= 1 CPU thread "
+                             "(None: torch's default)")
         for name in ("engine_thread_pct", "trainer_thread_pct"):
             pct = getattr(self, name)
             if pct is not None and not 1 <= pct <= 100:
@@ -189,7 +197,8 @@ def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
 
 
 # RealOptions fields only the trainer processes read: a change restarts the trainers, not the engines.
-TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", "lora_layout", "trainer_compile")
+TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", "lora_layout", "trainer_compile",
+                    "trainer_cpu_threads")
 # RealOptions fields only the run loop reads (what it asks of the processes per request): a change
 # keeps every process.
 RUN_SETTINGS = ("audit_logprobs", "audit_every", "audit_responses", "temperature", "seeded_sampling", "evaluate",
@@ -330,7 +339,7 @@ class Cluster:
 
         _, t_env = process_envs(opts, self._base_env)
         spec = TrainerSpec(**self._trainer_args, env=t_env, lora_layout=opts.lora_layout,
-                           compile_elementwise=opts.trainer_compile,
+                           compile_elementwise=opts.trainer_compile, cpu_threads=opts.trainer_cpu_threads,
                            step_mode=trainer_step_mode(opts.trainer_graphs, self.device))
         tin = self._ctx.Queue()
         return tin, self._ctx.Process(target=trainer_main, args=(spec, tin, self.outbox, f"trainer{stack}"),

@@ -72,6 +72,7 @@ class TrainerSpec:
     lora_layout: str = "masked"
     compile_elementwise: bool | None = None  # None: on a GPU
     step_mode: str = "eager"  # eager | graphed (CUDA graphs) | static (see MultiLoRATrainer)
+    cpu_threads: int | None = None  # torch's intra-op CPU threads (None: torch's default)
 
 
 def _apply_env(env: dict) -> None:
@@ -176,11 +177,14 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     ("warmup", tag, rank, rows, seq[, jobs[, share_prompts, packed_row_tokens]]);
     ("remove", tag, [job]); ("stop",)."""
     name_process(name)
-    _apply_env(spec.env)
+    _apply_env({**spec.env, **({"OMP_NUM_THREADS": spec.cpu_threads} if spec.cpu_threads else {})})
     try:
         import torch
 
         from real.fuse import compile_wanted, fuse_elementwise
+
+        if spec.cpu_threads:
+            torch.set_num_threads(spec.cpu_threads)
         from real.trainer import MultiLoRATrainer
 
         t0 = time.monotonic()
@@ -193,7 +197,8 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         # Adapters for the engine in the model's dtype: the engine casts them to it on load anyway
         # (the same rounding), and a bf16 file is half the bytes to write and read.
         save_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype), "step_mode": spec.step_mode}
+        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype), "step_mode": spec.step_mode,
+                "cpu_threads": torch.get_num_threads()}
         if compile_wanted(spec.compile_elementwise, trainer.device):
             info["compiled"] = fuse_elementwise(model)
         # NODUS_TRAINER_PROFILE=FILE: the NODUS_TRAINER_PROFILE_AT-th train command (default 3) runs

@@ -13,6 +13,11 @@ def test_arm_specs_name_their_own_job_count_and_groups():
     assert parse_arm("overlap+mps:m32768:s2") == ("overlap+mps", None, None, [2], 32768, None, {})
     assert parse_arm("overlap+mps:wait:s1") == ("overlap+mps", None, None, [1], None, True, {})
     assert parse_arm("overlap+mps:free") == ("overlap+mps", None, None, None, None, False, {})
+    # cpuN: torch's CPU threads in the arm's trainer (a trainer setting: the trainers restart).
+    assert parse_arm("overlap+mps:lowpri:cpu2:s1") == (
+        "overlap+mps", None, None, [1], None, None, {"trainer_priority": "below-normal", "trainer_cpu_threads": 2})
+    with pytest.raises(SystemExit, match="'cpu0' is not"):
+        parse_arm("overlap+mps:cpu0")
 
 
 def test_runs_on_an_engine_with_other_than_one_adapter_slot_per_job_are_named_so():

@@ -331,15 +331,17 @@ def test_timeslice_two_stacks_start_one_engine_at_a_time(timeslice_pool):
     assert s["steps"] == 2 and s["stale_rollouts"] == 0
 
 
-def test_trainer_compile_option_reaches_the_trainer_process(pool):
+def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     """--trainer-compile: the trainer process compiles its element-wise ops in the untimed warm-up
-    and the run goes on as usual (logprob audit inside the bf16/fp32 agreement)."""
-    s, _ = _pooled(pool, _small_cfg(1, 1), trainer_compile=True)
+    and the run goes on as usual (logprob audit inside the bf16/fp32 agreement);
+    --trainer-cpu-threads: torch in the trainer process runs that many CPU threads."""
+    s, _ = _pooled(pool, _small_cfg(1, 1), trainer_compile=True, trainer_cpu_threads=1)
     assert s["steps"] == 1 and s["stale_rollouts"] == 0
     audit = s["diagnostics"][0]["logprob_agreement"]
     assert audit and max(a["max_abs"] for a in audit) < 1e-3
     trainer = s["diagnostics"][0]["workers"]["trainer0"]
     assert trainer["lora_layout"] == "masked" and any("RMSNorm" in c for c in trainer["compiled"])
+    assert trainer["cpu_threads"] == 1
 
 
 def test_a_bad_trainer_profile_setting_is_a_clear_error(monkeypatch):
@@ -379,6 +381,8 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
         RealOptions(trainer_priority="high")
     with pytest.raises(ValueError, match="trainer_thread_pct=0"):
         RealOptions(trainer_thread_pct=0)
+    with pytest.raises(ValueError, match="trainer_cpu_threads=0: a trainer needs >= 1 CPU thread"):
+        RealOptions(trainer_cpu_threads=0)
 
 
 def test_a_trainer_setting_changed_between_runs_restarts_the_trainer_and_keeps_the_engine(timeslice_pool):
