@@ -109,7 +109,7 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     (None, the default True, unless asked; `free`: the trainer takes the next train while the engine
     loads the last adapters). The last field: this arm's trainer settings over the command line's
     (`cg` / `nocg`: --trainer-graphs on / off; `lowpri`: MPS client priority below-normal; `tN`: the
-    trainer's MPS active thread percentage; `cpuN`: torch's CPU threads in the trainer): arms that
+    trainer's MPS active thread percentage; `cpuN`: torch's CPU threads in the trainer, cpu0 torch's default): arms that
     differ only in these share the engines, and only the trainer processes restart between them; and
     `aN`, the logprob audit every N-th step of
     each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, and `np`, the
@@ -133,7 +133,7 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             trainer["trainer_graphs"] = o == "cg"
         elif o == "lowpri":
             trainer["trainer_priority"] = "below-normal"
-        elif re.fullmatch(r"cpu[1-9][0-9]*", o):
+        elif re.fullmatch(r"cpu(0|[1-9][0-9]*)", o):
             trainer["trainer_cpu_threads"] = int(o[3:])
         elif len(o) > 1 and o[0] == "t" and o[1:].isdigit() and 1 <= int(o[1:]) <= 100:
             trainer["trainer_thread_pct"] = int(o[1:])
@@ -314,7 +314,8 @@ def main() -> None:
     ap.add_argument("--trainer-thread-pct", type=int, default=None,
                     help="MPS active thread percentage of the trainer (MPS arms; run keys get -t<pct>)")
     ap.add_argument("--trainer-cpu-threads", type=int, default=None, metavar="N",
-                    help="torch's CPU threads in each trainer process (run keys get -cpu<N>; an arm's :cpuN wins)")
+                    help="torch's CPU threads in each trainer process (default: nodus's, 2 on a GPU; 0: torch's, one "
+                         "per CPU); run keys get -cpu<N> when capped; an arm's :cpuN wins")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
     ap.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -373,7 +374,7 @@ def main() -> None:
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm
     from nodus.simulate import config_from_args, simulate, write_run
-    from real.backend import RUN_SETTINGS
+    from real.backend import RUN_SETTINGS, run_device, trainer_cpu_threads
     from real.lora_kernels import ENV as LORA_CONFIG_ENV
 
     try:
@@ -473,7 +474,10 @@ def main() -> None:
                     variant += "-lowpri" if arm_opts.trainer_priority != "normal" else ""
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""
                     variant += f"-t{arm_opts.trainer_thread_pct}" if arm_opts.trainer_thread_pct else ""
-                variant += f"-cpu{arm_opts.trainer_cpu_threads}" if arm_opts.trainer_cpu_threads else ""
+                # The trainers' CPU threads when capped (nodus's default on a GPU since session 28, or
+                # asked); runs before it, and :cpu0, ran torch's default (one per CPU) and have no suffix.
+                cpu_threads = trainer_cpu_threads(arm_opts.trainer_cpu_threads, run_device(arm_opts))
+                variant += f"-cpu{cpu_threads}" if cpu_threads else ""
                 # The audit away from its default (every step): the engine returns logprobs less often.
                 if not arm_opts.audit_logprobs:
                     variant += "-noaudit"

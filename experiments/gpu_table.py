@@ -62,6 +62,7 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     LoRA kernel configs in the engine (real/lora_kernels.py); +ee: other engine environment
     variables; +a0 / +aN / +rK / +aNrK: the engine's logprobs never / every N-th step / for the first K
     responses of each prompt / both (--no-audit, --audit-every, --audit-responses);
+    +cpu<N>: torch's CPU threads in the trainer processes capped at N (RealOptions.trainer_cpu_threads);
     +np: the engine loaded published adapters into pageable host memory; +sp<K>: the trainer packed
     each prompt's responses K to a row (trainer.share_prompts); +freed: the trainer took
     the next train while
@@ -94,6 +95,13 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+eager"  # the trainer ran without its compiled element-wise ops
     if any(w.get("step_mode") == "graphed" for w in workers):
         label += "+cg"  # each trainer micro-batch one CUDA graph replay (--trainer-graphs)
+    # The trainers' torch CPU threads when capped below the host's CPUs. A trainer records None on
+    # torch's own count; the first runs to record the field (session 28's call c) recorded that
+    # count itself, the host's CPUs.
+    cpus = next((d["host"].get("cpus") for d in (summary or {}).get("diagnostics", []) if d.get("host")), None)
+    capped = {w["cpu_threads"] for w in workers if w.get("cpu_threads") and (not cpus or w["cpu_threads"] < cpus)}
+    if capped:
+        label += f"+cpu{max(capped)}"
     if run.get("engine_core_process"):
         label += "+ep"  # vLLM's engine core in a process of its own (--engine-core-process)
     if run.get("cuda_graph_max_tokens"):

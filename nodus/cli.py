@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-priority", default="normal", choices=("normal", "below-normal"),
                    help="MPS client priority of the trainer: below-normal lets the engine's kernels go first")
     p.add_argument("--trainer-cpu-threads", type=int, metavar="N",
-                   help="torch's CPU threads in each trainer process (default: torch's, one per CPU)")
+                   help="torch's CPU threads in each trainer process (default: 2 for a trainer on a GPU, torch's "
+                        "own for one on the CPU; 0: torch's own, one per CPU)")
     p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the engine processes, e.g. "
                         "VLLM_TUNED_CONFIG_FOLDER=DIR (tuned multi-LoRA kernel configs); repeatable")

@@ -92,10 +92,9 @@ class RealOptions:
     # Each trainer micro-batch one CUDA graph replay (real/graphed.py; the masked layout; on a CPU
     # the same fixed-shape program without capture).
     trainer_graphs: bool = False
-    # torch's CPU threads (intra-op, OpenMP) in each trainer process. The trainer's CPU work is
-    # small (building micro-batches, scattering logprobs), yet with torch's default, one thread per
-    # CPU, a trainer beside a busy engine used 4.5-5.4 cores of 16 on the H200 host (session 28's
-    # host monitor) while the engine's own thread was at 85-91% of a core. None: torch's default.
+    # torch's CPU threads (intra-op, OpenMP) in each trainer process. None: AUTO_TRAINER_CPU_THREADS
+    # for a trainer on a GPU, torch's default (one per CPU) for one on the CPU, which computes there;
+    # 0: torch's default everywhere.
     trainer_cpu_threads: int | None = None
     start_timeout_s: float = 900.0
 
@@ -128,9 +127,9 @@ class RealOptions:
         if self.audit_responses is not None and self.audit_responses < 1:
             raise ValueError(f"audit_responses={self.audit_responses}: audit the first N responses of each "
                              "prompt needs N >= 1 (None: every response; audit_logprobs=False: none)")
-        if self.trainer_cpu_threads is not None and self.trainer_cpu_threads < 1:
-            raise ValueError(f"trainer_cpu_threads={self.trainer_cpu_threads}: a trainer needs >= 1 CPU thread "
-                             "(None: torch's default)")
+        if self.trainer_cpu_threads is not None and self.trainer_cpu_threads < 0:
+            raise ValueError(f"trainer_cpu_threads={self.trainer_cpu_threads}: a thread count >= 1, 0 for torch's "
+                             "default (one per CPU), or None for nodus's (AUTO_TRAINER_CPU_THREADS on a GPU)")
         for name in ("engine_thread_pct", "trainer_thread_pct"):
             pct = getattr(self, name)
             if pct is not None and not 1 <= pct <= 100:
@@ -225,6 +224,22 @@ def check_run_settings(cfg: RunConfig, opts: RealOptions) -> None:
             "uncaptured program), or set share_prompts to 0")
 
 
+# A GPU trainer's CPU work is small (micro-batches built in numpy, logprobs scattered back), but
+# torch's default of one intra-op thread per CPU makes each small CPU op a fork-join over every
+# CPU. On the H200 host (16 cores, session 28), 8 jobs overlap + MPS with packed rows: with 16
+# threads the trainer process used 7.1 cores and its train step took 2.05 s; with 2 threads, 0.46
+# cores and 1.02 s.
+AUTO_TRAINER_CPU_THREADS = 2
+
+
+def trainer_cpu_threads(setting: int | None, device: str) -> int | None:
+    """The trainer processes' torch CPU threads for RealOptions.trainer_cpu_threads on ``device``
+    (None: leave torch's default)."""
+    if setting is None:
+        return AUTO_TRAINER_CPU_THREADS if device == "cuda" else None
+    return setting or None
+
+
 def trainer_step_mode(graphs: bool, device: str) -> str:
     """--trainer-graphs: CUDA graphs on a GPU; on a CPU the same fixed-shape program uncaptured
     ("static"), so a CPU run exercises everything but the capture."""
@@ -256,7 +271,8 @@ def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float = 5
               flush=True)
 
 
-def _device(opts: RealOptions) -> str:
+def run_device(opts: RealOptions) -> str:
+    """Where a run with ``opts`` computes: cuda or cpu (device auto: cuda when torch sees a GPU)."""
     if opts.device != "auto":
         return opts.device
     try:
@@ -282,7 +298,7 @@ class Cluster:
         self.max_cpu_loras = max(max_loras, max_cpu_loras or 0)
         engine_llm_args(opts.engine_args, cuda_graph_max_tokens)  # a conflicting one fails before any start
         self.model = resolve_model(opts.model)
-        self.device = _device(opts)
+        self.device = run_device(opts)
         max_rank = engine_lora_rank(max_rank)
         if self.device == "cuda":
             check_gpu_memory(opts.engine_memory, n_stacks)
@@ -339,7 +355,8 @@ class Cluster:
 
         _, t_env = process_envs(opts, self._base_env)
         spec = TrainerSpec(**self._trainer_args, env=t_env, lora_layout=opts.lora_layout,
-                           compile_elementwise=opts.trainer_compile, cpu_threads=opts.trainer_cpu_threads,
+                           compile_elementwise=opts.trainer_compile,
+                           cpu_threads=trainer_cpu_threads(opts.trainer_cpu_threads, self.device),
                            step_mode=trainer_step_mode(opts.trainer_graphs, self.device))
         tin = self._ctx.Queue()
         return tin, self._ctx.Process(target=trainer_main, args=(spec, tin, self.outbox, f"trainer{stack}"),

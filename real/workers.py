@@ -117,9 +117,14 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                               **({"max_num_batched_tokens": spec.max_num_batched_tokens}
                                  if spec.max_num_batched_tokens else {}),
                               **engine_llm_args(spec.llm_args, spec.cuda_graph_max_tokens))
+        import torch
+
+        # torch's intra-op CPU threads in this process (its default: one per CPU; an OMP_NUM_THREADS
+        # in the engine's environment sets them).
         outbox.put(("ready", name, time.monotonic() - t0, {"lora_kernel_configs": eng.lora_kernel_configs,
                                                            "cuda_graphs": eng.cuda_graphs(),
-                                                           "lora_slots": eng.lora_slots()}))
+                                                           "lora_slots": eng.lora_slots(),
+                                                           "torch_threads": torch.get_num_threads()}))
     except Exception:  # noqa: BLE001 - the controller reports it
         outbox.put(("error", name, traceback.format_exc()))
         return
@@ -198,7 +203,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         # (the same rounding), and a bf16 file is half the bytes to write and read.
         save_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype), "step_mode": spec.step_mode,
-                "cpu_threads": torch.get_num_threads()}
+                "cpu_threads": spec.cpu_threads, "torch_threads": torch.get_num_threads()}
         if compile_wanted(spec.compile_elementwise, trainer.device):
             info["compiled"] = fuse_elementwise(model)
         # NODUS_TRAINER_PROFILE=FILE: the NODUS_TRAINER_PROFILE_AT-th train command (default 3) runs

@@ -16,8 +16,9 @@ def test_arm_specs_name_their_own_job_count_and_groups():
     # cpuN: torch's CPU threads in the arm's trainer (a trainer setting: the trainers restart).
     assert parse_arm("overlap+mps:lowpri:cpu2:s1") == (
         "overlap+mps", None, None, [1], None, None, {"trainer_priority": "below-normal", "trainer_cpu_threads": 2})
-    with pytest.raises(SystemExit, match="'cpu0' is not"):
-        parse_arm("overlap+mps:cpu0")
+    assert parse_arm("dedicated:cpu0")[-1] == {"trainer_cpu_threads": 0}  # torch's default, one per CPU
+    with pytest.raises(SystemExit, match="'cpu02' is not"):
+        parse_arm("overlap+mps:cpu02")
 
 
 def test_runs_on_an_engine_with_other_than_one_adapter_slot_per_job_are_named_so():

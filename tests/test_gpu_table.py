@@ -109,6 +109,15 @@ def test_arm_label_names_changed_mps_settings():
     freed = dict(arm, trainer_waits_for_publish=False)
     assert arm_label(freed, {"diagnostics": [unpinned]}) == "overlap/mps/g2+freed+np+lowpri+t60"
     assert arm_label(arm, {"diagnostics": [dict(unpinned, publish_pinned=True)]}) == "overlap/mps/g2+lowpri+t60"
+    # The trainers' CPU threads capped (RealOptions.trainer_cpu_threads): +cpu<N>; a trainer on
+    # torch's own (None recorded, or runs before the field) carries no label.
+    graphed = {"workers": {"trainer0": {"step_mode": "graphed", "compiled": ["RMSNorm"], "cpu_threads": 2}}}
+    assert arm_label(arm, {"diagnostics": [graphed]}) == "overlap/mps/g2+cg+cpu2"
+    graphed["workers"]["trainer0"]["cpu_threads"] = None
+    assert arm_label(arm, {"diagnostics": [graphed]}) == "overlap/mps/g2+cg"
+    graphed["workers"]["trainer0"]["cpu_threads"] = 16  # the host's CPUs, torch's own count: not capped
+    assert arm_label(arm, {"diagnostics": [dict(graphed, host={"cpus": 16})]}) == "overlap/mps/g2+cg"
+    assert arm_label(arm, {"diagnostics": [dict(graphed, host={"cpus": 32})]}) == "overlap/mps/g2+cg+cpu16"
 
 
 def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):

@@ -49,7 +49,8 @@ def overlap_run(tmp_path_factory):
         mp.setenv("NODUS_TRAINER_PROFILE_AT", "2")
         # vLLM's core in a process of its own (the in-process core: every other run of this file).
         assert main(["run", str(cfg), "--backend", "real", "--model", "tiny", "--no-baseline", "--out", str(out),
-                     "--engine-arg", "max_logprobs=5", "--engine-core-process"]) == 0
+                     "--engine-arg", "max_logprobs=5", "--engine-core-process",
+                     "--engine-env", "OMP_NUM_THREADS=1"]) == 0
     return out
 
 
@@ -156,6 +157,7 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     assert s["diagnostics"][0]["workers"]["engine0"] == {
         "lora_kernel_configs": None, "cuda_graphs": {"mode": "NONE", "max_tokens": 64},
         "lora_slots": {"gpu": 2, "cpu": 2},  # as vLLM took them: one slot per job, each adapter kept
+        "torch_threads": 1,  # the fixture's --engine-env OMP_NUM_THREADS=1, as torch in the engine took it
         "kernel_warmup": {"token_counts": [], "s": pytest.approx(0, abs=1.0), "jit_compiles": None,
                           "generation_jit_compiles": None}}
     # vLLM's core ran in its own process (the fixture's --engine-core-process): its JIT log is not
@@ -341,7 +343,7 @@ def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     assert audit and max(a["max_abs"] for a in audit) < 1e-3
     trainer = s["diagnostics"][0]["workers"]["trainer0"]
     assert trainer["lora_layout"] == "masked" and any("RMSNorm" in c for c in trainer["compiled"])
-    assert trainer["cpu_threads"] == 1
+    assert trainer["cpu_threads"] == 1 and trainer["torch_threads"] == 1
 
 
 def test_a_bad_trainer_profile_setting_is_a_clear_error(monkeypatch):
@@ -381,8 +383,14 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
         RealOptions(trainer_priority="high")
     with pytest.raises(ValueError, match="trainer_thread_pct=0"):
         RealOptions(trainer_thread_pct=0)
-    with pytest.raises(ValueError, match="trainer_cpu_threads=0: a trainer needs >= 1 CPU thread"):
-        RealOptions(trainer_cpu_threads=0)
+    with pytest.raises(ValueError, match="trainer_cpu_threads=-1: a thread count >= 1, 0 for torch's default"):
+        RealOptions(trainer_cpu_threads=-1)
+    # The trainer's CPU threads: capped on a GPU by default, torch's own on the CPU (where the
+    # trainer computes) and wherever 0 asks for them; an explicit count everywhere.
+    from real.backend import AUTO_TRAINER_CPU_THREADS, trainer_cpu_threads
+
+    assert trainer_cpu_threads(None, "cuda") == AUTO_TRAINER_CPU_THREADS and trainer_cpu_threads(None, "cpu") is None
+    assert trainer_cpu_threads(0, "cuda") is None and trainer_cpu_threads(3, "cpu") == 3
 
 
 def test_a_trainer_setting_changed_between_runs_restarts_the_trainer_and_keeps_the_engine(timeslice_pool):
