@@ -322,6 +322,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     kernel_configs = None  # what the runs' engines recorded (the profile's, when they differ from the base)
     used, skipped, samples, publish, gens, commits, hosts = [], [], [], [], [], set(), []
     slots: set = set()  # the runs' engines' adapter slots (engine_max_loras; None: not recorded)
+    cpu_caps: dict = {}  # the runs' trainers' capped CPU threads (None: torch's own count) -> runs
     layouts: dict[str, list[str]] = {}
     mps_runs: list[tuple[str, dict, bool]] = []  # MPS runs: run, its MPS settings, whether it co-runs
     for rd in map(Path, runs):
@@ -361,6 +362,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                               f"engine is the {want_kernels} kernels' ({said}): "
                               "fit runs of one engine (nodus calibrate measures the engine with the tuned configs "
                               f"nodus ships, --no-tuned-lora-kernels without; {hint})")
+        cpu_caps.setdefault(controls.get("trainer_cpu_threads"), []).append(str(rd))
         kernel_configs = kernel_configs or engine_kernel_configs(summary)
         if cfg["arm"].get("sharing") == "mps":
             # The trainer's priority counts only in runs that co-run engine and trainer.
@@ -382,6 +384,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         raise ConfigError("nodus fit: the runs' trainers used different multi-adapter layouts ("
                           + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layouts.items()))
                           + "); fit the runs of one layout")
+    if len(cpu_caps) > 1:
+        raise ConfigError("nodus fit: the runs' trainers ran different CPU thread counts ("
+                          + "; ".join(f"{n or 'torch default'}: {', '.join(v)}"
+                                      for n, v in sorted(cpu_caps.items(), key=lambda kv: kv[0] or 0))
+                          + "), which move the train step beside the engine (session 28: 2 threads trained in "
+                          "half the time of 16); fit the runs of one setting")
     mps_settings = _mps_settings(mps_runs)
     if len(mps_settings) > 1:
         raise ConfigError("nodus fit: the MPS runs used different MPS settings ("
@@ -549,6 +557,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         # The decode scale describes the runs' engine: its adapter slots where every run recorded the
         # same (nodus validate names a run on other slots), else unknown.
         prof["environment"]["engine_max_loras"] = next(iter(slots)) if len(slots) == 1 else None
+    # The train terms describe the runs' trainers: their capped CPU threads (None: torch's own count).
+    prof["environment"]["trainer_cpu_threads"] = next(iter(cpu_caps), None)
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")

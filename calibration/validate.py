@@ -251,6 +251,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     step_mode, lora_kernels = profile_step_mode(prof), profile_lora_kernels(prof)
     rows = []
     profile_slots = (prof.get("environment") or {}).get("engine_max_loras")
+    profile_cpu_threads = (prof.get("environment") or {}).get("trainer_cpu_threads")
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
         replay_cfg, sampled_cfg = recorded_configs(rd, cfg, spans, profile)
@@ -278,7 +279,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  cfg["arm"].get("policy"),
                                                                  profile_slots,
                                                                  (cfg.get("engine") or {}).get("max_loras")
-                                                                 or len(cfg["jobs"]), len(cfg["jobs"]))))}
+                                                                 or len(cfg["jobs"]), len(cfg["jobs"]),
+                                                                 profile_cpu_threads)))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -344,12 +346,24 @@ def audit_label(audit: dict) -> str:
     return (f"a{every}" if every != 1 else "") + (f"r{responses}" if responses is not None else "")
 
 
+def trainer_cpu_cap(diagnostics: dict) -> int | None:
+    """torch's CPU threads in a backend's trainers where capped below its host's CPUs
+    (RealOptions.trainer_cpu_threads; nodus's default on a GPU since session 28), else None. A
+    trainer records None on torch's own count; the first runs to record the field (session 28's
+    call c) recorded that count itself, the host's CPUs."""
+    cpus = (diagnostics.get("host") or {}).get("cpus")
+    caps = [w["cpu_threads"] for name, w in (diagnostics.get("workers") or {}).items()
+            if name.startswith("trainer") and w.get("cpu_threads") and (not cpus or w["cpu_threads"] < cpus)]
+    return max(caps) if caps else None
+
+
 def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
     that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
     (``--engine-arg``), ``engine_core_process`` for vLLM's core in its own process
-    (``--engine-core-process``), ``publish_pinned`` False for adapters the engine loaded into pageable
+    (``--engine-core-process``), ``trainer_cpu_threads`` for torch's CPU threads in the trainers
+    where capped (``trainer_cpu_cap``), ``publish_pinned`` False for adapters the engine loaded into pageable
     host memory (``RealOptions.publish_pinned``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
     the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an engine started with more
     or fewer adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the
@@ -386,6 +400,9 @@ def run_controls(summary: dict) -> dict:
             out["lora_kernels"] = "tuned"  # the folder given through --engine-env
         if env:
             out["engine_env"] = ",".join(sorted(env))
+        cap = trainer_cpu_cap(d)
+        if cap:
+            out["trainer_cpu_threads"] = cap
         for name, w in (d.get("workers") or {}).items():
             if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
                 out["trainer_step_mode"] = w["step_mode"]
@@ -441,7 +458,8 @@ def mps_settings_differ(controls: dict, profile_sharing: dict | None, mps: bool,
 def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
                         profile_lora_kernels: str = "default", profile_sharing: dict | None = None,
                         mps: bool = False, policy: str | None = None, profile_slots: int | None = None,
-                        run_slots: int | None = None, run_jobs: int | None = None) -> list[str]:
+                        run_slots: int | None = None, run_jobs: int | None = None,
+                        profile_cpu_threads: int | None = None) -> list[str]:
     """What a run's settings (``run_controls``) have that the profile was not measured with;
     ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``);
     ``profile_lora_kernels``: the engine's LoRA kernels its engine terms describe ("tuned" or
@@ -451,8 +469,18 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     engine its engine terms were measured on (``environment.engine_max_loras``, None where not
     recorded), against the run's engine's (its ``engine_max_loras`` control where it had other than one
     per job, else ``run_slots``, the config's ``engine.max_loras`` or one per job); without the
-    profile's, a run with more slots than its ``run_jobs`` (default ``run_slots``)."""
+    profile's, a run with more slots than its ``run_jobs`` (default ``run_slots``);
+    ``profile_cpu_threads``: the trainers' capped CPU threads its train terms were measured with
+    (``environment.trainer_cpu_threads``; None: torch's own count, every profile before session 28)."""
     out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
+    cap = controls.get("trainer_cpu_threads")
+    if cap != profile_cpu_threads:
+        def said(n):
+            return f"{n} CPU threads" if n else "torch's own CPU threads (one per CPU)"
+
+        out.append(f"the trainer ran {said(cap)}; the profile's train terms were measured with "
+                   f"{said(profile_cpu_threads)} (environment.trainer_cpu_threads): beside the engine under MPS, a "
+                   "trainer capped at 2 trained in half the time of one on 16 (session 28)")
     slots = controls.get("engine_max_loras") or run_slots
     if profile_slots is not None and slots is not None and slots != profile_slots:
         out.append(f"the engine had {slots} adapter slots; the profile's engine terms were measured with "

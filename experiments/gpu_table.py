@@ -95,13 +95,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+eager"  # the trainer ran without its compiled element-wise ops
     if any(w.get("step_mode") == "graphed" for w in workers):
         label += "+cg"  # each trainer micro-batch one CUDA graph replay (--trainer-graphs)
-    # The trainers' torch CPU threads when capped below the host's CPUs. A trainer records None on
-    # torch's own count; the first runs to record the field (session 28's call c) recorded that
-    # count itself, the host's CPUs.
-    cpus = next((d["host"].get("cpus") for d in (summary or {}).get("diagnostics", []) if d.get("host")), None)
-    capped = {w["cpu_threads"] for w in workers if w.get("cpu_threads") and (not cpus or w["cpu_threads"] < cpus)}
-    if capped:
-        label += f"+cpu{max(capped)}"
+    if run.get("trainer_cpu_threads"):
+        label += f"+cpu{run['trainer_cpu_threads']}"  # torch's CPU threads in the trainers capped
     if run.get("engine_core_process"):
         label += "+ep"  # vLLM's engine core in a process of its own (--engine-core-process)
     if run.get("cuda_graph_max_tokens"):

@@ -238,6 +238,25 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     (runs[0] / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"trained each prompt once \(trainer.share_prompts=4\)"):
         fit(runs, base=str(graphed_base))
+    cfg["trainer"].pop("share_prompts")
+    (runs[0] / "config.json").write_text(json.dumps(cfg))
+    # The trainers' CPU threads (capped below the host's CPUs, RealOptions.trainer_cpu_threads):
+    # one setting per fit, recorded in the profile's environment.
+    def cap(run_dir, n):
+        s = json.loads((run_dir / "summary.json").read_text())
+        s["diagnostics"][0]["workers"]["trainer0"]["cpu_threads"] = n
+        s["diagnostics"][0]["host"] = {"cpus": 16}
+        (run_dir / "summary.json").write_text(json.dumps(s))
+
+    cap(runs[0], 2)
+    with pytest.raises(ConfigError, match=r"trainers ran different CPU thread counts \(torch default: .*; 2: "):
+        fit(runs, base=str(graphed_base))
+    for r in runs[1:]:
+        cap(r, 2)
+    assert fit(runs, base=str(graphed_base))["environment"]["trainer_cpu_threads"] == 2
+    for r in runs:
+        cap(r, 16)  # the host's CPUs: torch's own count (how session 28's first such runs recorded it)
+    assert fit(runs, base=str(graphed_base))["environment"]["trainer_cpu_threads"] is None
 
 
 def _mark_tuned(run_dir, configs=None):

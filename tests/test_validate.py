@@ -260,6 +260,19 @@ def test_runs_at_other_mps_settings_are_another_configuration():
         "the engine had 8 adapter slots; the profile's engine terms were measured with 16 "
         "(environment.engine_max_loras)"]
     assert unmodelled_controls({}, run_slots=8) == [] and unmodelled_controls({}, profile_slots=8, run_slots=8) == []
+    # The trainers' CPU threads capped below the host's CPUs: a control of the run (its own
+    # configuration), named against a profile measured with other threads.
+    capped = {"diagnostics": [{"host": {"cpus": 16}, "workers": {"trainer0": {"cpu_threads": 2}}}]}
+    assert run_controls(capped) == {"trainer_cpu_threads": 2}
+    capped["diagnostics"][0]["workers"]["trainer0"]["cpu_threads"] = 16  # the host's CPUs: torch's own count
+    assert run_controls(capped) == {}
+    assert unmodelled_controls({"trainer_cpu_threads": 2}, profile_cpu_threads=2) == []
+    assert unmodelled_controls({"trainer_cpu_threads": 2}) == [
+        "the trainer ran 2 CPU threads; the profile's train terms were measured with torch's own CPU threads (one "
+        "per CPU) (environment.trainer_cpu_threads): beside the engine under MPS, a trainer capped at 2 trained in "
+        "half the time of one on 16 (session 28)"]
+    assert "the trainer ran torch's own CPU threads (one per CPU); the profile's train terms were measured with 2 " \
+        "CPU threads" in unmodelled_controls({}, profile_cpu_threads=2)[0]
     # Fewer slots than jobs (engine.max_loras, which the simulator admits by): a configuration of its
     # own, named only against a profile measured with other slots.
     narrow = {"jobs": 16, "diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=8)]}
