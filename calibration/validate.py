@@ -935,8 +935,8 @@ def config_key(row: dict) -> tuple:
     each prompt's responses (trainer.share_prompts), publish wait and MPS settings (seeds and
     repeats differ)."""
     arm = row["arm"] or {}
-    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), row["jobs"], row.get("mb_tokens"),
-            _packed(row), trainer_freed(arm), tuple(sorted(_config_controls(row).items())))
+    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), arm.get("stacks", 1), row["jobs"],
+            row.get("mb_tokens"), _packed(row), trainer_freed(arm), tuple(sorted(_config_controls(row).items())))
 
 
 def _packed(row: dict) -> int:
@@ -950,13 +950,15 @@ def _config_controls(row: dict) -> dict:
 
 
 def config_label(row: dict) -> str:
-    """'8 jobs overlap g=2 mps', plus ' mb=32768' for a trainer micro-batch other than the default,
+    """'8 jobs overlap g=2 mps', plus ' stacks=2' for engine + trainer stacks splitting the jobs
+    (arm.stacks), ' mb=32768' for a trainer micro-batch other than the default,
     ' sp4' for a trainer that packed each prompt's responses 4 to a row, ' freed' for a trainer that
     did not wait for each publish and the MPS settings beyond the defaults (' trainer_thread_pct=50')."""
     arm = row["arm"]
     mb = row.get("mb_tokens")
     controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
+            + (f" stacks={arm['stacks']}" if arm.get("stacks", 1) > 1 else "")
             + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "")
             + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "") + controls)
 

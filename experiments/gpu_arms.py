@@ -40,7 +40,7 @@ def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:
         raise SystemExit(f"--rounds {rounds}: at least 1")
 
     def block(sp):
-        return ARMS[sp[0]][0] == "timeslice", ARMS[sp[0]][2]
+        return ARMS[sp[0]][0] == "timeslice", arm_stacks(sp), ARMS[sp[0]][2]
 
     out, i = [], 0
     while i < len(order):
@@ -50,6 +50,11 @@ def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:
         out += [(sp, r) for r in range(1, rounds + 1) for sp in order[i:j]]
         i = j
     return out
+
+
+def arm_stacks(spec) -> int:
+    """A ``parse_arm`` spec's engine + trainer stacks (its ``kN``; 1 without)."""
+    return spec[6].get("stacks", 1)
 
 
 def invocation_graph_size(specs: list, job_counts: list[int], workload) -> int | None:
@@ -114,7 +119,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     `aN`, the logprob audit every N-th step of
     each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, and `np`, the
     engine's adapter loads into pageable host memory (settings of the run loop only: no process
-    restarts)."""
+    restarts). `kN` (arm.stacks) and `spK` (trainer.share_prompts) are the run config's, carried in
+    the same dict."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
@@ -133,6 +139,10 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             trainer["trainer_graphs"] = o == "cg"
         elif o == "lowpri":
             trainer["trainer_priority"] = "below-normal"
+        elif re.fullmatch(r"k[1-9][0-9]*", o):
+            # The run config's arm.stacks: N engine + trainer stacks splitting the jobs (their own
+            # processes: the pool starts a cluster of N stacks).
+            trainer["stacks"] = int(o[1:])
         elif re.fullmatch(r"cpu(0|[1-9][0-9]*)", o):
             trainer["trainer_cpu_threads"] = int(o[3:])
         elif len(o) > 1 and o[0] == "t" and o[1:].isdigit() and 1 <= int(o[1:]) <= 100:
@@ -165,7 +175,7 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "at below-normal MPS priority), cpuN (torch's CPU threads in the trainer), tN (trainer "
                              "MPS thread percentage, 1-100), aN (the engine's logprobs audited every N-th step; a0: "
                              "never), rK (the first K responses of each prompt audited), np (published adapters "
-                             "loaded unpinned) or spK "
+                             "loaded unpinned), kN (N engine + trainer stacks splitting the jobs) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
     return name, jobs, groups, seeds, mb, wait, trainer
 
@@ -415,7 +425,7 @@ def main() -> None:
         return f"-j{n}" if len(job_counts) > 1 or n != job_counts[0] else ""
     # Arms needing the same processes run together; the baseline (no MPS) first, timeslice (two
     # stacks: two engines to start) last.
-    order = sorted(specs, key=lambda sp: (ARMS[sp[0]][0] == "timeslice", ARMS[sp[0]][2] != "none",
+    order = sorted(specs, key=lambda sp: (ARMS[sp[0]][0] == "timeslice", arm_stacks(sp), ARMS[sp[0]][2] != "none",
                                           ARMS[sp[0]][0] != "dedicated"))
     order = interleave_rounds(order, args.rounds)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -443,7 +453,8 @@ def main() -> None:
             policy, groups, sharing = ARMS[name]
             # spK is the run config's (trainer.share_prompts), not a process setting.
             arm_share = arm_trainer.get("share_prompts", args.share_prompts)
-            arm_trainer = {k: v for k, v in arm_trainer.items() if k != "share_prompts"}
+            stacks = arm_trainer.get("stacks", 1)  # kN: the run config's arm.stacks too
+            arm_trainer = {k: v for k, v in arm_trainer.items() if k not in ("share_prompts", "stacks")}
             try:
                 # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.
                 arm_opts = pool.opts = dataclasses.replace(opts, **arm_trainer)
@@ -486,6 +497,7 @@ def main() -> None:
                     variant += f"-audr{arm_opts.audit_responses}" if arm_opts.audit_responses is not None else ""
                 variant += "" if arm_opts.publish_pinned else "-np"  # adapters loaded into pageable memory
                 variant += f"-sp{arm_share}" if arm_share > 1 else ""  # each prompt once in the trainer
+                variant += f"-k{stacks}" if stacks > 1 else ""  # engine + trainer stacks splitting the jobs
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"
@@ -494,7 +506,7 @@ def main() -> None:
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else arm_mb
                 cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
-                                       steps=args.steps, seed=seed)
+                                       steps=args.steps, seed=seed, stacks=stacks if stacks > 1 else None)
                 cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
                 # New trainer settings restart the trainers: a new shape to prime (run-loop settings,
                 # such as the audit's cadence, keep every process: nothing new to prime).
@@ -528,7 +540,7 @@ def main() -> None:
                                       arm_opts.trainer_priority if corun else None)
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
-                    steps=args.steps,
+                    steps=args.steps, stacks=stacks if stacks > 1 else None,
                     seed=seed, profile=profile), engine_args))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 jit = run_jit_compiles(summary)  # kernels compiled inside the measured window (each a stall)

@@ -51,7 +51,8 @@ def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozens
 
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
-    """policy/sharing/groups, plus the settings a run changed from the defaults (+lowpri: the
+    """policy/sharing/groups (/k<N>: N engine + trainer stacks, arm.stacks), plus the settings a run
+    changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
     trainer's micro-batches replayed as CUDA graphs; +ep: vLLM's engine core in a process of its own;
@@ -69,6 +70,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
+    if arm.get("stacks", 1) > 1:
+        label += f"/k{arm['stacks']}"  # engine + trainer stacks splitting the jobs (arm.stacks)
     run = run_controls(summary or {})
     if trainer_freed(arm):
         label += "+freed"

@@ -20,6 +20,9 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, help="arm policy (default overlap)")
     p.add_argument("--groups", type=int, help="overlap: phase-offset groups; timeslice: stacks (default 2)")
     p.add_argument("--sharing", choices=SHARINGS, help="GPU sharing controls (default mps)")
+    p.add_argument("--stacks", type=int, metavar="N",
+                   help="shared-sync / overlap / continuous: N engine + trainer stacks splitting the jobs, each "
+                        "running the policy over its own (arm.stacks; default 1)")
     p.add_argument("--steps", type=int, help="optimizer steps per job (default 20)")
     p.add_argument("--seed", type=int, help="run seed (default 1)")
     p.add_argument("--share-prompts", type=int, metavar="K",
@@ -107,7 +110,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
         Path(profile).write_text(json.dumps(prof, indent=1))
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=profile,
-                           share_prompts=a.share_prompts)
+                           share_prompts=a.share_prompts, stacks=a.stacks)
     cfg = default_packing(cfg, profile_graphed(cfg.profile))
     summary = simulate(cfg, a.out)
     if a.what_if and a.out:
@@ -140,7 +143,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
-                           share_prompts=a.share_prompts)
+                           share_prompts=a.share_prompts, stacks=a.stacks)
     cfg = default_packing(cfg, a.trainer_graphs if a.backend == "real" else profile_graphed(cfg.profile))
     opts = None
     if a.backend == "real":

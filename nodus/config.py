@@ -114,6 +114,13 @@ class ArmSpec(_Model):
     # ran 16-22% fewer steps per GPU-hour (session 6: the engine's adapter load, now beside a
     # training step, took 0.5-0.7 s instead of 0.2 s, and the group's next generation waits on it).
     trainer_waits_for_publish: bool = True
+    # Engine + trainer stacks that split the jobs between them (shared-sync, overlap, continuous):
+    # each stack's engine and trainer serve its own jobs only, under the arm's policy (overlap:
+    # ``groups`` phase-offset groups in every stack), and the stacks share the GPU under the arm's
+    # sharing. More than one engine process generates at once, each with a host thread of its own
+    # (session 28: the one engine's thread at 85-91% of a core paced every shared run). 1: one
+    # engine and one trainer for every job. timeslice's stacks are its groups.
+    stacks: int = Field(default=1, ge=1)
 
 
 def trainer_freed(arm: dict) -> bool:
@@ -155,6 +162,11 @@ def peak_engine_sequences(cfg: "RunConfig") -> int:
     per_job = [j.prompts_per_step * j.responses_per_prompt for j in cfg.jobs]
     if cfg.arm.policy in ("dedicated", "timeslice"):
         return max(per_job)
+    if cfg.arm.stacks > 1:  # an engine per stack, each serving its own stack's jobs
+        from nodus.runner import stack_jobs
+
+        ids_of = [j.id for j in cfg.resolved().jobs]
+        per_job = max(([p for j, p in zip(ids_of, per_job) if j in ids] for ids in stack_jobs(cfg)), key=sum)
     return sum(sorted(per_job, reverse=True)[:cfg.engine.max_loras or len(per_job)])
 
 
@@ -261,6 +273,18 @@ class RunConfig(_Model):
                              "(one group is policy='shared-sync')")
         if self.arm.groups > n and self.arm.policy in ("overlap", "timeslice"):
             raise ValueError(f"arm.groups={self.arm.groups} > jobs={n}: every group needs at least one job")
+        if self.arm.stacks > 1:
+            if self.arm.policy in ("dedicated", "timeslice"):
+                raise ValueError(f"arm.stacks={self.arm.stacks} with policy={self.arm.policy!r}: "
+                                 + ("a dedicated job has its own GPU" if self.arm.policy == "dedicated" else
+                                    "timeslice's stacks are its groups (arm.groups)"))
+            per = self.arm.groups if self.arm.policy == "overlap" else 1
+            if self.arm.stacks * per > n:
+                raise ValueError(f"arm.stacks={self.arm.stacks} x {per} group(s) a stack > jobs={n}: every stack's "
+                                 "every group needs at least one job")
+            if any(j.group is not None for j in self.jobs):
+                raise ValueError(f"jobs[].group with arm.stacks={self.arm.stacks}: jobs are split into stacks and "
+                                 "groups by their predicted work; pin none")
         pinned = [j.group for j in self.jobs if j.group is not None]
         if pinned and self.arm.policy in ("overlap", "timeslice"):
             if len(pinned) != n:

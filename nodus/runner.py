@@ -36,6 +36,18 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
             return [[j.id for j in cfg.jobs if j.group == g] for g in range(cfg.arm.groups)]
         return balance_groups(work, cfg.arm.groups)
 
+    if cfg.arm.stacks > 1:
+        # Each stack runs the policy over its own jobs: its groups on its engine and trainer.
+        stacks = stack_jobs(cfg)
+        if policy == "overlap":
+            groups = [(s, g) for s, ids_s in enumerate(stacks)
+                      for g in balance_groups({j: work[j] for j in ids_s}, cfg.arm.groups)]
+        elif policy == "continuous":
+            groups = [(s, [j]) for s, ids_s in enumerate(stacks) for j in ids_s]
+        else:  # shared-sync
+            groups = [(s, ids_s) for s, ids_s in enumerate(stacks)]
+        return Scheduler(steps, groups, concurrent=True, stagger=policy == "overlap", start_versions=sv,
+                         trainer_waits_for_publish=waits, merge_trains=policy == "continuous")
     if policy in ("shared-sync", "dedicated"):
         return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv, trainer_waits_for_publish=waits)
     if policy == "overlap":
@@ -95,7 +107,14 @@ def max_jobs_per_train(sched: Scheduler, stack: int) -> int:
 
 
 def n_stacks(cfg: RunConfig) -> int:
-    return cfg.arm.groups if cfg.arm.policy == "timeslice" else 1
+    """Engine + trainer stacks on the GPU: timeslice's groups, else ``arm.stacks``."""
+    return cfg.arm.groups if cfg.arm.policy == "timeslice" else cfg.arm.stacks
+
+
+def stack_jobs(cfg: RunConfig) -> list[list[str]]:
+    """The job ids of each of ``arm.stacks`` stacks (a shared policy's), balanced by predicted work
+    as groups are (``nodus.grouping.balance_groups``)."""
+    return balance_groups({j.id: predicted_step_tokens(j) * j.steps for j in cfg.resolved().jobs}, cfg.arm.stacks)
 
 
 def run_spans(cfg: RunConfig, make_backend: BackendFactory, on_progress=None,
@@ -140,7 +159,8 @@ def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
     for job in cfg.jobs:
         summary["per_job"][job.id].update(task=job.task, seed=job.seed)
     summary["diagnostics"] = extras.get("diagnostics", [])
-    summary["arm"] = {"policy": cfg.arm.policy, "groups": cfg.arm.groups, "sharing": cfg.arm.sharing}
+    summary["arm"] = {"policy": cfg.arm.policy, "groups": cfg.arm.groups, "sharing": cfg.arm.sharing,
+                      **({"stacks": cfg.arm.stacks} if cfg.arm.stacks > 1 else {})}
     # Flat copies of the arm, the layout `nodus compare` reads.
     summary.update(policy=cfg.arm.policy, groups=cfg.arm.groups, sharing=cfg.arm.sharing)
     summary["jobs"] = len(cfg.jobs)

@@ -24,7 +24,7 @@ from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, write_c
 def config_from_args(config: dict | None = None, *, jobs: int | None = None, policy: str | None = None,
                      groups: int | None = None, sharing: str | None = None, steps: int | None = None,
                      seed: int | None = None, profile: str | None = None,
-                     share_prompts: int | None = None) -> RunConfig:
+                     share_prompts: int | None = None, stacks: int | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
     run's adapter slots sized to its largest group, for overlap (``nodus.runner.size_engine_slots``),
     and its engine graphs to the sequences those slots can hold (``size_engine_graphs``)."""
@@ -39,7 +39,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
             raise ConfigError(f"--steps {steps}: steps must be >= 1")
         data["jobs"] = [{**j, "steps": steps} for j in data["jobs"]]
     arm = dict(data.get("arm", {}))
-    for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing)):
+    for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing), ("stacks", stacks)):
         if val is not None:
             arm[key] = val
     if "policy" not in arm and len(data["jobs"]) == 1:
@@ -95,6 +95,7 @@ def render_run(out_dir: Path) -> None:
     (out_dir / "table.md").write_text(render_table(summary, share) + "\n")
     arm = summary["arm"]
     title = (f"{summary['jobs']} jobs, {arm['policy']} groups={arm['groups']} sharing={arm['sharing']}"
+             + (f" stacks={arm['stacks']}" if arm.get("stacks", 1) > 1 else "")
              + (f" share_prompts={share}" if packed_rows(share) else ""))
     plot_gantt(runs[0], out_dir / "gantt.png", title=title + (" (GPU 0 of dedicated)" if len(runs) > 1 else ""))
     plot_learning_curves(summary["per_job"], out_dir / "learning_curves.png", title=title)
@@ -107,7 +108,8 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
     share = packed_rows(share_prompts)
     packed = f", each prompt's responses {share} to a row" if share else ""
     lines = [
-        f"| {s['jobs']} jobs, {arm['policy']} (groups {arm['groups']}, sharing {arm['sharing']}{packed}) | value |",
+        f"| {s['jobs']} jobs, {arm['policy']} (groups {arm['groups']}, sharing {arm['sharing']}{packed}"
+        f"{', ' + str(arm['stacks']) + ' stacks' if arm.get('stacks', 1) > 1 else ''}) | value |",
         "|---|---|",
         f"| optimizer steps per GPU-hour | {s['steps_per_gpu_hour']:.1f} |",
     ]

@@ -145,3 +145,33 @@ def test_one_job_defaults_to_shared_sync_but_explicit_overlap_is_an_error():
     assert config_from_args(jobs=1).arm.policy == "shared-sync"
     with pytest.raises(ConfigError, match="groups >= 2|arm.groups=2 > jobs=1"):
         config_from_args(jobs=1, policy="overlap")
+
+
+def test_stacks_split_a_shared_arm_and_bad_ones_name_the_problem():
+    """arm.stacks: N engine + trainer stacks, each running the policy over its own jobs (balanced by
+    predicted work); refused where it has no meaning or too few jobs, with pins."""
+    from nodus.config import peak_engine_sequences
+    from nodus.runner import n_stacks, plan, stack_jobs
+
+    cfg = config_from_args(jobs=8, policy="overlap", groups=2, stacks=2).resolved()
+    assert n_stacks(cfg) == 2 and sorted(len(ids) for ids in stack_jobs(cfg)) == [4, 4]
+    sched = plan(cfg)
+    assert [s for s, _ in sched.groups] == [0, 0, 1, 1]
+    by_stack = {s: sorted(j for t, ids in sched.groups if t == s for j in ids) for s in (0, 1)}
+    assert sorted(by_stack[0] + by_stack[1]) == sorted(j.id for j in cfg.jobs)
+    assert by_stack == {s: sorted(ids) for s, ids in enumerate(stack_jobs(cfg))}
+    # Each engine holds its own stack's jobs' sequences at most (4 jobs x 64, not 8 x 64).
+    assert peak_engine_sequences(cfg) == 4 * 64
+    assert peak_engine_sequences(config_from_args(jobs=8, policy="overlap", groups=2)) == 8 * 64
+    sync = plan(config_from_args(jobs=4, policy="shared-sync", stacks=2).resolved())
+    assert [s for s, _ in sync.groups] == [0, 1] and not sync.stagger
+    assert n_stacks(config_from_args(jobs=4, policy="timeslice", groups=2)) == 2  # timeslice: its groups
+    assert "arm.stacks=3 x 2 group(s) a stack > jobs=4" in _err(
+        {"jobs": [{"task": "gsm8k"}] * 4, "arm": {"policy": "overlap", "groups": 2, "stacks": 3}})
+    assert "timeslice's stacks are its groups" in _err(
+        {"jobs": [{"task": "gsm8k"}] * 4, "arm": {"policy": "timeslice", "groups": 2, "stacks": 2}})
+    assert "a dedicated job has its own GPU" in _err(
+        {"jobs": [{"task": "gsm8k"}] * 4, "arm": {"policy": "dedicated", "groups": 1, "stacks": 2}})
+    assert "pin none" in _err({"jobs": [{"task": "gsm8k", "group": g} for g in (0, 1, 0, 1)],
+                               "arm": {"policy": "overlap", "groups": 2, "stacks": 2}})
+    assert "arm.stacks" in _err({"jobs": [{"task": "gsm8k"}] * 2, "arm": {"policy": "shared-sync", "stacks": 0}})

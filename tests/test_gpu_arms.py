@@ -17,6 +17,10 @@ def test_arm_specs_name_their_own_job_count_and_groups():
     assert parse_arm("overlap+mps:lowpri:cpu2:s1") == (
         "overlap+mps", None, None, [1], None, None, {"trainer_priority": "below-normal", "trainer_cpu_threads": 2})
     assert parse_arm("dedicated:cpu0")[-1] == {"trainer_cpu_threads": 0}  # torch's default, one per CPU
+    # kN: the run config's arm.stacks (engine + trainer stacks splitting the jobs).
+    assert parse_arm("shared-sync+mps:k2:sp4")[-1] == {"stacks": 2, "share_prompts": 4}
+    with pytest.raises(SystemExit, match="'k0' is not"):
+        parse_arm("overlap+mps:k0")
     with pytest.raises(SystemExit, match="'cpu02' is not"):
         parse_arm("overlap+mps:cpu02")
 
@@ -116,6 +120,10 @@ def test_rounds_repeat_each_block_of_processes_in_turn():
     assert got == [("dedicated", 1), ("shared-sync", 1), ("dedicated", 2), ("shared-sync", 2),
                    ("overlap+mps", 1), ("shared-sync+mps", 1), ("overlap+mps", 2), ("shared-sync+mps", 2)]
     assert [r for _, r in interleave_rounds(order, 1)] == [1] * 4
+    # Arms on two stacks (kN) need other processes: a block of their own.
+    two = order[2:] + [parse_arm("shared-sync+mps:k2")]
+    assert [(sp[0], sp[6], r) for sp, r in interleave_rounds(two, 2)][-2:] == [
+        ("shared-sync+mps", {"stacks": 2}, 1), ("shared-sync+mps", {"stacks": 2}, 2)]
     with pytest.raises(SystemExit, match="--rounds 0"):
         interleave_rounds(order, 0)
 

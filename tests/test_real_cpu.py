@@ -333,6 +333,26 @@ def test_timeslice_two_stacks_start_one_engine_at_a_time(timeslice_pool):
     assert s["steps"] == 2 and s["stale_rollouts"] == 0
 
 
+def test_shared_sync_in_two_stacks_runs_each_stacks_jobs_on_its_own_engine_and_trainer(timeslice_pool):
+    """arm.stacks = 2 on the pool's two-stack cluster: each stack's engine and trainer serve their
+    own job, both stacks generate at once from the start, and every rollout is on-policy."""
+    from nodus.runner import run_arm
+
+    base = _small_cfg(2, 2)
+    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"stacks": 2})})
+    s, runs = run_arm(cfg, timeslice_pool.pool, baseline=False)
+    assert s["steps"] == 4 and s["stale_rollouts"] == 0 and s["arm"]["stacks"] == 2
+    spans = runs[0]
+    assert audit_on_policy(spans) == []
+    stack_of = {}
+    for x in spans:
+        assert stack_of.setdefault(x.job, x.stack) == x.stack  # a job stays on its stack
+    assert sorted(stack_of.values()) == [0, 1]
+    first = {x.job: x for x in spans if x.phase == "generate" and x.attrs["step"] == 0}
+    a, b = first.values()
+    assert a.start_s < b.end_s and b.start_s < a.end_s  # the two stacks generated at the same time
+
+
 def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     """--trainer-compile: the trainer process compiles its element-wise ops in the untimed warm-up
     and the run goes on as usual (logprob audit inside the bf16/fp32 agreement);

@@ -393,3 +393,22 @@ def test_shared_prompts_train_fewer_tokens_in_the_simulator_and_say_how_they_are
                              steps=3, seed=1, profile=DEFAULT_PROFILE)
     with pytest.raises(ConfigError, match="share_prompts=4 runs on the graphed trainer only"):
         simulate(eager)
+
+
+def test_two_stacks_run_each_stacks_jobs_on_its_own_engine_and_trainer(tmp_path):
+    """arm.stacks = 2 on the simulator: every step done on-policy, each job on one stack, both
+    stacks generating from the start; the summary and the run's table name the stacks."""
+    from nodus.accounting import audit_on_policy
+    from nodus.timeline import read_jsonl
+
+    out = tmp_path / "k2"
+    s = simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2), out)
+    assert s["steps"] == 12 and s["stale_rollouts"] == 0 and s["arm"]["stacks"] == 2
+    spans = [x for r in read_jsonl(out / "spans.jsonl") for x in r]
+    assert audit_on_policy(spans) == []
+    stacks = {}
+    for x in spans:
+        assert stacks.setdefault(x.job, x.stack) == x.stack
+    assert sorted(set(stacks.values())) == [0, 1]
+    assert {x.stack for x in spans if x.phase == "generate" and x.start_s == 0} == {0, 1}
+    assert "2 stacks" in (out / "table.md").read_text()
