@@ -53,7 +53,10 @@ class _Pair:
 
         opts = RealOptions(model=model, mode="synthetic", device=device, engine_memory=engine_memory,
                            enforce_eager=enforce_eager, warmup=False, trainer_graphs=trainer_graphs,
-                           tuned_lora_kernels=tuned_lora_kernels)
+                           tuned_lora_kernels=tuned_lora_kernels,
+                           # torch's own CPU threads, as the base profile's train terms were measured
+                           # (nodus calibrate's trainer, environment.trainer_cpu_threads None).
+                           trainer_cpu_threads=0)
         self.c = Cluster(opts, sharing, 1, max_loras=adapters, max_rank=rank, max_num_seqs=max_batch,
                          max_tokens_per_microbatch=mb_tokens)
         self.vocab = self.c.vocab_size
@@ -146,6 +149,7 @@ def measure_sharing(model: str, modes=("none", "mps"), batches=BATCHES, train_to
     if trainer_graphs:
         settings["trainer_graphs"] = True
     settings["tuned_lora_kernels"] = tuned_lora_kernels
+    settings["trainer_cpu_threads"] = None  # torch's own count (_Pair), as nodus calibrate measures
     for mode in modes:
         pair = make_pair(model, mode, device, max(batches), mb_tokens, engine_memory, enforce_eager,
                          trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels)

@@ -346,6 +346,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         if controls.get("engine_core_process"):
             raise ConfigError(f"nodus fit: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
                               "a profile describes an engine in one process: fit runs without it")
+        if (cfg["arm"].get("stacks") or 1) > 1:
+            raise ConfigError(f"nodus fit: {rd} ran {cfg['arm']['stacks']} engine + trainer stacks (arm.stacks): its "
+                              "generations ran beside another engine, which no profile term describes; fit one-stack "
+                              "runs")
         share = packed_rows((cfg.get("trainer") or {}).get("share_prompts"))
         if share:
             raise ConfigError(f"nodus fit: {rd} trained each prompt once (trainer.share_prompts={share}); a "
@@ -366,8 +370,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         kernel_configs = kernel_configs or engine_kernel_configs(summary)
         if cfg["arm"].get("sharing") == "mps":
             # The trainer's priority counts only in runs that co-run engine and trainer.
-            mine = sharing_controls(controls, cfg["arm"].get("policy"))
-            mps_runs.append((str(rd), mine, cfg["arm"].get("policy") not in NO_CORUN_POLICIES))
+            from nodus.config import corun_key as corun_policy  # (corun_key names a profile field here)
+
+            policy = corun_policy(cfg["arm"].get("policy"), cfg["arm"].get("stacks"))
+            mine = sharing_controls(controls, policy)
+            mps_runs.append((str(rd), mine, policy not in NO_CORUN_POLICIES))
         layout = trainer_layout(summary)
         layouts.setdefault(layout, []).append(str(rd))
         s, p = train_samples(rd, recorded, layout)
@@ -405,6 +412,11 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         raise ConfigError("nodus fit --scales-only keeps the base's MPS rates, fitted under "
                           f"{settings_text(dict(base_mps))}: its MPS runs ran {settings_text(dict(runs_mps))} "
                           f"({', '.join(mps_settings[runs_mps])})")
+    runs_cap, base_cap = next(iter(cpu_caps), None), (prof.get("environment") or {}).get("trainer_cpu_threads")
+    if scales_only and runs_cap != base_cap:
+        raise ConfigError(f"nodus fit --scales-only keeps the base's train terms and rates, measured with the trainer "
+                          f"on {base_cap or 'torch default'} CPU threads (environment.trainer_cpu_threads): its runs "
+                          f"ran {runs_cap or 'torch default'}")
     if len(samples) < 3:
         raise ConfigError(f"nodus fit: {len(samples)} train steps in runs with <= {fit_max_jobs} jobs per GPU "
                           f"(need >= 3); held out: {skipped}")

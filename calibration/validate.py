@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import (DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, drop_idle_priority, packed_rows,
-                          trainer_freed)
+from nodus.config import (DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, corun_key, drop_idle_priority,
+                          packed_rows, trainer_freed)
 from nodus.gpumon import SLOWDOWN_REASONS
 from nodus.runner import run_arm
 
@@ -231,7 +231,17 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
     pol = cfg["arm"]["policy"]
     group_key = "group" if pol == "overlap" else "stack"
     groups = {s["job"]: s[group_key] for s in spans} if pol in ("overlap", "timeslice") else {}
-    jobs = [dict(j, group=groups.get(j["id"])) for j in cfg["jobs"]]
+    if (cfg["arm"].get("stacks") or 1) > 1:
+        # Each job's stack, and for overlap its group within that stack (spans number the groups
+        # across stacks: the scheduler's list, stack by stack).
+        stacks = {s["job"]: s["stack"] for s in spans}
+        within = {st: sorted({groups[j] for j, t in stacks.items() if t == st and j in groups})
+                  for st in set(stacks.values())}
+        jobs = [dict(j, stack=stacks.get(j["id"]),
+                     group=within[stacks[j["id"]]].index(groups[j["id"]]) if j["id"] in groups else None)
+                for j in cfg["jobs"]]
+    else:
+        jobs = [dict(j, group=groups.get(j["id"])) for j in cfg["jobs"]]
     # The scheduler the run had: runs recorded before the field existed held the trainer until
     # each publish was done.
     cfg = dict(cfg, arm=dict(cfg["arm"], trainer_waits_for_publish=cfg["arm"].get("trainer_waits_for_publish", True)))
@@ -276,7 +286,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                          | set(unmodelled_controls(controls, step_mode, lora_kernels,
                                                                  prof["sharing"].get("controls"),
                                                                  cfg["arm"].get("sharing") == "mps",
-                                                                 cfg["arm"].get("policy"),
+                                                                 corun_key(cfg["arm"].get("policy"),
+                                                                           cfg["arm"].get("stacks")),
                                                                  profile_slots,
                                                                  (cfg.get("engine") or {}).get("max_loras")
                                                                  or len(cfg["jobs"]), len(cfg["jobs"]),
@@ -347,13 +358,14 @@ def audit_label(audit: dict) -> str:
 
 
 def trainer_cpu_cap(diagnostics: dict) -> int | None:
-    """torch's CPU threads in a backend's trainers where capped below its host's CPUs
-    (RealOptions.trainer_cpu_threads; nodus's default on a GPU since session 28), else None. A
-    trainer records None on torch's own count; the first runs to record the field (session 28's
-    call c) recorded that count itself, the host's CPUs."""
+    """torch's CPU threads in a backend's trainers where capped (RealOptions.trainer_cpu_threads;
+    nodus's default on a GPU since session 28), else None. A trainer records None on torch's own
+    count, beside ``torch_threads``; the first runs to record the field (session 28's call c, no
+    ``torch_threads``) recorded that count itself, the host's CPUs, which is read as no cap."""
     cpus = (diagnostics.get("host") or {}).get("cpus")
     caps = [w["cpu_threads"] for name, w in (diagnostics.get("workers") or {}).items()
-            if name.startswith("trainer") and w.get("cpu_threads") and (not cpus or w["cpu_threads"] < cpus)]
+            if name.startswith("trainer") and w.get("cpu_threads")
+            and ("torch_threads" in w or not cpus or w["cpu_threads"] < cpus)]
     return max(caps) if caps else None
 
 
@@ -476,7 +488,7 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     cap = controls.get("trainer_cpu_threads")
     if cap != profile_cpu_threads:
         def said(n):
-            return f"{n} CPU threads" if n else "torch's own CPU threads (one per CPU)"
+            return f"{n} CPU threads" if n else "torch's own CPU thread count"
 
         out.append(f"the trainer ran {said(cap)}; the profile's train terms were measured with "
                    f"{said(profile_cpu_threads)} (environment.trainer_cpu_threads): beside the engine under MPS, a "
@@ -946,7 +958,8 @@ def _packed(row: dict) -> int:
 
 def _config_controls(row: dict) -> dict:
     """A run's controls that make its configuration (``nodus.config.drop_idle_priority``)."""
-    return drop_idle_priority(row.get("controls") or {}, (row.get("arm") or {}).get("policy"))
+    arm = row.get("arm") or {}
+    return drop_idle_priority(row.get("controls") or {}, corun_key(arm.get("policy"), arm.get("stacks")))
 
 
 def config_label(row: dict) -> str:
@@ -987,7 +1000,7 @@ def per_config_errors(rows: list[dict]) -> dict:
     per-run noise averages out here, as it does for a planner's question about the configuration."""
     by = _by_config(rows)
     out: dict = {}
-    out["configs"] = [config_label(v[0]) if v[0].get("arm") else "{}/{}/g{}/{}jobs".format(*k) for k, v in by.items()]
+    out["configs"] = [config_label(v[0]) if v[0].get("arm") else "{}/{}/g{}/{}jobs".format(k[0], k[1], k[2], k[4]) for k, v in by.items()]
     for mode in ("replay", "sampled"):
         meas = [float(np.mean([r["measured"]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
         pred = [float(np.mean([r[mode]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
@@ -1004,8 +1017,10 @@ def render_markdown(rep: dict) -> str:
     for r in rep["rows"]:
         arm = r["arm"] or {}
         m = r["measured"]["steps_per_gpu_hour"]
+        stacks = f" stacks={arm['stacks']}" if (arm.get("stacks") or 1) > 1 else ""
         lines.append(f"| {Path(r['run']).name} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
-                     f"{arm.get('sharing')}{f' sp{_packed(r)}' if _packed(r) else ''} | {m:.0f} | {r['replay']['steps_per_gpu_hour']:.0f} "
+                     f"{arm.get('sharing')}{stacks}{f' sp{_packed(r)}' if _packed(r) else ''} | {m:.0f} | "
+                     f"{r['replay']['steps_per_gpu_hour']:.0f} "
                      f"({(r['replay']['steps_per_gpu_hour'] - m) / m:+.1%}) | {r['sampled']['steps_per_gpu_hour']:.0f} "
                      f"({(r['sampled']['steps_per_gpu_hour'] - m) / m:+.1%}) | {r['heldout']} |")
     lines += ["", "| split | lengths | MAPE | worst | bias | Kendall tau | n |", "|---|---|---|---|---|---|---|"]

@@ -30,19 +30,21 @@ from nodus.config import packed_rows
 OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned")
 
 
-def comparable(row: dict, profile_slots: int | None = None) -> bool:
+def comparable(row: dict, profile_slots: int | None = None, profile_cpu_threads: int | None = None) -> bool:
     """A run of the settings the profile describes: the graphed trainer with plain rows (no
     trainer.share_prompts packing, which only some profiles price), the tuned LoRA kernels, none of
     OTHER_SETTINGS, and the engine's adapter slots: those the profile's engine terms were measured
     with (``profile_slots``, its ``environment.engine_max_loras``; a run's are its
     ``engine_max_loras`` control, else one per job), or one per job for a profile that does not
-    record them (session 23: 16 slots against 8 moved a run 11-27%)."""
+    record them (session 23: 16 slots against 8 moved a run 11-27%); and the trainers' CPU threads
+    the profile's train terms were measured with (``profile_cpu_threads``, its
+    ``environment.trainer_cpu_threads``; None: torch's own count)."""
     c = row.get("controls") or {}
     slots = c.get("engine_max_loras") or row.get("jobs")
     same_engine = "engine_max_loras" not in c if profile_slots is None else slots == profile_slots
     return (c.get("trainer_step_mode") == "graphed" and c.get("lora_kernels") == "tuned"
             and not packed_rows(row.get("share_prompts")) and not any(k in c for k in OTHER_SETTINGS)
-            and same_engine)
+            and same_engine and c.get("trainer_cpu_threads") == profile_cpu_threads)
 
 
 def mps_flagged(row: dict, profile_sharing: dict | None) -> bool:
@@ -51,8 +53,10 @@ def mps_flagged(row: dict, profile_sharing: dict | None) -> bool:
     from calibration.validate import mps_settings_differ
 
     arm = row.get("arm") or {}
+    from nodus.config import corun_key
+
     return mps_settings_differ(row.get("controls") or {}, profile_sharing, arm.get("sharing") == "mps",
-                               arm.get("policy")) is not None
+                               corun_key(arm.get("policy"), arm.get("stacks"))) is not None
 
 
 def cell(rows: list[dict], profile_sharing: dict | None) -> dict:
@@ -78,8 +82,10 @@ def crossday(profiles: list[tuple[str, str | None]], days: list[tuple[str, list[
     for p, _ in profiles:
         prof = profile_dict(p)
         controls, slots = prof["sharing"].get("controls"), prof["environment"].get("engine_max_loras")
+        cap = prof["environment"].get("trainer_cpu_threads")
         for day, runs in days:
-            rows = [r for r in validate(runs, p)["rows"] if r["heldout"] and (keep_any or comparable(r, slots))]
+            rows = [r for r in validate(runs, p)["rows"]
+                    if r["heldout"] and (keep_any or comparable(r, slots, cap))]
             out["cells"].setdefault(p, {})[day] = cell(rows, controls)
             # The runs whose MPS settings are the profile's (a planner picks the profile of the
             # settings the jobs will run under).

@@ -142,6 +142,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
         elif re.fullmatch(r"k[1-9][0-9]*", o):
             # The run config's arm.stacks: N engine + trainer stacks splitting the jobs (their own
             # processes: the pool starts a cluster of N stacks).
+            if ARMS[name][0] in ("dedicated", "timeslice") and int(o[1:]) > 1:
+                raise SystemExit(f"--arms {text!r}: {o!r}: {name} runs no shared stacks (dedicated: a GPU a job; "
+                                 "timeslice: its groups are its stacks)")
             trainer["stacks"] = int(o[1:])
         elif re.fullmatch(r"cpu(0|[1-9][0-9]*)", o):
             trainer["trainer_cpu_threads"] = int(o[3:])
@@ -378,7 +381,7 @@ def main() -> None:
 
     from calibration.validate import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
-    from nodus.config import (NO_CORUN_POLICIES, ConfigError, drop_idle_priority, engine_args_size_graphs,
+    from nodus.config import (NO_CORUN_POLICIES, ConfigError, corun_key, drop_idle_priority, engine_args_size_graphs,
                               graph_sizes_given)
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
@@ -457,9 +460,14 @@ def main() -> None:
             arm_trainer = {k: v for k, v in arm_trainer.items() if k not in ("share_prompts", "stacks")}
             try:
                 # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.
-                arm_opts = pool.opts = dataclasses.replace(opts, **arm_trainer)
+                arm_opts = dataclasses.replace(opts, **arm_trainer)
             except ValueError as err:
                 raise SystemExit(f"gpu_arms: arm {name} {arm_trainer}: {err}")
+            # The trainers' CPU threads as they will run (nodus's default resolved: :cpu2 and the
+            # default on a GPU are one setting, one key, no restart between them; 0: torch's own).
+            cpu_threads = trainer_cpu_threads(arm_opts.trainer_cpu_threads, run_device(arm_opts))
+            arm_trainer["trainer_cpu_threads"] = cpu_threads or 0
+            arm_opts = pool.opts = dataclasses.replace(arm_opts, trainer_cpu_threads=cpu_threads or 0)
             group_counts = [int(x) for x in str(args.groups).split(",") if x]
             if arm_groups:
                 gs = [arm_groups]
@@ -470,8 +478,8 @@ def main() -> None:
             aa_seeds = seeds if args.aa_seeds is None else [int(s) for s in args.aa_seeds.split(",")]
             for g, n, seed, rep in ((g, n, s, r) for g in gs for n in counts for s in arm_seeds or seeds
                                     for r in repeats):
-                if g > n or (rep and seed not in aa_seeds):
-                    continue  # more groups than jobs; an A/A repeat on a seed not asked for
+                if g * (stacks if policy == "overlap" else 1) > n or stacks > n or (rep and seed not in aa_seeds):
+                    continue  # more groups (in every stack) than jobs; an A/A repeat on a seed not asked for
                 variant = "-eager" if args.trainer_compile is False else ""
                 variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
@@ -486,8 +494,7 @@ def main() -> None:
                     variant += f"-e{args.engine_thread_pct}" if args.engine_thread_pct else ""
                     variant += f"-t{arm_opts.trainer_thread_pct}" if arm_opts.trainer_thread_pct else ""
                 # The trainers' CPU threads when capped (nodus's default on a GPU since session 28, or
-                # asked); runs before it, and :cpu0, ran torch's default (one per CPU) and have no suffix.
-                cpu_threads = trainer_cpu_threads(arm_opts.trainer_cpu_threads, run_device(arm_opts))
+                # asked); runs before it, and :cpu0, ran torch's own count and have no suffix.
                 variant += f"-cpu{cpu_threads}" if cpu_threads else ""
                 # The audit away from its default (every step): the engine returns logprobs less often.
                 if not arm_opts.audit_logprobs:
@@ -513,7 +520,8 @@ def main() -> None:
                 # (The trainer's priority, where nothing co-runs, is whatever the running trainers
                 # have: the pool keeps them, nodus.realrun.ClusterPool.)
                 shape = (sharing, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch, cfg.trainer_packing(),
-                         tuple(sorted((k, v) for k, v in drop_idle_priority(arm_trainer, policy).items()
+                         tuple(sorted((k, v) for k, v in drop_idle_priority(arm_trainer,
+                                                                            corun_key(policy, stacks)).items()
                                       if k not in RUN_SETTINGS)))
                 if args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed):
                     # New processes (or a micro-batch size they have not trained at): one discarded
@@ -535,7 +543,7 @@ def main() -> None:
                     run_dir = args.out / f"{key}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
                 write_run(run_dir, cfg, summary, runs)
-                corun = sharing == "mps" and policy not in NO_CORUN_POLICIES
+                corun = sharing == "mps" and corun_key(policy, stacks) not in NO_CORUN_POLICIES
                 profile = sim_profile(args.profile, arm_opts.trainer_graphs,
                                       arm_opts.trainer_priority if corun else None)
                 pred = simulate(engine_args_size_graphs(config_from_args(

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
-                          packed_rows, trainer_freed)
+                          corun_key, packed_rows, trainer_freed)
 from nodus.microbatch import mb_tag
 from calibration.validate import audit_label, run_audit, run_controls
 
@@ -87,7 +87,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += f"+sp{share}"  # each prompt's responses trained K to a row (trainer.share_prompts)
     controls = next((d["sharing_controls"] for d in (summary or {}).get("diagnostics", [])
                      if d.get("sharing_controls")), {})
-    if drop_idle_priority(controls, arm["policy"]).get("trainer_priority", "normal") != "normal":
+    if drop_idle_priority(controls, corun_key(arm["policy"], arm.get("stacks"))).get("trainer_priority",
+                                                                                    "normal") != "normal":
         label += "+lowpri"
     for side in ("engine", "trainer"):
         if controls.get(f"{side}_thread_pct"):

@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MPS client priority of the trainer: below-normal lets the engine's kernels go first")
     p.add_argument("--trainer-cpu-threads", type=int, metavar="N",
                    help="torch's CPU threads in each trainer process (default: 2 for a trainer on a GPU, torch's "
-                        "own for one on the CPU; 0: torch's own, one per CPU)")
+                        "own count for one on the CPU; 0: torch's own count everywhere)")
     p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the engine processes, e.g. "
                         "VLLM_TUNED_CONFIG_FOLDER=DIR (tuned multi-LoRA kernel configs); repeatable")

@@ -53,17 +53,20 @@ class RunSummary:
     steps_per_gpu_hour: float
     jobs: dict[str, JobResult]
     share_prompts: int = 0  # the run config's trainer.share_prompts
+    stacks: int = 1  # the arm's engine + trainer stacks (arm.stacks)
 
     @property
     def arm(self) -> str:
-        return arm_label(self.policy, self.sharing, self.groups, self.share_prompts)
+        return arm_label(self.policy, self.sharing, self.groups, self.share_prompts, self.stacks)
 
 
-def arm_label(policy: str, sharing: str, groups: int, share_prompts: int = 0) -> str:
-    """policy/sharing/groups, +spK where the trainer packed each prompt's responses K to a row
-    (trainer.share_prompts): not a repeat of the same arm without it."""
+def arm_label(policy: str, sharing: str, groups: int, share_prompts: int = 0, stacks: int = 1) -> str:
+    """policy/sharing/groups, /kN on N engine + trainer stacks (arm.stacks), +spK where the trainer
+    packed each prompt's responses K to a row (trainer.share_prompts): neither is a repeat of the
+    same arm without it."""
     share = packed_rows(share_prompts)
-    return f"{policy}/{sharing}/g{groups}" + (f"+sp{share}" if share else "")
+    return (f"{policy}/{sharing}/g{groups}" + (f"/k{stacks}" if stacks > 1 else "")
+            + (f"+sp{share}" if share else ""))
 
 
 def _get(obj: object, key: str, kinds: type | tuple[type, ...], where: str, file: Path):
@@ -124,6 +127,7 @@ def load_run(path: str | Path) -> RunSummary:
         steps_per_gpu_hour=sph,
         jobs={job_id: _job(job_id, rec, file) for job_id, rec in per_job.items()},
         share_prompts=config_share_prompts(folder / "config.json"),
+        stacks=int((data.get("arm") or {}).get("stacks") or 1),
     )
 
 

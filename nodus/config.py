@@ -22,6 +22,13 @@ NO_CORUN_POLICIES: tuple[str, ...] = ("dedicated", "shared-sync")
 SHARINGS: tuple[str, ...] = ("none", "mps")
 
 
+def corun_key(policy: str | None, stacks: int | None = 1) -> str | None:
+    """The policy as ``NO_CORUN_POLICIES`` and ``drop_idle_priority`` read it: shared-sync on more
+    than one stack co-runs one stack's trainer beside another's engine, so it is keyed apart
+    ('shared-sync/k2')."""
+    return policy if (stacks or 1) <= 1 or policy is None else f"{policy}/k{stacks}"
+
+
 def drop_idle_priority(settings: dict, policy: str | None) -> dict:
     """``settings`` (a run's controls, or trainer options by name) without the trainer's priority
     where ``policy`` never co-runs engine and trainer (``NO_CORUN_POLICIES``): it decides nothing
@@ -90,7 +97,8 @@ class JobSpec(_Model):
     learning_rate: float = Field(default=1e-5, gt=0, le=1.0)
     seed: int | None = None  # default: run seed * 1000 + job index
     lengths: LengthModel | None = None  # response-length model; default: the task's
-    group: int | None = Field(default=None, ge=0)  # pin to a group (overlap) or stack (timeslice)
+    group: int | None = Field(default=None, ge=0)  # pin to a group (overlap; within its stack) or stack (timeslice)
+    stack: int | None = Field(default=None, ge=0)  # pin to one of arm.stacks (nodus validate replays a run's own)
     prompt_pool: int | None = Field(default=None, ge=1)  # a finite training set of this many items
                                                          # (default: fresh items every step)
 
@@ -166,7 +174,9 @@ def peak_engine_sequences(cfg: "RunConfig") -> int:
         from nodus.runner import stack_jobs
 
         ids_of = [j.id for j in cfg.resolved().jobs]
-        per_job = max(([p for j, p in zip(ids_of, per_job) if j in ids] for ids in stack_jobs(cfg)), key=sum)
+        return max(sum(sorted((p for j, p in zip(ids_of, per_job) if j in ids), reverse=True)[:cfg.engine.max_loras
+                                                                                              or len(ids)])
+                   for ids in stack_jobs(cfg))
     return sum(sorted(per_job, reverse=True)[:cfg.engine.max_loras or len(per_job)])
 
 
@@ -282,11 +292,23 @@ class RunConfig(_Model):
             if self.arm.stacks * per > n:
                 raise ValueError(f"arm.stacks={self.arm.stacks} x {per} group(s) a stack > jobs={n}: every stack's "
                                  "every group needs at least one job")
-            if any(j.group is not None for j in self.jobs):
-                raise ValueError(f"jobs[].group with arm.stacks={self.arm.stacks}: jobs are split into stacks and "
-                                 "groups by their predicted work; pin none")
+            stacked = [j.stack for j in self.jobs if j.stack is not None]
+            if stacked and (len(stacked) != n or set(stacked) != set(range(self.arm.stacks))):
+                raise ValueError(f"jobs[].stack={sorted(set(stacked))}: pin every job to one of stacks "
+                                 f"0..{self.arm.stacks - 1}, using each, or none")
+            if any(j.group is not None for j in self.jobs) and not stacked:
+                raise ValueError(f"jobs[].group with arm.stacks={self.arm.stacks}: pin each job's stack too "
+                                 "(jobs[].stack), or none (jobs are split by their predicted work)")
+            if stacked and self.arm.policy == "overlap":
+                for st in range(self.arm.stacks):
+                    got = {j.group for j in self.jobs if j.stack == st}
+                    if got != set(range(self.arm.groups)):
+                        raise ValueError(f"jobs[].group={sorted(got, key=str)} in stack {st}: pin every job of each "
+                                         f"stack to one of groups 0..{self.arm.groups - 1}, using each")
+        elif any(j.stack is not None for j in self.jobs):
+            raise ValueError(f"jobs[].stack with arm.stacks={self.arm.stacks}: a stack pin needs arm.stacks > 1")
         pinned = [j.group for j in self.jobs if j.group is not None]
-        if pinned and self.arm.policy in ("overlap", "timeslice"):
+        if pinned and self.arm.policy in ("overlap", "timeslice") and self.arm.stacks == 1:
             if len(pinned) != n:
                 raise ValueError("jobs[].group: pin every job to a group or none")
             if max(pinned) >= self.arm.groups or len(set(pinned)) != self.arm.groups:

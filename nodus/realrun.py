@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from nodus.config import NO_CORUN_POLICIES, RunConfig, engine_args_size_graphs
+from nodus.config import NO_CORUN_POLICIES, RunConfig, corun_key, engine_args_size_graphs
 from nodus.outdir import make_out_dir
 from nodus.runner import run_arm
 
@@ -65,7 +65,8 @@ class ClusterPool:
         key = self.key(cfg, n_stacks)
         loras, cpu_loras, _ = self.slots(cfg)
         running = self.clusters.get(key)
-        if (running is not None and self.opts is not None and cfg.arm.policy in NO_CORUN_POLICIES
+        if (running is not None and self.opts is not None
+                and corun_key(cfg.arm.policy, cfg.arm.stacks) in NO_CORUN_POLICIES
                 and running.opts.trainer_priority != self.opts.trainer_priority):
             # Engine and trainer never run at once in this run: the priority decides nothing, so
             # the running trainers keep theirs (a restart would re-prime them for nothing); the

@@ -38,14 +38,11 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
 
     if cfg.arm.stacks > 1:
         # Each stack runs the policy over its own jobs: its groups on its engine and trainer.
-        stacks = stack_jobs(cfg)
-        if policy == "overlap":
-            groups = [(s, g) for s, ids_s in enumerate(stacks)
-                      for g in balance_groups({j: work[j] for j in ids_s}, cfg.arm.groups)]
-        elif policy == "continuous":
-            groups = [(s, [j]) for s, ids_s in enumerate(stacks) for j in ids_s]
-        else:  # shared-sync
-            groups = [(s, ids_s) for s, ids_s in enumerate(stacks)]
+        per_stack = stack_groups(cfg)
+        if policy == "continuous":
+            groups = [(s, [j]) for s, gs in enumerate(per_stack) for g in gs for j in g]
+        else:  # overlap: the stack's groups; shared-sync: its one group
+            groups = [(s, g) for s, gs in enumerate(per_stack) for g in gs]
         return Scheduler(steps, groups, concurrent=True, stagger=policy == "overlap", start_versions=sv,
                          trainer_waits_for_publish=waits, merge_trains=policy == "continuous")
     if policy in ("shared-sync", "dedicated"):
@@ -87,10 +84,21 @@ def size_engine_slots(cfg: RunConfig) -> RunConfig:
     slots as on 8, session 22), while fewer slots than two overlapping generations' adapters (a
     group's tail beside the next group's start) queue the later requests: the simulator puts 2 jobs
     on 1 slot 8% below 2 slots. Shared-sync, continuous, dedicated and timeslice runs keep one slot
-    per job (every job of a batch generates at once). A set ``engine.max_loras`` is kept. Only new
+    per job (every job of a batch generates at once). On ``arm.stacks`` > 1 each engine gets slots for
+    its own stack's jobs (by the overlap rule within a stack). A set ``engine.max_loras`` is kept. Only new
     configs are sized (``nodus.simulate.config_from_args``: ``nodus sim``, ``run``, ``sweep``, also
     from a config file); ``nodus validate`` and ``fit`` replay a recorded run with its own slots."""
     n = len(cfg.jobs)
+    if cfg.engine.max_loras is None and cfg.arm.stacks > 1 and cfg.arm.policy != "timeslice":
+        # An engine per stack serves its own stack's jobs only: slots for those (an overlap stack's
+        # by the rule below, within the stack), not one per job of the run.
+        per_stack = stack_groups(cfg)
+        most = max(sum(len(g) for g in gs) for gs in per_stack)
+        if cfg.arm.policy == "overlap" and most > FREE_SLOTS:
+            most = min(most, max(max(len(g) for gs in per_stack for g in gs), FREE_SLOTS))
+        if most >= n:
+            return cfg
+        return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"max_loras": most})})
     if cfg.engine.max_loras is not None or cfg.arm.policy != "overlap" or cfg.arm.groups < 2 or n <= FREE_SLOTS:
         return cfg
     slots = max(max(len(g) for _, g in plan(cfg).groups), FREE_SLOTS)
@@ -111,10 +119,32 @@ def n_stacks(cfg: RunConfig) -> int:
     return cfg.arm.groups if cfg.arm.policy == "timeslice" else cfg.arm.stacks
 
 
+def stack_groups(cfg: RunConfig) -> list[list[list[str]]]:
+    """Each of ``arm.stacks`` stacks' groups of job ids (a shared policy's; overlap: ``arm.groups``
+    a stack, else one). Pinned jobs (``jobs[].stack``, and ``jobs[].group`` within it for overlap:
+    ``nodus validate`` replays a run's own) keep their pins; otherwise the jobs are balanced by
+    predicted work into stacks x groups groups (``nodus.grouping.balance_groups``, so every group
+    has a job), and the groups go to the stacks heaviest first, each to the lightest stack with
+    room."""
+    jobs = cfg.resolved().jobs
+    k, per = cfg.arm.stacks, cfg.arm.groups if cfg.arm.policy == "overlap" else 1
+    if all(j.stack is not None for j in jobs):
+        return [[[j.id for j in jobs if j.stack == s and (per == 1 or j.group == g)] for g in range(per)]
+                for s in range(k)]
+    work = {j.id: predicted_step_tokens(j) * j.steps for j in jobs}
+    groups = balance_groups(work, k * per)
+    load = [sum(work[j] for j in g) for g in groups]
+    mine: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(groups)), key=lambda i: (-load[i], i)):
+        s = min((s for s in range(k) if len(mine[s]) < per), key=lambda s: (sum(load[x] for x in mine[s]), s))
+        mine[s].append(i)
+    return [[groups[i] for i in sorted(m)] for m in mine]
+
+
 def stack_jobs(cfg: RunConfig) -> list[list[str]]:
-    """The job ids of each of ``arm.stacks`` stacks (a shared policy's), balanced by predicted work
-    as groups are (``nodus.grouping.balance_groups``)."""
-    return balance_groups({j.id: predicted_step_tokens(j) * j.steps for j in cfg.resolved().jobs}, cfg.arm.stacks)
+    """The job ids of each of ``arm.stacks`` stacks, in job order (``stack_groups``)."""
+    order = {j.id: i for i, j in enumerate(cfg.resolved().jobs)}
+    return [sorted((j for g in gs for j in g), key=order.get) for gs in stack_groups(cfg)]
 
 
 def run_spans(cfg: RunConfig, make_backend: BackendFactory, on_progress=None,

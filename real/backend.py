@@ -93,8 +93,8 @@ class RealOptions:
     # the same fixed-shape program without capture).
     trainer_graphs: bool = False
     # torch's CPU threads (intra-op, OpenMP) in each trainer process. None: AUTO_TRAINER_CPU_THREADS
-    # for a trainer on a GPU, torch's default (one per CPU) for one on the CPU, which computes there;
-    # 0: torch's default everywhere.
+    # for a trainer on a GPU, torch's own count (its default, the cores) for one on the CPU, which
+    # computes there; 0: torch's own count everywhere.
     trainer_cpu_threads: int | None = None
     start_timeout_s: float = 900.0
 
@@ -129,7 +129,7 @@ class RealOptions:
                              "prompt needs N >= 1 (None: every response; audit_logprobs=False: none)")
         if self.trainer_cpu_threads is not None and self.trainer_cpu_threads < 0:
             raise ValueError(f"trainer_cpu_threads={self.trainer_cpu_threads}: a thread count >= 1, 0 for torch's "
-                             "default (one per CPU), or None for nodus's (AUTO_TRAINER_CPU_THREADS on a GPU)")
+                             "default count, or None for nodus's (AUTO_TRAINER_CPU_THREADS on a GPU)")
         for name in ("engine_thread_pct", "trainer_thread_pct"):
             pct = getattr(self, name)
             if pct is not None and not 1 <= pct <= 100:
@@ -364,7 +364,7 @@ class Cluster:
 
     def restart_trainers(self, opts: RealOptions) -> None:
         """Replace every stack's trainer process by one with ``opts``' trainer settings (MPS thread
-        percentage and priority, graphs, layout, compile), keeping the engines, their adapters and
+        percentage and priority, graphs, layout, compile, CPU threads), keeping the engines, their adapters and
         the MPS daemon: an A/B of trainer settings without an engine start (100-260 s on the H200).
         Call between runs only (no job registered)."""
         if engine_settings(opts) != engine_settings(self.opts):

@@ -45,7 +45,7 @@ class Environment(_M):
     # not recorded (the largest adapter count measured, in every calibration before the field).
     engine_max_loras: int | None = Field(default=None, ge=1)
     # torch's CPU threads in the measured trainers where capped (RealOptions.trainer_cpu_threads;
-    # nodus fit records its runs'); None: torch's own count, one per CPU (every profile before the field).
+    # nodus fit records its runs'); None: torch's own count (every profile before the field).
     trainer_cpu_threads: int | None = Field(default=None, ge=1)
     sources: list[str] = []
 

@@ -265,6 +265,18 @@ def test_runs_that_pack_prompts_are_their_own_arm(tmp_path):
         compare_runs([base, plain, packed])
 
 
+def test_runs_on_several_stacks_are_their_own_arm(tmp_path):
+    """A run on two engine + trainer stacks (summary arm.stacks) is labelled /k2: never pooled with
+    the one-stack arm as its A/A repeat."""
+    one = make_run(tmp_path, "one", policy="shared-sync", sharing="mps", sph=200.0)
+    two = make_run(tmp_path, "two", policy="shared-sync", sharing="mps", sph=260.0,
+                   arm={"policy": "shared-sync", "sharing": "mps", "groups": 1, "stacks": 2})
+    report = compare_runs([make_run(tmp_path, "base"), one, two])
+    labels = {a["arm"]: a for a in report["arms"]}
+    assert {"shared-sync/mps/g1", "shared-sync/mps/g1/k2"} <= set(labels)
+    assert [[r["repeats"] for r in a["per_seed"]] for a in report["arms"] if a["arm"] == "shared-sync/mps/g1"] == [[1]]
+
+
 def test_packed_rows_is_the_one_reading_of_share_prompts():
     """0, 1 and a missing value all mean plain rows (0) wherever a run's setting is read: the
     compare and sweep labels, validate's configuration key, gpu_table's label and crossday's filter."""

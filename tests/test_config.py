@@ -172,6 +172,28 @@ def test_stacks_split_a_shared_arm_and_bad_ones_name_the_problem():
         {"jobs": [{"task": "gsm8k"}] * 4, "arm": {"policy": "timeslice", "groups": 2, "stacks": 2}})
     assert "a dedicated job has its own GPU" in _err(
         {"jobs": [{"task": "gsm8k"}] * 4, "arm": {"policy": "dedicated", "groups": 1, "stacks": 2}})
-    assert "pin none" in _err({"jobs": [{"task": "gsm8k", "group": g} for g in (0, 1, 0, 1)],
-                               "arm": {"policy": "overlap", "groups": 2, "stacks": 2}})
+    assert "pin each job's stack too" in _err({"jobs": [{"task": "gsm8k", "group": g} for g in (0, 1, 0, 1)],
+                                               "arm": {"policy": "overlap", "groups": 2, "stacks": 2}})
+    # Pins (a recorded run replayed in its own split): each job's stack, and its group within it.
+    pins = [{"task": "gsm8k", "stack": st, "group": g} for st, g in ((1, 0), (0, 1), (1, 1), (0, 0))]
+    pinned = build_config({"jobs": pins, "arm": {"policy": "overlap", "groups": 2, "stacks": 2}}).resolved()
+    assert [(s, g) for s, g in plan(pinned).groups] == [(0, ["job3"]), (0, ["job1"]), (1, ["job0"]), (1, ["job2"])]
+    assert "pin every job of each stack to one of groups 0..1" in _err(
+        {"jobs": [dict(p, group=0) for p in pins], "arm": {"policy": "overlap", "groups": 2, "stacks": 2}})
+    assert "jobs[].stack=[1]" in _err({"jobs": [{"task": "gsm8k", "stack": 1}] * 2,
+                                       "arm": {"policy": "shared-sync", "stacks": 2}})
+    assert "a stack pin needs arm.stacks > 1" in _err({"jobs": [{"task": "gsm8k", "stack": 0}] * 2,
+                                                       "arm": {"policy": "shared-sync"}})
+    # One heavy job: every stack still gets its groups (stacks x groups groups, then to stacks).
+    skew = build_config({"jobs": [{"task": "gsm8k", "steps": st} for st in (12, 3, 3, 3)],
+                         "arm": {"policy": "overlap", "groups": 2, "stacks": 2}}).resolved()
+    assert sorted(len(g) for _, g in plan(skew).groups) == [1, 1, 1, 1]
     assert "arm.stacks" in _err({"jobs": [{"task": "gsm8k"}] * 2, "arm": {"policy": "shared-sync", "stacks": 0}})
+    # Each engine gets slots for its own stack's jobs; a set engine.max_loras is kept.
+    assert config_from_args(jobs=8, policy="overlap", groups=2, stacks=2).engine.max_loras == 4
+    assert config_from_args(jobs=8, policy="shared-sync", stacks=2).engine.max_loras == 4
+    assert config_from_args(jobs=8, policy="overlap", groups=2).engine.max_loras is None
+    # Shared-sync on two stacks co-runs one stack's trainer beside the other's engine.
+    from nodus.config import NO_CORUN_POLICIES, corun_key
+
+    assert corun_key("shared-sync", 1) in NO_CORUN_POLICIES and corun_key("shared-sync", 2) not in NO_CORUN_POLICIES

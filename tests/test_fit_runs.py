@@ -239,6 +239,11 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
     with pytest.raises(ConfigError, match=r"trained each prompt once \(trainer.share_prompts=4\)"):
         fit(runs, base=str(graphed_base))
     cfg["trainer"].pop("share_prompts")
+    cfg["arm"]["stacks"] = 2
+    (runs[0] / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="ran 2 engine \\+ trainer stacks"):
+        fit(runs, base=str(graphed_base))
+    cfg["arm"].pop("stacks")
     (runs[0] / "config.json").write_text(json.dumps(cfg))
     # The trainers' CPU threads (capped below the host's CPUs, RealOptions.trainer_cpu_threads):
     # one setting per fit, recorded in the profile's environment.

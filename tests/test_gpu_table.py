@@ -115,9 +115,12 @@ def test_arm_label_names_changed_mps_settings():
     assert arm_label(arm, {"diagnostics": [graphed]}) == "overlap/mps/g2+cg+cpu2"
     graphed["workers"]["trainer0"]["cpu_threads"] = None
     assert arm_label(arm, {"diagnostics": [graphed]}) == "overlap/mps/g2+cg"
-    graphed["workers"]["trainer0"]["cpu_threads"] = 16  # the host's CPUs, torch's own count: not capped
+    # Session 28's call c recorded torch's own count itself (no torch_threads beside it): no cap.
+    graphed["workers"]["trainer0"]["cpu_threads"] = 16
     assert arm_label(arm, {"diagnostics": [dict(graphed, host={"cpus": 16})]}) == "overlap/mps/g2+cg"
-    assert arm_label(arm, {"diagnostics": [dict(graphed, host={"cpus": 32})]}) == "overlap/mps/g2+cg+cpu16"
+    # Since, a count recorded beside torch_threads is a cap asked for, whatever the host's CPUs.
+    graphed["workers"]["trainer0"].update(cpu_threads=16, torch_threads=16)
+    assert arm_label(arm, {"diagnostics": [dict(graphed, host={"cpus": 16})]}) == "overlap/mps/g2+cg+cpu16"
 
 
 def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):

@@ -264,14 +264,14 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     # configuration), named against a profile measured with other threads.
     capped = {"diagnostics": [{"host": {"cpus": 16}, "workers": {"trainer0": {"cpu_threads": 2}}}]}
     assert run_controls(capped) == {"trainer_cpu_threads": 2}
-    capped["diagnostics"][0]["workers"]["trainer0"]["cpu_threads"] = 16  # the host's CPUs: torch's own count
+    capped["diagnostics"][0]["workers"]["trainer0"]["cpu_threads"] = 16  # session 28 call c's record of no cap
     assert run_controls(capped) == {}
     assert unmodelled_controls({"trainer_cpu_threads": 2}, profile_cpu_threads=2) == []
     assert unmodelled_controls({"trainer_cpu_threads": 2}) == [
-        "the trainer ran 2 CPU threads; the profile's train terms were measured with torch's own CPU threads (one "
-        "per CPU) (environment.trainer_cpu_threads): beside the engine under MPS, a trainer capped at 2 trained in "
+        "the trainer ran 2 CPU threads; the profile's train terms were measured with torch's own CPU thread count "
+        "(environment.trainer_cpu_threads): beside the engine under MPS, a trainer capped at 2 trained in "
         "half the time of one on 16 (session 28)"]
-    assert "the trainer ran torch's own CPU threads (one per CPU); the profile's train terms were measured with 2 " \
+    assert "the trainer ran torch's own CPU thread count; the profile's train terms were measured with 2 " \
         "CPU threads" in unmodelled_controls({}, profile_cpu_threads=2)[0]
     # Fewer slots than jobs (engine.max_loras, which the simulator admits by): a configuration of its
     # own, named only against a profile measured with other slots.
