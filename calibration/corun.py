@@ -452,6 +452,11 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
             f"--from-raw {raw_path})")
         # The co-run rates of the trainer the base profile's train terms describe, beside the engine
         # its engine terms describe (its LoRA kernels).
+        cap = (prof.get("environment") or {}).get("trainer_cpu_threads")
+        if cap:
+            raise ValueError(f"nodus calibrate-sharing: base {base!r}'s train terms were measured with the trainer on "
+                             f"{cap} CPU threads (environment.trainer_cpu_threads); the co-run bench measures with "
+                             "torch's own count, as nodus calibrate does: give it a base measured that way")
         graphs = profile_step_mode(prof) != "eager"
         measured = measure_sharing(model, modes=modes, log=log, raw_path=raw_path, trainer_graphs=graphs,
                                    tuned_lora_kernels=profile_lora_kernels(prof) == "tuned", **settings)

@@ -277,7 +277,9 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                **({"engine_steps": es} if (es := run_engine_steps(meas)) else {}),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
-               "jobs_per_gpu": jobs_per_gpu(cfg), "heldout": jobs_per_gpu(cfg) > fit_max_jobs,
+               # A stacks run is never a fit run (nodus fit refuses it): held out at any size.
+               "jobs_per_gpu": jobs_per_gpu(cfg),
+               "heldout": jobs_per_gpu(cfg) > fit_max_jobs or (cfg["arm"].get("stacks") or 1) > 1,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
                             "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans)},
                "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s", "gen_by_size")},
@@ -400,7 +402,9 @@ def run_controls(summary: dict) -> dict:
             out["publish_pinned"] = False  # published adapters loaded into pageable host memory (:np)
         if d.get("cuda_graph_max_tokens"):
             out["cuda_graph_max_tokens"] = d["cuda_graph_max_tokens"]  # the sim models it (config)
-        if summary.get("jobs") and d.get("engine_max_loras") not in (None, summary["jobs"]):
+        # One slot per job of an engine's own: the run's jobs, or its largest stack's (arm.stack_jobs).
+        own = max((summary.get("arm") or {}).get("stack_jobs") or [summary.get("jobs") or 0])
+        if summary.get("jobs") and d.get("engine_max_loras") not in (None, own):
             # An engine with other than one adapter slot per job: more (a pool sized for a larger
             # arm) or fewer (engine.max_loras, which the simulator admits by): another engine
             # (unmodelled_controls compares it with the profile's).

@@ -385,7 +385,7 @@ def main() -> None:
                               graph_sizes_given)
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
-    from nodus.runner import n_stacks, run_arm
+    from nodus.runner import n_stacks, run_arm, size_engine_slots, stack_jobs
     from nodus.simulate import config_from_args, simulate, write_run
     from real.backend import RUN_SETTINGS, run_device, trainer_cpu_threads
     from real.lora_kernels import ENV as LORA_CONFIG_ENV
@@ -480,12 +480,27 @@ def main() -> None:
                                     for r in repeats):
                 if g * (stacks if policy == "overlap" else 1) > n or stacks > n or (rep and seed not in aa_seeds):
                     continue  # more groups (in every stack) than jobs; an A/A repeat on a seed not asked for
+                # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
+                # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
+                mb = args.aa_mb_tokens if rep else arm_mb
+                cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
+                                       steps=args.steps, seed=seed, stacks=stacks if stacks > 1 else None)
+                cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
+                own_jobs = n
+                if stacks > 1:
+                    # Each engine of a kN arm serves its own stack's jobs: slots for those
+                    # (size_engine_slots), at most the invocation's (its own cluster: no sharing).
+                    own_jobs = max(len(ids) for ids in stack_jobs(cfg))
+                    per = size_engine_slots(cfg.model_copy(update={"engine": cfg.engine.model_copy(
+                        update={"max_loras": None})})).engine.max_loras or own_jobs
+                    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(
+                        update={"max_loras": min(per, pool.min_loras)})})
                 variant = "-eager" if args.trainer_compile is False else ""
                 variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
                 variant += "-ep" if args.engine_core_process else ""
                 variant += f"-gm{args.cuda_graph_max_tokens}" if args.cuda_graph_max_tokens else ""
-                variant += slots_key(pool.min_loras, n)
+                variant += slots_key(cfg.engine.max_loras if stacks > 1 else pool.min_loras, own_jobs)
                 variant += "-ee" if engine_env else ""  # engine environment, e.g. tuned LoRA kernel configs
                 # vLLM's default LoRA kernel configs (a folder given through the environment wins).
                 variant += "-vk" if not args.tuned_lora_kernels and LORA_CONFIG_ENV not in dict(engine_env) else ""
@@ -509,12 +524,6 @@ def main() -> None:
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"
                 key += f"-r{rnd}" if rnd > 1 else ""  # a repeat round (--rounds): the same arm again
-                # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
-                # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
-                mb = args.aa_mb_tokens if rep else arm_mb
-                cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
-                                       steps=args.steps, seed=seed, stacks=stacks if stacks > 1 else None)
-                cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
                 # New trainer settings restart the trainers: a new shape to prime (run-loop settings,
                 # such as the audit's cadence, keep every process: nothing new to prime).
                 # (The trainer's priority, where nothing co-runs, is whatever the running trainers

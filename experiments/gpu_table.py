@@ -314,7 +314,9 @@ def factors(table: dict) -> dict:
     def key(arm: str, sfx: str) -> str:
         # The trainer's priority decides nothing where engine and trainer never run at once: a
         # co-running arm at below-normal priority is measured over those arms without it.
-        return arm + (sfx.replace("+lowpri", "", 1) if arm.startswith(NO_CORUN_ARMS) else sfx)
+        # (A shared-sync arm on several stacks, "/kN", co-runs one stack's trainer beside another's engine.)
+        idle = arm.startswith(NO_CORUN_ARMS) and "/k" not in arm
+        return arm + (sfx.replace("+lowpri", "", 1) if idle else sfx)
 
     out: dict = {}
     for (jobs, seed), sph in sorted(by.items()):

@@ -296,6 +296,9 @@ class RunConfig(_Model):
             if stacked and (len(stacked) != n or set(stacked) != set(range(self.arm.stacks))):
                 raise ValueError(f"jobs[].stack={sorted(set(stacked))}: pin every job to one of stacks "
                                  f"0..{self.arm.stacks - 1}, using each, or none")
+            if any(j.group is not None for j in self.jobs) and self.arm.policy != "overlap":
+                raise ValueError(f"jobs[].group with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: "
+                                 "only overlap has groups within a stack; pin none")
             if any(j.group is not None for j in self.jobs) and not stacked:
                 raise ValueError(f"jobs[].group with arm.stacks={self.arm.stacks}: pin each job's stack too "
                                  "(jobs[].stack), or none (jobs are split by their predicted work)")

@@ -190,7 +190,8 @@ def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
         summary["per_job"][job.id].update(task=job.task, seed=job.seed)
     summary["diagnostics"] = extras.get("diagnostics", [])
     summary["arm"] = {"policy": cfg.arm.policy, "groups": cfg.arm.groups, "sharing": cfg.arm.sharing,
-                      **({"stacks": cfg.arm.stacks} if cfg.arm.stacks > 1 else {})}
+                      **({"stacks": cfg.arm.stacks, "stack_jobs": [len(ids) for ids in stack_jobs(cfg)]}
+                         if cfg.arm.stacks > 1 else {})}
     # Flat copies of the arm, the layout `nodus compare` reads.
     summary.update(policy=cfg.arm.policy, groups=cfg.arm.groups, sharing=cfg.arm.sharing)
     summary["jobs"] = len(cfg.jobs)

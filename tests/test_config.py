@@ -197,3 +197,7 @@ def test_stacks_split_a_shared_arm_and_bad_ones_name_the_problem():
     from nodus.config import NO_CORUN_POLICIES, corun_key
 
     assert corun_key("shared-sync", 1) in NO_CORUN_POLICIES and corun_key("shared-sync", 2) not in NO_CORUN_POLICIES
+    # Groups within a stack are overlap's only.
+    assert "only overlap has groups within a stack" in _err(
+        {"jobs": [{"task": "gsm8k", "stack": st, "group": 0} for st in (0, 1)],
+         "arm": {"policy": "shared-sync", "stacks": 2}})

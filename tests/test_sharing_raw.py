@@ -138,3 +138,18 @@ def test_sharing_is_measured_beside_the_engine_kernels_the_base_describes(tmp_pa
         with pytest.raises(Stop):
             calibrate_sharing("no-model", base=name, out=tmp_path / f"out{want}.json", make_pair=pair)
         assert asked[-1] == {"trainer_graphs": False, "tuned_lora_kernels": want}
+
+
+def test_calibrate_sharing_refuses_a_base_measured_with_a_capped_trainer(tmp_path):
+    """The co-run bench measures the trainer on torch's own CPU thread count, as nodus calibrate
+    does: a base whose train terms came from capped trainers (environment.trainer_cpu_threads) is
+    refused before anything is measured."""
+    from sim.profile import profile_dict
+
+    base = profile_dict("h200-qwen3-0.6b")
+    base["environment"]["trainer_cpu_threads"] = 2
+    (tmp_path / "capped.json").write_text(json.dumps(base))
+    with pytest.raises(ValueError, match="measured with the trainer on 2 CPU threads"):
+        calibrate_sharing("/nonexistent-model", str(tmp_path / "capped.json"), tmp_path / "out.json",
+                          log=lambda *_: None)
+    assert not (tmp_path / "out.json").exists()

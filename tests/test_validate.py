@@ -262,6 +262,10 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     assert unmodelled_controls({}, run_slots=8) == [] and unmodelled_controls({}, profile_slots=8, run_slots=8) == []
     # The trainers' CPU threads capped below the host's CPUs: a control of the run (its own
     # configuration), named against a profile measured with other threads.
+    # An engine per stack with one slot per job of its own stack (arm.stack_jobs): no slot control.
+    stacked = {"jobs": 8, "arm": {"stacks": 2, "stack_jobs": [4, 4]}, "diagnostics": [{"engine_max_loras": 4}]}
+    assert run_controls(stacked) == {}
+    assert run_controls(dict(stacked, arm={})) == {"engine_max_loras": 4}
     capped = {"diagnostics": [{"host": {"cpus": 16}, "workers": {"trainer0": {"cpu_threads": 2}}}]}
     assert run_controls(capped) == {"trainer_cpu_threads": 2}
     capped["diagnostics"][0]["workers"]["trainer0"]["cpu_threads"] = 16  # session 28 call c's record of no cap
