@@ -119,8 +119,9 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                               **engine_llm_args(spec.llm_args, spec.cuda_graph_max_tokens))
         import torch
 
-        # torch's intra-op CPU threads in this process (its default: one per CPU; an OMP_NUM_THREADS
-        # in the engine's environment sets them).
+        # torch's intra-op CPU threads in this process, as the run had them (torch's default is
+        # the cores; an OMP_NUM_THREADS in the engine's environment asks for others, and vLLM's
+        # CPU platform sets its own).
         outbox.put(("ready", name, time.monotonic() - t0, {"lora_kernel_configs": eng.lora_kernel_configs,
                                                            "cuda_graphs": eng.cuda_graphs(),
                                                            "lora_slots": eng.lora_slots(),

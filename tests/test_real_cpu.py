@@ -49,8 +49,7 @@ def overlap_run(tmp_path_factory):
         mp.setenv("NODUS_TRAINER_PROFILE_AT", "2")
         # vLLM's core in a process of its own (the in-process core: every other run of this file).
         assert main(["run", str(cfg), "--backend", "real", "--model", "tiny", "--no-baseline", "--out", str(out),
-                     "--engine-arg", "max_logprobs=5", "--engine-core-process",
-                     "--engine-env", "OMP_NUM_THREADS=1"]) == 0
+                     "--engine-arg", "max_logprobs=5", "--engine-core-process"]) == 0
     return out
 
 
@@ -154,10 +153,14 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     # The engine reports its LoRA kernel configs at start (none on a CPU: no Triton kernels there) and
     # its CUDA graphs as vLLM took them: the config's size, no graphs on a CPU.
     # Its kernel warm-up ran no step: a CPU has no Triton LoRA kernels to compile.
-    assert s["diagnostics"][0]["workers"]["engine0"] == {
+    engine = dict(s["diagnostics"][0]["workers"]["engine0"])
+    # torch's thread count in the engine worker, recorded (on a CPU vLLM's CPU platform sets its
+    # own threads, so no setting of ours is asserted here).
+    threads = engine.pop("torch_threads")
+    assert isinstance(threads, int) and threads >= 1
+    assert engine == {
         "lora_kernel_configs": None, "cuda_graphs": {"mode": "NONE", "max_tokens": 64},
         "lora_slots": {"gpu": 2, "cpu": 2},  # as vLLM took them: one slot per job, each adapter kept
-        "torch_threads": 1,  # the fixture's --engine-env OMP_NUM_THREADS=1, as torch in the engine took it
         "kernel_warmup": {"token_counts": [], "s": pytest.approx(0, abs=1.0), "jit_compiles": None,
                           "generation_jit_compiles": None}}
     # vLLM's core ran in its own process (the fixture's --engine-core-process): its JIT log is not
