@@ -70,7 +70,9 @@ import numpy as np
 
 from calibration.validate import jobs_per_gpu, load_recorded
 from nodus.accounting import union_length
-from nodus.config import NO_CORUN_POLICIES, ConfigError, EngineSpec, engine_graph_max_tokens, packed_rows
+# (corun_key as corun_policy: loops below name a profile field corun_key)
+from nodus.config import (NO_CORUN_POLICIES, ConfigError, EngineSpec, corun_key as corun_policy,
+                          engine_graph_max_tokens, packed_rows, stacks_of)
 from nodus.microbatch import microbatch_costs, step_rows
 
 
@@ -346,7 +348,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         if controls.get("engine_core_process"):
             raise ConfigError(f"nodus fit: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
                               "a profile describes an engine in one process: fit runs without it")
-        if (cfg["arm"].get("stacks") or 1) > 1:
+        if stacks_of(cfg["arm"]) > 1:
             raise ConfigError(f"nodus fit: {rd} ran {cfg['arm']['stacks']} engine + trainer stacks (arm.stacks): its "
                               "generations ran beside another engine, which no profile term describes; fit one-stack "
                               "runs")
@@ -370,8 +372,6 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         kernel_configs = kernel_configs or engine_kernel_configs(summary)
         if cfg["arm"].get("sharing") == "mps":
             # The trainer's priority counts only in runs that co-run engine and trainer.
-            from nodus.config import corun_key as corun_policy  # (corun_key names a profile field here)
-
             policy = corun_policy(cfg["arm"].get("policy"), cfg["arm"].get("stacks"))
             mine = sharing_controls(controls, policy)
             mps_runs.append((str(rd), mine, policy not in NO_CORUN_POLICIES))
@@ -570,7 +570,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         # same (nodus validate names a run on other slots), else unknown.
         prof["environment"]["engine_max_loras"] = next(iter(slots)) if len(slots) == 1 else None
     # The train terms describe the runs' trainers: their capped CPU threads (None: torch's own count).
-    prof["environment"]["trainer_cpu_threads"] = next(iter(cpu_caps), None)
+    prof["environment"]["trainer_cpu_threads"] = runs_cap
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, corun_key, drop_idle_priority,
-                          packed_rows, trainer_freed)
+                          packed_rows, stacks_of, trainer_freed)
 from nodus.gpumon import SLOWDOWN_REASONS
 from nodus.runner import run_arm
 
@@ -231,7 +231,7 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
     pol = cfg["arm"]["policy"]
     group_key = "group" if pol == "overlap" else "stack"
     groups = {s["job"]: s[group_key] for s in spans} if pol in ("overlap", "timeslice") else {}
-    if (cfg["arm"].get("stacks") or 1) > 1:
+    if stacks_of(cfg["arm"]) > 1:
         # Each job's stack, and for overlap its group within that stack (spans number the groups
         # across stacks: the scheduler's list, stack by stack).
         stacks = {s["job"]: s["stack"] for s in spans}
@@ -279,7 +279,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
                # A stacks run is never a fit run (nodus fit refuses it): held out at any size.
                "jobs_per_gpu": jobs_per_gpu(cfg),
-               "heldout": jobs_per_gpu(cfg) > fit_max_jobs or (cfg["arm"].get("stacks") or 1) > 1,
+               "heldout": jobs_per_gpu(cfg) > fit_max_jobs or stacks_of(cfg["arm"]) > 1,
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
                             "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans)},
                "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s", "gen_by_size")},
@@ -951,7 +951,7 @@ def config_key(row: dict) -> tuple:
     each prompt's responses (trainer.share_prompts), publish wait and MPS settings (seeds and
     repeats differ)."""
     arm = row["arm"] or {}
-    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), arm.get("stacks", 1), row["jobs"],
+    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), stacks_of(arm), row["jobs"],
             row.get("mb_tokens"), _packed(row), trainer_freed(arm), tuple(sorted(_config_controls(row).items())))
 
 
@@ -975,7 +975,7 @@ def config_label(row: dict) -> str:
     mb = row.get("mb_tokens")
     controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" stacks={arm['stacks']}" if arm.get("stacks", 1) > 1 else "")
+            + (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
             + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "")
             + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "") + controls)
 
@@ -1021,7 +1021,7 @@ def render_markdown(rep: dict) -> str:
     for r in rep["rows"]:
         arm = r["arm"] or {}
         m = r["measured"]["steps_per_gpu_hour"]
-        stacks = f" stacks={arm['stacks']}" if (arm.get("stacks") or 1) > 1 else ""
+        stacks = f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else ""
         lines.append(f"| {Path(r['run']).name} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
                      f"{arm.get('sharing')}{stacks}{f' sp{_packed(r)}' if _packed(r) else ''} | {m:.0f} | "
                      f"{r['replay']['steps_per_gpu_hour']:.0f} "

@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from nodus.config import packed_rows
+from nodus.config import corun_key, packed_rows
 
 # Run controls (calibration.validate.run_controls) of settings no profile here was fitted with.
 OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned")
@@ -53,8 +53,6 @@ def mps_flagged(row: dict, profile_sharing: dict | None) -> bool:
     from calibration.validate import mps_settings_differ
 
     arm = row.get("arm") or {}
-    from nodus.config import corun_key
-
     return mps_settings_differ(row.get("controls") or {}, profile_sharing, arm.get("sharing") == "mps",
                                corun_key(arm.get("policy"), arm.get("stacks"))) is not None
 

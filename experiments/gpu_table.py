@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
-                          corun_key, packed_rows, trainer_freed)
+                          corun_key, packed_rows, stacks_of, trainer_freed)
 from nodus.microbatch import mb_tag
 from calibration.validate import audit_label, run_audit, run_controls
 
@@ -70,7 +70,7 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
     and how every run before the field existed ran, so those carry no label)."""
     label = f"{arm['policy']}/{arm['sharing']}/g{arm['groups']}"
-    if arm.get("stacks", 1) > 1:
+    if stacks_of(arm) > 1:
         label += f"/k{arm['stacks']}"  # engine + trainer stacks splitting the jobs (arm.stacks)
     run = run_controls(summary or {})
     if trainer_freed(arm):

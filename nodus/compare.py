@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import packed_rows
+from nodus.config import packed_rows, stacks_of
 from nodus.stats import aa_spread, gate_verdict, paired_bootstrap_ci
 
 MIN_CLUSTERS = 5  # fewer (job, seed) clusters give a cluster bootstrap too few distinct resamples
@@ -127,7 +127,7 @@ def load_run(path: str | Path) -> RunSummary:
         steps_per_gpu_hour=sph,
         jobs={job_id: _job(job_id, rec, file) for job_id, rec in per_job.items()},
         share_prompts=config_share_prompts(folder / "config.json"),
-        stacks=int((data.get("arm") or {}).get("stacks") or 1),
+        stacks=stacks_of(data.get("arm")),
     )
 
 

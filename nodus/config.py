@@ -22,6 +22,12 @@ NO_CORUN_POLICIES: tuple[str, ...] = ("dedicated", "shared-sync")
 SHARINGS: tuple[str, ...] = ("none", "mps")
 
 
+def stacks_of(arm: dict | None) -> int:
+    """A recorded arm's engine + trainer stacks (``arm.stacks``; 1 where the arm does not say: one
+    stack, and every run recorded before the field): the one reading of it."""
+    return int((arm or {}).get("stacks") or 1)
+
+
 def corun_key(policy: str | None, stacks: int | None = 1) -> str | None:
     """The policy as ``NO_CORUN_POLICIES`` and ``drop_idle_priority`` read it: shared-sync on more
     than one stack co-runs one stack's trainer beside another's engine, so it is keyed apart

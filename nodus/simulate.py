@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from nodus.config import (AUTO_SHARE_PROMPTS, DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config,
-                          default_jobs, packed_rows, size_engine_graphs)
+                          default_jobs, packed_rows, size_engine_graphs, stacks_of)
 from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import run_arm, run_spans, size_engine_slots
 from nodus.accounting import summarize
@@ -95,7 +95,7 @@ def render_run(out_dir: Path) -> None:
     (out_dir / "table.md").write_text(render_table(summary, share) + "\n")
     arm = summary["arm"]
     title = (f"{summary['jobs']} jobs, {arm['policy']} groups={arm['groups']} sharing={arm['sharing']}"
-             + (f" stacks={arm['stacks']}" if arm.get("stacks", 1) > 1 else "")
+             + (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
              + (f" share_prompts={share}" if packed_rows(share) else ""))
     plot_gantt(runs[0], out_dir / "gantt.png", title=title + (" (GPU 0 of dedicated)" if len(runs) > 1 else ""))
     plot_learning_curves(summary["per_job"], out_dir / "learning_curves.png", title=title)
@@ -109,7 +109,7 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
     packed = f", each prompt's responses {share} to a row" if share else ""
     lines = [
         f"| {s['jobs']} jobs, {arm['policy']} (groups {arm['groups']}, sharing {arm['sharing']}{packed}"
-        f"{', ' + str(arm['stacks']) + ' stacks' if arm.get('stacks', 1) > 1 else ''}) | value |",
+        f"{', ' + str(arm['stacks']) + ' stacks' if stacks_of(arm) > 1 else ''}) | value |",
         "|---|---|",
         f"| optimizer steps per GPU-hour | {s['steps_per_gpu_hour']:.1f} |",
     ]

@@ -109,11 +109,11 @@ class EngineStepStats:
     def begin(self, tag: str, mark: tuple[float, tuple[int, float] | None], now: float) -> None:
         submitted, gc0 = mark
         if not self.open:  # the engine was idle: a busy period opens at this submit
+            # (its snapshot before this submit's collections, which the next sync adds)
             self._last_end, self._opened, self._gc_mark = None, submitted, gc0
-            at_begin = self._snapshot()  # before this submit's collections (added at the next sync)
         else:
             self._sync_gc()
-            at_begin = self._snapshot()
+        at_begin = self._snapshot()
         self.open[tag] = {"since": now, "submit_s": max(0.0, now - submitted), "steps": 0, "step_s": 0.0,
                           "step_max_s": 0.0, "between_s": 0.0, "collect_s": 0.0, "gc0": gc0,
                           "cumulative_at_begin": at_begin}
