@@ -272,6 +272,19 @@ def state_text(summary: dict) -> str:
     return out
 
 
+def trainer_graph_failures(summary: dict, graphs_asked: bool) -> list[str]:
+    """Of a run whose trainers were asked to replay CUDA graphs (``graphs_asked``), each trainer
+    whose capture failed, so that it trained eager, as 'trainerN: why' (e.g. out of memory beside a
+    second stack's engine and trainer: the run goes on, eager, and is no graphed run); [] when none
+    failed or none was asked to."""
+    if not graphs_asked:
+        return []
+    workers = {name: w for d in summary.get("diagnostics", []) for name, w in (d.get("workers") or {}).items()
+               if name.startswith("trainer")}
+    return [f"{name}: {w['graph_error'].splitlines()[0][:120]}"
+            for name, w in sorted(workers.items()) if w.get("graph_error")]
+
+
 def _options(args, engine_env, engine_args=()):
     from real.backend import RealOptions
 
@@ -561,6 +574,7 @@ def main() -> None:
                     seed=seed, profile=profile), engine_args))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 jit = run_jit_compiles(summary)  # kernels compiled inside the measured window (each a stall)
+                eager = trainer_graph_failures(summary, arm_opts.trainer_graphs)
                 per_job = summary.get("per_job", {})
                 results["arms"].setdefault(key, {})[str(seed)] = {
                     "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
@@ -569,6 +583,8 @@ def main() -> None:
                     "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
                     "sim_profile": profile, "sim_outside_profile": pred.get("outside_profile") or [],
                     "engine_jit_compiles": None if jit is None else len(jit),
+                    # Trainers asked for CUDA graphs that trained eager (their capture failed).
+                    "trainer_graph_failures": eager,
                     "logprob_max_abs": max((a["max_abs"] for a in audit), default=None),
                     "logprob_mean_abs": (sum(a["mean_abs"] for a in audit) / len(audit)) if audit else None,
                     "eval_accuracy": {j: d["eval"]["accuracy"] for j, d in per_job.items() if d.get("eval")},
@@ -578,7 +594,8 @@ def main() -> None:
                 print(f"[{time.monotonic() - t_all:6.1f}s] {key} seed {seed}: "
                       f"{summary['steps_per_gpu_hour']:.0f} steps/GPU-h (sim {pred['steps_per_gpu_hour']:.0f}), "
                       f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s" + state_text(summary)
-                      + (f", JIT compiles {len(jit)} ({', '.join(sorted(set(jit)))})" if jit else ""),
+                      + (f", JIT compiles {len(jit)} ({', '.join(sorted(set(jit)))})" if jit else "")
+                      + (f", TRAINED EAGER, graphs failed ({'; '.join(eager)})" if eager else ""),
                       flush=True)
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))
             results["startup_s"].update(pool.startup_s())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -48,6 +49,21 @@ def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozens
         return own if own in present and own != flags else None
     fits = [f for f in present if f <= flags]
     return max(fits, key=lambda f: (len(f), sorted(f))) if fits else None
+
+
+def slot_flags_held(present: set, flags: frozenset, jobs: int) -> frozenset:
+    """``flags`` (an arm's settings, ``label_flags``) with the dedicated runs' engine-slot settings
+    (``+lsN``, of the setting sets ``present``) that an arm of ``jobs`` jobs holds: every N up to its
+    own slots (its ``+lsM``, else one a job). A dedicated run on an engine with more slots than its
+    jobs (``dedicated:j4`` on the 8-job arms' engine, ``--engine-slots 8``) is then the baseline of
+    the 8-job arms on that engine; never of an arm with fewer slots (more slots cost an engine time)."""
+    def slots(f: str) -> int | None:
+        m = re.fullmatch(r"\+ls(\d+)", f)
+        return int(m.group(1)) if m else None
+
+    own = [n for n in map(slots, flags) if n is not None]
+    most = own[0] if own else jobs
+    return flags | {f for s in present for f in s if slots(f) is not None and slots(f) <= most}
 
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
@@ -97,8 +113,11 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
                if name.startswith("trainer")]
     if workers and not any(w.get("compiled") for w in workers):
         label += "+eager"  # the trainer ran without its compiled element-wise ops
-    if any(w.get("step_mode") == "graphed" for w in workers):
-        label += "+cg"  # each trainer micro-batch one CUDA graph replay (--trainer-graphs)
+    graphed = sum(w.get("step_mode") == "graphed" for w in workers)
+    if graphed:
+        # Each trainer micro-batch one CUDA graph replay (--trainer-graphs); +cgNofM where only N of
+        # the M trainers did (the others' capture failed, e.g. out of memory: they trained eager).
+        label += "+cg" if graphed == len(workers) else f"+cg{graphed}of{len(workers)}"
     if run.get("trainer_cpu_threads"):
         label += f"+cpu{run['trainer_cpu_threads']}"  # torch's CPU threads in the trainers capped
     if run.get("engine_core_process"):
@@ -198,7 +217,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         # The dedicated runs this row is measured over: those with the most of its own settings (a
         # dedicated row with a setting: over the plain dedicated run, when there is one).
         own = frozenset() if dedicated else None
-        base_flags = best_flags({k[2] for k in ded_sph if k[:2] == (jobs, seed)}, flags, own)
+        present = {k[2] for k in ded_sph if k[:2] == (jobs, seed)}
+        base_flags = best_flags(present, slot_flags_held(present, flags, jobs) if own is None else flags, own)
         variant, by_task = None, False
         base = sbase = None
         alone: dict = {}
@@ -211,7 +231,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
             # their GPU-seconds alone), from the dedicated runs with the most of this row's settings.
-            sub_flags = best_flags({k[2] for k in ded_sph if k[1] == seed}, flags, None)
+            present = {k[2] for k in ded_sph if k[1] == seed}
+            sub_flags = best_flags(present, slot_flags_held(present, flags, jobs), None)
             if sub_flags is not None:
                 pick = (lambda m: {k[:2]: v for k, v in m.items() if k[2] == sub_flags})
                 base, sbase, alone, by_task = _subset_baseline(

@@ -121,6 +121,12 @@ def test_arm_label_names_changed_mps_settings():
     # Since, a count recorded beside torch_threads is a cap asked for, whatever the host's CPUs.
     graphed["workers"]["trainer0"].update(cpu_threads=16, torch_threads=16)
     assert arm_label(arm, {"diagnostics": [dict(graphed, host={"cpus": 16})]}) == "overlap/mps/g2+cg+cpu16"
+    # Two stacks' trainers, one whose capture failed (it trained eager): +cg1of2, not a graphed run.
+    two = {"workers": {"trainer0": {"step_mode": "graphed", "compiled": ["RMSNorm"]},
+                       "trainer1": {"step_mode": "eager", "compiled": ["RMSNorm"], "graph_error": "OutOfMemoryError"}}}
+    assert arm_label(arm, {"diagnostics": [two]}) == "overlap/mps/g2+cg1of2"
+    two["workers"]["trainer0"]["step_mode"] = "eager"
+    assert arm_label(arm, {"diagnostics": [two]}) == "overlap/mps/g2"
 
 
 def test_gpu_table_splits_the_ratio_into_batching_overlap_and_mps(tmp_path):
@@ -257,6 +263,22 @@ def test_an_arm_with_a_code_setting_is_measured_over_the_dedicated_run_with_it()
     # A dedicated row with a setting is measured over the plain dedicated run, if there is one.
     assert best_flags(present | {frozenset()}, frozenset({"+cg"}), frozenset()) == frozenset()
     assert best_flags(present, frozenset({"+cg"}), frozenset()) is None
+
+
+def test_a_dedicated_run_on_a_larger_engine_is_the_baseline_of_arms_with_as_many_slots():
+    """dedicated:j4 on the 8-job arms' engine (+ls8) is the 8-job arms' baseline, and of a 16-slot
+    arm's; never of an arm on fewer slots (a 4-job arm on its own 4-slot engine)."""
+    from experiments.gpu_table import best_flags, label_flags, slot_flags_held
+
+    present = {label_flags("dedicated/none/g1+cg+cpu2+ls8+lk")}
+    eight = label_flags("overlap/mps/g2+sp4+lowpri+cg+cpu2+lk")
+    assert best_flags(present, eight, None) is None  # the slot setting alone kept them apart
+    assert best_flags(present, slot_flags_held(present, eight, 8), None) == {"+cg", "+cpu2", "+ls8", "+lk"}
+    sixteen = label_flags("overlap/mps/g2+cg+cpu2+ls16+lk")
+    assert best_flags(present, slot_flags_held(present, sixteen, 8), None) == {"+cg", "+cpu2", "+ls8", "+lk"}
+    assert best_flags(present, slot_flags_held(present, label_flags("overlap/mps/g2+cg+cpu2+lk"), 4), None) is None
+    assert best_flags(present, slot_flags_held(present, label_flags("overlap/mps/g2+cg+cpu2+ls4+lk"), 8),
+                      None) is None
 
 
 def test_factors_within_a_code_setting(tmp_path):
