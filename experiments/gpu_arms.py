@@ -272,19 +272,6 @@ def state_text(summary: dict) -> str:
     return out
 
 
-def trainer_graph_failures(summary: dict, graphs_asked: bool) -> list[str]:
-    """Of a run whose trainers were asked to replay CUDA graphs (``graphs_asked``), each trainer
-    whose capture failed, so that it trained eager, as 'trainerN: why' (e.g. out of memory beside a
-    second stack's engine and trainer: the run goes on, eager, and is no graphed run); [] when none
-    failed or none was asked to."""
-    if not graphs_asked:
-        return []
-    workers = {name: w for d in summary.get("diagnostics", []) for name, w in (d.get("workers") or {}).items()
-               if name.startswith("trainer")}
-    return [f"{name}: {w['graph_error'].splitlines()[0][:120]}"
-            for name, w in sorted(workers.items()) if w.get("graph_error")]
-
-
 def _options(args, engine_env, engine_args=()):
     from real.backend import RealOptions
 
@@ -399,7 +386,7 @@ def main() -> None:
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm, size_engine_slots, stack_jobs
-    from nodus.simulate import config_from_args, simulate, write_run
+    from nodus.simulate import config_from_args, simulate, trainer_graph_failures, write_run
     from real.backend import RUN_SETTINGS, run_device, trainer_cpu_threads
     from real.lora_kernels import ENV as LORA_CONFIG_ENV
 
@@ -574,7 +561,7 @@ def main() -> None:
                     seed=seed, profile=profile), engine_args))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 jit = run_jit_compiles(summary)  # kernels compiled inside the measured window (each a stall)
-                eager = trainer_graph_failures(summary, arm_opts.trainer_graphs)
+                eager = trainer_graph_failures(summary)  # trainers whose capture failed: they trained eager
                 per_job = summary.get("per_job", {})
                 results["arms"].setdefault(key, {})[str(seed)] = {
                     "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],

@@ -101,6 +101,16 @@ def render_run(out_dir: Path) -> None:
     plot_learning_curves(summary["per_job"], out_dir / "learning_curves.png", title=title)
 
 
+def trainer_graph_failures(summary: dict) -> list[str]:
+    """Each trainer of a real run whose CUDA-graph capture failed, so that it trained eager, as
+    'trainerN: why' (e.g. out of memory beside a second stack's engine and trainer, session 29:
+    the run goes on, and is no graphed run); [] when none did (or none was asked to capture)."""
+    workers = {name: w for d in summary.get("diagnostics", []) if isinstance(d, dict)
+               for name, w in (d.get("workers") or {}).items() if name.startswith("trainer")}
+    return [f"{name}: {w['graph_error'].splitlines()[0][:120]}"
+            for name, w in sorted(workers.items()) if w.get("graph_error")]
+
+
 def render_table(s: dict, share_prompts: int = 0) -> str:
     """A run's summary as a table; ``share_prompts`` (the run config's trainer.share_prompts) names a
     trainer that packed each prompt's responses into rows."""
@@ -151,6 +161,10 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
         out += "\n\n" + error_bar_line(v)
     if s.get("outside_profile"):
         out += "\n\nOutside the profiled region: " + "; ".join(s["outside_profile"])
+    eager = trainer_graph_failures(s)
+    if eager:
+        out += ("\n\nTrained eager: the CUDA-graph capture failed (" + "; ".join(eager) + "). Lower "
+                "trainer.max_tokens_per_microbatch or --engine-memory to fit the graphs.")
     return out
 
 

@@ -266,9 +266,12 @@ def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float = 5
             f"--engine-memory {engine_memory}: the engine(s) need {need / 1024:.1f} GiB but only "
             f"{free_mib / 1024:.1f} GiB of {total_mib / 1024:.1f} GiB is free")
     if need + n_stacks * trainer_gib * 1024 > free_mib:
-        print(f"nodus: warning: engine share {need / 1024:.1f} GiB + ~{trainer_gib:.0f} GiB per trainer may not fit "
-              f"in {free_mib / 1024:.1f} GiB free; lower --engine-memory or trainer.max_tokens_per_microbatch",
-              flush=True)
+        # Session 29: two stacks at 0.35 and 16k-token micro-batches (~149 GiB asked of 139.8): both
+        # trainers' CUDA-graph captures ran out of memory and they trained eager.
+        stacks = f" x {n_stacks} stacks" if n_stacks > 1 else ""
+        print(f"nodus: warning: engine share {need / 1024:.1f} GiB + ~{trainer_gib:.0f} GiB per trainer{stacks} may "
+              f"not fit in {free_mib / 1024:.1f} GiB free (a graphed trainer that does not fit trains eager); "
+              "lower --engine-memory or trainer.max_tokens_per_microbatch", flush=True)
 
 
 def run_device(opts: RealOptions) -> str:

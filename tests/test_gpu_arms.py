@@ -207,19 +207,3 @@ def test_a_runs_progress_line_names_its_engine_step_and_busiest_thread():
     assert state_text(summary) == (", engine step 4.60 ms (generations 1.59x apart, GC 1.2%), "
                                    "busiest thread 92% of a core (nodus-engine0)")
     assert state_text({"diagnostics": [{}]}) == ""
-
-
-def test_a_trainer_whose_graph_capture_failed_is_named_in_the_arms_record():
-    """Session 29's two-stack arms: a trainer's capture ran out of memory and it trained eager;
-    gpu_arms names it (progress line, arms.json) instead of keying the run a graphed one silently."""
-    from experiments.gpu_arms import trainer_graph_failures
-
-    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 96.00 MiB.\nmore"
-    summary = {"diagnostics": [{"workers": {"engine0": {"torch_threads": 16},
-                                            "trainer0": {"step_mode": "graphed", "graph_error": None},
-                                            "trainer1": {"step_mode": "eager", "graph_error": oom}}}]}
-    assert trainer_graph_failures(summary, True) == ["trainer1: OutOfMemoryError: CUDA out of memory. "
-                                                     "Tried to allocate 96.00 MiB."]
-    assert trainer_graph_failures(summary, False) == []  # eager asked: nothing failed
-    summary["diagnostics"][0]["workers"]["trainer1"] = {"step_mode": "static", "graph_error": None}  # the CPU's
-    assert trainer_graph_failures(summary, True) == []

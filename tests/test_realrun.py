@@ -4,6 +4,8 @@ alone restarted when only trainer settings change."""
 
 import dataclasses
 
+import pytest
+
 import real.backend
 from nodus.config import build_config
 from nodus.realrun import ClusterPool
@@ -247,3 +249,23 @@ def test_pool_keeps_the_trainers_priority_for_a_run_where_nothing_co_runs(monkey
     assert pool(_cfg(2, "dedicated"), 1) is first and first.trainer_restarts == []
     pool.opts = normal
     assert pool(_cfg(2, "overlap"), 1) is first and [o.trainer_priority for o in first.trainer_restarts] == ["normal"]
+
+
+def test_the_gpu_memory_check_refuses_an_engine_share_that_cannot_fit_and_warns_of_stacks(monkeypatch, capsys):
+    """Before any process: an engine share above the free memory is refused; engines plus a ~50 GiB
+    trainer per stack above it warn, naming the stacks (session 29: two stacks at 0.35 asked ~149 GiB
+    of 139.8, and the trainers' graph captures ran out of memory)."""
+    import shutil
+    import subprocess
+
+    from real.backend import BackendConfigError, check_gpu_memory
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "143155, 143771\n", ""))
+    check_gpu_memory(0.35, 1)
+    assert capsys.readouterr().out == ""  # 49 + 50 GiB of 139.8
+    check_gpu_memory(0.35, 2)
+    out = capsys.readouterr().out
+    assert "~50 GiB per trainer x 2 stacks may not fit in 139.8 GiB free" in out and "trains eager" in out
+    with pytest.raises(BackendConfigError, match="need 147.4 GiB but only 139.8 GiB"):
+        check_gpu_memory(1.05, 1)

@@ -412,3 +412,20 @@ def test_two_stacks_run_each_stacks_jobs_on_its_own_engine_and_trainer(tmp_path)
     assert sorted(set(stacks.values())) == [0, 1]
     assert {x.stack for x in spans if x.phase == "generate" and x.start_s == 0} == {0, 1}
     assert "2 stacks" in (out / "table.md").read_text()
+
+
+def test_a_run_whose_trainer_graph_capture_failed_says_it_trained_eager():
+    """Session 29's two-stack arms: a trainer's capture ran out of memory and it trained eager. The
+    run's table says so and names the trainer; a run whose captures held says nothing."""
+    from nodus.simulate import render_table, trainer_graph_failures
+
+    s = simulate(config_from_args(jobs=2, steps=1))
+    assert trainer_graph_failures(s) == [] and "Trained eager" not in render_table(s)
+    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 96.00 MiB.\nmore detail"
+    s["diagnostics"] = [{"workers": {"engine0": {"torch_threads": 16},
+                                     "trainer0": {"step_mode": "graphed", "graph_error": None},
+                                     "trainer1": {"step_mode": "eager", "graph_error": oom}}}]
+    assert trainer_graph_failures(s) == ["trainer1: OutOfMemoryError: CUDA out of memory. Tried to allocate 96.00 MiB."]
+    text = render_table(s)
+    assert "Trained eager: the CUDA-graph capture failed (trainer1: OutOfMemoryError" in text
+    assert "more detail" not in text
