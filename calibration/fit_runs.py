@@ -348,6 +348,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         if controls.get("engine_core_process"):
             raise ConfigError(f"nodus fit: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
                               "a profile describes an engine in one process: fit runs without it")
+        if controls.get("engine_cpu_threads"):
+            raise ConfigError(f"nodus fit: {rd}'s engine ran {controls['engine_cpu_threads']} torch CPU threads "
+                              "(--engine-cpu-threads); a profile records no engine thread cap: fit runs on torch's "
+                              "own count")
         if stacks_of(cfg["arm"]) > 1:
             raise ConfigError(f"nodus fit: {rd} ran {cfg['arm']['stacks']} engine + trainer stacks (arm.stacks): its "
                               "generations ran beside another engine, which no profile term describes; fit one-stack "

@@ -374,7 +374,8 @@ def trainer_cpu_cap(diagnostics: dict) -> int | None:
 def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
-    that replayed CUDA graphs (``--trainer-graphs``), ``engine_args`` for extra vLLM arguments
+    that replayed CUDA graphs (``--trainer-graphs``; "graphed N of M" where only N of the run's M
+    recorded trainers did, the others' capture having failed), ``engine_args`` for extra vLLM arguments
     (``--engine-arg``), ``engine_core_process`` for vLLM's core in its own process
     (``--engine-core-process``), ``trainer_cpu_threads`` for torch's CPU threads in the trainers
     where capped (``trainer_cpu_cap``), ``publish_pinned`` False for adapters the engine loaded into pageable
@@ -382,7 +383,8 @@ def run_controls(summary: dict) -> dict:
     the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an engine started with more
     or fewer adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the
     engine's extra environment variables (their names), ``audit`` for a logprob audit on fewer steps or
-    responses than all (``audit_text``), and
+    responses than all (``audit_text``), ``engine_cpu_threads`` for torch's CPU threads in the engines
+    where capped (``RealOptions.engine_cpu_threads``), and
     ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
     shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
     at the defaults of runs before session 11 (vLLM's own LoRA kernels, the audit every step); a
@@ -392,6 +394,7 @@ def run_controls(summary: dict) -> dict:
 
     defaults = RealOptions().sharing_controls("mps")
     out = {}
+    modes: list[str] = []  # each recorded trainer's step mode (per job of a dedicated run: one each)
     for d in summary.get("diagnostics", []):
         for k, v in (d.get("sharing_controls") or {}).items():
             if k in defaults and v != defaults[k]:
@@ -419,11 +422,19 @@ def run_controls(summary: dict) -> dict:
         cap = trainer_cpu_cap(d)
         if cap:
             out["trainer_cpu_threads"] = cap
+        modes += [w["step_mode"] for name, w in (d.get("workers") or {}).items()
+                  if name.startswith("trainer") and w.get("step_mode")]
         for name, w in (d.get("workers") or {}).items():
-            if name.startswith("trainer") and w.get("step_mode") not in (None, "eager"):
-                out["trainer_step_mode"] = w["step_mode"]
+            if name.startswith("engine") and w.get("cpu_threads"):
+                out["engine_cpu_threads"] = w["cpu_threads"]  # RealOptions.engine_cpu_threads
             if name.startswith("engine") and w.get("lora_kernel_configs"):
                 out["lora_kernels"] = "tuned"
+    graphed = [m for m in modes if m != "eager"]
+    if graphed:
+        # Every trainer replayed its graphs, or only some (the others' capture failed and they
+        # trained eager: session 29's two stacks), a mix no profile's trainer terms describe.
+        out["trainer_step_mode"] = (graphed[0] if len(graphed) == len(modes)
+                                    else f"{graphed[0]} {len(graphed)} of {len(modes)}")
     audit = audit_text(run_audit(summary))
     if audit:
         out["audit"] = audit
@@ -438,6 +449,8 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                      "engine terms are the default engine's",
                       "engine_core_process": "the engine's core ran in a process of its own (--engine-core-process): "
                                              "the profile's engine terms are one process's",
+                      "engine_cpu_threads": "the engine's torch CPU threads were capped (--engine-cpu-threads): the "
+                                            "profile's engine terms were measured on torch's own count",
                       "engine_env": "the engine ran with extra environment (--engine-env, e.g. tuned LoRA "
                                     "kernel configs): the profile's engine terms are the default engine's",
                       "publish_pinned": "the engine loaded published adapters into pageable host memory "
@@ -516,8 +529,8 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
                    "(real/lora_kernels.py; --no-tuned-lora-kernels runs vLLM's)")
     mode = controls.get("trainer_step_mode", "eager")
     if mode != profile_step_mode:
-        out.insert(0, UNMODELLED_CONTROLS["trainer_step_mode"] if profile_step_mode == "eager" else
-                   f"the trainer ran {mode}; the profile's trainer terms are the {profile_step_mode} step's")
+        out.insert(0, UNMODELLED_CONTROLS["trainer_step_mode"] if profile_step_mode == "eager" and " of " not in mode
+                   else f"the trainer ran {mode}; the profile's trainer terms are the {profile_step_mode} step's")
     return out
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from nodus.config import corun_key, packed_rows
 
 # Run controls (calibration.validate.run_controls) of settings no profile here was fitted with.
-OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned")
+OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned", "engine_cpu_threads")
 
 
 def comparable(row: dict, profile_slots: int | None = None, profile_cpu_threads: int | None = None) -> bool:

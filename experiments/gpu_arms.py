@@ -280,7 +280,8 @@ def _options(args, engine_env, engine_args=()):
                        audit_responses=args.audit_responses,
                        lora_layout=args.lora_layout, trainer_priority=args.trainer_priority,
                        engine_thread_pct=args.engine_thread_pct, trainer_thread_pct=args.trainer_thread_pct,
-                       trainer_cpu_threads=args.trainer_cpu_threads, engine_env=engine_env,
+                       trainer_cpu_threads=args.trainer_cpu_threads, engine_cpu_threads=args.engine_cpu_threads,
+                       engine_env=engine_env,
                        engine_args=tuple(engine_args),
                        tuned_lora_kernels=args.tuned_lora_kernels, engine_core_process=args.engine_core_process,
                        trainer_compile=args.trainer_compile, trainer_graphs=args.trainer_graphs,
@@ -329,6 +330,9 @@ def main() -> None:
     ap.add_argument("--trainer-cpu-threads", type=int, default=None, metavar="N",
                     help="torch's CPU threads in each trainer process (default: nodus's, 2 on a GPU; 0: torch's, one "
                          "per CPU); run keys get -cpu<N> when capped; an arm's :cpuN wins")
+    ap.add_argument("--engine-cpu-threads", type=int, default=None, metavar="N",
+                    help="torch's CPU threads in each engine process (default and 0: torch's own, one per CPU); "
+                         "run keys get -ecpu<N> when capped")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
     ap.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -440,7 +444,8 @@ def main() -> None:
                      "engine_core_process": args.engine_core_process,
                      "aa_mb_tokens": args.aa_mb_tokens, "trainer_priority": args.trainer_priority,
                      "engine_thread_pct": args.engine_thread_pct, "trainer_thread_pct": args.trainer_thread_pct,
-                     "trainer_cpu_threads": args.trainer_cpu_threads, "engine_env": args.engine_env,
+                     "trainer_cpu_threads": args.trainer_cpu_threads, "engine_cpu_threads": args.engine_cpu_threads,
+                     "engine_env": args.engine_env,
                      "tuned_lora_kernels": args.tuned_lora_kernels,
                      "share_prompts": args.share_prompts, "arms": {},
                      "startup_s": {}, "logprob_agreement": {}, "primed": []}
@@ -511,6 +516,7 @@ def main() -> None:
                 # The trainers' CPU threads when capped (nodus's default on a GPU since session 28, or
                 # asked); runs before it, and :cpu0, ran torch's own count and have no suffix.
                 variant += f"-cpu{cpu_threads}" if cpu_threads else ""
+                variant += f"-ecpu{args.engine_cpu_threads}" if args.engine_cpu_threads else ""  # the engines' capped
                 # The audit away from its default (every step): the engine returns logprobs less often.
                 if not arm_opts.audit_logprobs:
                     variant += "-noaudit"
@@ -593,6 +599,8 @@ def main() -> None:
         base_key = dedicated_key(name, results["arms"])
         for seed, d in per.items():
             base = results["arms"].get(base_key, {}).get(seed) if base_key else None
+            if d.get("trainer_graph_failures") or (base or {}).get("trainer_graph_failures"):
+                base = None  # one side trained eager though keyed graphed (-cg): no like-with-like ratio
             d["ratio_vs_dedicated"] = d["steps_per_gpu_hour"] / base["steps_per_gpu_hour"] if base else None
             d["sim_ratio_vs_dedicated"] = (d["sim_steps_per_gpu_hour"] / base["sim_steps_per_gpu_hour"]
                                            if base else None)

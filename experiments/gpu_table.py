@@ -51,19 +51,33 @@ def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozens
     return max(fits, key=lambda f: (len(f), sorted(f))) if fits else None
 
 
-def slot_flags_held(present: set, flags: frozenset, jobs: int) -> frozenset:
-    """``flags`` (an arm's settings, ``label_flags``) with the dedicated runs' engine-slot settings
-    (``+lsN``, of the setting sets ``present``) that an arm of ``jobs`` jobs holds: every N up to its
-    own slots (its ``+lsM``, else one a job). A dedicated run on an engine with more slots than its
-    jobs (``dedicated:j4`` on the 8-job arms' engine, ``--engine-slots 8``) is then the baseline of
-    the 8-job arms on that engine; never of an arm with fewer slots (more slots cost an engine time)."""
-    def slots(f: str) -> int | None:
-        m = re.fullmatch(r"\+ls(\d+)", f)
-        return int(m.group(1)) if m else None
+def slots_flag(flag: str) -> int | None:
+    """N of an engine-slot setting '+lsN'; None for any other flag."""
+    m = re.fullmatch(r"\+ls(\d+)", flag)
+    return int(m.group(1)) if m else None
 
-    own = [n for n in map(slots, flags) if n is not None]
-    most = own[0] if own else jobs
-    return flags | {f for s in present for f in s if slots(f) is not None and slots(f) <= most}
+
+def baseline_flags(present: set, flags: frozenset, jobs: int) -> frozenset | None:
+    """Of the dedicated runs' (job count, setting set) pairs ``present``, the setting set an arm of
+    ``jobs`` jobs with settings ``flags`` is measured over (``best_flags``), where a dedicated run on
+    an engine with spare adapter slots (``+lsN``, N above its own jobs: ``dedicated:j4`` on the
+    8-job arms' engine) counts as the engine of an arm with at least N slots (its ``+lsM``, else one
+    a job); never of an arm on fewer (more slots cost an engine time). Ties go to the engine whose
+    slots are nearest the arm's. None if none fits."""
+    most = next((n for n in map(slots_flag, flags) if n is not None), jobs)
+
+    def view(ded_jobs: int, f: frozenset) -> frozenset:
+        return frozenset(x for x in f if not (slots_flag(x) and ded_jobs < slots_flag(x) <= most))
+
+    fits = [(f, view(dj, f)) for dj, f in present]
+    fits = [(f, v) for f, v in fits if v <= flags]
+    if not fits:
+        return None
+
+    def gap(f: frozenset) -> int:
+        return min((abs(most - n) for n in map(slots_flag, f) if n is not None), default=0)
+
+    return max(fits, key=lambda fv: (len(fv[1]), -gap(fv[0]), sorted(fv[1])))[0]
 
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
@@ -80,6 +94,7 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     variables; +a0 / +aN / +rK / +aNrK: the engine's logprobs never / every N-th step / for the first K
     responses of each prompt / both (--no-audit, --audit-every, --audit-responses);
     +cpu<N>: torch's CPU threads in the trainer processes capped at N (RealOptions.trainer_cpu_threads);
+    +ecpu<N>: the same in the engine processes (RealOptions.engine_cpu_threads);
     +np: the engine loaded published adapters into pageable host memory; +sp<K>: the trainer packed
     each prompt's responses K to a row (trainer.share_prompts); +freed: the trainer took
     the next train while
@@ -120,6 +135,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += "+cg" if graphed == len(workers) else f"+cg{graphed}of{len(workers)}"
     if run.get("trainer_cpu_threads"):
         label += f"+cpu{run['trainer_cpu_threads']}"  # torch's CPU threads in the trainers capped
+    if run.get("engine_cpu_threads"):
+        label += f"+ecpu{run['engine_cpu_threads']}"  # torch's CPU threads in the engines capped
     if run.get("engine_core_process"):
         label += "+ep"  # vLLM's engine core in a process of its own (--engine-core-process)
     if run.get("cuda_graph_max_tokens"):
@@ -217,8 +234,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         # The dedicated runs this row is measured over: those with the most of its own settings (a
         # dedicated row with a setting: over the plain dedicated run, when there is one).
         own = frozenset() if dedicated else None
-        present = {k[2] for k in ded_sph if k[:2] == (jobs, seed)}
-        base_flags = best_flags(present, slot_flags_held(present, flags, jobs) if own is None else flags, own)
+        present = {(k[0], k[2]) for k in ded_sph if k[:2] == (jobs, seed)}
+        base_flags = (baseline_flags(present, flags, jobs) if own is None
+                      else best_flags({f for _, f in present}, flags, own))
         variant, by_task = None, False
         base = sbase = None
         alone: dict = {}
@@ -231,8 +249,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
             # their GPU-seconds alone), from the dedicated runs with the most of this row's settings.
-            present = {k[2] for k in ded_sph if k[1] == seed}
-            sub_flags = best_flags(present, slot_flags_held(present, flags, jobs), None)
+            sub_flags = baseline_flags({(k[0], k[2]) for k in ded_sph if k[1] == seed}, flags, jobs)
             if sub_flags is not None:
                 pick = (lambda m: {k[:2]: v for k, v in m.items() if k[2] == sub_flags})
                 base, sbase, alone, by_task = _subset_baseline(

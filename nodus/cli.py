@@ -154,7 +154,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                            audit_logprobs=not a.no_audit, audit_every=a.audit_every,
                            audit_responses=a.audit_responses, engine_thread_pct=a.engine_thread_pct,
                            trainer_thread_pct=a.trainer_thread_pct, trainer_priority=a.trainer_priority,
-                           trainer_cpu_threads=a.trainer_cpu_threads,
+                           trainer_cpu_threads=a.trainer_cpu_threads, engine_cpu_threads=a.engine_cpu_threads,
                            engine_env=tuple(env_pairs(a.engine_env)),
                            engine_args=tuple(engine_arg_pairs(a.engine_arg)),
                            checkpoint_dir=a.checkpoint_dir,
@@ -393,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-cpu-threads", type=int, metavar="N",
                    help="torch's CPU threads in each trainer process (default: 2 for a trainer on a GPU, torch's "
                         "own count for one on the CPU; 0: torch's own count everywhere)")
+    p.add_argument("--engine-cpu-threads", type=int, metavar="N",
+                   help="torch's CPU threads in each engine process (default and 0: torch's own count, one per "
+                        "CPU; vLLM's own GPU workers run 1)")
     p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the engine processes, e.g. "
                         "VLLM_TUNED_CONFIG_FOLDER=DIR (tuned multi-LoRA kernel configs); repeatable")

@@ -105,10 +105,12 @@ def trainer_graph_failures(summary: dict) -> list[str]:
     """Each trainer of a real run whose CUDA-graph capture failed, so that it trained eager, as
     'trainerN: why' (e.g. out of memory beside a second stack's engine and trainer, session 29:
     the run goes on, and is no graphed run); [] when none did (or none was asked to capture)."""
-    workers = {name: w for d in summary.get("diagnostics", []) if isinstance(d, dict)
-               for name, w in (d.get("workers") or {}).items() if name.startswith("trainer")}
-    return [f"{name}: {w['graph_error'].splitlines()[0][:120]}"
-            for name, w in sorted(workers.items()) if w.get("graph_error")]
+    failed: dict[str, str] = {}  # a dedicated run records its one trainer once a job: the first error each
+    for d in summary.get("diagnostics", []):
+        for name, w in sorted(((d.get("workers") or {}) if isinstance(d, dict) else {}).items()):
+            if name.startswith("trainer") and w.get("graph_error"):
+                failed.setdefault(name, w["graph_error"].splitlines()[0][:120])
+    return [f"{name}: {why}" for name, why in failed.items()]
 
 
 def render_table(s: dict, share_prompts: int = 0) -> str:

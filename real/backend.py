@@ -96,6 +96,12 @@ class RealOptions:
     # for a trainer on a GPU, torch's own count (its default, the cores) for one on the CPU, which
     # computes there; 0: torch's own count everywhere.
     trainer_cpu_threads: int | None = None
+    # torch's CPU threads (intra-op, OpenMP) in each engine process. None (or 0): torch's own count
+    # (its default, the cores), what every run so far had; N: capped at N. vLLM's own GPU workers
+    # (its multiprocess executor) run 1 unless OMP_NUM_THREADS says otherwise; the in-process
+    # engine nodus runs never got that. Session 29: two engines of 16 threads each used 3.6-6.1
+    # cores apiece on a 16-core host (one engine alone: 1.2-1.6).
+    engine_cpu_threads: int | None = None
     start_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -127,6 +133,11 @@ class RealOptions:
         if self.audit_responses is not None and self.audit_responses < 1:
             raise ValueError(f"audit_responses={self.audit_responses}: audit the first N responses of each "
                              "prompt needs N >= 1 (None: every response; audit_logprobs=False: none)")
+        if self.engine_cpu_threads is not None and self.engine_cpu_threads < 0:
+            raise ValueError(f"engine_cpu_threads={self.engine_cpu_threads}: a thread count >= 1, or 0 / None for "
+                             "torch's default count")
+        if self.engine_cpu_threads == 0:  # one setting, one engine: 0 and None never restart the engines
+            object.__setattr__(self, "engine_cpu_threads", None)
         if self.trainer_cpu_threads is not None and self.trainer_cpu_threads < 0:
             raise ValueError(f"trainer_cpu_threads={self.trainer_cpu_threads}: a thread count >= 1, 0 for torch's "
                              "default count, or None for nodus's (AUTO_TRAINER_CPU_THREADS on a GPU)")
@@ -329,7 +340,8 @@ class Cluster:
                                # offset"): give CPU runs a token budget no prefill has to be cut to.
                                max_num_batched_tokens=65536 if self.device == "cpu" else None,
                                llm_args=tuple(opts.engine_args), tuned_lora_kernels=opts.tuned_lora_kernels,
-                               cuda_graph_max_tokens=cuda_graph_max_tokens, max_cpu_loras=self.max_cpu_loras)
+                               cuda_graph_max_tokens=cuda_graph_max_tokens, max_cpu_loras=self.max_cpu_loras,
+                               cpu_threads=opts.engine_cpu_threads or None)
             ein = ctx.Queue()
             # A daemonic process may not start children: with its core in a process of its own the
             # engine worker is not one (close() stops it, or terminates it and its core).

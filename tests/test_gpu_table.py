@@ -121,6 +121,9 @@ def test_arm_label_names_changed_mps_settings():
     # Since, a count recorded beside torch_threads is a cap asked for, whatever the host's CPUs.
     graphed["workers"]["trainer0"].update(cpu_threads=16, torch_threads=16)
     assert arm_label(arm, {"diagnostics": [dict(graphed, host={"cpus": 16})]}) == "overlap/mps/g2+cg+cpu16"
+    # The engines' CPU threads capped (RealOptions.engine_cpu_threads): +ecpu<N>.
+    engine_capped = {"workers": {"engine0": {"cpu_threads": 1, "torch_threads": 1}, **graphed["workers"]}}
+    assert arm_label(arm, {"diagnostics": [dict(engine_capped, host={"cpus": 16})]}) == "overlap/mps/g2+cg+cpu16+ecpu1"
     # Two stacks' trainers, one whose capture failed (it trained eager): +cg1of2, not a graphed run.
     two = {"workers": {"trainer0": {"step_mode": "graphed", "compiled": ["RMSNorm"]},
                        "trainer1": {"step_mode": "eager", "compiled": ["RMSNorm"], "graph_error": "OutOfMemoryError"}}}
@@ -267,18 +270,25 @@ def test_an_arm_with_a_code_setting_is_measured_over_the_dedicated_run_with_it()
 
 def test_a_dedicated_run_on_a_larger_engine_is_the_baseline_of_arms_with_as_many_slots():
     """dedicated:j4 on the 8-job arms' engine (+ls8) is the 8-job arms' baseline, and of a 16-slot
-    arm's; never of an arm on fewer slots (a 4-job arm on its own 4-slot engine)."""
-    from experiments.gpu_table import best_flags, label_flags, slot_flags_held
+    arm's (which prefers a dedicated run on its own 16 slots); never of an arm on fewer slots, and a
+    dedicated run on fewer slots than its jobs never stands for a plain one."""
+    from experiments.gpu_table import baseline_flags, best_flags, label_flags
 
-    present = {label_flags("dedicated/none/g1+cg+cpu2+ls8+lk")}
+    ded8 = label_flags("dedicated/none/g1+cg+cpu2+ls8+lk")
     eight = label_flags("overlap/mps/g2+sp4+lowpri+cg+cpu2+lk")
-    assert best_flags(present, eight, None) is None  # the slot setting alone kept them apart
-    assert best_flags(present, slot_flags_held(present, eight, 8), None) == {"+cg", "+cpu2", "+ls8", "+lk"}
+    assert best_flags({ded8}, eight, None) is None  # the slot setting alone kept them apart
+    assert baseline_flags({(4, ded8)}, eight, 8) == ded8
     sixteen = label_flags("overlap/mps/g2+cg+cpu2+ls16+lk")
-    assert best_flags(present, slot_flags_held(present, sixteen, 8), None) == {"+cg", "+cpu2", "+ls8", "+lk"}
-    assert best_flags(present, slot_flags_held(present, label_flags("overlap/mps/g2+cg+cpu2+lk"), 4), None) is None
-    assert best_flags(present, slot_flags_held(present, label_flags("overlap/mps/g2+cg+cpu2+ls4+lk"), 8),
-                      None) is None
+    assert baseline_flags({(4, ded8)}, sixteen, 8) == ded8
+    ded16 = label_flags("dedicated/none/g1+cg+cpu2+ls16+lk")
+    assert baseline_flags({(4, ded8), (4, ded16)}, sixteen, 8) == ded16  # its own engine first
+    assert baseline_flags({(4, ded8), (4, ded16)}, eight, 8) == ded8  # never a larger engine
+    assert baseline_flags({(4, ded8)}, label_flags("overlap/mps/g2+cg+cpu2+lk"), 4) is None
+    assert baseline_flags({(4, ded8)}, label_flags("overlap/mps/g2+cg+cpu2+ls4+lk"), 8) is None
+    # dedicated:j8 on 4 slots (+ls4, fewer than its jobs) is another engine: the plain j8 run stays the baseline.
+    plain = label_flags("dedicated/none/g1+cg+cpu2+lk")
+    ded_few = label_flags("dedicated/none/g1+cg+cpu2+ls4+lk")
+    assert baseline_flags({(8, plain), (8, ded_few)}, eight, 8) == plain
 
 
 def test_factors_within_a_code_setting(tmp_path):
@@ -393,3 +403,28 @@ def test_the_unpinned_publish_factor_pairs_runs_that_differ_only_in_it(tmp_path)
     assert {"overlap/mps/g2+lowpri/4jobs", "overlap/mps/g2+np+lowpri/4jobs"} <= set(table["arms"])
     sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"] for k in ("pinned", "np")}
     assert table["factors"]["4+lowpri"]["1"]["publish_unpinned"] == pytest.approx(sph["np"] / sph["pinned"])
+
+
+def test_an_eight_job_arm_is_measured_over_a_four_job_dedicated_run_on_its_engine(tmp_path):
+    """dedicated:j4 on the 8-job arms' engine (8 adapter slots, label +ls8) and an 8-job arm on that
+    engine (one slot a job: no +ls) whose jobs share the dedicated run's four tasks: the arm's ratio
+    is over the dedicated run, each job standing in for its task's (session 29's 8 jobs had 8 tasks,
+    so its table still has no such ratio; before b143b25 the slot label alone kept them apart)."""
+    from experiments.gpu_table import main
+
+    tasks = ["gsm8k", "countdown", "modular", "linalg"]
+    runs = []
+    for name, n, kw in (("ded", 4, dict(policy="dedicated", sharing="none")),
+                        ("ovl", 8, dict(policy="overlap", groups=2, sharing="mps"))):
+        out = tmp_path / name
+        simulate(config_from_args({"jobs": [{"task": tasks[i % 4]} for i in range(n)]}, steps=2, seed=1, **kw), out)
+        summary = json.loads((out / "summary.json").read_text())
+        summary["diagnostics"] = [{"engine_max_loras": 8, "workers": {"trainer0": {"compiled": ["x"]}}}]
+        (out / "summary.json").write_text(json.dumps(summary))
+        runs.append(str(out))
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    assert list(table["arms"]) == ["dedicated/none/g1+ls8/4jobs", "overlap/mps/g2"]
+    row = table["arms"]["overlap/mps/g2"]["1"]
+    assert row["baseline_variant"] == "+ls8" and row["baseline_by_task"] is True
+    assert row["ratio_vs_dedicated"] == pytest.approx(row["steps_per_gpu_hour"] / row["baseline_steps_per_gpu_hour"])
+    assert row["ratio_vs_dedicated"] > 1.0

@@ -159,7 +159,7 @@ def test_engine_args_reach_vllm_and_bad_ones_are_clear_errors(overlap_run, capsy
     threads = engine.pop("torch_threads")
     assert isinstance(threads, int) and threads >= 1
     assert engine == {
-        "lora_kernel_configs": None, "cuda_graphs": {"mode": "NONE", "max_tokens": 64},
+        "lora_kernel_configs": None, "cuda_graphs": {"mode": "NONE", "max_tokens": 64}, "cpu_threads": None,
         "lora_slots": {"gpu": 2, "cpu": 2},  # as vLLM took them: one slot per job, each adapter kept
         "kernel_warmup": {"token_counts": [], "s": pytest.approx(0, abs=1.0), "jit_compiles": None,
                           "generation_jit_compiles": None}}
@@ -359,17 +359,23 @@ def test_shared_sync_in_two_stacks_runs_each_stacks_jobs_on_its_own_engine_and_t
 def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     """--trainer-compile: the trainer process compiles its element-wise ops in the untimed warm-up
     and the run goes on as usual (logprob audit inside the bf16/fp32 agreement);
-    --trainer-cpu-threads: torch in the trainer process runs that many CPU threads."""
+    --trainer-cpu-threads / --engine-cpu-threads: torch in the trainer / engine process runs that
+    many CPU threads."""
     import torch
 
     n = 1 if torch.get_num_threads() > 1 else 2  # other than torch's own count here, so the check can fail
-    s, _ = _pooled(pool, _small_cfg(1, 1), trainer_compile=True, trainer_cpu_threads=n)
+    s, _ = _pooled(pool, _small_cfg(1, 1), trainer_compile=True, trainer_cpu_threads=n, engine_cpu_threads=n)
     assert s["steps"] == 1 and s["stale_rollouts"] == 0
     audit = s["diagnostics"][0]["logprob_agreement"]
     assert audit and max(a["max_abs"] for a in audit) < 1e-3
     trainer = s["diagnostics"][0]["workers"]["trainer0"]
     assert trainer["lora_layout"] == "masked" and any("RMSNorm" in c for c in trainer["compiled"])
     assert trainer["cpu_threads"] == n and trainer["torch_threads"] == n
+    engine = s["diagnostics"][0]["workers"]["engine0"]
+    assert engine["cpu_threads"] == n and engine["torch_threads"] == n
+    from calibration.validate import run_controls
+
+    assert run_controls(s)["engine_cpu_threads"] == n
 
 
 def test_a_bad_trainer_profile_setting_is_a_clear_error(monkeypatch):
@@ -411,6 +417,14 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
         RealOptions(trainer_thread_pct=0)
     with pytest.raises(ValueError, match="trainer_cpu_threads=-1: a thread count >= 1, 0 for torch's default"):
         RealOptions(trainer_cpu_threads=-1)
+    with pytest.raises(ValueError, match="engine_cpu_threads=-2: a thread count >= 1, or 0 / None for torch's"):
+        RealOptions(engine_cpu_threads=-2)
+    # 0 and None are one engine setting (torch's own count): changing one for the other restarts nothing.
+    from real.backend import engine_settings
+
+    assert RealOptions(engine_cpu_threads=0).engine_cpu_threads is None
+    assert engine_settings(RealOptions(engine_cpu_threads=0)) == engine_settings(RealOptions())
+    assert engine_settings(RealOptions(engine_cpu_threads=2)) != engine_settings(RealOptions())
     # The trainer's CPU threads: capped on a GPU by default, torch's own on the CPU (where the
     # trainer computes) and wherever 0 asks for them; an explicit count everywhere.
     from real.backend import AUTO_TRAINER_CPU_THREADS, trainer_cpu_threads

@@ -429,3 +429,9 @@ def test_a_run_whose_trainer_graph_capture_failed_says_it_trained_eager():
     text = render_table(s)
     assert "Trained eager: the CUDA-graph capture failed (trainer1: OutOfMemoryError" in text
     assert "more detail" not in text
+    # A dedicated run records its one trainer once a job (a failed capture stays eager for good): the
+    # trainer named once, with its first error.
+    s["diagnostics"] = [{"workers": {"trainer0": {"step_mode": "graphed", "graph_error": None}}},
+                        {"workers": {"trainer0": {"step_mode": "eager", "graph_error": oom}}},
+                        {"workers": {"trainer0": {"step_mode": "eager", "graph_error": "RuntimeError: other"}}}]
+    assert trainer_graph_failures(s) == ["trainer0: OutOfMemoryError: CUDA out of memory. Tried to allocate 96.00 MiB."]

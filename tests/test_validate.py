@@ -277,6 +277,23 @@ def test_runs_at_other_mps_settings_are_another_configuration():
         "half the time of one on 16 (session 28)"]
     assert "the trainer ran torch's own CPU thread count; the profile's train terms were measured with 2 " \
         "CPU threads" in unmodelled_controls({}, profile_cpu_threads=2)[0]
+    # The engines' CPU threads capped (RealOptions.engine_cpu_threads): a control, flagged against
+    # every profile (none records an engine cap).
+    engine_capped = {"diagnostics": [{"workers": {"engine0": {"cpu_threads": 1, "torch_threads": 1},
+                                                  "trainer0": {"cpu_threads": None}}}]}
+    assert run_controls(engine_capped) == {"engine_cpu_threads": 1}
+    assert unmodelled_controls({"engine_cpu_threads": 1}) == [
+        "the engine's torch CPU threads were capped (--engine-cpu-threads): the profile's engine terms were "
+        "measured on torch's own count"]
+    # Two stacks' trainers, one of whose graph capture failed (it trained eager): a mixed step mode,
+    # named against a graphed profile; a dedicated run records its one trainer once a job.
+    mixed = {"diagnostics": [{"workers": {"trainer0": {"step_mode": "graphed"},
+                                          "trainer1": {"step_mode": "eager", "graph_error": "OutOfMemoryError"}}}]}
+    assert run_controls(mixed) == {"trainer_step_mode": "graphed 1 of 2"}
+    assert unmodelled_controls(run_controls(mixed), profile_step_mode="graphed") == [
+        "the trainer ran graphed 1 of 2; the profile's trainer terms are the graphed step's"]
+    per_job = {"diagnostics": [{"workers": {"trainer0": {"step_mode": "graphed"}}}] * 3}
+    assert run_controls(per_job) == {"trainer_step_mode": "graphed"}
     # Fewer slots than jobs (engine.max_loras, which the simulator admits by): a configuration of its
     # own, named only against a profile measured with other slots.
     narrow = {"jobs": 16, "diagnostics": [dict(plain["diagnostics"][0], engine_max_loras=8)]}
