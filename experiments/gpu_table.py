@@ -77,7 +77,7 @@ def baseline_flags(present: set, flags: frozenset, jobs: int) -> frozenset | Non
     def gap(f: frozenset) -> int:
         return min((abs(most - n) for n in map(slots_flag, f) if n is not None), default=0)
 
-    return max(fits, key=lambda fv: (len(fv[1]), -gap(fv[0]), sorted(fv[1])))[0]
+    return max(fits, key=lambda fv: (len(fv[1]), -gap(fv[0]), sorted(fv[1]), sorted(fv[0])))[0]  # deterministic
 
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
