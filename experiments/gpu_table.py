@@ -221,6 +221,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             n = len(prev["repeats"])
             prev["phase_s"] = {k: (v * (n - 1) + phase_s.get(k, v)) / n for k, v in prev["phase_s"].items()}
             prev["corun_s"] = _merge_corun(prev["corun_s"], corun[str(rd)])
+            prev["engine_steps"] = (prev.get("engine_steps") or []) + engine_steps(summary)
             if not is_base:  # measured and simulated: the mean over the runs, over the row's own baselines
                 for kind, value in (("steps_per_gpu_hour", summary["steps_per_gpu_hour"]),
                                     ("sim_steps_per_gpu_hour", sim["steps_per_gpu_hour"])):
@@ -280,6 +281,10 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "phase_s": phase_s,
             # Each phase's actions alone and beside the other phase (calibration.validate.corun_phase_means).
             "corun_s": corun[str(rd)],
+            # Each run's engine: its mean step (ms) and the slowest generation's over the fastest's
+            # (real.stepstats; none for runs before session 28 or simulated ones). The same work runs
+            # at the speed of these steps: session 29's seeds took 7.9-11.9 ms at 5307-7375 steps/GPU-h.
+            "engine_steps": engine_steps(summary),
             # True: some jobs had no dedicated run and took a same-task job's (same length model).
             "baseline_by_task": by_task,
             # The dedicated run's settings the ratio divides by, when not the defaults (e.g. "+cg").
@@ -401,6 +406,25 @@ def _subset_baseline(jobs: dict[str, str], seed: int, alone_finish: dict, ded_st
     return base, sbase, alone, by_task
 
 
+def engine_steps(summary: dict) -> list[dict]:
+    """A run's engine steps as the table keeps them: [{"mean_step_ms", "step_ms_spread"}], [] for a
+    run that recorded none (``calibration.validate.run_engine_steps``)."""
+    from calibration.validate import run_engine_steps
+
+    es = run_engine_steps(summary) or {}
+    return [{"mean_step_ms": es["mean_step_ms"], "step_ms_spread": es.get("step_ms_spread")}] \
+        if es.get("mean_step_ms") is not None else []
+
+
+def engine_step_text(runs: list[dict]) -> str:
+    """'7.94 (1.86x)': the mean engine step over a row's runs and the widest spread among them; '-'."""
+    if not runs:
+        return "-"
+    spread = max((r["step_ms_spread"] for r in runs if r.get("step_ms_spread")), default=None)
+    mean = sum(r["mean_step_ms"] for r in runs) / len(runs)
+    return f"{mean:.2f}" + (f" ({spread:.2f}x)" if spread else "")
+
+
 def _merge_corun(a: dict, b: dict) -> dict:
     """Two runs' ``corun_phase_means`` as one: each mean weighted by its count of actions."""
     out = {}
@@ -442,13 +466,16 @@ def render(table: dict) -> str:
             for seed, row in sorted(per.items()):
                 lines.append(f"| {count} | {seed} | " + " | ".join(f(row.get(name)) for name, *_ in FACTORS) + " |")
         lines += [""] + [f"- {name}: {what}" for name, _, _, what in FACTORS]
-        lines += ["", "Mean seconds per phase action (generate / train / publish) behind those factors:", "",
-                  "| arm | seed | generate s | train s | publish s |", "|---|---|---|---|---|"]
+    if table.get("factors") or any(d.get("engine_steps") for per in table["arms"].values() for d in per.values()):
+        lines += ["", "Mean seconds per phase action (generate / train / publish)"
+                  + (" behind those factors" if table.get("factors") else "") + ", and the engine's mean step "
+                  "(the slowest generation's mean step over the fastest's; runs since session 28):", "",
+                  "| arm | seed | generate s | train s | publish s | engine step ms |", "|---|---|---|---|---|---|"]
         for label, per in table["arms"].items():
             for seed, d in sorted(per.items()):
                 ph = d.get("phase_s") or {}
                 lines.append(f"| {label} | {seed} | {f(ph.get('generate'), 3)} | {f(ph.get('train'), 3)} | "
-                             f"{f(ph.get('publish'), 3)} |")
+                             f"{f(ph.get('publish'), 3)} | {engine_step_text(d.get('engine_steps') or [])} |")
     both = [(label, seed, d["corun_s"]) for label, per in table["arms"].items() for seed, d in sorted(per.items())
             if d.get("corun_s") and all(d["corun_s"][ph]["n_beside"] for ph in ("generate", "train"))]
     if both:

@@ -428,3 +428,27 @@ def test_an_eight_job_arm_is_measured_over_a_four_job_dedicated_run_on_its_engin
     assert row["baseline_variant"] == "+ls8" and row["baseline_by_task"] is True
     assert row["ratio_vs_dedicated"] == pytest.approx(row["steps_per_gpu_hour"] / row["baseline_steps_per_gpu_hour"])
     assert row["ratio_vs_dedicated"] > 1.0
+
+
+def test_each_row_carries_its_engines_mean_step_and_the_table_shows_it(tmp_path):
+    """A real run's engine steps (real.stepstats) beside its phase times: the mean step in ms and the
+    slowest generation's over the fastest's; a repeat's row averages the means and keeps the widest
+    spread; a run without them shows '-'."""
+    from experiments.gpu_table import engine_step_text, main, render
+
+    def steps(mean, lo, hi):
+        return {"engine_steps": {"summary": {"generations": 5, "steps": 1285, "mean_step_ms": mean,
+                                             "step_ms_per_generation": {"min": lo, "max": hi}}}}
+
+    runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),), jobs=2, steps=2, seed=1)
+    runs += _simulated(tmp_path, (("sync", dict(policy="shared-sync", sharing="mps")),),
+                       diagnostics=[steps(8.0, 7.0, 9.1)], jobs=2, steps=2, seed=1)
+    runs += _simulated(tmp_path, (("sync-r2", dict(policy="shared-sync", sharing="mps")),),
+                       diagnostics=[steps(12.0, 10.0, 15.0)], jobs=2, steps=2, seed=1)
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    row = table["arms"]["shared-sync/mps/g1/2jobs"]["1"]
+    assert [r["mean_step_ms"] for r in row["engine_steps"]] == [8.0, 12.0]
+    assert engine_step_text(row["engine_steps"]) == "10.00 (1.50x)"
+    assert table["arms"]["dedicated/none/g1/2jobs"]["1"]["engine_steps"] == []
+    text = render(table)
+    assert "| engine step ms |" in text and "| 10.00 (1.50x) |" in text and "| 0.000 | - |" not in text
