@@ -63,21 +63,23 @@ def baseline_flags(present: set, flags: frozenset, jobs: int) -> frozenset | Non
     an engine with spare adapter slots (``+lsN``, N above its own jobs: ``dedicated:j4`` on the
     8-job arms' engine) counts as the engine of an arm with at least N slots (its ``+lsM``, else one
     a job); never of an arm on fewer (more slots cost an engine time). Ties go to the engine whose
-    slots are nearest the arm's. None if none fits."""
+    slots (its +lsN, else one a job) are nearest the arm's, then to the run of more jobs. None if
+    none fits."""
     most = next((n for n in map(slots_flag, flags) if n is not None), jobs)
 
     def view(ded_jobs: int, f: frozenset) -> frozenset:
         return frozenset(x for x in f if not (slots_flag(x) and ded_jobs < slots_flag(x) <= most))
 
-    fits = [(f, view(dj, f)) for dj, f in present]
-    fits = [(f, v) for f, v in fits if v <= flags]
+    fits = [(dj, f, view(dj, f)) for dj, f in present]
+    fits = [(dj, f, v) for dj, f, v in fits if v <= flags]
     if not fits:
         return None
 
-    def gap(f: frozenset) -> int:
-        return min((abs(most - n) for n in map(slots_flag, f) if n is not None), default=0)
+    def gap(dj: int, f: frozenset) -> int:  # a dedicated run's slots: its +lsN, else one a job
+        return abs(most - next((n for n in map(slots_flag, f) if n is not None), dj))
 
-    return max(fits, key=lambda fv: (len(fv[1]), -gap(fv[0]), sorted(fv[1]), sorted(fv[0])))[0]  # deterministic
+    # Then the run holding more jobs, then the flags' text: one answer whatever the set order.
+    return max(fits, key=lambda x: (len(x[2]), -gap(x[0], x[1]), x[0], sorted(x[2]), sorted(x[1])))[1]
 
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
@@ -221,7 +223,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             n = len(prev["repeats"])
             prev["phase_s"] = {k: (v * (n - 1) + phase_s.get(k, v)) / n for k, v in prev["phase_s"].items()}
             prev["corun_s"] = _merge_corun(prev["corun_s"], corun[str(rd)])
-            prev["engine_steps"] = (prev.get("engine_steps") or []) + engine_steps(summary)
+            prev["engine_steps"] = (prev.get("engine_steps") or []) + [engine_steps(summary, rd)]
             if not is_base:  # measured and simulated: the mean over the runs, over the row's own baselines
                 for kind, value in (("steps_per_gpu_hour", summary["steps_per_gpu_hour"]),
                                     ("sim_steps_per_gpu_hour", sim["steps_per_gpu_hour"])):
@@ -284,7 +286,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # Each run's engine: its mean step (ms) and the slowest generation's over the fastest's
             # (real.stepstats; none for runs before session 28 or simulated ones). The same work runs
             # at the speed of these steps: session 29's seeds took 7.9-11.9 ms at 5307-7375 steps/GPU-h.
-            "engine_steps": engine_steps(summary),
+            "engine_steps": [engine_steps(summary, rd)],
             # True: some jobs had no dedicated run and took a same-task job's (same length model).
             "baseline_by_task": by_task,
             # The dedicated run's settings the ratio divides by, when not the defaults (e.g. "+cg").
@@ -406,23 +408,25 @@ def _subset_baseline(jobs: dict[str, str], seed: int, alone_finish: dict, ded_st
     return base, sbase, alone, by_task
 
 
-def engine_steps(summary: dict) -> list[dict]:
-    """A run's engine steps as the table keeps them: [{"mean_step_ms", "step_ms_spread"}], [] for a
-    run that recorded none (``calibration.validate.run_engine_steps``)."""
+def engine_steps(summary: dict, run: Path) -> dict:
+    """A run's engine steps as the table keeps them: {"run", "mean_step_ms", "step_ms_spread"}, the
+    two figures None for a run that recorded none (before session 28, or simulated;
+    ``calibration.validate.run_engine_steps``)."""
     from calibration.validate import run_engine_steps
 
     es = run_engine_steps(summary) or {}
-    return [{"mean_step_ms": es["mean_step_ms"], "step_ms_spread": es.get("step_ms_spread")}] \
-        if es.get("mean_step_ms") is not None else []
+    return {"run": str(run), "mean_step_ms": es.get("mean_step_ms"), "step_ms_spread": es.get("step_ms_spread")}
 
 
 def engine_step_text(runs: list[dict]) -> str:
-    """'7.94 (1.86x)': the mean engine step over a row's runs and the widest spread among them; '-'."""
-    if not runs:
+    """'7.94 (1.86x)': the mean engine step over a row's runs that recorded one, the widest spread
+    among them, and '(k of n runs)' where only k of its n runs did; '-' where none did."""
+    have = [r for r in runs if r.get("mean_step_ms") is not None]
+    if not have:
         return "-"
-    spread = max((r["step_ms_spread"] for r in runs if r.get("step_ms_spread")), default=None)
-    mean = sum(r["mean_step_ms"] for r in runs) / len(runs)
-    return f"{mean:.2f}" + (f" ({spread:.2f}x)" if spread else "")
+    spread = max((r["step_ms_spread"] for r in have if r.get("step_ms_spread")), default=None)
+    text = f"{sum(r['mean_step_ms'] for r in have) / len(have):.2f}" + (f" ({spread:.2f}x)" if spread else "")
+    return text + (f" ({len(have)} of {len(runs)} runs)" if len(have) < len(runs) else "")
 
 
 def _merge_corun(a: dict, b: dict) -> dict:
@@ -466,16 +470,21 @@ def render(table: dict) -> str:
             for seed, row in sorted(per.items()):
                 lines.append(f"| {count} | {seed} | " + " | ".join(f(row.get(name)) for name, *_ in FACTORS) + " |")
         lines += [""] + [f"- {name}: {what}" for name, _, _, what in FACTORS]
-    if table.get("factors") or any(d.get("engine_steps") for per in table["arms"].values() for d in per.values()):
+    steps = any(r.get("mean_step_ms") is not None for per in table["arms"].values() for d in per.values()
+                for r in d.get("engine_steps") or [])
+    if table.get("factors") or steps:
         lines += ["", "Mean seconds per phase action (generate / train / publish)"
-                  + (" behind those factors" if table.get("factors") else "") + ", and the engine's mean step "
-                  "(the slowest generation's mean step over the fastest's; runs since session 28):", "",
-                  "| arm | seed | generate s | train s | publish s | engine step ms |", "|---|---|---|---|---|---|"]
+                  + (" behind those factors" if table.get("factors") else "")
+                  + (", and the engine's mean step (in brackets: the slowest generation's mean step over the "
+                     "fastest's; runs since session 28)" if steps else "") + ":", "",
+                  "| arm | seed | generate s | train s | publish s |" + (" engine step ms |" if steps else ""),
+                  "|---|---|---|---|---|" + ("---|" if steps else "")]
         for label, per in table["arms"].items():
             for seed, d in sorted(per.items()):
                 ph = d.get("phase_s") or {}
                 lines.append(f"| {label} | {seed} | {f(ph.get('generate'), 3)} | {f(ph.get('train'), 3)} | "
-                             f"{f(ph.get('publish'), 3)} | {engine_step_text(d.get('engine_steps') or [])} |")
+                             f"{f(ph.get('publish'), 3)} |"
+                             + (f" {engine_step_text(d.get('engine_steps') or [])} |" if steps else ""))
     both = [(label, seed, d["corun_s"]) for label, per in table["arms"].items() for seed, d in sorted(per.items())
             if d.get("corun_s") and all(d["corun_s"][ph]["n_beside"] for ph in ("generate", "train"))]
     if both:

@@ -289,6 +289,13 @@ def test_a_dedicated_run_on_a_larger_engine_is_the_baseline_of_arms_with_as_many
     plain = label_flags("dedicated/none/g1+cg+cpu2+lk")
     ded_few = label_flags("dedicated/none/g1+cg+cpu2+ls4+lk")
     assert baseline_flags({(8, plain), (8, ded_few)}, eight, 8) == plain
+    # A tie between a plain j16 (16 slots, one a job) and a j4 on 16 slots goes to the run of more
+    # jobs, whatever other flags the two share (their text no longer decides it).
+    for extra in ("", "+sp4"):
+        j16 = label_flags(f"dedicated/none/g1+cg+cpu2+lk{extra}")
+        j4 = label_flags(f"dedicated/none/g1+cg+cpu2+ls16+lk{extra}")
+        arm = label_flags(f"overlap/mps/g2+cg+cpu2+lk{extra}")
+        assert baseline_flags({(16, j16), (4, j4)}, arm, 16) == j16
 
 
 def test_factors_within_a_code_setting(tmp_path):
@@ -449,6 +456,16 @@ def test_each_row_carries_its_engines_mean_step_and_the_table_shows_it(tmp_path)
     row = table["arms"]["shared-sync/mps/g1/2jobs"]["1"]
     assert [r["mean_step_ms"] for r in row["engine_steps"]] == [8.0, 12.0]
     assert engine_step_text(row["engine_steps"]) == "10.00 (1.50x)"
-    assert table["arms"]["dedicated/none/g1/2jobs"]["1"]["engine_steps"] == []
+    assert [r["mean_step_ms"] for r in table["arms"]["dedicated/none/g1/2jobs"]["1"]["engine_steps"]] == [None]
     text = render(table)
-    assert "| engine step ms |" in text and "| 10.00 (1.50x) |" in text and "| 0.000 | - |" not in text
+    assert "| engine step ms |" in text and "| 10.00 (1.50x) |" in text
+    ded = next(line for line in text.splitlines() if line.startswith("| dedicated/none/g1/2jobs | 1 |")
+               and line.count("|") == 7)
+    assert ded.endswith("| - |")
+    # A row whose runs only partly recorded steps says so, and a table without any keeps its old columns.
+    assert engine_step_text([{"mean_step_ms": 12.0, "step_ms_spread": 1.5}, {"mean_step_ms": None}]) == \
+        "12.00 (1.50x) (1 of 2 runs)"
+    for per in table["arms"].values():
+        for d in per.values():
+            d["engine_steps"] = [{"mean_step_ms": None}]
+    assert "engine step ms" not in render(table)
