@@ -371,6 +371,13 @@ def trainer_cpu_cap(diagnostics: dict) -> int | None:
     return max(caps) if caps else None
 
 
+def trainer_step_modes(summary: dict) -> list[str]:
+    """Each recorded trainer's step mode ("eager", "graphed", "static"), over every diagnostics entry
+    (a dedicated run records its one trainer once a job); trainers that recorded none are left out."""
+    return [w["step_mode"] for d in summary.get("diagnostics", []) for name, w in (d.get("workers") or {}).items()
+            if name.startswith("trainer") and w.get("step_mode")]
+
+
 def run_controls(summary: dict) -> dict:
     """The settings a run used beyond the defaults that change its phases' speed, from its
     diagnostics: MPS thread percentages and trainer priority, ``trainer_step_mode`` for a trainer
@@ -394,7 +401,6 @@ def run_controls(summary: dict) -> dict:
 
     defaults = RealOptions().sharing_controls("mps")
     out = {}
-    modes: list[str] = []  # each recorded trainer's step mode (per job of a dedicated run: one each)
     for d in summary.get("diagnostics", []):
         for k, v in (d.get("sharing_controls") or {}).items():
             if k in defaults and v != defaults[k]:
@@ -422,13 +428,12 @@ def run_controls(summary: dict) -> dict:
         cap = trainer_cpu_cap(d)
         if cap:
             out["trainer_cpu_threads"] = cap
-        modes += [w["step_mode"] for name, w in (d.get("workers") or {}).items()
-                  if name.startswith("trainer") and w.get("step_mode")]
         for name, w in (d.get("workers") or {}).items():
             if name.startswith("engine") and w.get("cpu_threads"):
                 out["engine_cpu_threads"] = w["cpu_threads"]  # RealOptions.engine_cpu_threads
             if name.startswith("engine") and w.get("lora_kernel_configs"):
                 out["lora_kernels"] = "tuned"
+    modes = trainer_step_modes(summary)
     graphed = [m for m in modes if m != "eager"]
     if graphed:
         # Every trainer replayed its graphs, or only some (the others' capture failed and they

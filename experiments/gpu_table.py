@@ -24,7 +24,7 @@ from pathlib import Path
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
                           corun_key, packed_rows, stacks_of, trainer_freed)
 from nodus.microbatch import mb_tag
-from calibration.validate import audit_label, run_audit, run_controls
+from calibration.validate import audit_label, run_audit, run_controls, trainer_step_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
@@ -130,11 +130,12 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
                if name.startswith("trainer")]
     if workers and not any(w.get("compiled") for w in workers):
         label += "+eager"  # the trainer ran without its compiled element-wise ops
-    graphed = sum(w.get("step_mode") == "graphed" for w in workers)
+    modes = trainer_step_modes(summary or {})
+    graphed = modes.count("graphed")
     if graphed:
         # Each trainer micro-batch one CUDA graph replay (--trainer-graphs); +cgNofM where only N of
         # the M trainers did (the others' capture failed, e.g. out of memory: they trained eager).
-        label += "+cg" if graphed == len(workers) else f"+cg{graphed}of{len(workers)}"
+        label += "+cg" if graphed == len(modes) else f"+cg{graphed}of{len(modes)}"
     if run.get("trainer_cpu_threads"):
         label += f"+cpu{run['trainer_cpu_threads']}"  # torch's CPU threads in the trainers capped
     if run.get("engine_cpu_threads"):

@@ -76,8 +76,10 @@ class TrainerSpec:
     cpu_threads: int | None = None  # torch's intra-op CPU threads (None: torch's default)
 
 
-def _apply_env(env: dict) -> None:
-    for k, v in env.items():
+def _apply_env(env: dict, cpu_threads: int | None = None) -> None:
+    """The process's environment, with OpenMP's thread count where ``cpu_threads`` caps torch's
+    (the worker then calls torch.set_num_threads too: a torch imported before this keeps its own)."""
+    for k, v in {**env, **({"OMP_NUM_THREADS": cpu_threads} if cpu_threads else {})}.items():
         os.environ[k] = str(v)
     # Library logs (vLLM's INFO lines) go to stderr: the controller's stdout stays machine-readable
     # (`nodus run --json`).
@@ -104,7 +106,7 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
     ("eval", tag, [GenRequest]) (greedy, answered when done), ("warmkernels", tag, job_id) (the
     kernels of every eager step size compiled with the job's adapter), ("stop",)."""
     name_process(name)
-    _apply_env({**spec.env, **({"OMP_NUM_THREADS": spec.cpu_threads} if spec.cpu_threads else {})})
+    _apply_env(spec.env, spec.cpu_threads)
     try:
         import torch
 
@@ -190,7 +192,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     ("warmup", tag, rank, rows, seq[, jobs[, share_prompts, packed_row_tokens]]);
     ("remove", tag, [job]); ("stop",)."""
     name_process(name)
-    _apply_env({**spec.env, **({"OMP_NUM_THREADS": spec.cpu_threads} if spec.cpu_threads else {})})
+    _apply_env(spec.env, spec.cpu_threads)
     try:
         import torch
 
