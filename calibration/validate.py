@@ -254,6 +254,18 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
     return replay, sampled
 
 
+def stacks_fit_run(prof: dict, run: str | Path) -> bool:
+    """Whether ``run`` is one the profile's two-engine rate was fitted on (``measurements.stacks``,
+    `nodus fit-stacks`): its recorded path, as given to the fit, ends the run's resolved path."""
+    mine = Path(run).resolve().parts
+    for row in ((prof.get("measurements") or {}).get("stacks") or {}).get("rows", []):
+        theirs = Path(row["run"]).parts
+        theirs = theirs[1:] if theirs and theirs[0] in ("/", ".") else theirs
+        if theirs and mine[-len(theirs):] == tuple(theirs):
+            return True
+    return False
+
+
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
     from sim.profile import profile_dict, profile_lora_kernels, profile_step_mode
 
@@ -277,9 +289,11 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                **({"engine_steps": es} if (es := run_engine_steps(meas)) else {}),
                "mb_tokens": (cfg.get("trainer") or {}).get("max_tokens_per_microbatch"),
                "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
-               # A stacks run is never a fit run (nodus fit refuses it): held out at any size.
+               # A stacks run is never a fit run of nodus fit (it refuses one): held out at any size,
+               # unless nodus fit-stacks fitted the profile's two-engine rate on it.
                "jobs_per_gpu": jobs_per_gpu(cfg),
-               "heldout": jobs_per_gpu(cfg) > fit_max_jobs or stacks_of(cfg["arm"]) > 1,
+               "heldout": (jobs_per_gpu(cfg) > fit_max_jobs or stacks_of(cfg["arm"]) > 1)
+               and not stacks_fit_run(prof, rd),
                "measured": {"steps_per_gpu_hour": meas["steps_per_gpu_hour"], "busy": meas["busy"],
                             "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans)},
                "replay": {k: rep[k] for k in ("steps_per_gpu_hour", "busy", "phase_s", "gen_by_size")},
@@ -293,7 +307,10 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  profile_slots,
                                                                  (cfg.get("engine") or {}).get("max_loras")
                                                                  or len(cfg["jobs"]), len(cfg["jobs"]),
-                                                                 profile_cpu_threads)))}
+                                                                 profile_cpu_threads, stacks_of(cfg["arm"]),
+                                                                 prof["sharing"].get("engines_controls")
+                                                                 if prof["sharing"].get("mps_engines") is not None
+                                                                 else None)))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -493,7 +510,8 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
                         profile_lora_kernels: str = "default", profile_sharing: dict | None = None,
                         mps: bool = False, policy: str | None = None, profile_slots: int | None = None,
                         run_slots: int | None = None, run_jobs: int | None = None,
-                        profile_cpu_threads: int | None = None) -> list[str]:
+                        profile_cpu_threads: int | None = None, stacks: int = 1,
+                        profile_engines_controls: dict | None = None) -> list[str]:
     """What a run's settings (``run_controls``) have that the profile was not measured with;
     ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``);
     ``profile_lora_kernels``: the engine's LoRA kernels its engine terms describe ("tuned" or
@@ -505,8 +523,21 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     per job, else ``run_slots``, the config's ``engine.max_loras`` or one per job); without the
     profile's, a run with more slots than its ``run_jobs`` (default ``run_slots``);
     ``profile_cpu_threads``: the trainers' capped CPU threads its train terms were measured with
-    (``environment.trainer_cpu_threads``; None: torch's own count, every profile before session 28)."""
-    out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"]
+    (``environment.trainer_cpu_threads``; None: torch's own count, every profile before session 28);
+    ``stacks``: the run's engine + trainer stacks; ``profile_engines_controls``: the settings the
+    profile's two-engine rate was fitted under (``sharing.engines_controls``; None where the profile
+    has no ``sharing.mps_engines``), which price a stacks run's capped engines."""
+    cap = controls.get("engine_cpu_threads")
+    fitted_cap = (profile_engines_controls or {}).get("engine_cpu_threads")
+    engines_fitted = stacks > 1 and profile_engines_controls is not None
+    out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"
+           and not (k == "engine_cpu_threads" and engines_fitted and cap == fitted_cap)]
+    if engines_fitted and cap != fitted_cap:
+        def threads(n):
+            return f"{n} CPU threads" if n else "torch's own CPU thread count"
+
+        out.append(f"the engines ran {threads(cap)}; the profile's two-engine rate (sharing.mps_engines) was fitted "
+                   f"with {threads(fitted_cap)} (sharing.engines_controls)")
     cap = controls.get("trainer_cpu_threads")
     if cap != profile_cpu_threads:
         def said(n):

@@ -316,6 +316,22 @@ def cmd_fit_packed(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_stacks(a: argparse.Namespace) -> int:
+    from calibration.stacks import fit_to_file
+
+    r = fit_to_file(a.runs, a.base, a.out, report=a.report)
+    print(f"sharing.mps_engines = {r['mps_engines']:.3f} (each of two stacks' engines generating together; one "
+          f"engine alone under MPS {r['mps_alone_engine']:.3f}) from {len(r['rows'])} run(s)"
+          + (f"; leaving each run out: {r['left_out_mape']:.1%} (worst {r['left_out_worst']:.1%}) against "
+             f"{r['without_rate_mape']:.1%} without the rate" if r["left_out_mape"] is not None else ""))
+    for x in r["rows"]:
+        print(f"  {x['run']}: measured {x['measured']:.0f}, predicted {x['predicted']:.0f} ({x['error']:+.1%})"
+              + (f", left out {x['left_out']['error']:+.1%}" if x["left_out"] else "")
+              + f", without the rate {x['error_without_rate']:+.1%}")
+    print(f"wrote {a.out}" + (f", {a.report}.md and {a.report}.json" if a.report else ""))
+    return 0
+
+
 def _name_value(item: str, flag: str, what: str) -> tuple[str, str]:
     name, sep, value = item.partition("=")
     if not sep or not name:
@@ -537,6 +553,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
     p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
     p.set_defaults(fn=cmd_fit_packed)
+
+    p = sub.add_parser("fit-stacks", help="fit two stacks' engines' co-run rate (arm.stacks=2, MPS) from recorded "
+                                          "runs into a copy of a profile")
+    p.add_argument("runs", nargs="+", help="run folders of two-stack runs under MPS (config.json, summary.json, "
+                                           "spans.jsonl)")
+    p.add_argument("--base", default=DEFAULT_PROFILES["graphed"],
+                   help="profile to copy (the one you will simulate with)")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
+    p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    p.set_defaults(fn=cmd_fit_stacks)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
     p.add_argument("run_dir")

@@ -259,8 +259,25 @@ def trainer_step_mode(graphs: bool, device: str) -> str:
     return "graphed" if device == "cuda" else "static"
 
 
-def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float = 50.0) -> None:
-    """Refuse before starting anything if the engine share plus a trainer cannot fit in free memory."""
+# A graphed trainer's memory at 16k-token micro-batches, and the micro-batch it was seen at: in
+# session 29 two such trainers' graph captures ran out at 50.5 and 58.1 GiB. In session 30 two
+# trainers at 8k-token micro-batches and 49.1 GiB of engines fitted in 139.7 GiB (at most ~45 GiB
+# each), so the estimate scales with the micro-batch tokens.
+TRAINER_GIB, TRAINER_GIB_TOKENS = 50.0, 16384
+
+
+def trainer_gib_estimate(microbatch_tokens: int | None) -> float:
+    """A graphed trainer's memory, roughly: TRAINER_GIB at TRAINER_GIB_TOKENS micro-batch tokens,
+    in proportion to them (the activations and graph pools grow with the micro-batch)."""
+    return TRAINER_GIB * (microbatch_tokens or TRAINER_GIB_TOKENS) / TRAINER_GIB_TOKENS
+
+
+def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float | None = None,
+                     microbatch_tokens: int | None = None) -> None:
+    """Refuse before starting anything if the engine share cannot fit in free memory; warn where
+    it plus a trainer a stack (``trainer_gib``, else estimated from ``microbatch_tokens``) may not."""
+    if trainer_gib is None:
+        trainer_gib = trainer_gib_estimate(microbatch_tokens)
     import shutil as _sh
     import subprocess
 
@@ -315,7 +332,7 @@ class Cluster:
         self.device = run_device(opts)
         max_rank = engine_lora_rank(max_rank)
         if self.device == "cuda":
-            check_gpu_memory(opts.engine_memory, n_stacks)
+            check_gpu_memory(opts.engine_memory, n_stacks, microbatch_tokens=max_tokens_per_microbatch)
         dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
         self.vocab_size = _vocab_size(self.model)
         self.mps = MPSDaemon().start() if sharing == "mps" else None

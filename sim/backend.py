@@ -44,11 +44,18 @@ class SimBackend:
                 f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost, "
                 "their masked attention unmodelled (no train.packed_pair_per_token in the profile): train steps "
                 "predicted short (README, trainer.share_prompts)")
+        engines_rate = cost.profile.sharing.mps_engines
         if n_stacks > 1 and cfg.arm.policy != "timeslice":
-            cost.note_unmodelled(
-                f"arm.stacks={n_stacks}: engines of several stacks generating at once are priced as more clients "
-                "of one GPU, sharing the engine-trainer pair's combined rate (sim.gpu.sharing_rates; never measured "
-                "for two engines), and each engine's own host thread is not modelled")
+            if engines_rate is None or cfg.arm.sharing != "mps":
+                cost.note_unmodelled(
+                    f"arm.stacks={n_stacks}: engines of several stacks generating at once are priced as more "
+                    "clients of one GPU, sharing the engine-trainer pair's combined rate (sim.gpu.sharing_rates; "
+                    + ("no two-engine rate without MPS" if engines_rate is not None else
+                       "the profile has no two-engine rate, sharing.mps_engines: nodus fit-stacks") + ")")
+            elif n_stacks > 2:
+                cost.note_unmodelled(
+                    f"arm.stacks={n_stacks}: the profile's two-engine rate (sharing.mps_engines) split over "
+                    f"{n_stacks} engines; it was fitted on two")
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         self.engines = [SimEngine(self.env, self.gpu, cost, cfg.engine.max_num_seqs, max_loras,
                                   self._generated, graph_max_tokens=engine_graph_max_tokens(cfg.engine))

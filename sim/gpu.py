@@ -40,7 +40,8 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     Alone: full speed without MPS, the MPS share's speed with it. Co-running: the measured pair's
     rates (by the running engine batch where the profile has them); for more than two clients the
     pair's combined rate is split in proportion to the pair's per-kind rates (an assumption the
-    profile names).
+    profile names), except the engines of several stacks under MPS where the profile fitted their
+    rate (``sharing.mps_engines``).
     """
     if not kinds:
         return []
@@ -52,7 +53,16 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     combined = pair.engine + pair.trainer
     weights = [getattr(pair, k) for k in kinds]
     total = sum(weights)
-    return [combined * w / total for w in weights]
+    rates = [combined * w / total for w in weights]
+    engines = kinds.count("engine")
+    if sharing == "mps" and engines >= 2 and cost.mps_engines is not None:
+        # Engines of several stacks at once: the fitted two-engine rate (their combined rate split
+        # evenly past two engines), slowed beside a trainer as one engine is (pair over alone).
+        each = cost.mps_engines * 2 / engines
+        if "trainer" in kinds:
+            each *= pair.engine / cost.mps_alone.engine
+        rates = [each if k == "engine" else r for k, r in zip(kinds, rates)]
+    return rates
 
 
 class SharedGPU:

@@ -172,6 +172,17 @@ class SharingCost(_M):
     # trainer at below-normal priority gave the engine's co-running generations 1.78 s against
     # 2.22 s), so `nodus validate` flags an MPS run whose settings differ. {}: the defaults.
     controls: dict[str, str | int | float] = {}
+    # Each engine's rate (alone-without-MPS work per second) while the engines of two stacks
+    # (arm.stacks = 2) generate at once under MPS, nothing else running; None: never measured, and
+    # the two engines share the engine-trainer pair's combined rate (the 'sharing-many-clients'
+    # rule), which put session 30's two-stack runs 14-37% under the measured. `nodus fit-stacks`
+    # fits it from recorded two-stack runs. Beside a trainer as well, each engine goes at this rate
+    # times the pair's engine rate over its alone rate under MPS (the trainer slows two engines as
+    # it slows one); the trainers keep the many-clients rule.
+    mps_engines: float | None = Field(default=None, gt=0, le=RATE_MAX)
+    # The settings mps_engines was fitted under (`nodus fit-stacks` records the runs' engine
+    # thread cap, {"engine_cpu_threads": 4}; `nodus validate` flags a stacks run that differs).
+    engines_controls: dict[str, str | int | float] = {}
 
 
 class Assumption(_M):

@@ -269,3 +269,8 @@ def test_the_gpu_memory_check_refuses_an_engine_share_that_cannot_fit_and_warns_
     assert "~50 GiB per trainer x 2 stacks may not fit in 139.8 GiB free" in out and "trains eager" in out
     with pytest.raises(BackendConfigError, match="need 147.4 GiB but only 139.8 GiB"):
         check_gpu_memory(1.05, 1)
+    # The trainer's estimate follows its micro-batch: two stacks at 8k tokens (session 30: they fitted).
+    check_gpu_memory(0.35, 2, microbatch_tokens=8192)
+    assert capsys.readouterr().out == ""  # 49 + 2 x 25 GiB
+    check_gpu_memory(0.35, 2, microbatch_tokens=16384)
+    assert "~50 GiB per trainer x 2 stacks" in capsys.readouterr().out

@@ -1,0 +1,180 @@
+"""Two engines at once: the rate of the engines of two stacks (``arm.stacks = 2``) generating
+together under MPS, fitted from recorded two-stack runs.
+
+A profile's engine terms describe one engine. With two stacks, each stack's engine has its own
+process and host thread, and the two share the GPU. Without a fitted rate the simulator prices the
+two engines as two more clients of one GPU, sharing the engine-trainer pair's combined rate. Session
+30's two-stack runs (shared-sync + MPS, 8 jobs) came out 14-37% under the measured that way.
+
+This module fits one number, ``sharing.mps_engines``: each engine's rate, in alone-without-MPS work
+per second, while both engines generate and nothing else runs. ``sim.gpu.sharing_rates`` uses it, and
+beside a trainer it scales it by the pair's engine rate over the engine's alone rate. The fit replays
+each run's own response lengths in the simulator. It bisects the rate until the mean signed error of
+the runs' steps per GPU-hour is zero, every other term kept from the base profile. The rate therefore
+also absorbs whatever the base misprices on the runs' day (its engine's day scale, its train terms):
+fit on the base you will simulate with. Leaving each run out in turn, and predicting it from the
+others, gives the error the fitted rate carries.
+
+    nodus fit-stacks RUN... --base PROFILE --out PROFILE.json [--report PREFIX]
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from calibration.validate import _simulate, load_recorded, recorded_configs, run_controls
+from nodus.config import ConfigError, stacks_of
+from sim.profile import RATE_MAX, add_source, profile_dict, profile_step_mode, refuse_existing, write_profile
+
+RATE_MIN = 0.05  # the bisection's lower end: an engine at a twentieth of its alone speed
+TOLERANCE = 1e-4  # the bisection stops when the rate's bracket is this narrow
+
+
+def stack_runs(runs: list[str | Path], step_mode: str) -> list[dict]:
+    """Each run's replay configuration (on no profile yet), measured steps per GPU-hour and engine
+    thread cap; refuses a run that is not a two-stack run under MPS, one whose trainers did not all
+    run ``step_mode`` (the base profile's train terms), and runs of mixed engine caps."""
+    out = []
+    for rd in map(Path, runs):
+        cfg, meas, spans = load_recorded(rd)
+        arm = cfg["arm"]
+        if stacks_of(arm) != 2 or arm.get("policy") == "timeslice":
+            raise ConfigError(f"nodus fit-stacks: {rd} ran {stacks_of(arm)} stack(s) ({arm.get('policy')}): the rate "
+                              "is of two stacks' engines generating together; fit runs with arm.stacks=2")
+        if arm.get("sharing") != "mps":
+            raise ConfigError(f"nodus fit-stacks: {rd} shared the GPU with sharing={arm.get('sharing')!r}; the rate "
+                              "is the engines' under MPS: fit runs with sharing=mps")
+        controls = run_controls(meas)
+        mode = controls.get("trainer_step_mode", "eager")
+        if mode != step_mode:
+            raise ConfigError(f"nodus fit-stacks: {rd}'s trainers ran {mode}, and the base profile's train terms "
+                              f"describe the {step_mode} step (train.step_mode): fit runs whose every trainer ran it")
+        replay, _ = recorded_configs(rd, cfg, spans, "unset")
+        out.append({"run": str(rd), "cfg": replay, "measured": meas["steps_per_gpu_hour"],
+                    "engine_cpu_threads": controls.get("engine_cpu_threads")})
+    caps = {r["engine_cpu_threads"] for r in out}
+    if len(caps) > 1:
+        raise ConfigError("nodus fit-stacks: the runs' engines ran different torch CPU thread caps ("
+                          + ", ".join(f"{r['run']}: {r['engine_cpu_threads'] or 'torch default'}" for r in out)
+                          + "); fit runs of one setting")
+    return out
+
+
+def _predict(rows: list[dict], prof: dict, rate: float | None, tmp: Path) -> list[float]:
+    """Each run's replayed steps per GPU-hour on ``prof`` with ``sharing.mps_engines = rate``."""
+    p = json.loads(json.dumps(prof))
+    p["sharing"]["mps_engines"] = rate
+    path = tmp / f"profile-{rate}.json"
+    write_profile(p, path, "nodus fit-stacks", overwrite=True)
+    return [_simulate(dict(r["cfg"], profile=str(path)), f"{r['run']}/config.json")["steps_per_gpu_hour"]
+            for r in rows]
+
+
+def _bias(pred: list[float], rows: list[dict]) -> float:
+    return sum((p - r["measured"]) / r["measured"] for p, r in zip(pred, rows)) / len(rows)
+
+
+def fit_rate(rows: list[dict], prof: dict, tmp: Path) -> tuple[float, list[float]]:
+    """The ``sharing.mps_engines`` at which the runs' replayed steps per GPU-hour have zero mean
+    signed error, and the runs' predictions there. The prediction rises with the rate, so bisection."""
+    lo, hi = RATE_MIN, RATE_MAX
+    pred_hi = _predict(rows, prof, hi, tmp)
+    if _bias(pred_hi, rows) < 0:
+        raise ConfigError(f"nodus fit-stacks: even at sharing.mps_engines={hi} (the most a rate may be) the runs are "
+                          f"predicted {-_bias(pred_hi, rows):.1%} under the measured on average: the base profile "
+                          "misprices them by more than two engines' rate can carry (fit on the runs' day's profile)")
+    pred_lo = _predict(rows, prof, lo, tmp)
+    if _bias(pred_lo, rows) > 0:
+        raise ConfigError(f"nodus fit-stacks: even at sharing.mps_engines={lo} the runs are predicted "
+                          f"{_bias(pred_lo, rows):.1%} over the measured on average: the base profile prices them "
+                          "faster than two engines at any rate explain (fit on the runs' day's profile)")
+    while hi - lo > TOLERANCE:
+        mid = (lo + hi) / 2
+        if _bias(_predict(rows, prof, mid, tmp), rows) < 0:
+            lo = mid
+        else:
+            hi = mid
+    rate = (lo + hi) / 2
+    return rate, _predict(rows, prof, rate, tmp)
+
+
+def fit(runs: list[str | Path], base: str) -> dict:
+    """Fit the rate on every run, and on all but each run in turn (that run's error predicted from
+    the others); with the base's own prediction (no two-engine rate) beside."""
+    prof = profile_dict(base)
+    rows = stack_runs(runs, profile_step_mode(prof))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        rate, pred = fit_rate(rows, prof, tmp)
+        unfitted = _predict(rows, prof, None, tmp)
+        loo = []
+        for i, r in enumerate(rows):
+            others = rows[:i] + rows[i + 1:]
+            if not others:
+                loo.append(None)
+                continue
+            rate_i, _ = fit_rate(others, prof, tmp)
+            p = _predict([r], prof, rate_i, tmp)[0]
+            loo.append({"rate": rate_i, "predicted": p, "error": (p - r["measured"]) / r["measured"]})
+    out_rows = [{"run": r["run"], "measured": r["measured"], "predicted": p,
+                 "error": (p - r["measured"]) / r["measured"],
+                 "predicted_without_rate": u, "error_without_rate": (u - r["measured"]) / r["measured"],
+                 "left_out": lo_} for r, p, u, lo_ in zip(rows, pred, unfitted, loo)]
+    errs = [abs(x["left_out"]["error"]) for x in out_rows if x["left_out"]]
+    return {"base": base, "mps_engines": rate, "engine_cpu_threads": rows[0]["engine_cpu_threads"],
+            "mps_alone_engine": prof["sharing"]["mps_alone"]["engine"], "rows": out_rows,
+            "left_out_mape": sum(errs) / len(errs) if errs else None, "left_out_worst": max(errs) if errs else None,
+            "without_rate_mape": sum(abs(x["error_without_rate"]) for x in out_rows) / len(out_rows)}
+
+
+def report_markdown(result: dict) -> str:
+    r = result
+    lines = [f"# Two stacks' engines: `sharing.mps_engines` on `{r['base']}`", "",
+             f"Each engine's rate while both stacks' engines generate, alone-without-MPS work per second: "
+             f"**{r['mps_engines']:.3f}** (one engine alone under MPS: {r['mps_alone_engine']:.3f}). Fitted on "
+             f"{len(r['rows'])} two-stack run(s) whose engines ran "
+             f"{r['engine_cpu_threads'] or 'torch default'} CPU threads, replaying their response lengths.", ""]
+    if r["left_out_mape"] is not None:
+        lines += [f"Each run predicted from a rate fitted on the others: {r['left_out_mape']:.1%} mean absolute error, "
+                  f"worst {r['left_out_worst']:.1%}. Without the rate (two engines sharing the engine-trainer pair's "
+                  f"combined rate): {r['without_rate_mape']:.1%}.", ""]
+    lines += ["| run | measured | fitted rate | error | left out: rate / predicted / error "
+              "| without the rate (error) |",
+              "|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        lo = x["left_out"]
+        left = f"{lo['rate']:.3f} / {lo['predicted']:.0f} / {lo['error']:+.1%}" if lo else "-"
+        lines.append(f"| {Path(x['run']).name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} | "
+                     f"{left} | {x['predicted_without_rate']:.0f} ({x['error_without_rate']:+.1%}) |")
+    lines += ["", "The rate absorbs whatever else the base misprices on these runs' day: a profile fitted on "
+              "another day's runs carries that day's error with it (README, `nodus fit-stacks`)."]
+    return "\n".join(lines) + "\n"
+
+
+def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None) -> dict:
+    """Fit, write ``base`` with ``sharing.mps_engines`` to ``out`` (never overwritten), and the report
+    to ``report``.{md,json} when given."""
+    refuse_existing(out, "nodus fit-stacks")  # before the fit's replays
+    result = fit(runs, base)
+    prof = profile_dict(base)
+    prof["sharing"]["mps_engines"] = result["mps_engines"]
+    prof["sharing"]["engines_controls"] = (
+        {"engine_cpu_threads": result["engine_cpu_threads"]} if result["engine_cpu_threads"] else {})
+    prof.setdefault("measurements", {})["stacks"] = {
+        k: v for k, v in result.items() if k in ("mps_engines", "engine_cpu_threads", "rows", "left_out_mape",
+                                                  "left_out_worst", "without_rate_mape")}
+    prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != "sharing-two-engines"] + [{
+        "id": "sharing-two-engines",
+        "what": "two stacks' engines generating together each go at sharing.mps_engines, fitted on "
+                f"{len(result['rows'])} two-stack run(s) by replay (nodus fit-stacks); beside a trainer, scaled by "
+                "the pair's engine rate over its alone rate; past two stacks, two engines' combined rate split evenly",
+        "value": result["mps_engines"]}]
+    add_source(prof, "nodus fit-stacks " + " ".join(str(p) for p in runs))
+    write_profile(prof, out, "nodus fit-stacks")
+    if report is not None:
+        Path(report).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{report}.md").write_text(report_markdown(result))
+        Path(f"{report}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result

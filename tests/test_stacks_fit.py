@@ -1,0 +1,117 @@
+"""Two stacks' engines generating together (sharing.mps_engines): the simulator's rates, and
+`nodus fit-stacks` recovering a known rate from runs the simulator recorded with it."""
+
+import json
+
+import pytest
+
+from calibration.stacks import fit, fit_to_file
+from calibration.validate import stacks_fit_run, unmodelled_controls, validate
+from nodus.cli import main
+from nodus.config import DEFAULT_PROFILE, ConfigError
+from nodus.simulate import config_from_args, simulate
+from sim.gpu import sharing_rates
+from sim.profile import load_profile, profile_dict, write_profile
+
+
+def _profile_with(tmp_path, rate, name="p.json", **controls):
+    prof = profile_dict(DEFAULT_PROFILE)
+    prof["sharing"]["mps_engines"] = rate
+    prof["sharing"]["engines_controls"] = controls
+    path = tmp_path / name
+    write_profile(prof, path, "test")
+    return str(path)
+
+
+def test_two_engines_take_the_fitted_rate_and_a_trainer_slows_them_as_it_slows_one(tmp_path):
+    cost = load_profile(_profile_with(tmp_path, 0.8)).profile.sharing
+    pair, alone = cost.mps_corun, cost.mps_alone
+    assert sharing_rates(["engine", "engine"], "mps", cost) == pytest.approx([0.8, 0.8])
+    e, e2, t = sharing_rates(["engine", "engine", "trainer"], "mps", cost)
+    assert e == e2 == pytest.approx(0.8 * pair.engine / alone.engine)
+    # The trainer keeps the many-clients rule (the pair's combined rate split by the pair's rates).
+    combined = pair.engine + pair.trainer
+    assert t == pytest.approx(combined * pair.trainer / (2 * pair.engine + pair.trainer))
+    # Four engines: two engines' combined rate split evenly.
+    assert sharing_rates(["engine"] * 4, "mps", cost) == pytest.approx([0.4] * 4)
+    # One engine beside a trainer, and anything without MPS, as before.
+    assert sharing_rates(["engine", "trainer"], "mps", cost) == pytest.approx([pair.engine, pair.trainer])
+    base = load_profile(DEFAULT_PROFILE).profile.sharing
+    assert sharing_rates(["engine", "engine"], "none", cost) == sharing_rates(["engine", "engine"], "none", base)
+    # Without the rate, two engines split the pair's combined rate.
+    assert sharing_rates(["engine", "engine"], "mps", base) == pytest.approx(
+        [(base.mps_corun.engine + base.mps_corun.trainer) / 2] * 2)
+
+
+def test_a_faster_two_engine_rate_predicts_more_and_the_flag_names_what_is_priced(tmp_path):
+    out = {}
+    for rate in (0.5, 1.0):
+        cfg = config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", stacks=2,
+                               profile=_profile_with(tmp_path, rate, f"p{rate}.json"))
+        out[rate] = simulate(cfg, tmp_path / f"r{rate}")
+    assert out[1.0]["steps_per_gpu_hour"] > out[0.5]["steps_per_gpu_hour"]
+    flags = " ".join(out[1.0]["diagnostics"][0]["outside_profile"])
+    assert "arm.stacks" not in flags  # two engines under MPS: priced by the fitted rate
+    cfg = config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", stacks=2)
+    flags = " ".join(simulate(cfg, tmp_path / "nofit")["diagnostics"][0]["outside_profile"])
+    assert "no two-engine rate" in flags and "nodus fit-stacks" in flags
+    cfg = config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", stacks=4,
+                           profile=_profile_with(tmp_path, 1.0, "p4.json"))
+    flags = " ".join(simulate(cfg, tmp_path / "four")["diagnostics"][0]["outside_profile"])
+    assert "split over 4 engines" in flags
+
+
+def test_fit_stacks_recovers_the_rate_the_runs_were_simulated_with(tmp_path, capsys):
+    truth = _profile_with(tmp_path, 0.7, "truth.json")
+    runs = []
+    for seed in (1, 2):
+        out = tmp_path / f"k2-s{seed}"
+        simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, seed=seed,
+                                  profile=truth), out)
+        runs.append(out)
+    r = fit(runs, DEFAULT_PROFILE)  # the same profile without the rate
+    assert r["mps_engines"] == pytest.approx(0.7, rel=0.02)
+    for row in r["rows"]:
+        assert abs(row["error"]) < 0.01 and abs(row["left_out"]["error"]) < 0.01
+        assert row["error_without_rate"] != pytest.approx(0, abs=0.01)  # the rate is what moved them
+    # Through the CLI: a profile that carries the rate and its fit runs, and a report.
+    out = tmp_path / "fitted.json"
+    assert main(["fit-stacks", *map(str, runs), "--base", DEFAULT_PROFILE, "--out", str(out),
+                 "--report", str(tmp_path / "rep")]) == 0
+    assert "sharing.mps_engines = 0.7" in capsys.readouterr().out
+    prof = json.loads(out.read_text())
+    assert prof["sharing"]["mps_engines"] == pytest.approx(0.7, rel=0.02)
+    assert any(a["id"] == "sharing-two-engines" for a in prof["assumptions"])
+    assert (tmp_path / "rep.md").is_file()
+    # nodus validate counts the fit runs as fitted, not held out; another run stays held out.
+    assert stacks_fit_run(prof, runs[0]) and not stacks_fit_run(prof, tmp_path / "other")
+    rep = validate(runs, profile=str(out))
+    assert not any(row["heldout"] for row in rep["rows"])
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        fit_to_file(runs, DEFAULT_PROFILE, out)
+
+
+def test_fit_stacks_refuses_runs_it_cannot_fit(tmp_path):
+    one = tmp_path / "one"
+    simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps"), one)
+    with pytest.raises(ConfigError, match="arm.stacks=2"):
+        fit([one], DEFAULT_PROFILE)
+    plain = tmp_path / "plain"
+    simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="none", stacks=2), plain)
+    with pytest.raises(ConfigError, match="sharing=mps"):
+        fit([plain], DEFAULT_PROFILE)
+
+
+def test_validate_prices_capped_engines_of_stacks_by_the_fitted_setting():
+    cap = {"engine_cpu_threads": 4}
+    # One stack: an engine cap is outside every profile.
+    assert any("--engine-cpu-threads" in x for x in unmodelled_controls(cap, stacks=1,
+                                                                       profile_engines_controls=cap))
+    # Two stacks on a rate fitted with the same cap: priced; with another cap, or none, flagged.
+    assert not any("CPU threads" in x for x in unmodelled_controls(cap, stacks=2, profile_engines_controls=cap))
+    assert any("fitted with 4 CPU threads" in x
+               for x in unmodelled_controls({"engine_cpu_threads": 2}, stacks=2, profile_engines_controls=cap))
+    assert any("torch's own CPU thread count" in x
+               for x in unmodelled_controls({}, stacks=2, profile_engines_controls=cap))
+    # A profile without a two-engine rate: the cap flagged as before.
+    assert any("--engine-cpu-threads" in x for x in unmodelled_controls(cap, stacks=2))
