@@ -128,7 +128,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     from nodus.simulate import sweep, sweep_table
 
     result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
-                   steps=a.steps, profile=a.profile, workers=a.workers, out=a.out, share_prompts=a.share_prompts)
+                   steps=a.steps, profile=a.profile, workers=a.workers, out=a.out, share_prompts=a.share_prompts,
+                   stacks=a.stacks)
     print(json.dumps(result, default=str) if a.json
           else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best"),
                            result.get("outside_profile")))
@@ -383,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trainer.share_prompts values to sweep (0: plain rows; K > 1 needs a graphed profile; "
                         "default: 4 on a graphed profile, 0 on an eager one); "
                         "each value's ratios are over its own dedicated arm")
+    p.add_argument("--stacks", default="1", metavar="N,...",
+                   help="engine + trainer stack counts (arm.stacks) for shared-sync, overlap and continuous, where "
+                        "the jobs fill them (default 1); two stacks are priced by the profile's two-engine rate "
+                        "(sharing.mps_engines, nodus fit-stacks) or flagged without one")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")

@@ -187,17 +187,30 @@ def sweep_arms(jobs: int, policies: list[str], groups: list[int], sharings: list
     return arms
 
 
+def stacked_arms(jobs: int, arms: list[tuple[str, int, str]], stacks: list[int]) -> list[tuple[str, int, str, int]]:
+    """Each arm on each stack count (arm.stacks): one stack for every arm; N > 1 stacks for the
+    arms that run them (shared-sync, overlap, continuous) where every stack gets its groups' jobs
+    (N x groups for overlap, N for the others, at most the job count)."""
+    out = []
+    for policy, groups, sharing in arms:
+        for k in stacks:
+            if k == 1 or (policy in ("shared-sync", "overlap", "continuous")
+                          and k * (groups if policy == "overlap" else 1) <= jobs):
+                out.append((policy, groups, sharing, k))
+    return out
+
+
 def _sweep_task(args) -> dict:
-    jobs, seed, (policy, groups, sharing), steps, profile, share = args
+    jobs, seed, (policy, groups, sharing, stacks), steps, profile, share = args
     cfg = config_from_args(jobs=jobs, policy=policy, groups=groups, sharing=sharing, steps=steps,
-                           seed=seed, profile=profile, share_prompts=share)
+                           seed=seed, profile=profile, share_prompts=share, stacks=stacks if stacks > 1 else None)
     from sim import backend_factory
 
     t0 = time.perf_counter()
     make = backend_factory(profile)
     s = summarize(run_spans(cfg, make))
-    return {"jobs": jobs, "seed": seed, "policy": policy, "groups": groups, "sharing": sharing, "share_prompts": share,
-            "outside_profile": sorted(make.cost.flags),
+    return {"jobs": jobs, "seed": seed, "policy": policy, "groups": groups, "sharing": sharing, "stacks": stacks,
+            "share_prompts": share, "outside_profile": sorted(make.cost.flags),
             "steps_per_gpu_hour": s["steps_per_gpu_hour"], "rollout_tokens_per_gpu_s": s["rollout_tokens_per_gpu_s"],
             "busy_engine": s["busy"]["engine"], "busy_trainer": s["busy"]["trainer"], "busy_gpu": s["busy"]["gpu"],
             "stale_rollouts": s["stale_rollouts"], "wall_s": time.perf_counter() - t0}
@@ -219,12 +232,14 @@ def _parse_list(text: str, cast, name: str, choices=None) -> list:
 
 def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", sharing: str = "none,mps",
           seeds: str = "1,2,3", steps: int = 20, profile: str = DEFAULT_PROFILE, workers: int | None = None,
-          out: str | Path | None = None, progress: bool = True, share_prompts: str | None = None) -> dict:
+          out: str | Path | None = None, progress: bool = True, share_prompts: str | None = None,
+          stacks: str = "1") -> dict:
     """Every arm for every job count, seed and ``share_prompts`` (the trainer's responses a packed
     row, ``trainer.share_prompts``; 0: plain rows; None: ``AUTO_SHARE_PROMPTS`` on a graphed profile,
     0 on an eager one, as ``nodus sim``); ratios are against the dedicated arm of the same job count,
     seed and trainer setting (the job alone trains the same way). Writes sweep.csv, sweep.json and
-    sweep.png into `out`."""
+    sweep.png into `out`. ``stacks``: the engine + trainer stack counts (arm.stacks) each shared
+    arm runs on, where its jobs fill them (``stacked_arms``)."""
     job_list = _parse_list(jobs, int, "jobs")
     if min(job_list) < 1:
         raise ConfigError(f"--jobs {jobs}: every job count must be >= 1")
@@ -234,6 +249,9 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
         pol = ["dedicated"] + pol  # ratios need the baseline
     shr = list(SHARINGS) if sharing == "all" else _parse_list(sharing, str, "sharing", SHARINGS)
     seed_list = _parse_list(seeds, int, "seeds")
+    stack_list = sorted(set(_parse_list(stacks, int, "stacks")))
+    if min(stack_list) < 1:
+        raise ConfigError(f"--stacks {stacks}: every stack count must be >= 1")
     from sim.profile import load_profile
 
     cost = load_profile(profile)  # fails fast on a bad profile, before forking workers
@@ -249,7 +267,7 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
                           f"{profile!r} describes the eager one (train.step_mode): sweep a graphed profile")
     out_dir = make_out_dir(out) if out is not None else None
     tasks = [(n, sd, arm, steps, profile, sp) for n in job_list for sd in seed_list for sp in share_list
-             for arm in sweep_arms(n, pol, group_list, shr)]
+             for arm in stacked_arms(n, sweep_arms(n, pol, group_list, shr), stack_list)]
     tasks.sort(key=lambda t: -t[0] * (t[2][1] if t[2][0] == "overlap" else 1))  # big runs first
     rows, t0 = [], time.perf_counter()
     workers = workers or min(os.cpu_count() or 1, 8)
@@ -266,10 +284,10 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     for r in rows:
         r["ratio_vs_dedicated"] = r["steps_per_gpu_hour"] / base[(r["jobs"], r["seed"], r["share_prompts"])]
     rows.sort(key=lambda r: (r["jobs"], r["share_prompts"], POLICIES.index(r["policy"]), r["groups"], r["sharing"],
-                             r["seed"]))
+                             r["stacks"], r["seed"]))
     flags = sorted({f for r in rows for f in r.pop("outside_profile")})
     result = {"profile": profile, "profile_validation": validation, "steps": steps, "seeds": seed_list,
-              "share_prompts": share_list, "outside_profile": flags,
+              "share_prompts": share_list, "stacks": stack_list, "outside_profile": flags,
               "rows": rows, "best": best_arms(rows, (validation or {}).get("heldout_mape")),
               "wall_s": time.perf_counter() - t0, "workers": workers}
     if out_dir is not None:
@@ -297,14 +315,22 @@ def arm_label(r: dict) -> str:
     g = f" g={r['groups']}" if r["policy"] in ("overlap", "timeslice") else ""
     share = packed_rows(r.get("share_prompts"))
     sp = f" +sp{share}" if share else ""
-    return (f"{r['policy']}{g} {r['sharing']}" if r["policy"] != "dedicated" else "dedicated") + sp
+    k = f" k{r['stacks']}" if (r.get("stacks") or 1) > 1 else ""
+    return (f"{r['policy']}{g} {r['sharing']}{k}" if r["policy"] != "dedicated" else "dedicated") + sp
 
 
 def error_bar_line(validation: dict | None) -> str:
     """What a prediction on this profile is worth: its held-out error against real runs."""
     v = validation or {}
+    st = v.get("stacks") or {}
+    stacks = ""
+    if st:
+        stacks = (f" Two stacks' engines (sharing.mps_engines): fitted on {st['runs']} two-stack run(s)"
+                  + (f", each predicted from the others {st['left_out_mape']:.1%} off on average (worst "
+                     f"{st['left_out_worst']:.1%})" if st.get("left_out_mape") is not None else "")
+                  + "; one configuration's runs are no error bar for others (nodus fit-stacks).")
     if v.get("heldout_mape") is None:
-        return "This profile carries no validation against real runs (nodus validate --annotate)."
+        return "This profile carries no validation against real runs (nodus validate --annotate)." + stacks
     line = (f"This profile against {v.get('heldout_runs', 0)} held-out real runs: steps per GPU-hour "
             f"MAPE {v['heldout_mape']:.1%}, bias {v['heldout_bias']:+.1%}, worst {v['heldout_worst']:.1%}"
             + (f" ({v['report']})" if v.get("report") else "") + ".")
@@ -312,7 +338,7 @@ def error_bar_line(validation: dict | None) -> str:
         line += (f" On {v.get('across_days_runs', 0)} runs of other days: MAPE {v['across_days_mape']:.1%}, "
                  f"bias {v['across_days_bias']:+.1%}, worst {v['across_days_worst']:.1%}"
                  + (f" ({v['across_days_report']})" if v.get("across_days_report") else "") + ".")
-    return line
+    return line + stacks
 
 
 def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dict] | None = None,

@@ -479,5 +479,12 @@ class CostModel:
         return [a.model_dump() for a in self.profile.assumptions]
 
     def validation(self) -> dict | None:
+        """The profile's error bars: its held-out validation, and where it has a two-engine rate
+        (``sharing.mps_engines``), that fit's leave-one-run-out error under ``stacks``."""
         v = self.profile.validation
-        return v.model_dump() if v is not None else None
+        out = v.model_dump() if v is not None else None
+        fit = (self.profile.measurements or {}).get("stacks") or {}
+        if self.profile.sharing.mps_engines is not None and fit.get("rows"):
+            out = dict(out or {}, stacks={"runs": len(fit["rows"]), "left_out_mape": fit.get("left_out_mape"),
+                                          "left_out_worst": fit.get("left_out_worst")})
+        return out

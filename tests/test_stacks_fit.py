@@ -115,3 +115,34 @@ def test_validate_prices_capped_engines_of_stacks_by_the_fitted_setting():
                for x in unmodelled_controls({}, stacks=2, profile_engines_controls=cap))
     # A profile without a two-engine rate: the cap flagged as before.
     assert any("--engine-cpu-threads" in x for x in unmodelled_controls(cap, stacks=2))
+
+
+def test_the_sweep_runs_each_shared_arm_on_the_stack_counts_its_jobs_fill(tmp_path):
+    from nodus.simulate import stacked_arms, sweep
+
+    arms = [("dedicated", 1, "none"), ("shared-sync", 1, "mps"), ("overlap", 2, "mps"), ("timeslice", 2, "mps")]
+    got = stacked_arms(4, arms, [1, 2, 4])
+    assert got == [("dedicated", 1, "none", 1), ("shared-sync", 1, "mps", 1), ("shared-sync", 1, "mps", 2),
+                   ("shared-sync", 1, "mps", 4), ("overlap", 2, "mps", 1), ("overlap", 2, "mps", 2),
+                   ("timeslice", 2, "mps", 1)]
+    prof = _profile_with(tmp_path, 0.9)
+    r = sweep(jobs="4", policies="shared-sync", sharing="mps", seeds="1", steps=2, profile=prof, workers=1,
+              progress=False, stacks="1,2", share_prompts="0")
+    assert r["stacks"] == [1, 2]
+    by = {(x["policy"], x["stacks"]): x for x in r["rows"]}
+    assert set(by) == {("dedicated", 1), ("shared-sync", 1), ("shared-sync", 2)}
+    one, two = by[("shared-sync", 1)]["ratio_vs_dedicated"], by[("shared-sync", 2)]["ratio_vs_dedicated"]
+    assert one != two
+    assert [b["arm"] for b in r["best"]] == ["shared-sync mps k2" if two > one else "shared-sync mps"]
+    with pytest.raises(ConfigError, match="--stacks"):
+        sweep(jobs="4", policies="shared-sync", seeds="1", steps=2, profile=prof, workers=1, progress=False,
+              stacks="0")
+
+
+def test_the_error_bar_names_the_two_engine_fit_where_the_profile_has_one():
+    from nodus.simulate import error_bar_line
+
+    v = load_profile("h200-xeon16-graphed-stacks-session30-qwen3-0.6b").validation()
+    assert v["stacks"]["runs"] == 3 and v["stacks"]["left_out_mape"] < 0.05
+    assert "Two stacks' engines (sharing.mps_engines): fitted on 3 two-stack run(s)" in error_bar_line(v)
+    assert "Two stacks" not in error_bar_line(load_profile(DEFAULT_PROFILE).validation())
