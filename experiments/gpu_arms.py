@@ -331,8 +331,9 @@ def main() -> None:
                     help="torch's CPU threads in each trainer process (default: nodus's, 2 on a GPU; 0: torch's, one "
                          "per CPU); run keys get -cpu<N> when capped; an arm's :cpuN wins")
     ap.add_argument("--engine-cpu-threads", type=int, default=None, metavar="N",
-                    help="torch's CPU threads in each engine process (default and 0: torch's own, one per CPU); "
-                         "run keys get -ecpu<N> when capped")
+                    help="torch's CPU threads in each engine process (default and 0: torch's own, one per CPU, "
+                         "with one stack; with kN stacks on a GPU half the CPUs over the N engines); run keys get "
+                         "-ecpu<N> when capped")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
     ap.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -391,7 +392,7 @@ def main() -> None:
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm, size_engine_slots, stack_jobs
     from nodus.simulate import config_from_args, simulate, trainer_graph_failures, write_run
-    from real.backend import RUN_SETTINGS, run_device, trainer_cpu_threads
+    from real.backend import RUN_SETTINGS, engine_cpu_threads, run_device, trainer_cpu_threads
     from real.lora_kernels import ENV as LORA_CONFIG_ENV
 
     try:
@@ -516,7 +517,10 @@ def main() -> None:
                 # The trainers' CPU threads when capped (nodus's default on a GPU since session 28, or
                 # asked); runs before it, and :cpu0, ran torch's own count and have no suffix.
                 variant += f"-cpu{cpu_threads}" if cpu_threads else ""
-                variant += f"-ecpu{args.engine_cpu_threads}" if args.engine_cpu_threads else ""  # the engines' capped
+                # The engines' torch CPU threads as they will run: asked, or nodus's default for
+                # several stacks on a GPU (half the CPUs over the engines); one engine uncapped: none.
+                eth = engine_cpu_threads(args.engine_cpu_threads, run_device(arm_opts), stacks)
+                variant += f"-ecpu{eth}" if eth else ""
                 # The audit away from its default (every step): the engine returns logprobs less often.
                 if not arm_opts.audit_logprobs:
                     variant += "-noaudit"

