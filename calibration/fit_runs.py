@@ -305,8 +305,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     ``term_selection``: how the train terms the runs support are chosen (``_select_train_terms``):
     "runs" leaves one run out, "extrapolate" scores each subset on the larger steps fitted on the
     smaller ones."""
-    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, profile_dict, profile_lora_kernels,
-                             profile_step_mode)
+    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, drop_two_engine_rate, profile_dict,
+                             profile_lora_kernels, profile_step_mode)
     from calibration.validate import run_controls, settings_text, sharing_controls
 
     if term_selection not in TERM_SELECTIONS:
@@ -578,6 +578,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")
+    if drop_two_engine_rate(prof):  # fitted beside the terms just refitted: stale now
+        add_source(prof, "its two-engine rate (sharing.mps_engines) dropped: nodus fit-stacks on the new profile")
     # The fitted costs are the runs' host's (launch-bound train steps, per-step engine work).
     if len(hosts) == 1:
         prof["environment"]["host"] = hosts[0]

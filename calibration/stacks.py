@@ -4,13 +4,16 @@ together under MPS, fitted from recorded two-stack runs.
 A profile's engine terms describe one engine. With two stacks, each stack's engine has its own
 process and host thread, and the two share the GPU. Without a fitted rate the simulator prices the
 two engines as two more clients of one GPU, sharing the engine-trainer pair's combined rate. Session
-30's two-stack runs (shared-sync + MPS, 8 jobs) came out 14-37% under the measured that way.
+30's two-stack runs (shared-sync + MPS, 8 jobs) came out 13.7-18.1% under the measured that way
+on session 16's profile.
 
 This module fits one number, ``sharing.mps_engines``: each engine's rate, in alone-without-MPS work
 per second, while both engines generate and nothing else runs. ``sim.gpu.sharing_rates`` uses it, and
 beside a trainer it scales it by the pair's engine rate over the engine's alone rate. The fit replays
 each run's own response lengths in the simulator. It bisects the rate until the mean signed error of
-the runs' steps per GPU-hour is zero, every other term kept from the base profile. The rate therefore
+the runs' steps per GPU-hour is zero, every other term kept from the base profile. The runs must
+agree in policy, packing, engine and trainer thread caps and MPS settings; the profile records
+them (``sharing.engines_controls``), and the simulator and `nodus validate` flag a run that differs. The rate therefore
 also absorbs whatever the base misprices on the runs' day (its engine's day scale, its train terms):
 fit on the base you will simulate with. Leaving each run out in turn, and predicting it from the
 others, gives the error the fitted rate carries.
@@ -20,23 +23,46 @@ others, gives the error the fitted rate carries.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from pathlib import Path
 
-from calibration.validate import _simulate, load_recorded, recorded_configs, run_controls
-from nodus.config import ConfigError, stacks_of
-from sim.profile import RATE_MAX, add_source, profile_dict, profile_step_mode, refuse_existing, write_profile
+from calibration.validate import _simulate, load_recorded, recorded_configs, run_controls, sharing_controls
+from nodus.config import ConfigError, corun_key, packed_rows, stacks_of
+from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
+                         refuse_existing, write_profile)
 
 RATE_MIN = 0.05  # the bisection's lower end: an engine at a twentieth of its alone speed
 TOLERANCE = 1e-4  # the bisection stops when the rate's bracket is this narrow
 
 
-def stack_runs(runs: list[str | Path], step_mode: str) -> list[dict]:
-    """Each run's replay configuration (on no profile yet), measured steps per GPU-hour and engine
-    thread cap; refuses a run that is not a two-stack run under MPS, one whose trainers did not all
-    run ``step_mode`` (the base profile's train terms), and runs of mixed engine caps."""
-    out = []
+def spans_digest(run: str | Path) -> str:
+    """A recorded run's identity, whatever path reaches it: the SHA-256 of its spans.jsonl."""
+    return hashlib.sha256((Path(run) / "spans.jsonl").read_bytes()).hexdigest()
+
+
+def run_settings(cfg: dict, controls: dict) -> dict:
+    """What a two-stack run's rate depends on beyond the base profile's terms, flat: its policy,
+    packing, engine and trainer CPU thread caps, and its MPS settings (``mps.<name>``)."""
+    policy = cfg["arm"].get("policy")
+    out = {"policy": policy, "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
+           "engine_cpu_threads": controls.get("engine_cpu_threads"),
+           "trainer_cpu_threads": controls.get("trainer_cpu_threads")}
+    # The MPS settings as a two-stack run uses them: the trainer's priority counts (another stack's
+    # generation runs beside a train step even under shared-sync).
+    out.update({f"mps.{k}": v for k, v in sharing_controls(controls, corun_key(policy, stacks_of(cfg["arm"]))).items()})
+    return out
+
+
+def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> list[dict]:
+    """Each run's replay configuration (on no profile yet), measured steps per GPU-hour and
+    settings (``run_settings``). Refuses a run that is not a two-stack run under MPS; one whose
+    trainers did not all run ``step_mode`` or whose engine ran other LoRA kernels than
+    ``lora_kernels`` (the base profile's terms); one with settings no profile describes (audit,
+    engine core process, pageable publishes, extra engine arguments or environment beside the
+    shipped kernel configs); the same run twice; and runs of mixed settings."""
+    out, seen = [], {}
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
         arm = cfg["arm"]
@@ -46,19 +72,34 @@ def stack_runs(runs: list[str | Path], step_mode: str) -> list[dict]:
         if arm.get("sharing") != "mps":
             raise ConfigError(f"nodus fit-stacks: {rd} shared the GPU with sharing={arm.get('sharing')!r}; the rate "
                               "is the engines' under MPS: fit runs with sharing=mps")
+        digest = spans_digest(rd)
+        if digest in seen:
+            raise ConfigError(f"nodus fit-stacks: {rd} is {seen[digest]} again (the same spans.jsonl): give each run "
+                              "once")
+        seen[digest] = str(rd)
         controls = run_controls(meas)
         mode = controls.get("trainer_step_mode", "eager")
         if mode != step_mode:
             raise ConfigError(f"nodus fit-stacks: {rd}'s trainers ran {mode}, and the base profile's train terms "
                               f"describe the {step_mode} step (train.step_mode): fit runs whose every trainer ran it")
+        kernels = controls.get("lora_kernels", "default")
+        if kernels != lora_kernels:
+            raise ConfigError(f"nodus fit-stacks: {rd}'s engines ran the {kernels} LoRA kernel configs, and the base "
+                              f"profile's engine terms are the {lora_kernels} ones': fit on a base of that engine")
+        odd = [k for k in ("audit", "engine_core_process", "engine_args", "engine_env") if controls.get(k)]
+        odd += ["publish_pinned"] if controls.get("publish_pinned") is False else []
+        if odd:
+            raise ConfigError(f"nodus fit-stacks: {rd} ran settings no profile describes ({', '.join(odd)}; "
+                              "nodus validate names them): fit runs without them")
         replay, _ = recorded_configs(rd, cfg, spans, "unset")
-        out.append({"run": str(rd), "cfg": replay, "measured": meas["steps_per_gpu_hour"],
-                    "engine_cpu_threads": controls.get("engine_cpu_threads")})
-    caps = {r["engine_cpu_threads"] for r in out}
-    if len(caps) > 1:
-        raise ConfigError("nodus fit-stacks: the runs' engines ran different torch CPU thread caps ("
-                          + ", ".join(f"{r['run']}: {r['engine_cpu_threads'] or 'torch default'}" for r in out)
-                          + "); fit runs of one setting")
+        out.append({"run": str(rd), "spans_sha256": digest, "cfg": replay, "measured": meas["steps_per_gpu_hour"],
+                    "settings": run_settings(cfg, controls)})
+    keys = sorted({k for r in out for k in r["settings"]})
+    mixed = [k for k in keys if len({r["settings"].get(k) for r in out}) > 1]
+    if mixed:
+        raise ConfigError("nodus fit-stacks: the runs differ in " + ", ".join(mixed) + " ("
+                          + "; ".join(f"{r['run']}: " + ", ".join(f"{k}={r['settings'].get(k)}" for k in mixed)
+                                      for r in out) + "); fit runs of one setting")
     return out
 
 
@@ -76,18 +117,20 @@ def _bias(pred: list[float], rows: list[dict]) -> float:
     return sum((p - r["measured"]) / r["measured"] for p, r in zip(pred, rows)) / len(rows)
 
 
-def fit_rate(rows: list[dict], prof: dict, tmp: Path) -> tuple[float, list[float]]:
+def fit_rate(rows: list[dict], prof: dict, tmp: Path, which: str = "") -> tuple[float, list[float]]:
     """The ``sharing.mps_engines`` at which the runs' replayed steps per GPU-hour have zero mean
-    signed error, and the runs' predictions there. The prediction rises with the rate, so bisection."""
+    signed error, and the runs' predictions there. The prediction rises with the rate, so bisection.
+    ``which``: what the runs are, for an error (e.g. the runs but one left out)."""
     lo, hi = RATE_MIN, RATE_MAX
     pred_hi = _predict(rows, prof, hi, tmp)
     if _bias(pred_hi, rows) < 0:
-        raise ConfigError(f"nodus fit-stacks: even at sharing.mps_engines={hi} (the most a rate may be) the runs are "
+        raise ConfigError(f"nodus fit-stacks: even at sharing.mps_engines={hi} (the most a rate may be) the "
+                          f"runs{which} are "
                           f"predicted {-_bias(pred_hi, rows):.1%} under the measured on average: the base profile "
                           "misprices them by more than two engines' rate can carry (fit on the runs' day's profile)")
     pred_lo = _predict(rows, prof, lo, tmp)
     if _bias(pred_lo, rows) > 0:
-        raise ConfigError(f"nodus fit-stacks: even at sharing.mps_engines={lo} the runs are predicted "
+        raise ConfigError(f"nodus fit-stacks: even at sharing.mps_engines={lo} the runs{which} are predicted "
                           f"{_bias(pred_lo, rows):.1%} over the measured on average: the base profile prices them "
                           "faster than two engines at any rate explain (fit on the runs' day's profile)")
     while hi - lo > TOLERANCE:
@@ -104,7 +147,7 @@ def fit(runs: list[str | Path], base: str) -> dict:
     """Fit the rate on every run, and on all but each run in turn (that run's error predicted from
     the others); with the base's own prediction (no two-engine rate) beside."""
     prof = profile_dict(base)
-    rows = stack_runs(runs, profile_step_mode(prof))
+    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         rate, pred = fit_rate(rows, prof, tmp)
@@ -115,15 +158,16 @@ def fit(runs: list[str | Path], base: str) -> dict:
             if not others:
                 loo.append(None)
                 continue
-            rate_i, _ = fit_rate(others, prof, tmp)
+            rate_i, _ = fit_rate(others, prof, tmp, f" but {r['run']} (left out)")
             p = _predict([r], prof, rate_i, tmp)[0]
             loo.append({"rate": rate_i, "predicted": p, "error": (p - r["measured"]) / r["measured"]})
-    out_rows = [{"run": r["run"], "measured": r["measured"], "predicted": p,
+    out_rows = [{"run": r["run"], "spans_sha256": r["spans_sha256"], "measured": r["measured"], "predicted": p,
                  "error": (p - r["measured"]) / r["measured"],
                  "predicted_without_rate": u, "error_without_rate": (u - r["measured"]) / r["measured"],
                  "left_out": lo_} for r, p, u, lo_ in zip(rows, pred, unfitted, loo)]
     errs = [abs(x["left_out"]["error"]) for x in out_rows if x["left_out"]]
-    return {"base": base, "mps_engines": rate, "engine_cpu_threads": rows[0]["engine_cpu_threads"],
+    return {"base": base, "mps_engines": rate, "settings": rows[0]["settings"],
+            "engine_cpu_threads": rows[0]["settings"]["engine_cpu_threads"],
             "mps_alone_engine": prof["sharing"]["mps_alone"]["engine"], "rows": out_rows,
             "left_out_mape": sum(errs) / len(errs) if errs else None, "left_out_worst": max(errs) if errs else None,
             "without_rate_mape": sum(abs(x["error_without_rate"]) for x in out_rows) / len(out_rows)}
@@ -134,13 +178,13 @@ def report_markdown(result: dict) -> str:
     lines = [f"# Two stacks' engines: `sharing.mps_engines` on `{r['base']}`", "",
              f"Each engine's rate while both stacks' engines generate, alone-without-MPS work per second: "
              f"**{r['mps_engines']:.3f}** (one engine alone under MPS: {r['mps_alone_engine']:.3f}). Fitted on "
-             f"{len(r['rows'])} two-stack run(s) whose engines ran "
-             f"{r['engine_cpu_threads'] or 'torch default'} CPU threads, replaying their response lengths.", ""]
+             f"{len(r['rows'])} two-stack run(s), replaying their response lengths; their settings: "
+             + ", ".join(f"{k}={v}" for k, v in sorted(r["settings"].items())) + ".", ""]
     if r["left_out_mape"] is not None:
         lines += [f"Each run predicted from a rate fitted on the others: {r['left_out_mape']:.1%} mean absolute error, "
                   f"worst {r['left_out_worst']:.1%}. Without the rate (two engines sharing the engine-trainer pair's "
                   f"combined rate): {r['without_rate_mape']:.1%}.", ""]
-    lines += ["| run | measured | fitted rate | error | left out: rate / predicted / error "
+    lines += ["| run | measured | predicted (fitted rate) | error | left out: rate / predicted / error "
               "| without the rate (error) |",
               "|---|---|---|---|---|---|"]
     for x in r["rows"]:
@@ -160,10 +204,9 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     result = fit(runs, base)
     prof = profile_dict(base)
     prof["sharing"]["mps_engines"] = result["mps_engines"]
-    prof["sharing"]["engines_controls"] = (
-        {"engine_cpu_threads": result["engine_cpu_threads"]} if result["engine_cpu_threads"] else {})
+    prof["sharing"]["engines_controls"] = dict(result["settings"])
     prof.setdefault("measurements", {})["stacks"] = {
-        k: v for k, v in result.items() if k in ("mps_engines", "engine_cpu_threads", "rows", "left_out_mape",
+        k: v for k, v in result.items() if k in ("mps_engines", "settings", "rows", "left_out_mape",
                                                   "left_out_worst", "without_rate_mape")}
     prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != "sharing-two-engines"] + [{
         "id": "sharing-two-engines",

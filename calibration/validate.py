@@ -256,14 +256,14 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
 
 def stacks_fit_run(prof: dict, run: str | Path) -> bool:
     """Whether ``run`` is one the profile's two-engine rate was fitted on (``measurements.stacks``,
-    `nodus fit-stacks`): its recorded path, as given to the fit, ends the run's resolved path."""
-    mine = Path(run).resolve().parts
-    for row in ((prof.get("measurements") or {}).get("stacks") or {}).get("rows", []):
-        theirs = Path(row["run"]).parts
-        theirs = theirs[1:] if theirs and theirs[0] in ("/", ".") else theirs
-        if theirs and mine[-len(theirs):] == tuple(theirs):
-            return True
-    return False
+    `nodus fit-stacks`): the same spans.jsonl, whatever path reaches it."""
+    rows = ((prof.get("measurements") or {}).get("stacks") or {}).get("rows") or []
+    digests = {r.get("spans_sha256") for r in rows} - {None}
+    if not digests or not (Path(run) / "spans.jsonl").is_file():
+        return False
+    import hashlib
+
+    return hashlib.sha256((Path(run) / "spans.jsonl").read_bytes()).hexdigest() in digests
 
 
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
@@ -310,7 +310,11 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  profile_cpu_threads, stacks_of(cfg["arm"]),
                                                                  prof["sharing"].get("engines_controls")
                                                                  if prof["sharing"].get("mps_engines") is not None
-                                                                 else None)))}
+                                                                 else None,
+                                                                 {"policy": cfg["arm"].get("policy"),
+                                                                  "share_prompts": packed_rows(
+                                                                      (cfg.get("trainer") or {}).get("share_prompts"))}
+                                                                 )))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -511,7 +515,8 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
                         mps: bool = False, policy: str | None = None, profile_slots: int | None = None,
                         run_slots: int | None = None, run_jobs: int | None = None,
                         profile_cpu_threads: int | None = None, stacks: int = 1,
-                        profile_engines_controls: dict | None = None) -> list[str]:
+                        profile_engines_controls: dict | None = None,
+                        run_settings: dict | None = None) -> list[str]:
     """What a run's settings (``run_controls``) have that the profile was not measured with;
     ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``);
     ``profile_lora_kernels``: the engine's LoRA kernels its engine terms describe ("tuned" or
@@ -526,18 +531,31 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     (``environment.trainer_cpu_threads``; None: torch's own count, every profile before session 28);
     ``stacks``: the run's engine + trainer stacks; ``profile_engines_controls``: the settings the
     profile's two-engine rate was fitted under (``sharing.engines_controls``; None where the profile
-    has no ``sharing.mps_engines``), which price a stacks run's capped engines."""
+    has no ``sharing.mps_engines``), against which a stacks run under MPS is compared, its
+    ``run_settings`` (policy, share_prompts) with its controls (``calibration.stacks.run_settings``)."""
     cap = controls.get("engine_cpu_threads")
-    fitted_cap = (profile_engines_controls or {}).get("engine_cpu_threads")
-    engines_fitted = stacks > 1 and profile_engines_controls is not None
+    fitted = profile_engines_controls or {}
+    engines_fitted = stacks > 1 and mps and profile_engines_controls is not None
     out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"
-           and not (k == "engine_cpu_threads" and engines_fitted and cap == fitted_cap)]
-    if engines_fitted and cap != fitted_cap:
+           and not (k == "engine_cpu_threads" and engines_fitted and cap == fitted.get("engine_cpu_threads"))]
+    if engines_fitted:
         def threads(n):
             return f"{n} CPU threads" if n else "torch's own CPU thread count"
 
-        out.append(f"the engines ran {threads(cap)}; the profile's two-engine rate (sharing.mps_engines) was fitted "
-                   f"with {threads(fitted_cap)} (sharing.engines_controls)")
+        mine = {"engine_cpu_threads": cap, "trainer_cpu_threads": controls.get("trainer_cpu_threads"),
+                **(run_settings or {}),
+                **{f"mps.{k}": v for k, v in sharing_controls(
+                    controls, corun_key((run_settings or {}).get("policy"), stacks)).items()}}
+        for k in sorted(set(fitted) | {m for m in mine if m.startswith("mps.")}):
+            have, want = mine.get(k), fitted.get(k)
+            if have == want:
+                continue
+            if k == "engine_cpu_threads":
+                out.append(f"the engines ran {threads(have)}; the profile's two-engine rate (sharing.mps_engines) was "
+                           f"fitted with {threads(want)} (sharing.engines_controls)")
+            else:
+                out.append(f"the run's {k} is {have}; the profile's two-engine rate (sharing.mps_engines) was fitted "
+                           f"on runs with {want} (sharing.engines_controls)")
     cap = controls.get("trainer_cpu_threads")
     if cap != profile_cpu_threads:
         def said(n):

@@ -42,17 +42,22 @@ def cmd_profiles(a: argparse.Namespace) -> int:
         return 0
     pct = (lambda x: "-" if x is None else f"{x:.1%}")
     print("| profile | GPU | host | date | held-out MAPE | bias | held-out runs | other days: MAPE (runs) "
-          "| assumptions | report |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| two stacks: left out (runs) | assumptions | report |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         name = r["name"] + (" (default)" if r["name"] == DEFAULT_PROFILE else "")
         days = f"{pct(r['across_days_mape'])} ({r['across_days_runs']})" if r["across_days_runs"] else "-"
+        st = r.get("stacks") or {}
+        stacks = f"{pct(st.get('left_out_mape'))} ({st['runs']})" if st else "-"
         print(f"| {name} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
-              f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {days} | {r['assumptions']} | {r['report'] or '-'} |")
+              f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {days} | {stacks} | {r['assumptions']} | "
+              f"{r['report'] or '-'} |")
     print("\nA profile describes the host it was measured on, not only its GPU model: pick the one "
           "measured where the jobs will run (nodus sim --profile NAME). Held-out MAPE: on the runs of more jobs "
           "than it was fitted on that its report names; other days: on such runs of the days it was not fitted "
-          "on, under the MPS settings its rates were fitted under (experiments/crossday.py).")
+          "on, under the MPS settings its rates were fitted under (experiments/crossday.py). Two stacks: the "
+          "two-engine rate's fit (nodus fit-stacks), each run predicted from the others, where the profile has one; "
+          "the other columns are the one-stack terms' (a fitted copy keeps its base's).")
     return 0
 
 

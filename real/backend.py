@@ -286,18 +286,24 @@ def trainer_step_mode(graphs: bool, device: str) -> str:
 TRAINER_GIB, TRAINER_GIB_TOKENS = 50.0, 16384
 
 
-def trainer_gib_estimate(microbatch_tokens: int | None) -> float:
-    """A graphed trainer's memory, roughly: TRAINER_GIB at TRAINER_GIB_TOKENS micro-batch tokens,
-    in proportion to them (the activations and graph pools grow with the micro-batch)."""
+def trainer_gib_estimate(microbatch_tokens: int | None, graphed: bool = True) -> float:
+    """A trainer's memory, roughly: a graphed one TRAINER_GIB at TRAINER_GIB_TOKENS micro-batch
+    tokens, in proportion to them (its graph pools and activations grow with the micro-batch; two
+    points only, 8k known to fit in ~45 GiB, so the 25 GiB it gives there is a bound's guess, not
+    a measurement); an eager one TRAINER_GIB whatever its micro-batch (one-stack eager runs at 32k
+    tokens worked in sessions 5-6)."""
+    if not graphed:
+        return TRAINER_GIB
     return TRAINER_GIB * (microbatch_tokens or TRAINER_GIB_TOKENS) / TRAINER_GIB_TOKENS
 
 
 def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float | None = None,
-                     microbatch_tokens: int | None = None) -> None:
+                     microbatch_tokens: int | None = None, graphed: bool = True) -> None:
     """Refuse before starting anything if the engine share cannot fit in free memory; warn where
-    it plus a trainer a stack (``trainer_gib``, else estimated from ``microbatch_tokens``) may not."""
+    it plus a trainer a stack (``trainer_gib``, else estimated from ``microbatch_tokens`` and
+    whether the trainer replays CUDA graphs, ``trainer_gib_estimate``) may not."""
     if trainer_gib is None:
-        trainer_gib = trainer_gib_estimate(microbatch_tokens)
+        trainer_gib = trainer_gib_estimate(microbatch_tokens, graphed)
     import shutil as _sh
     import subprocess
 
@@ -352,7 +358,8 @@ class Cluster:
         self.device = run_device(opts)
         max_rank = engine_lora_rank(max_rank)
         if self.device == "cuda":
-            check_gpu_memory(opts.engine_memory, n_stacks, microbatch_tokens=max_tokens_per_microbatch)
+            check_gpu_memory(opts.engine_memory, n_stacks, microbatch_tokens=max_tokens_per_microbatch,
+                             graphed=opts.trainer_graphs)
         engine_threads = engine_cpu_threads(opts.engine_cpu_threads, self.device, n_stacks)
         if engine_threads and not opts.engine_cpu_threads:
             print(f"nodus: {n_stacks} stacks: each engine on {engine_threads} torch CPU threads (half the CPUs "

@@ -32,7 +32,11 @@ class SimBackend:
                               f"on a graphed profile (nodus profiles)")
         self.cfg, self.cost = cfg, cost
         self.env = simpy.Environment()
-        self.gpu = SharedGPU(self.env, cfg.arm.sharing, cost.profile.sharing)
+        sharing = cost.profile.sharing
+        if cfg.arm.policy == "timeslice" and sharing.mps_engines is not None:
+            # timeslice's stacks are its groups: the two-engine rate was fitted on arm.stacks arms only.
+            sharing = sharing.model_copy(update={"mps_engines": None})
+        self.gpu = SharedGPU(self.env, cfg.arm.sharing, sharing)
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
         if share:
@@ -46,16 +50,27 @@ class SimBackend:
                 "predicted short (README, trainer.share_prompts)")
         engines_rate = cost.profile.sharing.mps_engines
         if n_stacks > 1 and cfg.arm.policy != "timeslice":
-            if engines_rate is None or cfg.arm.sharing != "mps":
-                cost.note_unmodelled(
-                    f"arm.stacks={n_stacks}: engines of several stacks generating at once are priced as more "
-                    "clients of one GPU, sharing the engine-trainer pair's combined rate (sim.gpu.sharing_rates; "
-                    + ("no two-engine rate without MPS" if engines_rate is not None else
-                       "the profile has no two-engine rate, sharing.mps_engines: nodus fit-stacks") + ")")
-            elif n_stacks > 2:
-                cost.note_unmodelled(
-                    f"arm.stacks={n_stacks}: the profile's two-engine rate (sharing.mps_engines) split over "
-                    f"{n_stacks} engines; it was fitted on two")
+            shared = ("engines of several stacks generating at once are priced as more clients of one GPU, sharing "
+                      "the engine-trainer pair's combined rate (sim.gpu.sharing_rates), and each engine's own host "
+                      "thread is not modelled")
+            if cfg.arm.sharing != "mps":
+                cost.note_unmodelled(f"arm.stacks={n_stacks} without MPS: {shared}")
+            elif engines_rate is None:
+                cost.note_unmodelled(f"arm.stacks={n_stacks}: {shared}; the profile has no two-engine rate "
+                                     "(sharing.mps_engines: nodus fit-stacks on two-stack runs under MPS)")
+            else:
+                if n_stacks > 2:
+                    cost.note_unmodelled(
+                        f"arm.stacks={n_stacks}: the profile's two-engine rate (sharing.mps_engines) split over "
+                        f"{n_stacks} engines; it was fitted on two")
+                fitted = cost.profile.sharing.engines_controls
+                mine = {"policy": cfg.arm.policy, "share_prompts": self._share}
+                differ = {k: (v, fitted[k]) for k, v in mine.items() if k in fitted and fitted[k] != v}
+                if differ:
+                    cost.note_unmodelled(
+                        f"arm.stacks={n_stacks}: the two-engine rate (sharing.mps_engines) was fitted on runs of "
+                        + ", ".join(f"{k}={w}" for k, (_, w) in differ.items()) + ", not "
+                        + ", ".join(f"{k}={v}" for k, (v, _) in differ.items()) + " (sharing.engines_controls)")
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         self.engines = [SimEngine(self.env, self.gpu, cost, cfg.engine.max_num_seqs, max_loras,
                                   self._generated, graph_max_tokens=engine_graph_max_tokens(cfg.engine))

@@ -175,14 +175,16 @@ class SharingCost(_M):
     # Each engine's rate (alone-without-MPS work per second) while the engines of two stacks
     # (arm.stacks = 2) generate at once under MPS, nothing else running; None: never measured, and
     # the two engines share the engine-trainer pair's combined rate (the 'sharing-many-clients'
-    # rule), which put session 30's two-stack runs 14-37% under the measured. `nodus fit-stacks`
+    # rule), which put session 30's two-stack runs 13.7-18.1% under the measured on session 16's
+    # profile. `nodus fit-stacks`
     # fits it from recorded two-stack runs. Beside a trainer as well, each engine goes at this rate
     # times the pair's engine rate over its alone rate under MPS (the trainer slows two engines as
     # it slows one); the trainers keep the many-clients rule.
     mps_engines: float | None = Field(default=None, gt=0, le=RATE_MAX)
-    # The settings mps_engines was fitted under (`nodus fit-stacks` records the runs' engine
-    # thread cap, {"engine_cpu_threads": 4}; `nodus validate` flags a stacks run that differs).
-    engines_controls: dict[str, str | int | float] = {}
+    # The settings mps_engines was fitted under (`nodus fit-stacks` records its runs' policy,
+    # packing, engine and trainer thread caps and MPS settings; `nodus validate` and the simulator
+    # flag a stacks run that differs). Applies to arm.stacks arms only, never to timeslice's.
+    engines_controls: dict[str, str | int | float | None] = {}
 
 
 class Assumption(_M):
@@ -260,7 +262,9 @@ def profile_summaries() -> list[dict]:
             "heldout_mape": v.heldout_mape if v else None, "heldout_bias": v.heldout_bias if v else None,
             "heldout_runs": v.heldout_runs if v else 0, "report": v.report if v else None,
             "across_days_mape": v.across_days_mape if v else None, "across_days_runs": v.across_days_runs if v else 0,
-            "assumptions": len(p.assumptions)})
+            "assumptions": len(p.assumptions),
+            # Its two-engine rate's fit (nodus fit-stacks), where it has one: runs and leave-one-out error.
+            "stacks": (load_profile(name).validation() or {}).get("stacks")})
     return out
 
 
@@ -298,6 +302,20 @@ def load_profile(name_or_path: str) -> "CostModel":
 def profile_dict(name_or_path: str) -> dict:
     """A shipped or file profile as a JSON-ready dict (validated), for tools that derive a new one."""
     return json.loads(load_profile(name_or_path).profile.model_dump_json(by_alias=True))
+
+
+def drop_two_engine_rate(prof: dict) -> bool:
+    """Remove a profile dict's two-engine rate (``sharing.mps_engines``, its settings, its fit and
+    its assumption): a refit of the terms it was fitted beside leaves it stale. Whether it had one."""
+    sharing = prof.get("sharing") or {}
+    had = sharing.get("mps_engines") is not None
+    if "mps_engines" in sharing:  # back to the fields' defaults, as a profile without them reads
+        sharing["mps_engines"] = None
+    if "engines_controls" in sharing:
+        sharing["engines_controls"] = {}
+    (prof.get("measurements") or {}).pop("stacks", None)
+    prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != "sharing-two-engines"]
+    return had
 
 
 def add_source(prof: dict, source: str) -> None:

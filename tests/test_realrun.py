@@ -274,3 +274,8 @@ def test_the_gpu_memory_check_refuses_an_engine_share_that_cannot_fit_and_warns_
     assert capsys.readouterr().out == ""  # 49 + 2 x 25 GiB
     check_gpu_memory(0.35, 2, microbatch_tokens=16384)
     assert "~50 GiB per trainer x 2 stacks" in capsys.readouterr().out
+    # An eager trainer keeps the flat estimate: one stack at 32k tokens does not warn, two at 8k do.
+    check_gpu_memory(0.35, 1, microbatch_tokens=32768, graphed=False)
+    assert capsys.readouterr().out == ""
+    check_gpu_memory(0.35, 2, microbatch_tokens=8192, graphed=False)
+    assert "~50 GiB per trainer x 2 stacks" in capsys.readouterr().out

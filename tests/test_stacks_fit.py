@@ -78,15 +78,26 @@ def test_fit_stacks_recovers_the_rate_the_runs_were_simulated_with(tmp_path, cap
     out = tmp_path / "fitted.json"
     assert main(["fit-stacks", *map(str, runs), "--base", DEFAULT_PROFILE, "--out", str(out),
                  "--report", str(tmp_path / "rep")]) == 0
-    assert "sharing.mps_engines = 0.7" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert float(printed.split("sharing.mps_engines = ")[1].split()[0]) == pytest.approx(0.7, rel=0.02)
     prof = json.loads(out.read_text())
     assert prof["sharing"]["mps_engines"] == pytest.approx(0.7, rel=0.02)
     assert any(a["id"] == "sharing-two-engines" for a in prof["assumptions"])
     assert (tmp_path / "rep.md").is_file()
-    # nodus validate counts the fit runs as fitted, not held out; another run stays held out.
-    assert stacks_fit_run(prof, runs[0]) and not stacks_fit_run(prof, tmp_path / "other")
-    rep = validate(runs, profile=str(out))
-    assert not any(row["heldout"] for row in rep["rows"])
+    # nodus validate counts the fit runs as fitted, not held out, by their spans whatever the path
+    # (a copy elsewhere, a path through ..); another two-stack run of the same arm stays held out.
+    import shutil
+
+    copy = tmp_path / "elsewhere" / "arms" / runs[0].name
+    shutil.copytree(runs[0], copy)
+    assert stacks_fit_run(prof, runs[0]) and stacks_fit_run(prof, copy)
+    assert stacks_fit_run(prof, tmp_path / "elsewhere" / ".." / runs[1].name)
+    other = tmp_path / "s31" / runs[0].name  # same folder name, another run
+    simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, seed=3,
+                              profile=truth), other)
+    assert not stacks_fit_run(prof, other) and not stacks_fit_run(prof, tmp_path / "missing")
+    rep = validate([*runs, other], profile=str(out))
+    assert [row["heldout"] for row in rep["rows"]] == [False, False, True]
     with pytest.raises(FileExistsError, match="never overwrites"):
         fit_to_file(runs, DEFAULT_PROFILE, out)
 
@@ -100,21 +111,61 @@ def test_fit_stacks_refuses_runs_it_cannot_fit(tmp_path):
     simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="none", stacks=2), plain)
     with pytest.raises(ConfigError, match="sharing=mps"):
         fit([plain], DEFAULT_PROFILE)
+    k2 = tmp_path / "k2"
+    simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2), k2)
+    with pytest.raises(ConfigError, match="again"):
+        fit([k2, tmp_path / "." / "k2"], DEFAULT_PROFILE)
+    ov = tmp_path / "ov"
+    simulate(config_from_args(jobs=4, steps=2, policy="overlap", groups=2, sharing="mps", stacks=2), ov)
+    with pytest.raises(ConfigError, match="differ in policy"):
+        fit([k2, ov], DEFAULT_PROFILE)
 
 
 def test_validate_prices_capped_engines_of_stacks_by_the_fitted_setting():
     cap = {"engine_cpu_threads": 4}
+    fitted = {"engine_cpu_threads": 4, "trainer_cpu_threads": None, "policy": "shared-sync", "share_prompts": 0}
+    mine = {"policy": "shared-sync", "share_prompts": 0}
+
+    def flags(controls, stacks=2, mps=True, engines=fitted, settings=mine):
+        return unmodelled_controls(controls, stacks=stacks, mps=mps, profile_engines_controls=engines,
+                                   run_settings=settings)
+
     # One stack: an engine cap is outside every profile.
-    assert any("--engine-cpu-threads" in x for x in unmodelled_controls(cap, stacks=1,
-                                                                       profile_engines_controls=cap))
-    # Two stacks on a rate fitted with the same cap: priced; with another cap, or none, flagged.
-    assert not any("CPU threads" in x for x in unmodelled_controls(cap, stacks=2, profile_engines_controls=cap))
-    assert any("fitted with 4 CPU threads" in x
-               for x in unmodelled_controls({"engine_cpu_threads": 2}, stacks=2, profile_engines_controls=cap))
-    assert any("torch's own CPU thread count" in x
-               for x in unmodelled_controls({}, stacks=2, profile_engines_controls=cap))
+    assert any("--engine-cpu-threads" in x for x in flags(cap, stacks=1))
+    # Two stacks under MPS, on a rate fitted with the same settings: priced, nothing flagged.
+    assert flags(cap) == []
+    # Another cap, none, another policy or packing, or an MPS setting the fit did not have: flagged.
+    assert any("fitted with 4 CPU threads" in x for x in flags({"engine_cpu_threads": 2}))
+    assert any("torch's own CPU thread count" in x for x in flags({}))
+    assert any("policy is overlap" in x for x in flags(cap, settings=dict(mine, policy="overlap")))
+    assert any("share_prompts is 4" in x for x in flags(cap, settings=dict(mine, share_prompts=4)))
+    assert any("mps.trainer_priority is below-normal" in x
+               for x in flags(dict(cap, trainer_priority="below-normal")))
+    # Without MPS the rate is not used: the cap is flagged as for any engine, nothing about the rate.
+    plain = flags(cap, mps=False)
+    assert any("--engine-cpu-threads" in x for x in plain) and not any("two-engine" in x for x in plain)
     # A profile without a two-engine rate: the cap flagged as before.
-    assert any("--engine-cpu-threads" in x for x in unmodelled_controls(cap, stacks=2))
+    assert any("--engine-cpu-threads" in x for x in flags(cap, engines=None))
+
+
+def test_timeslice_never_takes_the_two_engine_rate_and_refits_drop_it(tmp_path):
+    from sim.profile import drop_two_engine_rate
+
+    base = {}
+    for name, prof in (("with", _profile_with(tmp_path, 1.5)), ("without", DEFAULT_PROFILE)):
+        cfg = config_from_args(jobs=8, steps=3, policy="timeslice", groups=2, sharing="mps", profile=prof)
+        base[name] = simulate(cfg, tmp_path / name)["steps_per_gpu_hour"]
+    assert base["with"] == pytest.approx(base["without"])
+    # Without MPS the flag names the missing MPS, not a tool that would refuse the runs.
+    cfg = config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="none", stacks=2)
+    flags = " ".join(simulate(cfg, tmp_path / "none")["diagnostics"][0]["outside_profile"])
+    assert "without MPS" in flags and "fit-stacks" not in flags
+    prof = profile_dict("h200-xeon16-graphed-stacks-session30-qwen3-0.6b")
+    assert drop_two_engine_rate(prof) and prof["sharing"]["mps_engines"] is None
+    assert prof["sharing"]["engines_controls"] == {}
+    assert "stacks" not in prof["measurements"] and not any(a["id"] == "sharing-two-engines"
+                                                             for a in prof["assumptions"])
+    assert not drop_two_engine_rate(prof)
 
 
 def test_the_sweep_runs_each_shared_arm_on_the_stack_counts_its_jobs_fill(tmp_path):
