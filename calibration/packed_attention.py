@@ -28,7 +28,7 @@ from calibration.fit_runs import nonneg_rel_lstsq
 from nodus.config import ConfigError
 from nodus.lengths import recorded_step_lengths
 from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
-from sim.profile import add_source, profile_dict, write_profile
+from sim.profile import add_source, drop_two_engine_rate, profile_dict, write_profile
 
 FEATURES = ("microbatches", "padded_tokens", "packed_pairs")
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,6 +212,8 @@ def fit_to_file(paths: list[str | Path], base: str, out: str | Path, report: str
         "packed_pair_per_token": result["packed_pair_per_token"],
         "models": result["models"], "points": result["points"]}
     add_source(prof, "nodus fit-packed " + " ".join(str(p) for p in paths))
+    if drop_two_engine_rate(prof):  # fitted beside the packed term just replaced: stale now
+        add_source(prof, "its two-engine rate (sharing.mps_engines) dropped: nodus fit-stacks on the new profile")
     write_profile(prof, out, "nodus fit-packed")
     rows = ratio_rows(result, prof)
     result["ratios"] = rows

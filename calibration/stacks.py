@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from calibration.validate import _simulate, load_recorded, recorded_configs, run_controls, sharing_controls
-from nodus.config import ConfigError, corun_key, packed_rows, stacks_of
+from nodus.config import ConfigError, build_config, corun_key, stacks_of
 from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
                          refuse_existing, write_profile)
 
@@ -42,11 +42,12 @@ def spans_digest(run: str | Path) -> str:
     return hashlib.sha256((Path(run) / "spans.jsonl").read_bytes()).hexdigest()
 
 
-def run_settings(cfg: dict, controls: dict) -> dict:
+def run_settings(cfg: dict, controls: dict, packing: int) -> dict:
     """What a two-stack run's rate depends on beyond the base profile's terms, flat: its policy,
-    packing, engine and trainer CPU thread caps, and its MPS settings (``mps.<name>``)."""
+    packing (``packing``: as its trainer ran it, ``RunConfig.trainer_packing``), engine and trainer
+    CPU thread caps, and its MPS settings (``mps.<name>``)."""
     policy = cfg["arm"].get("policy")
-    out = {"policy": policy, "share_prompts": packed_rows((cfg.get("trainer") or {}).get("share_prompts")),
+    out = {"policy": policy, "share_prompts": packing,
            "engine_cpu_threads": controls.get("engine_cpu_threads"),
            "trainer_cpu_threads": controls.get("trainer_cpu_threads")}
     # The MPS settings as a two-stack run uses them: the trainer's priority counts (another stack's
@@ -92,8 +93,9 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> lis
             raise ConfigError(f"nodus fit-stacks: {rd} ran settings no profile describes ({', '.join(odd)}; "
                               "nodus validate names them): fit runs without them")
         replay, _ = recorded_configs(rd, cfg, spans, "unset")
+        packing = build_config(replay, f"{rd}/config.json").trainer_packing()
         out.append({"run": str(rd), "spans_sha256": digest, "cfg": replay, "measured": meas["steps_per_gpu_hour"],
-                    "settings": run_settings(cfg, controls)})
+                    "settings": run_settings(cfg, controls, packing)})
     keys = sorted({k for r in out for k in r["settings"]})
     mixed = [k for k in keys if len({r["settings"].get(k) for r in out}) > 1]
     if mixed:

@@ -283,6 +283,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         if arm is not None and "trainer_waits_for_publish" in cfg["arm"]:  # the summary's arm omits it
             arm = dict(arm, trainer_waits_for_publish=cfg["arm"]["trainer_waits_for_publish"])
         controls = run_controls(meas)
+        packing = build_config(replay_cfg, f"{rd}/config.json").trainer_packing()  # as the trainer ran it
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
                "host_monitor": run_host_monitor(meas), "jit_compiles": run_jit_compiles(meas),
@@ -312,9 +313,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  if prof["sharing"].get("mps_engines") is not None
                                                                  else None,
                                                                  {"policy": cfg["arm"].get("policy"),
-                                                                  "share_prompts": packed_rows(
-                                                                      (cfg.get("trainer") or {}).get("share_prompts"))}
-                                                                 )))}
+                                                                  "share_prompts": packing})))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):

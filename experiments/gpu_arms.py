@@ -331,9 +331,9 @@ def main() -> None:
                     help="torch's CPU threads in each trainer process (default: nodus's, 2 on a GPU; 0: torch's, one "
                          "per CPU); run keys get -cpu<N> when capped; an arm's :cpuN wins")
     ap.add_argument("--engine-cpu-threads", type=int, default=None, metavar="N",
-                    help="torch's CPU threads in each engine process (default and 0: torch's own, one per CPU, "
-                         "with one stack; with kN stacks on a GPU half the CPUs over the N engines); run keys get "
-                         "-ecpu<N> when capped")
+                    help="torch's CPU threads in each engine process (0: torch's own, one per CPU; default: that "
+                         "with one stack, and with kN stacks on a GPU half the CPUs over the N engines); run keys "
+                         "get -ecpu<N> when capped")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
     ap.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,

@@ -420,9 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch's CPU threads in each trainer process (default: 2 for a trainer on a GPU, torch's "
                         "own count for one on the CPU; 0: torch's own count everywhere)")
     p.add_argument("--engine-cpu-threads", type=int, metavar="N",
-                   help="torch's CPU threads in each engine process (default and 0: torch's own count, one per "
-                        "CPU, with one stack; with --stacks N on a GPU, half the CPUs over the N engines; vLLM's "
-                        "own GPU workers run 1)")
+                   help="torch's CPU threads in each engine process (0: torch's own count, one per CPU; default: "
+                        "that with one stack, and with --stacks N on a GPU half the CPUs over the N engines; "
+                        "vLLM's own GPU workers run 1)")
     p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the engine processes, e.g. "
                         "VLLM_TUNED_CONFIG_FOLDER=DIR (tuned multi-LoRA kernel configs); repeatable")

@@ -188,14 +188,17 @@ def sweep_arms(jobs: int, policies: list[str], groups: list[int], sharings: list
 
 
 def stacked_arms(jobs: int, arms: list[tuple[str, int, str]], stacks: list[int]) -> list[tuple[str, int, str, int]]:
-    """Each arm on each stack count (arm.stacks): one stack for every arm; N > 1 stacks for the
-    arms that run them (shared-sync, overlap, continuous) where every stack gets its groups' jobs
-    (N x groups for overlap, N for the others, at most the job count)."""
+    """Each arm on each stack count (arm.stacks): dedicated and timeslice (whose stacks are its
+    groups) once, on one; the shared arms (shared-sync, overlap, continuous) on each count in
+    ``stacks`` where every stack gets its groups' jobs (N x groups for overlap, N for the others, at
+    most the job count)."""
     out = []
     for policy, groups, sharing in arms:
+        if policy not in ("shared-sync", "overlap", "continuous"):
+            out.append((policy, groups, sharing, 1))
+            continue
         for k in stacks:
-            if k == 1 or (policy in ("shared-sync", "overlap", "continuous")
-                          and k * (groups if policy == "overlap" else 1) <= jobs):
+            if k * (groups if policy == "overlap" else 1) <= jobs:
                 out.append((policy, groups, sharing, k))
     return out
 

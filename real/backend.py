@@ -96,11 +96,12 @@ class RealOptions:
     # for a trainer on a GPU, torch's own count (its default, the cores) for one on the CPU, which
     # computes there; 0: torch's own count everywhere.
     trainer_cpu_threads: int | None = None
-    # torch's CPU threads (intra-op, OpenMP) in each engine process. None (or 0): torch's own count
-    # (its default, the cores), what every run so far had; N: capped at N. vLLM's own GPU workers
-    # (its multiprocess executor) run 1 unless OMP_NUM_THREADS says otherwise; the in-process
-    # engine nodus runs never got that. Session 29: two engines of 16 threads each used 3.6-6.1
-    # cores apiece on a 16-core host (one engine alone: 1.2-1.6).
+    # torch's CPU threads (intra-op, OpenMP) in each engine process. None: nodus's default
+    # (``engine_cpu_threads``: torch's own count with one engine, half the CPUs over the engines
+    # of several arm.stacks on a GPU); 0: torch's own count (its default, the cores) always; N:
+    # capped at N. vLLM's own GPU workers (its multiprocess executor) run 1 unless OMP_NUM_THREADS
+    # says otherwise; the in-process engine nodus runs never got that. Session 29: two engines of 16
+    # threads each used 3.6-6.1 cores apiece on a 16-core host (one engine alone: 1.2-1.6).
     engine_cpu_threads: int | None = None
     start_timeout_s: float = 900.0
 
@@ -134,10 +135,8 @@ class RealOptions:
             raise ValueError(f"audit_responses={self.audit_responses}: audit the first N responses of each "
                              "prompt needs N >= 1 (None: every response; audit_logprobs=False: none)")
         if self.engine_cpu_threads is not None and self.engine_cpu_threads < 0:
-            raise ValueError(f"engine_cpu_threads={self.engine_cpu_threads}: a thread count >= 1, or 0 / None for "
-                             "torch's default count")
-        if self.engine_cpu_threads == 0:  # one setting, one engine: 0 and None never restart the engines
-            object.__setattr__(self, "engine_cpu_threads", None)
+            raise ValueError(f"engine_cpu_threads={self.engine_cpu_threads}: a thread count >= 1, 0 for torch's "
+                             "default count, or None for nodus's default")
         if self.trainer_cpu_threads is not None and self.trainer_cpu_threads < 0:
             raise ValueError(f"trainer_cpu_threads={self.trainer_cpu_threads}: a thread count >= 1, 0 for torch's "
                              "default count, or None for nodus's (AUTO_TRAINER_CPU_THREADS on a GPU)")
@@ -253,14 +252,15 @@ def trainer_cpu_threads(setting: int | None, device: str) -> int | None:
 
 def engine_cpu_threads(setting: int | None, device: str, n_stacks: int = 1, cpus: int | None = None) -> int | None:
     """The engine processes' torch CPU threads for RealOptions.engine_cpu_threads (None: nodus's
-    default) on ``device`` with ``n_stacks`` engines (None: leave torch's default, one thread per
-    CPU). The setting where given. Otherwise, with several stacks on a GPU, half the run's CPUs
-    (``cpus``, default its affinity) split over the engines; with one engine, torch's own count.
+    default; 0: torch's own) on ``device`` with ``n_stacks`` engines of an arm's ``arm.stacks``
+    (timeslice's stacks are its groups: pass 1). None: leave torch's default, one thread per CPU.
+    The setting where given; with several stacks on a GPU, half the run's CPUs (``cpus``, default
+    its affinity) split over the engines; with one engine, torch's own count.
     On 16 cores, two stacks at torch's 16 threads each used 3.6-6.1 cores per engine with a run
     queue of 13-20 (session 29). At 4 each, 0.68-0.75 cores, in the runs that made 8324-8774
     steps/GPU-h (session 30)."""
-    if setting:
-        return setting
+    if setting is not None:
+        return setting or None
     if n_stacks <= 1 or device != "cuda":
         return None
     if cpus is None:
@@ -345,10 +345,13 @@ class Cluster:
 
     def __init__(self, opts: RealOptions, sharing: str, n_stacks: int, max_loras: int, max_rank: int,
                  max_num_seqs: int, max_tokens_per_microbatch: int, seed: int = 0,
-                 cuda_graph_max_tokens: int | None = None, max_cpu_loras: int | None = None):
+                 cuda_graph_max_tokens: int | None = None, max_cpu_loras: int | None = None,
+                 stacked_arm: bool = True):
         """``max_loras``: the engine's adapter slots on the GPU (adapters in one decode step);
         ``max_cpu_loras``: the adapters it keeps loaded (every job's current version; at least
-        ``max_loras``, the default), so that fewer slots than jobs reload none from disk."""
+        ``max_loras``, the default), so that fewer slots than jobs reload none from disk;
+        ``stacked_arm``: the stacks are an arm's ``arm.stacks`` (False: timeslice's groups, whose
+        engines keep torch's own thread count unless asked)."""
         from real.workers import EngineSpec, engine_llm_args, engine_main
 
         self.opts, self.sharing, self.n_stacks, self.max_loras = opts, sharing, n_stacks, max_loras
@@ -360,8 +363,8 @@ class Cluster:
         if self.device == "cuda":
             check_gpu_memory(opts.engine_memory, n_stacks, microbatch_tokens=max_tokens_per_microbatch,
                              graphed=opts.trainer_graphs)
-        engine_threads = engine_cpu_threads(opts.engine_cpu_threads, self.device, n_stacks)
-        if engine_threads and not opts.engine_cpu_threads:
+        engine_threads = engine_cpu_threads(opts.engine_cpu_threads, self.device, n_stacks if stacked_arm else 1)
+        if engine_threads and opts.engine_cpu_threads is None:
             print(f"nodus: {n_stacks} stacks: each engine on {engine_threads} torch CPU threads (half the CPUs "
                   "over the engines; --engine-cpu-threads N to choose)", flush=True)
         dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")

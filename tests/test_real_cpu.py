@@ -417,14 +417,16 @@ def test_mps_settings_reach_each_process_env_and_bad_ones_are_clear_errors():
         RealOptions(trainer_thread_pct=0)
     with pytest.raises(ValueError, match="trainer_cpu_threads=-1: a thread count >= 1, 0 for torch's default"):
         RealOptions(trainer_cpu_threads=-1)
-    with pytest.raises(ValueError, match="engine_cpu_threads=-2: a thread count >= 1, or 0 / None for torch's"):
+    with pytest.raises(ValueError, match="engine_cpu_threads=-2: a thread count >= 1, 0 for torch's default count"):
         RealOptions(engine_cpu_threads=-2)
-    # 0 and None are one engine setting (torch's own count): changing one for the other restarts nothing.
-    from real.backend import engine_settings
+    # 0 (torch's own count, always) and None (nodus's default: capped for several arm.stacks on a
+    # GPU) are two settings; both leave one engine at torch's own count.
+    from real.backend import engine_cpu_threads, engine_settings
 
-    assert RealOptions(engine_cpu_threads=0).engine_cpu_threads is None
-    assert engine_settings(RealOptions(engine_cpu_threads=0)) == engine_settings(RealOptions())
+    assert RealOptions(engine_cpu_threads=0).engine_cpu_threads == 0
     assert engine_settings(RealOptions(engine_cpu_threads=2)) != engine_settings(RealOptions())
+    assert engine_cpu_threads(0, "cuda", 2, cpus=16) is None and engine_cpu_threads(None, "cuda", 2, cpus=16) == 4
+    assert engine_cpu_threads(0, "cuda", 1) is None and engine_cpu_threads(None, "cuda", 1) is None
     # The trainer's CPU threads: capped on a GPU by default, torch's own on the CPU (where the
     # trainer computes) and wherever 0 asks for them; an explicit count everywhere.
     from real.backend import AUTO_TRAINER_CPU_THREADS, trainer_cpu_threads

@@ -176,7 +176,13 @@ def test_the_sweep_runs_each_shared_arm_on_the_stack_counts_its_jobs_fill(tmp_pa
     assert got == [("dedicated", 1, "none", 1), ("shared-sync", 1, "mps", 1), ("shared-sync", 1, "mps", 2),
                    ("shared-sync", 1, "mps", 4), ("overlap", 2, "mps", 1), ("overlap", 2, "mps", 2),
                    ("timeslice", 2, "mps", 1)]
+    # Without one stack in the list: the baseline and timeslice still run, on one.
+    assert stacked_arms(4, arms, [2]) == [("dedicated", 1, "none", 1), ("shared-sync", 1, "mps", 2),
+                                          ("overlap", 2, "mps", 2), ("timeslice", 2, "mps", 1)]
     prof = _profile_with(tmp_path, 0.9)
+    only = sweep(jobs="4", policies="shared-sync", sharing="mps", seeds="1", steps=2, profile=prof, workers=1,
+                 progress=False, stacks="2", share_prompts="0")
+    assert {(x["policy"], x["stacks"]) for x in only["rows"]} == {("dedicated", 1), ("shared-sync", 2)}
     r = sweep(jobs="4", policies="shared-sync", sharing="mps", seeds="1", steps=2, profile=prof, workers=1,
               progress=False, stacks="1,2", share_prompts="0")
     assert r["stacks"] == [1, 2]
