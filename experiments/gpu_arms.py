@@ -332,8 +332,8 @@ def main() -> None:
                          "per CPU); run keys get -cpu<N> when capped; an arm's :cpuN wins")
     ap.add_argument("--engine-cpu-threads", type=int, default=None, metavar="N",
                     help="torch's CPU threads in each engine process (0: torch's own, one per CPU; default: that "
-                         "with one stack, and with kN stacks on a GPU half the CPUs over the N engines); run keys "
-                         "get -ecpu<N> when capped")
+                         "with one engine, and with several on a GPU (kN, timeslice's groups) half the CPUs over "
+                         "them); run keys get -ecpu<N> when capped")
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the engine processes (e.g. VLLM_TUNED_CONFIG_FOLDER=DIR)")
     ap.add_argument("--tuned-lora-kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -518,8 +518,9 @@ def main() -> None:
                 # asked); runs before it, and :cpu0, ran torch's own count and have no suffix.
                 variant += f"-cpu{cpu_threads}" if cpu_threads else ""
                 # The engines' torch CPU threads as they will run: asked, or nodus's default for
-                # several stacks on a GPU (half the CPUs over the engines); one engine uncapped: none.
-                eth = engine_cpu_threads(args.engine_cpu_threads, run_device(arm_opts), stacks)
+                # several engines on a GPU (kN, or timeslice's groups: half the CPUs over them); one
+                # engine uncapped: none.
+                eth = engine_cpu_threads(args.engine_cpu_threads, run_device(arm_opts), n_stacks(cfg))
                 variant += f"-ecpu{eth}" if eth else ""
                 # The audit away from its default (every step): the engine returns logprobs less often.
                 if not arm_opts.audit_logprobs:

@@ -421,8 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "own count for one on the CPU; 0: torch's own count everywhere)")
     p.add_argument("--engine-cpu-threads", type=int, metavar="N",
                    help="torch's CPU threads in each engine process (0: torch's own count, one per CPU; default: "
-                        "that with one stack, and with --stacks N on a GPU half the CPUs over the N engines; "
-                        "vLLM's own GPU workers run 1)")
+                        "that with one engine, and with several on a GPU (--stacks N, timeslice's groups) half the "
+                        "CPUs over them; vLLM's own GPU workers run 1)")
     p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the engine processes, e.g. "
                         "VLLM_TUNED_CONFIG_FOLDER=DIR (tuned multi-LoRA kernel configs); repeatable")

@@ -32,8 +32,7 @@ class ClusterPool:
     def key(cfg: RunConfig, n_stacks: int) -> tuple:
         """The cluster a run needs: its sharing mode, stacks and the engine's batch settings (fixed
         at the engine's start: a run asking others gets new processes)."""
-        return (cfg.arm.sharing, n_stacks, cfg.engine.max_num_seqs, cfg.engine.cuda_graph_max_tokens,
-                cfg.arm.policy == "timeslice")  # timeslice's engines are not capped as arm.stacks' are
+        return cfg.arm.sharing, n_stacks, cfg.engine.max_num_seqs, cfg.engine.cuda_graph_max_tokens
 
     def slots(self, cfg: RunConfig) -> tuple[int, int, bool]:
         """The engine's adapter slots a run needs: (GPU slots, adapters kept loaded, exact). A config's
@@ -91,8 +90,7 @@ class ClusterPool:
                 self.opts, cfg.arm.sharing, n_stacks, max_loras=loras,
                 max_rank=max(j.lora_rank for j in cfg.jobs), max_num_seqs=cfg.engine.max_num_seqs,
                 max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch, seed=cfg.seed,
-                cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens, max_cpu_loras=cpu_loras,
-                stacked_arm=cfg.arm.policy != "timeslice")
+                cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens, max_cpu_loras=cpu_loras)
         return RealBackend(self.clusters[key], cfg)
 
     def startup_s(self) -> dict:

@@ -98,7 +98,7 @@ class RealOptions:
     trainer_cpu_threads: int | None = None
     # torch's CPU threads (intra-op, OpenMP) in each engine process. None: nodus's default
     # (``engine_cpu_threads``: torch's own count with one engine, half the CPUs over the engines
-    # of several arm.stacks on a GPU); 0: torch's own count (its default, the cores) always; N:
+    # of several stacks on a GPU, arm.stacks' or timeslice's); 0: torch's own count (its default, the cores) always; N:
     # capped at N. vLLM's own GPU workers (its multiprocess executor) run 1 unless OMP_NUM_THREADS
     # says otherwise; the in-process engine nodus runs never got that. Session 29: two engines of 16
     # threads each used 3.6-6.1 cores apiece on a 16-core host (one engine alone: 1.2-1.6).
@@ -252,10 +252,11 @@ def trainer_cpu_threads(setting: int | None, device: str) -> int | None:
 
 def engine_cpu_threads(setting: int | None, device: str, n_stacks: int = 1, cpus: int | None = None) -> int | None:
     """The engine processes' torch CPU threads for RealOptions.engine_cpu_threads (None: nodus's
-    default; 0: torch's own) on ``device`` with ``n_stacks`` engines of an arm's ``arm.stacks``
-    (timeslice's stacks are its groups: pass 1). None: leave torch's default, one thread per CPU.
-    The setting where given; with several stacks on a GPU, half the run's CPUs (``cpus``, default
-    its affinity) split over the engines; with one engine, torch's own count.
+    default; 0: torch's own) on ``device`` with ``n_stacks`` engines (``nodus.runner.n_stacks``:
+    an arm's ``arm.stacks``, timeslice's groups; one cluster serves both, so both are capped alike).
+    None: leave torch's default, one thread per CPU. The setting where given; with several engines
+    on a GPU, half the run's CPUs (``cpus``, default its affinity) split over them; with one engine,
+    torch's own count.
     On 16 cores, two stacks at torch's 16 threads each used 3.6-6.1 cores per engine with a run
     queue of 13-20 (session 29). At 4 each, 0.68-0.75 cores, in the runs that made 8324-8774
     steps/GPU-h (session 30)."""
@@ -345,13 +346,10 @@ class Cluster:
 
     def __init__(self, opts: RealOptions, sharing: str, n_stacks: int, max_loras: int, max_rank: int,
                  max_num_seqs: int, max_tokens_per_microbatch: int, seed: int = 0,
-                 cuda_graph_max_tokens: int | None = None, max_cpu_loras: int | None = None,
-                 stacked_arm: bool = True):
+                 cuda_graph_max_tokens: int | None = None, max_cpu_loras: int | None = None):
         """``max_loras``: the engine's adapter slots on the GPU (adapters in one decode step);
         ``max_cpu_loras``: the adapters it keeps loaded (every job's current version; at least
-        ``max_loras``, the default), so that fewer slots than jobs reload none from disk;
-        ``stacked_arm``: the stacks are an arm's ``arm.stacks`` (False: timeslice's groups, whose
-        engines keep torch's own thread count unless asked)."""
+        ``max_loras``, the default), so that fewer slots than jobs reload none from disk."""
         from real.workers import EngineSpec, engine_llm_args, engine_main
 
         self.opts, self.sharing, self.n_stacks, self.max_loras = opts, sharing, n_stacks, max_loras
@@ -363,10 +361,10 @@ class Cluster:
         if self.device == "cuda":
             check_gpu_memory(opts.engine_memory, n_stacks, microbatch_tokens=max_tokens_per_microbatch,
                              graphed=opts.trainer_graphs)
-        engine_threads = engine_cpu_threads(opts.engine_cpu_threads, self.device, n_stacks if stacked_arm else 1)
+        engine_threads = engine_cpu_threads(opts.engine_cpu_threads, self.device, n_stacks)
         if engine_threads and opts.engine_cpu_threads is None:
             print(f"nodus: {n_stacks} stacks: each engine on {engine_threads} torch CPU threads (half the CPUs "
-                  "over the engines; --engine-cpu-threads N to choose)", flush=True)
+                  "over the engines; --engine-cpu-threads N to choose, 0 for torch's own count)", flush=True)
         dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
         self.vocab_size = _vocab_size(self.model)
         self.mps = MPSDaemon().start() if sharing == "mps" else None
