@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.measure import _requests, _train_batches
-from sim.profile import RATE_MAX, add_source, drop_two_engine_rate
+from sim.profile import RATE_MAX, drop_two_engine_rate
 
 SIDES = ("engine", "trainer")
 RATES = ("none_corun", "mps_alone", "mps_corun")  # the profile's sharing section
@@ -391,8 +391,8 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
     if rates.get("per_bucket"):
         profile["sharing"]["corun_by_engine_batch"] = corun_by_engine_batch(rates["per_bucket"], rates)
     profile.setdefault("measurements", {})["sharing"] = dict(measured, rates_measured=got)
-    if got and drop_two_engine_rate(profile):  # fitted beside the rates just replaced: stale now
-        add_source(profile, "its two-engine rate (sharing.mps_engines) dropped: nodus fit-stacks on the new profile")
+    if got:
+        drop_two_engine_rate(profile)  # fitted beside the rates just replaced: stale now
     # Rates `nodus fit` fitted on the base are replaced here: its notes go when every rate is measured.
     gone = {"sharing-from-base", "sharing-buckets-missing"} | ({"sharing-controls-mixed"} if mps_got else set())
     if len(got) == len(RATES):

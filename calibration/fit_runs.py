@@ -578,8 +578,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")
-    if drop_two_engine_rate(prof):  # fitted beside the terms just refitted: stale now
-        add_source(prof, "its two-engine rate (sharing.mps_engines) dropped: nodus fit-stacks on the new profile")
+    drop_two_engine_rate(prof)  # fitted beside the terms just refitted: stale now
     # The fitted costs are the runs' host's (launch-bound train steps, per-step engine work).
     if len(hosts) == 1:
         prof["environment"]["host"] = hosts[0]

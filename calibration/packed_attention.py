@@ -212,8 +212,7 @@ def fit_to_file(paths: list[str | Path], base: str, out: str | Path, report: str
         "packed_pair_per_token": result["packed_pair_per_token"],
         "models": result["models"], "points": result["points"]}
     add_source(prof, "nodus fit-packed " + " ".join(str(p) for p in paths))
-    if drop_two_engine_rate(prof):  # fitted beside the packed term just replaced: stale now
-        add_source(prof, "its two-engine rate (sharing.mps_engines) dropped: nodus fit-stacks on the new profile")
+    drop_two_engine_rate(prof)  # fitted beside the packed term just replaced: stale now
     write_profile(prof, out, "nodus fit-packed")
     rows = ratio_rows(result, prof)
     result["ratios"] = rows

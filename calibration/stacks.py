@@ -23,13 +23,13 @@ others, gives the error the fitted rate carries.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from pathlib import Path
 
-from calibration.validate import _simulate, load_recorded, recorded_configs, run_controls, sharing_controls
-from nodus.config import ConfigError, build_config, corun_key, stacks_of
+from calibration.validate import (_simulate, load_recorded, recorded_configs, run_controls, spans_digest,
+                                  stacks_run_settings)
+from nodus.config import ConfigError, build_config, stacks_of
 from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
                          refuse_existing, write_profile)
 
@@ -37,28 +37,9 @@ RATE_MIN = 0.05  # the bisection's lower end: an engine at a twentieth of its al
 TOLERANCE = 1e-4  # the bisection stops when the rate's bracket is this narrow
 
 
-def spans_digest(run: str | Path) -> str:
-    """A recorded run's identity, whatever path reaches it: the SHA-256 of its spans.jsonl."""
-    return hashlib.sha256((Path(run) / "spans.jsonl").read_bytes()).hexdigest()
-
-
-def run_settings(cfg: dict, controls: dict, packing: int) -> dict:
-    """What a two-stack run's rate depends on beyond the base profile's terms, flat: its policy,
-    packing (``packing``: as its trainer ran it, ``RunConfig.trainer_packing``), engine and trainer
-    CPU thread caps, and its MPS settings (``mps.<name>``)."""
-    policy = cfg["arm"].get("policy")
-    out = {"policy": policy, "share_prompts": packing,
-           "engine_cpu_threads": controls.get("engine_cpu_threads"),
-           "trainer_cpu_threads": controls.get("trainer_cpu_threads")}
-    # The MPS settings as a two-stack run uses them: the trainer's priority counts (another stack's
-    # generation runs beside a train step even under shared-sync).
-    out.update({f"mps.{k}": v for k, v in sharing_controls(controls, corun_key(policy, stacks_of(cfg["arm"]))).items()})
-    return out
-
-
 def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> list[dict]:
     """Each run's replay configuration (on no profile yet), measured steps per GPU-hour and
-    settings (``run_settings``). Refuses a run that is not a two-stack run under MPS; one whose
+    settings (``stacks_run_settings``). Refuses a run that is not a two-stack run under MPS; one whose
     trainers did not all run ``step_mode`` or whose engine ran other LoRA kernels than
     ``lora_kernels`` (the base profile's terms); one with settings no profile describes (audit,
     engine core process, pageable publishes, extra engine arguments or environment beside the
@@ -95,7 +76,7 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> lis
         replay, _ = recorded_configs(rd, cfg, spans, "unset")
         packing = build_config(replay, f"{rd}/config.json").trainer_packing()
         out.append({"run": str(rd), "spans_sha256": digest, "cfg": replay, "measured": meas["steps_per_gpu_hour"],
-                    "settings": run_settings(cfg, controls, packing)})
+                    "settings": stacks_run_settings(arm.get("policy"), stacks_of(arm), packing, controls)})
     keys = sorted({k for r in out for k in r["settings"]})
     mixed = [k for k in keys if len({r["settings"].get(k) for r in out}) > 1]
     if mixed:
@@ -169,7 +150,6 @@ def fit(runs: list[str | Path], base: str) -> dict:
                  "left_out": lo_} for r, p, u, lo_ in zip(rows, pred, unfitted, loo)]
     errs = [abs(x["left_out"]["error"]) for x in out_rows if x["left_out"]]
     return {"base": base, "mps_engines": rate, "settings": rows[0]["settings"],
-            "engine_cpu_threads": rows[0]["settings"]["engine_cpu_threads"],
             "mps_alone_engine": prof["sharing"]["mps_alone"]["engine"], "rows": out_rows,
             "left_out_mape": sum(errs) / len(errs) if errs else None, "left_out_worst": max(errs) if errs else None,
             "without_rate_mape": sum(abs(x["error_without_rate"]) for x in out_rows) / len(out_rows)}

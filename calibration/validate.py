@@ -9,6 +9,7 @@ calibration fits on 1-4 jobs per GPU only).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -254,6 +255,11 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
     return replay, sampled
 
 
+def spans_digest(run: str | Path) -> str:
+    """A recorded run's identity, whatever path reaches it: the SHA-256 of its spans.jsonl."""
+    return hashlib.sha256((Path(run) / "spans.jsonl").read_bytes()).hexdigest()
+
+
 def stacks_fit_run(prof: dict, run: str | Path) -> bool:
     """Whether ``run`` is one the profile's two-engine rate was fitted on (``measurements.stacks``,
     `nodus fit-stacks`): the same spans.jsonl, whatever path reaches it."""
@@ -261,9 +267,21 @@ def stacks_fit_run(prof: dict, run: str | Path) -> bool:
     digests = {r.get("spans_sha256") for r in rows} - {None}
     if not digests or not (Path(run) / "spans.jsonl").is_file():
         return False
-    import hashlib
+    return spans_digest(run) in digests
 
-    return hashlib.sha256((Path(run) / "spans.jsonl").read_bytes()).hexdigest() in digests
+
+def stacks_run_settings(policy: str | None, stacks: int, packing: int | None, controls: dict) -> dict:
+    """What a stacks run's two-engine rate depends on beyond a profile's terms, flat: its policy,
+    packing (``packing``: as its trainer ran it, ``RunConfig.trainer_packing``), engine and trainer
+    CPU thread caps, and its MPS settings (``mps.<name>``) as a run of ``stacks`` stacks uses them:
+    the trainer's priority counts, another stack's generation running beside a train step even
+    under shared-sync. `nodus fit-stacks` records them (``sharing.engines_controls``) and
+    ``unmodelled_controls`` compares a run's with them."""
+    out = {"policy": policy, "share_prompts": packing,
+           "engine_cpu_threads": controls.get("engine_cpu_threads"),
+           "trainer_cpu_threads": controls.get("trainer_cpu_threads")}
+    out.update({f"mps.{k}": v for k, v in sharing_controls(controls, corun_key(policy, stacks)).items()})
+    return out
 
 
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
@@ -531,7 +549,7 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     ``stacks``: the run's engine + trainer stacks; ``profile_engines_controls``: the settings the
     profile's two-engine rate was fitted under (``sharing.engines_controls``; None where the profile
     has no ``sharing.mps_engines``), against which a stacks run under MPS is compared, its
-    ``run_settings`` (policy, share_prompts) with its controls (``calibration.stacks.run_settings``)."""
+    ``run_settings`` (policy, share_prompts) with its controls (``stacks_run_settings``)."""
     cap = controls.get("engine_cpu_threads")
     fitted = profile_engines_controls or {}
     engines_fitted = stacks > 1 and mps and profile_engines_controls is not None
@@ -541,10 +559,8 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
         def threads(n):
             return f"{n} CPU threads" if n else "torch's own CPU thread count"
 
-        mine = {"engine_cpu_threads": cap, "trainer_cpu_threads": controls.get("trainer_cpu_threads"),
-                **(run_settings or {}),
-                **{f"mps.{k}": v for k, v in sharing_controls(
-                    controls, corun_key((run_settings or {}).get("policy"), stacks)).items()}}
+        given = run_settings or {}
+        mine = stacks_run_settings(given.get("policy"), stacks, given.get("share_prompts"), controls)
         for k in sorted(set(fitted) | {m for m in mine if m.startswith("mps.")}):
             have, want = mine.get(k), fitted.get(k)
             if have == want:

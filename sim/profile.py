@@ -253,7 +253,8 @@ def profile_summaries() -> list[dict]:
     """One line of facts per shipped profile: what it was measured on, and its error bar."""
     out = []
     for name in shipped_profiles():
-        p = load_profile(name).profile
+        cost = load_profile(name)
+        p = cost.profile
         env, v = p.environment, p.validation
         host = env.host or {}
         out.append({
@@ -264,7 +265,7 @@ def profile_summaries() -> list[dict]:
             "across_days_mape": v.across_days_mape if v else None, "across_days_runs": v.across_days_runs if v else 0,
             "assumptions": len(p.assumptions),
             # Its two-engine rate's fit (nodus fit-stacks), where it has one: runs and leave-one-out error.
-            "stacks": (load_profile(name).validation() or {}).get("stacks")})
+            "stacks": (cost.validation() or {}).get("stacks")})
     return out
 
 
@@ -306,7 +307,8 @@ def profile_dict(name_or_path: str) -> dict:
 
 def drop_two_engine_rate(prof: dict) -> bool:
     """Remove a profile dict's two-engine rate (``sharing.mps_engines``, its settings, its fit and
-    its assumption): a refit of the terms it was fitted beside leaves it stale. Whether it had one."""
+    its assumption), noting it in the profile's sources: a refit of the terms it was fitted beside
+    leaves it stale. Whether it had one."""
     sharing = prof.get("sharing") or {}
     had = sharing.get("mps_engines") is not None
     if "mps_engines" in sharing:  # back to the fields' defaults, as a profile without them reads
@@ -315,6 +317,8 @@ def drop_two_engine_rate(prof: dict) -> bool:
         sharing["engines_controls"] = {}
     (prof.get("measurements") or {}).pop("stacks", None)
     prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != "sharing-two-engines"]
+    if had:
+        add_source(prof, "its two-engine rate (sharing.mps_engines) dropped: nodus fit-stacks on the new profile")
     return had
 
 
