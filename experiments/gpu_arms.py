@@ -32,6 +32,47 @@ ARMS = {  # name: (policy, groups, sharing); grouped by the processes they need
 }
 
 
+# What a run costs on the H200 before an invocation has measured its own (sessions 29-31): a new
+# cluster's start and its priming step took 219-276 s for one stack and 230-398 s for two (a GPU's
+# engines start one after another); a priming step on running processes 8-137 s; a run's wall
+# 1.2-2.4x the simulator's GPU-seconds for it (each job's setup, evaluation and last publish lie
+# outside the measured window).
+START_S = (150.0, 125.0)  # a new cluster: a + b x stacks
+PRIME_S = 60.0
+WALL_OVER_SIM = 2.0
+
+
+class Estimates:
+    """Seconds a run will take (``--deadline``, ``--plan``): the invocation's own measurements where it
+    has them (a start of the same stack count; priming steps; the same arm's wall over the
+    simulator's GPU-seconds, else any arm's largest), the H200's figures above until then."""
+
+    def __init__(self) -> None:
+        self.start: dict[int, float] = {}  # stacks -> a new cluster's start and priming step here
+        self.prime: list[float] = []  # priming steps on running processes here
+        self.factor: dict[str, float] = {}  # arm name -> a run's wall over its simulated GPU-seconds
+
+    def prime_s(self, action: str, stacks: int) -> float:
+        """A priming step's seconds after the pool's ``action`` (ClusterPool.plan: "start" includes the
+        start)."""
+        if action == "start":
+            return self.start.get(stacks, START_S[0] + START_S[1] * stacks)
+        return max(self.prime, default=PRIME_S)
+
+    def run_s(self, name: str, sim_gpu_s: float) -> float:
+        return (self.factor.get(name) or max(self.factor.values(), default=WALL_OVER_SIM)) * sim_gpu_s
+
+    def primed(self, action: str, stacks: int, seconds: float) -> None:
+        if action == "start":
+            self.start[stacks] = seconds
+        else:
+            self.prime.append(seconds)
+
+    def ran(self, name: str, sim_gpu_s: float, seconds: float) -> None:
+        if sim_gpu_s > 0:
+            self.factor[name] = seconds / sim_gpu_s
+
+
 def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:
     """(spec, round) in run order: each block of arms that share a set of processes (same sharing
     mode, timeslice or not: ``order`` is sorted that way) run ``rounds`` times in turn, A B A B, so
@@ -272,6 +313,27 @@ def state_text(summary: dict) -> str:
     return out
 
 
+def plan_text(planned: list[dict], skipped: list[dict], deadline: float | None, cpus: int | None) -> str:
+    """``--plan``'s table: each run in order with what it does to the processes and its estimated
+    seconds (Estimates' H200 figures: no run measured), then the runs ``--deadline`` would skip."""
+    import os
+
+    where = "" if cpus else " (this machine; --cpus N for the GPU host)"
+    lines = [f"plan: {len(planned)} run(s), about {planned[-1]['ends_s'] if planned else 0:.0f} s"
+             f"{f' of --deadline {deadline:.0f}' if deadline else ''}; engine thread caps for "
+             f"{cpus or len(os.sched_getaffinity(0))} CPUs{where}",
+             "", "| # | run | seed | jobs | stacks | processes | priming s | run s | ends at s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(planned, 1):
+        what = r["processes"] + (", priming" if r["prime"] and r["processes"] != "start" else "")
+        lines.append(f"| {i} | {r['arm']} | {r['seed']} | {r['jobs']} | {r['stacks']} | {what} | "
+                     f"{r['prime_s']:.0f} | {r['run_s']:.0f} | {r['ends_s']:.0f} |")
+    for r in skipped:
+        lines.append(f"skipped by --deadline: {r['arm']} seed {r['seed']} ({r['processes']}, about "
+                     f"{r['prime_s'] + r['run_s']:.0f} s from {r['elapsed_s']:.0f} s)")
+    return "\n".join(lines)
+
+
 def _options(args, engine_env, engine_args=()):
     from real.backend import RealOptions
 
@@ -380,9 +442,25 @@ def main() -> None:
     ap.add_argument("--audit-responses", type=int, default=None,
                     help="on an audited step, only the first K responses of each prompt return the engine's logprobs "
                          "and are audited (run keys get -audr<K>; an arm's own: :rK)")
+    ap.add_argument("--plan", action="store_true",
+                    help="start nothing: list the runs in the order they would run, what each does to the processes "
+                         "(start a cluster, restart the trainers, reuse them), whether it primes, and its estimated "
+                         "seconds, with run keys as on a GPU (plan a device call before booking it)")
+    ap.add_argument("--cpus", type=int, default=None,
+                    help="with --plan: the GPU host's CPUs, for the engines' default thread caps in the run keys "
+                         "(default: this machine's; the lent H200 has 16)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start of this invocation: a run after the first whose estimate (its "
+                         "start or priming step and the run) would end later is skipped, not begun, and listed in "
+                         "arms.json's 'skipped' (experiments/device_session.sh sets it from ARMS_TIMEOUT)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
+    t_start = time.monotonic()  # --deadline counts from here (the caller's timeout counts from the start)
+    if args.cpus is not None and not args.plan:
+        raise SystemExit("gpu_arms: --cpus is for --plan (a run on the GPU host caps by its own CPUs)")
+    if args.deadline is not None and args.deadline <= 0:
+        raise SystemExit(f"gpu_arms: --deadline {args.deadline}: give the seconds this invocation may take (> 0)")
 
     from calibration.validate import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
@@ -401,14 +479,17 @@ def main() -> None:
         opts = _options(args, engine_env, engine_args)  # bad settings fail before any model is made
     except (ConfigError, ValueError) as err:
         raise SystemExit(f"gpu_arms: {err}")
+    if args.plan:  # run keys and thread defaults as on the GPU the plan is for
+        opts = dataclasses.replace(opts, device="cuda")
     # An arm may name its own job count and groups (NAME:jN:gG), so that one invocation (one set
     # of processes per sharing mode) runs e.g. the 8-job table and the 2/4/16-job scaling points.
     specs = [parse_arm(a) for a in args.arms.split(",") if a]
     job_counts = [int(x) for x in str(args.jobs).split(",") if x]
     check_share_prompts(specs, args.share_prompts, args.trainer_graphs)
     slots = pool_slots(args.engine_slots, specs, job_counts)
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.mode == "synthetic":
+    if not args.plan:
+        args.out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "synthetic" and not args.plan:
         make_random_model(args.model_dir, args.shape)
     from nodus.config import default_jobs
 
@@ -449,13 +530,18 @@ def main() -> None:
                      "engine_env": args.engine_env,
                      "tuned_lora_kernels": args.tuned_lora_kernels,
                      "share_prompts": args.share_prompts, "arms": {},
-                     "startup_s": {}, "logprob_agreement": {}, "primed": []}
+                     "startup_s": {}, "logprob_agreement": {}, "primed": [], "skipped": [],
+                     "deadline_s": args.deadline}
     # Every job's adapter stays loaded, for the largest arm too: no arm needs a new engine for that.
     pool = ClusterPool(opts, min_loras=slots, min_cpu_loras=largest_arm(specs, job_counts))
     results["engine_slots"] = slots
     print(f"engine adapter slots for every arm: {slots}" + (" (--engine-slots)" if args.engine_slots else
                                                             " (the largest arm's jobs)"), flush=True)
     t_all = time.monotonic()
+    est = Estimates()
+    planned: list[dict] = []  # --plan: the runs in order, with what each costs
+    plan_clock = 0.0
+    begun = 0  # runs begun (or planned)
     try:
         primed: set = set()
         for (name, arm_jobs, arm_groups, arm_seeds, arm_mb, arm_wait, arm_trainer), rnd in order:
@@ -520,7 +606,8 @@ def main() -> None:
                 # The engines' torch CPU threads as they will run: asked, or nodus's default for
                 # several engines on a GPU (kN, or timeslice's groups: half the CPUs over them); one
                 # engine uncapped: none.
-                eth = engine_cpu_threads(args.engine_cpu_threads, run_device(arm_opts), n_stacks(cfg))
+                eth = engine_cpu_threads(args.engine_cpu_threads, run_device(arm_opts), n_stacks(cfg),
+                                         cpus=args.cpus)
                 variant += f"-ecpu{eth}" if eth else ""
                 # The audit away from its default (every step): the engine returns logprobs less often.
                 if not arm_opts.audit_logprobs:
@@ -543,7 +630,43 @@ def main() -> None:
                          tuple(sorted((k, v) for k, v in drop_idle_priority(arm_trainer,
                                                                             corun_key(policy, stacks)).items()
                                       if k not in RUN_SETTINGS)))
-                if args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed):
+                prime = args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed)
+                # The simulator's prediction for the run, before it: the estimate of its seconds.
+                corun = sharing == "mps" and corun_key(policy, stacks) not in NO_CORUN_POLICIES
+                profile = sim_profile(args.profile, arm_opts.trainer_graphs,
+                                      arm_opts.trainer_priority if corun else None)
+                pred = simulate(engine_args_size_graphs(config_from_args(
+                    workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
+                    steps=args.steps, stacks=stacks if stacks > 1 else None,
+                    seed=seed, profile=profile), engine_args))
+                # What the run does to the processes (a planning twin of the pool decides, starting none).
+                action = pool.shadow().plan(cfg, n_stacks(cfg))
+                prime_s = est.prime_s(action, n_stacks(cfg)) if prime else 0.0
+                run_s = est.run_s(name, pred["gpu_seconds"])
+                # --plan: the estimates' own clock (the invocation's start and the model's save aside).
+                elapsed = plan_clock if args.plan else time.monotonic() - t_start
+                if args.deadline is not None and begun and elapsed + prime_s + run_s > args.deadline:
+                    # Not begun: a run the limit would stop wastes the device time it ran. (The
+                    # first run always begins: the invocation is for it, and nothing is measured yet.)
+                    results["skipped"].append({"arm": key, "seed": seed, "processes": action, "prime_s": prime_s,
+                                               "run_s": run_s, "elapsed_s": elapsed, "deadline_s": args.deadline})
+                    if not args.plan:
+                        print(f"[{time.monotonic() - t_all:6.1f}s] skipped {key} seed {seed}: estimated "
+                              f"{prime_s + run_s:.0f}s ({action}{', priming' if prime else ''}), "
+                              f"{args.deadline - elapsed:.0f}s left of --deadline {args.deadline:.0f}", flush=True)
+                        (args.out / "arms.json").write_text(json.dumps(results, indent=1))
+                    continue
+                begun += 1
+                if args.plan:
+                    pool.plan(cfg, n_stacks(cfg))
+                    if prime:
+                        primed.add(shape)
+                    plan_clock += prime_s + run_s
+                    planned.append({"arm": key, "seed": seed, "jobs": n, "stacks": n_stacks(cfg),
+                                    "processes": action, "prime": prime, "prime_s": prime_s, "run_s": run_s,
+                                    "ends_s": plan_clock})
+                    continue
+                if prime:
                     # New processes (or a micro-batch size they have not trained at): one discarded
                     # step of this arm takes the compiles first.
                     primed.add(shape)
@@ -552,24 +675,20 @@ def main() -> None:
                     prime_jobs = cfg.jobs[:1] if policy == "dedicated" else cfg.jobs
                     run_arm(cfg.model_copy(update={"jobs": [j.model_copy(update={"steps": 1}) for j in prime_jobs]}),
                             pool, baseline=False)
-                    results["primed"].append({"arm": key, "seed": seed, "wall_s": time.monotonic() - t0})
+                    est.primed(action, n_stacks(cfg), time.monotonic() - t0)
+                    results["primed"].append({"arm": key, "seed": seed, "wall_s": time.monotonic() - t0,
+                                              "processes": action, "estimate_s": prime_s})
                     print(f"[{time.monotonic() - t_all:6.1f}s] primed {key} (discarded): "
                           f"{time.monotonic() - t0:.1f}s", flush=True)
                 t0 = time.monotonic()
                 summary, runs = run_arm(cfg, pool, baseline=False)
                 summary["wall_s"] = time.monotonic() - t0
+                est.ran(name, pred["gpu_seconds"], summary["wall_s"])
                 run_dir = args.out / f"{key}-s{seed}"
                 if run_dir.exists():
                     run_dir = args.out / f"{key}-s{seed}-{int(time.time())}"
                 run_dir.mkdir(parents=True)
                 write_run(run_dir, cfg, summary, runs)
-                corun = sharing == "mps" and corun_key(policy, stacks) not in NO_CORUN_POLICIES
-                profile = sim_profile(args.profile, arm_opts.trainer_graphs,
-                                      arm_opts.trainer_priority if corun else None)
-                pred = simulate(engine_args_size_graphs(config_from_args(
-                    workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
-                    steps=args.steps, stacks=stacks if stacks > 1 else None,
-                    seed=seed, profile=profile), engine_args))
                 audit = [d for diag in summary.get("diagnostics", []) for d in diag.get("logprob_agreement", [])]
                 jit = run_jit_compiles(summary)  # kernels compiled inside the measured window (each a stall)
                 eager = trainer_graph_failures(summary)  # trainers whose capture failed: they trained eager
@@ -578,7 +697,8 @@ def main() -> None:
                     "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
                     "stale_rollouts": summary["stale_rollouts"], "gpu_seconds": summary["gpu_seconds"],
-                    "wall_s": summary["wall_s"], "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
+                    "wall_s": summary["wall_s"], "estimate_s": run_s,
+                    "sim_steps_per_gpu_hour": pred["steps_per_gpu_hour"],
                     "sim_profile": profile, "sim_outside_profile": pred.get("outside_profile") or [],
                     "engine_jit_compiles": None if jit is None else len(jit),
                     # Trainers asked for CUDA graphs that trained eager (their capture failed).
@@ -595,11 +715,17 @@ def main() -> None:
                       + (f", JIT compiles {len(jit)} ({', '.join(sorted(set(jit)))})" if jit else "")
                       + (f", TRAINED EAGER, graphs failed ({'; '.join(eager)})" if eager else ""),
                       flush=True)
+                # The running processes' start times with every run: a limit that stops the
+                # invocation later (or a restart) leaves them recorded.
+                results["startup_s"].update(pool.startup_s())
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))
             results["startup_s"].update(pool.startup_s())
             results["trainer_restarts"] = {**results.get("trainer_restarts", {}), **pool.trainer_restarts()}
     finally:
         pool.close()
+    if args.plan:
+        print(plan_text(planned, results["skipped"], args.deadline, args.cpus))
+        return
     for name, per in results["arms"].items():
         base_key = dedicated_key(name, results["arms"])
         for seed, d in per.items():

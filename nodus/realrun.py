@@ -14,6 +14,24 @@ from nodus.outdir import make_out_dir
 from nodus.runner import run_arm
 
 
+class PlannedCluster:
+    """A cluster ``ClusterPool.plan`` pretends to start: the settings a real one
+    (``real.backend.Cluster``) keeps for the pool's decisions, and no process."""
+
+    def __init__(self, opts, sharing: str, n_stacks: int, max_loras: int, max_cpu_loras: int | None = None, **_):
+        self.opts, self.sharing, self.n_stacks, self.max_loras = opts, sharing, n_stacks, max_loras
+        self.max_cpu_loras = max(max_loras, max_cpu_loras or 0)
+        self.startup_s: dict[str, float] = {}
+        self.trainer_restarts: list[dict] = []
+        self.closed = False
+
+    def restart_trainers(self, opts) -> None:
+        self.opts = opts
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class ClusterPool:
     """A `make_backend(cfg, n_stacks)` over real clusters, one per ``key`` (sharing, stacks and the
     engine's batch settings), one at a time."""
@@ -59,12 +77,38 @@ class ClusterPool:
         fits (also when only run-loop settings changed, ``real.backend.RUN_SETTINGS``), the running
         one with its trainers restarted when trainer settings changed (``real.backend.TRAINER_SETTINGS``:
         an A/B of trainer settings keeps the engines), else a new one."""
-        from real.backend import Cluster, RealBackend, check_run_settings, engine_settings, trainer_settings
+        from real.backend import Cluster, RealBackend, check_run_settings
 
         check_run_settings(cfg, self.opts)  # before any process starts
+        return RealBackend(self._cluster(cfg, n_stacks, Cluster)[0], cfg)
+
+    def plan(self, cfg: RunConfig, n_stacks: int) -> str:
+        """What a run of ``cfg`` would do to the pool's processes, decided as ``__call__`` decides and
+        starting none: "start" (new processes), "restart trainers" or "reuse". The pool then holds a
+        ``PlannedCluster`` where the processes would be: a pool used for planning only
+        (``gpu_arms.py --plan``, ``--deadline``'s estimates)."""
+        from real.backend import check_run_settings
+
+        check_run_settings(cfg, self.opts)
+        return self._cluster(cfg, n_stacks, PlannedCluster)[1]
+
+    def shadow(self) -> "ClusterPool":
+        """A pool to plan on: this one's settings, with a ``PlannedCluster`` in place of each running
+        cluster (``shadow().plan(cfg, n)``: what a run would do here, touching nothing)."""
+        twin = ClusterPool(self.opts, self.min_loras, self.min_cpu_loras)
+        twin.clusters = {k: PlannedCluster(c.opts, c.sharing, c.n_stacks, c.max_loras, c.max_cpu_loras)
+                         for k, c in self.clusters.items()}
+        return twin
+
+    def _cluster(self, cfg: RunConfig, n_stacks: int, make) -> tuple[object, str]:
+        """The cluster ``cfg`` runs on (``make``: the cluster class a start constructs) and what it
+        took: "start", "restart trainers" or "reuse"."""
+        from real.backend import engine_settings, trainer_settings
+
         key = self.key(cfg, n_stacks)
         loras, cpu_loras, _ = self.slots(cfg)
         running = self.clusters.get(key)
+        action = "reuse"
         if (running is not None and self.opts is not None
                 and corun_key(cfg.arm.policy, cfg.arm.stacks) in NO_CORUN_POLICIES
                 and running.opts.trainer_priority != self.opts.trainer_priority):
@@ -77,6 +121,7 @@ class ClusterPool:
                 and engine_settings(running.opts) == engine_settings(self.opts)):
             if trainer_settings(running.opts) != trainer_settings(self.opts):
                 running.restart_trainers(self.opts)
+                action = "restart trainers"
             else:  # run-loop settings only (real.backend.RUN_SETTINGS): every process kept
                 running.opts = self.opts
         elif running is not None and running.opts != self.opts:
@@ -86,12 +131,13 @@ class ClusterPool:
             # A cluster too small for this run (fewer adapter slots, or fewer kept loaded), or
             # other than the slots its config names, is restarted.
             self.close()
-            self.clusters[key] = Cluster(
+            self.clusters[key] = make(
                 self.opts, cfg.arm.sharing, n_stacks, max_loras=loras,
                 max_rank=max(j.lora_rank for j in cfg.jobs), max_num_seqs=cfg.engine.max_num_seqs,
                 max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch, seed=cfg.seed,
                 cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens, max_cpu_loras=cpu_loras)
-        return RealBackend(self.clusters[key], cfg)
+            action = "start"
+        return self.clusters[key], action
 
     def startup_s(self) -> dict:
         return {f"{k[0]}-{k[1]}": c.startup_s for k, c in self.clusters.items()}

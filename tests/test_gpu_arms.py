@@ -207,3 +207,96 @@ def test_a_runs_progress_line_names_its_engine_step_and_busiest_thread():
     assert state_text(summary) == (", engine step 4.60 ms (generations 1.59x apart, GC 1.2%), "
                                    "busiest thread 92% of a core (nodus-engine0)")
     assert state_text({"diagnostics": [{}]}) == ""
+
+
+def _plan(monkeypatch, capsys, tmp_path, *argv):
+    import sys
+
+    from experiments import gpu_arms
+
+    monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "out"), "--model-dir",
+                                      str(tmp_path / "model"), "--plan", *argv])
+    gpu_arms.main()
+    assert not (tmp_path / "model").exists() and not (tmp_path / "out").exists()  # nothing made
+    return capsys.readouterr().out
+
+
+def test_a_plan_lists_each_run_with_the_processes_it_needs_and_its_estimate(tmp_path, monkeypatch, capsys):
+    """--plan (no GPU, no model): the runs in order, with run keys as on the GPU host (--cpus: the
+    engines' default thread cap for two stacks on 16 CPUs is 4), what each does to the processes
+    and its estimated seconds. Session 31's call asked 16 jobs on two stacks after the 8-job arm: a
+    new engine size (max_num_seqs), so new processes, which the limit stopped while they started."""
+    from experiments.gpu_arms import PRIME_S, START_S
+
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--seeds", "1,2", "--engine-slots", "8",
+                "--cuda-graph-max-tokens", "512", "--arms",
+                "shared-sync+mps:cg:lowpri:sp4:k2:m8192,shared-sync+mps:cg:lowpri:sp4:k2:m8192:cpu4:s1,"
+                "shared-sync+mps:cg:lowpri:sp4:k2:m8192:j16:s1,dedicated:cg:s1")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    got = [(r[1], r[2], r[5]) for r in rows]
+    assert got == [
+        ("dedicated-cg-gm512-cpu2", "1", "start"),  # no MPS: the baseline first
+        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k", "1", "start"),
+        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k", "2", "reuse"),
+        # another trainer setting: the engines kept, the trainers restarted and primed
+        ("shared-sync+mps-cg-gm512-lowpri-cpu4-ecpu4-sp4-k2-mb8k", "1", "restart trainers, priming"),
+        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-j16", "1", "start"),
+    ], out
+    prime = [float(r[6]) for r in rows]
+    assert prime[0] == START_S[0] + START_S[1] and prime[1] == START_S[0] + 2 * START_S[1] and prime[2] == 0
+    assert prime[3] == PRIME_S
+    ends = [float(r[8].rstrip(" |")) for r in rows]
+    assert ends == sorted(ends) and f"about {ends[-1]:.0f} s" in out and "for 16 CPUs" in out
+
+
+def test_a_deadline_skips_the_runs_that_would_not_end_before_it(tmp_path, monkeypatch, capsys):
+    """--deadline S: a run after the first whose estimate (its start or priming step and the run)
+    would end after S seconds is not begun, and later runs that fit still run (here the plan of session 31's first
+    call, whose 16-job dedicated run the limit stopped after 154 s of it)."""
+    argv = ("--cpus", "16", "--engine-slots", "8", "--cuda-graph-max-tokens", "512",
+            "--arms", "dedicated:cg:s2,dedicated:cg:j16:s1,dedicated:cg:s3")
+    out = _plan(monkeypatch, capsys, tmp_path, *argv)
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2"), ("dedicated-cg-gm512-ls8-cpu2-j16", "1"),
+                                           ("dedicated-cg-gm512-cpu2", "3")]
+    ends = [float(r[8].rstrip(" |")) for r in rows]
+    deadline = (ends[0] + ends[1]) / 2  # past the first run, short of the 16-job one
+    out = _plan(monkeypatch, capsys, tmp_path, *argv, "--deadline", str(deadline))
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    kept = [(r[1], r[2]) for r in rows]
+    assert ("dedicated-cg-gm512-ls8-cpu2-j16", "1") not in kept and ("dedicated-cg-gm512-cpu2", "2") in kept
+    assert "skipped by --deadline: dedicated-cg-gm512-ls8-cpu2-j16 seed 1" in out
+    # The third run fits where the 16-job one did not (a 8-job run is shorter): it stays when it fits.
+    assert (("dedicated-cg-gm512-cpu2", "3") in kept) == (ends[0] + (ends[2] - ends[1]) <= deadline)
+    # The first run begins whatever its estimate (nothing measured yet; the call is for it).
+    out = _plan(monkeypatch, capsys, tmp_path, *argv, "--deadline", "10")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2")] and out.count("skipped by") == 2
+
+
+def test_estimates_take_the_invocations_own_measurements_over_the_h200_defaults():
+    from experiments.gpu_arms import PRIME_S, START_S, WALL_OVER_SIM, Estimates
+
+    est = Estimates()
+    assert est.prime_s("start", 2) == START_S[0] + 2 * START_S[1] and est.prime_s("reuse", 1) == PRIME_S
+    assert est.run_s("dedicated", 10.0) == WALL_OVER_SIM * 10.0
+    est.primed("start", 1, 150.0)
+    est.primed("restart trainers", 1, 40.0)
+    est.ran("dedicated", 50.0, 85.0)
+    assert est.prime_s("start", 1) == 150.0 and est.prime_s("start", 2) == START_S[0] + 2 * START_S[1]
+    assert est.prime_s("restart trainers", 1) == 40.0
+    assert est.run_s("dedicated", 10.0) == pytest.approx(17.0)
+    assert est.run_s("overlap+mps", 10.0) == pytest.approx(17.0)  # no run of its own yet: the largest factor
+
+
+def test_cpus_is_for_plans_only(tmp_path, monkeypatch):
+    import sys
+
+    from experiments import gpu_arms
+
+    monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "out"), "--cpus", "16"])
+    with pytest.raises(SystemExit, match="--cpus is for --plan"):
+        gpu_arms.main()
+    monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "out"), "--deadline", "0"])
+    with pytest.raises(SystemExit, match="--deadline 0.0: give the seconds"):
+        gpu_arms.main()

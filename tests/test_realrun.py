@@ -8,24 +8,20 @@ import pytest
 
 import real.backend
 from nodus.config import build_config
-from nodus.realrun import ClusterPool
+from nodus.realrun import ClusterPool, PlannedCluster
 
 
-class FakeCluster:
+class FakeCluster(PlannedCluster):
+    """A started cluster without processes: each start and trainer restart recorded."""
     started: list = []
 
-    def __init__(self, opts, sharing, n_stacks, max_loras, max_cpu_loras=None, **kw):
-        self.opts, self.sharing, self.n_stacks, self.max_loras, self.closed = opts, sharing, n_stacks, max_loras, False
-        self.max_cpu_loras = max(max_loras, max_cpu_loras or 0)
-        self.trainer_restarts = []
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
         FakeCluster.started.append(self)
 
     def restart_trainers(self, opts):
         self.trainer_restarts.append(opts)
-        self.opts = opts
-
-    def close(self):
-        self.closed = True
+        super().restart_trainers(opts)
 
 
 def _cfg(jobs, policy="shared-sync", slots=None):
@@ -134,6 +130,31 @@ def test_the_engines_batch_settings_pick_the_cluster(monkeypatch):
     assert second is not first and first.closed and pool.has_cluster(wide, 1) and not pool.has_cluster(plain, 1)
     third = pool(fewer, 1)
     assert third is not second and second.closed and len(FakeCluster.started) == 3
+
+
+def test_a_plan_says_what_a_run_would_do_to_the_processes_and_touches_none(monkeypatch):
+    """ClusterPool.plan decides as a run does ("start", "restart trainers", "reuse") and starts
+    nothing; shadow() plans on a twin of a pool with running clusters, leaving them as they are."""
+    from real.backend import RealOptions
+
+    monkeypatch.setattr(real.backend, "Cluster", FakeCluster)
+    monkeypatch.setattr(real.backend, "RealBackend", lambda cluster, cfg: cluster)
+    FakeCluster.started = []
+    opts = RealOptions(model="tiny")
+    planner = ClusterPool(opts)
+    assert planner.plan(_cfg(2), 1) == "start" and planner.plan(_cfg(2), 1) == "reuse"
+    assert planner.plan(_cfg(2), 2) == "start"  # another stack count: new processes
+    planner.opts = dataclasses.replace(opts, trainer_graphs=True)
+    assert planner.plan(_cfg(2), 2) == "restart trainers" and FakeCluster.started == []
+    pool = ClusterPool(opts)
+    running = pool(_cfg(2), 1)
+    fewer = _cfg(2).model_copy(update={"engine": _cfg(2).engine.model_copy(update={"max_num_seqs": 128})})
+    assert pool.shadow().plan(_cfg(2), 1) == "reuse" and pool.shadow().plan(fewer, 1) == "start"
+    pool.opts = dataclasses.replace(opts, trainer_graphs=True)
+    assert pool.shadow().plan(_cfg(2), 1) == "restart trainers"
+    # The running cluster is untouched by the plans: not closed, no trainer restarted, the only one started.
+    assert not running.closed and running.trainer_restarts == [] and running.opts == opts
+    assert FakeCluster.started == [running] and pool(_cfg(2), 1) is running
 
 
 def test_the_audit_cadence_picks_each_jobs_steps_and_a_bad_one_is_refused(capsys):
