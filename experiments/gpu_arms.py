@@ -44,8 +44,8 @@ WALL_OVER_SIM = 2.0
 
 class Estimates:
     """Seconds a run will take (``--deadline``, ``--plan``): the invocation's own measurements where it
-    has them (a start of the same stack count; priming steps; the same arm's wall over the
-    simulator's GPU-seconds, else any arm's largest), the H200's figures above until then."""
+    has them (a start of the same stack count; its priming steps; the same arm's largest wall over
+    the simulator's GPU-seconds, else any arm's), the H200's figures above until then."""
 
     def __init__(self) -> None:
         self.start: dict[int, float] = {}  # stacks -> a new cluster's start and priming step here
@@ -69,8 +69,8 @@ class Estimates:
             self.prime.append(seconds)
 
     def ran(self, name: str, sim_gpu_s: float, seconds: float) -> None:
-        if sim_gpu_s > 0:
-            self.factor[name] = seconds / sim_gpu_s
+        if sim_gpu_s > 0:  # the arm's slowest run yet: a deadline errs toward skipping
+            self.factor[name] = max(self.factor.get(name, 0.0), seconds / sim_gpu_s)
 
 
 def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:

@@ -283,6 +283,7 @@ def test_estimates_take_the_invocations_own_measurements_over_the_h200_defaults(
     est.primed("start", 1, 150.0)
     est.primed("restart trainers", 1, 40.0)
     est.ran("dedicated", 50.0, 85.0)
+    est.ran("dedicated", 50.0, 60.0)  # a faster run later: the slowest one's factor stays
     assert est.prime_s("start", 1) == 150.0 and est.prime_s("start", 2) == START_S[0] + 2 * START_S[1]
     assert est.prime_s("restart trainers", 1) == 40.0
     assert est.run_s("dedicated", 10.0) == pytest.approx(17.0)
