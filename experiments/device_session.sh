@@ -8,16 +8,32 @@ export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1
 export NODUS_COMMIT=$(cat .device_commit 2>/dev/null || echo unknown)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # vLLM's torch.compile cache from an earlier session (an engine starts in ~45 s with it, ~80 s
-# without): carry .device/vllm-cache.tgz to use it; each call offers the cache back when small.
-if [ -f .device/vllm-cache.tgz ] && [ ! -d ~/.cache/vllm/torch_compile_cache ]; then
-  mkdir -p ~/.cache && tar xzf .device/vllm-cache.tgz -C ~/.cache && echo "vLLM compile cache restored"
+# without; a new configuration's key compiles for ~55 s): carry .device/vllm-cache.tgz, or the folder
+# .device/cache holding vllm-cache.tgz or its parts vllm-cache.tgz.part0, part1, ... Each call sends
+# the cache back: one file under 15 MB, else in 15 MB parts up to 45 MB (the device returns 16 MiB a
+# file; session 31's cache with a one-stack and a two-stack key was over 15 MB and came back in none).
+if [ ! -d ~/.cache/vllm/torch_compile_cache ]; then
+  for c in .device/vllm-cache.tgz .device/cache/vllm-cache.tgz; do
+    if [ -f "$c" ]; then mkdir -p ~/.cache && tar xzf "$c" -C ~/.cache && echo "vLLM compile cache restored ($c)"; break; fi
+  done
+  if [ ! -d ~/.cache/vllm/torch_compile_cache ] && ls .device/cache/vllm-cache.tgz.part? > /dev/null 2>&1; then
+    mkdir -p ~/.cache && cat .device/cache/vllm-cache.tgz.part? | tar xz -C ~/.cache \
+      && echo "vLLM compile cache restored ($(ls .device/cache/vllm-cache.tgz.part? | wc -l) parts)"
+  fi
 fi
 save_cache() {
   # SAVE_CACHE=0: another invocation running beside this one (the other GPU) offers it.
   [ "${SAVE_CACHE:-1}" = 1 ] || return 0
   if [ -d ~/.cache/vllm/torch_compile_cache ]; then
     tar czf /tmp/vllm-cache.tgz -C ~/.cache vllm/torch_compile_cache 2>/dev/null
-    if [ "$(stat -c %s /tmp/vllm-cache.tgz)" -lt 15000000 ]; then cp /tmp/vllm-cache.tgz "$OUT/"; fi
+    local size; size=$(stat -c %s /tmp/vllm-cache.tgz)
+    if [ "$size" -lt 15000000 ]; then
+      cp /tmp/vllm-cache.tgz "$OUT/"
+    elif [ "$size" -lt 45000000 ]; then
+      split -b 15000000 -d -a 1 /tmp/vllm-cache.tgz "$OUT/vllm-cache.tgz.part"
+    else
+      echo "vLLM compile cache: $size bytes, over 45 MB: not sent back"
+    fi
   fi
 }
 trap save_cache EXIT
