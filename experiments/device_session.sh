@@ -142,11 +142,14 @@ case "${1:-arms}" in
     # arms.log and the runs.
     T=${TAG:-}
     # --deadline: a run whose estimate would end past the limit is skipped, not begun (session 31's
-    # limit stopped two runs while their processes started: 240 s of 1800 spent on nothing).
+    # limit stopped two runs while their processes started: 240 s of 1800 spent on nothing). 30 s
+    # of the limit are left for what the invocation does before its first run and after its last
+    # (the model's save, closing the processes, the environment record).
     # Plan a call first, on the CPU machine: gpu_arms.py --plan --cpus 16 with the same arms.
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
       --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" \
-      --deadline $(( ${ARMS_TIMEOUT:-540} - 15 )) ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
+      --deadline $(( ${ARMS_TIMEOUT:-540} > 60 ? ${ARMS_TIMEOUT:-540} - 30 : ${ARMS_TIMEOUT:-540} / 2 )) \
+      ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
     echo "gpu_arms$T rc=$?"
     grep "steps/GPU-h\|skipped\|Error\|error:" "$D/arms/arms.log" | tail -12
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;

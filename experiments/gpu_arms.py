@@ -44,27 +44,27 @@ WALL_OVER_SIM = 2.0
 
 class Estimates:
     """Seconds a run will take (``--deadline``, ``--plan``): the invocation's own measurements where it
-    has them (a start of the same stack count; its priming steps; the same arm's largest wall over
+    has them (a start of the same sharing mode and stack count; its priming steps; the same arm's largest wall over
     the simulator's GPU-seconds, else any arm's), the H200's figures above until then."""
 
     def __init__(self) -> None:
-        self.start: dict[int, float] = {}  # stacks -> a new cluster's start and priming step here
+        self.start: dict[tuple[str, int], float] = {}  # (sharing, stacks) -> a start and priming step here
         self.prime: list[float] = []  # priming steps on running processes here
         self.factor: dict[str, float] = {}  # arm name -> a run's wall over its simulated GPU-seconds
 
-    def prime_s(self, action: str, stacks: int) -> float:
+    def prime_s(self, action: str, sharing: str, stacks: int) -> float:
         """A priming step's seconds after the pool's ``action`` (ClusterPool.plan: "start" includes the
-        start)."""
+        start of ``stacks`` stacks under ``sharing``)."""
         if action == "start":
-            return self.start.get(stacks, START_S[0] + START_S[1] * stacks)
+            return self.start.get((sharing, stacks), START_S[0] + START_S[1] * stacks)
         return max(self.prime, default=PRIME_S)
 
     def run_s(self, name: str, sim_gpu_s: float) -> float:
         return (self.factor.get(name) or max(self.factor.values(), default=WALL_OVER_SIM)) * sim_gpu_s
 
-    def primed(self, action: str, stacks: int, seconds: float) -> None:
+    def primed(self, action: str, sharing: str, stacks: int, seconds: float) -> None:
         if action == "start":
-            self.start[stacks] = seconds
+            self.start[(sharing, stacks)] = seconds
         else:
             self.prime.append(seconds)
 
@@ -73,15 +73,16 @@ class Estimates:
             self.factor[name] = max(self.factor.get(name, 0.0), seconds / sim_gpu_s)
 
 
-def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:
+def interleave_rounds(order: list, rounds: int, default_jobs: int = 0) -> list[tuple[tuple, int]]:
     """(spec, round) in run order: each block of arms that share a set of processes (same sharing
-    mode, timeslice or not: ``order`` is sorted that way) run ``rounds`` times in turn, A B A B, so
+    mode, timeslice or not, stacks and a stacked arm's jobs, ``default_jobs`` where it names none:
+    ``order`` is sorted that way) run ``rounds`` times in turn, A B A B, so
     repeats share the host's state without restarting the processes between them."""
     if rounds < 1:
         raise SystemExit(f"--rounds {rounds}: at least 1")
 
     def block(sp):
-        return ARMS[sp[0]][0] == "timeslice", arm_stacks(sp), ARMS[sp[0]][2]
+        return ARMS[sp[0]][0] == "timeslice", arm_stacks(sp), ARMS[sp[0]][2], stacked_jobs(sp, default_jobs)
 
     out, i = [], 0
     while i < len(order):
@@ -96,6 +97,13 @@ def interleave_rounds(order: list, rounds: int) -> list[tuple[tuple, int]]:
 def arm_stacks(spec) -> int:
     """A ``parse_arm`` spec's engine + trainer stacks (its ``kN``; 1 without)."""
     return spec[6].get("stacks", 1)
+
+
+def stacked_jobs(spec, default_jobs: int = 0) -> int:
+    """A stacked arm's job count (its ``jN``, else ``default_jobs``), 0 for one stack: each stack's
+    engine is sized for its own stack's jobs (``max_num_seqs``), so two-stack arms of 8 and 16 jobs
+    need different processes (session 31), where one stack's engine serves every job count."""
+    return (spec[1] or default_jobs) if arm_stacks(spec) > 1 else 0
 
 
 def invocation_graph_size(specs: list, job_counts: list[int], workload) -> int | None:
@@ -331,6 +339,9 @@ def plan_text(planned: list[dict], skipped: list[dict], deadline: float | None, 
     for r in skipped:
         lines.append(f"skipped by --deadline: {r['arm']} seed {r['seed']} ({r['processes']}, about "
                      f"{r['prime_s'] + r['run_s']:.0f} s from {r['elapsed_s']:.0f} s)")
+    if deadline and planned and planned[0]["ends_s"] > deadline:
+        lines.append(f"the first run alone ends past --deadline (about {planned[0]['ends_s']:.0f} s): it always "
+                     "begins, and the limit would stop it")
     return "\n".join(lines)
 
 
@@ -514,9 +525,10 @@ def main() -> None:
         return f"-j{n}" if len(job_counts) > 1 or n != job_counts[0] else ""
     # Arms needing the same processes run together; the baseline (no MPS) first, timeslice (two
     # stacks: two engines to start) last.
+    # Stacked arms of one job count together: their engines are sized for it (stacked_jobs).
     order = sorted(specs, key=lambda sp: (ARMS[sp[0]][0] == "timeslice", arm_stacks(sp), ARMS[sp[0]][2] != "none",
-                                          ARMS[sp[0]][0] != "dedicated"))
-    order = interleave_rounds(order, args.rounds)
+                                          stacked_jobs(sp, min(job_counts)), ARMS[sp[0]][0] != "dedicated"))
+    order = interleave_rounds(order, args.rounds, min(job_counts))
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
@@ -630,7 +642,11 @@ def main() -> None:
                          tuple(sorted((k, v) for k, v in drop_idle_priority(arm_trainer,
                                                                             corun_key(policy, stacks)).items()
                                       if k not in RUN_SETTINGS)))
-                prime = args.prime and (not pool.has_cluster(cfg, n_stacks(cfg)) or shape not in primed)
+                # What the run does to the processes (a planning twin of the pool decides, starting none).
+                action = pool.shadow().plan(cfg, n_stacks(cfg))
+                # New processes, trainers restarted or a shape not yet trained at: a priming step first
+                # (a restarted trainer captures its graphs again, which a measured window must not hold).
+                prime = args.prime and (action != "reuse" or shape not in primed)
                 # The simulator's prediction for the run, before it: the estimate of its seconds.
                 corun = sharing == "mps" and corun_key(policy, stacks) not in NO_CORUN_POLICIES
                 profile = sim_profile(args.profile, arm_opts.trainer_graphs,
@@ -639,9 +655,8 @@ def main() -> None:
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                     steps=args.steps, stacks=stacks if stacks > 1 else None,
                     seed=seed, profile=profile), engine_args))
-                # What the run does to the processes (a planning twin of the pool decides, starting none).
-                action = pool.shadow().plan(cfg, n_stacks(cfg))
-                prime_s = est.prime_s(action, n_stacks(cfg)) if prime else 0.0
+                # Without a priming step (--no-prime) a start still costs its time, inside the run.
+                prime_s = est.prime_s(action, sharing, n_stacks(cfg)) if prime or action == "start" else 0.0
                 run_s = est.run_s(name, pred["gpu_seconds"])
                 # --plan: the estimates' own clock (the invocation's start and the model's save aside).
                 elapsed = plan_clock if args.plan else time.monotonic() - t_start
@@ -675,15 +690,18 @@ def main() -> None:
                     prime_jobs = cfg.jobs[:1] if policy == "dedicated" else cfg.jobs
                     run_arm(cfg.model_copy(update={"jobs": [j.model_copy(update={"steps": 1}) for j in prime_jobs]}),
                             pool, baseline=False)
-                    est.primed(action, n_stacks(cfg), time.monotonic() - t0)
+                    est.primed(action, sharing, n_stacks(cfg), time.monotonic() - t0)
                     results["primed"].append({"arm": key, "seed": seed, "wall_s": time.monotonic() - t0,
                                               "processes": action, "estimate_s": prime_s})
+                    results["startup_s"].update(pool.startup_s())  # a limit during the run keeps them
+                    (args.out / "arms.json").write_text(json.dumps(results, indent=1))
                     print(f"[{time.monotonic() - t_all:6.1f}s] primed {key} (discarded): "
                           f"{time.monotonic() - t0:.1f}s", flush=True)
                 t0 = time.monotonic()
                 summary, runs = run_arm(cfg, pool, baseline=False)
                 summary["wall_s"] = time.monotonic() - t0
-                est.ran(name, pred["gpu_seconds"], summary["wall_s"])
+                if prime or action != "start":  # (a start inside the run is no run's pace)
+                    est.ran(name, pred["gpu_seconds"], summary["wall_s"])
                 run_dir = args.out / f"{key}-s{seed}"
                 if run_dir.exists():
                     run_dir = args.out / f"{key}-s{seed}-{int(time.time())}"

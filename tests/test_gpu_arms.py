@@ -124,6 +124,11 @@ def test_rounds_repeat_each_block_of_processes_in_turn():
     two = order[2:] + [parse_arm("shared-sync+mps:k2")]
     assert [(sp[0], sp[6], r) for sp, r in interleave_rounds(two, 2)][-2:] == [
         ("shared-sync+mps", {"stacks": 2}, 1), ("shared-sync+mps", {"stacks": 2}, 2)]
+    # Two-stack arms of 8 and 16 jobs need engines of other sizes: blocks of their own too.
+    sized = [parse_arm(a) for a in ("shared-sync+mps:k2", "shared-sync+mps:k2:j16", "overlap+mps:k2:j8")]
+    assert [(sp[0], sp[1], r) for sp, r in interleave_rounds([sized[0], sized[2], sized[1]], 2, 8)] == [
+        ("shared-sync+mps", None, 1), ("overlap+mps", 8, 1), ("shared-sync+mps", None, 2), ("overlap+mps", 8, 2),
+        ("shared-sync+mps", 16, 1), ("shared-sync+mps", 16, 2)]
     with pytest.raises(SystemExit, match="--rounds 0"):
         interleave_rounds(order, 0)
 
@@ -246,7 +251,10 @@ def test_a_plan_lists_each_run_with_the_processes_it_needs_and_its_estimate(tmp_
     assert prime[0] == START_S[0] + START_S[1] and prime[1] == START_S[0] + 2 * START_S[1] and prime[2] == 0
     assert prime[3] == PRIME_S
     ends = [float(r[8].rstrip(" |")) for r in rows]
-    assert ends == sorted(ends) and f"about {ends[-1]:.0f} s" in out and "for 16 CPUs" in out
+    runs = [float(r[7]) for r in rows]
+    for i in range(len(rows)):  # each run ends at the last one's end plus its priming and run (printed rounded)
+        assert abs(ends[i] - (ends[i - 1] if i else 0.0) - prime[i] - runs[i]) <= 1.5, out
+    assert f"about {ends[-1]:.0f} s" in out and "for 16 CPUs" in out
 
 
 def test_a_deadline_skips_the_runs_that_would_not_end_before_it(tmp_path, monkeypatch, capsys):
@@ -260,14 +268,14 @@ def test_a_deadline_skips_the_runs_that_would_not_end_before_it(tmp_path, monkey
     assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2"), ("dedicated-cg-gm512-ls8-cpu2-j16", "1"),
                                            ("dedicated-cg-gm512-cpu2", "3")]
     ends = [float(r[8].rstrip(" |")) for r in rows]
-    deadline = (ends[0] + ends[1]) / 2  # past the first run, short of the 16-job one
+    run16, run8 = ends[1] - ends[0], ends[2] - ends[1]
+    assert run16 > run8 + 20  # 16 jobs one at a time take about twice 8
+    # Past the first run and room for an 8-job run after it, short of the 16-job one.
+    deadline = ends[0] + (run8 + run16) / 2
     out = _plan(monkeypatch, capsys, tmp_path, *argv, "--deadline", str(deadline))
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    kept = [(r[1], r[2]) for r in rows]
-    assert ("dedicated-cg-gm512-ls8-cpu2-j16", "1") not in kept and ("dedicated-cg-gm512-cpu2", "2") in kept
+    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2"), ("dedicated-cg-gm512-cpu2", "3")], out
     assert "skipped by --deadline: dedicated-cg-gm512-ls8-cpu2-j16 seed 1" in out
-    # The third run fits where the 16-job one did not (a 8-job run is shorter): it stays when it fits.
-    assert (("dedicated-cg-gm512-cpu2", "3") in kept) == (ends[0] + (ends[2] - ends[1]) <= deadline)
     # The first run begins whatever its estimate (nothing measured yet; the call is for it).
     out = _plan(monkeypatch, capsys, tmp_path, *argv, "--deadline", "10")
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
@@ -278,14 +286,15 @@ def test_estimates_take_the_invocations_own_measurements_over_the_h200_defaults(
     from experiments.gpu_arms import PRIME_S, START_S, WALL_OVER_SIM, Estimates
 
     est = Estimates()
-    assert est.prime_s("start", 2) == START_S[0] + 2 * START_S[1] and est.prime_s("reuse", 1) == PRIME_S
+    assert est.prime_s("start", "mps", 2) == START_S[0] + 2 * START_S[1] and est.prime_s("reuse", "mps", 1) == PRIME_S
     assert est.run_s("dedicated", 10.0) == WALL_OVER_SIM * 10.0
-    est.primed("start", 1, 150.0)
-    est.primed("restart trainers", 1, 40.0)
+    est.primed("start", "none", 1, 150.0)
+    est.primed("restart trainers", "none", 1, 40.0)
     est.ran("dedicated", 50.0, 85.0)
     est.ran("dedicated", 50.0, 60.0)  # a faster run later: the slowest one's factor stays
-    assert est.prime_s("start", 1) == 150.0 and est.prime_s("start", 2) == START_S[0] + 2 * START_S[1]
-    assert est.prime_s("restart trainers", 1) == 40.0
+    assert est.prime_s("start", "none", 1) == 150.0 and est.prime_s("start", "none", 2) == START_S[0] + 2 * START_S[1]
+    assert est.prime_s("start", "mps", 1) == START_S[0] + START_S[1]  # another sharing mode: not measured here
+    assert est.prime_s("restart trainers", "mps", 1) == 40.0
     assert est.run_s("dedicated", 10.0) == pytest.approx(17.0)
     assert est.run_s("overlap+mps", 10.0) == pytest.approx(17.0)  # no run of its own yet: the largest factor
 
@@ -301,3 +310,68 @@ def test_cpus_is_for_plans_only(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "out"), "--deadline", "0"])
     with pytest.raises(SystemExit, match="--deadline 0.0: give the seconds"):
         gpu_arms.main()
+
+
+def test_two_stack_arms_of_one_job_count_run_together(tmp_path, monkeypatch, capsys):
+    """A two-stack engine is sized for its stack's jobs, so a 16-job two-stack arm between two 8-job
+    ones would start processes twice more; gpu_arms runs the 8-job ones together first, whatever the
+    order asked."""
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--engine-slots", "8", "--cuda-graph-max-tokens", "512",
+                "--arms", "shared-sync+mps:cg:lowpri:sp4:k2:m8192:s1,shared-sync+mps:cg:lowpri:sp4:k2:m8192:j16:s1,"
+                "overlap+mps:cg:lowpri:sp4:k2:m8192:s1")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    # (shared-sync on two stacks co-runs across them: the same trainer shape as overlap, no priming)
+    assert [(r[1].split("-cg")[0], r[3], r[5]) for r in rows] == [
+        ("shared-sync+mps", "8", "start"), ("overlap+mps", "8", "reuse"), ("shared-sync+mps", "16", "start")]
+
+
+def test_a_start_without_a_priming_step_still_counts_and_restarted_trainers_prime(tmp_path, monkeypatch, capsys):
+    """--no-prime: a run that starts processes still costs the start (inside the run). Trainers
+    restarted for a setting already primed once (--rounds 2 alternating two trainer settings) are
+    new processes: each restart primes again before its measured run."""
+    from experiments.gpu_arms import START_S
+
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--no-prime", "--arms", "dedicated:cg:s1")
+    row = [line.split(" | ") for line in out.splitlines() if line.startswith("| 1 ")][0]
+    assert row[5] == "start" and float(row[6]) == START_S[0] + START_S[1]
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--rounds", "2",
+                "--arms", "shared-sync+mps:cg:s1,shared-sync+mps:cg:cpu4:s1")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r[5] for r in rows] == ["start", "restart trainers, priming", "restart trainers, priming",
+                                    "restart trainers, priming"], out
+
+
+def test_a_real_invocation_skips_a_run_past_its_deadline_and_records_it(tmp_path, monkeypatch):
+    """The real path's --deadline (processes stood in by PlannedCluster, each run simulated): the
+    first run begins; a later run needing a two-stack start (estimated at the H200's 400 s) past a
+    100 s deadline is not begun, and arms.json lists it under 'skipped' beside the measured run."""
+    import sys
+
+    import nodus.runner
+    import real.backend
+    from experiments import gpu_arms
+    from nodus.realrun import PlannedCluster
+    from sim import backend_factory
+
+    run_arm = nodus.runner.run_arm
+
+    def simulated(cfg, pool, baseline=False):
+        pool(cfg, nodus.runner.n_stacks(cfg))  # the pool's bookkeeping, as a real run does it
+        return run_arm(cfg, backend_factory(cfg.profile), baseline=False)
+
+    monkeypatch.setattr(nodus.runner, "run_arm", simulated)
+    monkeypatch.setattr(real.backend, "Cluster", PlannedCluster)
+    monkeypatch.setattr(real.backend, "RealBackend", lambda cluster, cfg: cluster)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(out), "--model-dir", str(tmp_path / "model"),
+                                      "--mode", "tasks", "--steps", "2", "--jobs", "4", "--deadline", "100",
+                                      "--arms", "dedicated:s1,shared-sync+mps:k2:s1"])
+    gpu_arms.main()
+    import json
+
+    res = json.loads((out / "arms.json").read_text())
+    assert list(res["arms"]) == ["dedicated"] and res["deadline_s"] == 100
+    [skip] = res["skipped"]
+    assert skip["arm"].startswith("shared-sync+mps") and skip["arm"].endswith("-k2") and skip["processes"] == "start"
+    assert skip["prime_s"] == gpu_arms.START_S[0] + 2 * gpu_arms.START_S[1] and skip["elapsed_s"] < 100
+    assert res["primed"][0]["processes"] == "start" and (out / "dedicated-s1" / "summary.json").exists()
