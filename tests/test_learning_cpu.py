@@ -135,3 +135,27 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path, pool):
     with pytest.raises(BackendConfigError, match="share_prompts=4.*--trainer-graphs"):
         run(cfgs[4], opts=RealOptions(model=str(model)), baseline=False, out=tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+
+
+def test_two_stacks_learn_exactly_what_dedicated_learns_in_fp32(tmp_path, pool):
+    """Equal learning with two stacks (arm.stacks = 2: two engines and two trainers, each serving
+    two of the 4 jobs; session 30-31's fastest arm on the H200): in fp32 on the CPU, with seeded
+    sampling, every job's per-step rewards and final eval are those of the job alone (dedicated).
+    Last in this file: the pool starts a two-stack cluster for it (one cluster at a time)."""
+    from nodus.compare import compare_runs
+    from nodus.config import build_config
+
+    jobs = [{"task": t, "steps": 3, "prompts_per_step": 4, "responses_per_prompt": 4, "max_new_tokens": 24,
+             "learning_rate": 1e-3, "lora_rank": 16, "seed": 20 + i, "prompt_pool": 8}
+            for i, t in enumerate(["sorting", "counting", "modular", "reverse"])]
+    out = {}
+    for name, arm in (("dedicated", {"policy": "dedicated", "groups": 1, "sharing": "none"}),
+                      ("stacks", {"policy": "shared-sync", "groups": 1, "sharing": "none", "stacks": 2})):
+        s = _run(pool, build_config({"jobs": jobs, "arm": arm, "seed": 1}), tmp_path / name)
+        out[name] = {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
+        assert s["stale_rollouts"] == 0
+    assert s["arm"]["stacks"] == 2 and len(s["diagnostics"][0]["workers"]) == 4  # two engines, two trainers
+    assert out["stacks"] == out["dedicated"]
+    assert any(sum(r) > 0 for r, _ in out["dedicated"].values())  # something was learned from
+    vs = compare_runs([str(tmp_path / "dedicated"), str(tmp_path / "stacks")], n_boot=200)["arms"][1]["vs_baseline"]
+    assert vs["acc_diff"]["lo"] == vs["acc_diff"]["hi"] == 0.0
