@@ -338,6 +338,11 @@ FACTORS = (
      "two phase-offset groups under MPS (overlap + MPS over shared-sync + MPS)"),
     ("continuous", "continuous/mps/g1", "overlap/mps/g2",
      "every job its own group, the trainer taking every ready job (continuous + MPS over overlap + MPS)"),
+    ("two_stacks", "shared-sync/mps/g1/k2", "shared-sync/mps/g1",
+     "two engine + trainer stacks splitting the jobs, each engine paced by a host thread of its own "
+     "(shared-sync + MPS on two stacks over one)"),
+    ("two_stacks_overlap", "overlap/mps/g2/k2", "overlap/mps/g2",
+     "two stacks of two phase-offset groups each (overlap + MPS on two stacks over one)"),
     ("total", "overlap/mps/g2", "dedicated/none/g1", "overlap + MPS over dedicated"),
 )
 
@@ -357,12 +362,15 @@ def factors(table: dict) -> dict:
         for seed, d in per.items():
             by.setdefault((d["jobs"], seed), {})[arm] = d["steps_per_gpu_hour"]
 
+    def idle(arm: str) -> bool:
+        # Engine and trainer never run at once (a shared-sync arm on several stacks, "/kN", co-runs
+        # one stack's trainer beside another's engine).
+        return arm.startswith(NO_CORUN_ARMS) and "/k" not in arm
+
     def key(arm: str, sfx: str) -> str:
         # The trainer's priority decides nothing where engine and trainer never run at once: a
         # co-running arm at below-normal priority is measured over those arms without it.
-        # (A shared-sync arm on several stacks, "/kN", co-runs one stack's trainer beside another's engine.)
-        idle = arm.startswith(NO_CORUN_ARMS) and "/k" not in arm
-        return arm + (sfx.replace("+lowpri", "", 1) if idle else sfx)
+        return arm + (sfx.replace("+lowpri", "", 1) if idle(arm) else sfx)
 
     out: dict = {}
     for (jobs, seed), sph in sorted(by.items()):
@@ -371,7 +379,7 @@ def factors(table: dict) -> dict:
         for sfx in suffixes:
             # Under +lowpri only the factors of a co-running arm (the others are the row without it).
             row = {name: sph[key(num, sfx)] / sph[key(den, sfx)] for name, num, den, _ in FACTORS
-                   if ("+lowpri" not in sfx or not num.startswith(NO_CORUN_ARMS))
+                   if ("+lowpri" not in sfx or not idle(num))
                    and key(num, sfx) in sph and key(den, sfx) in sph}
             if row:
                 out.setdefault(f"{jobs}{sfx}", {})[seed] = row

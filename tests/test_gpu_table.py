@@ -469,3 +469,20 @@ def test_each_row_carries_its_engines_mean_step_and_the_table_shows_it(tmp_path)
         for d in per.values():
             d["engine_steps"] = [{"mean_step_ms": None}]
     assert "engine step ms" not in render(table)
+
+
+def test_the_two_stacks_factor_pairs_one_and_two_stacks_with_the_same_settings(tmp_path):
+    """shared-sync + MPS on two stacks (/k2, the trainers at below-normal priority: they co-run
+    across the stacks) over one stack with the same settings (its priority decides nothing): the
+    two_stacks factor, where the same day's one-stack run exists (session 31 had none)."""
+    from experiments.gpu_table import main
+
+    low = [{"sharing_controls": {"trainer_priority": "below-normal"}}]
+    runs = _simulated(tmp_path, (("sync-mps", dict(policy="shared-sync", sharing="mps")),), jobs=4, steps=3, seed=1)
+    runs += _simulated(tmp_path, (("sync-mps-k2", dict(policy="shared-sync", sharing="mps", stacks=2)),),
+                       diagnostics=low, jobs=4, steps=3, seed=1)
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    assert {"shared-sync/mps/g1/4jobs", "shared-sync/mps/g1/k2+lowpri/4jobs"} <= set(table["arms"])
+    sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"]
+           for k in ("sync-mps", "sync-mps-k2")}
+    assert table["factors"]["4+lowpri"]["1"] == {"two_stacks": pytest.approx(sph["sync-mps-k2"] / sph["sync-mps"])}
