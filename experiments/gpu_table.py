@@ -536,7 +536,9 @@ def render(table: dict) -> str:
         lines.append(f"\nA/A (dedicated run twice, {k}): {aa['runs'][0]:.0f} and {aa['runs'][1]:.0f} "
                      f"steps/GPU-h, relative difference {aa['rel_diff']:.1%}")
     for seed, name in sorted((table.get("timelines") or {}).items()):
-        lines.append(f"\nTimelines of seed {seed}'s 8-job arms on one time axis (each factor as a shorter "
+        number, _, chosen = seed.partition("=")
+        which = f"arms {chosen.replace(',', ', ')}" if chosen else "8-job arms"
+        lines.append(f"\nTimelines of seed {number}'s {which} on one time axis (each factor as a shorter "
                      f"timeline for the same optimizer steps): `{name}`")
     return "\n".join(lines)
 
@@ -597,15 +599,17 @@ def plot(table: dict, path: Path) -> None:
 
 
 TIMELINE_ORDER = ("dedicated/none/g1", "shared-sync/none/g1", "shared-sync/mps/g1", "overlap/none/g2", "overlap/mps/g2",
-                  "continuous/mps/g1")
+                  "continuous/mps/g1", "shared-sync/mps/g1/k2", "overlap/mps/g2/k2")
 
 
 def plot_timelines(table: dict, seed: str, path: Path) -> list[str]:
     """One panel per 8-job arm measured on ``seed`` (``TIMELINE_ORDER``: the factor ladder and the
     other policies), on one time axis: each group's generate (engine), train and publish
     (trainer) actions, so each factor's gain shows as a shorter timeline for the same optimizer
-    steps. ``seed`` may name a code setting ("1+cg"): the arms run with exactly it. Returns the
-    arms drawn."""
+    steps. ``seed`` may name a code setting ("1+cg"): the arms run with exactly it; or the arms
+    themselves, as the table labels them ("1=dedicated/none/g1+cg,shared-sync/mps/g1/k2+mb8k+cg"),
+    so arms of different settings share the axis (two stacks beside the dedicated run they are
+    measured over). Returns the arms drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -613,8 +617,12 @@ def plot_timelines(table: dict, seed: str, path: Path) -> list[str]:
 
     from nodus.timeline import read_jsonl
 
-    seed, plus, setting = seed.partition("+")
-    arms = [a + plus + setting for a in TIMELINE_ORDER if seed in table["arms"].get(a + plus + setting, {})]
+    seed, chosen, labels = seed.partition("=")
+    if chosen:
+        arms = [a for a in labels.split(",") if seed in table["arms"].get(a, {})]
+    else:
+        seed, plus, setting = seed.partition("+")
+        arms = [a + plus + setting for a in TIMELINE_ORDER if seed in table["arms"].get(a + plus + setting, {})]
     if not arms:
         return []
     colors = {"generate": "tab:blue", "train": "tab:orange", "publish": "tab:green"}
@@ -663,9 +671,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--note", action="append", default=[], help="a line for the table's notes; repeatable")
     ap.add_argument("--learning", type=Path,
                     help="a `nodus compare --json` report of learning runs: its gate verdicts join the table")
-    ap.add_argument("--timelines", action="append", default=[], metavar="SEED[+SETTING]",
+    ap.add_argument("--timelines", action="append", default=[], metavar="SEED[+SETTING|=ARM,...]",
                     help="draw the 8-job arms of this seed on one time axis (<out>_timelines_s<SEED>.png); "
-                         "SEED+SETTING, e.g. 1+cg: the arms run with that code setting; repeatable")
+                         "SEED+SETTING, e.g. 1+cg: the arms run with that code setting; SEED=ARM,ARM: those "
+                         "arms as the table labels them, whatever their settings (<out>_timelines_s<SEED>_"
+                         "<N>arms.png); repeatable")
     a = ap.parse_args(argv)
     run_profiles = {}
     for item in a.run_profile:
@@ -679,7 +689,16 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for seed in a.timelines:
-        path = out.with_name(f"{out.name}_timelines_s{seed}.png")
+        number, chosen, labels = str(seed).partition("=")
+        if chosen:
+            asked = labels.split(",")
+            missing = [x for x in asked if number not in table["arms"].get(x, {})]
+            if missing or not labels:
+                ap.error(f"--timelines {seed}: no run of seed {number} labelled {', '.join(missing) or '(none)'}; "
+                         f"the table's arms: {', '.join(table['arms'])}")
+            path = out.with_name(f"{out.name}_timelines_s{number}_{len(asked)}arms.png")
+        else:
+            path = out.with_name(f"{out.name}_timelines_s{seed}.png")
         if not plot_timelines(table, str(seed), path):
             ap.error(f"--timelines {seed}: no 8-job run of {', '.join(TIMELINE_ORDER)} on that seed"
                      + (" with that setting" if "+" in str(seed) else ""))

@@ -327,6 +327,29 @@ def test_factors_within_a_code_setting(tmp_path):
     assert plot_timelines(table, "1+cg", tmp_path / "x.png") == [
         "dedicated/none/g1+cg", "shared-sync/mps/g1+cg", "overlap/mps/g2+cg"]
     assert plot_timelines(table, "1", tmp_path / "y.png") == []  # no arm without the setting
+    # Arms chosen by their labels, whatever their settings; a label the table lacks is not drawn.
+    assert plot_timelines(table, "1=overlap/mps/g2+cg,dedicated/none/g1+cg,overlap/none/g2", tmp_path / "z.png") == [
+        "overlap/mps/g2+cg", "dedicated/none/g1+cg"]
+
+
+def test_timelines_of_arms_chosen_by_label(tmp_path):
+    """--timelines SEED=ARM,ARM draws those arms of the table (two stacks beside the dedicated run of
+    other settings, as session 31's), names the file by their count, and refuses a label the table
+    does not have, naming the table's arms."""
+    from experiments.gpu_table import main
+
+    low = [{"sharing_controls": {"trainer_priority": "below-normal"}}]
+    runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),), steps=3, seed=1)
+    runs += _simulated(tmp_path, (("k2", dict(policy="shared-sync", sharing="mps", stacks=2)),), diagnostics=low,
+                       steps=3, seed=1)
+    arms = "dedicated/none/g1,shared-sync/mps/g1/k2+lowpri"
+    table = main(runs + ["--out", str(tmp_path / "t"), "--timelines", f"1={arms}"])
+    assert table["timelines"] == {f"1={arms}": "t_timelines_s1_2arms.png"}
+    assert (tmp_path / "t_timelines_s1_2arms.png").exists()
+    md = (tmp_path / "t.md").read_text()
+    assert "Timelines of seed 1's arms dedicated/none/g1, shared-sync/mps/g1/k2+lowpri" in md
+    with pytest.raises(SystemExit):
+        main(runs + ["--out", str(tmp_path / "u"), "--timelines", "1=dedicated/none/g1,overlap/mps/g2"])
 
 
 def test_runs_with_settings_get_the_subset_baseline_and_the_aa_spread_too(tmp_path):
