@@ -2,30 +2,45 @@
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
 #   bash experiments/device_session.sh MODE
 #   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|publish|learn|small-base)
-# Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders.
+# Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders,
+# and the compile cache (1-3 of the 8: with several TAG invocations in a call, mind the count).
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
 export NODUS_COMMIT=$(cat .device_commit 2>/dev/null || echo unknown)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # vLLM's torch.compile cache from an earlier session (an engine starts in ~45 s with it, ~80 s
-# without; a new configuration's key compiles for ~55 s): carry .device/vllm-cache.tgz, or the folder
-# .device/cache holding vllm-cache.tgz or its parts vllm-cache.tgz.part0, part1, ... Each call sends
-# the cache back: one file under 15 MB, else in 15 MB parts up to 45 MB (the device returns 16 MiB a
-# file; session 31's cache with a one-stack and a two-stack key was over 15 MB and came back in none).
+# without; a new configuration's key compiles for ~55 s). Carry the folder .device/cache holding
+# the last call's cache as it came back (vllm-cache.tgz, or its parts vllm-cache.tgz.part0, part1,
+# ...; keep one cache there), or the older single file .device/vllm-cache.tgz. The folder wins. A
+# cache that does not unpack whole (a part missing or cut) is not used. Each call sends the cache
+# back: one file under 15 MB, else 15 MB parts up to 45 MB (the device returns 16 MiB a file;
+# session 31's cache with a one-stack and a two-stack key was over 15 MB and came back in none).
+restore_cache() {  # $@: the cache's files, in order
+  rm -rf /tmp/vllm-cache-in && mkdir -p /tmp/vllm-cache-in ~/.cache
+  if cat "$@" | tar xz -C /tmp/vllm-cache-in 2> /dev/null && [ -d /tmp/vllm-cache-in/vllm/torch_compile_cache ]; then
+    mkdir -p ~/.cache/vllm && mv /tmp/vllm-cache-in/vllm/torch_compile_cache ~/.cache/vllm/ \
+      && echo "vLLM compile cache restored ($*)"
+  else
+    echo "vLLM compile cache in $* does not unpack whole: not used"
+  fi
+  rm -rf /tmp/vllm-cache-in
+}
 if [ ! -d ~/.cache/vllm/torch_compile_cache ]; then
-  for c in .device/vllm-cache.tgz .device/cache/vllm-cache.tgz; do
-    if [ -f "$c" ]; then mkdir -p ~/.cache && tar xzf "$c" -C ~/.cache && echo "vLLM compile cache restored ($c)"; break; fi
-  done
-  if [ ! -d ~/.cache/vllm/torch_compile_cache ] && ls .device/cache/vllm-cache.tgz.part? > /dev/null 2>&1; then
-    mkdir -p ~/.cache && cat .device/cache/vllm-cache.tgz.part? | tar xz -C ~/.cache \
-      && echo "vLLM compile cache restored ($(ls .device/cache/vllm-cache.tgz.part? | wc -l) parts)"
+  if ls .device/cache/vllm-cache.tgz.part? > /dev/null 2>&1; then
+    restore_cache .device/cache/vllm-cache.tgz.part?
+  elif [ -f .device/cache/vllm-cache.tgz ]; then
+    restore_cache .device/cache/vllm-cache.tgz
+  elif [ -f .device/vllm-cache.tgz ]; then
+    restore_cache .device/vllm-cache.tgz
   fi
 fi
 save_cache() {
   # SAVE_CACHE=0: another invocation running beside this one (the other GPU) offers it.
   [ "${SAVE_CACHE:-1}" = 1 ] || return 0
   if [ -d ~/.cache/vllm/torch_compile_cache ]; then
-    tar czf /tmp/vllm-cache.tgz -C ~/.cache vllm/torch_compile_cache 2>/dev/null
+    if ! tar czf /tmp/vllm-cache.tgz -C ~/.cache vllm/torch_compile_cache 2> /dev/null; then
+      echo "vLLM compile cache: tar failed, not sent back"; return 0
+    fi
     local size; size=$(stat -c %s /tmp/vllm-cache.tgz)
     if [ "$size" -lt 15000000 ]; then
       cp /tmp/vllm-cache.tgz "$OUT/"

@@ -496,6 +496,10 @@ def main() -> None:
     # of processes per sharing mode) runs e.g. the 8-job table and the 2/4/16-job scaling points.
     specs = [parse_arm(a) for a in args.arms.split(",") if a]
     job_counts = [int(x) for x in str(args.jobs).split(",") if x]
+    # A stacked arm without its own jN runs every --jobs count: one spec per count, so each count's
+    # runs sort with the stacked arms of that count (their engines are sized for it, stacked_jobs).
+    specs = [sp[:1] + (n,) + sp[2:] if arm_stacks(sp) > 1 and sp[1] is None and len(job_counts) > 1 else sp
+             for sp in specs for n in (job_counts if arm_stacks(sp) > 1 and sp[1] is None else [None])]
     check_share_prompts(specs, args.share_prompts, args.trainer_graphs)
     slots = pool_slots(args.engine_slots, specs, job_counts)
     if not args.plan:
@@ -655,8 +659,8 @@ def main() -> None:
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                     steps=args.steps, stacks=stacks if stacks > 1 else None,
                     seed=seed, profile=profile), engine_args))
-                # Without a priming step (--no-prime) a start still costs its time, inside the run.
-                prime_s = est.prime_s(action, sharing, n_stacks(cfg)) if prime or action == "start" else 0.0
+                # Without a priming step (--no-prime) new processes still cost their start, inside the run.
+                prime_s = est.prime_s(action, sharing, n_stacks(cfg)) if prime or action != "reuse" else 0.0
                 run_s = est.run_s(name, pred["gpu_seconds"])
                 # --plan: the estimates' own clock (the invocation's start and the model's save aside).
                 elapsed = plan_clock if args.plan else time.monotonic() - t_start
@@ -700,7 +704,7 @@ def main() -> None:
                 t0 = time.monotonic()
                 summary, runs = run_arm(cfg, pool, baseline=False)
                 summary["wall_s"] = time.monotonic() - t0
-                if prime or action != "start":  # (a start inside the run is no run's pace)
+                if prime or action == "reuse":  # (processes started inside the run are no run's pace)
                     est.ran(name, pred["gpu_seconds"], summary["wall_s"])
                 run_dir = args.out / f"{key}-s{seed}"
                 if run_dir.exists():

@@ -697,6 +697,11 @@ def main(argv: list[str] | None = None) -> dict:
                 ap.error(f"--timelines {seed}: no run of seed {number} labelled {', '.join(missing) or '(none)'}; "
                          f"the table's arms: {', '.join(table['arms'])}")
             path = out.with_name(f"{out.name}_timelines_s{number}_{len(asked)}arms.png")
+            taken = set((table.get("timelines") or {}).values())
+            for i in range(2, 100):  # another choice of as many arms on that seed: its own file
+                if path.name not in taken:
+                    break
+                path = out.with_name(f"{out.name}_timelines_s{number}_{len(asked)}arms-{i}.png")
         else:
             path = out.with_name(f"{out.name}_timelines_s{seed}.png")
         if not plot_timelines(table, str(seed), path):

@@ -45,6 +45,7 @@ class ClusterPool:
         self.min_loras = min_loras
         self.min_cpu_loras = min_cpu_loras
         self.clusters: dict[tuple, object] = {}
+        self._started: list[tuple[str, object]] = []  # every cluster started, closed ones too
 
     @staticmethod
     def key(cfg: RunConfig, n_stacks: int) -> tuple:
@@ -131,16 +132,23 @@ class ClusterPool:
             # A cluster too small for this run (fewer adapter slots, or fewer kept loaded), or
             # other than the slots its config names, is restarted.
             self.close()
-            self.clusters[key] = make(
+            cluster = self.clusters[key] = make(
                 self.opts, cfg.arm.sharing, n_stacks, max_loras=loras,
                 max_rank=max(j.lora_rank for j in cfg.jobs), max_num_seqs=cfg.engine.max_num_seqs,
                 max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch, seed=cfg.seed,
                 cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens, max_cpu_loras=cpu_loras)
+            self._started.append((f"{key[0]}-{key[1]}", cluster))
             action = "start"
         return self.clusters[key], action
 
     def startup_s(self) -> dict:
-        return {f"{k[0]}-{k[1]}": c.startup_s for k, c in self.clusters.items()}
+        """Each started cluster's processes' start times, keyed "sharing-stacks" (closed clusters too;
+        a later cluster of the same sharing and stacks, e.g. engines sized for more jobs: "mps-2#2")."""
+        out: dict = {}
+        for name, c in self._started:
+            n = sum(1 for k in out if k.split("#")[0] == name)
+            out[name if not n else f"{name}#{n + 1}"] = c.startup_s
+        return out
 
     def trainer_restarts(self) -> dict:
         """Per running cluster, its trainer restarts (settings and start times), when it had any."""

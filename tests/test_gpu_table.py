@@ -350,6 +350,10 @@ def test_timelines_of_arms_chosen_by_label(tmp_path):
     assert "Timelines of seed 1's arms dedicated/none/g1, shared-sync/mps/g1/k2+lowpri" in md
     with pytest.raises(SystemExit):
         main(runs + ["--out", str(tmp_path / "u"), "--timelines", "1=dedicated/none/g1,overlap/mps/g2"])
+    # Two choices of as many arms on one seed: two files.
+    table = main(runs + ["--out", str(tmp_path / "v"), "--timelines", f"1={arms}",
+                         "--timelines", "1=shared-sync/mps/g1/k2+lowpri,dedicated/none/g1"])
+    assert sorted(table["timelines"].values()) == ["v_timelines_s1_2arms-2.png", "v_timelines_s1_2arms.png"]
 
 
 def test_runs_with_settings_get_the_subset_baseline_and_the_aa_spread_too(tmp_path):

@@ -155,6 +155,10 @@ def test_two_stacks_learn_exactly_what_dedicated_learns_in_fp32(tmp_path, pool):
         out[name] = {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
         assert s["stale_rollouts"] == 0
     assert s["arm"]["stacks"] == 2 and len(s["diagnostics"][0]["workers"]) == 4  # two engines, two trainers
+    # Each stack's engine sampled from each new adapter: its logprobs agree with its trainer's
+    # forward of that version, versions after the first included (a stale engine would not agree).
+    agree = s["diagnostics"][0]["logprob_agreement"]
+    assert {a["version"] for a in agree} == {0, 1, 2} and max(a["max_abs"] for a in agree) < 1e-3
     assert out["stacks"] == out["dedicated"]
     assert any(sum(r) > 0 for r, _ in out["dedicated"].values())  # something was learned from
     vs = compare_runs([str(tmp_path / "dedicated"), str(tmp_path / "stacks")], n_boot=200)["arms"][1]["vs_baseline"]

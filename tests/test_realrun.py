@@ -130,6 +130,10 @@ def test_the_engines_batch_settings_pick_the_cluster(monkeypatch):
     assert second is not first and first.closed and pool.has_cluster(wide, 1) and not pool.has_cluster(plain, 1)
     third = pool(fewer, 1)
     assert third is not second and second.closed and len(FakeCluster.started) == 3
+    # Each start's times stay recorded, closed clusters' too, the later ones of one sharing and
+    # stack count numbered (gpu_arms keeps every cluster's start in arms.json).
+    first.startup_s, third.startup_s = {"engine0": 50.0}, {"engine0": 70.0}
+    assert pool.startup_s() == {"none-1": {"engine0": 50.0}, "none-1#2": {}, "none-1#3": {"engine0": 70.0}}
 
 
 def test_a_plan_says_what_a_run_would_do_to_the_processes_and_touches_none(monkeypatch):
