@@ -737,11 +737,10 @@ def main() -> None:
                       + (f", JIT compiles {len(jit)} ({', '.join(sorted(set(jit)))})" if jit else "")
                       + (f", TRAINED EAGER, graphs failed ({'; '.join(eager)})" if eager else ""),
                       flush=True)
-                # The running processes' start times with every run: a limit that stops the
-                # invocation later (or a restart) leaves them recorded.
+                # Every started cluster's start times (the pool keeps closed ones) with every run: a
+                # limit that stops the invocation later leaves them recorded.
                 results["startup_s"].update(pool.startup_s())
                 (args.out / "arms.json").write_text(json.dumps(results, indent=1))
-            results["startup_s"].update(pool.startup_s())
             results["trainer_restarts"] = {**results.get("trainer_restarts", {}), **pool.trainer_restarts()}
     finally:
         pool.close()

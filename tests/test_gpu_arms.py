@@ -214,6 +214,11 @@ def test_a_runs_progress_line_names_its_engine_step_and_busiest_thread():
     assert state_text({"diagnostics": [{}]}) == ""
 
 
+def _rows(out: str) -> list[list[str]]:
+    """--plan's table rows, split into their cells."""
+    return [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+
+
 def _plan(monkeypatch, capsys, tmp_path, *argv):
     import sys
 
@@ -237,7 +242,7 @@ def test_a_plan_lists_each_run_with_the_processes_it_needs_and_its_estimate(tmp_
                 "--cuda-graph-max-tokens", "512", "--arms",
                 "shared-sync+mps:cg:lowpri:sp4:k2:m8192,shared-sync+mps:cg:lowpri:sp4:k2:m8192:cpu4:s1,"
                 "shared-sync+mps:cg:lowpri:sp4:k2:m8192:j16:s1,dedicated:cg:s1")
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    rows = _rows(out)
     got = [(r[1], r[2], r[5]) for r in rows]
     assert got == [
         ("dedicated-cg-gm512-cpu2", "1", "start"),  # no MPS: the baseline first
@@ -264,7 +269,7 @@ def test_a_deadline_skips_the_runs_that_would_not_end_before_it(tmp_path, monkey
     argv = ("--cpus", "16", "--engine-slots", "8", "--cuda-graph-max-tokens", "512",
             "--arms", "dedicated:cg:s2,dedicated:cg:j16:s1,dedicated:cg:s3")
     out = _plan(monkeypatch, capsys, tmp_path, *argv)
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    rows = _rows(out)
     assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2"), ("dedicated-cg-gm512-ls8-cpu2-j16", "1"),
                                            ("dedicated-cg-gm512-cpu2", "3")]
     ends = [float(r[8].rstrip(" |")) for r in rows]
@@ -273,12 +278,12 @@ def test_a_deadline_skips_the_runs_that_would_not_end_before_it(tmp_path, monkey
     # Past the first run and room for an 8-job run after it, short of the 16-job one.
     deadline = ends[0] + (run8 + run16) / 2
     out = _plan(monkeypatch, capsys, tmp_path, *argv, "--deadline", str(deadline))
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    rows = _rows(out)
     assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2"), ("dedicated-cg-gm512-cpu2", "3")], out
     assert "skipped by --deadline: dedicated-cg-gm512-ls8-cpu2-j16 seed 1" in out
     # The first run begins whatever its estimate (nothing measured yet; the call is for it).
     out = _plan(monkeypatch, capsys, tmp_path, *argv, "--deadline", "10")
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    rows = _rows(out)
     assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2")] and out.count("skipped by") == 2
 
 
@@ -319,7 +324,7 @@ def test_two_stack_arms_of_one_job_count_run_together(tmp_path, monkeypatch, cap
     out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--engine-slots", "8", "--cuda-graph-max-tokens", "512",
                 "--arms", "shared-sync+mps:cg:lowpri:sp4:k2:m8192:s1,shared-sync+mps:cg:lowpri:sp4:k2:m8192:j16:s1,"
                 "overlap+mps:cg:lowpri:sp4:k2:m8192:s1")
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    rows = _rows(out)
     # (shared-sync on two stacks co-runs across them: the same trainer shape as overlap, no priming)
     assert [(r[1].split("-cg")[0], r[3], r[5]) for r in rows] == [
         ("shared-sync+mps", "8", "start"), ("overlap+mps", "8", "reuse"), ("shared-sync+mps", "16", "start")]
@@ -332,11 +337,11 @@ def test_a_start_without_a_priming_step_still_counts_and_restarted_trainers_prim
     from experiments.gpu_arms import START_S
 
     out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--no-prime", "--arms", "dedicated:cg:s1")
-    row = [line.split(" | ") for line in out.splitlines() if line.startswith("| 1 ")][0]
+    row = _rows(out)[0]
     assert row[5] == "start" and float(row[6]) == START_S[0] + START_S[1]
     out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--rounds", "2",
                 "--arms", "shared-sync+mps:cg:s1,shared-sync+mps:cg:cpu4:s1")
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    rows = _rows(out)
     assert [r[5] for r in rows] == ["start", "restart trainers, priming", "restart trainers, priming",
                                     "restart trainers, priming"], out
 
