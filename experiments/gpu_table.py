@@ -57,18 +57,27 @@ def slots_flag(flag: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def baseline_flags(present: set, flags: frozenset, jobs: int) -> frozenset | None:
+def baseline_flags(present: set, flags: frozenset, jobs: int, stacks: int = 1) -> frozenset | None:
     """Of the dedicated runs' (job count, setting set) pairs ``present``, the setting set an arm of
-    ``jobs`` jobs with settings ``flags`` is measured over (``best_flags``), where a dedicated run on
-    an engine with spare adapter slots (``+lsN``, N above its own jobs: ``dedicated:j4`` on the
-    8-job arms' engine) counts as the engine of an arm with at least N slots (its ``+lsM``, else one
-    a job); never of an arm on fewer (more slots cost an engine time). Ties go to the engine whose
-    slots (its +lsN, else one a job) are nearest the arm's, then to the run of more jobs. None if
-    none fits."""
-    most = next((n for n in map(slots_flag, flags) if n is not None), jobs)
+    ``jobs`` jobs in ``stacks`` engine + trainer stacks with settings ``flags`` is measured over
+    (``best_flags``). An arm's engine has its ``+lsM`` slots, else one a job of its stack. A dedicated
+    run whose ``+lsN`` is not above the arm's M (else its jobs) counts as the arm's engine when:
+    - its engine has spare slots (N above its own jobs: ``dedicated:j4`` on the 8-job arms' engine);
+    - or N is the slots of the arm's engine (``dedicated:j16`` on 8 slots for 16 jobs in two
+      stacks, each engine on 8 slots; or for 8 jobs on one stack, its first 8 jobs);
+    - or the arm runs in stacks (each engine on fewer slots than the arm's jobs, as the plain
+      dedicated run of its jobs has always stood for it).
+    Never of an arm on fewer slots otherwise (more slots cost an engine time). Ties go to the engine
+    whose slots (its +lsN, else one a job) are nearest the arm's, then to the run of more jobs. None
+    if none fits."""
+    flagged = next((n for n in map(slots_flag, flags) if n is not None), None)
+    most = flagged if flagged is not None else jobs
+    per_engine = flagged if flagged is not None else -(-jobs // max(1, stacks))
 
     def view(ded_jobs: int, f: frozenset) -> frozenset:
-        return frozenset(x for x in f if not (slots_flag(x) and ded_jobs < slots_flag(x) <= most))
+        def same_engine(n: int) -> bool:
+            return n <= most and (ded_jobs < n or n == per_engine or stacks > 1)
+        return frozenset(x for x in f if not (slots_flag(x) and same_engine(slots_flag(x))))
 
     fits = [(dj, f, view(dj, f)) for dj, f in present]
     fits = [(dj, f, v) for dj, f, v in fits if v <= flags]
@@ -76,7 +85,7 @@ def baseline_flags(present: set, flags: frozenset, jobs: int) -> frozenset | Non
         return None
 
     def gap(dj: int, f: frozenset) -> int:  # a dedicated run's slots: its +lsN, else one a job
-        return abs(most - next((n for n in map(slots_flag, f) if n is not None), dj))
+        return abs(per_engine - next((n for n in map(slots_flag, f) if n is not None), dj))
 
     # Then the run holding more jobs, then the flags' text: one answer whatever the set order.
     return max(fits, key=lambda x: (len(x[2]), -gap(x[0], x[1]), x[0], sorted(x[2]), sorted(x[1])))[1]
@@ -239,7 +248,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         # dedicated row with a setting: over the plain dedicated run, when there is one).
         own = frozenset() if dedicated else None
         present = {(k[0], k[2]) for k in ded_sph if k[:2] == (jobs, seed)}
-        base_flags = (baseline_flags(present, flags, jobs) if own is None
+        base_flags = (baseline_flags(present, flags, jobs, stacks_of(cfg["arm"])) if own is None
                       else best_flags({f for _, f in present}, flags, own))
         variant, by_task = None, False
         base = sbase = None
@@ -253,7 +262,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
             # their GPU-seconds alone), from the dedicated runs with the most of this row's settings.
-            sub_flags = baseline_flags({(k[0], k[2]) for k in ded_sph if k[1] == seed}, flags, jobs)
+            sub_flags = baseline_flags({(k[0], k[2]) for k in ded_sph if k[1] == seed}, flags, jobs,
+                                       stacks_of(cfg["arm"]))
             if sub_flags is not None:
                 pick = (lambda m: {k[:2]: v for k, v in m.items() if k[2] == sub_flags})
                 base, sbase, alone, by_task = _subset_baseline(

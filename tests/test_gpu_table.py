@@ -296,6 +296,18 @@ def test_a_dedicated_run_on_a_larger_engine_is_the_baseline_of_arms_with_as_many
         j4 = label_flags(f"dedicated/none/g1+cg+cpu2+ls16+lk{extra}")
         arm = label_flags(f"overlap/mps/g2+cg+cpu2+lk{extra}")
         assert baseline_flags({(16, j16), (4, j4)}, arm, 16) == j16
+    # 16 jobs in two stacks: each engine serves its 8 jobs on 8 slots (no +ls label), the engine of
+    # dedicated:j16 on 8 slots; on one stack the same arm has 16 slots, and the 8-slot run is not its.
+    ded16_8 = label_flags("dedicated/none/g1+cg+cpu2+ls8+lk")
+    two = label_flags("shared-sync/mps/g1/k2+sp4+lowpri+cg+cpu2+lk")
+    assert baseline_flags({(16, ded16_8)}, two, 16, stacks=2) == ded16_8
+    assert baseline_flags({(16, ded16_8)}, two, 16) is None
+    # 8 jobs in two stacks (4 slots each): the plain j8 run still fits; one on 4 slots fits nearer.
+    assert baseline_flags({(8, plain)}, two, 8, stacks=2) == plain
+    assert baseline_flags({(8, plain), (8, ded_few)}, two, 8, stacks=2) == ded_few
+    # ... and so does the 16-job run on 8 slots (its first 8 jobs), as for 8 jobs on one 8-slot engine.
+    assert baseline_flags({(16, ded16_8)}, two, 8, stacks=2) == ded16_8
+    assert baseline_flags({(16, ded16_8)}, eight, 8) == ded16_8
 
 
 def test_factors_within_a_code_setting(tmp_path):
