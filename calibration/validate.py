@@ -224,11 +224,23 @@ def _simulate(cfg: dict, source: str) -> dict:
                         for j, d in summary.get("per_job", {}).items()}}
 
 
+def recorded_audit(rd: Path, cfg: dict) -> dict:
+    """A recorded run's audit as a config's (RunConfig.audit): its config's, or for a run recorded
+    before the config held it, what its summary's diagnostics recorded (``run_audit``; none: the
+    full audit, how every run before the record ran)."""
+    if cfg.get("audit") is not None:
+        return cfg["audit"]
+    summ = Path(rd) / "summary.json"
+    a = run_audit(json.loads(summ.read_text())) if summ.is_file() else {}
+    return {"logprobs": a.get("logprobs", True), "every": a.get("every") or 1, "responses": a.get("responses")}
+
+
 def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tuple[dict, dict]:
     """A recorded run's configuration for the simulator on `profile`, in the run's own grouping
     (not a re-balance over the replayed lengths): replaying its response lengths, and sampling
     fresh ones."""
     trace = str((rd / "spans.jsonl").resolve())
+    cfg = dict(cfg, audit=recorded_audit(rd, cfg))
     pol = cfg["arm"]["policy"]
     group_key = "group" if pol == "overlap" else "stack"
     groups = {s["job"]: s[group_key] for s in spans} if pol in ("overlap", "timeslice") else {}
@@ -301,6 +313,10 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         if arm is not None and "trainer_waits_for_publish" in cfg["arm"]:  # the summary's arm omits it
             arm = dict(arm, trainer_waits_for_publish=cfg["arm"]["trainer_waits_for_publish"])
         controls = run_controls(meas)
+        if ((prof.get("decode") or {}).get("logprob_s_per_seq") or 0) > 0:
+            # The profile prices the audit (decode.logprob_s_per_seq, `nodus fit-audit`): the run's
+            # own audit, from its config (recorded_configs), is simulated, not outside the profile.
+            controls = {k: v for k, v in controls.items() if k != "audit"}
         packing = build_config(replay_cfg, f"{rd}/config.json").trainer_packing()  # as the trainer ran it
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),

@@ -481,7 +481,7 @@ def main() -> None:
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm, size_engine_slots, stack_jobs
     from nodus.simulate import config_from_args, simulate, trainer_graph_failures, write_run
-    from real.backend import RUN_SETTINGS, engine_cpu_threads, run_device, trainer_cpu_threads
+    from real.backend import RUN_SETTINGS, engine_cpu_threads, run_device, trainer_cpu_threads, with_audit
     from real.lora_kernels import ENV as LORA_CONFIG_ENV
 
     try:
@@ -594,6 +594,7 @@ def main() -> None:
                 cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                                        steps=args.steps, seed=seed, stacks=stacks if stacks > 1 else None)
                 cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
+                cfg, _ = with_audit(cfg, arm_opts)  # the arm's audit (:aN, :rK, --audit-*) in its recorded config
                 own_jobs = n
                 if stacks > 1:
                     # Each engine of a kN arm serves its own stack's jobs: slots for those
@@ -658,7 +659,7 @@ def main() -> None:
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                     steps=args.steps, stacks=stacks if stacks > 1 else None,
-                    seed=seed, profile=profile), engine_args))
+                    seed=seed, profile=profile).model_copy(update={"audit": cfg.audit}), engine_args))
                 # Without a priming step (--no-prime) new processes still cost their start, inside the run.
                 prime_s = est.prime_s(action, sharing, n_stacks(cfg)) if prime or action != "reuse" else 0.0
                 run_s = est.run_s(name, pred["gpu_seconds"])

@@ -235,6 +235,34 @@ class TrainerSpec(_Model):
     share_prompts: int = Field(default=0, ge=0)
 
 
+class AuditSpec(_Model):
+    """The on-policy audit: which rollouts return the engine's logprobs of their sampled tokens, to be
+    compared with the trainer's (strict on-policy is enforced by adapter versions either way; the
+    engine's logprobs feed only this check, never the loss). The engine's logprob work is host work
+    per sequence and decode step: on the H200 two stacks ran +13-15% auditing one response a prompt
+    instead of every one (session 32), and one stack +14-27% without the audit (session 12). The
+    real backend runs it (real.backend.RealOptions' audit fields come from here); the simulator
+    prices it by the profile's decode.logprob_s_per_seq."""
+
+    logprobs: bool = True  # False: no audit (the engine returns no logprobs)
+    every: int = Field(default=1, ge=1)  # audit each job's steps 0, N, 2N, ...
+    # On an audited step, the first K responses of each prompt return logprobs (None: every one).
+    responses: int | None = Field(default=None, ge=1)
+
+    def audits(self, step: int) -> bool:
+        """Whether a job's step ``step`` is audited (its rollouts carry the engine's logprobs)."""
+        return self.logprobs and step % self.every == 0
+
+    def asking(self, step: int, responses: int) -> int:
+        """How many of a prompt's ``responses`` return logprobs on a job's step ``step``."""
+        if not self.audits(step):
+            return 0
+        return responses if self.responses is None else min(self.responses, responses)
+
+    def is_full(self) -> bool:
+        return self.logprobs and self.every == 1 and self.responses is None
+
+
 # trainer.share_prompts that `nodus run` and `nodus sim` use where neither the config nor
 # --share-prompts sets it and the trainer is the graphed one (--trainer-graphs on the real backend,
 # a graphed profile in the simulator; `with_default_packing`): each prompt's responses 4 to a row.
@@ -276,6 +304,7 @@ class RunConfig(_Model):
     arm: ArmSpec = ArmSpec()
     engine: EngineSpec = EngineSpec()
     trainer: TrainerSpec = TrainerSpec()
+    audit: AuditSpec = AuditSpec()
     seed: int = 1
     profile: str = DEFAULT_PROFILE  # shipped profile name or path to a profile JSON
 

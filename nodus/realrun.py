@@ -178,9 +178,9 @@ def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None
         return simulate(cfg, out)
     if backend != "real":
         raise ValueError(f"--backend {backend!r}: choose real or sim")
-    from real.backend import RealOptions, check_run_settings
+    from real.backend import RealOptions, check_run_settings, with_audit
 
-    opts = opts or RealOptions()
+    cfg, opts = with_audit(cfg, opts or RealOptions())  # one audit, recorded in the run's config
     check_run_settings(cfg, opts)  # before an output folder or a process
     cfg = engine_args_size_graphs(cfg, opts.engine_args)  # graph sizes the engine args set stay theirs
     out_dir = make_out_dir(out) if out is not None else None

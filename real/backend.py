@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, fields, replace
 
-from nodus.config import JobSpec, RunConfig
+from nodus.config import AuditSpec, JobSpec, RunConfig
 from nodus.gpumon import GpuMonitor
 from nodus.grpo import group_advantages
 from nodus.hostmon import HostMonitor
@@ -225,8 +225,34 @@ def engine_settings(opts: RealOptions) -> RealOptions:
                             if f.name in TRAINER_SETTINGS or f.name in RUN_SETTINGS})
 
 
+def options_audit(opts: RealOptions | None) -> AuditSpec:
+    """The audit the options run (RealOptions' audit fields; None: the defaults), as a config's ``audit``."""
+    if opts is None:
+        return AuditSpec()
+    return AuditSpec(logprobs=opts.audit_logprobs, every=opts.audit_every, responses=opts.audit_responses)
+
+
+def with_audit(cfg: RunConfig, opts: RealOptions) -> tuple[RunConfig, RealOptions]:
+    """One audit for a run, in its config (RunConfig.audit: what the run folder records and the
+    simulator prices) and its options (what the backend runs): the one that sets it away from the
+    full audit, copied to the other. Both set, differently: refused, naming both."""
+    mine, theirs = cfg.audit, options_audit(opts)
+    if mine == theirs:
+        return cfg, opts
+    if theirs.is_full():
+        return cfg, replace(opts, audit_logprobs=mine.logprobs, audit_every=mine.every,
+                            audit_responses=mine.responses)
+    if mine.is_full():
+        return cfg.model_copy(update={"audit": theirs}), opts
+    raise BackendConfigError(f"audit: the config asks {mine.model_dump()} and the options "
+                             f"(--no-audit / --audit-every / --audit-responses) {theirs.model_dump()}: set one")
+
+
 def check_run_settings(cfg: RunConfig, opts: RealOptions) -> None:
     """Refuse a run config the backend's options cannot serve, naming the setting."""
+    if cfg.audit != options_audit(opts):
+        raise BackendConfigError(f"audit: the config asks {cfg.audit.model_dump()} and the backend's options run "
+                                 f"{options_audit(opts).model_dump()} (real.backend.with_audit makes them one)")
     if cfg.trainer.share_prompts > 1 and not opts.trainer_graphs:
         raise BackendConfigError(
             f"trainer.share_prompts={cfg.trainer.share_prompts} packs each prompt's responses into one row, which "

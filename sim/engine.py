@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
+from nodus.config import AuditSpec
 from sim.gpu import SharedGPU
 from sim.profile import CostModel
 
@@ -25,6 +26,7 @@ class _Prompt:
     req: "_JobRequest"
     prompt_tokens: int
     lengths: list[int]
+    asks: int = 0  # its first `asks` responses return their sampled tokens' logprobs (the audit)
 
 
 @dataclass
@@ -52,8 +54,11 @@ class SimEngine:
     """on_done(action_id, start_s, end_s, requests) is called when an action's last sequence ends."""
 
     def __init__(self, env: simpy.Environment, gpu: SharedGPU, cost: CostModel, max_num_seqs: int,
-                 max_loras: int, on_done, graph_max_tokens: int):
+                 max_loras: int, on_done, graph_max_tokens: int, audit: AuditSpec | None = None):
         self.env, self.gpu, self.cost = env, gpu, cost
+        # The run's audit (RunConfig.audit): which sequences return logprobs. None or the full audit:
+        # every sequence does, as the profile's decode curves were measured.
+        self.audit = audit if audit is not None and not audit.is_full() else None
         self.max_num_seqs, self.max_loras = max_num_seqs, max_loras
         self.graph_max_tokens = graph_max_tokens  # the engine's largest CUDA graph (tokens per step)
         self.on_done = on_done
@@ -78,7 +83,8 @@ class SimEngine:
             n = len(lengths) // prompts
             for p in range(prompts):
                 chunk = lengths[p * n:(p + 1) * n] if p < prompts - 1 else lengths[p * n:]
-                self.waiting.append(_Prompt(req, ptoks, chunk))
+                asks = len(chunk) if self.audit is None else self.audit.asking(step, len(chunk))
+                self.waiting.append(_Prompt(req, ptoks, chunk, asks))
         if not self._arrival.triggered:
             self._arrival.succeed()
 
@@ -93,8 +99,9 @@ class SimEngine:
         env, cost = self.env, self.cost
         step = 0  # decode steps so far
         finishes: list[int] = []  # heap of distinct finish steps
-        at: dict[int, list[tuple[_JobRequest, int, int]]] = {}  # finish step -> (req, count, ctx each)
-        running, ctx = 0, 0
+        # finish step -> (req, count, ctx each, of them returning logprobs)
+        at: dict[int, list[tuple[_JobRequest, int, int, int]]] = {}
+        running, ctx, asking = 0, 0, 0
         adapters: Counter[str] = Counter()
         while True:
             # Cold: the engine starts from idle (nothing running), also for a run's first requests.
@@ -126,19 +133,21 @@ class SimEngine:
                 tokens += p.prompt_tokens
                 adapters[key] += n
                 running += n
-                for length, c in Counter(p.lengths).items():
+                for (length, asks), c in Counter((x, i < p.asks) for i, x in enumerate(p.lengths)).items():
                     f = step + length
                     if f not in at:
                         at[f] = []
                         heapq.heappush(finishes, f)
-                    at[f].append((p.req, c, p.prompt_tokens + length))
+                    at[f].append((p.req, c, p.prompt_tokens + length, c if asks else 0))
                 ctx += n * p.prompt_tokens
+                asking += p.asks
             pre = cost.prefill_s(tokens, lora=True, cold=cold) if tokens else 0.0
             if pre + load_s > 0:
                 yield from self.gpu.work("engine", pre + load_s)
             # Decode to the next completion, or to the step boundary after a new arrival.
             k = finishes[0] - step
-            tau = cost.decode_step_s(running, ctx + running * (k - 1) / 2, len(adapters))
+            tau = cost.decode_step_s(running, ctx + running * (k - 1) / 2, len(adapters),
+                                     None if self.audit is None else asking)
             can_admit = running < self.max_num_seqs
             done = yield from self.gpu.work("engine", k * tau, self._arrival if can_admit else None, batch=running)
             n = k
@@ -151,9 +160,10 @@ class SimEngine:
             self.steps_run += n
             finished_here = bool(finishes) and finishes[0] <= step
             while finishes and finishes[0] <= step:
-                for req, c, seq_ctx in at.pop(heapq.heappop(finishes)):
+                for req, c, seq_ctx, lp in at.pop(heapq.heappop(finishes)):
                     running -= c
                     ctx -= c * seq_ctx
+                    asking -= lp
                     adapters[req.job_id] -= c
                     if adapters[req.job_id] == 0:
                         del adapters[req.job_id]

@@ -98,6 +98,12 @@ class Decode(_M):
     # Step time of a batch past the graph sizes, by adapters: launch-bound, so flat in the batch
     # (measured at one batch size past them).
     graphless: list[GraphlessStep] = []
+    # What one sequence returning its sampled token's logprob adds to a decode step (the engine's
+    # host work per request and step for the audit, RunConfig.audit; before ``scale``). The curves
+    # were measured returning every sequence's, so a step is priced without it on the sequences that
+    # do not ask. Fitted on pairs of runs that differ in their audit alone (`nodus fit-audit`); 0:
+    # not measured (a run auditing less is priced as the full audit, and flagged).
+    logprob_s_per_seq: float = Field(default=0.0, ge=0)
 
 
 class Prefill(_M):
@@ -410,9 +416,18 @@ class CostModel:
     def _curve_at(self, c: Curve, batch: int) -> float:
         return _interp(c.batch, c.step_s, batch)
 
-    def decode_step_s(self, batch: int, context_tokens: float, adapters: int) -> float:
+    def decode_step_s(self, batch: int, context_tokens: float, adapters: int, logprob_seqs: int | None = None) -> float:
         """One decode step of `batch` sequences holding `context_tokens` of KV in total, with
-        `adapters` distinct LoRA adapters among them."""
+        `adapters` distinct LoRA adapters among them, ``logprob_seqs`` of them returning their
+        sampled tokens' logprobs (None: every one, as the curves were measured)."""
+        step = self._decode_full_s(batch, context_tokens, adapters)
+        d = self.profile.decode
+        if logprob_seqs is None or logprob_seqs >= batch or not d.logprob_s_per_seq:
+            return step
+        # Never below half the step: the term was fitted where the host work was a few tenths of it.
+        return max(step - d.logprob_s_per_seq * (batch - logprob_seqs) * d.scale, 0.5 * step)
+
+    def _decode_full_s(self, batch: int, context_tokens: float, adapters: int) -> float:
         key = (batch, adapters)
         base = self._cache.get(key)
         if base is None:

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 import real.backend
-from nodus.config import build_config
+from real.backend import BackendConfigError
+from nodus.config import AuditSpec, build_config
 from nodus.realrun import ClusterPool, PlannedCluster
 
 
@@ -105,7 +106,11 @@ def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monke
     audited = dataclasses.replace(graphed, audit_every=4)
     assert engine_settings(audited) == engine_settings(graphed) and trainer_settings(audited) == trainer_settings(graphed)
     pool.opts = audited
-    assert pool(_cfg(2), 1) is first and first.trainer_restarts == [graphed] and first.opts is audited
+    # The run's config holds the same audit (real.backend.with_audit; a config of another is refused).
+    every4 = _cfg(2).model_copy(update={"audit": AuditSpec(every=4)})
+    with pytest.raises(BackendConfigError, match="audit"):
+        pool(_cfg(2), 1)
+    assert pool(every4, 1) is first and first.trainer_restarts == [graphed] and first.opts is audited
     # An engine setting (here the engine's thread percentage) needs new engines: a new cluster.
     pool.opts = dataclasses.replace(graphed, engine_thread_pct=60)
     other = pool(_cfg(2), 1)
@@ -173,7 +178,7 @@ def test_the_audit_cadence_picks_each_jobs_steps_and_a_bad_one_is_refused(capsys
     assert [RealBackend.audits(every2, k) for k in range(5)] == [True, False, True, False, True]
     off = SimpleNamespace(opts=RealOptions(audit_logprobs=False))
     assert not any(RealBackend.audits(off, k) for k in range(3))
-    for flag, says in (("--audit-every", "audit_every=0"), ("--audit-responses", "audit_responses=0")):
+    for flag, says in (("--audit-every", "--audit-every 0"), ("--audit-responses", "--audit-responses 0")):
         assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
                      "--sharing", "none", flag, "0"]) == 2
         assert says in capsys.readouterr().err
