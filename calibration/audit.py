@@ -27,7 +27,7 @@ from pathlib import Path
 
 from calibration.validate import _simulate, load_recorded, recorded_configs, run_controls, spans_digest
 from nodus.config import AuditSpec, ConfigError
-from sim.profile import add_source, profile_dict, refuse_existing, write_profile
+from sim.profile import add_source, profile_dict, refuse_existing, set_assumption, write_fit_report, write_profile
 
 TERM_MAX = 1e-3  # the bisection's upper end: a millisecond per sequence and step (measured: ~10 us)
 TOLERANCE = 1e-8  # the bisection stops when the term's bracket is this narrow (seconds)
@@ -187,17 +187,14 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof["decode"]["logprob_s_per_seq"] = result["logprob_s_per_seq"]
     prof.setdefault("measurements", {})["audit"] = {
         k: v for k, v in result.items() if k in ("logprob_s_per_seq", "rows", "left_out_mape", "left_out_worst")}
-    prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != "audit-logprob-term"] + [{
+    set_assumption(prof, {
         "id": "audit-logprob-term",
         "what": "each decode-step sequence not returning its sampled token's logprob (RunConfig.audit) takes "
                 "decode.logprob_s_per_seq off the step (never below half of it), fitted on "
                 f"{len(result['rows'])} pair(s) of runs differing in their audit alone (nodus fit-audit); the "
                 "train phase's share of the audit is not modelled",
-        "value": result["logprob_s_per_seq"]}]
+        "value": result["logprob_s_per_seq"]})
     add_source(prof, "nodus fit-audit " + " ".join(str(p) for p in runs))
     write_profile(prof, out, "nodus fit-audit")
-    if report is not None:
-        Path(report).parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{report}.md").write_text(report_markdown(result))
-        Path(f"{report}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_fit_report(report, report_markdown(result), result)
     return result

@@ -28,7 +28,7 @@ from calibration.fit_runs import nonneg_rel_lstsq
 from nodus.config import ConfigError
 from nodus.lengths import recorded_step_lengths
 from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
-from sim.profile import add_source, drop_two_engine_rate, profile_dict, write_profile
+from sim.profile import add_source, drop_two_engine_rate, profile_dict, write_fit_report, write_profile
 
 FEATURES = ("microbatches", "padded_tokens", "packed_pairs")
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,8 +216,5 @@ def fit_to_file(paths: list[str | Path], base: str, out: str | Path, report: str
     write_profile(prof, out, "nodus fit-packed")
     rows = ratio_rows(result, prof)
     result["ratios"] = rows
-    if report is not None:
-        Path(report).parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{report}.md").write_text(report_markdown(result, rows, base))
-        Path(f"{report}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_fit_report(report, report_markdown(result, rows, base), result)
     return result

@@ -31,7 +31,7 @@ from calibration.validate import (_simulate, load_recorded, recorded_configs, ru
                                   stacks_run_settings)
 from nodus.config import ConfigError, build_config, stacks_of
 from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
-                         refuse_existing, write_profile)
+                         refuse_existing, set_assumption, write_fit_report, write_profile)
 
 RATE_MIN = 0.05  # the bisection's lower end: an engine at a twentieth of its alone speed
 TOLERANCE = 1e-4  # the bisection stops when the rate's bracket is this narrow
@@ -190,16 +190,13 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof.setdefault("measurements", {})["stacks"] = {
         k: v for k, v in result.items() if k in ("mps_engines", "settings", "rows", "left_out_mape",
                                                   "left_out_worst", "without_rate_mape")}
-    prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != "sharing-two-engines"] + [{
+    set_assumption(prof, {
         "id": "sharing-two-engines",
         "what": "two stacks' engines generating together each go at sharing.mps_engines, fitted on "
                 f"{len(result['rows'])} two-stack run(s) by replay (nodus fit-stacks); beside a trainer, scaled by "
                 "the pair's engine rate over its alone rate; past two stacks, two engines' combined rate split evenly",
-        "value": result["mps_engines"]}]
+        "value": result["mps_engines"]})
     add_source(prof, "nodus fit-stacks " + " ".join(str(p) for p in runs))
     write_profile(prof, out, "nodus fit-stacks")
-    if report is not None:
-        Path(report).parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{report}.md").write_text(report_markdown(result))
-        Path(f"{report}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_fit_report(report, report_markdown(result), result)
     return result

@@ -334,6 +334,20 @@ def add_source(prof: dict, source: str) -> None:
     env["sources"] = list(env.get("sources") or []) + [source]
 
 
+def set_assumption(prof: dict, assumption: dict) -> None:
+    """Put ``assumption`` (id, what, value) in the profile's list, in place of any of its id."""
+    prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != assumption["id"]] + [assumption]
+
+
+def write_fit_report(report: str | Path | None, markdown: str, result: dict) -> None:
+    """A fit's report: ``report``.md and ``report``.json (nothing when ``report`` is None)."""
+    if report is None:
+        return
+    Path(report).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{report}.md").write_text(markdown)
+    Path(f"{report}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
 WHAT_IF_PHASES = ("train", "decode", "prefill", "publish")
 
 
