@@ -249,6 +249,18 @@ class AuditSpec(_Model):
     # On an audited step, the first K responses of each prompt return logprobs (None: every one).
     responses: int | None = Field(default=None, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical(cls, data):
+        # No audit is one setting whatever its cadence says (equal to every other no-audit spec); a
+        # cadence no audit could take is still refused by the fields' own checks.
+        if isinstance(data, dict) and data.get("logprobs") is False:
+            def valid(v):
+                return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+            if valid(data.get("every")) and valid(data.get("responses")):
+                return {**data, "every": 1, "responses": None}
+        return data
+
     def audits(self, step: int) -> bool:
         """Whether a job's step ``step`` is audited (its rollouts carry the engine's logprobs)."""
         return self.logprobs and step % self.every == 0

@@ -116,7 +116,9 @@ def run_on_pool(pool, cfg: RunConfig, opts):
     (summary, runs). A failed run stops the pool's processes, so the next test starts fresh ones
     instead of meeting its leftovers."""
     from nodus.runner import run_arm
+    from real.backend import with_audit
 
+    cfg, opts = with_audit(cfg, opts)  # an audit set in the options is the run's (its config records it)
     pool.opts = opts
     try:
         return run_arm(cfg, pool, baseline=False)

@@ -38,6 +38,10 @@ def test_audit_spec_counts_the_responses_that_ask_and_refuses_bad_values():
     assert [r1.asking(s, 8) for s in (0, 1)] == [1, 1] and AuditSpec(responses=12).asking(0, 8) == 8
     assert [every2.asking(s, 8) for s in (0, 1, 2)] == [8, 0, 8]
     assert none.asking(0, 8) == 0
+    # No audit is one setting: its cadence is dropped, and a bad one is still refused.
+    assert AuditSpec(logprobs=False, every=4, responses=2) == none
+    with pytest.raises(ValueError, match="every"):
+        AuditSpec(logprobs=False, every=0)
     base = {"jobs": [{"task": "gsm8k"}, {"task": "countdown"}]}
     assert build_config(base).audit == full
     for bad, field in (({"every": 0}, "audit.every"), ({"responses": 0}, "audit.responses"),

@@ -32,11 +32,12 @@ def _run(pool, cfg, out, **opts):
     from factories import run_on_pool
     from nodus.outdir import make_out_dir
     from nodus.simulate import write_run
-    from real.backend import RealOptions
+    from real.backend import RealOptions, with_audit
     from real.base_model import ensure_tiny_base
 
-    summary, runs = run_on_pool(pool, cfg, RealOptions(model=str(ensure_tiny_base(log=lambda s: None)), **opts))
-    write_run(make_out_dir(out), cfg, summary, runs)
+    cfg, real_opts = with_audit(cfg, RealOptions(model=str(ensure_tiny_base(log=lambda s: None)), **opts))
+    summary, runs = run_on_pool(pool, cfg, real_opts)
+    write_run(make_out_dir(out), cfg, summary, runs)  # the config with the audit the run ran
     return summary
 
 
