@@ -134,11 +134,16 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
     result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
                    steps=a.steps, profile=a.profile, workers=a.workers, out=a.out, share_prompts=a.share_prompts,
-                   stacks=a.stacks)
+                   stacks=a.stacks, audit=audit_spec_from_args(a))
     print(json.dumps(result, default=str) if a.json
           else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best"),
                            result.get("outside_profile")))
+    from nodus.config import AuditSpec
+    from sim.backend import audit_words
+
+    audit = AuditSpec(**result["audit"])
     print(f"{len(result['rows'])} runs in {result['wall_s']:.1f}s with {result['workers']} workers"
+          + ("" if audit.is_full() else f", audit: {audit_words(audit)}")
           + (f"; wrote {a.out}/ (sweep.csv, sweep.json, sweep.png)" if a.out else ""), file=sys.stderr)
     return 0
 
@@ -399,8 +404,16 @@ def _add_audit_flags(p: argparse.ArgumentParser) -> None:
 def audit_from_args(cfg: RunConfig, a: argparse.Namespace) -> RunConfig:
     """``cfg`` with the audit flags given (--no-audit, --audit-every, --audit-responses) in its
     ``audit``; a clear error for a value the audit cannot take."""
+    audit = audit_spec_from_args(a, cfg.audit)
+    return cfg if audit is cfg.audit else cfg.model_copy(update={"audit": audit})
+
+
+def audit_spec_from_args(a: argparse.Namespace, base=None):
+    """``base`` (an AuditSpec; default the full audit) with the audit flags given; ``base`` itself
+    when none is."""
     from nodus.config import AuditSpec
 
+    base = base if base is not None else AuditSpec()
     if a.audit_every is not None and a.audit_every < 1:
         raise ConfigError(f"--audit-every {a.audit_every}: audit every N-th step needs N >= 1 (--no-audit: none)")
     if a.audit_responses is not None and a.audit_responses < 1:
@@ -408,9 +421,7 @@ def audit_from_args(cfg: RunConfig, a: argparse.Namespace) -> RunConfig:
                           "K >= 1 (--no-audit: none)")
     upd = {k: v for k, v in (("logprobs", False if a.no_audit else None), ("every", a.audit_every),
                              ("responses", a.audit_responses)) if v is not None}
-    if not upd:
-        return cfg
-    return cfg.model_copy(update={"audit": AuditSpec(**{**cfg.audit.model_dump(), **upd})})
+    return AuditSpec(**{**base.model_dump(), **upd}) if upd else base
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -449,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")
     p.add_argument("--out", help="write sweep.csv, sweep.json, sweep.png into this new folder")
     p.add_argument("--json", action="store_true")
+    _add_audit_flags(p)  # every run of the sweep, the dedicated baseline's too
     p.set_defaults(fn=cmd_sweep)
 
     p = sub.add_parser("run", help="run one arm through the real backend (vLLM + multi-LoRA trainer) or the sim")

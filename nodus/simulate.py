@@ -13,8 +13,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from nodus.config import (AUTO_SHARE_PROMPTS, DEFAULT_PROFILE, POLICIES, SHARINGS, ConfigError, RunConfig, build_config,
-                          default_jobs, packed_rows, size_engine_graphs, stacks_of)
+from nodus.config import (AUTO_SHARE_PROMPTS, DEFAULT_PROFILE, POLICIES, SHARINGS, AuditSpec, ConfigError, RunConfig,
+                          build_config, default_jobs, packed_rows, size_engine_graphs, stacks_of)
 from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import run_arm, run_spans, size_engine_slots
 from nodus.accounting import summarize
@@ -204,9 +204,11 @@ def stacked_arms(jobs: int, arms: list[tuple[str, int, str]], stacks: list[int])
 
 
 def _sweep_task(args) -> dict:
-    jobs, seed, (policy, groups, sharing, stacks), steps, profile, share = args
+    jobs, seed, (policy, groups, sharing, stacks), steps, profile, share, audit = args
     cfg = config_from_args(jobs=jobs, policy=policy, groups=groups, sharing=sharing, steps=steps,
                            seed=seed, profile=profile, share_prompts=share, stacks=stacks if stacks > 1 else None)
+    if audit is not None:
+        cfg = cfg.model_copy(update={"audit": AuditSpec(**audit)})
     from sim import backend_factory
 
     t0 = time.perf_counter()
@@ -236,13 +238,14 @@ def _parse_list(text: str, cast, name: str, choices=None) -> list:
 def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", sharing: str = "none,mps",
           seeds: str = "1,2,3", steps: int = 20, profile: str = DEFAULT_PROFILE, workers: int | None = None,
           out: str | Path | None = None, progress: bool = True, share_prompts: str | None = None,
-          stacks: str = "1") -> dict:
+          stacks: str = "1", audit: AuditSpec | None = None) -> dict:
     """Every arm for every job count, seed and ``share_prompts`` (the trainer's responses a packed
     row, ``trainer.share_prompts``; 0: plain rows; None: ``AUTO_SHARE_PROMPTS`` on a graphed profile,
     0 on an eager one, as ``nodus sim``); ratios are against the dedicated arm of the same job count,
     seed and trainer setting (the job alone trains the same way). Writes sweep.csv, sweep.json and
     sweep.png into `out`. ``stacks``: the engine + trainer stack counts (arm.stacks) each shared
-    arm runs on, where its jobs fill them (``stacked_arms``)."""
+    arm runs on, where its jobs fill them (``stacked_arms``). ``audit``: every run's audit
+    (RunConfig.audit, the dedicated baseline's too; None: the full audit)."""
     job_list = _parse_list(jobs, int, "jobs")
     if min(job_list) < 1:
         raise ConfigError(f"--jobs {jobs}: every job count must be >= 1")
@@ -269,7 +272,8 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
         raise ConfigError(f"--share-prompts {share_prompts}: packed rows run on the graphed trainer only, and profile "
                           f"{profile!r} describes the eager one (train.step_mode): sweep a graphed profile")
     out_dir = make_out_dir(out) if out is not None else None
-    tasks = [(n, sd, arm, steps, profile, sp) for n in job_list for sd in seed_list for sp in share_list
+    audit_dict = audit.model_dump() if audit is not None else None
+    tasks = [(n, sd, arm, steps, profile, sp, audit_dict) for n in job_list for sd in seed_list for sp in share_list
              for arm in stacked_arms(n, sweep_arms(n, pol, group_list, shr), stack_list)]
     tasks.sort(key=lambda t: -t[0] * (t[2][1] if t[2][0] == "overlap" else 1))  # big runs first
     rows, t0 = [], time.perf_counter()
@@ -290,7 +294,8 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
                              r["stacks"], r["seed"]))
     flags = sorted({f for r in rows for f in r.pop("outside_profile")})
     result = {"profile": profile, "profile_validation": validation, "steps": steps, "seeds": seed_list,
-              "share_prompts": share_list, "stacks": stack_list, "outside_profile": flags,
+              "share_prompts": share_list, "stacks": stack_list, "audit": (audit or AuditSpec()).model_dump(),
+              "outside_profile": flags,
               "rows": rows, "best": best_arms(rows, (validation or {}).get("heldout_mape")),
               "wall_s": time.perf_counter() - t0, "workers": workers}
     if out_dir is not None:

@@ -170,3 +170,17 @@ def test_the_real_backend_keeps_one_audit_in_its_config_and_options():
         with_audit(cfg.model_copy(update={"audit": r1}), RealOptions(audit_every=2))
     with pytest.raises(BackendConfigError, match="audit"):
         check_run_settings(cfg, RealOptions(audit_logprobs=False))
+
+
+def test_a_sweep_runs_every_arm_and_its_baseline_under_one_audit(tmp_path):
+    from nodus.simulate import sweep
+
+    p = _profile(tmp_path, TERM)
+    kw = dict(jobs="4", groups="1", policies="shared-sync", sharing="mps", seeds="1", steps=2, profile=p,
+              workers=1, progress=False)
+    full, r1 = sweep(**kw), sweep(**kw, audit=AuditSpec(responses=1))
+    assert r1["audit"] == {"logprobs": True, "every": 1, "responses": 1} and full["audit"]["responses"] is None
+    sph = {(res["audit"]["responses"], r["policy"]): r["steps_per_gpu_hour"] for res in (full, r1) for r in res["rows"]}
+    assert sph[(1, "shared-sync")] > sph[(None, "shared-sync")] and sph[(1, "dedicated")] > sph[(None, "dedicated")]
+    assert main(["sweep", "--jobs", "2", "--groups", "1", "--policies", "shared-sync", "--sharing", "mps",
+                 "--seeds", "1", "--steps", "1", "--profile", p, "--workers", "1", "--no-audit", "--json"]) == 0
