@@ -78,7 +78,7 @@ def audit_pairs(runs: list[str | Path]) -> list[dict]:
     return sorted(pairs, key=lambda p: p["light"]["run"])
 
 
-def _predict(runs: list[dict], prof: dict, term: float, tmp: Path) -> list[float]:
+def predict(runs: list[dict], prof: dict, term: float, tmp: Path) -> list[float]:
     """Each run's replayed steps per GPU-hour on ``prof`` with ``decode.logprob_s_per_seq = term``."""
     p = json.loads(json.dumps(prof))
     p["decode"]["logprob_s_per_seq"] = term
@@ -93,14 +93,16 @@ def _log_gap(pairs: list[dict], full: list[float], light: list[float]) -> float:
     return sum(math.log(li / fu) - math.log(p["measured_ratio"]) for p, fu, li in zip(pairs, full, light)) / len(pairs)
 
 
-def fit_term(pairs: list[dict], prof: dict, tmp: Path, which: str = "") -> tuple[float, list[float], list[float]]:
+def fit_term(pairs: list[dict], prof: dict, tmp: Path, which: str = "",
+             full: list[float] | None = None) -> tuple[float, list[float], list[float]]:
     """The term at which the pairs' simulated ratios match the measured ones on average (in logs),
-    and the full- and light-audit predictions there. A full-audit run does not depend on the term;
-    the lighter one's prediction rises with it, so bisection. A pair whose lighter audit measured
-    no faster gives 0."""
-    full = _predict([p["full"] for p in pairs], prof, 0.0, tmp)
+    and the full- and light-audit predictions there (``full``: the full-audit ones, when already
+    simulated). A full-audit run does not depend on the term; the lighter one's prediction rises
+    with it, so bisection. A pair whose lighter audit measured no faster gives 0."""
+    if full is None:
+        full = predict([p["full"] for p in pairs], prof, 0.0, tmp)
     def light(term: float) -> list[float]:
-        return _predict([p["light"] for p in pairs], prof, term, tmp)
+        return predict([p["light"] for p in pairs], prof, term, tmp)
 
     at0 = light(0.0)
     if _log_gap(pairs, full, at0) >= 0:
@@ -135,8 +137,9 @@ def fit(runs: list[str | Path], base: str) -> dict:
             if not others:
                 loo.append(None)
                 continue
-            t_i, _, _ = fit_term(others, prof, tmp, f" but {p['light']['run']}'s (left out)")
-            ratio = _predict([p["light"]], prof, t_i, tmp)[0] / full[i]
+            t_i, _, _ = fit_term(others, prof, tmp, f" but {p['light']['run']}'s (left out)",
+                                 full=full[:i] + full[i + 1:])
+            ratio = predict([p["light"]], prof, t_i, tmp)[0] / full[i]
             loo.append({"term": t_i, "ratio": ratio, "error": ratio / p["measured_ratio"] - 1})
     rows = [{"full": p["full"]["run"], "light": p["light"]["run"], "audit": p["light"]["audit"],
              "measured": [p["full"]["measured"], p["light"]["measured"]], "measured_ratio": p["measured_ratio"],
@@ -145,12 +148,6 @@ def fit(runs: list[str | Path], base: str) -> dict:
     errs = [abs(r["left_out"]["error"]) for r in rows if r["left_out"]]
     return {"base": base, "logprob_s_per_seq": term, "decode_scale": prof["decode"].get("scale", 1.0), "rows": rows,
             "left_out_mape": sum(errs) / len(errs) if errs else None, "left_out_worst": max(errs) if errs else None}
-
-
-def _audit_words(a: dict) -> str:
-    from sim.backend import audit_words
-
-    return audit_words(AuditSpec(**a))
 
 
 def report_markdown(result: dict) -> str:
@@ -170,7 +167,7 @@ def report_markdown(result: dict) -> str:
         lo = x["left_out"]
         left = f"{lo['term'] * 1e6:.2f} us / {lo['ratio']:.3f} / {lo['error']:+.1%}" if lo else "-"
         (mf, ml), (pf, pl) = x["measured"], x["predicted"]
-        lines.append(f"| {Path(x['light']).name} | {_audit_words(x['audit'])} | {mf:.0f} / {ml:.0f} "
+        lines.append(f"| {Path(x['light']).name} | {AuditSpec(**x['audit']).words() or 'full'} | {mf:.0f} / {ml:.0f} "
                      f"({x['measured_ratio']:.3f}) | {pf:.0f} / {pl:.0f} ({x['predicted_ratio']:.3f}) | "
                      f"{x['ratio_error']:+.1%} | {left} |")
     lines += ["", "Only each pair's ratio is fitted, so what the base misprices on both runs of a pair (the day's "

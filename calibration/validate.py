@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import (DEFAULT_MICROBATCH_TOKENS, ConfigError, build_config, corun_key, drop_idle_priority,
-                          packed_rows, stacks_of, trainer_freed)
+from nodus.config import (DEFAULT_MICROBATCH_TOKENS, AuditSpec, ConfigError, build_config, corun_key,
+                          drop_idle_priority, packed_rows, stacks_of, trainer_freed)
 from nodus.gpumon import SLOWDOWN_REASONS
 from nodus.runner import run_arm
 
@@ -231,8 +231,7 @@ def recorded_audit(rd: Path, cfg: dict) -> dict:
     if cfg.get("audit") is not None:
         return cfg["audit"]
     summ = Path(rd) / "summary.json"
-    a = run_audit(json.loads(summ.read_text())) if summ.is_file() else {}
-    return {"logprobs": a.get("logprobs", True), "every": a.get("every") or 1, "responses": a.get("responses")}
+    return AuditSpec.from_record(run_audit(json.loads(summ.read_text())) if summ.is_file() else {}).model_dump()
 
 
 def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tuple[dict, dict]:
@@ -391,17 +390,8 @@ def run_audit(summary: dict) -> dict:
 
 def audit_text(audit: dict) -> str:
     """A run's logprob audit (its diagnostics' ``audit``: logprobs, every, responses) in words when
-    it is not the default (every step, every response): "off", "every 4 steps", "1 response a
-    prompt", "every 4 steps, 2 responses a prompt"; "" at the default."""
-    if audit.get("logprobs") is False:
-        return "off"
-    parts = []
-    if (audit.get("every") or 1) != 1:
-        parts.append(f"every {audit['every']} steps")
-    if audit.get("responses") is not None:
-        n = audit["responses"]
-        parts.append(f"{n} response{'s' if n != 1 else ''} a prompt")
-    return ", ".join(parts)
+    it is not the default (every step, every response): ``AuditSpec.words``; "" at the default."""
+    return AuditSpec.from_record(audit).words()
 
 
 def audit_label(audit: dict) -> str:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> dict:
-    from calibration.audit import _predict, audit_pairs
+    from calibration.audit import audit_pairs, predict
     from sim.profile import profile_dict
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,9 +39,9 @@ def main(argv=None) -> dict:
     pairs = audit_pairs(a.runs)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        full = _predict([p["full"] for p in pairs], prof, 0.0, tmp)
-        light = _predict([p["light"] for p in pairs], prof, term, tmp)
-        bare = _predict([p["light"] for p in pairs], prof, 0.0, tmp)
+        full = predict([p["full"] for p in pairs], prof, 0.0, tmp)
+        light = predict([p["light"] for p in pairs], prof, term, tmp)
+        bare = predict([p["light"] for p in pairs], prof, 0.0, tmp)
     rows = [{"light": p["light"]["run"], "full": p["full"]["run"], "measured_ratio": p["measured_ratio"],
              "predicted_ratio": li / fu, "error": (li / fu) / p["measured_ratio"] - 1,
              "error_without_term": (b / fu) / p["measured_ratio"] - 1}

@@ -139,11 +139,10 @@ def cmd_sweep(a: argparse.Namespace) -> int:
           else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best"),
                            result.get("outside_profile")))
     from nodus.config import AuditSpec
-    from sim.backend import audit_words
 
-    audit = AuditSpec(**result["audit"])
+    audit = AuditSpec(**result["audit"]).words()
     print(f"{len(result['rows'])} runs in {result['wall_s']:.1f}s with {result['workers']} workers"
-          + ("" if audit.is_full() else f", audit: {audit_words(audit)}")
+          + (f", audit: {audit}" if audit else "")
           + (f"; wrote {a.out}/ (sweep.csv, sweep.json, sweep.png)" if a.out else ""), file=sys.stderr)
     return 0
 

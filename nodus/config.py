@@ -274,6 +274,23 @@ class AuditSpec(_Model):
     def is_full(self) -> bool:
         return self.logprobs and self.every == 1 and self.responses is None
 
+    @classmethod
+    def from_record(cls, record: dict) -> "AuditSpec":
+        """The audit a run's diagnostics recorded (``real.backend``'s ``audit``: logprobs, every,
+        responses; a key missing, or {} for a run before the record: the full audit's)."""
+        return cls(logprobs=record.get("logprobs", True) is not False, every=record.get("every") or 1,
+                   responses=record.get("responses"))
+
+    def words(self) -> str:
+        """The audit in words when it is not the full one: "off", "every 4 steps", "1 response a
+        prompt", "every 4 steps, 2 responses a prompt"; "" for the full audit."""
+        if not self.logprobs:
+            return "off"
+        parts = [f"every {self.every} steps"] if self.every != 1 else []
+        if self.responses is not None:
+            parts.append(f"{self.responses} response{'s' if self.responses != 1 else ''} a prompt")
+        return ", ".join(parts)
+
 
 # trainer.share_prompts that `nodus run` and `nodus sim` use where neither the config nor
 # --share-prompts sets it and the trainer is the graphed one (--trainer-graphs on the real backend,

@@ -23,15 +23,6 @@ from sim.gpu import SharedGPU
 from sim.profile import CostModel
 
 
-def audit_words(audit) -> str:
-    """A run's audit (RunConfig.audit) in a few words."""
-    if not audit.logprobs:
-        return "none"
-    parts = ([f"every {audit.every} steps"] if audit.every != 1 else []) + (
-        [f"first {audit.responses} response(s) a prompt"] if audit.responses is not None else [])
-    return ", ".join(parts) or "full"
-
-
 class SimBackend:
     def __init__(self, cfg: RunConfig, cost: CostModel, n_stacks: int = 1):
         if cfg.trainer.share_prompts > 1 and cost.profile.train.step_mode == "eager":
@@ -83,7 +74,7 @@ class SimBackend:
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         if not cfg.audit.is_full() and not cost.profile.decode.logprob_s_per_seq:
             cost.note_unmodelled(
-                f"audit={audit_words(cfg.audit)}: the profile has no logprob term (decode.logprob_s_per_seq; "
+                f"audit={cfg.audit.words()}: the profile has no logprob term (decode.logprob_s_per_seq; "
                 "`nodus fit-audit` on runs that differ in their audit alone): priced as the full audit, every "
                 "response of every step returning logprobs (on the H200 one response a prompt ran 13-15% faster, "
                 "session 32)")

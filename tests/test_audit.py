@@ -64,7 +64,7 @@ def test_the_simulator_prices_fewer_logprobs_faster_and_flags_a_profile_without_
     out = simulate(_cfg(_profile(tmp_path, 0.0, "zero2.json"), responses=1))
     assert out["steps_per_gpu_hour"] == pytest.approx(sph["full"])
     flags = " ".join(out["outside_profile"])
-    assert "audit=first 1 response(s) a prompt" in flags and "nodus fit-audit" in flags
+    assert "audit=1 response a prompt" in flags and "nodus fit-audit" in flags
     assert not any("audit" in f for f in simulate(_cfg(p, responses=1))["outside_profile"])
 
 
@@ -109,7 +109,7 @@ def test_fit_audit_recovers_the_term_the_runs_were_recorded_with(tmp_path):
     fitted = json.loads(out.read_text())
     assert fitted["decode"]["logprob_s_per_seq"] == pytest.approx(r["logprob_s_per_seq"])
     assert "audit-logprob-term" in {a["id"] for a in fitted["assumptions"]}
-    assert "first 1 response(s) a prompt" in (tmp_path / "rep.md").read_text()
+    assert "| 1 response a prompt |" in (tmp_path / "rep.md").read_text()
     with pytest.raises(FileExistsError, match="never overwrites"):
         fit_to_file(runs, str(base), out)
     # validate prices the lighter run on the fitted profile, and no longer calls its audit unmodelled.
