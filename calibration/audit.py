@@ -42,10 +42,12 @@ def _key(cfg: dict, controls: dict) -> str:
 def audit_pairs(runs: list[str | Path]) -> list[dict]:
     """The runs as pairs (full audit, a lighter audit) of one configuration, seed and run settings
     but the audit: a full-audit run pairs with each lighter-audit run of its configuration (one
-    responses, one every N steps, one none...). Refuses the same run twice, two runs of one audit
-    and configuration (which of them pairs is not for this tool to guess), and a run with no
-    partner, naming it."""
-    groups: dict[str, dict[str, dict]] = {}
+    responses, one every N steps, one none...). Runs of one configuration from several days pair
+    within their folders: where a configuration has two runs of one audit, each folder holding its
+    runs must hold one run of each audit (a day's pair; session 32's and session 33's, say). Refuses
+    the same run twice, two runs of one audit and configuration in one folder (which of them pairs
+    is not for this tool to guess), and a run with no partner, naming it."""
+    groups: dict[str, list[dict]] = {}
     seen: dict[str, str] = {}
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
@@ -57,22 +59,35 @@ def audit_pairs(runs: list[str | Path]) -> list[dict]:
         replay, _ = recorded_configs(rd, cfg, spans, "")
         audit = AuditSpec(**replay["audit"])
         slot = "full" if audit.is_full() else json.dumps(audit.model_dump(), sort_keys=True)
-        g = groups.setdefault(_key(cfg, run_controls(meas)), {})  # the recorded config (replay names its trace)
-        if slot in g:
-            raise ConfigError(f"nodus fit-audit: {rd} and {g[slot]['run']} are both runs of one configuration with "
-                              f"one audit ({'full' if slot == 'full' else slot}): give one run of each audit per "
-                              "configuration and seed")
-        g[slot] = {"run": str(rd), "cfg": replay, "audit": audit.model_dump(), "measured": meas["steps_per_gpu_hour"]}
+        groups.setdefault(_key(cfg, run_controls(meas)), []).append(  # the recorded config (replay names its trace)
+            {"run": str(rd), "folder": str(rd.resolve().parent), "slot": slot, "cfg": replay,
+             "audit": audit.model_dump(), "measured": meas["steps_per_gpu_hour"]})
     pairs = []
-    for g in groups.values():
-        lights = [v for k, v in g.items() if k != "full"]
-        if "full" not in g or not lights:
-            only = next(iter(g.values()))
-            raise ConfigError(f"nodus fit-audit: {only['run']} has no partner: give each run with the run of the same "
-                              "configuration and seed with the " + ("lighter audit" if "full" in g else "full audit")
-                              + " (the two back to back on one machine)")
-        pairs += [{"full": g["full"], "light": v, "measured_ratio": v["measured"] / g["full"]["measured"]}
-                  for v in lights]
+    for members in groups.values():
+        slots = [m["slot"] for m in members]
+        by_folder: dict[str, list[dict]] = {}
+        for m in members:  # one set if no audit repeats, else a set per folder
+            by_folder.setdefault(m["folder"] if len(set(slots)) < len(slots) else "", []).append(m)
+        for ms in by_folder.values():
+            g: dict[str, dict] = {}
+            for m in ms:
+                if m["slot"] in g:
+                    raise ConfigError(
+                        f"nodus fit-audit: {m['run']} and {g[m['slot']]['run']} are both runs of one configuration "
+                        f"with one audit ({'full' if m['slot'] == 'full' else m['slot']}) in one folder: give one run "
+                        "of each audit per configuration and seed (runs of several days: each day's pair in its own "
+                        "folder)")
+                g[m["slot"]] = m
+            lights = [v for k, v in g.items() if k != "full"]
+            if "full" not in g or not lights:
+                only = next(iter(g.values()))
+                raise ConfigError(f"nodus fit-audit: {only['run']} has no partner: give each run with the run of the "
+                                  "same configuration and seed with the "
+                                  + ("lighter audit" if "full" in g else "full audit")
+                                  + " (the two back to back on one machine, in one folder where the configuration "
+                                  "has runs of several days)")
+            pairs += [{"full": g["full"], "light": v, "measured_ratio": v["measured"] / g["full"]["measured"]}
+                      for v in lights]
     if not pairs:
         raise ConfigError("nodus fit-audit: no runs given")
     return sorted(pairs, key=lambda p: p["light"]["run"])

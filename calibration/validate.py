@@ -318,6 +318,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
             controls = {k: v for k, v in controls.items() if k != "audit"}
         packing = build_config(replay_cfg, f"{rd}/config.json").trainer_packing()  # as the trainer ran it
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
+               "audit": audit_label(recorded_audit(rd, cfg)),  # its own configuration, priced or not
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
                "host_monitor": run_host_monitor(meas), "jit_compiles": run_jit_compiles(meas),
                **({"engine_steps": es} if (es := run_engine_steps(meas)) else {}),
@@ -1036,11 +1037,13 @@ def flagged_text(flags: dict) -> str:
 
 def config_key(row: dict) -> tuple:
     """Runs of one configuration: the same arm, job count, trainer micro-batch size, packing of
-    each prompt's responses (trainer.share_prompts), publish wait and MPS settings (seeds and
-    repeats differ)."""
+    each prompt's responses (trainer.share_prompts), publish wait, audit (full and ``:r1`` runs are
+    two configurations, also where the profile prices the audit) and MPS settings (seeds and repeats
+    differ)."""
     arm = row["arm"] or {}
     return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), stacks_of(arm), row["jobs"],
-            row.get("mb_tokens"), _packed(row), trainer_freed(arm), tuple(sorted(_config_controls(row).items())))
+            row.get("mb_tokens"), _packed(row), trainer_freed(arm), row.get("audit") or "",
+            tuple(sorted(_config_controls(row).items())))
 
 
 def _packed(row: dict) -> int:
@@ -1065,7 +1068,9 @@ def config_label(row: dict) -> str:
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
             + (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
             + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "")
-            + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "") + controls)
+            + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "")
+            + (f" audit {row['audit']}" if row.get("audit") and "audit" not in (row.get("controls") or {}) else "")
+            + controls)
 
 
 def _by_config(rows: list[dict]) -> dict[tuple, list[dict]]:

@@ -51,10 +51,20 @@ def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozens
     return max(fits, key=lambda f: (len(f), sorted(f))) if fits else None
 
 
+def variant_flags(variant: str | None) -> list[str]:
+    """A baseline variant's text ('+cg+cpu2+r1') as its flags."""
+    return ["+" + f for f in (variant or "").split("+")[1:]]
+
+
 def slots_flag(flag: str) -> int | None:
     """N of an engine-slot setting '+lsN'; None for any other flag."""
     m = re.fullmatch(r"\+ls(\d+)", flag)
     return int(m.group(1)) if m else None
+
+
+def audit_flag(flags: frozenset) -> str:
+    """The audit among a label's settings ('+r1', '+a4', '+a0', '+a4r1'); "" for the full audit."""
+    return next((f for f in sorted(flags) if re.fullmatch(r"\+(a\d+(r\d+)?|r\d+)", f)), "")
 
 
 def baseline_flags(present: set, flags: frozenset, jobs: int, stacks: int = 1) -> frozenset | None:
@@ -302,6 +312,12 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "baseline_by_task": by_task,
             # The dedicated run's settings the ratio divides by, when not the defaults (e.g. "+cg").
             "baseline_variant": variant,
+            # The arm's audit where the dedicated run it is measured over ran another (no dedicated
+            # run of its audit that day): the ratio then holds the audit's gain too.
+            "baseline_audit": (None if is_base or base is None
+                               or audit_flag(flags) == audit_flag(frozenset(variant_flags(variant)))
+                               else {"arm": audit_flag(flags) or "the full audit", "dedicated": audit_flag(
+                                   frozenset(variant_flags(variant))) or "the full audit"}),
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
@@ -504,6 +520,12 @@ def render(table: dict) -> str:
                 lines.append(f"| {label} | {seed} | {f(ph.get('generate'), 3)} | {f(ph.get('train'), 3)} | "
                              f"{f(ph.get('publish'), 3)} |"
                              + (f" {engine_step_text(d.get('engine_steps') or [])} |" if steps else ""))
+    other_audit = [f"{label} seed {seed} ({d['baseline_audit']['arm']} over a dedicated run with "
+                   f"{d['baseline_audit']['dedicated']})" for label, per in table["arms"].items()
+                   for seed, d in sorted(per.items()) if d.get("baseline_audit")]
+    if other_audit:
+        lines += ["", "Measured over a dedicated run under another audit (none of the arm's own that day; the ratio "
+                  "holds any gain the audit gives dedicated too): " + "; ".join(other_audit) + "."]
     both = [(label, seed, d["corun_s"]) for label, per in table["arms"].items() for seed, d in sorted(per.items())
             if d.get("corun_s") and all(d["corun_s"][ph]["n_beside"] for ph in ("generate", "train"))]
     if both:

@@ -4,6 +4,7 @@ with it, and the real backend's options and config kept as one audit."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -120,6 +121,11 @@ def test_fit_audit_recovers_the_term_the_runs_were_recorded_with(tmp_path):
     ratio = lambda row, k: row[k]["steps_per_gpu_hour"]  # noqa: E731
     assert ratio(light, "replay") / ratio(full_row, "replay") == pytest.approx(
         ratio(light, "measured") / ratio(full_row, "measured"), rel=0.01)
+    # The two audits stay two configurations though the profile prices both (per-configuration
+    # errors, the noise floor): a lighter audit is no repeat of the full one.
+    assert (light["audit"], full_row["audit"]) == ("r1", "")
+    assert res["all_per_config"]["replay"]["n"] == 2 and res["all_per_config"]["runs_per_config"] == [1, 1]
+    assert any(c.endswith("audit r1") for c in res["all_per_config"]["configs"])
 
 
 def test_fit_audit_refuses_unpaired_repeated_and_doubled_runs(tmp_path):
@@ -141,8 +147,21 @@ def test_fit_audit_refuses_unpaired_repeated_and_doubled_runs(tmp_path):
     spans = other / "spans.jsonl"
     spans.write_text("".join(json.dumps(json.loads(x), separators=(",", ":")) + "\n"
                              for x in spans.read_text().splitlines()))
-    with pytest.raises(ConfigError, match=r"both runs of one configuration with one audit \(full\)"):
+    with pytest.raises(ConfigError, match=r"both runs of one configuration with one audit \(full\) in one folder"):
         audit_pairs([full, str(other), light])
+    # Another day's pair of the same configuration, in a folder of its own: each day pairs apart.
+    day2 = tmp_path / "day2"
+    day2.mkdir()
+    for name, src in (("full", other), ("light", Path(light))):
+        shutil.copytree(src, day2 / name)
+    spans = day2 / "light" / "spans.jsonl"
+    spans.write_text("".join(json.dumps(json.loads(x), separators=(",", ":")) + "\n"
+                             for x in spans.read_text().splitlines()))
+    pairs = audit_pairs([full, light, str(day2 / "full"), str(day2 / "light")])
+    assert sorted((p["full"]["run"], p["light"]["run"]) for p in pairs) == sorted(
+        [(full, light), (str(day2 / "full"), str(day2 / "light"))])
+    with pytest.raises(ConfigError, match="day2/full has no partner"):
+        audit_pairs([full, light, str(day2 / "full")])
 
 
 def test_the_sim_cli_takes_the_audit_flags_and_names_a_bad_one(tmp_path, capsys):

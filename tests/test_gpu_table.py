@@ -525,3 +525,29 @@ def test_the_two_stacks_factor_pairs_one_and_two_stacks_with_the_same_settings(t
     sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"]
            for k in ("sync-mps", "sync-mps-k2")}
     assert table["factors"]["4+lowpri"]["1"] == {"two_stacks": pytest.approx(sph["sync-mps-k2"] / sph["sync-mps"])}
+
+
+def test_an_arm_under_a_lighter_audit_is_measured_over_the_dedicated_run_of_its_audit(tmp_path):
+    """An arm auditing one response a prompt (+r1) takes the day's dedicated run of that audit as its
+    baseline; with only a full-audit dedicated run it is measured over that one, and the table says
+    so (the ratio then holds what the audit gives dedicated too)."""
+    from experiments.gpu_table import audit_flag, main
+
+    r1 = {"audit": {"logprobs": True, "every": 1, "responses": 1}}
+    arm = dict(policy="overlap", groups=2, sharing="mps")
+    ded = dict(policy="dedicated", sharing="none")
+    full_runs = _simulated(tmp_path / "a", (("ded", ded),), diagnostics=[{}], jobs=4, steps=3, seed=1)
+    light_runs = _simulated(tmp_path / "a", (("ded-r1", ded), ("ovl-r1", arm)), diagnostics=[r1], jobs=4, steps=3,
+                            seed=1)
+    sph = lambda run: json.loads((tmp_path / "a" / run / "summary.json").read_text())["steps_per_gpu_hour"]  # noqa: E731
+    table = main(full_runs + light_runs + ["--out", str(tmp_path / "t1")])
+    row = table["arms"]["overlap/mps/g2+r1/4jobs"]["1"]
+    assert row["baseline_variant"] == "+r1" and row["baseline_audit"] is None
+    assert row["ratio_vs_dedicated"] == pytest.approx(sph("ovl-r1") / sph("ded-r1"))
+    table = main(full_runs + light_runs[1:] + ["--out", str(tmp_path / "t2")])
+    row = table["arms"]["overlap/mps/g2+r1/4jobs"]["1"]
+    assert row["baseline_audit"] == {"arm": "+r1", "dedicated": "the full audit"}
+    assert row["ratio_vs_dedicated"] == pytest.approx(sph("ovl-r1") / sph("ded"))
+    assert "overlap/mps/g2+r1/4jobs seed 1 (+r1 over a dedicated run with the full audit)" in (
+        tmp_path / "t2.md").read_text()
+    assert (audit_flag(frozenset({"+cg", "+a4r1"})), audit_flag(frozenset({"+cg", "+ls8"}))) == ("+a4r1", "")
