@@ -25,7 +25,8 @@ import math
 import tempfile
 from pathlib import Path
 
-from calibration.validate import _simulate, load_recorded, recorded_configs, run_controls, spans_digest
+from calibration.validate import (_simulate, load_recorded, recorded_configs, run_controls, spans_digest,
+                                 unique_names)
 from nodus.config import AuditSpec, ConfigError
 from sim.profile import add_source, profile_dict, refuse_existing, set_assumption, write_fit_report, write_profile
 
@@ -157,6 +158,8 @@ def fit(runs: list[str | Path], base: str) -> dict:
             ratio = predict([p["light"]], prof, t_i, tmp)[0] / full[i]
             loo.append({"term": t_i, "ratio": ratio, "error": ratio / p["measured_ratio"] - 1})
     rows = [{"full": p["full"]["run"], "light": p["light"]["run"], "audit": p["light"]["audit"],
+             # Both runs in one folder (one call, back to back); else the pair spans days, maybe.
+             "same_folder": p["full"]["folder"] == p["light"]["folder"],
              "measured": [p["full"]["measured"], p["light"]["measured"]], "measured_ratio": p["measured_ratio"],
              "predicted": [fu, li], "predicted_ratio": li / fu, "ratio_error": (li / fu) / p["measured_ratio"] - 1,
              "left_out": lo_} for p, fu, li, lo_ in zip(pairs, full, light, loo)]
@@ -178,11 +181,13 @@ def report_markdown(result: dict) -> str:
     lines += ["| lighter run | its audit | measured full / lighter (ratio) | simulated full / lighter (ratio) "
               "| ratio error | left out: term / ratio / error |",
               "|---|---|---|---|---|---|"]
-    for x in r["rows"]:
+    names = unique_names([x["light"] for x in r["rows"]])
+    for x, name in zip(r["rows"], names):
         lo = x["left_out"]
         left = f"{lo['term'] * 1e6:.2f} us / {lo['ratio']:.3f} / {lo['error']:+.1%}" if lo else "-"
         (mf, ml), (pf, pl) = x["measured"], x["predicted"]
-        lines.append(f"| {Path(x['light']).name} | {AuditSpec(**x['audit']).words() or 'full'} | {mf:.0f} / {ml:.0f} "
+        name += "" if x.get("same_folder", True) else " (its full-audit run in another folder)"
+        lines.append(f"| {name} | {AuditSpec(**x['audit']).words() or 'full'} | {mf:.0f} / {ml:.0f} "
                      f"({x['measured_ratio']:.3f}) | {pf:.0f} / {pl:.0f} ({x['predicted_ratio']:.3f}) | "
                      f"{x['ratio_error']:+.1%} | {left} |")
     lines += ["", "Only each pair's ratio is fitted, so what the base misprices on both runs of a pair (the day's "
@@ -193,7 +198,7 @@ def report_markdown(result: dict) -> str:
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None) -> dict:
     """Fit, write ``base`` with ``decode.logprob_s_per_seq`` to ``out`` (never overwritten), and the
     report to ``report``.{md,json} when given."""
-    refuse_existing(out, "nodus fit-audit")  # before the fit's replays
+    refuse_existing(out, "nodus fit-audit", report)  # before the fit's replays
     result = fit(runs, base)
     prof = profile_dict(base)
     prof["decode"]["logprob_s_per_seq"] = result["logprob_s_per_seq"]

@@ -28,7 +28,8 @@ from calibration.fit_runs import nonneg_rel_lstsq
 from nodus.config import ConfigError
 from nodus.lengths import recorded_step_lengths
 from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
-from sim.profile import add_source, drop_two_engine_rate, profile_dict, write_fit_report, write_profile
+from sim.profile import (add_source, drop_two_engine_rate, profile_dict, refuse_existing, write_fit_report,
+                         write_profile)
 
 FEATURES = ("microbatches", "padded_tokens", "packed_pairs")
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,6 +200,7 @@ def report_markdown(result: dict, rows: list[dict], base: str) -> str:
 def fit_to_file(paths: list[str | Path], base: str, out: str | Path, report: str | Path | None = None) -> dict:
     """Fit the benches, write ``base`` with ``train.packed_pair_per_token`` to ``out`` (never
     overwritten), and the report to ``report``.{md,json} when given."""
+    refuse_existing(out, "nodus fit-packed", report)
     result = fit(paths)
     prof = profile_dict(base)
     if prof["train"].get("step_mode", "eager") == "eager":

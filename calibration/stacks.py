@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from calibration.validate import (_simulate, load_recorded, recorded_configs, run_controls, spans_digest,
-                                  stacks_run_settings)
+                                  stacks_run_settings, unique_names)
 from nodus.config import ConfigError, build_config, stacks_of
 from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
                          refuse_existing, set_assumption, write_fit_report, write_profile)
@@ -169,10 +169,10 @@ def report_markdown(result: dict) -> str:
     lines += ["| run | measured | predicted (fitted rate) | error | left out: rate / predicted / error "
               "| without the rate (error) |",
               "|---|---|---|---|---|---|"]
-    for x in r["rows"]:
+    for x, name in zip(r["rows"], unique_names([x["run"] for x in r["rows"]])):
         lo = x["left_out"]
         left = f"{lo['rate']:.3f} / {lo['predicted']:.0f} / {lo['error']:+.1%}" if lo else "-"
-        lines.append(f"| {Path(x['run']).name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} | "
+        lines.append(f"| {name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} | "
                      f"{left} | {x['predicted_without_rate']:.0f} ({x['error_without_rate']:+.1%}) |")
     lines += ["", "The rate absorbs whatever else the base misprices on these runs' day: a profile fitted on "
               "another day's runs carries that day's error with it (README, `nodus fit-stacks`)."]
@@ -182,7 +182,7 @@ def report_markdown(result: dict) -> str:
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None) -> dict:
     """Fit, write ``base`` with ``sharing.mps_engines`` to ``out`` (never overwritten), and the report
     to ``report``.{md,json} when given."""
-    refuse_existing(out, "nodus fit-stacks")  # before the fit's replays
+    refuse_existing(out, "nodus fit-stacks", report)  # before the fit's replays
     result = fit(runs, base)
     prof = profile_dict(base)
     prof["sharing"]["mps_engines"] = result["mps_engines"]

@@ -1035,6 +1035,19 @@ def flagged_text(flags: dict) -> str:
                      for f in flags["flagged"])
 
 
+def unique_names(runs: list[str]) -> list[str]:
+    """Each run folder by its shortest trailing path that no other run of ``runs`` shares
+    (``session32/arms/X`` beside ``session33/arms/X``; the folder name alone where it is unique)."""
+    parts = [Path(r).parts for r in runs]
+    out = []
+    for p in parts:
+        n = 1
+        while n < len(p) and sum(q[-n:] == p[-n:] for q in parts) > 1:
+            n += 1
+        out.append("/".join(p[-n:]))
+    return out
+
+
 def config_key(row: dict) -> tuple:
     """Runs of one configuration: the same arm, job count, trainer micro-batch size, packing of
     each prompt's responses (trainer.share_prompts), publish wait, audit (full and ``:r1`` runs are
@@ -1061,7 +1074,9 @@ def config_label(row: dict) -> str:
     """'8 jobs overlap g=2 mps', plus ' stacks=2' for engine + trainer stacks splitting the jobs
     (arm.stacks), ' mb=32768' for a trainer micro-batch other than the default,
     ' sp4' for a trainer that packed each prompt's responses 4 to a row, ' freed' for a trainer that
-    did not wait for each publish and the MPS settings beyond the defaults (' trainer_thread_pct=50')."""
+    did not wait for each publish, ' audit r1' for a lighter audit the profile prices (one it does
+    not price is among the controls: ' audit=1 response a prompt') and the MPS settings beyond the
+    defaults (' trainer_thread_pct=50')."""
     arm = row["arm"]
     mb = row.get("mb_tokens")
     controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
@@ -1116,7 +1131,8 @@ def render_markdown(rep: dict) -> str:
         m = r["measured"]["steps_per_gpu_hour"]
         stacks = f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else ""
         lines.append(f"| {Path(r['run']).name} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
-                     f"{arm.get('sharing')}{stacks}{f' sp{_packed(r)}' if _packed(r) else ''} | {m:.0f} | "
+                     f"{arm.get('sharing')}{stacks}{f' sp{_packed(r)}' if _packed(r) else ''}"
+                     f"{f' audit {a}' if (a := r.get('audit')) else ''} | {m:.0f} | "
                      f"{r['replay']['steps_per_gpu_hour']:.0f} "
                      f"({(r['replay']['steps_per_gpu_hour'] - m) / m:+.1%}) | {r['sampled']['steps_per_gpu_hour']:.0f} "
                      f"({(r['sampled']['steps_per_gpu_hour'] - m) / m:+.1%}) | {r['heldout']} |")

@@ -313,8 +313,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # The dedicated run's settings the ratio divides by, when not the defaults (e.g. "+cg").
             "baseline_variant": variant,
             # The arm's audit where the dedicated run it is measured over ran another (no dedicated
-            # run of its audit that day): the ratio then holds the audit's gain too.
-            "baseline_audit": (None if is_base or base is None
+            # run of its audit that day): the ratio then holds the audit's gain too. A dedicated row
+            # is that audit's own run.
+            "baseline_audit": (None if is_base or dedicated or base is None
                                or audit_flag(flags) == audit_flag(frozenset(variant_flags(variant)))
                                else {"arm": audit_flag(flags) or "the full audit", "dedicated": audit_flag(
                                    frozenset(variant_flags(variant))) or "the full audit"}),

@@ -8,7 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from nodus.config import DEFAULT_PROFILE, DEFAULT_PROFILES, POLICIES, SHARINGS, ConfigError, RunConfig, load_config
+from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, POLICIES, SHARINGS, STACKS_PROFILE, ConfigError, RunConfig,
+                          load_config)
 from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
 from calibration.fit_runs import TERM_SELECTIONS
 from sim.profile import LORA_KERNELS, RATE_MAX, STEP_MODES
@@ -22,7 +23,8 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharing", choices=SHARINGS, help="GPU sharing controls (default mps)")
     p.add_argument("--stacks", type=int, metavar="N",
                    help="shared-sync / overlap / continuous: N engine + trainer stacks splitting the jobs, each "
-                        "running the policy over its own (arm.stacks; default 1)")
+                        "running the policy over its own (arm.stacks; default 1); two stacks under MPS are priced "
+                        f"by a profile's two-engine rate: --profile {STACKS_PROFILE}")
     p.add_argument("--steps", type=int, help="optimizer steps per job (default 20)")
     p.add_argument("--seed", type=int, help="run seed (default 1)")
     p.add_argument("--share-prompts", type=int, metavar="K",
@@ -338,7 +340,8 @@ def cmd_fit_audit(a: argparse.Namespace) -> int:
     for x in r["rows"]:
         print(f"  {x['light']}: lighter over full audit measured {x['measured_ratio']:.3f}, simulated "
               f"{x['predicted_ratio']:.3f} ({x['ratio_error']:+.1%})"
-              + (f", left out {x['left_out']['error']:+.1%}" if x["left_out"] else ""))
+              + (f", left out {x['left_out']['error']:+.1%}" if x["left_out"] else "")
+              + ("" if x["same_folder"] else f" (its full-audit run {x['full']} in another folder)"))
     print(f"wrote {a.out}" + (f", {a.report}.md and {a.report}.json" if a.report else ""))
     return 0
 
@@ -453,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stacks", default="1", metavar="N,...",
                    help="engine + trainer stack counts (arm.stacks) for shared-sync, overlap and continuous, where "
                         "the jobs fill them (default 1); two stacks are priced by the profile's two-engine rate "
-                        "(sharing.mps_engines, nodus fit-stacks) or flagged without one")
+                        f"(sharing.mps_engines, nodus fit-stacks; shipped: {STACKS_PROFILE}) or flagged without one")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")

@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 import simpy
 
-from nodus.config import ConfigError, JobSpec, RunConfig, engine_graph_max_tokens
+from nodus.config import STACKS_PROFILE, ConfigError, JobSpec, RunConfig, engine_graph_max_tokens
 from nodus.lengths import prompt_tokens, sample_response_tokens
 from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
 from nodus.messages import (
@@ -57,7 +57,8 @@ class SimBackend:
                 cost.note_unmodelled(f"arm.stacks={n_stacks} without MPS: {shared}")
             elif engines_rate is None:
                 cost.note_unmodelled(f"arm.stacks={n_stacks}: {shared}; the profile has no two-engine rate "
-                                     "(sharing.mps_engines: nodus fit-stacks on two-stack runs under MPS)")
+                                     "(sharing.mps_engines: nodus fit-stacks on two-stack runs under MPS; the "
+                                     f"shipped {STACKS_PROFILE} has one)")
             else:
                 if n_stacks > 2:
                     cost.note_unmodelled(

@@ -386,10 +386,14 @@ def what_if(prof: dict, factors: dict[str, float]) -> dict:
     return prof
 
 
-def refuse_existing(out: str | Path, tool: str) -> None:
-    """Profiles are never overwritten: check before any costly measuring."""
+def refuse_existing(out: str | Path, tool: str, report: str | Path | None = None) -> None:
+    """Profiles are never overwritten: check before any costly measuring. ``report``: a fit's report
+    prefix (``write_fit_report``), whose PREFIX.json must not be the profile itself."""
     if Path(out).exists():
         raise FileExistsError(f"--out {str(out)!r} exists; {tool} never overwrites a profile")
+    if report is not None and Path(f"{report}.json").resolve() == Path(out).resolve():
+        raise ValueError(f"--report {str(report)!r} would write its JSON to {str(out)!r}, the profile --out names; "
+                         f"{tool}: give the report another prefix")
 
 
 def write_profile(prof: dict, out: str | Path, tool: str, overwrite: bool = False) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from calibration.audit import audit_pairs, fit, fit_to_file
+from calibration.validate import unique_names
 from calibration.validate import validate
 from nodus.cli import main
 from nodus.config import AuditSpec, ConfigError, build_config
@@ -113,6 +114,10 @@ def test_fit_audit_recovers_the_term_the_runs_were_recorded_with(tmp_path):
     assert "| 1 response a prompt |" in (tmp_path / "rep.md").read_text()
     with pytest.raises(FileExistsError, match="never overwrites"):
         fit_to_file(runs, str(base), out)
+    # A report prefix whose JSON is the profile itself is refused before any replay, the profile unwritten.
+    clash = tmp_path / "clash"
+    assert main(["fit-audit", *runs, "--base", str(base), "--out", f"{clash}.json", "--report", str(clash)]) == 2
+    assert not (tmp_path / "clash.json").exists()
     # validate prices the lighter run on the fitted profile, and no longer calls its audit unmodelled.
     res = validate(runs[:2], str(out))
     light = next(r for r in res["rows"] if r["run"].endswith("r1"))
@@ -162,6 +167,9 @@ def test_fit_audit_refuses_unpaired_repeated_and_doubled_runs(tmp_path):
         [(full, light), (str(day2 / "full"), str(day2 / "light"))])
     with pytest.raises(ConfigError, match="day2/full has no partner"):
         audit_pairs([full, light, str(day2 / "full")])
+    # The report names each run by the shortest path no other run shares.
+    assert unique_names(["r/session32/arms/x", "r/session33/arms/x", "r/session33/arms/y"]) == [
+        "session32/arms/x", "session33/arms/x", "y"]
 
 
 def test_the_sim_cli_takes_the_audit_flags_and_names_a_bad_one(tmp_path, capsys):

@@ -544,6 +544,8 @@ def test_an_arm_under_a_lighter_audit_is_measured_over_the_dedicated_run_of_its_
     row = table["arms"]["overlap/mps/g2+r1/4jobs"]["1"]
     assert row["baseline_variant"] == "+r1" and row["baseline_audit"] is None
     assert row["ratio_vs_dedicated"] == pytest.approx(sph("ovl-r1") / sph("ded-r1"))
+    assert table["arms"]["dedicated/none/g1+r1/4jobs"]["1"]["baseline_audit"] is None  # that audit's own run
+    assert "another audit" not in (tmp_path / "t1.md").read_text()
     table = main(full_runs + light_runs[1:] + ["--out", str(tmp_path / "t2")])
     row = table["arms"]["overlap/mps/g2+r1/4jobs"]["1"]
     assert row["baseline_audit"] == {"arm": "+r1", "dedicated": "the full audit"}

@@ -8,7 +8,7 @@ import pytest
 from calibration.stacks import fit, fit_to_file
 from calibration.validate import stacks_fit_run, unmodelled_controls, validate
 from nodus.cli import main
-from nodus.config import DEFAULT_PROFILE, ConfigError
+from nodus.config import DEFAULT_PROFILE, STACKS_PROFILE, ConfigError
 from nodus.simulate import config_from_args, simulate
 from sim.gpu import sharing_rates
 from sim.profile import load_profile, profile_dict, write_profile
@@ -54,7 +54,15 @@ def test_a_faster_two_engine_rate_predicts_more_and_the_flag_names_what_is_price
     assert "arm.stacks" not in flags  # two engines under MPS: priced by the fitted rate
     cfg = config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", stacks=2)
     flags = " ".join(simulate(cfg, tmp_path / "nofit")["diagnostics"][0]["outside_profile"])
-    assert "no two-engine rate" in flags and "nodus fit-stacks" in flags
+    assert "no two-engine rate" in flags and "nodus fit-stacks" in flags and STACKS_PROFILE in flags
+    # The shipped profile the flag names prices two stacks and a lighter audit, with nothing flagged
+    # about either.
+    cfg = config_from_args({"audit": {"responses": 1}}, jobs=8, steps=3, policy="shared-sync", sharing="mps",
+                           stacks=2, profile=STACKS_PROFILE, share_prompts=4)
+    prof = load_profile(STACKS_PROFILE).profile
+    assert prof.sharing.mps_engines is not None and prof.decode.logprob_s_per_seq > 0
+    flags = " ".join(simulate(cfg, tmp_path / "shipped")["diagnostics"][0]["outside_profile"])
+    assert "arm.stacks" not in flags and "audit" not in flags
     cfg = config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", stacks=4,
                            profile=_profile_with(tmp_path, 1.0, "p4.json"))
     flags = " ".join(simulate(cfg, tmp_path / "four")["diagnostics"][0]["outside_profile"])
