@@ -229,3 +229,25 @@ def test_packing_default_follows_the_trainer_and_yields_to_the_config(tmp_path, 
     assert json.loads(capsys.readouterr().out)["share_prompts"] == [AUTO_SHARE_PROMPTS]
     assert main(sw) == 0
     assert json.loads(capsys.readouterr().out)["share_prompts"] == [0]
+
+
+def test_sim_of_stacks_under_mps_takes_the_shipped_stacks_profile_unless_told(capsys):
+    """`nodus sim --stacks 2` with no profile chosen prices the engines by the shipped profile that
+    has a two-engine rate (nodus.config.STACKS_PROFILE) and says so; --profile and one stack keep
+    their profile."""
+    import json
+
+    from nodus.cli import main
+    from nodus.config import DEFAULT_PROFILE, STACKS_PROFILE
+
+    def sim(*extra):
+        assert main(["sim", "--jobs", "4", "--policy", "shared-sync", "--steps", "2", "--json", *extra]) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out)["profile"]["source"], out.err
+
+    source, err = sim("--stacks", "2")
+    assert STACKS_PROFILE in source and f"profile {STACKS_PROFILE}" in err
+    source, err = sim("--stacks", "2", "--profile", DEFAULT_PROFILE)
+    assert DEFAULT_PROFILE in source and STACKS_PROFILE not in err
+    source, err = sim()
+    assert STACKS_PROFILE not in source and STACKS_PROFILE not in err
