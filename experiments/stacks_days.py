@@ -1,0 +1,82 @@
+"""Two stacks' engine rate across days: fit ``sharing.mps_engines`` (as `nodus fit-stacks` does) on
+every day's runs but one, and predict the left-out day's runs. A day is the session folder a run
+lies in (``.../sessionNN/arms/RUN``: the folder above the run's). Leaving a whole day out is the
+error a planner meets on a new day; `nodus fit-stacks` leaves one run out, whose day-mates stay in.
+
+    python experiments/stacks_days.py RUN... --base PROFILE [--out PREFIX]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def day_of(run: str) -> str:
+    """The session folder a run lies in (the folder above its parent), e.g. 'session31'."""
+    return Path(run).resolve().parent.parent.name
+
+
+def leave_days_out(runs: list[str], base: str) -> dict:
+    from calibration.stacks import _predict, fit_rate, stack_runs
+    from nodus.config import ConfigError
+    from sim.profile import profile_dict, profile_lora_kernels, profile_step_mode
+
+    prof = profile_dict(base)
+    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof))
+    days = sorted({day_of(r["run"]) for r in rows})
+    if len(days) < 2:
+        raise ConfigError(f"stacks_days: the runs lie in one day's folder ({days}): leaving a day out needs two")
+    out_rows, per_day = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for day in days:
+            held = [r for r in rows if day_of(r["run"]) == day]
+            rate, _ = fit_rate([r for r in rows if day_of(r["run"]) != day], prof, tmp, f" but {day}'s")
+            pred = _predict(held, prof, rate, tmp)
+            errs = [(p - r["measured"]) / r["measured"] for p, r in zip(pred, held)]
+            per_day[day] = {"rate": rate, "runs": len(held), "mean_error": sum(errs) / len(errs)}
+            out_rows += [{"run": r["run"], "day": day, "measured": r["measured"], "predicted": p, "error": e}
+                         for r, p, e in zip(held, pred, errs)]
+    abs_errs = [abs(x["error"]) for x in out_rows]
+    return {"base": base, "rows": out_rows, "days": per_day, "mape": sum(abs_errs) / len(abs_errs),
+            "worst": max(abs_errs), "bias": sum(x["error"] for x in out_rows) / len(out_rows)}
+
+
+def markdown(r: dict) -> str:
+    from calibration.validate import unique_names
+
+    lines = [f"# Two stacks' engine rate, each day left out (base `{r['base']}`)", "",
+             f"Each day's runs predicted from the rate fitted on the other days: **{r['mape']:.1%} mean absolute "
+             f"error, worst {r['worst']:.1%}, mean signed {r['bias']:+.1%}** over {len(r['rows'])} runs.", "",
+             "| day | runs | rate fitted without it | mean signed error |", "|---|---|---|---|"]
+    lines += [f"| {d} | {x['runs']} | {x['rate']:.3f} | {x['mean_error']:+.1%} |" for d, x in r["days"].items()]
+    lines += ["", "| run | measured | predicted | error |", "|---|---|---|---|"]
+    for x, name in zip(r["rows"], unique_names([x["run"] for x in r["rows"]])):
+        lines.append(f"| {name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="two-stack run folders under MPS, of two days or more")
+    ap.add_argument("--base", required=True, help="profile to fit the rate on (as nodus fit-stacks --base)")
+    ap.add_argument("--out", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    a = ap.parse_args(argv)
+    r = leave_days_out(a.runs, a.base)
+    text = markdown(r)
+    print(text)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{a.out}.md").write_text(text)
+        Path(f"{a.out}.json").write_text(json.dumps(r, indent=1) + "\n")
+    return r
+
+
+if __name__ == "__main__":
+    main()
