@@ -105,26 +105,26 @@ def default_packing(cfg, graphed: bool):
 def cmd_sim(a: argparse.Namespace) -> int:
     from nodus.simulate import config_from_args, render_table, simulate
 
-    profile = a.profile
+    data = load_config(a.config) if a.config else None
+    cfg = config_from_args(data, jobs=a.jobs, policy=a.policy,
+                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
+                           share_prompts=a.share_prompts, stacks=a.stacks)
+    if a.profile is None and "profile" not in (data or {}) and (cfg.arm.stacks or 1) > 1 \
+            and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice":
+        # No profile chosen: stacks under MPS get the shipped profile with a two-engine rate.
+        cfg = cfg.model_copy(update={"profile": STACKS_PROFILE})
+        print(f"nodus: {cfg.arm.stacks} stacks under MPS: profile {STACKS_PROFILE}, the shipped one with a "
+              "two-engine rate (sharing.mps_engines); --profile to choose another", file=sys.stderr)
+    profile = None
     if a.what_if:
         import tempfile
 
         from sim.profile import profile_dict, what_if
 
-        prof = what_if(profile_dict(a.profile or RunConfig.model_fields["profile"].default),
-                       what_if_factors(a.what_if))
+        prof = what_if(profile_dict(cfg.profile), what_if_factors(a.what_if))
         profile = str(Path(tempfile.mkdtemp(prefix="nodus-what-if-")) / "profile.json")
         Path(profile).write_text(json.dumps(prof, indent=1))
-    data = load_config(a.config) if a.config else None
-    cfg = config_from_args(data, jobs=a.jobs, policy=a.policy,
-                           groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=profile,
-                           share_prompts=a.share_prompts, stacks=a.stacks)
-    if profile is None and "profile" not in (data or {}) and (cfg.arm.stacks or 1) > 1 and cfg.arm.sharing == "mps" \
-            and cfg.arm.policy != "timeslice":
-        # No profile chosen: stacks under MPS get the shipped profile with a two-engine rate.
-        cfg = cfg.model_copy(update={"profile": STACKS_PROFILE})
-        print(f"nodus: {cfg.arm.stacks} stacks under MPS: profile {STACKS_PROFILE}, the shipped one with a "
-              "two-engine rate (sharing.mps_engines); --profile to choose another", file=sys.stderr)
+        cfg = cfg.model_copy(update={"profile": profile})
     cfg = audit_from_args(default_packing(cfg, profile_graphed(cfg.profile)), a)
     summary = simulate(cfg, a.out)
     if a.what_if and a.out:

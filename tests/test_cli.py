@@ -231,7 +231,7 @@ def test_packing_default_follows_the_trainer_and_yields_to_the_config(tmp_path, 
     assert json.loads(capsys.readouterr().out)["share_prompts"] == [0]
 
 
-def test_sim_of_stacks_under_mps_takes_the_shipped_stacks_profile_unless_told(capsys):
+def test_sim_of_stacks_under_mps_takes_the_shipped_stacks_profile_unless_told(tmp_path, capsys):
     """`nodus sim --stacks 2` with no profile chosen prices the engines by the shipped profile that
     has a two-engine rate (nodus.config.STACKS_PROFILE) and says so; --profile and one stack keep
     their profile."""
@@ -251,3 +251,7 @@ def test_sim_of_stacks_under_mps_takes_the_shipped_stacks_profile_unless_told(ca
     assert DEFAULT_PROFILE in source and STACKS_PROFILE not in err
     source, err = sim()
     assert STACKS_PROFILE not in source and STACKS_PROFILE not in err
+    # A what-if scales that profile: the two-engine rate stays.
+    out = tmp_path / "wi"
+    sim("--stacks", "2", "--what-if", "train=0.5", "--out", str(out))
+    assert json.loads((out / "what_if_profile.json").read_text())["sharing"]["mps_engines"] is not None
