@@ -318,7 +318,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
             controls = {k: v for k, v in controls.items() if k != "audit"}
         packing = build_config(replay_cfg, f"{rd}/config.json").trainer_packing()  # as the trainer ran it
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
-               "audit": audit_label(recorded_audit(rd, cfg)),  # its own configuration, priced or not
+               "audit": audit_label(replay_cfg["audit"]),  # its own configuration, priced or not
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
                "host_monitor": run_host_monitor(meas), "jit_compiles": run_jit_compiles(meas),
                **({"engine_steps": es} if (es := run_engine_steps(meas)) else {}),

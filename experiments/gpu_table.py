@@ -51,11 +51,6 @@ def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozens
     return max(fits, key=lambda f: (len(f), sorted(f))) if fits else None
 
 
-def variant_flags(variant: str | None) -> list[str]:
-    """A baseline variant's text ('+cg+cpu2+r1') as its flags."""
-    return ["+" + f for f in (variant or "").split("+")[1:]]
-
-
 def slots_flag(flag: str) -> int | None:
     """N of an engine-slot setting '+lsN'; None for any other flag."""
     m = re.fullmatch(r"\+ls(\d+)", flag)
@@ -261,13 +256,14 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         base_flags = (baseline_flags(present, flags, jobs, stacks_of(cfg["arm"])) if own is None
                       else best_flags({f for _, f in present}, flags, own))
         variant, by_task = None, False
+        over: frozenset = frozenset()  # the settings of the dedicated runs the ratio divides by
         base = sbase = None
         alone: dict = {}
         if base_flags is not None:
             key = (jobs, seed, base_flags)
             base, sbase = mean(ded_sph[key]), mean(sim_sph[key])
             alone = {j: mean(v) for j, v in alone_finish.get(key, {}).items()}
-            variant = "".join(sorted(base_flags)) or None
+            variant, over = "".join(sorted(base_flags)) or None, base_flags
         elif not dedicated:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
@@ -280,6 +276,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                     {j: d.get("task") for j, d in summary.get("per_job", {}).items()}, seed, pick(alone_finish),
                     pick(ded_steps), pick(sim_alone), pick(ded_task))
                 variant = ("".join(sorted(sub_flags)) or None) if base else None
+                over = sub_flags if base else over
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         if is_base:  # the baseline itself: the mean over its repeats
             base_key = (jobs, seed, flags)
@@ -315,10 +312,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # The arm's audit where the dedicated run it is measured over ran another (no dedicated
             # run of its audit that day): the ratio then holds the audit's gain too. A dedicated row
             # is that audit's own run.
-            "baseline_audit": (None if is_base or dedicated or base is None
-                               or audit_flag(flags) == audit_flag(frozenset(variant_flags(variant)))
-                               else {"arm": audit_flag(flags) or "the full audit", "dedicated": audit_flag(
-                                   frozenset(variant_flags(variant))) or "the full audit"}),
+            "baseline_audit": (None if is_base or dedicated or base is None or audit_flag(flags) == audit_flag(over)
+                               else {"arm": audit_flag(flags) or "the full audit",
+                                     "dedicated": audit_flag(over) or "the full audit"}),
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
