@@ -49,16 +49,16 @@ def leave_days_out(runs: list[str], base: str) -> dict:
 
 
 def markdown(r: dict) -> str:
-    from calibration.validate import unique_names
-
+    """The report. Each run is named by its day and its folder, every row alike: a day's only run of
+    a configuration would otherwise lose its day to the shortest unique name."""
     lines = [f"# Two stacks' engine rate, each day left out (base `{r['base']}`)", "",
              f"Each day's runs predicted from the rate fitted on the other days: **{r['mape']:.1%} mean absolute "
              f"error, worst {r['worst']:.1%}, mean signed {r['bias']:+.1%}** over {len(r['rows'])} runs.", "",
              "| day | runs | rate fitted without it | mean signed error |", "|---|---|---|---|"]
     lines += [f"| {d} | {x['runs']} | {x['rate']:.3f} | {x['mean_error']:+.1%} |" for d, x in r["days"].items()]
     lines += ["", "| run | measured | predicted | error |", "|---|---|---|---|"]
-    for x, name in zip(r["rows"], unique_names([x["run"] for x in r["rows"]])):
-        lines.append(f"| {name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} |")
+    for x in r["rows"]:
+        lines.append(f"| {day_of(x['run'])}/{Path(x['run']).name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -228,7 +228,7 @@ def test_several_stacks_on_a_gpu_cap_each_engines_threads_unless_asked():
 def test_leaving_each_day_out_fits_the_rate_on_the_other_days(tmp_path):
     """experiments/stacks_days.py: runs of a day whose engines were slower (a lower rate) are
     predicted high from the faster day's fit, and the other way round; one day alone is refused."""
-    from experiments.stacks_days import day_of, leave_days_out
+    from experiments.stacks_days import day_of, leave_days_out, markdown
 
     runs = []
     for day, rate in (("session40", 0.6), ("session41", 0.8)):
@@ -244,5 +244,8 @@ def test_leaving_each_day_out_fits_the_rate_on_the_other_days(tmp_path):
     assert r["days"]["session41"]["rate"] == pytest.approx(0.6, rel=0.02)
     assert r["days"]["session40"]["mean_error"] > 0.02 and r["days"]["session41"]["mean_error"] < -0.02
     assert r["mape"] == pytest.approx(sum(abs(x["error"]) for x in r["rows"]) / 4)
+    # every run row names its day, also where its folder name alone is unique
+    text = markdown({**r, "rows": r["rows"][:3]})
+    assert "| session41/k2-s1 |" in text and "| session40/k2-s2 |" in text
     with pytest.raises(ConfigError, match="one day"):
         leave_days_out(runs[:2], DEFAULT_PROFILE)
