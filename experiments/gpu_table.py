@@ -57,6 +57,14 @@ def slots_flag(flag: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _other_machine(arm: str | None, dedicated: set | None) -> dict | None:
+    """{"arm": ..., "dedicated": [...]} where the dedicated runs a ratio divides by ran on a machine
+    other than the arm's run; None where they match or a machine is unknown (runs before session 35)."""
+    if not arm or not dedicated or None in dedicated or dedicated == {arm}:
+        return None
+    return {"arm": arm, "dedicated": sorted(dedicated)}
+
+
 def audit_flag(flags: frozenset) -> str:
     """The audit among a label's settings ('+r1', '+a4', '+a0', '+a4r1'); "" for the full audit."""
     return next((f for f in sorted(flags) if re.fullmatch(r"\+(a\d+(r\d+)?|r\d+)", f)), "")
@@ -180,7 +188,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     another host are simulated on that host's profile); the rest use `profile`."""
     from calibration.validate import (_phase_means, _simulate, corun_phase_means, gpu_flags, host_flags,
                                       host_monitor_flags, jit_flags, load_recorded, recorded_configs,
-                                      run_gpu_monitor, run_host_monitor, run_host_probe, run_jit_compiles)
+                                      run_gpu_monitor, run_host_monitor, run_host_probe, run_jit_compiles,
+                                      run_machine)
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
@@ -202,6 +211,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     ded_steps: dict[tuple[int, int, frozenset], dict[str, int]] = {}
     sim_alone: dict[tuple[int, int, frozenset], dict[str, tuple[int, float]]] = {}
     ded_task: dict[tuple[int, int, frozenset], dict[str, str]] = {}
+    ded_machine: dict[tuple[int, int, frozenset], set] = {}  # the machines of the dedicated runs
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
@@ -212,6 +222,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         if plain == "dedicated/none/g1" or plain.startswith("dedicated/none/g1+"):
             key = (jobs, seed, label_flags(plain))
             ded_sph.setdefault(key, []).append(summary["steps_per_gpu_hour"])
+            ded_machine.setdefault(key, set()).add(run_machine(summary))
             sim_sph.setdefault(key, []).append(sim["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
                 alone_finish.setdefault(key, {}).setdefault(j, []).append(d["finish_s"])
@@ -257,13 +268,14 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                       else best_flags({f for _, f in present}, flags, own))
         variant, by_task = None, False
         over: frozenset = frozenset()  # the settings of the dedicated runs the ratio divides by
+        over_key = None  # (jobs, seed, settings) of those runs
         base = sbase = None
         alone: dict = {}
         if base_flags is not None:
             key = (jobs, seed, base_flags)
             base, sbase = mean(ded_sph[key]), mean(sim_sph[key])
             alone = {j: mean(v) for j, v in alone_finish.get(key, {}).items()}
-            variant, over = "".join(sorted(base_flags)) or None, base_flags
+            variant, over, over_key = "".join(sorted(base_flags)) or None, base_flags, key
         elif not dedicated:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
@@ -277,6 +289,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                     pick(ded_steps), pick(sim_alone), pick(ded_task))
                 variant = ("".join(sorted(sub_flags)) or None) if base else None
                 over = sub_flags if base else over
+                over_key = (next(k for k in ded_sph if k[1] == seed and k[2] == sub_flags)
+                            if base else None)
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         if is_base:  # the baseline itself: the mean over its repeats
             base_key = (jobs, seed, flags)
@@ -315,6 +329,11 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "baseline_audit": (None if is_base or dedicated or base is None or audit_flag(flags) == audit_flag(over)
                                else {"arm": audit_flag(flags) or "the full audit",
                                      "dedicated": audit_flag(over) or "the full audit"}),
+            # The machines of the dedicated runs the ratio divides by, where one is another machine's
+            # than this run's: the ratio then holds the two machines' difference too (session 34's
+            # seed 2 at 16 jobs: 3.42x over a second machine's run, 3.78x over its own machine's).
+            "baseline_machine": _other_machine(run_machine(summary), ded_machine.get(over_key))
+            if not (is_base or dedicated or base is None or over_key is None) else None,
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
@@ -523,6 +542,11 @@ def render(table: dict) -> str:
     if other_audit:
         lines += ["", "Measured over a dedicated run under another audit (none of the arm's own that day; the ratio "
                   "holds any gain the audit gives dedicated too): " + "; ".join(other_audit) + "."]
+    other_machine = [f"{label} seed {seed}" for label, per in table["arms"].items()
+                     for seed, d in sorted(per.items()) if d.get("baseline_machine")]
+    if other_machine:
+        lines += ["", "Measured over a dedicated run from another machine (`baseline_machine` in the JSON: the ratio "
+                  "holds the two machines' difference too): " + "; ".join(other_machine) + "."]
     both = [(label, seed, d["corun_s"]) for label, per in table["arms"].items() for seed, d in sorted(per.items())
             if d.get("corun_s") and all(d["corun_s"][ph]["n_beside"] for ph in ("generate", "train"))]
     if both:

@@ -58,7 +58,8 @@ def markdown(r: dict) -> str:
     lines += [f"| {d} | {x['runs']} | {x['rate']:.3f} | {x['mean_error']:+.1%} |" for d, x in r["days"].items()]
     lines += ["", "| run | measured | predicted | error |", "|---|---|---|---|"]
     for x in r["rows"]:
-        lines.append(f"| {day_of(x['run'])}/{Path(x['run']).name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} |")
+        name = f"{day_of(x['run'])}/{Path(x['run']).name}"
+        lines.append(f"| {name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} |")
     return "\n".join(lines) + "\n"
 
 

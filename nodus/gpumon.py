@@ -148,7 +148,8 @@ class GpuMonitor(SamplingMonitor):
                              or nv.nvmlDeviceGetCurrentClocksThrottleReasons)
             self._handles = {i: nv.nvmlDeviceGetHandleByIndex(i) for i in gpu_indices(self.n_gpus)}
             for i, h in self._handles.items():
-                self._static[i] = {"max_sm_clock_mhz": float(nv.nvmlDeviceGetMaxClockInfo(h, self._sm))}
+                self._static[i] = {"max_sm_clock_mhz": float(nv.nvmlDeviceGetMaxClockInfo(h, self._sm)),
+                                   "uuid": gpu_uuid(nv, h)}
                 self._samples[i] = []
             self._sample()  # one at once: a query the GPU does not answer fails here, not in the thread
         except Exception as e:  # noqa: BLE001 - a bad index, an unsupported query
@@ -194,8 +195,19 @@ class GpuMonitor(SamplingMonitor):
         return {"available": True, "interval_s": self.interval_s,
                 "seconds": (self._t1 or 0.0) - (self._t0 or 0.0),
                 **({"stopped_early": self._stopped} if self._stopped else {}),
-                "gpus": {str(i): summarise(s, self._static[i]["max_sm_clock_mhz"], self._bits)
+                "gpus": {str(i): {**summarise(s, self._static[i]["max_sm_clock_mhz"], self._bits),
+                                  **({"uuid": self._static[i]["uuid"]} if self._static[i]["uuid"] else {})}
                          for i, s in samples.items()}}
+
+
+def gpu_uuid(nv, handle) -> str | None:
+    """The GPU's UUID (NVML; ``GPU-...``): the same model on two machines is two GPUs. None where
+    the binding or the driver does not answer."""
+    try:
+        u = nv.nvmlDeviceGetUUID(handle)
+    except Exception:  # noqa: BLE001 - an older binding or driver: the run goes on without it
+        return None
+    return (u.decode() if isinstance(u, bytes) else str(u)) or None
 
 
 def summarise(samples: list[tuple], max_sm_clock_mhz: float, bits: dict[str, int]) -> dict:

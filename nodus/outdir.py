@@ -41,6 +41,21 @@ def host() -> dict:
             "dev_shm": os.path.isdir("/dev/shm")}
 
 
+def machine() -> dict:
+    """Which machine a run ran on, to tell two machines of one kind apart: its host name and the
+    kernel's boot id. Lent GPU machines look alike (same CPU model, cores and GPU), yet runs of one
+    configuration differ between them: a ratio whose dedicated run came from another machine holds
+    the machines' difference too (experiments/results/h200/session34). The GPU's own UUID comes with
+    the GPU monitor (``nodus.gpumon``). Either field is None where it cannot be read."""
+    boot = None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip() or None
+    except OSError:
+        pass
+    return {"hostname": platform.node() or None, "boot_id": boot}
+
+
 def host_probe(scratch: str | None = None) -> dict:
     """The same small host work, timed, so runs can be told apart by the state of their host, not
     only by their results: a pure-Python loop (the launch-bound trainer and the engine's scheduler

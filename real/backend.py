@@ -27,7 +27,7 @@ from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
 from nodus.lengths import prompt_tokens as prompt_tokens_of
-from nodus.outdir import host, host_probe
+from nodus.outdir import host, host_probe, machine
 from real.mps import MPSDaemon
 from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
 from real.stepstats import summarise_generations
@@ -843,6 +843,8 @@ class RealBackend:
                 # a snapshot: the pool's next run goes on updating the live per-worker state
                 "workers": copy.deepcopy(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
+                # which machine (host name, boot id): gpu_table names a ratio over another machine's run
+                "machine": machine(),
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
                 # SM clock, power, temperature and throttle reasons sampled over the run (nodus.gpumon;
                 # {"available": False, "why": ...} on a CPU or without NVML).

@@ -553,3 +553,33 @@ def test_an_arm_under_a_lighter_audit_is_measured_over_the_dedicated_run_of_its_
     assert "overlap/mps/g2+r1/4jobs seed 1 (+r1 over a dedicated run with the full audit)" in (
         tmp_path / "t2.md").read_text()
     assert (audit_flag(frozenset({"+cg", "+a4r1"})), audit_flag(frozenset({"+cg", "+ls8"}))) == ("+a4r1", "")
+
+
+def test_a_ratio_over_another_machines_dedicated_run_is_named(tmp_path):
+    """Lent machines of one kind look alike, yet runs differ between them: an arm measured over a
+    dedicated run from another machine (its GPU's UUID, else host name and boot id) is named in the
+    table; one on the dedicated run's machine, or a run recorded before machines were, is not."""
+    from calibration.validate import run_machine
+    from experiments.gpu_table import main
+
+    def on(host=None, gpu=None):
+        d = {"machine": {"hostname": host, "boot_id": "b"}} if host else {}
+        if gpu:
+            d["gpu_monitor"] = {"available": True, "gpus": {"0": {"uuid": gpu}}}
+        return [d]
+
+    arm = dict(policy="shared-sync", sharing="mps")
+    ded = _simulated(tmp_path / "a", (("ded", dict(policy="dedicated", sharing="none")),), diagnostics=on("m1"),
+                     jobs=2, steps=2, seed=1)
+    same = _simulated(tmp_path / "b", (("sync", arm),), diagnostics=on("m1"), jobs=2, steps=2, seed=1)
+    other = _simulated(tmp_path / "c", (("sync", arm),), diagnostics=on("m2"), jobs=2, steps=2, seed=1)
+    unknown = _simulated(tmp_path / "d", (("sync", arm),), diagnostics=[{}], jobs=2, steps=2, seed=1)
+    for runs, flagged in ((same, None), (other, {"arm": "m2/b", "dedicated": ["m1/b"]}), (unknown, None)):
+        out = tmp_path / f"t-{runs[0].split('/')[-2]}"
+        table = main(ded + runs + ["--out", str(out)])
+        assert table["arms"]["shared-sync/mps/g1/2jobs"]["1"]["baseline_machine"] == flagged
+        assert table["arms"]["dedicated/none/g1/2jobs"]["1"]["baseline_machine"] is None
+        assert ("from another machine" in (out.parent / f"{out.name}.md").read_text()) == bool(flagged)
+    # The GPU's UUID names the machine before its host name does.
+    assert run_machine({"diagnostics": on("m1", "GPU-9")}) == "GPU-9"
+    assert run_machine({"diagnostics": on()}) is None

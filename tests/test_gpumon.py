@@ -38,6 +38,7 @@ def fake_pynvml(script=SCRIPT, api="event", fail=None):
     nv.nvmlShutdown = lambda: nv.shutdowns.append(1)
     nv.nvmlDeviceGetHandleByIndex = lambda i: nv.asked.append(i) or i
     nv.nvmlDeviceGetMaxClockInfo = lambda h, kind: 1980
+    nv.nvmlDeviceGetUUID = lambda h: f"GPU-fake-{h}".encode()  # older bindings answer bytes
     nv.nvmlDeviceGetClockInfo = lambda h, kind: row(h)[{1: 0, 2: 1}[kind]]
     nv.nvmlDeviceGetPowerUsage = lambda h: row(h)[2]
     nv.nvmlDeviceGetEnforcedPowerLimit = lambda h: row(h)[3]
@@ -69,6 +70,7 @@ def test_the_summary_gives_clocks_power_and_throttle_fractions(monkeypatch, api)
     assert s["available"] and list(s["gpus"]) == ["0"]
     g = s["gpus"]["0"]
     assert g["samples"] == 10 and g["max_sm_clock_mhz"] == 1980
+    assert g["uuid"] == "GPU-fake-0"  # which GPU: the same model on two machines is two GPUs
     assert g["sm_clock_mhz"] == {"mean": pytest.approx((2 * 345 + 6 * 1980 + 2 * 1600) / 10), "min": 345,
                                  "p10": pytest.approx(345)}
     assert g["mem_clock_mhz"]["mean"] == pytest.approx(2619)
@@ -194,3 +196,10 @@ def test_vllms_copy_loads_without_importing_vllm():
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["True", "False", "False", "False"]
+
+
+def test_a_binding_without_the_uuid_query_still_monitors(monkeypatch):
+    """The UUID is optional: a binding that cannot answer it leaves it out, the figures stay."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    s = scripted(monkeypatch, fake_pynvml(fail="nvmlDeviceGetUUID"), len(SCRIPT))
+    assert s["available"] and "uuid" not in s["gpus"]["0"] and s["gpus"]["0"]["samples"] == 10

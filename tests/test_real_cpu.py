@@ -82,6 +82,12 @@ def test_a_real_run_records_its_host_probe_at_start_and_end(overlap_run):
     assert probe["start"]["unix_s"] < probe["end"]["unix_s"]
     assert all(probe[k]["cpu_loop_s"] > 0 and probe[k]["file_rw_s"] > 0 for k in ("start", "end"))
     assert run_host_probe(s)["cpu_loop_s"] == max(probe[k]["cpu_loop_s"] for k in ("start", "end"))
+    # and its machine (no GPU monitor on a CPU: named by host name and boot id)
+    import platform
+
+    from calibration.validate import run_machine
+    assert s["diagnostics"][0]["machine"]["hostname"] == platform.node()
+    assert run_machine(s) == f"{platform.node()}/{s['diagnostics'][0]['machine']['boot_id']}"
 
 
 def test_a_real_run_records_its_gpu_monitor(overlap_run):
