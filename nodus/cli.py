@@ -207,7 +207,7 @@ def cmd_tasks(a: argparse.Namespace) -> int:
 def cmd_compare(a: argparse.Namespace) -> int:
     from nodus.compare import compare_runs, render_compare_markdown
 
-    rep = compare_runs(a.runs, baseline=a.baseline)
+    rep = compare_runs(a.runs, baseline=a.baseline, aa_runs=a.aa_runs)
     print(json.dumps(rep, default=str) if a.json else render_compare_markdown(rep))
     return 0
 
@@ -668,6 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="equal-learning comparison and gate verdict across run folders")
     p.add_argument("runs", nargs="+")
     p.add_argument("--baseline", help="baseline arm policy (default dedicated)")
+    p.add_argument("--aa-runs", nargs="+", default=None, metavar="RUN",
+                   help="A/A repeats recorded apart from the compared runs (two or more runs of one arm and "
+                        "seed, e.g. another call's dedicated pair): the noise floor where the compared arm and "
+                        "its baseline have no repeats; never in the ratios or the learning CIs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_compare)
     return ap

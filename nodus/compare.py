@@ -100,8 +100,9 @@ def _job(job_id: str, record: object, file: Path) -> JobResult:
     )
 
 
-def load_run(path: str | Path) -> RunSummary:
-    """A run folder's validated summary; FileNotFoundError or ValueError naming the path."""
+def load_run(path: str | Path, learning: bool = True) -> RunSummary:
+    """A run folder's validated summary; FileNotFoundError or ValueError naming the path.
+    ``learning=False``: throughput only (an A/A repeat's), its jobs' rewards and eval not read."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"run dir not found: {folder}")
@@ -125,7 +126,7 @@ def load_run(path: str | Path) -> RunSummary:
         groups=_get(data, "groups", int, "", file),
         seed=_get(data, "seed", int, "", file),
         steps_per_gpu_hour=sph,
-        jobs={job_id: _job(job_id, rec, file) for job_id, rec in per_job.items()},
+        jobs={job_id: _job(job_id, rec, file) for job_id, rec in per_job.items()} if learning else {},
         share_prompts=config_share_prompts(folder / "config.json"),
         stacks=stacks_of(data.get("arm")),
     )
@@ -260,13 +261,19 @@ def compare_runs(
     min_ratio: float = 2.0,
     spread_mult: float = 5.0,
     min_lower: float = -0.05,
+    aa_runs: list[str] | None = None,
 ) -> dict:
     """The comparison report of run folders: per arm and seed, throughput and its ratio to the
     baseline of the same seed; per arm, paired CIs of eval-accuracy and mean-reward differences,
     the A/A spread and the gate verdict. `baseline` is an arm label ("dedicated/none/g1") or a
-    policy name; it defaults to the arm with policy "dedicated"."""
+    policy name; it defaults to the arm with policy "dedicated".
+
+    `aa_runs`: A/A repeats recorded apart from the compared runs (another call or day: two or more
+    runs of one arm and seed), the noise floor where the compared arm and its baseline have no
+    repeats of their own. They never enter the ratios or the learning CIs."""
     if not run_dirs:
         raise ValueError("compare_runs needs at least one run dir")
+    given = _given_aa(aa_runs) if aa_runs else None
     arms: dict[str, dict[int, list[RunSummary]]] = {}
     for path in run_dirs:
         run = load_run(path)
@@ -284,7 +291,7 @@ def compare_runs(
                  "per_seed": _per_seed_rows(seeds, base_seeds), "aa_spread": aa[label],
                  "aa_learning": _aa_learning(seeds, n_boot, alpha, boot_seed), "vs_baseline": None}
         if label != base_label:
-            entry["vs_baseline"] = _vs_baseline(seeds, base_seeds, aa, label, base_label,
+            entry["vs_baseline"] = _vs_baseline(seeds, base_seeds, aa, label, base_label, given,
                                                 n_boot, alpha, boot_seed,
                                                 dict(min_ratio=min_ratio, spread_mult=spread_mult,
                                                      min_lower=min_lower))
@@ -292,28 +299,49 @@ def compare_runs(
     return {
         "baseline": base_label,
         "runs": [str(p) for p in run_dirs],
+        "aa_runs": given,
         "settings": {"n_boot": n_boot, "alpha": alpha, "boot_seed": boot_seed, "min_ratio": min_ratio,
                      "spread_mult": spread_mult, "min_lower": min_lower, "min_clusters": MIN_CLUSTERS},
         "arms": report_arms,
     }
 
 
-def _noise(aa: dict[str, dict | None], label: str, base_label: str) -> tuple[float | None, str]:
+def _given_aa(paths: list[str]) -> dict:
+    """The A/A spread of runs given apart from the compared ones (``aa_runs``): per arm and folder
+    (a call's repeats pair among themselves, never with another call's), its seeds with two runs or
+    more; throughput only, so runs without an eval serve too. An error naming the runs when none has
+    a repeat."""
+    arms: dict[str, dict[int, list[RunSummary]]] = {}
+    for path in paths:
+        run = load_run(path, learning=False)
+        arms.setdefault(f"{run.arm} in {Path(path).parent}", {}).setdefault(run.seed, []).append(run)
+    spreads = {label: sp for label, seeds in arms.items() if (sp := _aa(seeds)) is not None}
+    if not spreads:
+        raise ValueError(f"--aa-runs: no arm and seed has two runs among {list(map(str, paths))}; an A/A "
+                         "needs a repeat of one arm on one seed")
+    return {"runs": [str(p) for p in paths], "arms": spreads, "max": max(sp["max"] for sp in spreads.values())}
+
+
+def _noise(aa: dict[str, dict | None], label: str, base_label: str,
+           given: dict | None = None) -> tuple[float | None, str]:
     """The A/A spread to judge an arm's gain against, and where it came from.
 
     Run-to-run noise is a property of the machine and the measurement more than of one arm, so
-    the arm's own or the baseline's repeats are preferred and any arm's repeats are the fallback;
-    the max is taken (conservative)."""
+    the arm's own or the baseline's repeats are preferred, then the repeats given apart from the
+    compared runs (``aa_runs``), and any other compared arm's repeats are the fallback; the max is
+    taken (conservative)."""
     own = [aa[x]["max"] for x in (label, base_label) if aa[x] is not None]
     if own:
         return max(own), "arm and baseline repeats"
+    if given:
+        return given["max"], "the given A/A runs (" + ", ".join(given["arms"]) + ")"
     other = [s["max"] for s in aa.values() if s is not None]
     if other:
         return max(other), "other arms' repeats"
     return None, "no A/A repeats"
 
 
-def _vs_baseline(seeds, base_seeds, aa, label, base_label, n_boot, alpha, boot_seed, thresholds):
+def _vs_baseline(seeds, base_seeds, aa, label, base_label, given, n_boot, alpha, boot_seed, thresholds):
     common = sorted(set(seeds) & set(base_seeds))
     ratios, acc, labels, reward = [], [], [], []
     for seed in common:
@@ -326,7 +354,7 @@ def _vs_baseline(seeds, base_seeds, aa, label, base_label, n_boot, alpha, boot_s
     acc_ci = reward_ci = None
     if common:
         acc_ci, reward_ci = _learning_cis(acc, labels, reward, n_boot, alpha, boot_seed)
-    spread, source = _noise(aa, label, base_label)
+    spread, source = _noise(aa, label, base_label, given)
 
     def as_tuple(ci):
         return (ci["mean"], ci["lo"], ci["hi"]) if ci else None
@@ -381,6 +409,12 @@ def render_compare_markdown(report: dict) -> str:
         lines.append(f"| {arm['arm']} | {' '.join(map(str, vs['seeds'])) or 'none'} | "
                      f"{_ci_text(vs['acc_diff'])} | {_ci_text(vs['reward_diff'])} | "
                      f"{_f(vs['noise_spread'])} | {'PASS' if vs['gate']['pass'] else 'FAIL'} |")
+    given = report.get("aa_runs")
+    if given:
+        lines += ["", "A/A runs given apart from the compared ones (`--aa-runs`; the noise floor only): "
+                  + "; ".join(f"{label} seeds {' '.join(map(str, sp['seeds']))}, spread {_f(sp['max'])}"
+                              for label, sp in given["arms"].items())
+                  + " (" + ", ".join(given["runs"]) + ")."]
     for arm in report["arms"]:
         vs = arm["vs_baseline"]
         if vs is None:

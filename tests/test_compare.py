@@ -294,3 +294,38 @@ def test_packed_rows_is_the_one_reading_of_share_prompts():
         assert _packed({"share_prompts": k}) == packed_rows(k)
         graphed = {"controls": {"trainer_step_mode": "graphed", "lora_kernels": "tuned"}, "share_prompts": k}
         assert comparable(graphed) is (not tag)
+
+
+def test_an_aa_pair_given_apart_is_the_noise_floor_and_nothing_else(tmp_path):
+    """--aa-runs: a repeat recorded in another call gives the spread where the compared arms have no
+    repeats; the ratios and learning CIs stay those of the compared runs; runs without a repeat among
+    them are refused by name; the arm's own repeats still come first."""
+    dirs = make_arms(tmp_path, aa_sph=None)
+    alone = compare_runs(dirs, n_boot=500)
+    (tmp_path / "aa").mkdir()
+    pair = [make_run(tmp_path / "aa", name, seed=7, sph=sph) for name, sph in (("d1", 100.0), ("d2", 110.0))]
+    report = compare_runs(dirs, n_boot=500, aa_runs=pair)
+    vs = arm_entry(report)["vs_baseline"]
+    assert vs["noise_spread"] == pytest.approx(10 / 105) and vs["gate"]["pass"]
+    assert vs["noise_source"].startswith("the given A/A runs (dedicated/none/g1 in ")
+    assert vs["ratios"] == arm_entry(alone)["vs_baseline"]["ratios"]
+    assert vs["acc_diff"] == arm_entry(alone)["vs_baseline"]["acc_diff"]
+    assert "`--aa-runs`" in render_compare_markdown(report) and "spread 0.095" in render_compare_markdown(report)
+    with pytest.raises(ValueError, match="--aa-runs: no arm and seed has two runs"):
+        compare_runs(dirs, n_boot=500, aa_runs=pair[:1])
+    # A call's repeats pair among themselves: another folder's run of the arm and seed is no repeat;
+    # a throughput run without an eval serves.
+    (tmp_path / "bb").mkdir()
+    other = make_run(tmp_path / "bb", "d3", seed=7, sph=200.0)
+    summary = json.loads((Path(other) / "summary.json").read_text())
+    for job in summary["per_job"].values():
+        del job["eval"]
+    (Path(other) / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="--aa-runs: no arm and seed has two runs"):
+        compare_runs(dirs, n_boot=500, aa_runs=[pair[0], other])
+    mixed = compare_runs(dirs, n_boot=500, aa_runs=pair + [other])["aa_runs"]
+    assert mixed["max"] == pytest.approx(10 / 105) and len(mixed["arms"]) == 1
+    (tmp_path / "noisy").mkdir()
+    noisy = make_arms(tmp_path / "noisy", aa_sph=150.0)
+    own = arm_entry(compare_runs(noisy, n_boot=500, aa_runs=pair))["vs_baseline"]
+    assert own["noise_spread"] == pytest.approx(100 / 200) and own["noise_source"] == "arm and baseline repeats"
