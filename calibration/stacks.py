@@ -16,7 +16,10 @@ agree in policy, packing, engine and trainer thread caps and MPS settings; the p
 them (``sharing.engines_controls``), and the simulator and `nodus validate` flag a run that differs. The rate therefore
 also absorbs whatever the base misprices on the runs' day (its engine's day scale, its train terms):
 fit on the base you will simulate with. Leaving each run out in turn, and predicting it from the
-others, gives the error the fitted rate carries.
+others, gives the error the fitted rate carries among its own days. Where the runs lie in the folders
+of two days or more (``.../DAY/arms/RUN``), leaving each day out and predicting its runs from the
+other days' rate gives the error on a new day, which is a planner's case (a day's runs share its
+host's speed, so leaving one run out keeps its day-mates in and understates it).
 
     nodus fit-stacks RUN... --base PROFILE --out PROFILE.json [--report PREFIX]
 """
@@ -126,6 +129,32 @@ def fit_rate(rows: list[dict], prof: dict, tmp: Path, which: str = "") -> tuple[
     return rate, _predict(rows, prof, rate, tmp)
 
 
+def day_of(run: str | Path) -> str:
+    """The day a run belongs to: the folder above its parent (``.../session31/arms/RUN``: 'session31')."""
+    return Path(run).resolve().parent.parent.name
+
+
+def leave_days_out(rows: list[dict], prof: dict, tmp: Path) -> dict | None:
+    """Each day's runs predicted from the rate fitted on the other days' (``day_of``): per day its
+    runs, that rate and the mean signed error; per run the prediction; over all runs the mean
+    absolute error, worst and mean signed error. None where the runs lie in one day's folder."""
+    days = sorted({day_of(r["run"]) for r in rows})
+    if len(days) < 2:
+        return None
+    out_rows, per_day = [], {}
+    for day in days:
+        held = [r for r in rows if day_of(r["run"]) == day]
+        rate, _ = fit_rate([r for r in rows if day_of(r["run"]) != day], prof, tmp, f" but {day}'s")
+        pred = _predict(held, prof, rate, tmp)
+        errs = [(p - r["measured"]) / r["measured"] for p, r in zip(pred, held)]
+        per_day[day] = {"rate": rate, "runs": len(held), "mean_error": sum(errs) / len(errs)}
+        out_rows += [{"run": r["run"], "day": day, "measured": r["measured"], "predicted": p, "error": e}
+                     for r, p, e in zip(held, pred, errs)]
+    abs_errs = [abs(x["error"]) for x in out_rows]
+    return {"rows": out_rows, "days": per_day, "mape": sum(abs_errs) / len(abs_errs), "worst": max(abs_errs),
+            "bias": sum(x["error"] for x in out_rows) / len(out_rows)}
+
+
 def fit(runs: list[str | Path], base: str) -> dict:
     """Fit the rate on every run, and on all but each run in turn (that run's error predicted from
     the others); with the base's own prediction (no two-engine rate) beside."""
@@ -144,6 +173,7 @@ def fit(runs: list[str | Path], base: str) -> dict:
             rate_i, _ = fit_rate(others, prof, tmp, f" but {r['run']} (left out)")
             p = _predict([r], prof, rate_i, tmp)[0]
             loo.append({"rate": rate_i, "predicted": p, "error": (p - r["measured"]) / r["measured"]})
+        by_day = leave_days_out(rows, prof, tmp)
     out_rows = [{"run": r["run"], "spans_sha256": r["spans_sha256"], "measured": r["measured"], "predicted": p,
                  "error": (p - r["measured"]) / r["measured"],
                  "predicted_without_rate": u, "error_without_rate": (u - r["measured"]) / r["measured"],
@@ -152,7 +182,8 @@ def fit(runs: list[str | Path], base: str) -> dict:
     return {"base": base, "mps_engines": rate, "settings": rows[0]["settings"],
             "mps_alone_engine": prof["sharing"]["mps_alone"]["engine"], "rows": out_rows,
             "left_out_mape": sum(errs) / len(errs) if errs else None, "left_out_worst": max(errs) if errs else None,
-            "without_rate_mape": sum(abs(x["error_without_rate"]) for x in out_rows) / len(out_rows)}
+            "without_rate_mape": sum(abs(x["error_without_rate"]) for x in out_rows) / len(out_rows),
+            "left_out_days": by_day}
 
 
 def report_markdown(result: dict) -> str:
@@ -166,6 +197,14 @@ def report_markdown(result: dict) -> str:
         lines += [f"Each run predicted from a rate fitted on the others: {r['left_out_mape']:.1%} mean absolute error, "
                   f"worst {r['left_out_worst']:.1%}. Without the rate (two engines sharing the engine-trainer pair's "
                   f"combined rate): {r['without_rate_mape']:.1%}.", ""]
+    d = r.get("left_out_days")
+    if d:
+        lines += [f"Each day's runs predicted from the rate fitted on the other days' (a new day, as a planner meets "
+                  f"it): **{d['mape']:.1%} mean absolute error, worst {d['worst']:.1%}, mean signed {d['bias']:+.1%}** "
+                  f"over {len(d['days'])} days:", "",
+                  "| day | runs | rate fitted without it | mean signed error |", "|---|---|---|---|"]
+        lines += [f"| {day} | {x['runs']} | {x['rate']:.3f} | {x['mean_error']:+.1%} |" for day, x in d["days"].items()]
+        lines += [""]
     lines += ["| run | measured | predicted (fitted rate) | error | left out: rate / predicted / error "
               "| without the rate (error) |",
               "|---|---|---|---|---|---|"]
@@ -189,7 +228,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof["sharing"]["engines_controls"] = dict(result["settings"])
     prof.setdefault("measurements", {})["stacks"] = {
         k: v for k, v in result.items() if k in ("mps_engines", "settings", "rows", "left_out_mape",
-                                                  "left_out_worst", "without_rate_mape")}
+                                                  "left_out_worst", "without_rate_mape", "left_out_days")}
     set_assumption(prof, {
         "id": "sharing-two-engines",
         "what": "two stacks' engines generating together each go at sharing.mps_engines, fitted on "

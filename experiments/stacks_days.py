@@ -1,7 +1,8 @@
 """Two stacks' engine rate across days: fit ``sharing.mps_engines`` (as `nodus fit-stacks` does) on
 every day's runs but one, and predict the left-out day's runs. A day is the session folder a run
 lies in (``.../sessionNN/arms/RUN``: the folder above the run's). Leaving a whole day out is the
-error a planner meets on a new day; `nodus fit-stacks` leaves one run out, whose day-mates stay in.
+error a planner meets on a new day. `nodus fit-stacks` reports it too, beside leaving one run out
+(whose day-mates stay in); this script gives it alone, without the fit.
 
     python experiments/stacks_days.py RUN... --base PROFILE [--out PREFIX]
 """
@@ -16,36 +17,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def day_of(run: str) -> str:
-    """The session folder a run lies in (the folder above its parent), e.g. 'session31'."""
-    return Path(run).resolve().parent.parent.name
+from calibration.stacks import day_of  # noqa: E402 - after the project root is on the path
 
 
 def leave_days_out(runs: list[str], base: str) -> dict:
-    from calibration.stacks import _predict, fit_rate, stack_runs
+    """``calibration.stacks.leave_days_out`` on the runs and ``base``, with the base named."""
+    from calibration.stacks import leave_days_out as by_day
+    from calibration.stacks import stack_runs
     from nodus.config import ConfigError
     from sim.profile import profile_dict, profile_lora_kernels, profile_step_mode
 
     prof = profile_dict(base)
     rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof))
-    days = sorted({day_of(r["run"]) for r in rows})
-    if len(days) < 2:
-        raise ConfigError(f"stacks_days: the runs lie in one day's folder ({days}): leaving a day out needs two")
-    out_rows, per_day = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        for day in days:
-            held = [r for r in rows if day_of(r["run"]) == day]
-            rate, _ = fit_rate([r for r in rows if day_of(r["run"]) != day], prof, tmp, f" but {day}'s")
-            pred = _predict(held, prof, rate, tmp)
-            errs = [(p - r["measured"]) / r["measured"] for p, r in zip(pred, held)]
-            per_day[day] = {"rate": rate, "runs": len(held), "mean_error": sum(errs) / len(errs)}
-            out_rows += [{"run": r["run"], "day": day, "measured": r["measured"], "predicted": p, "error": e}
-                         for r, p, e in zip(held, pred, errs)]
-    abs_errs = [abs(x["error"]) for x in out_rows]
-    return {"base": base, "rows": out_rows, "days": per_day, "mape": sum(abs_errs) / len(abs_errs),
-            "worst": max(abs_errs), "bias": sum(x["error"] for x in out_rows) / len(out_rows)}
+        r = by_day(rows, prof, Path(tmp))
+    if r is None:
+        days = sorted({day_of(x["run"]) for x in rows})
+        raise ConfigError(f"stacks_days: the runs lie in one day's folder ({days}): leaving a day out needs two")
+    return {"base": base, **r}
 
 
 def markdown(r: dict) -> str:

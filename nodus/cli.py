@@ -50,7 +50,9 @@ def cmd_profiles(a: argparse.Namespace) -> int:
         name = r["name"] + (" (default)" if r["name"] == DEFAULT_PROFILE else "")
         days = f"{pct(r['across_days_mape'])} ({r['across_days_runs']})" if r["across_days_runs"] else "-"
         st = r.get("stacks") or {}
-        stacks = f"{pct(st.get('left_out_mape'))} ({st['runs']})" if st else "-"
+        stacks = (f"{pct(st.get('left_out_mape'))} ({st['runs']})"
+                  + (f"; days {pct(st['day_mape'])} ({st['days']})" if st.get("day_mape") is not None else "")
+                  if st else "-")
         print(f"| {name} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
               f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {days} | {stacks} | {r['assumptions']} | "
               f"{r['report'] or '-'} |")
@@ -58,7 +60,8 @@ def cmd_profiles(a: argparse.Namespace) -> int:
           "measured where the jobs will run (nodus sim --profile NAME). Held-out MAPE: on the runs of more jobs "
           "than it was fitted on that its report names; other days: on such runs of the days it was not fitted "
           "on, under the MPS settings its rates were fitted under (experiments/crossday.py). Two stacks: the "
-          "two-engine rate's fit (nodus fit-stacks), each run predicted from the others, where the profile has one; "
+          "two-engine rate's fit (nodus fit-stacks), each run predicted from the others, where the profile has one, "
+          "and each day's runs from the other days' (days); "
           "the other columns are the one-stack terms' (a fitted copy keeps its base's).")
     return 0
 

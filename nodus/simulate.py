@@ -336,6 +336,8 @@ def error_bar_line(validation: dict | None) -> str:
         stacks = (f" Two stacks' engines (sharing.mps_engines): fitted on {st['runs']} two-stack run(s)"
                   + (f", each predicted from the others {st['left_out_mape']:.1%} off on average (worst "
                      f"{st['left_out_worst']:.1%})" if st.get("left_out_mape") is not None else "")
+                  + (f"; on a new day (each of its {st['days']} days' runs predicted from the others') "
+                     f"{st['day_mape']:.1%} (worst {st['day_worst']:.1%})" if st.get("day_mape") is not None else "")
                   + "; one configuration's runs are no error bar for others (nodus fit-stacks).")
     if v.get("heldout_mape") is None:
         return "This profile carries no validation against real runs (nodus validate --annotate)." + stacks

@@ -536,11 +536,15 @@ class CostModel:
 
     def validation(self) -> dict | None:
         """The profile's error bars: its held-out validation, and where it has a two-engine rate
-        (``sharing.mps_engines``), that fit's leave-one-run-out error under ``stacks``."""
+        (``sharing.mps_engines``), that fit's leave-one-run-out error under ``stacks``, and its
+        leave-one-day-out error where its runs came from several days."""
         v = self.profile.validation
         out = v.model_dump() if v is not None else None
         fit = (self.profile.measurements or {}).get("stacks") or {}
         if self.profile.sharing.mps_engines is not None and fit.get("rows"):
+            days = fit.get("left_out_days") or {}
             out = dict(out or {}, stacks={"runs": len(fit["rows"]), "left_out_mape": fit.get("left_out_mape"),
-                                          "left_out_worst": fit.get("left_out_worst")})
+                                          "left_out_worst": fit.get("left_out_worst"),
+                                          "days": len(days.get("days") or {}), "day_mape": days.get("mape"),
+                                          "day_worst": days.get("worst")})
         return out

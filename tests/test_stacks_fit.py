@@ -209,6 +209,7 @@ def test_the_error_bar_names_the_two_engine_fit_where_the_profile_has_one():
 
     v = load_profile("h200-xeon16-graphed-stacks-session30-qwen3-0.6b").validation()
     assert v["stacks"]["runs"] == 3 and v["stacks"]["left_out_mape"] < 0.05
+    assert v["stacks"]["day_mape"] is None and "new day" not in error_bar_line(v)  # one day's runs
     assert "Two stacks' engines (sharing.mps_engines): fitted on 3 two-stack run(s)" in error_bar_line(v)
     assert "Two stacks" not in error_bar_line(load_profile(DEFAULT_PROFILE).validation())
 
@@ -244,6 +245,19 @@ def test_leaving_each_day_out_fits_the_rate_on_the_other_days(tmp_path):
     assert r["days"]["session41"]["rate"] == pytest.approx(0.6, rel=0.02)
     assert r["days"]["session40"]["mean_error"] > 0.02 and r["days"]["session41"]["mean_error"] < -0.02
     assert r["mape"] == pytest.approx(sum(abs(x["error"]) for x in r["rows"]) / 4)
+    # nodus fit-stacks on the same runs gives the same days' errors, records them in the profile,
+    # and the simulator's error bar names the new-day error beside leaving one run out.
+    from nodus.simulate import error_bar_line
+
+    out = tmp_path / "fitted.json"
+    res = fit_to_file(runs, DEFAULT_PROFILE, out, report=tmp_path / "rep")
+    assert res["left_out_days"]["mape"] == pytest.approx(r["mape"])
+    assert res["left_out_days"]["days"]["session40"]["rate"] == pytest.approx(r["days"]["session40"]["rate"])
+    v = load_profile(str(out)).validation()["stacks"]
+    assert v["days"] == 2 and v["day_mape"] == pytest.approx(r["mape"])
+    assert f"on a new day (each of its 2 days' runs predicted from the others') {r['mape']:.1%}" in error_bar_line(
+        load_profile(str(out)).validation())
+    assert "| session40 | 2 |" in (tmp_path / "rep.md").read_text()
     # every run row names its day, also where its folder name alone is unique
     text = markdown({**r, "rows": r["rows"][:3]})
     assert "| session41/k2-s1 |" in text and "| session40/k2-s2 |" in text
