@@ -268,14 +268,14 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                       else best_flags({f for _, f in present}, flags, own))
         variant, by_task = None, False
         over: frozenset = frozenset()  # the settings of the dedicated runs the ratio divides by
-        over_key = None  # (jobs, seed, settings) of those runs
+        base_machines: set | None = None  # the machines of those runs
         base = sbase = None
         alone: dict = {}
         if base_flags is not None:
             key = (jobs, seed, base_flags)
             base, sbase = mean(ded_sph[key]), mean(sim_sph[key])
             alone = {j: mean(v) for j, v in alone_finish.get(key, {}).items()}
-            variant, over, over_key = "".join(sorted(base_flags)) or None, base_flags, key
+            variant, over, base_machines = "".join(sorted(base_flags)) or None, base_flags, ded_machine[key]
         elif not dedicated:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
@@ -289,8 +289,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                     pick(ded_steps), pick(sim_alone), pick(ded_task))
                 variant = ("".join(sorted(sub_flags)) or None) if base else None
                 over = sub_flags if base else over
-                over_key = (next(k for k in ded_sph if k[1] == seed and k[2] == sub_flags)
-                            if base else None)
+                base_machines = (set().union(*(m for k, m in ded_machine.items() if k[1] == seed and k[2] == sub_flags))
+                                 if base else None)
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         if is_base:  # the baseline itself: the mean over its repeats
             base_key = (jobs, seed, flags)
@@ -332,8 +332,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # The machines of the dedicated runs the ratio divides by, where one is another machine's
             # than this run's: the ratio then holds the two machines' difference too (session 34's
             # seed 2 at 16 jobs: 3.42x over a second machine's run, 3.78x over its own machine's).
-            "baseline_machine": _other_machine(run_machine(summary), ded_machine.get(over_key))
-            if not (is_base or dedicated or base is None or over_key is None) else None,
+            "baseline_machine": (None if is_base or dedicated or base is None
+                                 else _other_machine(run_machine(summary), base_machines)),
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
