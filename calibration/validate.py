@@ -624,17 +624,18 @@ def run_host_probe(summary: dict) -> dict | None:
 
 
 def run_machine(summary: dict) -> str | None:
-    """Which machine a run ran on, as one name: its GPUs' UUIDs (``nodus.gpumon``), else its host
-    name and boot id (``nodus.outdir.machine``); None for a run recorded before either was (before
-    session 35). Two runs with different names ran on two machines."""
+    """Which machine a run ran on, as one name: its host name and boot id (``nodus.outdir.machine``;
+    two GPUs of one host are one machine), else its GPUs' UUIDs (``nodus.gpumon``) for a run that
+    recorded those alone; None for a run recorded before either was (before session 35). The real
+    backend records both, so two runs of it are always named the same way."""
     diags = summary.get("diagnostics", [])
-    uuids = sorted({g["uuid"] for d in diags for g in ((d.get("gpu_monitor") or {}).get("gpus") or {}).values()
-                    if isinstance(g, dict) and g.get("uuid")})
-    if uuids:
-        return ",".join(uuids)
     hosts = sorted({f"{m.get('hostname')}/{m.get('boot_id')}" for d in diags
                     for m in [d.get("machine") or {}] if m.get("hostname") or m.get("boot_id")})
-    return ",".join(hosts) or None
+    if hosts:
+        return ",".join(hosts)
+    uuids = sorted({g["uuid"] for d in diags for g in ((d.get("gpu_monitor") or {}).get("gpus") or {}).values()
+                    if isinstance(g, dict) and g.get("uuid")})
+    return ",".join(uuids) or None
 
 
 def host_flags(rows: list[dict]) -> dict:

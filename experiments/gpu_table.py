@@ -57,12 +57,13 @@ def slots_flag(flag: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _other_machine(arm: str | None, dedicated: set | None) -> dict | None:
-    """{"arm": ..., "dedicated": [...]} where the dedicated runs a ratio divides by ran on a machine
-    other than the arm's run; None where they match or a machine is unknown (runs before session 35)."""
-    if not arm or not dedicated or None in dedicated or dedicated == {arm}:
+def _other_machine(arm: set, dedicated: set | None) -> dict | None:
+    """{"arm": [...], "dedicated": [...]} where the runs of a row and the dedicated runs its ratio
+    divides by did not all run on one machine; None where they did, or where a machine is unknown
+    (runs before session 35)."""
+    if not arm or not dedicated or None in arm or None in dedicated or len(arm | dedicated) == 1:
         return None
-    return {"arm": arm, "dedicated": sorted(dedicated)}
+    return {"arm": sorted(arm), "dedicated": sorted(dedicated)}
 
 
 def audit_flag(flags: frozenset) -> str:
@@ -250,6 +251,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             prev["phase_s"] = {k: (v * (n - 1) + phase_s.get(k, v)) / n for k, v in prev["phase_s"].items()}
             prev["corun_s"] = _merge_corun(prev["corun_s"], corun[str(rd)])
             prev["engine_steps"] = (prev.get("engine_steps") or []) + [engine_steps(summary, rd)]
+            prev["machines"] = sorted(set(prev["machines"]) | {run_machine(summary)}, key=str)
+            if prev.get("baseline_machines") is not None:
+                prev["baseline_machine"] = _other_machine(set(prev["machines"]), set(prev["baseline_machines"]))
             if not is_base:  # measured and simulated: the mean over the runs, over the row's own baselines
                 for kind, value in (("steps_per_gpu_hour", summary["steps_per_gpu_hour"]),
                                     ("sim_steps_per_gpu_hour", sim["steps_per_gpu_hour"])):
@@ -284,13 +288,12 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                                        stacks_of(cfg["arm"]))
             if sub_flags is not None:
                 pick = (lambda m: {k[:2]: v for k, v in m.items() if k[2] == sub_flags})
-                base, sbase, alone, by_task = _subset_baseline(
+                base, sbase, alone, by_task, used = _subset_baseline(
                     {j: d.get("task") for j, d in summary.get("per_job", {}).items()}, seed, pick(alone_finish),
                     pick(ded_steps), pick(sim_alone), pick(ded_task))
                 variant = ("".join(sorted(sub_flags)) or None) if base else None
                 over = sub_flags if base else over
-                base_machines = (set().union(*(m for k, m in ded_machine.items() if k[1] == seed and k[2] == sub_flags))
-                                 if base else None)
+                base_machines = ded_machine[(*used, sub_flags)] if base else None
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         if is_base:  # the baseline itself: the mean over its repeats
             base_key = (jobs, seed, flags)
@@ -333,7 +336,10 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # than this run's: the ratio then holds the two machines' difference too (session 34's
             # seed 2 at 16 jobs: 3.42x over a second machine's run, 3.78x over its own machine's).
             "baseline_machine": (None if is_base or dedicated or base is None
-                                 else _other_machine(run_machine(summary), base_machines)),
+                                 else _other_machine({run_machine(summary)}, base_machines)),
+            "machines": [run_machine(summary)],  # every run's of the row (repeats add theirs)
+            "baseline_machines": (None if is_base or dedicated or base is None or base_machines is None
+                                  else sorted(base_machines, key=str)),
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
@@ -430,11 +436,12 @@ def factors(table: dict) -> dict:
 
 def _subset_baseline(jobs: dict[str, str], seed: int, alone_finish: dict, ded_steps: dict, sim_alone: dict,
                      ded_task: dict):
-    """(measured baseline, simulated baseline, each job's mean finish alone, by_task) over the jobs
+    """(measured baseline, simulated baseline, each job's mean finish alone, by_task, the (jobs, seed)
+    of the dedicated run used) over the jobs
     (id -> task), from the smallest dedicated run of ``seed`` that holds them all; failing that,
     from the largest one, each job it lacks standing in for by a job of the same task there (the
     same length model: its time alone is the same in expectation; ``by_task`` True). (None, None,
-    {}, False) if neither works."""
+    {}, False, None) if neither works."""
     job_ids = set(jobs)
     runs = sorted(k for k in alone_finish if k[1] == seed)
     holding = [k for k in runs if job_ids and job_ids <= set(alone_finish[k])]
@@ -448,15 +455,15 @@ def _subset_baseline(jobs: dict[str, str], seed: int, alone_finish: dict, ded_st
             first_of_task.setdefault(ded_task[key][j], j)
         stand_in = {j: j if j in alone_finish[key] else first_of_task.get(t) for j, t in jobs.items()}
         if not job_ids or None in stand_in.values():
-            return None, None, {}, False
+            return None, None, {}, False, None
     else:
-        return None, None, {}, False
+        return None, None, {}, False, None
     alone = {j: sum(alone_finish[key][s]) / len(alone_finish[key][s]) for j, s in stand_in.items()}
     base = 3600 * sum(ded_steps[key][s] for s in stand_in.values()) / sum(alone.values())
     sim = sim_alone.get(key, {})
     sbase = (3600 * sum(sim[s][0] for s in stand_in.values()) / sum(sim[s][1] for s in stand_in.values())
              if set(stand_in.values()) <= set(sim) else None)
-    return base, sbase, alone, by_task
+    return base, sbase, alone, by_task, key
 
 
 def engine_steps(summary: dict, run: Path) -> dict:

@@ -327,15 +327,16 @@ def _noise(aa: dict[str, dict | None], label: str, base_label: str,
     """The A/A spread to judge an arm's gain against, and where it came from.
 
     Run-to-run noise is a property of the machine and the measurement more than of one arm, so
-    the arm's own or the baseline's repeats are preferred, then the repeats given apart from the
-    compared runs (``aa_runs``), and any other compared arm's repeats are the fallback; the max is
-    taken (conservative)."""
+    the arm's own or the baseline's repeats are preferred; else the widest of the repeats given apart
+    from the compared runs (``aa_runs``) and any other compared arm's repeats (conservative)."""
     own = [aa[x]["max"] for x in (label, base_label) if aa[x] is not None]
     if own:
         return max(own), "arm and baseline repeats"
-    if given:
-        return given["max"], "the given A/A runs (" + ", ".join(given["arms"]) + ")"
     other = [s["max"] for s in aa.values() if s is not None]
+    if given:  # with any other compared arm's repeats: the wider of the two
+        if other and max(other) > given["max"]:
+            return max(other), "other arms' repeats (wider than the given A/A runs')"
+        return given["max"], "the given A/A runs (" + ", ".join(given["arms"]) + ")"
     if other:
         return max(other), "other arms' repeats"
     return None, "no A/A repeats"

@@ -329,3 +329,9 @@ def test_an_aa_pair_given_apart_is_the_noise_floor_and_nothing_else(tmp_path):
     noisy = make_arms(tmp_path / "noisy", aa_sph=150.0)
     own = arm_entry(compare_runs(noisy, n_boot=500, aa_runs=pair))["vs_baseline"]
     assert own["noise_spread"] == pytest.approx(100 / 200) and own["noise_source"] == "arm and baseline repeats"
+    # Another compared arm's repeats, wider than the given ones, win (the wider counts).
+    (tmp_path / "third").mkdir()
+    third = [make_run(tmp_path / "third", n, policy="shared-sync", sharing="mps", seed=0, sph=sph)
+             for n, sph in (("s0", 200.0), ("s0-again", 120.0))]
+    wide = arm_entry(compare_runs(dirs + third, n_boot=500, aa_runs=pair))["vs_baseline"]
+    assert wide["noise_spread"] == pytest.approx(80 / 160) and wide["noise_source"].startswith("other arms' repeats")

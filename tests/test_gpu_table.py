@@ -574,12 +574,20 @@ def test_a_ratio_over_another_machines_dedicated_run_is_named(tmp_path):
     same = _simulated(tmp_path / "b", (("sync", arm),), diagnostics=on("m1"), jobs=2, steps=2, seed=1)
     other = _simulated(tmp_path / "c", (("sync", arm),), diagnostics=on("m2"), jobs=2, steps=2, seed=1)
     unknown = _simulated(tmp_path / "d", (("sync", arm),), diagnostics=[{}], jobs=2, steps=2, seed=1)
-    for runs, flagged in ((same, None), (other, {"arm": "m2/b", "dedicated": ["m1/b"]}), (unknown, None)):
+    for runs, flagged in ((same, None), (other, {"arm": ["m2/b"], "dedicated": ["m1/b"]}), (unknown, None)):
         out = tmp_path / f"t-{runs[0].split('/')[-2]}"
         table = main(ded + runs + ["--out", str(out)])
         assert table["arms"]["shared-sync/mps/g1/2jobs"]["1"]["baseline_machine"] == flagged
         assert table["arms"]["dedicated/none/g1/2jobs"]["1"]["baseline_machine"] is None
         assert ("from another machine" in (out.parent / f"{out.name}.md").read_text()) == bool(flagged)
-    # The GPU's UUID names the machine before its host name does.
-    assert run_machine({"diagnostics": on("m1", "GPU-9")}) == "GPU-9"
+    # A repeat on another machine flags the row even where its first run shared the baseline's.
+    (tmp_path / "e").mkdir()
+    again = _simulated(tmp_path / "e", (("sync", arm),), diagnostics=on("m2"), jobs=2, steps=2, seed=1)
+    row = main(ded + same + again + ["--out", str(tmp_path / "t-rep")])["arms"]["shared-sync/mps/g1/2jobs"]["1"]
+    assert row["machines"] == ["m1/b", "m2/b"] and row["baseline_machine"] == {"arm": ["m1/b", "m2/b"],
+                                                                               "dedicated": ["m1/b"]}
+    # The host names the machine (two GPUs of one host are one machine); a GPU's UUID only where a
+    # run recorded no host.
+    assert run_machine({"diagnostics": on("m1", "GPU-9")}) == "m1/b"
+    assert run_machine({"diagnostics": [{"gpu_monitor": {"gpus": {"0": {"uuid": "GPU-9"}}}}]}) == "GPU-9"
     assert run_machine({"diagnostics": on()}) is None
