@@ -57,11 +57,11 @@ def slots_flag(flag: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _other_machine(arm: set, dedicated: set | None) -> dict | None:
+def _other_machine(arm: set, dedicated: list | None) -> dict | None:
     """{"arm": [...], "dedicated": [...]} where the runs of a row and the dedicated runs its ratio
     divides by did not all run on one machine; None where they did, or where a machine is unknown
     (runs before session 35)."""
-    if not arm or not dedicated or None in arm or None in dedicated or len(arm | dedicated) == 1:
+    if not arm or not dedicated or None in arm or None in dedicated or len(arm | set(dedicated)) == 1:
         return None
     return {"arm": sorted(arm), "dedicated": sorted(dedicated)}
 
@@ -238,6 +238,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             table["aa"][f"{jobs}-s{seed}{''.join(sorted(flags))}"] = {
                 "runs": vals[:2], "rel_diff": aa_spread(vals[:1], vals[1:2])["max"]}
     for rd, cfg, summary, jobs, seed, sim, phase_s, plain in rows:
+        machine = run_machine(summary)
         flags = label_flags(plain)
         dedicated = cfg["arm"]["policy"] == "dedicated"
         # A dedicated row is a baseline itself unless a plain dedicated run of its jobs and seed is.
@@ -251,9 +252,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             prev["phase_s"] = {k: (v * (n - 1) + phase_s.get(k, v)) / n for k, v in prev["phase_s"].items()}
             prev["corun_s"] = _merge_corun(prev["corun_s"], corun[str(rd)])
             prev["engine_steps"] = (prev.get("engine_steps") or []) + [engine_steps(summary, rd)]
-            prev["machines"] = sorted(set(prev["machines"]) | {run_machine(summary)}, key=str)
-            if prev.get("baseline_machines") is not None:
-                prev["baseline_machine"] = _other_machine(set(prev["machines"]), set(prev["baseline_machines"]))
+            prev["machines"] = sorted(set(prev["machines"]) | {machine}, key=str)
+            prev["baseline_machine"] = _other_machine(set(prev["machines"]), prev["baseline_machines"])
             if not is_base:  # measured and simulated: the mean over the runs, over the row's own baselines
                 for kind, value in (("steps_per_gpu_hour", summary["steps_per_gpu_hour"]),
                                     ("sim_steps_per_gpu_hour", sim["steps_per_gpu_hour"])):
@@ -301,6 +301,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             variant = None
         else:
             sph = summary["steps_per_gpu_hour"]
+        # The machines of the dedicated runs the ratio divides by (none for a row that is no ratio).
+        over_machines = None if is_base or dedicated or base is None or base_machines is None \
+            else sorted(base_machines, key=str)
         per[str(seed)] = {
             "run": str(rd), "jobs": jobs, "steps_per_gpu_hour": sph,
             "ratio_vs_dedicated": sph / base if base else None,
@@ -335,11 +338,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # The machines of the dedicated runs the ratio divides by, where one is another machine's
             # than this run's: the ratio then holds the two machines' difference too (session 34's
             # seed 2 at 16 jobs: 3.42x over a second machine's run, 3.78x over its own machine's).
-            "baseline_machine": (None if is_base or dedicated or base is None
-                                 else _other_machine({run_machine(summary)}, base_machines)),
-            "machines": [run_machine(summary)],  # every run's of the row (repeats add theirs)
-            "baseline_machines": (None if is_base or dedicated or base is None or base_machines is None
-                                  else sorted(base_machines, key=str)),
+            "baseline_machine": _other_machine({machine}, over_machines),
+            "machines": [machine],  # every run's of the row (repeats add theirs)
+            "baseline_machines": over_machines,
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
