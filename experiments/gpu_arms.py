@@ -169,7 +169,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, and `np`, the
     engine's adapter loads into pageable host memory (settings of the run loop only: no process
     restarts). `kN` (arm.stacks) and `spK` (trainer.share_prompts) are the run config's, carried in
-    the same dict."""
+    the same dict, as is `lsN`: a kN arm's engine adapter slots (each stack's engine), in place of one
+    per job of a stack, so that arms of several job counts run on one engine (one cluster start)."""
     name, *opts = text.strip().split(":")
     if name not in ARMS:
         raise SystemExit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
@@ -195,6 +196,10 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                 raise SystemExit(f"--arms {text!r}: {o!r}: {name} runs no shared stacks (dedicated: a GPU a job; "
                                  "timeslice: its groups are its stacks)")
             trainer["stacks"] = int(o[1:])
+        elif re.fullmatch(r"ls[1-9][0-9]*", o):
+            # A kN arm's engine adapter slots (vLLM max_loras of each stack's engine), in place of
+            # one per job of its stack: arms of several job counts on one engine (one cluster start).
+            trainer["engine_slots"] = int(o[2:])
         elif re.fullmatch(r"cpu(0|[1-9][0-9]*)", o):
             trainer["trainer_cpu_threads"] = int(o[3:])
         elif len(o) > 1 and o[0] == "t" and o[1:].isdigit() and 1 <= int(o[1:]) <= 100:
@@ -227,7 +232,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "at below-normal MPS priority), cpuN (torch's CPU threads in the trainer), tN (trainer "
                              "MPS thread percentage, 1-100), aN (the engine's logprobs audited every N-th step; a0: "
                              "never), rK (the first K responses of each prompt audited), np (published adapters "
-                             "loaded unpinned), kN (N engine + trainer stacks splitting the jobs) or spK "
+                             "loaded unpinned), kN (N engine + trainer stacks splitting the jobs), lsN (a kN "
+                             "arm's engine adapter slots, in place of one per job of a stack) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
     return name, jobs, groups, seeds, mb, wait, trainer
 
@@ -565,7 +571,11 @@ def main() -> None:
             # spK is the run config's (trainer.share_prompts), not a process setting.
             arm_share = arm_trainer.get("share_prompts", args.share_prompts)
             stacks = arm_trainer.get("stacks", 1)  # kN: the run config's arm.stacks too
-            arm_trainer = {k: v for k, v in arm_trainer.items() if k not in ("share_prompts", "stacks")}
+            arm_slots = arm_trainer.get("engine_slots")  # lsN: a kN arm's engine slots
+            if arm_slots is not None and stacks == 1:
+                raise SystemExit(f"gpu_arms: arm {name}: ls{arm_slots} sets a kN arm's engine adapter slots; "
+                                 "an arm on one engine takes the pool's (--engine-slots)")
+            arm_trainer = {k: v for k, v in arm_trainer.items() if k not in ("share_prompts", "stacks", "engine_slots")}
             try:
                 # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.
                 arm_opts = dataclasses.replace(opts, **arm_trainer)
@@ -603,7 +613,7 @@ def main() -> None:
                     per = size_engine_slots(cfg.model_copy(update={"engine": cfg.engine.model_copy(
                         update={"max_loras": None})})).engine.max_loras or own_jobs
                     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(
-                        update={"max_loras": min(per, pool.min_loras)})})
+                        update={"max_loras": arm_slots or min(per, pool.min_loras)})})
                 variant = "-eager" if args.trainer_compile is False else ""
                 variant += "-cg" if arm_opts.trainer_graphs else ""
                 variant += "-ea" if engine_args else ""
@@ -647,6 +657,9 @@ def main() -> None:
                          tuple(sorted((k, v) for k, v in drop_idle_priority(arm_trainer,
                                                                             corun_key(policy, stacks)).items()
                                       if k not in RUN_SETTINGS)))
+                # An lsN arm's engine serves each job count on the same slots: a larger count's first
+                # step takes more adapters a step than the smaller one primed (kernels for those).
+                shape += (n,) if arm_slots else ()
                 # What the run does to the processes (a planning twin of the pool decides, starting none).
                 action = pool.shadow().plan(cfg, n_stacks(cfg))
                 # New processes, trainers restarted or a shape not yet trained at: a priming step first

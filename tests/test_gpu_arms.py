@@ -380,3 +380,31 @@ def test_a_real_invocation_skips_a_run_past_its_deadline_and_records_it(tmp_path
     assert skip["arm"].startswith("shared-sync+mps") and skip["arm"].endswith("-k2") and skip["processes"] == "start"
     assert skip["prime_s"] == gpu_arms.START_S[0] + 2 * gpu_arms.START_S[1] and skip["elapsed_s"] < 100
     assert res["primed"][0]["processes"] == "start" and (out / "dedicated-s1" / "summary.json").exists()
+
+
+def test_an_ls_arm_runs_its_job_counts_on_one_two_stack_engine_each_primed(tmp_path, monkeypatch, capsys):
+    """lsN: a two-stack arm's engines get N adapter slots whatever its jobs, so 2-, 4- and 8-job runs
+    (a fit set and its held-out runs) share one cluster start; each job count's first run is primed
+    (its engine steps carry more adapters than the smaller count's did), later seeds are not. Without
+    it each job count's engine is sized to its stack's jobs: a start each."""
+    a = "shared-sync+mps:cg:lowpri:sp4:k2:m8192"
+    assert parse_arm(f"{a}:ls4:j2")[-1]["engine_slots"] == 4
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--engine-slots", "8", "--cuda-graph-max-tokens", "512",
+                "--arms", f"{a}:ls4:j2:s1,{a}:ls4:j4:s1,{a}:ls4:j4:s2,{a}:ls4:s1")
+    rows = _rows(out)
+    assert [(r[1], r[2], r[5]) for r in rows] == [
+        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-sp4-k2-mb8k-j2", "1", "start"),
+        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-sp4-k2-mb8k-j4", "1", "reuse, priming"),
+        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-sp4-k2-mb8k-j4", "2", "reuse"),
+        # 4 slots are an 8-job stack's own: the run key of every earlier 8-job two-stack run
+        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k", "1", "reuse, priming"),
+    ], out
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--arms", f"{a}:j2:s1,{a}:j4:s1")
+    assert [r[5] for r in _rows(out)] == ["start", "start"]
+    import sys
+
+    from experiments import gpu_arms
+
+    monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "o"), "--plan", "--arms", "dedicated:ls4"])
+    with pytest.raises(SystemExit, match="ls4 sets a kN arm's engine adapter slots"):
+        gpu_arms.main()
