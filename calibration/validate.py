@@ -1137,7 +1137,15 @@ def per_config_errors(rows: list[dict]) -> dict:
     return out
 
 
+def run_labels(rep: dict) -> dict[str, str]:
+    """Each row's run by the shortest trailing path no other row shares (``unique_names``): runs of
+    one name from several days' folders stay apart in the tables and the plot."""
+    runs = [r["run"] for r in rep["rows"]]
+    return dict(zip(runs, unique_names(runs)))
+
+
 def render_markdown(rep: dict) -> str:
+    label = run_labels(rep)
     lines = [f"Simulator (profile `{rep['profile']}`) against recorded runs; held out: more than "
              f"{rep['fit_max_jobs']} jobs per GPU.", "",
              "| run | jobs | arm | measured steps/GPU-h | replay | sampled | held out |", "|---|---|---|---|---|---|---|"]
@@ -1145,7 +1153,7 @@ def render_markdown(rep: dict) -> str:
         arm = r["arm"] or {}
         m = r["measured"]["steps_per_gpu_hour"]
         stacks = f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else ""
-        lines.append(f"| {Path(r['run']).name} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
+        lines.append(f"| {label[r['run']]} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
                      f"{arm.get('sharing')}{stacks}{f' sp{_packed(r)}' if _packed(r) else ''}"
                      f"{f' audit {a}' if (a := r.get('audit')) else ''} | {m:.0f} | "
                      f"{r['replay']['steps_per_gpu_hour']:.0f} "
@@ -1211,8 +1219,8 @@ def render_markdown(rep: dict) -> str:
         cells = [f"{m['phase_s'].get(ph, float('nan')):.3f} / {p['phase_s'].get(ph, float('nan')):.3f}" for ph in PHASES]
         cells += [f"{m['busy'].get(side, float('nan')):.2f} / {p['busy'].get(side, float('nan')):.2f}"
                   for side in ("engine", "trainer")]
-        lines.append(f"| {Path(r['run']).name} | " + " | ".join(cells) + " |")
-    flagged = [(Path(r["run"]).name, r["outside_profile"]) for r in rep["rows"] if r.get("outside_profile")]
+        lines.append(f"| {label[r['run']]} | " + " | ".join(cells) + " |")
+    flagged = [(label[r["run"]], r["outside_profile"]) for r in rep["rows"] if r.get("outside_profile")]
     if flagged:
         lines += ["", "Predicted outside the profiled region (extrapolated):"]
         lines += [f"- {name}: {'; '.join(flags)}" for name, flags in flagged]
@@ -1248,6 +1256,7 @@ def plot_validation(rep: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    label = run_labels(rep)
     fig, ax = plt.subplots(figsize=(5.5, 5))
     meas = [r["measured"]["steps_per_gpu_hour"] for r in rep["rows"]]
     top = max(meas + [r[m]["steps_per_gpu_hour"] for r in rep["rows"] for m in ("replay", "sampled")]) * 1.1
@@ -1258,7 +1267,7 @@ def plot_validation(rep: dict, path: Path) -> None:
             ax.scatter(r["measured"]["steps_per_gpu_hour"], r[mode]["steps_per_gpu_hour"], marker=marker,
                        facecolors="C0" if r["heldout"] else "none", edgecolors="C0")
             if mode == "replay":
-                ax.annotate(Path(r["run"]).name, (r["measured"]["steps_per_gpu_hour"], r[mode]["steps_per_gpu_hour"]),
+                ax.annotate(label[r["run"]], (r["measured"]["steps_per_gpu_hour"], r[mode]["steps_per_gpu_hour"]),
                             fontsize=7, xytext=(4, -10 if i % 2 == 0 else 4), textcoords="offset points")
     ax.scatter([], [], marker="o", color="C0", label="replayed lengths (filled: held out)")
     ax.scatter([], [], marker="^", color="C0", label="sampled lengths")

@@ -770,3 +770,23 @@ def test_validate_names_the_run_it_cannot_price(tmp_path):
                               profile=DEFAULT_PROFILES["graphed"]), out)
     with pytest.raises(ConfigError, match=r"packed/config.json: trainer.share_prompts=4 runs on the graphed trainer"):
         validate([out], DEFAULT_PROFILE)
+
+
+def test_validate_names_runs_of_one_folder_name_by_their_day(tmp_path):
+    """Runs of one folder name recorded on two days (``DAY/arms/RUN``) keep their day in the report's
+    tables and the plot; a run whose name no other shares keeps its name alone."""
+    from calibration.validate import plot_validation, render_markdown, run_labels
+
+    runs = []
+    for day, seed in (("session1", 1), ("session2", 1), ("session2", 2)):
+        out = tmp_path / day / "arms" / f"ovl-s{seed}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        simulate(config_from_args(jobs=8, steps=2, policy="overlap", sharing="mps", seed=seed), out)
+        runs.append(out)
+    rep = validate(runs, profile=DEFAULT_PROFILE)
+    assert list(run_labels(rep).values()) == ["session1/arms/ovl-s1", "session2/arms/ovl-s1", "ovl-s2"]
+    text = render_markdown(rep)
+    assert "| session1/arms/ovl-s1 | 8 |" in text and "| session2/arms/ovl-s1 | 8 |" in text
+    assert "| ovl-s2 | 8 |" in text
+    plot_validation(rep, tmp_path / "v.png")
+    assert (tmp_path / "v.png").stat().st_size > 0
