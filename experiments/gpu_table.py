@@ -51,6 +51,12 @@ def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozens
     return max(fits, key=lambda f: (len(f), sorted(f))) if fits else None
 
 
+def _flags_text(flags: frozenset) -> str | None:
+    """A baseline's settings as the ratio names them ('+cg+lk'), its day aside (always the row's own);
+    None for none."""
+    return "".join(sorted(f for f in flags if not f.startswith("+@"))) or None
+
+
 def slots_flag(flag: str) -> int | None:
     """N of an engine-slot setting '+lsN'; None for any other flag."""
     m = re.fullmatch(r"\+ls(\d+)", flag)
@@ -200,6 +206,14 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         hits = [p for prefix, p in (run_profiles or {}).items() if str(rd).startswith(prefix)]
         return hits[0] if hits else profile
 
+    # Runs from several day folders (``.../DAY/arms/RUN``) keep to their day: each label carries the
+    # day as a setting ("+@session35"), so a run is never a repeat of another day's run and divides
+    # by its own day's dedicated runs only (a dedicated run's settings must all be the arm's).
+    from calibration.stacks import day_of
+
+    days = {str(rd): day_of(rd) for rd in runs}
+    by_day = len(set(days.values())) > 1
+    table["days"] = sorted(set(days.values())) if by_day else []
     rows = []
     corun: dict[str, dict] = {}  # run -> each phase's mean seconds alone and beside the other
     # Per (jobs, seed, code settings), over its dedicated runs: steps per GPU-hour, each job's
@@ -217,7 +231,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
         sim = _simulate(recorded_configs(rd, cfg, spans, profile_of(rd))[0], f"{rd}/config.json")
-        plain = arm_label(cfg["arm"], summary, cfg.get("trainer"))
+        plain = arm_label(cfg["arm"], summary, cfg.get("trainer")) + (f"+@{days[str(rd)]}" if by_day else "")
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
         corun[str(rd)] = corun_phase_means(spans)
         if plain == "dedicated/none/g1" or plain.startswith("dedicated/none/g1+"):
@@ -242,7 +256,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         flags = label_flags(plain)
         dedicated = cfg["arm"]["policy"] == "dedicated"
         # A dedicated row is a baseline itself unless a plain dedicated run of its jobs and seed is.
-        is_base = dedicated and (not flags or (jobs, seed, frozenset()) not in ded_sph)
+        day = frozenset(f for f in flags if f.startswith("+@"))  # the run's day (by_day), else none
+        is_base = dedicated and (flags == day or (jobs, seed, day) not in ded_sph)
         label = plain + ("" if jobs == 8 else f"/{jobs}jobs")
         per = table["arms"].setdefault(label, {})
         if str(seed) in per:  # a repeat of this arm and seed: the row is the mean over its runs
@@ -266,7 +281,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             continue
         # The dedicated runs this row is measured over: those with the most of its own settings (a
         # dedicated row with a setting: over the plain dedicated run, when there is one).
-        own = frozenset() if dedicated else None
+        own = day if dedicated else None
         present = {(k[0], k[2]) for k in ded_sph if k[:2] == (jobs, seed)}
         base_flags = (baseline_flags(present, flags, jobs, stacks_of(cfg["arm"])) if own is None
                       else best_flags({f for _, f in present}, flags, own))
@@ -279,7 +294,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             key = (jobs, seed, base_flags)
             base, sbase = mean(ded_sph[key]), mean(sim_sph[key])
             alone = {j: mean(v) for j, v in alone_finish.get(key, {}).items()}
-            variant, over, base_machines = "".join(sorted(base_flags)) or None, base_flags, ded_machine[key]
+            variant, over, base_machines = _flags_text(base_flags), base_flags, ded_machine[key]
         elif not dedicated:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
@@ -291,7 +306,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                 base, sbase, alone, by_task, used = _subset_baseline(
                     {j: d.get("task") for j, d in summary.get("per_job", {}).items()}, seed, pick(alone_finish),
                     pick(ded_steps), pick(sim_alone), pick(ded_task))
-                variant = ("".join(sorted(sub_flags)) or None) if base else None
+                variant = _flags_text(sub_flags) if base else None
                 over = sub_flags if base else over
                 base_machines = ded_machine[(*used, sub_flags)] if base else None
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]

@@ -591,3 +591,38 @@ def test_a_ratio_over_another_machines_dedicated_run_is_named(tmp_path):
     assert run_machine({"diagnostics": on("m1", "GPU-9")}) == "m1/b"
     assert run_machine({"diagnostics": [{"gpu_monitor": {"gpus": {"0": {"uuid": "GPU-9"}}}}]}) == "GPU-9"
     assert run_machine({"diagnostics": on()}) is None
+
+
+def test_runs_of_several_days_keep_to_their_day(tmp_path):
+    """Runs from two day folders (``DAY/arms/RUN``): an arm's runs of one seed on two days are two
+    rows, never one row's repeats (nor an A/A pair); each divides by its own day's dedicated run,
+    and a seed whose day has no dedicated run gets no ratio, not another day's."""
+    from experiments.gpu_table import main
+
+    for day in ("session1", "session2"):
+        (tmp_path / day / "arms").mkdir(parents=True)
+    runs = _simulated(tmp_path, (("session1/arms/ded-s1", dict(policy="dedicated", sharing="none", seed=1)),
+                                 ("session1/arms/ovl-s1", dict(policy="overlap", groups=2, sharing="mps", seed=1)),
+                                 ("session1/arms/ded-s2", dict(policy="dedicated", sharing="none", seed=2)),
+                                 ("session2/arms/ded-s1", dict(policy="dedicated", sharing="none", seed=1)),
+                                 ("session2/arms/ovl-s1", dict(policy="overlap", groups=2, sharing="mps", seed=1)),
+                                 ("session2/arms/ovl-s2", dict(policy="overlap", groups=2, sharing="mps", seed=2))),
+                      jobs=4, steps=2)
+    # Day 2's runs slower: another day's dedicated run would give another ratio.
+    for run, factor in ((runs[3], 0.5), (runs[4], 0.8)):
+        summary = json.loads((tmp_path / run / "summary.json").read_text())
+        summary["steps_per_gpu_hour"] *= factor
+        (tmp_path / run / "summary.json").write_text(json.dumps(summary))
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    sph = {r: json.loads((tmp_path / r / "summary.json").read_text())["steps_per_gpu_hour"] for r in runs}
+    assert table["days"] == ["session1", "session2"] and table["aa"] == {}
+    day1, day2 = table["arms"]["overlap/mps/g2+@session1/4jobs"], table["arms"]["overlap/mps/g2+@session2/4jobs"]
+    assert "repeats" not in day1["1"] and "repeats" not in day2["1"]
+    assert day1["1"]["ratio_vs_dedicated"] == pytest.approx(sph[runs[1]] / sph[runs[0]])
+    assert day2["1"]["ratio_vs_dedicated"] == pytest.approx(sph[runs[4]] / sph[runs[3]])
+    assert day2["1"]["baseline_variant"] is None  # over its day's plain dedicated run, named as such
+    assert day2["2"]["ratio_vs_dedicated"] is None  # seed 2's dedicated run is day 1's only
+    assert table["arms"]["dedicated/none/g1+@session2/4jobs"]["1"]["ratio_vs_dedicated"] == 1.0
+    # One day's folder: labels as ever.
+    one = main(runs[:3] + ["--out", str(tmp_path / "t1")])
+    assert one["days"] == [] and "overlap/mps/g2/4jobs" in one["arms"]
