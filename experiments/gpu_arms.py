@@ -235,6 +235,10 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "loaded unpinned), kN (N engine + trainer stacks splitting the jobs), lsN (a kN "
                              "arm's engine adapter slots, in place of one per job of a stack) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
+    if "engine_slots" in trainer and trainer.get("stacks", 1) < 2:
+        # Before any run: an arm on one engine takes the pool's slots, which every arm shares.
+        raise SystemExit(f"--arms {text!r}: ls{trainer['engine_slots']} sets a kN arm's engine adapter slots; "
+                         "an arm on one engine takes the pool's (--engine-slots)")
     return name, jobs, groups, seeds, mb, wait, trainer
 
 
@@ -571,10 +575,7 @@ def main() -> None:
             # spK is the run config's (trainer.share_prompts), not a process setting.
             arm_share = arm_trainer.get("share_prompts", args.share_prompts)
             stacks = arm_trainer.get("stacks", 1)  # kN: the run config's arm.stacks too
-            arm_slots = arm_trainer.get("engine_slots")  # lsN: a kN arm's engine slots
-            if arm_slots is not None and stacks == 1:
-                raise SystemExit(f"gpu_arms: arm {name}: ls{arm_slots} sets a kN arm's engine adapter slots; "
-                                 "an arm on one engine takes the pool's (--engine-slots)")
+            arm_slots = arm_trainer.get("engine_slots")  # lsN: a kN arm's engine slots (parse_arm: kN only)
             arm_trainer = {k: v for k, v in arm_trainer.items() if k not in ("share_prompts", "stacks", "engine_slots")}
             try:
                 # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.

@@ -51,6 +51,13 @@ def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozens
     return max(fits, key=lambda f: (len(f), sorted(f))) if fits else None
 
 
+def run_day(run: str | Path) -> str | None:
+    """A run's day: the folder holding its ``arms`` folder (``.../session35/arms/RUN``: 'session35',
+    a '+' in it as '-', since a label's settings are split on '+'); None for a run laid out otherwise."""
+    p = Path(run).resolve()
+    return p.parent.parent.name.replace("+", "-") if p.parent.name == "arms" else None
+
+
 def _flags_text(flags: frozenset) -> str | None:
     """A baseline's settings as the ratio names them ('+cg+lk'), its day aside (always the row's own);
     None for none."""
@@ -209,11 +216,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     # Runs from several day folders (``.../DAY/arms/RUN``) keep to their day: each label carries the
     # day as a setting ("+@session35"), so a run is never a repeat of another day's run and divides
     # by its own day's dedicated runs only (a dedicated run's settings must all be the arm's).
-    from calibration.stacks import day_of
-
-    days = {str(rd): day_of(rd) for rd in runs}
-    by_day = len(set(days.values())) > 1
-    table["days"] = sorted(set(days.values())) if by_day else []
+    days = {str(rd): run_day(rd) for rd in runs}
+    by_day = len({d for d in days.values() if d}) > 1
+    table["days"] = sorted({d for d in days.values() if d}) if by_day else []
     rows = []
     corun: dict[str, dict] = {}  # run -> each phase's mean seconds alone and beside the other
     # Per (jobs, seed, code settings), over its dedicated runs: steps per GPU-hour, each job's
@@ -231,7 +236,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
         sim = _simulate(recorded_configs(rd, cfg, spans, profile_of(rd))[0], f"{rd}/config.json")
-        plain = arm_label(cfg["arm"], summary, cfg.get("trainer")) + (f"+@{days[str(rd)]}" if by_day else "")
+        plain = arm_label(cfg["arm"], summary, cfg.get("trainer")) + (f"+@{days[str(rd)]}"
+                                                                       if by_day and days[str(rd)] else "")
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
         corun[str(rd)] = corun_phase_means(spans)
         if plain == "dedicated/none/g1" or plain.startswith("dedicated/none/g1+"):
@@ -520,6 +526,10 @@ def render(table: dict) -> str:
     others = "".join(f"; runs under `{k}` on `{v}`" for k, v in (table.get("run_profiles") or {}).items())
     lines = [f"Measured on the GPU; simulator on profile `{table['profile']}`{others}, replaying each run's lengths.", ""]
     lines += [f"- {n}" for n in table.get("notes") or []] + ([""] if table.get("notes") else [])
+    if table.get("days"):
+        lines += [f"Runs of {len(table['days'])} days ({', '.join(table['days'])}; a day: the folder holding a run's "
+                  "`arms` folder): each label ends in its day (+@DAY), and each ratio divides by that day's dedicated "
+                  "runs only.", ""]
     lines += ["| arm | seed | steps/GPU-h | ratio vs dedicated | reference ratio | sim steps/GPU-h | sim ratio | "
               "rollout tokens/GPU-s | busy engine / trainer / GPU | per-job slowdown min-max | stale |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -751,7 +761,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="draw the 8-job arms of this seed on one time axis (<out>_timelines_s<SEED>.png); "
                          "SEED+SETTING, e.g. 1+cg: the arms run with that code setting; SEED=ARM,ARM: those "
                          "arms as the table labels them, whatever their settings (<out>_timelines_s<SEED>_"
-                         "<N>arms.png); repeatable")
+                         "<N>arms.png); repeatable. Runs of several days carry their day among their settings "
+                         "(labels end in +@DAY): 1+cg+@session35, or name such labels after =")
     a = ap.parse_args(argv)
     run_profiles = {}
     for item in a.run_profile:

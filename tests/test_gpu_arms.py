@@ -405,6 +405,8 @@ def test_an_ls_arm_runs_its_job_counts_on_one_two_stack_engine_each_primed(tmp_p
 
     from experiments import gpu_arms
 
-    monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "o"), "--plan", "--arms", "dedicated:ls4"])
-    with pytest.raises(SystemExit, match="ls4 sets a kN arm's engine adapter slots"):
-        gpu_arms.main()
+    for arms in ("dedicated:ls4", "shared-sync+mps:ls4", f"{a}:ls4:s1,shared-sync+mps:cg:ls4"):
+        # refused before any run (the first arm here would otherwise start its cluster)
+        monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "o"), "--plan", "--arms", arms])
+        with pytest.raises(SystemExit, match="ls4 sets a kN arm's engine adapter slots"):
+            gpu_arms.main()

@@ -626,3 +626,29 @@ def test_runs_of_several_days_keep_to_their_day(tmp_path):
     # One day's folder: labels as ever.
     one = main(runs[:3] + ["--out", str(tmp_path / "t1")])
     assert one["days"] == [] and "overlap/mps/g2/4jobs" in one["arms"]
+
+
+def test_a_smaller_arm_takes_its_subset_baseline_from_its_own_days_dedicated_run(tmp_path):
+    """The subset baseline (a 2-job arm over the first jobs of a 4-job dedicated run) in day mode:
+    each day's 2-job row divides by its own day's dedicated run. Day 2's dedicated jobs took twice as
+    long, so its identical 2-job run gets twice the ratio. Runs outside a ``DAY/arms`` folder have
+    no day."""
+    from experiments.gpu_table import main, run_day
+
+    for day in ("session1", "session2"):
+        (tmp_path / day / "arms").mkdir(parents=True)
+    runs = _simulated(tmp_path, (("session1/arms/ded", dict(policy="dedicated", sharing="none", jobs=4)),
+                                 ("session1/arms/ovl", dict(policy="overlap", groups=2, sharing="mps", jobs=2)),
+                                 ("session2/arms/ded", dict(policy="dedicated", sharing="none", jobs=4)),
+                                 ("session2/arms/ovl", dict(policy="overlap", groups=2, sharing="mps", jobs=2))),
+                      steps=2, seed=1)
+    summary = json.loads((tmp_path / runs[2] / "summary.json").read_text())
+    for d in summary["per_job"].values():
+        d["finish_s"] *= 2
+    (tmp_path / runs[2] / "summary.json").write_text(json.dumps(summary))
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    day1 = table["arms"]["overlap/mps/g2+@session1/2jobs"]["1"]["ratio_vs_dedicated"]
+    day2 = table["arms"]["overlap/mps/g2+@session2/2jobs"]["1"]["ratio_vs_dedicated"]
+    assert day1 > 1.0 and day2 == pytest.approx(2 * day1)
+    assert run_day(runs[0]) == "session1" and run_day(tmp_path / "ovl") is None
+    assert run_day(tmp_path / "s1+rerun" / "arms" / "x") == "s1-rerun"  # '+' splits a label's settings
