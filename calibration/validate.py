@@ -638,6 +638,20 @@ def run_machine(summary: dict) -> str | None:
     return ",".join(uuids) or None
 
 
+def _label_runs(rows: list[dict], *entries: list[dict]) -> None:
+    """Each entry's run by the shortest trailing path no other of ``rows`` shares (``unique_names``),
+    under "label": runs of one folder name from several days stay apart in a report's lines."""
+    runs = [r["run"] for r in rows]
+    names = dict(zip(runs, unique_names(runs)))
+    for entry in (e for es in entries for e in es):
+        entry["label"] = names.get(entry["run"], Path(entry["run"]).name)
+
+
+def _run_name(entry: dict) -> str:
+    """A flagged run as a report names it: its label (``_label_runs``), else its folder's name."""
+    return entry.get("label") or Path(entry["run"]).name
+
+
 def host_flags(rows: list[dict]) -> dict:
     """Runs whose host probe took more than ``HOST_SLOW`` times the median of the validated runs'
     probes: their host was slower than the others' while they ran (other load, a throttled CPU, a
@@ -655,6 +669,7 @@ def host_flags(rows: list[dict]) -> dict:
                   if m > 0 and r["host_probe"].get(k, 0) > HOST_SLOW * m}
         if slower:
             flagged.append({"run": r["run"], "slower": slower})
+    _label_runs(rows, flagged)
     return {"runs_with_probe": len(probed), "runs": len(rows), "median": median, "threshold": HOST_SLOW,
             "flagged": flagged}
 
@@ -716,6 +731,7 @@ def gpu_flags(rows: list[dict]) -> dict:
         if why:
             flagged.append({"run": r["run"], "busy_sm_clock_mhz": clock, "why": why})
     without = [r["gpu_monitor"] for r in rows if r.get("gpu_monitor") and not r["gpu_monitor"].get("available")]
+    _label_runs(rows, flagged)
     return {"runs_with_monitor": len(monitored), "runs": len(rows), "runs_without_figures": len(without),
             "why_without_figures": sorted({str(m.get("why")) for m in without}),
             "median_busy_sm_clock_mhz": median, "clock_threshold": GPU_CLOCK_LOW, "throttle_threshold": GPU_THROTTLE,
@@ -729,7 +745,7 @@ def gpu_flagged_text(flags: dict) -> str:
         parts = [f"busy SM clock {f['busy_sm_clock_mhz']:.0f} MHz, {v:.2f}x the median" if k == "busy_sm_clock"
                  else f"sampling stopped early: {v}" if k == "stopped_early"
                  else f"{k} in {v:.0%} of samples" for k, v in f["why"].items()]
-        return f"{Path(f['run']).name} ({'; '.join(parts)})"
+        return f"{_run_name(f)} ({'; '.join(parts)})"
     return "; ".join(one(f) for f in flags["flagged"])
 
 
@@ -860,6 +876,7 @@ def host_monitor_flags(rows: list[dict]) -> dict:
     cgroup_unread = [{"run": r["run"], "why": r["host_monitor"]["cgroup_error"]} for r in monitored
                      if r["host_monitor"].get("cgroup_error")]
     without = [r["host_monitor"] for r in rows if r.get("host_monitor") and not r["host_monitor"].get("available")]
+    _label_runs(rows, flagged, one_thread, cgroup_unread)
     return {"runs_with_monitor": len(monitored), "runs": len(rows), "runs_without_figures": len(without),
             "why_without_figures": sorted({str(m.get("why")) for m in without}), "median": median,
             "thresholds": {"steal_frac": HOSTMON_STEAL, "cgroup_throttled_frac": HOSTMON_CG_THROTTLED,
@@ -877,7 +894,7 @@ def host_monitor_flagged_text(flags: dict) -> str:
                 "other_cores": lambda v: f"other processes on {v:.1f} cores",
                 "cpu_mhz": lambda v: f"core clock {v:.2f}x the median",
                 "stopped_early": lambda v: f"sampling stopped early: {v}"}
-        return f"{Path(f['run']).name} ({'; '.join(text[k](v) for k, v in f['why'].items())})"
+        return f"{_run_name(f)} ({'; '.join(text[k](v) for k, v in f['why'].items())})"
     return "; ".join(one(f) for f in flags["flagged"])
 
 
@@ -902,12 +919,12 @@ def host_monitor_text(flags: dict) -> str:
             f"or a core clock more than {t['cpu_mhz_low']:.0%} under the median")
     one = flags.get("one_thread") or []
     tail = (f" A thread of the run on {t['one_thread_core_frac']:.0%} of a core or more (its own host work paces "
-            "it): " + "; ".join(f"{Path(o['run']).name} ({o['name']}"
+            "it): " + "; ".join(f"{_run_name(o)} ({o['name']}"
                                 + (f" of {o['process']}" if o.get("process") else "")  # older runs lack it
                                 + f", {o['core_frac']:.0%})" for o in one) + "."
             if one else "")
     unread = flags.get("cgroup_unread") or []
-    tail += (" Throttling unknown (a cgroup unread): " + "; ".join(f"{Path(u['run']).name} ({u['why']})"
+    tail += (" Throttling unknown (a cgroup unread): " + "; ".join(f"{_run_name(u)} ({u['why']})"
                                                                    for u in unread) + "." if unread else "")
     tail += f" {without}" if without else ""
     if flags["flagged"]:
@@ -1034,19 +1051,20 @@ def jit_flags(rows: list[dict]) -> dict:
     it (session 14-15: generations of 4.3-7.3 s against ~2 s), which the simulator does not model,
     so their error may be the stall's. Flagged, never dropped."""
     seen = [r for r in rows if r.get("jit_compiles") is not None]
-    return {"runs_recorded": len(seen), "runs": len(rows),
-            "flagged": [{"run": r["run"], "compiles": len(r["jit_compiles"]), "kernels": sorted(set(r["jit_compiles"]))}
-                        for r in seen if r["jit_compiles"]]}
+    flagged = [{"run": r["run"], "compiles": len(r["jit_compiles"]), "kernels": sorted(set(r["jit_compiles"]))}
+               for r in seen if r["jit_compiles"]]
+    _label_runs(rows, flagged)
+    return {"runs_recorded": len(seen), "runs": len(rows), "flagged": flagged}
 
 
 def jit_text(flags: dict) -> str:
     """``jit_flags``' flagged runs as 'run (6: kernel, kernel); ...' for a report."""
-    return "; ".join(f"{Path(f['run']).name} ({f['compiles']}: {', '.join(f['kernels'])})" for f in flags["flagged"])
+    return "; ".join(f"{_run_name(f)} ({f['compiles']}: {', '.join(f['kernels'])})" for f in flags["flagged"])
 
 
 def flagged_text(flags: dict) -> str:
     """``host_flags``' flagged runs as 'run (cpu_loop_s 2.0x); ...' for a report."""
-    return "; ".join(f"{Path(f['run']).name} ({', '.join(f'{k} {v:.1f}x' for k, v in f['slower'].items())})"
+    return "; ".join(f"{_run_name(f)} ({', '.join(f'{k} {v:.1f}x' for k, v in f['slower'].items())})"
                      for f in flags["flagged"])
 
 

@@ -425,7 +425,7 @@ def test_validate_and_the_gpu_table_name_runs_whose_engine_compiled_while_measur
         "_lora_expand_kernel", "_lora_shrink_kernel"]
     rep = validate(runs, profile=DEFAULT_PROFILE)
     assert rep["jit"]["runs_recorded"] == 2
-    assert rep["jit"]["flagged"] == [{"run": str(runs[1]), "compiles": 2,
+    assert rep["jit"]["flagged"] == [{"run": str(runs[1]), "label": "ovl2", "compiles": 2,
                                       "kernels": ["_lora_expand_kernel", "_lora_shrink_kernel"]}]
     assert "ovl2 (2: _lora_expand_kernel, _lora_shrink_kernel)" in render_markdown(rep)
     table = build(runs, DEFAULT_PROFILE)
@@ -790,3 +790,8 @@ def test_validate_names_runs_of_one_folder_name_by_their_day(tmp_path):
     assert "| ovl-s2 | 8 |" in text
     plot_validation(rep, tmp_path / "v.png")
     assert (tmp_path / "v.png").stat().st_size > 0
+    # The flag lines too: a run on a slowed host named by its day
+    from calibration.validate import flagged_text, host_flags
+
+    rows = [{"run": str(r), "host_probe": {"cpu_loop_s": 1.0 if i else 3.0}} for i, r in enumerate(runs)]
+    assert flagged_text(host_flags(rows)) == "session1/arms/ovl-s1 (cpu_loop_s 3.0x)"
