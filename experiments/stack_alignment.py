@@ -1,0 +1,136 @@
+"""How two stacks' phases lined up in recorded runs, and what went with it.
+
+    python experiments/stack_alignment.py RUN_DIR... [--out PREFIX]
+
+Two stacks (``arm.stacks = 2``) each alternate their own generate and train phases; nothing ties
+one stack's phases to the other's. A run's stacks may train at the same time (in step) or one may
+train while the other generates (alternating). For each run this reports the share of the stacks'
+train time spent beside the other stack's train, and beside its generation; the run's steps per
+GPU-hour; and its mean train and generate action (seconds a stack's phase took, its jobs' spans
+merged). Over the runs of each job count (three or more) it gives the Pearson r of the in-step share
+with each of those. Writes PREFIX.json and PREFIX.md when --out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def merged(intervals) -> list[tuple[float, float]]:
+    """Union of (start, end) intervals, sorted and non-overlapping."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def overlap(a, b) -> float:
+    """Seconds two unions of intervals overlap."""
+    return sum(max(0.0, min(e, e2) - max(s, s2)) for s, e in a for s2, e2 in b)
+
+
+def span(iv) -> float:
+    return sum(e - s for s, e in iv)
+
+
+def run_alignment(run_dir: str | Path) -> dict:
+    """One run's stack alignment. Raises ValueError when the run has not two stacks with train and
+    generate phases."""
+    rd = Path(run_dir)
+    phases: dict[tuple[int, str], set] = {}
+    with open(rd / "spans.jsonl") as f:
+        for line in f:
+            d = json.loads(line)
+            if d.get("phase") in ("train", "generate") and d.get("stack") is not None:
+                phases.setdefault((int(d["stack"]), d["phase"]), set()).add((d["start_s"], d["end_s"]))
+    stacks = sorted({k[0] for k in phases})
+    if len(stacks) != 2 or any((s, p) not in phases for s in stacks for p in ("train", "generate")):
+        raise ValueError(f"{rd}: expected two stacks, each with train and generate spans; found stacks {stacks} "
+                         f"and phases {sorted(phases)}")
+    iv = {k: merged(v) for k, v in phases.items()}
+    a, b = stacks
+    train = span(iv[(a, "train")]) + span(iv[(b, "train")])
+    n_train = len(iv[(a, "train")]) + len(iv[(b, "train")])
+    gen = span(iv[(a, "generate")]) + span(iv[(b, "generate")])
+    n_gen = len(iv[(a, "generate")]) + len(iv[(b, "generate")])
+    beside_train = 2 * overlap(iv[(a, "train")], iv[(b, "train")]) / train
+    beside_gen = (overlap(iv[(a, "train")], iv[(b, "generate")])
+                  + overlap(iv[(b, "train")], iv[(a, "generate")])) / train
+    summary = json.loads((rd / "summary.json").read_text())
+    return {"run": str(rd), "jobs": len(summary.get("per_job") or {}),
+            "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
+            "train_beside_train": beside_train, "train_beside_generate": beside_gen,
+            "train_s": train / n_train, "generate_s": gen / n_gen}
+
+
+def pearson(x: list[float], y: list[float]) -> float | None:
+    n = len(x)
+    if n < 3:
+        return None
+    mx, my = sum(x) / n, sum(y) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx = sum((a - mx) ** 2 for a in x)
+    syy = sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def correlations(rows: list[dict]) -> dict[int, dict]:
+    """Per job count with three runs or more: Pearson r of the in-step share with steps per GPU-hour,
+    the mean train action and the mean generate action."""
+    out = {}
+    for jobs in sorted({r["jobs"] for r in rows}):
+        rs = [r for r in rows if r["jobs"] == jobs]
+        if len(rs) < 3:
+            continue
+        x = [r["train_beside_train"] for r in rs]
+        out[jobs] = {"runs": len(rs), **{f"r_{k}": pearson(x, [r[k] for r in rs])
+                                         for k in ("steps_per_gpu_hour", "train_s", "generate_s")}}
+    return out
+
+
+def render(rows: list[dict], corr: dict[int, dict]) -> str:
+    lines = ["| run | jobs | steps/GPU-h | train beside the other's train | beside its generation | train s | "
+             "generate s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['jobs']} | {r['steps_per_gpu_hour']:.0f} | {r['train_beside_train']:.0%} | "
+                     f"{r['train_beside_generate']:.0%} | {r['train_s']:.3f} | {r['generate_s']:.3f} |")
+    if corr:
+        def fmt(v: float | None) -> str:
+            return "-" if v is None else f"{v:+.2f}"
+
+        lines += ["", "Pearson r of the in-step share (train beside the other's train) over each job count's runs:", "",
+                  "| jobs | runs | with steps/GPU-h | with train s | with generate s |", "|---|---|---|---|---|"]
+        for jobs, c in corr.items():
+            lines.append(f"| {jobs} | {c['runs']} | {fmt(c['r_steps_per_gpu_hour'])} | {fmt(c['r_train_s'])} | "
+                         f"{fmt(c['r_generate_s'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="run folders of two-stack runs (spans.jsonl, summary.json)")
+    ap.add_argument("--out", type=Path, default=None, help="write PREFIX.json and PREFIX.md")
+    a = ap.parse_args(argv)
+    try:
+        rows = [run_alignment(rd) for rd in a.runs]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"stack_alignment: {e}") from None
+    corr = correlations(rows)
+    text = render(rows, corr)
+    result = {"rows": rows, "correlations": {str(k): v for k, v in corr.items()}}
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        a.out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""experiments/stack_alignment.py: how two stacks' phases lined up in a run."""
+
+import json
+
+import pytest
+
+from experiments import stack_alignment as sa
+from nodus.simulate import config_from_args, simulate
+
+
+def _write_run(path, spans, sph=1000.0, jobs=("job0", "job1")):
+    path.mkdir(parents=True)
+    with open(path / "spans.jsonl", "w") as f:
+        for stack, phase, s, e in spans:
+            for job in jobs:  # every job of the stack records the same action: merged, not counted twice
+                f.write(json.dumps({"stack": stack, "phase": phase, "start_s": s, "end_s": e, "job": job}) + "\n")
+    (path / "summary.json").write_text(json.dumps({"steps_per_gpu_hour": sph,
+                                                   "per_job": {j: {} for j in jobs}}))
+    return path
+
+
+def test_known_overlaps(tmp_path):
+    # Stack 0 trains 2-4 s; stack 1 trains 3-5 s (1 s beside stack 0's train) and generates 0-3 s
+    # (1 s beside stack 0's train); stack 0 generates 0-2 and 4-6 s (1 s beside stack 1's train).
+    rd = _write_run(tmp_path / "r", [(0, "generate", 0, 2), (0, "train", 2, 4), (0, "generate", 4, 6),
+                                     (1, "generate", 0, 3), (1, "train", 3, 5)])
+    r = sa.run_alignment(rd)
+    assert r["train_beside_train"] == pytest.approx(2 * 1 / 4)
+    assert r["train_beside_generate"] == pytest.approx((1 + 1) / 4)
+    assert r["train_s"] == pytest.approx(2.0)
+    assert r["generate_s"] == pytest.approx((2 + 2 + 3) / 3)
+    assert r["jobs"] == 2 and r["steps_per_gpu_hour"] == 1000.0
+
+
+def test_one_stack_run_is_refused_by_name(tmp_path):
+    rd = _write_run(tmp_path / "one", [(0, "generate", 0, 1), (0, "train", 1, 2)])
+    with pytest.raises(ValueError, match="expected two stacks.*found stacks \\[0\\]"):
+        sa.run_alignment(rd)
+    with pytest.raises(SystemExit, match="stack_alignment: .*expected two stacks"):
+        sa.main([str(rd)])
+
+
+def test_simulated_two_stack_runs_and_correlations(tmp_path):
+    runs = []
+    for seed in (1, 2, 3):
+        out = tmp_path / f"s{seed}"
+        simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", seed=seed, stacks=2),
+                 out=out)
+        runs.append(str(out))
+    res = sa.main(runs + ["--out", str(tmp_path / "align" / "a")])
+    assert len(res["rows"]) == 3
+    for r in res["rows"]:
+        assert 0.0 <= r["train_beside_train"] <= 1.0 and 0.0 <= r["train_beside_generate"] <= 1.0
+        assert r["train_beside_train"] + r["train_beside_generate"] <= 1.0 + 1e-9
+        assert r["jobs"] == 4 and r["train_s"] > 0 and r["generate_s"] > 0
+    assert set(res["correlations"]) == {"4"} and res["correlations"]["4"]["runs"] == 3
+    assert (tmp_path / "align" / "a.md").read_text().startswith("| run | jobs |")
+    assert json.loads((tmp_path / "align" / "a.json").read_text())["rows"][0]["run"] == runs[0]
+
+
+def test_pearson():
+    assert sa.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert sa.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert sa.pearson([1, 2], [1, 2]) is None  # fewer than three runs
+    assert sa.pearson([1, 1, 1], [1, 2, 3]) is None  # no spread
