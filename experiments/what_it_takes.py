@@ -20,7 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from nodus.config import DEFAULT_PROFILE
+from nodus.config import DEFAULT_PROFILE, ConfigError
 
 TRAIN = (1.0, 0.75, 0.5, 0.35)
 DECODE = (1.0, 0.75, 0.5)
@@ -133,9 +133,12 @@ def main(argv: list[str] | None = None) -> dict:
     arm = {"policy": a.policy, "stacks": a.stacks,
            "groups": (a.groups or ARM["groups"]) if a.policy == "overlap" else 1}
     train, decode = factors(a.train, "--train"), factors(a.decode, "--decode")
-    rows = grid(a.profile, a.steps, train=train, decode=decode, jobs=a.jobs, arm=arm)
-    # The profile's error bars as nodus sim prints them (a stacks profile's two-engine fit included).
-    validation = load_profile(a.profile).validation()
+    try:
+        rows = grid(a.profile, a.steps, train=train, decode=decode, jobs=a.jobs, arm=arm)
+        # The profile's error bars as nodus sim prints them (a stacks profile's two-engine fit included).
+        validation = load_profile(a.profile).validation()
+    except ConfigError as e:  # an unknown profile, a config the arm cannot run
+        raise SystemExit(f"what_it_takes: {e}") from None
     result = {"profile": a.profile, "validation": validation, "arm": arm, "jobs": a.jobs, "steps": a.steps,
               "target": a.target, "reach": {f"{t:g}": d for t, d in first_reaching(rows, a.target).items()},
               "rows": rows}

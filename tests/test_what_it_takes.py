@@ -56,3 +56,8 @@ def test_main_writes_the_grid_with_its_arm_and_target(tmp_path):
 def test_main_refuses_groups_on_shared_sync(tmp_path):
     with pytest.raises(SystemExit, match="--groups 2: phase-offset groups are overlap's"):
         wit.main(["--policy", "shared-sync", "--groups", "2", "--out", str(tmp_path / "w")])
+
+
+def test_main_names_an_unknown_profile(tmp_path):
+    with pytest.raises(SystemExit, match="what_it_takes: profile='nope' is neither a file nor a shipped profile"):
+        wit.main(["--profile", "nope", "--out", str(tmp_path / "w")])
