@@ -1,14 +1,16 @@
-"""How two stacks' phases lined up in recorded runs, and what went with it.
+"""How the stacks' phases lined up in recorded runs of two stacks or more, and what went with it.
 
     python experiments/stack_alignment.py RUN_DIR... [--out PREFIX]
 
-Two stacks (``arm.stacks = 2``) each alternate their own generate and train phases; nothing ties
-one stack's phases to the other's. A run's stacks may train at the same time (in step) or one may
-train while the other generates (alternating). For each run this reports the share of the stacks'
-train time spent beside the other stack's train, and beside its generation; the run's steps per
-GPU-hour; and its mean train and generate action (seconds a stack's phase took, its jobs' spans
-merged). Over the runs of each job count (three or more) it gives the Pearson r of the in-step share
-with each of those. Writes PREFIX.json and PREFIX.md when --out is given.
+Each stack (``arm.stacks``) alternates its own generate and train phases; nothing ties one stack's
+phases to another's. A run's stacks may train at the same time (in step) or one may train while
+another generates (alternating). For each run this reports the share of the stacks' train time
+spent beside another stack's train (any of them), and beside another's generation; the run's stacks,
+its steps per GPU-hour; and its mean train and generate action (seconds a stack's phase took, its
+jobs' spans merged). With two stacks the two shares add up to at most one; with more, a train may be
+beside one stack's train and another's generation at once, so they may add up to more. Over the
+runs of each job count and stack count (three runs or more) it gives the Pearson r of the in-step
+share with each of those. Writes PREFIX.json and PREFIX.md when --out is given.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def span(iv) -> float:
 
 
 def run_alignment(run_dir: str | Path) -> dict:
-    """One run's stack alignment. Raises ValueError when the run has not two stacks with train and
-    generate phases."""
+    """One run's stack alignment. Raises ValueError when the run has not two stacks or more, each
+    with train and generate phases."""
     rd = Path(run_dir)
     phases: dict[tuple[int, str], set] = {}
     with open(rd / "spans.jsonl") as f:
@@ -50,20 +52,22 @@ def run_alignment(run_dir: str | Path) -> dict:
             if d.get("phase") in ("train", "generate") and d.get("stack") is not None:
                 phases.setdefault((int(d["stack"]), d["phase"]), set()).add((d["start_s"], d["end_s"]))
     stacks = sorted({k[0] for k in phases})
-    if len(stacks) != 2 or any((s, p) not in phases for s in stacks for p in ("train", "generate")):
-        raise ValueError(f"{rd}: expected two stacks, each with train and generate spans; found stacks {stacks} "
-                         f"and phases {sorted(phases)}")
+    if len(stacks) < 2 or any((s, p) not in phases for s in stacks for p in ("train", "generate")):
+        raise ValueError(f"{rd}: expected two stacks or more, each with train and generate spans; found stacks "
+                         f"{stacks} and phases {sorted(phases)}")
     iv = {k: merged(v) for k, v in phases.items()}
-    a, b = stacks
-    train = span(iv[(a, "train")]) + span(iv[(b, "train")])
-    n_train = len(iv[(a, "train")]) + len(iv[(b, "train")])
-    gen = span(iv[(a, "generate")]) + span(iv[(b, "generate")])
-    n_gen = len(iv[(a, "generate")]) + len(iv[(b, "generate")])
-    beside_train = 2 * overlap(iv[(a, "train")], iv[(b, "train")]) / train
-    beside_gen = (overlap(iv[(a, "train")], iv[(b, "generate")])
-                  + overlap(iv[(b, "train")], iv[(a, "generate")])) / train
+
+    def others(s: int, phase: str) -> list[tuple[float, float]]:
+        return merged(x for o in stacks if o != s for x in iv[(o, phase)])
+
+    train = sum(span(iv[(s, "train")]) for s in stacks)
+    n_train = sum(len(iv[(s, "train")]) for s in stacks)
+    gen = sum(span(iv[(s, "generate")]) for s in stacks)
+    n_gen = sum(len(iv[(s, "generate")]) for s in stacks)
+    beside_train = sum(overlap(iv[(s, "train")], others(s, "train")) for s in stacks) / train
+    beside_gen = sum(overlap(iv[(s, "train")], others(s, "generate")) for s in stacks) / train
     summary = json.loads((rd / "summary.json").read_text())
-    return {"run": str(rd), "jobs": len(summary.get("per_job") or {}),
+    return {"run": str(rd), "jobs": len(summary.get("per_job") or {}), "stacks": len(stacks),
             "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
             "train_beside_train": beside_train, "train_beside_generate": beside_gen,
             "train_s": train / n_train, "generate_s": gen / n_gen}
@@ -80,41 +84,44 @@ def pearson(x: list[float], y: list[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
 
 
-def correlations(rows: list[dict]) -> dict[int, dict]:
-    """Per job count with three runs or more: Pearson r of the in-step share with steps per GPU-hour,
-    the mean train action and the mean generate action."""
+def correlations(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    """Per job count and stack count with three runs or more: Pearson r of the in-step share with
+    steps per GPU-hour, the mean train action and the mean generate action."""
     out = {}
-    for jobs in sorted({r["jobs"] for r in rows}):
-        rs = [r for r in rows if r["jobs"] == jobs]
+    for jobs, stacks in sorted({(r["jobs"], r["stacks"]) for r in rows}):
+        rs = [r for r in rows if r["jobs"] == jobs and r["stacks"] == stacks]
         if len(rs) < 3:
             continue
         x = [r["train_beside_train"] for r in rs]
-        out[jobs] = {"runs": len(rs), **{f"r_{k}": pearson(x, [r[k] for r in rs])
-                                         for k in ("steps_per_gpu_hour", "train_s", "generate_s")}}
+        out[(jobs, stacks)] = {"runs": len(rs), **{f"r_{k}": pearson(x, [r[k] for r in rs])
+                                                   for k in ("steps_per_gpu_hour", "train_s", "generate_s")}}
     return out
 
 
 def render(rows: list[dict], corr: dict[int, dict]) -> str:
-    lines = ["| run | jobs | steps/GPU-h | train beside the other's train | beside its generation | train s | "
-             "generate s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | jobs | stacks | steps/GPU-h | train beside another stack's train | beside another's generation | "
+             "train s | generate s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['jobs']} | {r['steps_per_gpu_hour']:.0f} | {r['train_beside_train']:.0%} | "
+        lines.append(f"| {r['run']} | {r['jobs']} | {r['stacks']} | {r['steps_per_gpu_hour']:.0f} | "
+                     f"{r['train_beside_train']:.0%} | "
                      f"{r['train_beside_generate']:.0%} | {r['train_s']:.3f} | {r['generate_s']:.3f} |")
     if corr:
         def fmt(v: float | None) -> str:
             return "-" if v is None else f"{v:+.2f}"
 
-        lines += ["", "Pearson r of the in-step share (train beside the other's train) over each job count's runs:", "",
-                  "| jobs | runs | with steps/GPU-h | with train s | with generate s |", "|---|---|---|---|---|"]
-        for jobs, c in corr.items():
-            lines.append(f"| {jobs} | {c['runs']} | {fmt(c['r_steps_per_gpu_hour'])} | {fmt(c['r_train_s'])} | "
-                         f"{fmt(c['r_generate_s'])} |")
+        lines += ["", "Pearson r of the in-step share (train beside another stack's train) over the runs of each job "
+                  "count and stack count:", "",
+                  "| jobs | stacks | runs | with steps/GPU-h | with train s | with generate s |",
+                  "|---|---|---|---|---|---|"]
+        for (jobs, stacks), c in corr.items():
+            lines.append(f"| {jobs} | {stacks} | {c['runs']} | {fmt(c['r_steps_per_gpu_hour'])} | "
+                         f"{fmt(c['r_train_s'])} | {fmt(c['r_generate_s'])} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", help="run folders of two-stack runs (spans.jsonl, summary.json)")
+    ap.add_argument("runs", nargs="+", help="run folders of runs on two stacks or more (spans.jsonl, summary.json)")
     ap.add_argument("--out", type=Path, default=None, help="write PREFIX.json and PREFIX.md")
     a = ap.parse_args(argv)
     try:
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"stack_alignment: {e}") from None
     corr = correlations(rows)
     text = render(rows, corr)
-    result = {"rows": rows, "correlations": {str(k): v for k, v in corr.items()}}
+    result = {"rows": rows, "correlations": {f"{j}x{k}": v for (j, k), v in corr.items()}}
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

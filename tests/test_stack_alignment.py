@@ -1,4 +1,4 @@
-"""experiments/stack_alignment.py: how two stacks' phases lined up in a run."""
+"""experiments/stack_alignment.py: how a run's stacks' phases lined up."""
 
 import json
 
@@ -29,14 +29,30 @@ def test_known_overlaps(tmp_path):
     assert r["train_beside_generate"] == pytest.approx((1 + 1) / 4)
     assert r["train_s"] == pytest.approx(2.0)
     assert r["generate_s"] == pytest.approx((2 + 2 + 3) / 3)
-    assert r["jobs"] == 2 and r["steps_per_gpu_hour"] == 1000.0
+    assert r["jobs"] == 2 and r["steps_per_gpu_hour"] == 1000.0 and r["stacks"] == 2
+
+
+def test_three_stacks_beside_any_other(tmp_path):
+    # Stack 0 trains 2-4 s: beside stack 1's train 3-5 s (1 s) and stack 2's train 1-3 s (1 s), the
+    # union 2 s; beside stack 1's generation 0-3 s (1 s) and stack 2's 3-6 s (1 s), the union 2 s.
+    # Stack 1 trains 3-5 s: beside stack 0's 2-4 s (1 s), stack 2's none; beside stack 0's generation
+    # 4-6 s (1 s) and stack 2's 3-6 s (2 s), the union 2 s. Stack 2 trains 1-3 s: beside stack 0's
+    # train 2-3 s (1 s); beside stack 0's generation 0-2 s (1 s) and stack 1's 0-3 s (2 s), union 2 s.
+    rd = _write_run(tmp_path / "r3", [(0, "generate", 0, 2), (0, "train", 2, 4), (0, "generate", 4, 6),
+                                      (1, "generate", 0, 3), (1, "train", 3, 5),
+                                      (2, "train", 1, 3), (2, "generate", 3, 6)])
+    r = sa.run_alignment(rd)
+    assert r["stacks"] == 3
+    assert r["train_beside_train"] == pytest.approx((2 + 1 + 1) / 6)
+    assert r["train_beside_generate"] == pytest.approx((2 + 2 + 2) / 6)
+    assert r["train_s"] == pytest.approx(2.0)
 
 
 def test_one_stack_run_is_refused_by_name(tmp_path):
     rd = _write_run(tmp_path / "one", [(0, "generate", 0, 1), (0, "train", 1, 2)])
-    with pytest.raises(ValueError, match="expected two stacks.*found stacks \\[0\\]"):
+    with pytest.raises(ValueError, match="expected two stacks or more.*found stacks \\[0\\]"):
         sa.run_alignment(rd)
-    with pytest.raises(SystemExit, match="stack_alignment: .*expected two stacks"):
+    with pytest.raises(SystemExit, match="stack_alignment: .*expected two stacks or more"):
         sa.main([str(rd)])
 
 
@@ -53,7 +69,7 @@ def test_simulated_two_stack_runs_and_correlations(tmp_path):
         assert 0.0 <= r["train_beside_train"] <= 1.0 and 0.0 <= r["train_beside_generate"] <= 1.0
         assert r["train_beside_train"] + r["train_beside_generate"] <= 1.0 + 1e-9
         assert r["jobs"] == 4 and r["train_s"] > 0 and r["generate_s"] > 0
-    assert set(res["correlations"]) == {"4"} and res["correlations"]["4"]["runs"] == 3
+    assert set(res["correlations"]) == {"4x2"} and res["correlations"]["4x2"]["runs"] == 3
     assert (tmp_path / "align" / "a.md").read_text().startswith("| run | jobs |")
     assert json.loads((tmp_path / "align" / "a.json").read_text())["rows"][0]["run"] == runs[0]
 
