@@ -135,6 +135,12 @@ class ArmSpec(_Model):
     # (session 28: the one engine's thread at 85-91% of a core paced every shared run). 1: one
     # engine and one trainer for every job. timeslice's stacks are its groups.
     stacks: int = Field(default=1, ge=1)
+    # Stacks in lockstep (shared-sync on arm.stacks > 1): each stack's next generation waits until
+    # every stack has published its step, so the stacks generate together and train together. Free
+    # stacks drift apart with their response lengths; over sessions 30-37's nineteen 8-job two-stack
+    # runs, the runs whose trains lay more beside the other's train made more steps per GPU-hour
+    # (Pearson r +0.48; experiments/stack_alignment.py). False: each stack goes at its own pace.
+    lockstep: bool = False
 
 
 def trainer_freed(arm: dict) -> bool:
@@ -380,6 +386,10 @@ class RunConfig(_Model):
                                          f"stack to one of groups 0..{self.arm.groups - 1}, using each")
         elif any(j.stack is not None for j in self.jobs):
             raise ValueError(f"jobs[].stack with arm.stacks={self.arm.stacks}: a stack pin needs arm.stacks > 1")
+        if self.arm.lockstep and (self.arm.stacks < 2 or self.arm.policy != "shared-sync"):
+            raise ValueError(f"arm.lockstep with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: lockstep "
+                             "holds each stack's generation for the other stacks' publishes; it needs policy "
+                             "'shared-sync' on arm.stacks >= 2")
         pinned = [j.group for j in self.jobs if j.group is not None]
         if pinned and self.arm.policy in ("overlap", "timeslice") and self.arm.stacks == 1:
             if len(pinned) != n:

@@ -44,7 +44,8 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
         else:  # overlap: the stack's groups; shared-sync: its one group
             groups = [(s, g) for s, gs in enumerate(per_stack) for g in gs]
         return Scheduler(steps, groups, concurrent=True, stagger=policy == "overlap", start_versions=sv,
-                         trainer_waits_for_publish=waits, merge_trains=policy == "continuous")
+                         trainer_waits_for_publish=waits, merge_trains=policy == "continuous",
+                         lockstep=cfg.arm.lockstep)
     if policy in ("shared-sync", "dedicated"):
         return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv, trainer_waits_for_publish=waits)
     if policy == "overlap":

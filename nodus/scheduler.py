@@ -52,7 +52,7 @@ class _Group:
     index: int
     stack: int
     jobs: list[str]
-    state: str = "pending"  # pending | generating | queued | training | publishing | done
+    state: str = "pending"  # pending | generating | queued | training | publishing | holding | done
     rollouts: tuple[Rollouts, ...] = ()
     generations: int = 0
 
@@ -68,6 +68,9 @@ class Scheduler:
     stagger: bool = True  # overlap: group g starts generating when group g-1's first generation ends
     trainer_waits_for_publish: bool = True  # hold the trainer until a group's Publish is done
     merge_trains: bool = False  # the free trainer takes every queued group at once (one Train, one Publish)
+    # Stacks in lockstep: a group's next Generate after its Publish waits until no group of any stack
+    # is generating, training or publishing, then every waiting group generates at once.
+    lockstep: bool = False
     start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
     spans: list[Span] = field(default_factory=list)
 
@@ -89,6 +92,7 @@ class Scheduler:
             self._trainer_busy.setdefault(g.stack, False)
             self._train_queue.setdefault(g.stack, deque())
         self._next_id = 0
+        self._holding: list[_Group] = []  # lockstep: groups published, waiting for the other stacks
 
     # -- public interface -------------------------------------------------------------------
     def start(self) -> list[Action]:
@@ -217,7 +221,7 @@ class Scheduler:
             g.rollouts = ()
         if not versions:
             self._trainer_busy[stack] = False
-            return self._pump_trainer(stack) + [x for g in groups for x in self._generate(g)]
+            return self._pump_trainer(stack) + self._next_generation(groups)
         a2 = Publish(self._id("pub"), groups[0].index, stack, tuple(versions))
         for g in groups:
             g.state = "publishing"
@@ -239,8 +243,21 @@ class Scheduler:
         if self.trainer_waits_for_publish:
             self._trainer_busy[stack] = False
             pumped = self._pump_trainer(stack)
-            return pumped + [x for g in groups for x in self._generate(g)]
-        return [x for g in groups for x in self._generate(g)]
+            return pumped + self._next_generation(groups)
+        return self._next_generation(groups)
+
+    def _next_generation(self, groups: list[_Group]) -> list[Action]:
+        """The groups' next Generate; in lockstep, held until no group of any stack is mid-step,
+        then every held group's at once."""
+        if not self.lockstep:
+            return [x for g in groups for x in self._generate(g)]
+        for g in groups:
+            g.state = "holding"
+        self._holding += groups
+        if any(g.state in ("generating", "queued", "training", "publishing") for g in self._groups):
+            return []
+        held, self._holding = self._holding, []
+        return [x for g in held for x in self._generate(g)]
 
     def _after_group_done(self, g: _Group) -> list[Action]:
         # Timeslice: the stack's next job starts. Overlap: a staggered group whose predecessor had

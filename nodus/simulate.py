@@ -24,7 +24,8 @@ from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, write_c
 def config_from_args(config: dict | None = None, *, jobs: int | None = None, policy: str | None = None,
                      groups: int | None = None, sharing: str | None = None, steps: int | None = None,
                      seed: int | None = None, profile: str | None = None,
-                     share_prompts: int | None = None, stacks: int | None = None) -> RunConfig:
+                     share_prompts: int | None = None, stacks: int | None = None,
+                     lockstep: bool | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
     run's adapter slots sized to its largest group, for overlap (``nodus.runner.size_engine_slots``),
     and its engine graphs to the sequences those slots can hold (``size_engine_graphs``)."""
@@ -39,7 +40,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
             raise ConfigError(f"--steps {steps}: steps must be >= 1")
         data["jobs"] = [{**j, "steps": steps} for j in data["jobs"]]
     arm = dict(data.get("arm", {}))
-    for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing), ("stacks", stacks)):
+    for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing), ("stacks", stacks),
+                     ("lockstep", lockstep)):
         if val is not None:
             arm[key] = val
     if "policy" not in arm and len(data["jobs"]) == 1:

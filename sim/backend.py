@@ -68,6 +68,11 @@ class SimBackend:
                         "measured runs made what two stacks made that day)")
                 fitted = cost.profile.sharing.engines_controls
                 mine = {"policy": cfg.arm.policy, "share_prompts": self._share}
+                if cfg.arm.lockstep != bool(fitted.get("lockstep")):
+                    cost.note_unmodelled(
+                        f"arm.lockstep={cfg.arm.lockstep}: the two-engine rate (sharing.mps_engines) was fitted on "
+                        + ("stacks in lockstep" if fitted.get("lockstep") else "free-running stacks")
+                        + " (sharing.engines_controls); the rate is an average over how the runs' stacks lined up")
                 differ = {k: (v, fitted[k]) for k, v in mine.items() if k in fitted and fitted[k] != v}
                 if differ:
                     cost.note_unmodelled(

@@ -202,3 +202,46 @@ def drive_rest(s, b, pending):
         if s.done():
             return s.spans
         actions = s.on_result(b.wait())
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_lockstep_holds_a_stacks_next_generation_for_the_other_stacks_publish(lockstep):
+    """arm.lockstep: stack 0 finishes its step (generate, train, publish) while stack 1 is still
+    generating; free, stack 0 generates again at once; in lockstep it waits, and both stacks'
+    next generations go out together when stack 1 has published."""
+    s = Scheduler({"a": 2, "b": 2}, [(0, ["a"]), (1, ["b"])], stagger=False, lockstep=lockstep)
+    b = ScriptedBackend()
+
+    def finish(action):
+        b.queue.clear()
+        b.queue.append(action)
+        return s.on_result(b.wait())
+
+    gen_a, gen_b = s.start()
+    assert (gen_a.stack, gen_b.stack) == (0, 1)
+    (train_a,) = finish(gen_a)
+    (pub_a,) = finish(train_a)
+    after_a = finish(pub_a)
+    if not lockstep:
+        assert [(type(x).__name__, x.stack) for x in after_a] == [("Generate", 0)]
+        return
+    assert after_a == []  # held: stack 1 is mid-step
+    (train_b,) = finish(gen_b)
+    (pub_b,) = finish(train_b)
+    both = finish(pub_b)
+    assert [(type(x).__name__, x.stack) for x in both] == [("Generate", 0), ("Generate", 1)]
+    assert all(r.adapter_version == 1 for g in both for r in g.requests)
+    spans = drive_rest(s, b, both)
+    assert s.done() and not audit_on_policy(spans) and not job_overlaps(spans)
+    # Every generation of step 1 begins after every publish of step 0.
+    pub0 = max(sp.end_s for sp in spans if sp.phase == "publish" and sp.attrs["version"] == 1)
+    assert min(sp.start_s for sp in spans if sp.phase == "generate" and sp.attrs["step"] == 1) >= pub0
+
+
+def test_lockstep_releases_when_the_other_stacks_jobs_are_done():
+    """A stack whose jobs finished never holds the other one: lockstep waits only for stacks mid-step."""
+    s = Scheduler({"a": 3, "b": 1}, [(0, ["a"]), (1, ["b"])], stagger=False, lockstep=True)
+    spans = drive(s, ScriptedBackend())
+    assert s.done()
+    assert sum(sp.phase == "train" and sp.job == "a" for sp in spans) == 3
+    assert not audit_on_policy(spans)
