@@ -192,7 +192,8 @@ def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
     summary["diagnostics"] = extras.get("diagnostics", [])
     summary["arm"] = {"policy": cfg.arm.policy, "groups": cfg.arm.groups, "sharing": cfg.arm.sharing,
                       **({"stacks": cfg.arm.stacks, "stack_jobs": [len(ids) for ids in stack_jobs(cfg)]}
-                         if cfg.arm.stacks > 1 else {})}
+                         if cfg.arm.stacks > 1 else {}),
+                      **({"lockstep": True} if cfg.arm.lockstep else {})}
     # Flat copies of the arm, the layout `nodus compare` reads.
     summary.update(policy=cfg.arm.policy, groups=cfg.arm.groups, sharing=cfg.arm.sharing)
     summary["jobs"] = len(cfg.jobs)

@@ -37,6 +37,9 @@ def test_simulated_lockstep_stacks_train_together(tmp_path):
     free, lock = (sa.run_alignment(runs[k]) for k in (False, True))
     assert lock["train_beside_train"] > free["train_beside_train"]
     assert json.loads((runs[True] / "config.json").read_text())["arm"]["lockstep"] is True
+    summary = json.loads((runs[True] / "summary.json").read_text())
+    assert summary["arm"]["lockstep"] is True
+    assert "lockstep" not in json.loads((runs[False] / "summary.json").read_text())["arm"]
 
 
 def test_cli_lockstep_flag(capsys):

@@ -362,6 +362,22 @@ def test_shared_sync_in_two_stacks_runs_each_stacks_jobs_on_its_own_engine_and_t
     assert a.start_s < b.end_s and b.start_s < a.end_s  # the two stacks generated at the same time
 
 
+def test_lockstep_stacks_on_the_real_backend_generate_each_step_after_every_publish(timeslice_pool):
+    """arm.lockstep on the two-stack cluster: no stack's step-1 generation starts before both
+    stacks published step 0's adapters, and every rollout is on-policy."""
+    from nodus.runner import run_arm
+
+    base = _small_cfg(2, 2)
+    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"stacks": 2, "lockstep": True})})
+    s, runs = run_arm(cfg, timeslice_pool.pool, baseline=False)
+    assert s["steps"] == 4 and s["stale_rollouts"] == 0 and s["arm"]["lockstep"] is True
+    spans = runs[0]
+    assert audit_on_policy(spans) == []
+    pubs = [x.end_s for x in spans if x.phase == "publish" and x.attrs["version"] == 1]
+    gens = [x.start_s for x in spans if x.phase == "generate" and x.attrs["step"] == 1]
+    assert len(pubs) == 2 and len(gens) == 2 and min(gens) >= max(pubs)
+
+
 def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     """--trainer-compile: the trainer process compiles its element-wise ops in the untimed warm-up
     and the run goes on as usual (logprob audit inside the bf16/fp32 agreement);
