@@ -234,7 +234,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
         "id": "sharing-two-engines",
         "what": "two stacks' engines generating together each go at sharing.mps_engines, fitted on "
                 f"{len(result['rows'])} two-stack run(s) by replay (nodus fit-stacks); beside a trainer, scaled by "
-                "the pair's engine rate over its alone rate; past two stacks, two engines' combined rate split evenly",
+                "the pair's engine rate over its alone rate; past two stacks, each engine at that rate too (an assumption; session 37)",
         "value": result["mps_engines"]})
     add_source(prof, "nodus fit-stacks " + " ".join(str(p) for p in runs))
     write_profile(prof, out, "nodus fit-stacks")

@@ -62,10 +62,9 @@ class SimBackend:
             else:
                 if n_stacks > 2:
                     cost.note_unmodelled(
-                        f"arm.stacks={n_stacks}: the profile's two-engine rate (sharing.mps_engines) split over "
-                        f"{n_stacks} engines; it was fitted on two (H200, session 37: three stacks of 8 jobs "
-                        "priced 19-21% below the measured runs, generations 20-22% and train steps 46-50% long; the "
-                        "measured runs made what two stacks made that day)")
+                        f"arm.stacks={n_stacks}: each of {n_stacks} engines priced at the profile's two-engine rate "
+                        "(sharing.mps_engines), fitted on two (H200, session 37: three stacks of 8 jobs priced 6-8% "
+                        "below the measured runs, as the same hour's two-stack runs were, 9%)")
                 fitted = cost.profile.sharing.engines_controls
                 mine = {"policy": cfg.arm.policy, "share_prompts": self._share}
                 if cfg.arm.lockstep != bool(fitted.get("lockstep")):

@@ -32,8 +32,8 @@ def test_two_engines_take_the_fitted_rate_and_a_trainer_slows_them_as_it_slows_o
     # The trainer keeps the many-clients rule (the pair's combined rate split by the pair's rates).
     combined = pair.engine + pair.trainer
     assert t == pytest.approx(combined * pair.trainer / (2 * pair.engine + pair.trainer))
-    # Four engines: two engines' combined rate split evenly.
-    assert sharing_rates(["engine"] * 4, "mps", cost) == pytest.approx([0.4] * 4)
+    # Four engines: each at the fitted rate too (past two, an assumption; session 37).
+    assert sharing_rates(["engine"] * 4, "mps", cost) == pytest.approx([0.8] * 4)
     # One engine beside a trainer, and anything without MPS, as before.
     assert sharing_rates(["engine", "trainer"], "mps", cost) == pytest.approx([pair.engine, pair.trainer])
     base = load_profile(DEFAULT_PROFILE).profile.sharing
@@ -66,7 +66,7 @@ def test_a_faster_two_engine_rate_predicts_more_and_the_flag_names_what_is_price
     cfg = config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", stacks=4,
                            profile=_profile_with(tmp_path, 1.0, "p4.json"))
     flags = " ".join(simulate(cfg, tmp_path / "four")["diagnostics"][0]["outside_profile"])
-    assert "split over 4 engines" in flags
+    assert "each of 4 engines priced at the profile's two-engine rate" in flags
 
 
 def test_fit_stacks_recovers_the_rate_the_runs_were_simulated_with(tmp_path, capsys):
