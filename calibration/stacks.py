@@ -79,8 +79,8 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> lis
         replay, _ = recorded_configs(rd, cfg, spans, "unset")
         packing = build_config(replay, f"{rd}/config.json").trainer_packing()
         out.append({"run": str(rd), "spans_sha256": digest, "cfg": replay, "measured": meas["steps_per_gpu_hour"],
-                    "settings": stacks_run_settings(arm.get("policy"), stacks_of(arm), packing, controls)
-                    | ({"lockstep": True} if arm.get("lockstep") else {})})
+                    "settings": stacks_run_settings(arm.get("policy"), stacks_of(arm), packing, controls,
+                                                    bool(arm.get("lockstep")))})
     keys = sorted({k for r in out for k in r["settings"]})
     mixed = [k for k in keys if len({r["settings"].get(k) for r in out}) > 1]
     if mixed:
@@ -234,7 +234,8 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
         "id": "sharing-two-engines",
         "what": "two stacks' engines generating together each go at sharing.mps_engines, fitted on "
                 f"{len(result['rows'])} two-stack run(s) by replay (nodus fit-stacks); beside a trainer, scaled by "
-                "the pair's engine rate over its alone rate; past two stacks, each engine at that rate too (an assumption; session 37)",
+                "the pair's engine rate over its alone rate; past two stacks, each engine at that rate too "
+                "(an assumption; session 37)",
         "value": result["mps_engines"]})
     add_source(prof, "nodus fit-stacks " + " ".join(str(p) for p in runs))
     write_profile(prof, out, "nodus fit-stacks")

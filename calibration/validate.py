@@ -281,17 +281,21 @@ def stacks_fit_run(prof: dict, run: str | Path) -> bool:
     return spans_digest(run) in digests
 
 
-def stacks_run_settings(policy: str | None, stacks: int, packing: int | None, controls: dict) -> dict:
+def stacks_run_settings(policy: str | None, stacks: int, packing: int | None, controls: dict,
+                        lockstep: bool = False) -> dict:
     """What a stacks run's two-engine rate depends on beyond a profile's terms, flat: its policy,
     packing (``packing``: as its trainer ran it, ``RunConfig.trainer_packing``), engine and trainer
     CPU thread caps, and its MPS settings (``mps.<name>``) as a run of ``stacks`` stacks uses them:
     the trainer's priority counts, another stack's generation running beside a train step even
-    under shared-sync. `nodus fit-stacks` records them (``sharing.engines_controls``) and
-    ``unmodelled_controls`` compares a run's with them."""
+    under shared-sync; and ``lockstep: True`` for stacks held in step (arm.lockstep). `nodus
+    fit-stacks` records them (``sharing.engines_controls``) and ``unmodelled_controls`` compares a
+    run's with them."""
     out = {"policy": policy, "share_prompts": packing,
            "engine_cpu_threads": controls.get("engine_cpu_threads"),
            "trainer_cpu_threads": controls.get("trainer_cpu_threads")}
     out.update({f"mps.{k}": v for k, v in sharing_controls(controls, corun_key(policy, stacks)).items()})
+    if lockstep:  # arm.lockstep; absent: free-running stacks, as every profile before the field
+        out["lockstep"] = True
     return out
 
 
