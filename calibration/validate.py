@@ -1089,9 +1089,9 @@ def config_key(row: dict) -> tuple:
     """Runs of one configuration: the same arm, job count, trainer micro-batch size, packing of
     each prompt's responses (trainer.share_prompts), publish wait, audit (full and ``:r1`` runs are
     two configurations, also where the profile prices the audit) and MPS settings (seeds and repeats
-    differ)."""
+    differ). Stacks held in lockstep (arm.lockstep) are another configuration than free ones."""
     arm = row["arm"] or {}
-    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), stacks_of(arm), row["jobs"],
+    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), stacks_of(arm), bool(arm.get("lockstep")), row["jobs"],
             row.get("mb_tokens"), _packed(row), trainer_freed(arm), row.get("audit") or "",
             tuple(sorted(_config_controls(row).items())))
 
@@ -1109,7 +1109,7 @@ def _config_controls(row: dict) -> dict:
 
 def config_label(row: dict) -> str:
     """'8 jobs overlap g=2 mps', plus ' stacks=2' for engine + trainer stacks splitting the jobs
-    (arm.stacks), ' mb=32768' for a trainer micro-batch other than the default,
+    (arm.stacks; ' lockstep' where they were held in step, arm.lockstep), ' mb=32768' for a trainer micro-batch other than the default,
     ' sp4' for a trainer that packed each prompt's responses 4 to a row, ' freed' for a trainer that
     did not wait for each publish, ' audit r1' for a lighter audit the profile prices (one it does
     not price is among the controls: ' audit=1 response a prompt') and the MPS settings beyond the
@@ -1118,7 +1118,7 @@ def config_label(row: dict) -> str:
     mb = row.get("mb_tokens")
     controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
+            + (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "") + (" lockstep" if arm.get("lockstep") else "")
             + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "")
             + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "")
             + (f" audit {row['audit']}" if row.get("audit") and "audit" not in (row.get("controls") or {}) else "")
@@ -1174,7 +1174,7 @@ def render_markdown(rep: dict) -> str:
     for r in rep["rows"]:
         arm = r["arm"] or {}
         m = r["measured"]["steps_per_gpu_hour"]
-        stacks = f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else ""
+        stacks = (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "") + (" lockstep" if arm.get("lockstep") else "")
         lines.append(f"| {label[r['run']]} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
                      f"{arm.get('sharing')}{stacks}{f' sp{_packed(r)}' if _packed(r) else ''}"
                      f"{f' audit {a}' if (a := r.get('audit')) else ''} | {m:.0f} | "

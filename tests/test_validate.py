@@ -200,6 +200,20 @@ def test_annotate_a_shipped_profile_named_by_name_writes_its_own_file(tmp_path, 
         annotate_profile("mine", rep, other)
 
 
+def test_stacks_in_lockstep_are_their_own_configuration():
+    # Session 38 validated lockstep and free two-stack runs in one report: they are two
+    # configurations, not one mean over both.
+    from calibration.validate import config_key, config_label
+
+    arm = {"policy": "shared-sync", "groups": 1, "sharing": "mps", "stacks": 2}
+    free = {"jobs": 8, "arm": arm, "mb_tokens": 16384}
+    lock = {"jobs": 8, "arm": dict(arm, lockstep=True), "mb_tokens": 16384}
+    assert config_key(lock) != config_key(free)
+    assert config_key(free) == config_key({**free, "arm": dict(arm, lockstep=False)})
+    assert config_label(lock) == "8 jobs shared-sync g=1 mps stacks=2 lockstep"
+    assert config_label(free) == "8 jobs shared-sync g=1 mps stacks=2"
+
+
 def test_a_freed_trainer_is_its_own_configuration():
     from calibration.validate import config_key, config_label
 
