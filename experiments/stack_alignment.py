@@ -10,7 +10,9 @@ its steps per GPU-hour; and its mean train and generate action (seconds a stack'
 jobs' spans merged). With two stacks the two shares add up to at most one; with more, a train may be
 beside one stack's train and another's generation at once, so they may add up to more. Over the
 runs of each job count and stack count (three runs or more) it gives the Pearson r of the in-step
-share with each of those. Writes PREFIX.json and PREFIX.md when --out is given.
+share with each of those, and pools the train actions by what ran beside them: in step (at least
+90% of the action beside another stack's train) against alternating (beside another's generation),
+their mean seconds and the ratio. Writes PREFIX.json and PREFIX.md when --out is given.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import argparse
 import json
 import math
 from pathlib import Path
+
+SIDE_SHARE = 0.9  # a train action "in step" or "alternating": this share of it beside the other kind
 
 
 def merged(intervals) -> list[tuple[float, float]]:
@@ -66,11 +70,40 @@ def run_alignment(run_dir: str | Path) -> dict:
     n_gen = sum(len(iv[(s, "generate")]) for s in stacks)
     beside_train = sum(overlap(iv[(s, "train")], others(s, "train")) for s in stacks) / train
     beside_gen = sum(overlap(iv[(s, "train")], others(s, "generate")) for s in stacks) / train
+    # Each train action by what ran beside it: at least SIDE_SHARE of it beside another stack's
+    # train (in step), or beside another's generation (alternating); the seconds each kind took.
+    sides: dict[str, list[float]] = {"in_step": [], "alternating": []}
+    for s in stacks:
+        ot, og = others(s, "train"), others(s, "generate")
+        for a in iv[(s, "train")]:
+            d = a[1] - a[0]
+            if d > 0 and overlap([a], ot) >= SIDE_SHARE * d:
+                sides["in_step"].append(d)
+            elif d > 0 and overlap([a], og) >= SIDE_SHARE * d:
+                sides["alternating"].append(d)
     summary = json.loads((rd / "summary.json").read_text())
     return {"run": str(rd), "jobs": len(summary.get("per_job") or {}), "stacks": len(stacks),
             "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
             "train_beside_train": beside_train, "train_beside_generate": beside_gen,
-            "train_s": train / n_train, "generate_s": gen / n_gen}
+            "train_s": train / n_train, "generate_s": gen / n_gen,
+            **{f"train_{k}_n": len(v) for k, v in sides.items()},
+            **{f"train_{k}_s": sum(v) for k, v in sides.items()}}
+
+
+def train_by_side(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    """Per job count and stack count: the train actions in step (at least SIDE_SHARE beside another
+    stack's train) and alternating (beside another's generation) pooled over the runs, their count
+    and mean seconds, and in step over alternating (None where either has none)."""
+    out = {}
+    for jobs, stacks in sorted({(r["jobs"], r["stacks"]) for r in rows}):
+        rs = [r for r in rows if r["jobs"] == jobs and r["stacks"] == stacks]
+        d = {}
+        for k in ("in_step", "alternating"):
+            n = sum(r[f"train_{k}_n"] for r in rs)
+            d[k] = {"actions": n, "mean_s": sum(r[f"train_{k}_s"] for r in rs) / n if n else None}
+        a, b = d["in_step"]["mean_s"], d["alternating"]["mean_s"]
+        out[(jobs, stacks)] = {"runs": len(rs), **d, "in_step_over_alternating": a / b if a and b else None}
+    return out
 
 
 def pearson(x: list[float], y: list[float]) -> float | None:
@@ -98,7 +131,7 @@ def correlations(rows: list[dict]) -> dict[tuple[int, int], dict]:
     return out
 
 
-def render(rows: list[dict], corr: dict[int, dict]) -> str:
+def render(rows: list[dict], corr: dict[int, dict], sides: dict | None = None) -> str:
     lines = ["| run | jobs | stacks | steps/GPU-h | train beside another stack's train | beside another's generation | "
              "train s | generate s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -116,6 +149,17 @@ def render(rows: list[dict], corr: dict[int, dict]) -> str:
         for (jobs, stacks), c in corr.items():
             lines.append(f"| {jobs} | {stacks} | {c['runs']} | {fmt(c['r_steps_per_gpu_hour'])} | "
                          f"{fmt(c['r_train_s'])} | {fmt(c['r_generate_s'])} |")
+    if sides:
+        def mean(v: dict) -> str:
+            return "-" if v["mean_s"] is None else f"{v['actions']} at {v['mean_s']:.3f} s"
+
+        lines += ["", f"Train actions by what ran beside them, pooled over the runs (at least {SIDE_SHARE:.0%} of "
+                  "the action beside another stack's train: in step; beside another's generation: alternating):", "",
+                  "| jobs | stacks | runs | in step | alternating | in step over alternating |", "|---|---|---|---|---|---|"]
+        for (jobs, stacks), c in sides.items():
+            ratio = c["in_step_over_alternating"]
+            lines.append(f"| {jobs} | {stacks} | {c['runs']} | {mean(c['in_step'])} | {mean(c['alternating'])} | "
+                         f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
     return "\n".join(lines)
 
 
@@ -128,9 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [run_alignment(rd) for rd in a.runs]
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"stack_alignment: {e}") from None
-    corr = correlations(rows)
-    text = render(rows, corr)
-    result = {"rows": rows, "correlations": {f"{j}x{k}": v for (j, k), v in corr.items()}}
+    corr, sides = correlations(rows), train_by_side(rows)
+    text = render(rows, corr, sides)
+    result = {"rows": rows, "correlations": {f"{j}x{k}": v for (j, k), v in corr.items()},
+              "train_by_side": {f"{j}x{k}": v for (j, k), v in sides.items()}}
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

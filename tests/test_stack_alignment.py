@@ -79,3 +79,22 @@ def test_pearson():
     assert sa.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert sa.pearson([1, 2], [1, 2]) is None  # fewer than three runs
     assert sa.pearson([1, 1, 1], [1, 2, 3]) is None  # no spread
+
+
+def test_train_actions_by_what_ran_beside_them(tmp_path):
+    # Stack 0 trains 0-2 s beside stack 1's train 0-2.1 s (in step, both), then 3-4 s beside
+    # stack 1's generation 2.5-5 s (alternating); stack 1's second train 5-6 s has stack 0's train
+    # beside it for none of it and its generation 4.5-5.2 for 20%: neither kind, not counted.
+    rd = _write_run(tmp_path / "r", [(0, "train", 0, 2), (0, "generate", 2, 3), (0, "train", 3, 4),
+                                     (0, "generate", 4.5, 5.2), (1, "train", 0, 2.1), (1, "generate", 2.5, 5),
+                                     (1, "train", 5, 6)])
+    r = sa.run_alignment(rd)
+    assert r["train_in_step_n"] == 2 and r["train_in_step_s"] == pytest.approx(2 + 2.1)
+    assert r["train_alternating_n"] == 1 and r["train_alternating_s"] == pytest.approx(1.0)
+    sides = sa.train_by_side([r, r])[(2, 2)]
+    assert sides["runs"] == 2 and sides["in_step"]["actions"] == 4
+    assert sides["in_step"]["mean_s"] == pytest.approx(2.05)
+    assert sides["alternating"]["mean_s"] == pytest.approx(1.0)
+    assert sides["in_step_over_alternating"] == pytest.approx(2.05)
+    text = sa.render([r], {}, sa.train_by_side([r]))
+    assert "| 2 | 2 | 1 | 2 at 2.050 s | 1 at 1.000 s | 2.05x |" in text
