@@ -282,12 +282,13 @@ def stacks_fit_run(prof: dict, run: str | Path) -> bool:
 
 
 def stacks_run_settings(policy: str | None, stacks: int, packing: int | None, controls: dict,
-                        lockstep: bool = False) -> dict:
+                        lockstep: bool = False, offset_stacks: bool = False) -> dict:
     """What a stacks run's two-engine rate depends on beyond a profile's terms, flat: its policy,
     packing (``packing``: as its trainer ran it, ``RunConfig.trainer_packing``), engine and trainer
     CPU thread caps, and its MPS settings (``mps.<name>``) as a run of ``stacks`` stacks uses them:
     the trainer's priority counts, another stack's generation running beside a train step even
-    under shared-sync; and ``lockstep: True`` for stacks held in step (arm.lockstep). `nodus
+    under shared-sync; ``lockstep: True`` for stacks held in step (arm.lockstep) and
+    ``offset_stacks: True`` for stacks started out of step (arm.offset_stacks). `nodus
     fit-stacks` records them (``sharing.engines_controls``) and ``unmodelled_controls`` compares a
     run's with them."""
     out = {"policy": policy, "share_prompts": packing,
@@ -296,6 +297,8 @@ def stacks_run_settings(policy: str | None, stacks: int, packing: int | None, co
     out.update({f"mps.{k}": v for k, v in sharing_controls(controls, corun_key(policy, stacks)).items()})
     if lockstep:  # arm.lockstep; absent: free-running stacks, as every profile before the field
         out["lockstep"] = True
+    if offset_stacks:  # arm.offset_stacks; absent: the stacks started together
+        out["offset_stacks"] = True
     return out
 
 
@@ -1089,9 +1092,11 @@ def config_key(row: dict) -> tuple:
     """Runs of one configuration: the same arm, job count, trainer micro-batch size, packing of
     each prompt's responses (trainer.share_prompts), publish wait, audit (full and ``:r1`` runs are
     two configurations, also where the profile prices the audit) and MPS settings (seeds and repeats
-    differ). Stacks held in lockstep (arm.lockstep) are another configuration than free ones."""
+    differ). Stacks held in lockstep (arm.lockstep) or started out of step (arm.offset_stacks) are
+    other configurations than free ones."""
     arm = row["arm"] or {}
-    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), stacks_of(arm), bool(arm.get("lockstep")), row["jobs"],
+    return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), stacks_of(arm), bool(arm.get("lockstep")),
+            bool(arm.get("offset_stacks")), row["jobs"],
             row.get("mb_tokens"), _packed(row), trainer_freed(arm), row.get("audit") or "",
             tuple(sorted(_config_controls(row).items())))
 
@@ -1109,7 +1114,8 @@ def _config_controls(row: dict) -> dict:
 
 def config_label(row: dict) -> str:
     """'8 jobs overlap g=2 mps', plus ' stacks=2' for engine + trainer stacks splitting the jobs
-    (arm.stacks; ' lockstep' where they were held in step, arm.lockstep), ' mb=32768' for a trainer micro-batch other than the default,
+    (arm.stacks; ' lockstep' where they were held in step, arm.lockstep; ' offset' where they started
+    out of step, arm.offset_stacks), ' mb=32768' for a trainer micro-batch other than the default,
     ' sp4' for a trainer that packed each prompt's responses 4 to a row, ' freed' for a trainer that
     did not wait for each publish, ' audit r1' for a lighter audit the profile prices (one it does
     not price is among the controls: ' audit=1 response a prompt') and the MPS settings beyond the
@@ -1118,7 +1124,8 @@ def config_label(row: dict) -> str:
     mb = row.get("mb_tokens")
     controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "") + (" lockstep" if arm.get("lockstep") else "")
+            + (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
+            + (" lockstep" if arm.get("lockstep") else "") + (" offset" if arm.get("offset_stacks") else "")
             + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "")
             + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "")
             + (f" audit {row['audit']}" if row.get("audit") and "audit" not in (row.get("controls") or {}) else "")
@@ -1174,7 +1181,8 @@ def render_markdown(rep: dict) -> str:
     for r in rep["rows"]:
         arm = r["arm"] or {}
         m = r["measured"]["steps_per_gpu_hour"]
-        stacks = (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "") + (" lockstep" if arm.get("lockstep") else "")
+        stacks = ((f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
+                  + (" lockstep" if arm.get("lockstep") else "") + (" offset" if arm.get("offset_stacks") else ""))
         lines.append(f"| {label[r['run']]} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
                      f"{arm.get('sharing')}{stacks}{f' sp{_packed(r)}' if _packed(r) else ''}"
                      f"{f' audit {a}' if (a := r.get('audit')) else ''} | {m:.0f} | "

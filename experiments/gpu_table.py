@@ -120,7 +120,7 @@ def baseline_flags(present: set, flags: frozenset, jobs: int, stacks: int = 1) -
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups (/k<N>: N engine + trainer stacks, arm.stacks; +lock: in lockstep,
-    arm.lockstep), plus the settings a run
+    arm.lockstep; +off: started out of step, arm.offset_stacks), plus the settings a run
     changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
@@ -144,6 +144,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         label += f"/k{arm['stacks']}"  # engine + trainer stacks splitting the jobs (arm.stacks)
         if arm.get("lockstep"):
             label += "+lock"  # the stacks in lockstep (arm.lockstep)
+        if arm.get("offset_stacks"):
+            label += "+off"  # the stacks started out of step (arm.offset_stacks)
     run = run_controls(summary or {})
     if trainer_freed(arm):
         label += "+freed"

@@ -28,6 +28,9 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lockstep", action="store_true", default=None,
                    help="shared-sync on --stacks N >= 2: each stack's next generation waits until every stack "
                         "has published its step, the stacks generating and training together (arm.lockstep)")
+    p.add_argument("--offset-stacks", action="store_true", default=None,
+                   help="shared-sync on --stacks N >= 2: stack k > 0 starts when stack k-1's first generation "
+                        "ends, generating while it trains; then each goes at its own pace (arm.offset_stacks)")
     p.add_argument("--steps", type=int, help="optimizer steps per job (default 20)")
     p.add_argument("--seed", type=int, help="run seed (default 1)")
     p.add_argument("--share-prompts", type=int, metavar="K",
@@ -114,7 +117,8 @@ def cmd_sim(a: argparse.Namespace) -> int:
     data = load_config(a.config) if a.config else None
     cfg = config_from_args(data, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
-                           share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep)
+                           share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
+                           offset_stacks=a.offset_stacks)
     if a.profile is None and "profile" not in (data or {}) and (cfg.arm.stacks or 1) > 1 \
             and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice":
         # No profile chosen: stacks under MPS get the shipped profile with a two-engine rate.
@@ -168,7 +172,8 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
-                           share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep)
+                           share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
+                           offset_stacks=a.offset_stacks)
     cfg = default_packing(cfg, a.trainer_graphs if a.backend == "real" else profile_graphed(cfg.profile))
     cfg = audit_from_args(cfg, a)
     opts = None

@@ -140,7 +140,14 @@ class ArmSpec(_Model):
     # stacks drift apart with their response lengths; over sessions 30-37's nineteen 8-job two-stack
     # runs, the runs whose trains lay more beside the other's train made more steps per GPU-hour
     # (Pearson r +0.48; experiments/stack_alignment.py). False: each stack goes at its own pace.
+    # Measured on the H200 (session 38, one machine, seeds 1-4): -4.1% against free stacks.
     lockstep: bool = False
+    # Stacks started out of step (shared-sync on arm.stacks > 1): stack k > 0 starts its first
+    # generation when stack k-1's first generation ends, so it generates while stack k-1 trains;
+    # after that every stack goes at its own pace. Over sessions 30-38's free two-stack runs a train
+    # beside the other stack's generation took 0.92 s, one beside its train 1.19 s
+    # (experiments/stack_alignment.py). False: every stack starts at once.
+    offset_stacks: bool = False
 
 
 def trainer_freed(arm: dict) -> bool:
@@ -390,6 +397,13 @@ class RunConfig(_Model):
             raise ValueError(f"arm.lockstep with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: lockstep "
                              "holds each stack's generation for the other stacks' publishes; it needs policy "
                              "'shared-sync' on arm.stacks >= 2")
+        if self.arm.offset_stacks and (self.arm.stacks < 2 or self.arm.policy != "shared-sync"):
+            raise ValueError(f"arm.offset_stacks with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: it "
+                             "starts each stack when the one before has generated; it needs policy 'shared-sync' "
+                             "on arm.stacks >= 2")
+        if self.arm.offset_stacks and self.arm.lockstep:
+            raise ValueError("arm.offset_stacks with arm.lockstep: lockstep holds the stacks in step, "
+                             "offset_stacks starts them out of step; choose one")
         pinned = [j.group for j in self.jobs if j.group is not None]
         if pinned and self.arm.policy in ("overlap", "timeslice") and self.arm.stacks == 1:
             if len(pinned) != n:

@@ -71,6 +71,9 @@ class Scheduler:
     # Stacks in lockstep: a group's next Generate after its Publish waits until no group of any stack
     # is generating, training or publishing, then every waiting group generates at once.
     lockstep: bool = False
+    # Stacks started out of step: stack k > 0 starts when stack k-1's first generation ends (it
+    # generates while stack k-1 trains); after that each stack goes at its own pace.
+    offset_stacks: bool = False
     start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
     spans: list[Span] = field(default_factory=list)
 
@@ -101,15 +104,26 @@ class Scheduler:
             if v > 0:
                 self.spans.append(Span(j, self._group_of[j].index, "publish", 0.0, 0.0,
                                        self._group_of[j].stack, {"version": v, "resumed": True}))
-        for stack in sorted(self._trainer_busy):
-            groups = [g for g in self._groups if g.stack == stack]
-            if not self.concurrent:
-                groups = groups[:1]
-            elif self.stagger:
-                groups = groups[:1]
-            for g in groups:
-                actions += self._generate(g)
+        stacks = sorted(self._trainer_busy)
+        for stack in stacks[:1] if self.offset_stacks else stacks:
+            actions += self._start_stack(stack)
         return actions
+
+    def _start_stack(self, stack: int) -> list[Action]:
+        """A stack's first Generate(s): its first group (timeslice, overlap's stagger), else all."""
+        groups = [g for g in self._groups if g.stack == stack]
+        if not self.concurrent or self.stagger:
+            groups = groups[:1]
+        return [x for g in groups for x in self._generate(g)]
+
+    def _cue_next_stack(self, stack: int) -> list[Action]:
+        """offset_stacks: the stack after ``stack`` starts, if it has not (its groups all pending)."""
+        later = sorted({g.stack for g in self._groups if g.stack > stack})
+        if not self.offset_stacks or not later:
+            return []
+        if all(g.state == "pending" for g in self._groups if g.stack == later[0]):
+            return self._start_stack(later[0])
+        return []
 
     def on_result(self, result: Result) -> list[Action]:
         try:
@@ -169,6 +183,8 @@ class Scheduler:
         g.state = "queued"
         self._train_queue[g.stack].append(g)
         actions = self._pump_trainer(g.stack)
+        if g.generations == 1:
+            actions += self._cue_next_stack(g.stack)
         if self.concurrent and self.stagger and g.generations == 1:
             nxt = [h for h in self._groups if h.stack == g.stack and h.index > g.index and h.state == "pending"]
             if nxt:
@@ -262,8 +278,9 @@ class Scheduler:
     def _after_group_done(self, g: _Group) -> list[Action]:
         # Timeslice: the stack's next job starts. Overlap: a staggered group whose predecessor had
         # no step to run never got its cue.
+        # offset_stacks: a stack none of whose jobs had a step to run cues the next stack itself.
         nxt = [h for h in self._groups if h.stack == g.stack and h.state == "pending"]
-        return self._generate(nxt[0]) if nxt else []
+        return (self._generate(nxt[0]) if nxt else []) + (self._cue_next_stack(g.stack) if g.generations == 0 else [])
 
 
 def drive(scheduler: Scheduler, backend, on_progress=None) -> list[Span]:

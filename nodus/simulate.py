@@ -25,7 +25,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                      groups: int | None = None, sharing: str | None = None, steps: int | None = None,
                      seed: int | None = None, profile: str | None = None,
                      share_prompts: int | None = None, stacks: int | None = None,
-                     lockstep: bool | None = None) -> RunConfig:
+                     lockstep: bool | None = None, offset_stacks: bool | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
     run's adapter slots sized to its largest group, for overlap (``nodus.runner.size_engine_slots``),
     and its engine graphs to the sequences those slots can hold (``size_engine_graphs``)."""
@@ -41,7 +41,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
         data["jobs"] = [{**j, "steps": steps} for j in data["jobs"]]
     arm = dict(data.get("arm", {}))
     for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing), ("stacks", stacks),
-                     ("lockstep", lockstep)):
+                     ("lockstep", lockstep), ("offset_stacks", offset_stacks)):
         if val is not None:
             arm[key] = val
     if "policy" not in arm and len(data["jobs"]) == 1:

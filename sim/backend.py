@@ -72,6 +72,12 @@ class SimBackend:
                         f"arm.lockstep={cfg.arm.lockstep}: the two-engine rate (sharing.mps_engines) was fitted on "
                         + ("stacks in lockstep" if fitted.get("lockstep") else "free-running stacks")
                         + " (sharing.engines_controls); the rate is an average over how the runs' stacks lined up")
+                if cfg.arm.offset_stacks:
+                    cost.note_unmodelled(
+                        "arm.offset_stacks: a train beside another stack's generation is priced at the pair's "
+                        "trainer rate (sharing.mps_corun), fitted on one stack; on the H200's free two-stack runs "
+                        "such trains took 0.92 s against 1.19 s beside another train, where the simulator prices "
+                        "them slower than in step (experiments/results/h200/session38/README.md, section 5)")
                 differ = {k: (v, fitted[k]) for k, v in mine.items() if k in fitted and fitted[k] != v}
                 if differ:
                     cost.note_unmodelled(

@@ -378,6 +378,21 @@ def test_lockstep_stacks_on_the_real_backend_generate_each_step_after_every_publ
     assert len(pubs) == 2 and len(gens) == 2 and min(gens) >= max(pubs)
 
 
+def test_offset_stacks_on_the_real_backend_start_the_second_stack_after_the_first_generated(timeslice_pool):
+    """arm.offset_stacks on the two-stack cluster: stack 1's first generation starts when stack 0's
+    has ended (no sooner), and every rollout is on-policy."""
+    from nodus.runner import run_arm
+
+    base = _small_cfg(2, 2)
+    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"stacks": 2, "offset_stacks": True})})
+    s, runs = run_arm(cfg, timeslice_pool.pool, baseline=False)
+    assert s["steps"] == 4 and s["stale_rollouts"] == 0 and s["arm"]["offset_stacks"] is True
+    spans = runs[0]
+    assert audit_on_policy(spans) == []
+    first = {x.stack: x for x in spans if x.phase == "generate" and x.attrs["step"] == 0}
+    assert first[1].start_s >= first[0].end_s
+
+
 def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     """--trainer-compile: the trainer process compiles its element-wise ops in the untimed warm-up
     and the run goes on as usual (logprob audit inside the bf16/fp32 agreement);
