@@ -65,14 +65,16 @@ def test_gpu_arms_lock_spec_and_label():
     assert arm_label({**arm, "lockstep": True}) == "shared-sync/mps/g1/k2+lock"
 
 
-def test_fit_stacks_refuses_lockstep_and_free_runs_together(tmp_path):
+@pytest.mark.parametrize("field", ["lockstep", "offset_stacks"])
+def test_fit_stacks_refuses_free_runs_with_lockstep_or_offset_ones(tmp_path, field):
+    # Free stacks, stacks held in step (arm.lockstep) and stacks started apart (arm.offset_stacks)
+    # line up differently: one two-engine rate is not fitted over two of them.
     from calibration.stacks import fit
 
     runs = []
-    for lock in (None, True):
-        out = tmp_path / f"r{lock}"
-        simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2, lockstep=lock),
-                 out)
+    for on in (None, True):
+        out = tmp_path / f"r{on}"
+        simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2, **{field: on}), out)
         runs.append(out)
-    with pytest.raises(ConfigError, match="differ in lockstep"):
+    with pytest.raises(ConfigError, match=f"differ in {field}"):
         fit(runs, DEFAULT_PROFILE)

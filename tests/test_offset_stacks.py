@@ -1,6 +1,6 @@
 """arm.offset_stacks: a shared-sync arm's stacks started out of step (stack k starts when stack k-1's
 first generation ends), through the scheduler, config, CLI, simulator, the GPU scripts' arm specs and
-labels, validation's configurations and the two-engine rate's fit."""
+labels and validation's configurations (the two-engine rate's fit: tests/test_lockstep.py)."""
 
 import json
 
@@ -11,7 +11,7 @@ from experiments.gpu_arms import parse_arm
 from experiments.gpu_table import arm_label
 from factories import ScriptedBackend
 from nodus.accounting import audit_on_policy
-from nodus.config import ConfigError, DEFAULT_PROFILE
+from nodus.config import ConfigError
 from nodus.scheduler import Scheduler, drive
 from nodus.simulate import config_from_args, simulate
 
@@ -102,15 +102,3 @@ def test_gpu_arms_off_spec_label_and_configuration():
     assert config_key(free) != config_key(off)
     assert config_label(off) == "8 jobs shared-sync g=1 mps stacks=2 offset"
 
-
-def test_fit_stacks_refuses_offset_and_free_runs_together(tmp_path):
-    from calibration.stacks import fit
-
-    runs = []
-    for off in (None, True):
-        out = tmp_path / f"r{off}"
-        simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2, offset_stacks=off),
-                 out)
-        runs.append(out)
-    with pytest.raises(ConfigError, match="differ in offset_stacks"):
-        fit(runs, DEFAULT_PROFILE)
