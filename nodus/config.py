@@ -338,11 +338,11 @@ DEFAULT_PROFILES = {"eager": DEFAULT_PROFILE, "graphed": "h200-xeon16-graphed-se
 # for runs that co-run engine and trainer at that priority (11.8% on 34 other days' such runs).
 GRAPHED_NORMAL_PRIORITY_PROFILE = "h200-xeon16-graphed-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
-# normal, packed rows): session 16's graphed profile with the two-engine rate fitted on seven days'
-# two-stack runs (sessions 30-36, 19 runs; each run from the others 4.2% off, worst 8.8%; each day
-# from the other days' 4.5%, worst 9.4%) and the audit's term on two days' pairs (sessions 32-33),
-# so a lighter audit is priced too.
-STACKS_PROFILE = "h200-xeon16-graphed-stacks-audit-sessions30-36-qwen3-0.6b"
+# normal, packed rows): session 16's graphed profile with the two-engine rate fitted on ten days'
+# free-running two-stack runs (sessions 30-37 and session 38's two machines, 30 runs; each run from
+# the others 4.8% off, worst 11.4%; each day from the other days' 5.0%, worst 11.9%) and the audit's
+# term on two days' pairs (sessions 32-33), so a lighter audit is priced too.
+STACKS_PROFILE = "h200-xeon16-graphed-stacks-audit-sessions30-38-qwen3-0.6b"
 
 
 class RunConfig(_Model):
