@@ -1112,6 +1112,13 @@ def _config_controls(row: dict) -> dict:
     return drop_idle_priority(row.get("controls") or {}, corun_key(arm.get("policy"), arm.get("stacks")))
 
 
+def _stacks_text(arm: dict) -> str:
+    """' stacks=2' for an arm on engine + trainer stacks (arm.stacks), then ' lockstep' (arm.lockstep)
+    or ' offset' (arm.offset_stacks) for how they were started and held; '' for one stack."""
+    return ((f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
+            + (" lockstep" if arm.get("lockstep") else "") + (" offset" if arm.get("offset_stacks") else ""))
+
+
 def config_label(row: dict) -> str:
     """'8 jobs overlap g=2 mps', plus ' stacks=2' for engine + trainer stacks splitting the jobs
     (arm.stacks; ' lockstep' where they were held in step, arm.lockstep; ' offset' where they started
@@ -1124,8 +1131,7 @@ def config_label(row: dict) -> str:
     mb = row.get("mb_tokens")
     controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
     return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + (f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
-            + (" lockstep" if arm.get("lockstep") else "") + (" offset" if arm.get("offset_stacks") else "")
+            + _stacks_text(arm)
             + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "")
             + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "")
             + (f" audit {row['audit']}" if row.get("audit") and "audit" not in (row.get("controls") or {}) else "")
@@ -1181,8 +1187,7 @@ def render_markdown(rep: dict) -> str:
     for r in rep["rows"]:
         arm = r["arm"] or {}
         m = r["measured"]["steps_per_gpu_hour"]
-        stacks = ((f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
-                  + (" lockstep" if arm.get("lockstep") else "") + (" offset" if arm.get("offset_stacks") else ""))
+        stacks = _stacks_text(arm)
         lines.append(f"| {label[r['run']]} | {r['jobs']} | {arm.get('policy')} g={arm.get('groups')} "
                      f"{arm.get('sharing')}{stacks}{f' sp{_packed(r)}' if _packed(r) else ''}"
                      f"{f' audit {a}' if (a := r.get('audit')) else ''} | {m:.0f} | "

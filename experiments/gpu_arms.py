@@ -247,11 +247,11 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "of step), lsN (a kN "
                              "arm's engine adapter slots, in place of one per job of a stack) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
-    if trainer.get("lockstep") and (trainer.get("stacks", 1) < 2 or ARMS[name][0] != "shared-sync"):
+    sync_stacks = trainer.get("stacks", 1) >= 2 and ARMS[name][0] == "shared-sync"  # what lock and off need
+    if trainer.get("lockstep") and not sync_stacks:
         raise SystemExit(f"--arms {text!r}: lock holds each stack's generation for the other stacks' publishes: "
                          "a shared-sync arm on kN stacks (N >= 2) only")
-    if trainer.get("offset_stacks") and (trainer.get("stacks", 1) < 2 or ARMS[name][0] != "shared-sync"
-                                         or trainer.get("lockstep")):
+    if trainer.get("offset_stacks") and (not sync_stacks or trainer.get("lockstep")):
         raise SystemExit(f"--arms {text!r}: off starts each stack when the one before has generated: a shared-sync "
                          "arm on kN stacks (N >= 2) only, and not with lock")
     if "engine_slots" in trainer and trainer.get("stacks", 1) < 2:

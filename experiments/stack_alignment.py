@@ -77,9 +77,11 @@ def run_alignment(run_dir: str | Path) -> dict:
         ot, og = others(s, "train"), others(s, "generate")
         for a in iv[(s, "train")]:
             d = a[1] - a[0]
-            if d > 0 and overlap([a], ot) >= SIDE_SHARE * d:
+            if d <= 0:
+                continue
+            if overlap([a], ot) >= SIDE_SHARE * d:
                 sides["in_step"].append(d)
-            elif d > 0 and overlap([a], og) >= SIDE_SHARE * d:
+            elif overlap([a], og) >= SIDE_SHARE * d:
                 sides["alternating"].append(d)
     summary = json.loads((rd / "summary.json").read_text())
     return {"run": str(rd), "jobs": len(summary.get("per_job") or {}), "stacks": len(stacks),

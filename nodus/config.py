@@ -393,11 +393,12 @@ class RunConfig(_Model):
                                          f"stack to one of groups 0..{self.arm.groups - 1}, using each")
         elif any(j.stack is not None for j in self.jobs):
             raise ValueError(f"jobs[].stack with arm.stacks={self.arm.stacks}: a stack pin needs arm.stacks > 1")
-        if self.arm.lockstep and (self.arm.stacks < 2 or self.arm.policy != "shared-sync"):
+        sync_stacks = self.arm.stacks >= 2 and self.arm.policy == "shared-sync"  # what lockstep and offset need
+        if self.arm.lockstep and not sync_stacks:
             raise ValueError(f"arm.lockstep with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: lockstep "
                              "holds each stack's generation for the other stacks' publishes; it needs policy "
                              "'shared-sync' on arm.stacks >= 2")
-        if self.arm.offset_stacks and (self.arm.stacks < 2 or self.arm.policy != "shared-sync"):
+        if self.arm.offset_stacks and not sync_stacks:
             raise ValueError(f"arm.offset_stacks with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: it "
                              "starts each stack when the one before has generated; it needs policy 'shared-sync' "
                              "on arm.stacks >= 2")

@@ -118,8 +118,10 @@ class Scheduler:
 
     def _cue_next_stack(self, stack: int) -> list[Action]:
         """offset_stacks: the stack after ``stack`` starts, if it has not (its groups all pending)."""
+        if not self.offset_stacks:
+            return []
         later = sorted({g.stack for g in self._groups if g.stack > stack})
-        if not self.offset_stacks or not later:
+        if not later:
             return []
         if all(g.state == "pending" for g in self._groups if g.stack == later[0]):
             return self._start_stack(later[0])
