@@ -44,6 +44,13 @@ class ScriptedBackend:
         self.log.append(a)
         self.queue.append(a)
 
+    def answer(self, scheduler, action):
+        """The backend's answer to one action alone, as drive() would get it: the scheduler's next
+        actions (tests that drive a schedule by hand, one result at a time)."""
+        self.queue.clear()
+        self.queue.append(action)
+        return scheduler.on_result(self.wait())
+
     def wait(self):
         a = self.queue.popleft()
         start, self.t = self.t, self.t + self.dt

@@ -362,17 +362,23 @@ def test_shared_sync_in_two_stacks_runs_each_stacks_jobs_on_its_own_engine_and_t
     assert a.start_s < b.end_s and b.start_s < a.end_s  # the two stacks generated at the same time
 
 
-def test_lockstep_stacks_on_the_real_backend_generate_each_step_after_every_publish(timeslice_pool):
-    """arm.lockstep on the two-stack cluster: no stack's step-1 generation starts before both
-    stacks published step 0's adapters, and every rollout is on-policy."""
+def _two_stack_run(timeslice_pool, flag: str):
+    """Two jobs of two steps on the two-stack cluster with arm.<flag> on: its spans, after checking
+    that every step ran, no rollout was stale or off-policy and the summary's arm records the flag."""
     from nodus.runner import run_arm
 
     base = _small_cfg(2, 2)
-    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"stacks": 2, "lockstep": True})})
+    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"stacks": 2, flag: True})})
     s, runs = run_arm(cfg, timeslice_pool.pool, baseline=False)
-    assert s["steps"] == 4 and s["stale_rollouts"] == 0 and s["arm"]["lockstep"] is True
-    spans = runs[0]
-    assert audit_on_policy(spans) == []
+    assert s["steps"] == 4 and s["stale_rollouts"] == 0 and s["arm"][flag] is True
+    assert audit_on_policy(runs[0]) == []
+    return runs[0]
+
+
+def test_lockstep_stacks_on_the_real_backend_generate_each_step_after_every_publish(timeslice_pool):
+    """arm.lockstep on the two-stack cluster: no stack's step-1 generation starts before both
+    stacks published step 0's adapters, and every rollout is on-policy."""
+    spans = _two_stack_run(timeslice_pool, "lockstep")
     pubs = [x.end_s for x in spans if x.phase == "publish" and x.attrs["version"] == 1]
     gens = [x.start_s for x in spans if x.phase == "generate" and x.attrs["step"] == 1]
     assert len(pubs) == 2 and len(gens) == 2 and min(gens) >= max(pubs)
@@ -381,14 +387,7 @@ def test_lockstep_stacks_on_the_real_backend_generate_each_step_after_every_publ
 def test_offset_stacks_on_the_real_backend_start_the_second_stack_after_the_first_generated(timeslice_pool):
     """arm.offset_stacks on the two-stack cluster: stack 1's first generation starts when stack 0's
     has ended (no sooner), and every rollout is on-policy."""
-    from nodus.runner import run_arm
-
-    base = _small_cfg(2, 2)
-    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"stacks": 2, "offset_stacks": True})})
-    s, runs = run_arm(cfg, timeslice_pool.pool, baseline=False)
-    assert s["steps"] == 4 and s["stale_rollouts"] == 0 and s["arm"]["offset_stacks"] is True
-    spans = runs[0]
-    assert audit_on_policy(spans) == []
+    spans = _two_stack_run(timeslice_pool, "offset_stacks")
     first = {x.stack: x for x in spans if x.phase == "generate" and x.attrs["step"] == 0}
     assert first[1].start_s >= first[0].end_s
 

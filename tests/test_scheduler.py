@@ -1,6 +1,7 @@
 """The scheduler, driven by hand-made results: no GPU, no SimPy."""
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -50,10 +51,7 @@ def test_trainer_takes_the_next_group_while_the_engine_loads_the_last_ones_adapt
     s = _sched(n=2, steps=2, groups=2, trainer_waits_for_publish=False)
     b = ScriptedBackend()
 
-    def finish(action):  # the backend's answer to one action, as drive() would get it
-        b.queue.clear()
-        b.queue.append(action)
-        return s.on_result(b.wait())
+    finish = functools.partial(b.answer, s)  # one action's result, as drive() would get it
 
     (gen0,) = s.start()
     train0, gen1 = finish(gen0)
@@ -72,10 +70,7 @@ def test_trainer_waits_for_publish_holds_the_next_train_until_the_engine_loaded(
     s = _sched(n=2, steps=2, groups=2)
     b = ScriptedBackend()
 
-    def finish(action):
-        b.queue.clear()
-        b.queue.append(action)
-        return s.on_result(b.wait())
+    finish = functools.partial(b.answer, s)  # one action's result, as drive() would get it
 
     (gen0,) = s.start()
     train0, gen1 = finish(gen0)
@@ -166,10 +161,7 @@ def test_continuous_trainer_takes_every_queued_job_in_one_train_and_publish():
     s = Scheduler({j: 2 for j in "abc"}, [(0, ["a"]), (0, ["b"]), (0, ["c"])], stagger=False, merge_trains=True)
     b = ScriptedBackend()
 
-    def finish(action):
-        b.queue.clear()
-        b.queue.append(action)
-        return s.on_result(b.wait())
+    finish = functools.partial(b.answer, s)  # one action's result, as drive() would get it
 
     gens = s.start()
     assert [a.group for a in gens] == [0, 1, 2]  # all at once
@@ -212,10 +204,7 @@ def test_lockstep_holds_a_stacks_next_generation_for_the_other_stacks_publish(lo
     s = Scheduler({"a": 2, "b": 2}, [(0, ["a"]), (1, ["b"])], stagger=False, lockstep=lockstep)
     b = ScriptedBackend()
 
-    def finish(action):
-        b.queue.clear()
-        b.queue.append(action)
-        return s.on_result(b.wait())
+    finish = functools.partial(b.answer, s)  # one action's result, as drive() would get it
 
     gen_a, gen_b = s.start()
     assert (gen_a.stack, gen_b.stack) == (0, 1)
