@@ -218,7 +218,7 @@ def _simulate(cfg: dict, source: str) -> dict:
         raise ConfigError(f"{source}: {err}") from None
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
-            "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans),
+            "pace": summary.get("pace") or {}, "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans),
             "outside_profile": sorted(make.cost.flags),
             "per_job": {j: {"steps": d["steps"], "finish_s": d["finish_s"]}
                         for j, d in summary.get("per_job", {}).items()}}

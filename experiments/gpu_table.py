@@ -23,6 +23,7 @@ from pathlib import Path
 
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
                           corun_key, packed_rows, stacks_of, trainer_freed)
+from nodus.accounting import projected_steps_per_gpu_hour, recorded_pace
 from nodus.microbatch import mb_tag
 from calibration.validate import audit_label, run_audit, run_controls, trainer_step_modes
 
@@ -33,6 +34,10 @@ REFERENCE = {  # the published study's ratios (8 jobs unless named); for the com
     "shared-sync/mps/g1": 1.630, "timeslice/none/g2": 1.033,
 }
 REFERENCE_SCALING = {("overlap/mps/g2", 2): 1.256, ("overlap/mps/g2", 4): 1.668}  # its 2- and 4-job points
+
+
+# The full runs' length a job (issue 6: learning on 20-step runs), for the pace's projection.
+PROJECT_STEPS = 20
 
 
 def label_flags(label: str) -> frozenset:
@@ -237,6 +242,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     sim_alone: dict[tuple[int, int, frozenset], dict[str, tuple[int, float]]] = {}
     ded_task: dict[tuple[int, int, frozenset], dict[str, str]] = {}
     ded_machine: dict[tuple[int, int, frozenset], set] = {}  # the machines of the dedicated runs
+    ded_pace: dict[tuple[int, int, frozenset], list[float]] = {}  # their steady pace (accounting.pace_of)
+    paces: dict[str, dict] = {}  # run -> its pace_of
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
@@ -245,10 +252,12 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                                                                        if by_day and days[str(rd)] else "")
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
         corun[str(rd)] = corun_phase_means(spans)
+        paces[str(rd)] = recorded_pace(spans)
         if plain == "dedicated/none/g1" or plain.startswith("dedicated/none/g1+"):
             key = (jobs, seed, label_flags(plain))
             ded_sph.setdefault(key, []).append(summary["steps_per_gpu_hour"])
             ded_machine.setdefault(key, set()).add(run_machine(summary))
+            ded_pace.setdefault(key, []).append(paces[str(rd)].get("pace_steps_per_gpu_hour"))
             sim_sph.setdefault(key, []).append(sim["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
                 alone_finish.setdefault(key, {}).setdefault(j, []).append(d["finish_s"])
@@ -286,6 +295,13 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                     runs_of = prev.setdefault(f"runs_{kind}", [prev[kind]])
                     runs_of.append(value)
                     prev[kind] = sum(runs_of) / len(runs_of)
+                pace = paces[str(rd)]
+                if prev.get("pace") and pace:  # the pace and ramp: the mean over the runs too
+                    n_pace = len(prev[f"runs_steps_per_gpu_hour"]) - 1
+                    prev["pace"] = {k: (prev["pace"][k] * n_pace + pace[k]) / (n_pace + 1)
+                                    for k in ("pace_steps_per_gpu_hour", "ramp_gpu_s")} | {"jobs": pace["jobs"]}
+                else:
+                    prev["pace"] = {}
                 b, sb = prev["baseline_steps_per_gpu_hour"], prev["sim_baseline_steps_per_gpu_hour"]
                 prev["ratio_vs_dedicated"] = prev["steps_per_gpu_hour"] / b if b else None
                 prev["sim_ratio_vs_dedicated"] = prev["sim_steps_per_gpu_hour"] / sb if sb else None
@@ -299,11 +315,12 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         variant, by_task = None, False
         over: frozenset = frozenset()  # the settings of the dedicated runs the ratio divides by
         base_machines: set | None = None  # the machines of those runs
-        base = sbase = None
+        base = sbase = bpace = None
         alone: dict = {}
         if base_flags is not None:
             key = (jobs, seed, base_flags)
             base, sbase = mean(ded_sph[key]), mean(sim_sph[key])
+            bpace = mean(ded_pace[key]) if all(ded_pace[key]) else None
             alone = {j: mean(v) for j, v in alone_finish.get(key, {}).items()}
             variant, over, base_machines = _flags_text(base_flags), base_flags, ded_machine[key]
         elif not dedicated:
@@ -324,9 +341,13 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         if is_base:  # the baseline itself: the mean over its repeats
             base_key = (jobs, seed, flags)
             sph, base, sbase = mean(ded_sph[base_key]), mean(ded_sph[base_key]), mean(sim_sph[base_key])
+            bpace = mean(ded_pace[base_key]) if all(ded_pace[base_key]) else None
             variant = None
         else:
             sph = summary["steps_per_gpu_hour"]
+        pace = dict(paces[str(rd)])
+        if is_base and pace and bpace:  # the baseline's pace: the mean over its repeats too
+            pace["pace_steps_per_gpu_hour"] = bpace
         # The machines of the dedicated runs the ratio divides by (none for a row that is no ratio).
         over_machines = None if is_base or dedicated or base is None or base_machines is None \
             else sorted(base_machines, key=str)
@@ -342,6 +363,11 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "sim_ratio_vs_dedicated": sim["steps_per_gpu_hour"] / sbase if sbase else None,
             # What the ratios divide by (a repeat of this arm and seed reuses them).
             "baseline_steps_per_gpu_hour": base, "sim_baseline_steps_per_gpu_hour": sbase,
+            # The window split into the jobs' steady pace and the GPU-seconds of their start and
+            # drain (nodus.accounting.pace_of), measured and simulated, and the pace over the
+            # dedicated runs' pace: what jobs of many steps would get, where a few steps' window
+            # also pays offset stacks' start once.
+            "pace": pace, "sim_pace": sim.get("pace") or {}, "baseline_pace_steps_per_gpu_hour": bpace,
             "reference_ratio": (REFERENCE.get(arm_label(cfg["arm"])) if jobs == 8
                                 else REFERENCE_SCALING.get((arm_label(cfg["arm"]), jobs))),
             "phase_s": phase_s,
@@ -574,6 +600,24 @@ def render(table: dict) -> str:
                 lines.append(f"| {label} | {seed} | {f(ph.get('generate'), 3)} | {f(ph.get('train'), 3)} | "
                              f"{f(ph.get('publish'), 3)} |"
                              + (f" {engine_step_text(d.get('engine_steps') or [])} |" if steps else ""))
+    paced = [(label, seed, d) for label, per in table["arms"].items() for seed, d in sorted(per.items())
+             if (d.get("pace") or {}).get("pace_steps_per_gpu_hour")]
+    if paced:
+        lines += ["", f"Steady pace (`nodus.accounting.pace_of`): each run's steps per GPU-hour once every job is "
+                  f"under way (its jobs' steps between their first and last generation's start), the GPU-seconds "
+                  f"of the window not at that pace (the start and the drain, paid once a run: offset stacks "
+                  f"start a generation apart), the steps per GPU-hour of the same jobs run for "
+                  f"{PROJECT_STEPS} steps each (that start and drain plus every step at the pace), and the "
+                  f"pace over the dedicated runs' pace:", "",
+                  f"| arm | seed | steps/GPU-h (window) | pace steps/GPU-h | start and drain GPU-s | "
+                  f"at {PROJECT_STEPS} steps a job | pace over dedicated's | sim pace |", "|---|---|---|---|---|---|---|---|"]
+        for label, seed, d in paced:
+            p, b = d["pace"], d.get("baseline_pace_steps_per_gpu_hour")
+            at = projected_steps_per_gpu_hour(d, PROJECT_STEPS)
+            ratio = p["pace_steps_per_gpu_hour"] / b if b else None
+            lines.append(f"| {label} | {seed} | {d['steps_per_gpu_hour']:.0f} | {p['pace_steps_per_gpu_hour']:.0f} | "
+                         f"{p['ramp_gpu_s']:.2f} | {f(at, 0)} | {f(ratio, 2)} | "
+                         f"{f((d.get('sim_pace') or {}).get('pace_steps_per_gpu_hour'), 0)} |")
     other_audit = [f"{label} seed {seed} ({d['baseline_audit']['arm']} over a dedicated run with "
                    f"{d['baseline_audit']['dedicated']})" for label, per in table["arms"].items()
                    for seed, d in sorted(per.items()) if d.get("baseline_audit")]

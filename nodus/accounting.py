@@ -107,6 +107,76 @@ def per_job(spans: list[Span]) -> dict[str, dict]:
     return out
 
 
+def job_pace(spans: list[Span]) -> dict[str, float]:
+    """Each job's steady pace, steps per second: the steps between its first and its last
+    generation's start over the time between them (a job with fewer than two generations has none).
+
+    A window of a few steps is also charged for how the jobs start and end: offset stacks, or an
+    overlap arm's groups, start one generation apart and end apart, which a long run pays once.
+    The pace is what every further step costs; ``summarize`` splits the window into the two.
+    """
+    starts: dict[str, dict[int, float]] = defaultdict(dict)
+    for s in spans:
+        if s.phase == "generate":
+            step = int(s.attrs.get("step", 0))
+            prev = starts[s.job].get(step)
+            starts[s.job][step] = s.start_s if prev is None else min(prev, s.start_s)
+    out = {}
+    for job, by_step in starts.items():
+        steps = sorted(by_step)
+        if len(steps) >= 2 and by_step[steps[-1]] > by_step[steps[0]]:
+            out[job] = (steps[-1] - steps[0]) / (by_step[steps[-1]] - by_step[steps[0]])
+    return out
+
+
+def pace_of(runs: list[list[Span]]) -> dict:
+    """The window split into the jobs' steady pace and its ramp (empty when a job had fewer than
+    two generations: no pace to measure).
+
+    Each run (one GPU) goes at the sum of its jobs' paces; its ramp is its window less its steps at
+    that pace: the start (an offset stack's first generation waits for the other's) and the drain.
+    A run of ``n`` steps a job then takes ``ramp + n * jobs / pace`` GPU-seconds
+    (``projected_steps_per_gpu_hour``); ``pace_steps_per_gpu_hour`` is its limit, every GPU kept at
+    its jobs' pace (a job that ends handing its place to the next, as in a service). On dedicated
+    runs (a job a GPU) it is the jobs' harmonic mean, like the window's steps over GPU-seconds.
+    """
+    jobs = ramp_s = pace_gpu_s = 0.0
+    for r in runs:
+        names = {s.job for s in r}
+        rates = job_pace(r)
+        if not names or set(rates) != names:
+            return {}
+        run_pace = sum(rates.values())  # steps a second on this GPU
+        jobs += len(names)
+        ramp_s += window_s(r) - completed_steps(r) / run_pace
+        pace_gpu_s += len(names) / run_pace  # GPU-seconds for one step of each of its jobs
+    if not jobs:
+        return {}
+    return {"pace_steps_per_gpu_hour": jobs / pace_gpu_s * 3600, "ramp_gpu_s": ramp_s, "jobs": int(jobs)}
+
+
+def recorded_pace(spans: list[dict]) -> dict:
+    """``pace_of`` for a recorded run's spans (spans.jsonl rows; each row's ``gpu`` is its run's:
+    a dedicated run holds one GPU a job)."""
+    runs: dict[int, list[Span]] = defaultdict(list)
+    for d in spans:
+        runs[int(d.get("gpu", 0))].append(Span.from_dict(d))
+    return pace_of([runs[g] for g in sorted(runs)])
+
+
+def projected_steps_per_gpu_hour(summary: dict, steps_per_job: int) -> float | None:
+    """Steps per GPU-hour of the same jobs run for ``steps_per_job`` steps each: the summary's ramp
+    (start and drain, paid once) plus every step at the steady pace. None without a pace."""
+    pace = summary.get("pace")
+    if not pace:
+        return None
+    if steps_per_job < 1:
+        raise ValueError(f"steps_per_job must be at least 1, got {steps_per_job}")
+    steps = steps_per_job * pace["jobs"]
+    gpu_s = pace["ramp_gpu_s"] + steps / (pace["pace_steps_per_gpu_hour"] / 3600)
+    return steps / gpu_s * 3600 if gpu_s > 0 else None
+
+
 def summarize(runs: list[list[Span]]) -> dict:
     """Metrics over one or more runs, each on its own GPU (dedicated: one run per job)."""
     gpu_s = sum(window_s(r) for r in runs)
@@ -127,6 +197,8 @@ def summarize(runs: list[list[Span]]) -> dict:
         "rollout_tokens_per_gpu_s": tokens / gpu_s if gpu_s > 0 else 0.0,
         "busy": {k: (v / gpu_s if gpu_s > 0 else 0.0) for k, v in busy.items()},
         "stale_rollouts": sum(stale_rollouts(r) for r in runs),
+        # The window split into its steady pace and its ramp (start and drain): see pace_of.
+        "pace": pace_of(runs),
         "per_job": jobs,
     }
 

@@ -207,5 +207,8 @@ def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
         summary["dedicated_steps_per_gpu_hour"] = base["steps_per_gpu_hour"]
         summary["ratio_vs_dedicated"] = (summary["steps_per_gpu_hour"] / base["steps_per_gpu_hour"]
                                          if base["steps_per_gpu_hour"] else None)
+        base_pace = (base.get("pace") or {}).get("pace_steps_per_gpu_hour")
+        pace = (summary.get("pace") or {}).get("pace_steps_per_gpu_hour")
+        summary["pace_ratio_vs_dedicated"] = pace / base_pace if pace and base_pace else None
         add_slowdowns(summary, base)
     return summary, runs

@@ -133,6 +133,16 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
     lines += [
         f"| rollout tokens per GPU-second | {s['rollout_tokens_per_gpu_s']:.0f} |",
         f"| GPU-seconds (window, drain included) | {s['gpu_seconds']:.1f} |",
+    ]
+    pace = s.get("pace") or {}
+    if pace:  # the window split into the jobs' steady pace and what starting and draining them cost
+        ratio = s.get("pace_ratio_vs_dedicated")
+        lines += [f"| steady pace: steps per GPU-hour once every job is under way"
+                  f"{' (ratio vs dedicated)' if ratio else ''} | {pace['pace_steps_per_gpu_hour']:.1f}"
+                  f"{f' ({ratio:.3f}x)' if ratio else ''} |",
+                  f"| GPU-seconds of start and drain (the window less its steps at that pace) | "
+                  f"{pace['ramp_gpu_s']:.1f} |"]
+    lines += [
         f"| busy: engine / trainer / GPU | {s['busy']['engine']:.2f} / {s['busy']['trainer']:.2f} / {s['busy']['gpu']:.2f} |",
         f"| stale rollouts | {s['stale_rollouts']} |",
     ]
