@@ -36,6 +36,9 @@ from nodus.config import ConfigError, build_config, stacks_of
 from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
                          refuse_existing, set_assumption, write_fit_report, write_profile)
 
+# The rates fit-stacks fits (--rate), each a field of the profile's sharing terms, and what each is.
+RATES = {"engines": "mps_engines", "trainer": "mps_stacks_trainer"}
+WHAT = {"mps_engines": "two engines' rate", "mps_stacks_trainer": "a lone trainer's rate beside engines"}
 RATE_MIN = 0.05  # the bisection's lower end: an engine at a twentieth of its alone speed
 TOLERANCE = 1e-4  # the bisection stops when the rate's bracket is this narrow
 
@@ -90,11 +93,11 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> lis
     return out
 
 
-def _predict(rows: list[dict], prof: dict, rate: float | None, tmp: Path) -> list[float]:
-    """Each run's replayed steps per GPU-hour on ``prof`` with ``sharing.mps_engines = rate``."""
+def _predict(rows: list[dict], prof: dict, rate: float | None, tmp: Path, field: str = "mps_engines") -> list[float]:
+    """Each run's replayed steps per GPU-hour on ``prof`` with ``sharing.<field> = rate``."""
     p = json.loads(json.dumps(prof))
-    p["sharing"]["mps_engines"] = rate
-    path = tmp / f"profile-{rate}.json"
+    p["sharing"][field] = rate
+    path = tmp / f"profile-{field}-{rate}.json"
     write_profile(p, path, "nodus fit-stacks", overwrite=True)
     return [_simulate(dict(r["cfg"], profile=str(path)), f"{r['run']}/config.json")["steps_per_gpu_hour"]
             for r in rows]
@@ -104,30 +107,32 @@ def _bias(pred: list[float], rows: list[dict]) -> float:
     return sum((p - r["measured"]) / r["measured"] for p, r in zip(pred, rows)) / len(rows)
 
 
-def fit_rate(rows: list[dict], prof: dict, tmp: Path, which: str = "") -> tuple[float, list[float]]:
-    """The ``sharing.mps_engines`` at which the runs' replayed steps per GPU-hour have zero mean
+def fit_rate(rows: list[dict], prof: dict, tmp: Path, which: str = "",
+             field: str = "mps_engines") -> tuple[float, list[float]]:
+    """The ``sharing.<field>`` at which the runs' replayed steps per GPU-hour have zero mean
     signed error, and the runs' predictions there. The prediction rises with the rate, so bisection.
     ``which``: what the runs are, for an error (e.g. the runs but one left out)."""
     lo, hi = RATE_MIN, RATE_MAX
-    pred_hi = _predict(rows, prof, hi, tmp)
+    what = WHAT[field]
+    pred_hi = _predict(rows, prof, hi, tmp, field)
     if _bias(pred_hi, rows) < 0:
-        raise ConfigError(f"nodus fit-stacks: even at sharing.mps_engines={hi} (the most a rate may be) the "
+        raise ConfigError(f"nodus fit-stacks: even at sharing.{field}={hi} (the most a rate may be) the "
                           f"runs{which} are "
                           f"predicted {-_bias(pred_hi, rows):.1%} under the measured on average: the base profile "
-                          "misprices them by more than two engines' rate can carry (fit on the runs' day's profile)")
-    pred_lo = _predict(rows, prof, lo, tmp)
+                          f"misprices them by more than {what} can carry (fit on the runs' day's profile)")
+    pred_lo = _predict(rows, prof, lo, tmp, field)
     if _bias(pred_lo, rows) > 0:
-        raise ConfigError(f"nodus fit-stacks: even at sharing.mps_engines={lo} the runs{which} are predicted "
+        raise ConfigError(f"nodus fit-stacks: even at sharing.{field}={lo} the runs{which} are predicted "
                           f"{_bias(pred_lo, rows):.1%} over the measured on average: the base profile prices them "
-                          "faster than two engines at any rate explain (fit on the runs' day's profile)")
+                          f"faster than {what} at any value explains (fit on the runs' day's profile)")
     while hi - lo > TOLERANCE:
         mid = (lo + hi) / 2
-        if _bias(_predict(rows, prof, mid, tmp), rows) < 0:
+        if _bias(_predict(rows, prof, mid, tmp, field), rows) < 0:
             lo = mid
         else:
             hi = mid
     rate = (lo + hi) / 2
-    return rate, _predict(rows, prof, rate, tmp)
+    return rate, _predict(rows, prof, rate, tmp, field)
 
 
 def day_of(run: str | Path) -> str:
@@ -135,7 +140,7 @@ def day_of(run: str | Path) -> str:
     return Path(run).resolve().parent.parent.name
 
 
-def leave_days_out(rows: list[dict], prof: dict, tmp: Path) -> dict | None:
+def leave_days_out(rows: list[dict], prof: dict, tmp: Path, field: str = "mps_engines") -> dict | None:
     """Each day's runs predicted from the rate fitted on the other days' (``day_of``): per day its
     runs, that rate and the mean signed error; per run the prediction; over all runs the mean
     absolute error, worst and mean signed error. None where the runs lie in one day's folder."""
@@ -145,8 +150,8 @@ def leave_days_out(rows: list[dict], prof: dict, tmp: Path) -> dict | None:
     out_rows, per_day = [], {}
     for day in days:
         held = [r for r in rows if day_of(r["run"]) == day]
-        rate, _ = fit_rate([r for r in rows if day_of(r["run"]) != day], prof, tmp, f" but {day}'s")
-        pred = _predict(held, prof, rate, tmp)
+        rate, _ = fit_rate([r for r in rows if day_of(r["run"]) != day], prof, tmp, f" but {day}'s", field)
+        pred = _predict(held, prof, rate, tmp, field)
         errs = [(p - r["measured"]) / r["measured"] for p, r in zip(pred, held)]
         per_day[day] = {"rate": rate, "runs": len(held), "mean_error": sum(errs) / len(errs)}
         out_rows += [{"run": r["run"], "day": day, "measured": r["measured"], "predicted": p, "error": e}
@@ -156,32 +161,41 @@ def leave_days_out(rows: list[dict], prof: dict, tmp: Path) -> dict | None:
             "bias": sum(x["error"] for x in out_rows) / len(out_rows)}
 
 
-def fit(runs: list[str | Path], base: str) -> dict:
-    """Fit the rate on every run, and on all but each run in turn (that run's error predicted from
-    the others); with the base's own prediction (no two-engine rate) beside."""
+def fit(runs: list[str | Path], base: str, rate_name: str = "engines") -> dict:
+    """Fit the rate (``rate_name``: 'engines', ``sharing.mps_engines``; 'trainer',
+    ``sharing.mps_stacks_trainer`` on a base with a two-engine rate) on every run, and on all but
+    each run in turn (that run's error predicted from the others); with the base's own prediction
+    (without the rate) beside."""
+    if rate_name not in RATES:
+        raise ConfigError(f"nodus fit-stacks: --rate {rate_name!r}: choose from {', '.join(RATES)}")
+    field = RATES[rate_name]
     prof = profile_dict(base)
+    if field == "mps_stacks_trainer" and prof["sharing"].get("mps_engines") is None:
+        raise ConfigError(f"nodus fit-stacks --rate trainer: {base} has no two-engine rate (sharing.mps_engines); "
+                          "the lone trainer's rate is fitted with it held: fit-stacks --rate engines first")
     rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        rate, pred = fit_rate(rows, prof, tmp)
-        unfitted = _predict(rows, prof, None, tmp)
+        rate, pred = fit_rate(rows, prof, tmp, field=field)
+        unfitted = _predict(rows, prof, None, tmp, field)
         loo = []
         for i, r in enumerate(rows):
             others = rows[:i] + rows[i + 1:]
             if not others:
                 loo.append(None)
                 continue
-            rate_i, _ = fit_rate(others, prof, tmp, f" but {r['run']} (left out)")
-            p = _predict([r], prof, rate_i, tmp)[0]
+            rate_i, _ = fit_rate(others, prof, tmp, f" but {r['run']} (left out)", field)
+            p = _predict([r], prof, rate_i, tmp, field)[0]
             loo.append({"rate": rate_i, "predicted": p, "error": (p - r["measured"]) / r["measured"]})
-        by_day = leave_days_out(rows, prof, tmp)
+        by_day = leave_days_out(rows, prof, tmp, field)
     out_rows = [{"run": r["run"], "spans_sha256": r["spans_sha256"], "measured": r["measured"], "predicted": p,
                  "error": (p - r["measured"]) / r["measured"],
                  "predicted_without_rate": u, "error_without_rate": (u - r["measured"]) / r["measured"],
                  "left_out": lo_} for r, p, u, lo_ in zip(rows, pred, unfitted, loo)]
     errs = [abs(x["left_out"]["error"]) for x in out_rows if x["left_out"]]
-    return {"base": base, "mps_engines": rate, "settings": rows[0]["settings"],
-            "mps_alone_engine": prof["sharing"]["mps_alone"]["engine"], "rows": out_rows,
+    return {"base": base, "field": field, field: rate, "settings": rows[0]["settings"],
+            "mps_alone_engine": prof["sharing"]["mps_alone"]["engine"],
+            "mps_corun_trainer": prof["sharing"]["mps_corun"]["trainer"], "rows": out_rows,
             "left_out_mape": sum(errs) / len(errs) if errs else None, "left_out_worst": max(errs) if errs else None,
             "without_rate_mape": sum(abs(x["error_without_rate"]) for x in out_rows) / len(out_rows),
             "left_out_days": by_day}
@@ -189,15 +203,24 @@ def fit(runs: list[str | Path], base: str) -> dict:
 
 def report_markdown(result: dict) -> str:
     r = result
-    lines = [f"# Two stacks' engines: `sharing.mps_engines` on `{r['base']}`", "",
-             f"Each engine's rate while both stacks' engines generate, alone-without-MPS work per second: "
-             f"**{r['mps_engines']:.3f}** (one engine alone under MPS: {r['mps_alone_engine']:.3f}). Fitted on "
-             f"{len(r['rows'])} two-stack run(s), replaying their response lengths; their settings: "
-             + ", ".join(f"{k}={v}" for k, v in sorted(r["settings"].items())) + ".", ""]
+    field = r.get("field", "mps_engines")
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(r["settings"].items()))
+    if field == "mps_engines":
+        lines = [f"# Two stacks' engines: `sharing.mps_engines` on `{r['base']}`", "",
+                 f"Each engine's rate while both stacks' engines generate, alone-without-MPS work per second: "
+                 f"**{r['mps_engines']:.3f}** (one engine alone under MPS: {r['mps_alone_engine']:.3f}). Fitted on "
+                 f"{len(r['rows'])} two-stack run(s), replaying their response lengths; their settings: {settings}.", ""]
+        without = "two engines sharing the engine-trainer pair's combined rate"
+    else:
+        lines = [f"# A lone trainer beside engines of several stacks: `sharing.mps_stacks_trainer` on `{r['base']}`", "",
+                 f"A trainer's rate while it is the only trainer running and engines generate, alone-without-MPS work "
+                 f"per second: **{r[field]:.3f}** (the pair's, fitted on one stack, mps_corun.trainer: "
+                 f"{r['mps_corun_trainer']:.3f}), the base's two-engine rate held. Fitted on {len(r['rows'])} "
+                 f"two-stack run(s), replaying their response lengths; their settings: {settings}.", ""]
+        without = "the pair's trainer rate"
     if r["left_out_mape"] is not None:
         lines += [f"Each run predicted from a rate fitted on the others: {r['left_out_mape']:.1%} mean absolute error, "
-                  f"worst {r['left_out_worst']:.1%}. Without the rate (two engines sharing the engine-trainer pair's "
-                  f"combined rate): {r['without_rate_mape']:.1%}.", ""]
+                  f"worst {r['left_out_worst']:.1%}. Without the rate ({without}): {r['without_rate_mape']:.1%}.", ""]
     d = r.get("left_out_days")
     if d:
         lines += [f"Each day's runs predicted from the rate fitted on the other days' (a new day, as a planner meets "
@@ -219,25 +242,40 @@ def report_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None) -> dict:
-    """Fit, write ``base`` with ``sharing.mps_engines`` to ``out`` (never overwritten), and the report
-    to ``report``.{md,json} when given."""
+def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None,
+                rate_name: str = "engines") -> dict:
+    """Fit, write ``base`` with the rate (``sharing.mps_engines``, or ``sharing.mps_stacks_trainer``
+    for ``rate_name`` 'trainer') to ``out`` (never overwritten), and the report to
+    ``report``.{md,json} when given."""
     refuse_existing(out, "nodus fit-stacks", report)  # before the fit's replays
-    result = fit(runs, base)
+    result = fit(runs, base, rate_name)
+    field = result["field"]
     prof = profile_dict(base)
-    prof["sharing"]["mps_engines"] = result["mps_engines"]
-    prof["sharing"]["engines_controls"] = dict(result["settings"])
-    prof.setdefault("measurements", {})["stacks"] = {
-        k: v for k, v in result.items() if k in ("mps_engines", "settings", "rows", "left_out_mape",
-                                                  "left_out_worst", "without_rate_mape", "left_out_days")}
-    set_assumption(prof, {
-        "id": "sharing-two-engines",
-        "what": "two stacks' engines generating together each go at sharing.mps_engines, fitted on "
-                f"{len(result['rows'])} two-stack run(s) by replay (nodus fit-stacks); beside a trainer, scaled by "
-                "the pair's engine rate over its alone rate; past two stacks, each engine at that rate too "
-                "(an assumption; session 37)",
-        "value": result["mps_engines"]})
-    add_source(prof, "nodus fit-stacks " + " ".join(str(p) for p in runs))
+    prof["sharing"][field] = result[field]
+    kept = ("settings", "rows", "left_out_mape", "left_out_worst", "without_rate_mape", "left_out_days")
+    if field == "mps_engines":
+        prof["sharing"]["engines_controls"] = dict(result["settings"])
+        prof.setdefault("measurements", {})["stacks"] = {k: v for k, v in result.items() if k in ("mps_engines", *kept)}
+        set_assumption(prof, {
+            "id": "sharing-two-engines",
+            "what": "two stacks' engines generating together each go at sharing.mps_engines, fitted on "
+                    f"{len(result['rows'])} two-stack run(s) by replay (nodus fit-stacks); beside a trainer, scaled by "
+                    "the pair's engine rate over its alone rate; past two stacks, each engine at that rate too "
+                    "(an assumption; session 37)",
+            "value": result["mps_engines"]})
+        add_source(prof, "nodus fit-stacks " + " ".join(str(p) for p in runs))
+    else:
+        prof["sharing"]["stacks_trainer_controls"] = dict(result["settings"])
+        prof.setdefault("measurements", {})["stacks_trainer"] = {k: v for k, v in result.items()
+                                                                 if k in (field, *kept)}
+        set_assumption(prof, {
+            "id": "sharing-stacks-trainer",
+            "what": "in an arm of several stacks under MPS, a trainer running alone beside engines goes at "
+                    f"sharing.mps_stacks_trainer, fitted on {len(result['rows'])} two-stack run(s) by replay with the "
+                    "two-engine rate held (nodus fit-stacks --rate trainer); two trainers or more keep the "
+                    "many-clients rule",
+            "value": result[field]})
+        add_source(prof, "nodus fit-stacks --rate trainer " + " ".join(str(p) for p in runs))
     write_profile(prof, out, "nodus fit-stacks")
     write_fit_report(report, report_markdown(result), result)
     return result

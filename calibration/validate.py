@@ -272,9 +272,11 @@ def spans_digest(run: str | Path) -> str:
 
 
 def stacks_fit_run(prof: dict, run: str | Path) -> bool:
-    """Whether ``run`` is one the profile's two-engine rate was fitted on (``measurements.stacks``,
-    `nodus fit-stacks`): the same spans.jsonl, whatever path reaches it."""
-    rows = ((prof.get("measurements") or {}).get("stacks") or {}).get("rows") or []
+    """Whether ``run`` is one the profile's two-engine rate or lone-trainer rate was fitted on
+    (``measurements.stacks`` or ``measurements.stacks_trainer``, `nodus fit-stacks`): the same
+    spans.jsonl, whatever path reaches it."""
+    meas = prof.get("measurements") or {}
+    rows = [r for key in ("stacks", "stacks_trainer") for r in ((meas.get(key) or {}).get("rows") or [])]
     digests = {r.get("spans_sha256") for r in rows} - {None}
     if not digests or not (Path(run) / "spans.jsonl").is_file():
         return False

@@ -367,9 +367,11 @@ def cmd_fit_audit(a: argparse.Namespace) -> int:
 def cmd_fit_stacks(a: argparse.Namespace) -> int:
     from calibration.stacks import fit_to_file
 
-    r = fit_to_file(a.runs, a.base, a.out, report=a.report)
-    print(f"sharing.mps_engines = {r['mps_engines']:.3f} (each of two stacks' engines generating together; one "
-          f"engine alone under MPS {r['mps_alone_engine']:.3f}) from {len(r['rows'])} run(s)"
+    r = fit_to_file(a.runs, a.base, a.out, report=a.report, rate_name=a.rate)
+    what = (f"each of two stacks' engines generating together; one engine alone under MPS {r['mps_alone_engine']:.3f}"
+            if r["field"] == "mps_engines" else
+            f"a lone trainer beside engines of several stacks; the pair's, fitted on one stack, {r['mps_corun_trainer']:.3f}")
+    print(f"sharing.{r['field']} = {r[r['field']]:.3f} ({what}) from {len(r['rows'])} run(s)"
           + (f"; leaving each run out: {r['left_out_mape']:.1%} (worst {r['left_out_worst']:.1%}) against "
              f"{r['without_rate_mape']:.1%} without the rate" if r["left_out_mape"] is not None else ""))
     for x in r["rows"]:
@@ -649,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile to copy (the one you will simulate with)")
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
     p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    p.add_argument("--rate", default="engines", choices=("engines", "trainer"),
+                   help="engines: each of two stacks' engines generating together (sharing.mps_engines); trainer: a "
+                        "lone trainer beside engines of several stacks (sharing.mps_stacks_trainer), fitted on a base "
+                        "with a two-engine rate, held (fit it on runs whose trains ran beside generations: offset "
+                        "stacks, --offset-stacks)")
     p.set_defaults(fn=cmd_fit_stacks)
 
     p = sub.add_parser("fit-audit", help="fit the audit's engine cost (decode.logprob_s_per_seq) from pairs of "

@@ -36,6 +36,10 @@ class SimBackend:
         if cfg.arm.policy == "timeslice" and sharing.mps_engines is not None:
             # timeslice's stacks are its groups: the two-engine rate was fitted on arm.stacks arms only.
             sharing = sharing.model_copy(update={"mps_engines": None})
+        if (n_stacks < 2 or cfg.arm.policy == "timeslice") and sharing.mps_stacks_trainer is not None:
+            # The lone trainer's rate beside engines was fitted on arm.stacks arms only: one stack
+            # keeps the pair's rates its own runs were fitted on.
+            sharing = sharing.model_copy(update={"mps_stacks_trainer": None})
         self.gpu = SharedGPU(self.env, cfg.arm.sharing, sharing)
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
@@ -72,7 +76,18 @@ class SimBackend:
                         f"arm.lockstep={cfg.arm.lockstep}: the two-engine rate (sharing.mps_engines) was fitted on "
                         + ("stacks in lockstep" if fitted.get("lockstep") else "free-running stacks")
                         + " (sharing.engines_controls); the rate is an average over how the runs' stacks lined up")
-                if cfg.arm.offset_stacks:
+                trainer_fit = cost.profile.sharing.stacks_trainer_controls
+                if cost.profile.sharing.mps_stacks_trainer is not None:
+                    tdiff = {k: (v, trainer_fit[k]) for k, v in
+                             {**mine, "offset_stacks": cfg.arm.offset_stacks or None}.items()
+                             if k in trainer_fit and trainer_fit[k] != v}
+                    if tdiff:
+                        cost.note_unmodelled(
+                            f"arm.stacks={n_stacks}: a lone trainer's rate beside engines (sharing.mps_stacks_trainer) "
+                            "was fitted on runs of " + ", ".join(f"{k}={w}" for k, (_, w) in tdiff.items())
+                            + ", not " + ", ".join(f"{k}={v}" for k, (v, _) in tdiff.items())
+                            + " (sharing.stacks_trainer_controls)")
+                elif cfg.arm.offset_stacks:
                     cost.note_unmodelled(
                         "arm.offset_stacks: a train beside another stack's generation is priced at the pair's "
                         "trainer rate (sharing.mps_corun), fitted on one stack; on the H200's free two-stack runs "

@@ -41,15 +41,23 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     rates (by the running engine batch where the profile has them); for more than two clients the
     pair's combined rate is split in proportion to the pair's per-kind rates (an assumption the
     profile names), except the engines of several stacks under MPS where the profile fitted their
-    rate (``sharing.mps_engines``): each engine goes at it, past two engines too.
+    rate (``sharing.mps_engines``): each engine goes at it, past two engines too. Where the profile
+    fitted a lone trainer's rate beside engines of several stacks (``sharing.mps_stacks_trainer``,
+    kept by ``sim.backend`` for arm.stacks arms only), that trainer goes at it.
     """
     if not kinds:
         return []
     if len(kinds) == 1:
         return [1.0 if sharing == "none" else getattr(cost.mps_alone, kinds[0])]
     pair: Rates = pair_rates(sharing, cost, engine_batch)
+    stacks_trainer = (cost.mps_stacks_trainer if sharing == "mps" and kinds.count("trainer") == 1
+                      and "engine" in kinds else None)
     if len(kinds) == 2 and set(kinds) == {"engine", "trainer"}:
-        return [getattr(pair, k) for k in kinds]
+        rates = [getattr(pair, k) for k in kinds]
+        # Several stacks: the one trainer beside engines at its own fitted rate (a backend of one
+        # stack has none: sim.backend drops it).
+        return rates if stacks_trainer is None else [stacks_trainer if k == "trainer" else r
+                                                     for k, r in zip(kinds, rates)]
     combined = pair.engine + pair.trainer
     weights = [getattr(pair, k) for k in kinds]
     total = sum(weights)
@@ -65,6 +73,8 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
         if "trainer" in kinds:
             each *= pair.engine / cost.mps_alone.engine
         rates = [each if k == "engine" else r for k, r in zip(kinds, rates)]
+    if stacks_trainer is not None:
+        rates = [stacks_trainer if k == "trainer" else r for k, r in zip(kinds, rates)]
     return rates
 
 

@@ -191,6 +191,15 @@ class SharingCost(_M):
     # packing, engine and trainer thread caps and MPS settings; `nodus validate` and the simulator
     # flag a stacks run that differs). Applies to arm.stacks arms only, never to timeslice's.
     engines_controls: dict[str, str | int | float | None] = {}
+    # A trainer's rate (alone-without-MPS work per second) in an arm of several stacks under MPS
+    # while it is the only trainer running and one engine or more generate: a train beside another
+    # stack's generation (offset stacks, stacks drifted apart) or, on an overlap arm, beside its own
+    # stack's. None: the pair's trainer rate (mps_corun.trainer), fitted on one stack, which priced
+    # session 39's offset stacks' trains at 1.52-1.58 s against 0.88-0.96 s measured (H200).
+    # `nodus fit-stacks --rate trainer` fits it on recorded runs, the two-engine rate held.
+    mps_stacks_trainer: float | None = Field(default=None, gt=0, le=RATE_MAX)
+    # The settings mps_stacks_trainer was fitted under (as engines_controls).
+    stacks_trainer_controls: dict[str, str | int | float | None] = {}
 
 
 class Assumption(_M):

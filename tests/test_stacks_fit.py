@@ -263,3 +263,72 @@ def test_leaving_each_day_out_fits_the_rate_on_the_other_days(tmp_path):
     assert "| session41/k2-s1 |" in text and "| session40/k2-s2 |" in text
     with pytest.raises(ConfigError, match="one day"):
         leave_days_out(runs[:2], DEFAULT_PROFILE)
+
+
+def _trainer_profile(tmp_path, engines, trainer, name):
+    prof = profile_dict(DEFAULT_PROFILE)
+    prof["sharing"]["mps_engines"] = engines
+    prof["sharing"]["mps_stacks_trainer"] = trainer
+    path = tmp_path / name
+    write_profile(prof, path, "test")
+    return str(path)
+
+
+def test_a_lone_trainer_beside_engines_of_stacks_takes_its_fitted_rate(tmp_path):
+    cost = load_profile(_trainer_profile(tmp_path, 0.8, 0.95, "t.json")).profile.sharing
+    pair = cost.mps_corun
+    # One trainer beside one engine or two: the fitted rate; the engines as before.
+    assert sharing_rates(["engine", "trainer"], "mps", cost) == pytest.approx([pair.engine, 0.95])
+    e, e2, t = sharing_rates(["engine", "engine", "trainer"], "mps", cost)
+    assert t == pytest.approx(0.95) and e == e2 == pytest.approx(0.8 * pair.engine / cost.mps_alone.engine)
+    # Two trainers keep the many-clients rule; without MPS nothing changes.
+    base = load_profile(_profile_with(tmp_path, 0.8, "e.json")).profile.sharing
+    assert sharing_rates(["engine", "trainer", "trainer"], "mps", cost) == \
+        sharing_rates(["engine", "trainer", "trainer"], "mps", base)
+    assert sharing_rates(["engine", "trainer"], "none", cost) == sharing_rates(["engine", "trainer"], "none", base)
+
+
+def test_one_stack_never_takes_the_stacks_trainer_rate(tmp_path):
+    # The rate was fitted on stacks: an overlap arm of one stack keeps the pair's rates it was fitted on.
+    kw = dict(jobs=4, steps=3, policy="overlap", groups=2, sharing="mps", seed=1)
+    with_rate = simulate(config_from_args(profile=_trainer_profile(tmp_path, 0.8, 2.0, "t.json"), **kw))
+    without = simulate(config_from_args(profile=_profile_with(tmp_path, 0.8, "e.json"), **kw))
+    assert with_rate["steps_per_gpu_hour"] == pytest.approx(without["steps_per_gpu_hour"])
+    # On two stacks it moves the prediction.
+    kw["stacks"] = 2
+    assert simulate(config_from_args(profile=_trainer_profile(tmp_path, 0.8, 2.0, "t2.json"), **kw))[
+        "steps_per_gpu_hour"] > simulate(config_from_args(profile=_profile_with(tmp_path, 0.8, "e2.json"), **kw))[
+        "steps_per_gpu_hour"]
+
+
+def test_fit_stacks_rate_trainer_recovers_the_lone_trainer_rate(tmp_path, capsys):
+    truth = _trainer_profile(tmp_path, 0.8, 0.9, "truth.json")
+    runs = []
+    for seed in (1, 2):
+        out = tmp_path / f"off-s{seed}"
+        simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, seed=seed,
+                                  offset_stacks=True, profile=truth), out)
+        runs.append(out)
+    base = _profile_with(tmp_path, 0.8, "base.json")  # the two-engine rate, no trainer rate
+    out = tmp_path / "fitted.json"
+    assert main(["fit-stacks", *map(str, runs), "--rate", "trainer", "--base", base, "--out", str(out),
+                 "--report", str(tmp_path / "rep")]) == 0
+    printed = capsys.readouterr().out
+    assert float(printed.split("sharing.mps_stacks_trainer = ")[1].split()[0]) == pytest.approx(0.9, rel=0.02)
+    prof = json.loads(out.read_text())
+    assert prof["sharing"]["mps_stacks_trainer"] == pytest.approx(0.9, rel=0.02)
+    assert prof["sharing"]["mps_engines"] == 0.8  # held
+    assert prof["sharing"]["stacks_trainer_controls"]["offset_stacks"] is True
+    assert any(a["id"] == "sharing-stacks-trainer" for a in prof["assumptions"])
+    assert "lone trainer" in (tmp_path / "rep.md").read_text()
+    # Its fit runs count as fitted in nodus validate; a free run of the same profile is flagged as
+    # fitted on other settings.
+    assert stacks_fit_run(prof, runs[0])
+    free = simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, seed=1,
+                                     profile=str(out)))
+    assert any("sharing.mps_stacks_trainer" in f for f in free["outside_profile"])
+    # Without a two-engine rate in the base there is nothing to hold.
+    with pytest.raises(ConfigError, match="no two-engine rate"):
+        fit(runs, DEFAULT_PROFILE, "trainer")
+    with pytest.raises(ConfigError, match="--rate"):
+        fit(runs, base, "engine")
