@@ -229,6 +229,9 @@ def _sweep_task(args) -> dict:
     return {"jobs": jobs, "seed": seed, "policy": policy, "groups": groups, "sharing": sharing, "stacks": stacks,
             "share_prompts": share, "outside_profile": sorted(make.cost.flags),
             "steps_per_gpu_hour": s["steps_per_gpu_hour"], "rollout_tokens_per_gpu_s": s["rollout_tokens_per_gpu_s"],
+            # The jobs' steady pace and the window's start and drain (nodus.accounting.pace_of).
+            "pace_steps_per_gpu_hour": (s["pace"] or {}).get("pace_steps_per_gpu_hour"),
+            "ramp_gpu_s": (s["pace"] or {}).get("ramp_gpu_s"),
             "busy_engine": s["busy"]["engine"], "busy_trainer": s["busy"]["trainer"], "busy_gpu": s["busy"]["gpu"],
             "stale_rollouts": s["stale_rollouts"], "wall_s": time.perf_counter() - t0}
 

@@ -80,6 +80,8 @@ def test_sweep_writes_csv_json_plot(tmp_path, capsys):
     assert {r["jobs"] for r in d["rows"]} == {2, 4}
     assert all(r["stale_rollouts"] == 0 for r in d["rows"])
     assert all(r["ratio_vs_dedicated"] == 1.0 for r in d["rows"] if r["policy"] == "dedicated")
+    # Each row's steady pace beside its window (2 steps a job: one interval between generations).
+    assert all(r["pace_steps_per_gpu_hour"] > 0 and r["ramp_gpu_s"] is not None for r in d["rows"])
     assert (out / "sweep.png").stat().st_size > 1000 and (out / "sweep.csv").is_file()
     # A planner reads the prediction with the profile's error bar beside it.
     assert d["profile_validation"]["heldout_mape"] > 0
