@@ -354,6 +354,12 @@ def error_bar_line(validation: dict | None) -> str:
                   + (f"; on a new day (each of its {st['days']} days' runs predicted from the others') "
                      f"{st['day_mape']:.1%} (worst {st['day_worst']:.1%})" if st.get("day_mape") is not None else "")
                   + "; one configuration's runs are no error bar for others (nodus fit-stacks).")
+    tr = v.get("stacks_trainer") or {}
+    if tr:
+        stacks += (f" A lone trainer beside engines of stacks (sharing.mps_stacks_trainer {tr['rate']:.3f}): fitted on "
+                   f"{tr['runs']} run(s)" + (f", each predicted from the others {tr['left_out_mape']:.1%} off (worst "
+                                             f"{tr['left_out_worst']:.1%})" if tr.get("left_out_mape") is not None else "")
+                   + " (nodus fit-stacks --rate trainer).")
     if v.get("heldout_mape") is None:
         return "This profile carries no validation against real runs (nodus validate --annotate)." + stacks
     line = (f"This profile against {v.get('heldout_runs', 0)} held-out real runs: steps per GPU-hour "

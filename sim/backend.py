@@ -78,8 +78,9 @@ class SimBackend:
                         + " (sharing.engines_controls); the rate is an average over how the runs' stacks lined up")
                 trainer_fit = cost.profile.sharing.stacks_trainer_controls
                 if cost.profile.sharing.mps_stacks_trainer is not None:
-                    tdiff = {k: (v, trainer_fit[k]) for k, v in
-                             {**mine, "offset_stacks": cfg.arm.offset_stacks or None}.items()
+                    # Its policy and packing (offset or free stacks alike: a train beside another
+                    # stack's generation is the case it prices whichever way the stacks started).
+                    tdiff = {k: (v, trainer_fit[k]) for k, v in mine.items()
                              if k in trainer_fit and trainer_fit[k] != v}
                     if tdiff:
                         cost.note_unmodelled(

@@ -556,4 +556,9 @@ class CostModel:
                                           "left_out_worst": fit.get("left_out_worst"),
                                           "days": len(days.get("days") or {}), "day_mape": days.get("mape"),
                                           "day_worst": days.get("worst")})
+        tfit = (self.profile.measurements or {}).get("stacks_trainer") or {}
+        if self.profile.sharing.mps_stacks_trainer is not None and tfit.get("rows"):
+            out = dict(out or {}, stacks_trainer={"runs": len(tfit["rows"]), "rate": self.profile.sharing.mps_stacks_trainer,
+                                                  "left_out_mape": tfit.get("left_out_mape"),
+                                                  "left_out_worst": tfit.get("left_out_worst")})
         return out

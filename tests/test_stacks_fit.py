@@ -321,12 +321,16 @@ def test_fit_stacks_rate_trainer_recovers_the_lone_trainer_rate(tmp_path, capsys
     assert prof["sharing"]["stacks_trainer_controls"]["offset_stacks"] is True
     assert any(a["id"] == "sharing-stacks-trainer" for a in prof["assumptions"])
     assert "lone trainer" in (tmp_path / "rep.md").read_text()
-    # Its fit runs count as fitted in nodus validate; a free run of the same profile is flagged as
-    # fitted on other settings.
+    # Its fit runs count as fitted in nodus validate. A free run of the same policy takes the rate
+    # unflagged (a train beside another stack's generation, however the stacks started); an overlap
+    # run is flagged as another policy than the fit's.
     assert stacks_fit_run(prof, runs[0])
     free = simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, seed=1,
                                      profile=str(out)))
-    assert any("sharing.mps_stacks_trainer" in f for f in free["outside_profile"])
+    assert not any("sharing.mps_stacks_trainer" in f for f in free["outside_profile"])
+    ov = simulate(config_from_args(jobs=4, steps=3, policy="overlap", groups=2, sharing="mps", stacks=2, seed=1,
+                                   profile=str(out)))
+    assert any("sharing.mps_stacks_trainer" in f and "policy=shared-sync" in f for f in ov["outside_profile"])
     # Without a two-engine rate in the base there is nothing to hold.
     with pytest.raises(ConfigError, match="no two-engine rate"):
         fit(runs, DEFAULT_PROFILE, "trainer")
