@@ -14,9 +14,12 @@ from sim.gpu import sharing_rates
 from sim.profile import load_profile, profile_dict, write_profile
 
 
-def _profile_with(tmp_path, rate, name="p.json", **controls):
+def _profile_with(tmp_path, rate, name="p.json", trainer=None, **controls):
+    """The default profile with a two-engine rate (and its fit's settings), and a lone trainer's
+    rate beside engines of stacks where ``trainer`` is given."""
     prof = profile_dict(DEFAULT_PROFILE)
     prof["sharing"]["mps_engines"] = rate
+    prof["sharing"]["mps_stacks_trainer"] = trainer
     prof["sharing"]["engines_controls"] = controls
     path = tmp_path / name
     write_profile(prof, path, "test")
@@ -265,17 +268,8 @@ def test_leaving_each_day_out_fits_the_rate_on_the_other_days(tmp_path):
         leave_days_out(runs[:2], DEFAULT_PROFILE)
 
 
-def _trainer_profile(tmp_path, engines, trainer, name):
-    prof = profile_dict(DEFAULT_PROFILE)
-    prof["sharing"]["mps_engines"] = engines
-    prof["sharing"]["mps_stacks_trainer"] = trainer
-    path = tmp_path / name
-    write_profile(prof, path, "test")
-    return str(path)
-
-
 def test_a_lone_trainer_beside_engines_of_stacks_takes_its_fitted_rate(tmp_path):
-    cost = load_profile(_trainer_profile(tmp_path, 0.8, 0.95, "t.json")).profile.sharing
+    cost = load_profile(_profile_with(tmp_path, 0.8, "t.json", trainer=0.95)).profile.sharing
     pair = cost.mps_corun
     # One trainer beside one engine or two: the fitted rate; the engines as before.
     assert sharing_rates(["engine", "trainer"], "mps", cost) == pytest.approx([pair.engine, 0.95])
@@ -291,18 +285,18 @@ def test_a_lone_trainer_beside_engines_of_stacks_takes_its_fitted_rate(tmp_path)
 def test_one_stack_never_takes_the_stacks_trainer_rate(tmp_path):
     # The rate was fitted on stacks: an overlap arm of one stack keeps the pair's rates it was fitted on.
     kw = dict(jobs=4, steps=3, policy="overlap", groups=2, sharing="mps", seed=1)
-    with_rate = simulate(config_from_args(profile=_trainer_profile(tmp_path, 0.8, 2.0, "t.json"), **kw))
+    with_rate = simulate(config_from_args(profile=_profile_with(tmp_path, 0.8, "t.json", trainer=2.0), **kw))
     without = simulate(config_from_args(profile=_profile_with(tmp_path, 0.8, "e.json"), **kw))
     assert with_rate["steps_per_gpu_hour"] == pytest.approx(without["steps_per_gpu_hour"])
     # On two stacks it moves the prediction.
     kw["stacks"] = 2
-    assert simulate(config_from_args(profile=_trainer_profile(tmp_path, 0.8, 2.0, "t2.json"), **kw))[
+    assert simulate(config_from_args(profile=_profile_with(tmp_path, 0.8, "t2.json", trainer=2.0), **kw))[
         "steps_per_gpu_hour"] > simulate(config_from_args(profile=_profile_with(tmp_path, 0.8, "e2.json"), **kw))[
         "steps_per_gpu_hour"]
 
 
 def test_fit_stacks_rate_trainer_recovers_the_lone_trainer_rate(tmp_path, capsys):
-    truth = _trainer_profile(tmp_path, 0.8, 0.9, "truth.json")
+    truth = _profile_with(tmp_path, 0.8, "truth.json", trainer=0.9)
     runs = []
     for seed in (1, 2):
         out = tmp_path / f"off-s{seed}"
