@@ -274,15 +274,21 @@ def check_share_prompts(specs: list, share: int, trainer_graphs: bool) -> None:
                              "add :cg to the arm or --trainer-graphs")
 
 
-def sim_profile(given: str | None, trainer_graphs: bool, corun_priority: str | None = None) -> str:
+def sim_profile(given: str | None, trainer_graphs: bool, corun_priority: str | None = None,
+                stacks_mps: bool = False) -> str:
     """The profile an arm's simulated figure uses: the one asked for, else the shipped profile of
     the arm's trainer (a graphed trainer's run against the eager trainer's profile read 4672 for a
     measured 6459 in session 15's log), and for a graphed arm that co-runs engine and trainer under
-    MPS, the one fitted at its trainer's priority (``corun_priority``; None: nothing co-runs)."""
-    from nodus.config import DEFAULT_PROFILES, GRAPHED_NORMAL_PRIORITY_PROFILE
+    MPS, the one fitted at its trainer's priority (``corun_priority``; None: nothing co-runs). A
+    graphed arm of several stacks under MPS (``stacks_mps``, not timeslice) takes the shipped stacks
+    profile, as `nodus sim` does (session 39's device log printed 7182 for two-stack runs of 8421-8865
+    on the profile without a two-engine rate)."""
+    from nodus.config import DEFAULT_PROFILES, GRAPHED_NORMAL_PRIORITY_PROFILE, STACKS_PROFILE
 
     if given:
         return given
+    if trainer_graphs and stacks_mps:
+        return STACKS_PROFILE
     if trainer_graphs and corun_priority == "normal":
         return GRAPHED_NORMAL_PRIORITY_PROFILE
     return DEFAULT_PROFILES["graphed" if trainer_graphs else "eager"]
@@ -694,7 +700,8 @@ def main() -> None:
                 # The simulator's prediction for the run, before it: the estimate of its seconds.
                 corun = sharing == "mps" and corun_key(policy, stacks) not in NO_CORUN_POLICIES
                 profile = sim_profile(args.profile, arm_opts.trainer_graphs,
-                                      arm_opts.trainer_priority if corun else None)
+                                      arm_opts.trainer_priority if corun else None,
+                                      stacks > 1 and sharing == "mps" and policy != "timeslice")
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                     steps=args.steps, stacks=stacks if stacks > 1 else None,

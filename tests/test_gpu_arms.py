@@ -179,6 +179,11 @@ def test_each_arm_is_simulated_on_the_shipped_profile_of_its_trainer():
     assert sim_profile(None, True, "normal") == GRAPHED_NORMAL_PRIORITY_PROFILE
     assert profile_step_mode(normal) == "graphed" and not (normal["sharing"].get("controls") or {})
     assert sim_profile(None, False, "normal") == DEFAULT_PROFILES["eager"]
+    # Stacks under MPS on the graphed trainer: the shipped stacks profile (nodus sim's choice too).
+    from nodus.config import STACKS_PROFILE
+
+    assert sim_profile(None, True, "below-normal", stacks_mps=True) == STACKS_PROFILE
+    assert sim_profile("mine.json", True, "below-normal", stacks_mps=True) == "mine.json"
 
 
 def test_an_arms_ratio_is_over_the_dedicated_run_of_its_own_trainer():
