@@ -343,6 +343,13 @@ GRAPHED_NORMAL_PRIORITY_PROFILE = "h200-xeon16-graphed-qwen3-0.6b"
 # the others 4.8% off, worst 11.4%; each day from the other days' 5.0%, worst 11.9%) and the audit's
 # term on two days' pairs (sessions 32-33), so a lighter audit is priced too.
 STACKS_PROFILE = "h200-xeon16-graphed-stacks-audit-sessions30-38-qwen3-0.6b"
+# The same base with a lone trainer's rate beside engines of stacks (sharing.mps_stacks_trainer
+# 1.215, fitted on session 39's four offset-stack runs, the two-engine rate refitted with it on the
+# same thirty runs: 0.869): for offset stacks and overlap on two stacks, which the shipped one prices
+# 16-17% and 7-14% low. Not the default: its trainer rate is above the trainer's alone rate under MPS
+# (it carries the train terms' 12% overpricing on these days) and on the 20-step sampled workload it
+# puts free stacks 9% above the shipped profile, unmeasured (session 39's README, section 5).
+STACKS_TRAINER_PROFILE = "h200-xeon16-graphed-stacks-audit-trainer-sessions30-39-qwen3-0.6b"
 
 
 class RunConfig(_Model):

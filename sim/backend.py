@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 import simpy
 
-from nodus.config import STACKS_PROFILE, ConfigError, JobSpec, RunConfig, engine_graph_max_tokens
+from nodus.config import STACKS_PROFILE, STACKS_TRAINER_PROFILE, ConfigError, JobSpec, RunConfig, engine_graph_max_tokens
 from nodus.lengths import prompt_tokens, sample_response_tokens
 from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
 from nodus.messages import (
@@ -88,12 +88,15 @@ class SimBackend:
                             "was fitted on runs of " + ", ".join(f"{k}={w}" for k, (_, w) in tdiff.items())
                             + ", not " + ", ".join(f"{k}={v}" for k, (v, _) in tdiff.items())
                             + " (sharing.stacks_trainer_controls)")
-                elif cfg.arm.offset_stacks:
+                elif cfg.arm.offset_stacks or cfg.arm.policy == "overlap":
+                    what = "arm.offset_stacks" if cfg.arm.offset_stacks else f"overlap on {n_stacks} stacks"
                     cost.note_unmodelled(
-                        "arm.offset_stacks: a train beside another stack's generation is priced at the pair's "
-                        "trainer rate (sharing.mps_corun), fitted on one stack; on the H200's free two-stack runs "
-                        "such trains took 0.92 s against 1.19 s beside another train, where the simulator prices "
-                        "them slower than in step (experiments/results/h200/session38/README.md, section 5)")
+                        f"{what}: a train beside a generation is priced at the pair's trainer rate "
+                        "(sharing.mps_corun), fitted on one stack, and the profile has no lone-trainer rate for "
+                        "stacks (sharing.mps_stacks_trainer, nodus fit-stacks --rate trainer); on the H200 this "
+                        "priced offset stacks' trains at 1.52-1.58 s against 0.88-0.96 s and their steps/GPU-h "
+                        "16-17% low, overlap on two stacks 7-14% low (session 39; "
+                        f"{STACKS_TRAINER_PROFILE} has the rate)")
                 differ = {k: (v, fitted[k]) for k, v in mine.items() if k in fitted and fitted[k] != v}
                 if differ:
                     cost.note_unmodelled(
