@@ -1,7 +1,9 @@
 """Accounting: pure functions from phase spans to the metrics a planner compares.
 
 Every occupied GPU is charged from its run's start through the end of the window, the drain
-included: a GPU that waits for the slowest job is still booked.
+included: a GPU that waits for the slowest job is still booked. ``pace_of`` splits that window into
+the jobs' steady pace and the GPU-seconds of their start and drain, which a run of a few steps
+weighs more than a long one does (offset stacks start a generation apart).
 """
 
 from __future__ import annotations
