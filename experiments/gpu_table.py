@@ -297,8 +297,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                     prev[kind] = sum(runs_of) / len(runs_of)
                 pace = paces[str(rd)]
                 if prev.get("pace") and pace:  # the pace and ramp: the mean over the runs too
-                    n_pace = len(prev[f"runs_steps_per_gpu_hour"]) - 1
-                    prev["pace"] = {k: (prev["pace"][k] * n_pace + pace[k]) / (n_pace + 1)
+                    prev["pace"] = {k: (prev["pace"][k] * (n - 1) + pace[k]) / n
                                     for k in ("pace_steps_per_gpu_hour", "ramp_gpu_s")} | {"jobs": pace["jobs"]}
                 else:
                     prev["pace"] = {}

@@ -142,7 +142,7 @@ def pace_of(runs: list[list[Span]]) -> dict:
     its jobs' pace (a job that ends handing its place to the next, as in a service). On dedicated
     runs (a job a GPU) it is the jobs' harmonic mean, like the window's steps over GPU-seconds.
     """
-    jobs = ramp_s = pace_gpu_s = 0.0
+    jobs, ramp_s, pace_gpu_s = 0, 0.0, 0.0
     for r in runs:
         names = {s.job for s in r}
         rates = job_pace(r)
@@ -154,7 +154,7 @@ def pace_of(runs: list[list[Span]]) -> dict:
         pace_gpu_s += len(names) / run_pace  # GPU-seconds for one step of each of its jobs
     if not jobs:
         return {}
-    return {"pace_steps_per_gpu_hour": jobs / pace_gpu_s * 3600, "ramp_gpu_s": ramp_s, "jobs": int(jobs)}
+    return {"pace_steps_per_gpu_hour": jobs / pace_gpu_s * 3600, "ramp_gpu_s": ramp_s, "jobs": jobs}
 
 
 def recorded_pace(spans: list[dict]) -> dict:

@@ -23,6 +23,17 @@ from sim.gpu import SharedGPU
 from sim.profile import CostModel
 
 
+def _note_fitted_elsewhere(cost: CostModel, n_stacks: int, mine: dict, fitted: dict, rate: str, where: str) -> None:
+    """Flag a stacks arm whose settings (``mine``: policy, packing) differ from those ``rate`` was
+    fitted under (``fitted``, the profile's ``where``)."""
+    differ = {k: (v, fitted[k]) for k, v in mine.items() if k in fitted and fitted[k] != v}
+    if differ:
+        cost.note_unmodelled(
+            f"arm.stacks={n_stacks}: {rate} was fitted on runs of "
+            + ", ".join(f"{k}={w}" for k, (_, w) in differ.items()) + ", not "
+            + ", ".join(f"{k}={v}" for k, (v, _) in differ.items()) + f" ({where})")
+
+
 class SimBackend:
     def __init__(self, cfg: RunConfig, cost: CostModel, n_stacks: int = 1):
         if cfg.trainer.share_prompts > 1 and cost.profile.train.step_mode == "eager":
@@ -80,14 +91,9 @@ class SimBackend:
                 if cost.profile.sharing.mps_stacks_trainer is not None:
                     # Its policy and packing (offset or free stacks alike: a train beside another
                     # stack's generation is the case it prices whichever way the stacks started).
-                    tdiff = {k: (v, trainer_fit[k]) for k, v in mine.items()
-                             if k in trainer_fit and trainer_fit[k] != v}
-                    if tdiff:
-                        cost.note_unmodelled(
-                            f"arm.stacks={n_stacks}: a lone trainer's rate beside engines (sharing.mps_stacks_trainer) "
-                            "was fitted on runs of " + ", ".join(f"{k}={w}" for k, (_, w) in tdiff.items())
-                            + ", not " + ", ".join(f"{k}={v}" for k, (v, _) in tdiff.items())
-                            + " (sharing.stacks_trainer_controls)")
+                    _note_fitted_elsewhere(cost, n_stacks, mine, trainer_fit,
+                                           "a lone trainer's rate beside engines (sharing.mps_stacks_trainer)",
+                                           "sharing.stacks_trainer_controls")
                 elif cfg.arm.offset_stacks or cfg.arm.policy == "overlap":
                     what = "arm.offset_stacks" if cfg.arm.offset_stacks else f"overlap on {n_stacks} stacks"
                     cost.note_unmodelled(
@@ -97,12 +103,8 @@ class SimBackend:
                         "priced offset stacks' trains at 1.52-1.58 s against 0.88-0.96 s and their steps/GPU-h "
                         "16-17% low, overlap on two stacks 7-14% low (session 39; "
                         f"{STACKS_TRAINER_PROFILE} has the rate)")
-                differ = {k: (v, fitted[k]) for k, v in mine.items() if k in fitted and fitted[k] != v}
-                if differ:
-                    cost.note_unmodelled(
-                        f"arm.stacks={n_stacks}: the two-engine rate (sharing.mps_engines) was fitted on runs of "
-                        + ", ".join(f"{k}={w}" for k, (_, w) in differ.items()) + ", not "
-                        + ", ".join(f"{k}={v}" for k, (v, _) in differ.items()) + " (sharing.engines_controls)")
+                _note_fitted_elsewhere(cost, n_stacks, mine, fitted, "the two-engine rate (sharing.mps_engines)",
+                                       "sharing.engines_controls")
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         if not cfg.audit.is_full() and not cost.profile.decode.logprob_s_per_seq:
             cost.note_unmodelled(

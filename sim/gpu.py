@@ -54,25 +54,24 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
                       and "engine" in kinds else None)
     if len(kinds) == 2 and set(kinds) == {"engine", "trainer"}:
         rates = [getattr(pair, k) for k in kinds]
-        # Several stacks: the one trainer beside engines at its own fitted rate (a backend of one
-        # stack has none: sim.backend drops it).
-        return rates if stacks_trainer is None else [stacks_trainer if k == "trainer" else r
-                                                     for k, r in zip(kinds, rates)]
-    combined = pair.engine + pair.trainer
-    weights = [getattr(pair, k) for k in kinds]
-    total = sum(weights)
-    rates = [combined * w / total for w in weights]
-    engines = kinds.count("engine")
-    if sharing == "mps" and engines >= 2 and cost.mps_engines is not None:
-        # Engines of several stacks at once: each at the fitted two-engine rate, past two engines
-        # too, slowed beside a trainer as one engine is (pair over alone). Past two it is an
-        # assumption: on the H200 three stacks of 8 jobs (session 37) came out 6-8% low this way,
-        # as the same hour's two-stack runs did (9%); the rule before it, two engines' combined
-        # rate split over all of them, priced them 19-21% low.
-        each = cost.mps_engines
-        if "trainer" in kinds:
-            each *= pair.engine / cost.mps_alone.engine
-        rates = [each if k == "engine" else r for k, r in zip(kinds, rates)]
+    else:
+        combined = pair.engine + pair.trainer
+        weights = [getattr(pair, k) for k in kinds]
+        total = sum(weights)
+        rates = [combined * w / total for w in weights]
+        engines = kinds.count("engine")
+        if sharing == "mps" and engines >= 2 and cost.mps_engines is not None:
+            # Engines of several stacks at once: each at the fitted two-engine rate, past two engines
+            # too, slowed beside a trainer as one engine is (pair over alone). Past two it is an
+            # assumption: on the H200 three stacks of 8 jobs (session 37) came out 6-8% low this way,
+            # as the same hour's two-stack runs did (9%); the rule before it, two engines' combined
+            # rate split over all of them, priced them 19-21% low.
+            each = cost.mps_engines
+            if "trainer" in kinds:
+                each *= pair.engine / cost.mps_alone.engine
+            rates = [each if k == "engine" else r for k, r in zip(kinds, rates)]
+    # Several stacks: the one trainer beside engines at its own fitted rate (a backend of one
+    # stack has none: sim.backend drops it).
     if stacks_trainer is not None:
         rates = [stacks_trainer if k == "trainer" else r for k, r in zip(kinds, rates)]
     return rates

@@ -132,3 +132,18 @@ def run_on_pool(pool, cfg: RunConfig, opts):
     except BaseException:
         pool.close()
         raise
+
+
+def simulate_with_and_without(tmp_path, flag: str, **kw) -> dict:
+    """Two simulated runs of the arm ``kw`` (nodus.simulate.config_from_args' keywords), without and
+    with the arm flag ``flag`` (``lockstep``, ``offset_stacks``), each checked to carry it; their
+    run folders under ``tmp_path`` by the flag's value."""
+    from nodus.simulate import config_from_args, simulate
+
+    runs = {}
+    for on in (False, True):
+        cfg = config_from_args(**kw, **{flag: on or None})
+        assert getattr(cfg.arm, flag) is on
+        runs[on] = tmp_path / f"{flag}-{on}"
+        simulate(cfg, runs[on])
+    return runs

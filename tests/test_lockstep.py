@@ -8,6 +8,7 @@ import pytest
 from experiments import stack_alignment as sa
 from experiments.gpu_arms import parse_arm
 from experiments.gpu_table import arm_label
+from factories import simulate_with_and_without
 from nodus.config import ConfigError, DEFAULT_PROFILE
 from nodus.simulate import config_from_args, simulate
 
@@ -22,13 +23,8 @@ def test_lockstep_needs_shared_sync_on_two_stacks_or_more(kw):
 def test_simulated_lockstep_stacks_train_together(tmp_path):
     # Two stacks of unequal work drift apart free; in lockstep every step's generations start after
     # every stack's publish of the step before.
-    runs = {}
-    for lock in (False, True):
-        cfg = config_from_args(jobs=3, steps=4, policy="shared-sync", sharing="mps", stacks=2, lockstep=lock or None)
-        assert cfg.arm.lockstep is lock
-        out = tmp_path / f"lock{lock}"
-        simulate(cfg, out)
-        runs[lock] = out
+    runs = simulate_with_and_without(tmp_path, "lockstep", jobs=3, steps=4, policy="shared-sync", sharing="mps",
+                                     stacks=2)
     spans = [json.loads(x) for x in (runs[True] / "spans.jsonl").read_text().splitlines()]
     for step in range(1, 4):
         pubs = [s["end_s"] for s in spans if s["phase"] == "publish" and s["attrs"]["version"] == step]

@@ -10,11 +10,11 @@ import pytest
 from experiments import stack_alignment as sa
 from experiments.gpu_arms import parse_arm
 from experiments.gpu_table import arm_label
-from factories import ScriptedBackend
+from factories import ScriptedBackend, simulate_with_and_without
 from nodus.accounting import audit_on_policy
 from nodus.config import ConfigError
 from nodus.scheduler import Scheduler, drive
-from nodus.simulate import config_from_args, simulate
+from nodus.simulate import config_from_args
 
 
 @pytest.mark.parametrize("offset", [False, True])
@@ -58,12 +58,8 @@ def test_offset_stacks_needs_free_shared_sync_on_two_stacks_or_more(kw):
 
 
 def test_simulated_offset_stacks_start_apart(tmp_path):
-    runs = {}
-    for off in (False, True):
-        cfg = config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, offset_stacks=off or None)
-        assert cfg.arm.offset_stacks is off
-        simulate(cfg, tmp_path / f"off{off}")
-        runs[off] = tmp_path / f"off{off}"
+    runs = simulate_with_and_without(tmp_path, "offset_stacks", jobs=4, steps=3, policy="shared-sync",
+                                     sharing="mps", stacks=2)
     spans = [json.loads(x) for x in (runs[True] / "spans.jsonl").read_text().splitlines()]
     first = {st: min(s["start_s"] for s in spans if s["phase"] == "generate" and s["stack"] == st) for st in (0, 1)}
     end0 = max(s["end_s"] for s in spans if s["phase"] == "generate" and s["stack"] == 0 and s["attrs"]["step"] == 0)
