@@ -12,7 +12,10 @@ beside one stack's train and another's generation at once, so they may add up to
 runs of each job count and stack count (three runs or more) it gives the Pearson r of the in-step
 share with each of those, and pools the train actions by what ran beside them: in step (at least
 90% of the action beside another stack's train) against alternating (beside another's generation),
-their mean seconds and the ratio. Writes PREFIX.json and PREFIX.md when --out is given.
+their mean seconds and the ratio. Each run's phase by step: how far each stack's generation of a
+step started from stack 0's, in stack 0's cycles (0: in step; 1/2: one generates while the other
+trains), and the share of steps at least a quarter cycle apart; offset stacks start half a cycle apart
+and may drift back in step. Writes PREFIX.json and PREFIX.md when --out is given.
 """
 
 from __future__ import annotations
@@ -45,16 +48,45 @@ def span(iv) -> float:
     return sum(e - s for s, e in iv)
 
 
+APART = 0.25  # a step's stacks "apart": their generations started at least this share of a cycle apart
+
+
+def phase_by_step(starts: dict[int, dict[int, float]]) -> dict[int, list[float]] | None:
+    """Per stack k > 0, per step both stack 0 and k generated: how far k's generation started from
+    stack 0's, in cycles of stack 0 (its mean time from one generation's start to the next), folded
+    to [0, 1/2] (0: in step, 1/2: half a cycle apart). ``starts``: stack -> step -> its generation's
+    first start. None when stack 0 has fewer than two steps (no cycle) or no step number was recorded."""
+    base = starts.get(0, {})
+    steps = sorted(base)
+    if len(steps) < 2:
+        return None
+    cycle = (base[steps[-1]] - base[steps[0]]) / (steps[-1] - steps[0])
+    if cycle <= 0:
+        return None
+    out = {}
+    for k in sorted(starts):
+        if k == 0:
+            continue
+        ph = [((starts[k][t] - base[t]) / cycle) % 1.0 for t in steps if t in starts[k]]
+        out[k] = [min(p, 1.0 - p) for p in ph]
+    return out
+
+
 def run_alignment(run_dir: str | Path) -> dict:
     """One run's stack alignment. Raises ValueError when the run has not two stacks or more, each
     with train and generate phases."""
     rd = Path(run_dir)
     phases: dict[tuple[int, str], set] = {}
+    gen_starts: dict[int, dict[int, float]] = {}  # stack -> step -> its generation's first start
     with open(rd / "spans.jsonl") as f:
         for line in f:
             d = json.loads(line)
             if d.get("phase") in ("train", "generate") and d.get("stack") is not None:
                 phases.setdefault((int(d["stack"]), d["phase"]), set()).add((d["start_s"], d["end_s"]))
+                step = (d.get("attrs") or {}).get("step")
+                if d["phase"] == "generate" and step is not None:
+                    by_step = gen_starts.setdefault(int(d["stack"]), {})
+                    by_step[step] = min(by_step.get(step, d["start_s"]), d["start_s"])
     stacks = sorted({k[0] for k in phases})
     if len(stacks) < 2 or any((s, p) not in phases for s in stacks for p in ("train", "generate")):
         raise ValueError(f"{rd}: expected two stacks or more, each with train and generate spans; found stacks "
@@ -84,7 +116,10 @@ def run_alignment(run_dir: str | Path) -> dict:
             elif overlap([a], og) >= SIDE_SHARE * d:
                 sides["alternating"].append(d)
     summary = json.loads((rd / "summary.json").read_text())
+    phase = phase_by_step(gen_starts)
+    pooled = [p for ph in (phase or {}).values() for p in ph]
     return {"run": str(rd), "jobs": len(summary.get("per_job") or {}), "stacks": len(stacks),
+            "phase_by_step": phase, "apart_share": sum(p >= APART for p in pooled) / len(pooled) if pooled else None,
             "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
             "train_beside_train": beside_train, "train_beside_generate": beside_gen,
             "train_s": train / n_train, "generate_s": gen / n_gen,
@@ -135,11 +170,20 @@ def correlations(rows: list[dict]) -> dict[tuple[int, int], dict]:
 
 def render(rows: list[dict], corr: dict[int, dict], sides: dict | None = None) -> str:
     lines = ["| run | jobs | stacks | steps/GPU-h | train beside another stack's train | beside another's generation | "
-             "train s | generate s |", "|---|---|---|---|---|---|---|---|"]
+             f"train s | generate s | steps apart (at least {APART:g} cycle) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        apart = r.get("apart_share")
         lines.append(f"| {r['run']} | {r['jobs']} | {r['stacks']} | {r['steps_per_gpu_hour']:.0f} | "
                      f"{r['train_beside_train']:.0%} | "
-                     f"{r['train_beside_generate']:.0%} | {r['train_s']:.3f} | {r['generate_s']:.3f} |")
+                     f"{r['train_beside_generate']:.0%} | {r['train_s']:.3f} | {r['generate_s']:.3f} | "
+                     f"{'-' if apart is None else f'{apart:.0%}'} |")
+    phased = [r for r in rows if r.get("phase_by_step")]
+    if phased:
+        lines += ["", "Phase by step: how far each stack's generation started from stack 0's, in stack 0's cycles "
+                  "(0.00: in step, 0.50: half a cycle apart):", ""]
+        for r in phased:
+            for k, ph in r["phase_by_step"].items():
+                lines.append(f"- {r['run']}, stack {k}: " + " ".join(f"{p:.2f}" for p in ph))
     if corr:
         def fmt(v: float | None) -> str:
             return "-" if v is None else f"{v:+.2f}"

@@ -98,3 +98,43 @@ def test_train_actions_by_what_ran_beside_them(tmp_path):
     assert sides["in_step_over_alternating"] == pytest.approx(2.05)
     text = sa.render([r], {}, sa.train_by_side([r]))
     assert "| 2 | 2 | 1 | 2 at 2.050 s | 1 at 1.000 s | 2.05x |" in text
+
+
+def _write_stepped(path, gens):
+    """gens: (stack, step, start) generations of 1 s each; each followed by a 0.5 s train."""
+    path.mkdir(parents=True)
+    with open(path / "spans.jsonl", "w") as f:
+        for stack, step, start in gens:
+            f.write(json.dumps({"stack": stack, "phase": "generate", "start_s": start, "end_s": start + 1.0,
+                                "job": f"job{stack}", "attrs": {"step": step}}) + "\n")
+            f.write(json.dumps({"stack": stack, "phase": "train", "start_s": start + 1.0, "end_s": start + 1.5,
+                                "job": f"job{stack}", "attrs": {"step": step}}) + "\n")
+    (path / "summary.json").write_text(json.dumps({"steps_per_gpu_hour": 1.0, "per_job": {"job0": {}, "job1": {}}}))
+    return path
+
+
+def test_phase_by_step_folds_the_lag_into_cycles(tmp_path):
+    # Stack 0 starts a step every 2 s. Stack 1 starts half a cycle later, then drifts by 0.5 s a step:
+    # lags 1.0, 1.5, 2.0 (a whole cycle: in step again), 2.5 -> 0.5, 0.75 -> 0.25, 0.0, 0.25 cycles.
+    gens = [(0, t, 2.0 * t) for t in range(4)] + [(1, t, 2.0 * t + 1.0 + 0.5 * t) for t in range(4)]
+    r = sa.run_alignment(_write_stepped(tmp_path / "drift", gens))
+    assert r["phase_by_step"][1] == pytest.approx([0.5, 0.25, 0.0, 0.25])
+    assert r["apart_share"] == pytest.approx(3 / 4)  # at least a quarter cycle apart: three steps of four
+    text = sa.render([r], {})
+    assert "stack 1: 0.50 0.25 0.00 0.25" in text and "| 75% |" in text
+
+
+def test_phase_by_step_needs_step_numbers(tmp_path):
+    rd = _write_run(tmp_path / "nostep", [(0, "generate", 0, 2), (0, "train", 2, 4), (1, "generate", 0, 3),
+                                          (1, "train", 3, 5)])
+    r = sa.run_alignment(rd)
+    assert r["phase_by_step"] is None and r["apart_share"] is None
+    assert sa.phase_by_step({0: {0: 0.0}, 1: {0: 1.0}}) is None  # one step of stack 0: no cycle
+
+
+def test_simulated_offset_stacks_start_half_a_cycle_apart(tmp_path):
+    out = tmp_path / "off"
+    simulate(config_from_args(jobs=4, steps=4, policy="shared-sync", sharing="mps", seed=1, stacks=2,
+                              offset_stacks=True), out=out)
+    r = sa.run_alignment(out)
+    assert r["phase_by_step"][1][0] >= sa.APART  # the second stack's first generation follows the first's
