@@ -1,0 +1,177 @@
+"""Cut what a device call carries into parts that fit beside the working tree.
+
+A device call carries the tracked tree (and untracked files git does not ignore) plus the paths it
+names, 64 MiB in all, counted as the files take on disk. The vLLM bundle (about 115 MiB) and a
+compile cache (about 11 MB) travel in parts, one a call, back to back on a warm machine:
+
+    python experiments/device_parts.py bundle            # re-split .device/vllm-* into parts that fit
+    python experiments/device_parts.py cache FILE.tgz    # .device/cache-1 .. -N, each with its stage.sh
+    python experiments/device_parts.py headroom          # what one part may weigh now
+
+``bundle`` keeps the bundle's bytes and order (the parts of .device/vllm-1, -2, ... concatenated) and
+writes .device/vllm-1 .. -N again, each with the shared stage.sh and the last with ``.last``; stage
+them as before (``bash .device/vllm-K/stage.sh``, carry ``[".device/vllm-K"]``). ``cache`` writes
+.device/cache-1 .. -N: carry each in turn with ``bash .device/cache-K/stage.sh``; the last unpacks the
+cache into ~/.cache on the machine, where ``device_session.sh`` finds it and restores nothing more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+MIB = 1 << 20
+LIMIT = 64 * MIB  # what one device call may carry with the tree
+MARGIN = MIB // 4  # for .device_commit and the part's own folder and script
+
+CACHE_STAGE = """#!/bin/bash
+# Runs on the device machine: gathers this call's piece of a vLLM compile cache; once every piece is
+# there, unpacks the cache into ~/.cache (device_session.sh then finds it and restores nothing).
+set -euo pipefail
+me=$(cd "$(dirname "$0")" && pwd)
+store=/root/nodus-cache-in
+mkdir -p "$store"
+cp "$me"/piece_* "$store/"
+[ -f "$me/.last" ] && cp "$me/.last" "$store/.last"
+if [ ! -f "$store/.last" ] || [ "$(ls "$store"/piece_* | wc -l)" -lt "$(cat "$store/.last")" ]; then
+  echo "staged $(ls "$store"/piece_* | wc -l) cache piece(s); carry the next one in the next call (within 30 s)"; exit 0
+fi
+mkdir -p ~/.cache
+cat "$store"/piece_* | tar xz -C ~/.cache
+ls -d ~/.cache/vllm/torch_compile_cache > /dev/null && echo "vLLM compile cache unpacked into ~/.cache"
+"""
+
+
+def tree_bytes_on_disk(root: Path) -> int:
+    """Bytes on disk of the files a device call carries from ``root``: tracked, and untracked ones
+    git does not ignore."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         check=True, capture_output=True).stdout
+    total = 0
+    for name in filter(None, out.decode().split("\0")):
+        try:
+            total += os.lstat(root / name).st_blocks * 512
+        except FileNotFoundError:  # deleted in the work tree, not yet in the index
+            continue
+    return total
+
+
+def part_bytes(tree_bytes: int, limit: int = LIMIT, margin: int = MARGIN) -> int:
+    """The largest whole MiB a part may weigh beside a tree of ``tree_bytes`` on disk."""
+    room = (limit - tree_bytes - margin) // MIB * MIB
+    if room < MIB:
+        raise SystemExit(f"device_parts: the tree takes {tree_bytes / MIB:.1f} MiB on disk, leaving "
+                         f"{(limit - tree_bytes) / MIB:.2f} MiB of the {limit / MIB:.0f} MiB a call carries: "
+                         "no part of 1 MiB fits; move files out of the tree first")
+    return room
+
+
+def split(data_files: list[Path], out_root: Path, name: str, size: int, prefix: str,
+          stage: str | Path) -> list[Path]:
+    """Concatenate ``data_files`` in order and write ``out_root/<name>-1 .. -N``, each one part of at most
+    ``size`` bytes named ``<prefix>NN`` (numbered across all parts, so a glob sorts them) with the stage
+    script beside it; the last folder gets ``.last`` holding N. Earlier ``<name>-*`` folders are
+    replaced only once every new part is written."""
+    tmp = out_root / f".{name}-split"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    n = 0
+    buf = b""
+
+    def flush(chunk: bytes) -> None:
+        nonlocal n
+        n += 1
+        d = tmp / f"{name}-{n}"
+        d.mkdir()
+        (d / f"{prefix}{n - 1:02d}").write_bytes(chunk)
+
+    for f in data_files:
+        with open(f, "rb") as fh:
+            while block := fh.read(size):
+                buf += block
+                while len(buf) >= size:
+                    flush(buf[:size])
+                    buf = buf[size:]
+    if buf:
+        flush(buf)
+    if n == 0:
+        shutil.rmtree(tmp)
+        raise SystemExit(f"device_parts: nothing to split ({', '.join(map(str, data_files)) or 'no files'})")
+    if n > 100:
+        shutil.rmtree(tmp)
+        raise SystemExit(f"device_parts: {n} parts of {size / MIB:.0f} MiB; the names hold 100 at most")
+    for k in range(1, n + 1):
+        d = tmp / f"{name}-{k}"
+        if isinstance(stage, Path):
+            shutil.copy(stage, d / "stage.sh")
+        else:
+            (d / "stage.sh").write_text(stage)
+        (d / "stage.sh").chmod(0o755)
+    (tmp / f"{name}-{n}" / ".last").write_text(f"{n}\n")
+    for old in out_root.glob(f"{name}-*"):
+        shutil.rmtree(old)
+    dirs = []
+    for k in range(1, n + 1):
+        dst = out_root / f"{name}-{k}"
+        (tmp / f"{name}-{k}").rename(dst)
+        dirs.append(dst)
+    tmp.rmdir()
+    return dirs
+
+
+def bundle_parts(device: Path) -> list[Path]:
+    """The bundle's part files in order: the folders .device/vllm-1, -2, ... by number, each one's
+    part_* by name."""
+    dirs = sorted(device.glob("vllm-*"), key=lambda d: int(d.name.split("-")[1]))
+    files = [f for d in dirs for f in sorted(d.glob("part_*"))]
+    if not files:
+        raise SystemExit(f"device_parts: no bundle parts under {device}/vllm-* (build it with "
+                         "../shared/device/build_vllm_bundle.sh)")
+    return files
+
+
+def main(argv: list[str] | None = None) -> list[Path] | int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("bundle", "cache", "headroom"))
+    ap.add_argument("file", nargs="?", type=Path, help="cache: the compile cache (vllm-cache.tgz) a call sent back")
+    ap.add_argument("--root", type=Path, default=Path("."), help="the project's checkout (default: here)")
+    ap.add_argument("--part-mib", type=int, default=None, help="a part's size; default: the most that fits")
+    ap.add_argument("--stage", type=Path, default=Path("../shared/device/stage.sh"),
+                    help="bundle: the stage script each part carries")
+    a = ap.parse_args(argv)
+    root = a.root.resolve()
+    tree = tree_bytes_on_disk(root)
+    size = a.part_mib * MIB if a.part_mib else min(part_bytes(tree), 48 * MIB)
+    if a.part_mib and tree + size + MARGIN > LIMIT:
+        raise SystemExit(f"device_parts: a {a.part_mib} MiB part beside the tree ({tree / MIB:.1f} MiB on disk) "
+                         f"is over the {LIMIT // MIB} MiB a call carries")
+    if a.what == "headroom":
+        print(f"tree {tree / MIB:.1f} MiB on disk; a part may weigh {size // MIB} MiB")
+        return size // MIB
+    device = root / ".device"
+    if a.what == "bundle":
+        if not a.stage.is_file():
+            raise SystemExit(f"device_parts: no stage script at {a.stage}")
+        files = bundle_parts(device)
+        data = b"".join(f.read_bytes() for f in files)  # the bundle leaves its old folders only once
+        whole = device / ".bundle-whole"
+        whole.write_bytes(data)
+        try:
+            dirs = split([whole], device, "vllm", size, "part_", a.stage)
+        finally:
+            whole.unlink()
+    else:
+        if a.file is None or not a.file.is_file():
+            raise SystemExit(f"device_parts: cache needs the compile cache file a call sent back; got {a.file}")
+        dirs = split([a.file], device, "cache", size, "piece_", CACHE_STAGE)
+    print(f"{len(dirs)} part(s) of at most {size // MIB} MiB beside a tree of {tree / MIB:.1f} MiB on disk: "
+          f"carry .device/{dirs[0].name.rsplit('-', 1)[0]}-1 .. -{len(dirs)}, one a call, "
+          f"each command starting with: bash .device/{dirs[0].name.rsplit('-', 1)[0]}-K/stage.sh")
+    return dirs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""experiments/device_parts.py: parts that fit beside the tree in one device call."""
+
+import os
+import subprocess
+
+import pytest
+
+from experiments import device_parts as dp
+
+
+def _repo(tmp_path, tracked_bytes=3 * dp.MIB):
+    root = tmp_path / "repo"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / ".gitignore").write_text("/.device/\n")
+    (root / "big.bin").write_bytes(os.urandom(tracked_bytes))
+    subprocess.run(["git", "-C", str(root), "add", "-A"], check=True)
+    return root
+
+
+def test_part_bytes_fills_the_room_in_whole_mib():
+    assert dp.part_bytes(50 * dp.MIB) == 13 * dp.MIB  # 14 MiB left, less the margin, rounded down
+    assert dp.part_bytes(int(57.4 * dp.MIB)) == 6 * dp.MIB
+    with pytest.raises(SystemExit, match="leaving 0.50 MiB .* no part of 1 MiB fits"):
+        dp.part_bytes(int(63.5 * dp.MIB))
+
+
+def test_tree_counts_tracked_and_untracked_not_ignored(tmp_path):
+    root = _repo(tmp_path)
+    base = dp.tree_bytes_on_disk(root)
+    assert base >= 3 * dp.MIB
+    (root / ".device").mkdir()
+    (root / ".device" / "x").write_bytes(b"0" * dp.MIB)  # ignored: not carried with the tree
+    assert dp.tree_bytes_on_disk(root) == base
+    (root / "new.txt").write_bytes(b"0" * dp.MIB)  # untracked, not ignored: carried
+    assert dp.tree_bytes_on_disk(root) >= base + dp.MIB
+
+
+def test_bundle_resplit_keeps_the_bytes_in_order(tmp_path):
+    root = _repo(tmp_path)
+    stage = tmp_path / "stage.sh"
+    stage.write_text("#!/bin/bash\necho staged\n")
+    data = os.urandom(5 * dp.MIB + 123)
+    for k, (a, b) in enumerate([(0, 3 * dp.MIB), (3 * dp.MIB, len(data))], 1):  # two old parts
+        d = root / ".device" / f"vllm-{k}"
+        d.mkdir(parents=True)
+        (d / f"part_{k - 1}").write_bytes(data[a:b])
+    dirs = dp.main(["bundle", "--root", str(root), "--part-mib", "2", "--stage", str(stage)])
+    assert [d.name for d in dirs] == ["vllm-1", "vllm-2", "vllm-3"]
+    parts = [f for d in dirs for f in sorted(d.glob("part_*"))]
+    assert [p.name for p in parts] == ["part_00", "part_01", "part_02"]
+    assert b"".join(p.read_bytes() for p in parts) == data
+    assert all((d / "stage.sh").read_text() == stage.read_text() for d in dirs)
+    assert (dirs[-1] / ".last").read_text().strip() == "3" and not (dirs[0] / ".last").exists()
+    assert sorted(p.name for p in (root / ".device").iterdir()) == ["vllm-1", "vllm-2", "vllm-3"]
+
+
+def test_cache_pieces_unpack_on_the_machine(tmp_path):
+    root = _repo(tmp_path)
+    src = tmp_path / "home" / ".cache" / "vllm" / "torch_compile_cache"
+    src.mkdir(parents=True)
+    (src / "blob").write_bytes(os.urandom(int(2.5 * dp.MIB)))
+    tgz = tmp_path / "vllm-cache.tgz"
+    subprocess.run(["tar", "czf", str(tgz), "-C", str(tmp_path / "home" / ".cache"), "vllm"], check=True)
+    dirs = dp.main(["cache", str(tgz), "--root", str(root), "--part-mib", "1"])
+    assert len(dirs) == 3 and [d.name for d in dirs] == ["cache-1", "cache-2", "cache-3"]
+    assert b"".join(f.read_bytes() for d in dirs for f in sorted(d.glob("piece_*"))) == tgz.read_bytes()
+    # The stage scripts on a stand-in machine: HOME and the store moved under tmp_path.
+    home = tmp_path / "machine"
+    home.mkdir()
+    for k, d in enumerate(dirs, 1):
+        script = (d / "stage.sh").read_text().replace("/root/nodus-cache-in", str(home / "cache-in"))
+        (d / "stage.sh").write_text(script)
+        out = subprocess.run(["bash", str(d / "stage.sh")], capture_output=True, text=True, check=True,
+                             env={**os.environ, "HOME": str(home)}).stdout
+        assert ("unpacked" in out) == (k == 3)
+    assert (home / ".cache" / "vllm" / "torch_compile_cache" / "blob").read_bytes() == (src / "blob").read_bytes()
+
+
+def test_bad_input_is_named(tmp_path):
+    root = _repo(tmp_path)
+    with pytest.raises(SystemExit, match="no bundle parts under"):
+        dp.main(["bundle", "--root", str(root), "--part-mib", "2", "--stage", __file__])
+    with pytest.raises(SystemExit, match="cache needs the compile cache file"):
+        dp.main(["cache", str(tmp_path / "missing.tgz"), "--root", str(root), "--part-mib", "1"])
+    with pytest.raises(SystemExit, match="a 62 MiB part beside the tree .* is over the 64 MiB"):
+        dp.main(["headroom", "--root", str(root), "--part-mib", "62"])
