@@ -83,7 +83,8 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> lis
         packing = build_config(replay, f"{rd}/config.json").trainer_packing()
         out.append({"run": str(rd), "spans_sha256": digest, "cfg": replay, "measured": meas["steps_per_gpu_hour"],
                     "settings": stacks_run_settings(arm.get("policy"), stacks_of(arm), packing, controls,
-                                                    bool(arm.get("lockstep")), bool(arm.get("offset_stacks")))})
+                                                    bool(arm.get("lockstep")), bool(arm.get("offset_stacks")),
+                                                    arm.get("hold_apart") or 0.0)})
     keys = sorted({k for r in out for k in r["settings"]})
     mixed = [k for k in keys if len({r["settings"].get(k) for r in out}) > 1]
     if mixed:

@@ -284,13 +284,14 @@ def stacks_fit_run(prof: dict, run: str | Path) -> bool:
 
 
 def stacks_run_settings(policy: str | None, stacks: int, packing: int | None, controls: dict,
-                        lockstep: bool = False, offset_stacks: bool = False) -> dict:
+                        lockstep: bool = False, offset_stacks: bool = False, hold_apart: float = 0.0) -> dict:
     """What a stacks run's two-engine rate depends on beyond a profile's terms, flat: its policy,
     packing (``packing``: as its trainer ran it, ``RunConfig.trainer_packing``), engine and trainer
     CPU thread caps, and its MPS settings (``mps.<name>``) as a run of ``stacks`` stacks uses them:
     the trainer's priority counts, another stack's generation running beside a train step even
     under shared-sync; ``lockstep: True`` for stacks held in step (arm.lockstep) and
-    ``offset_stacks: True`` for stacks started out of step (arm.offset_stacks). `nodus
+    ``offset_stacks: True`` for stacks started out of step (arm.offset_stacks), ``hold_apart`` for
+    stacks then held apart (arm.hold_apart). `nodus
     fit-stacks` records them (``sharing.engines_controls``) and ``unmodelled_controls`` compares a
     run's with them."""
     out = {"policy": policy, "share_prompts": packing,
@@ -301,6 +302,8 @@ def stacks_run_settings(policy: str | None, stacks: int, packing: int | None, co
         out["lockstep"] = True
     if offset_stacks:  # arm.offset_stacks; absent: the stacks started together
         out["offset_stacks"] = True
+    if hold_apart:  # arm.hold_apart; absent: left to drift
+        out["hold_apart"] = hold_apart
     return out
 
 
@@ -1094,11 +1097,11 @@ def config_key(row: dict) -> tuple:
     """Runs of one configuration: the same arm, job count, trainer micro-batch size, packing of
     each prompt's responses (trainer.share_prompts), publish wait, audit (full and ``:r1`` runs are
     two configurations, also where the profile prices the audit) and MPS settings (seeds and repeats
-    differ). Stacks held in lockstep (arm.lockstep) or started out of step (arm.offset_stacks) are
-    other configurations than free ones."""
+    differ). Stacks held in lockstep (arm.lockstep), started out of step (arm.offset_stacks) or held
+    apart (arm.hold_apart) are other configurations than free ones."""
     arm = row["arm"] or {}
     return (arm.get("policy"), arm.get("groups"), arm.get("sharing"), stacks_of(arm), bool(arm.get("lockstep")),
-            bool(arm.get("offset_stacks")), row["jobs"],
+            bool(arm.get("offset_stacks")), arm.get("hold_apart") or 0.0, row["jobs"],
             row.get("mb_tokens"), _packed(row), trainer_freed(arm), row.get("audit") or "",
             tuple(sorted(_config_controls(row).items())))
 
@@ -1116,9 +1119,11 @@ def _config_controls(row: dict) -> dict:
 
 def _stacks_text(arm: dict) -> str:
     """' stacks=2' for an arm on engine + trainer stacks (arm.stacks), then ' lockstep' (arm.lockstep)
-    or ' offset' (arm.offset_stacks) for how they were started and held; '' for one stack."""
+    or ' offset' (arm.offset_stacks, with ' hold=0.5' for arm.hold_apart) for how they were started and
+    held; '' for one stack."""
     return ((f" stacks={arm['stacks']}" if stacks_of(arm) > 1 else "")
-            + (" lockstep" if arm.get("lockstep") else "") + (" offset" if arm.get("offset_stacks") else ""))
+            + (" lockstep" if arm.get("lockstep") else "") + (" offset" if arm.get("offset_stacks") else "")
+            + (f" hold={arm['hold_apart']:g}" if arm.get("hold_apart") else ""))
 
 
 def config_label(row: dict) -> str:

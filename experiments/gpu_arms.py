@@ -169,7 +169,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, and `np`, the
     engine's adapter loads into pageable host memory (settings of the run loop only: no process
     restarts). `kN` (arm.stacks), `lock` (arm.lockstep: a shared-sync kN arm's stacks in lockstep), `off`
-    (arm.offset_stacks: a shared-sync kN arm's stacks started out of step) and
+    (arm.offset_stacks: a shared-sync kN arm's stacks started out of step), `holdF` (arm.hold_apart:
+    offset stacks held apart, F in hundredths of a cycle, hold50: exactly out of step; sets off) and
     `spK` (trainer.share_prompts) are the run config's, carried in the same dict, as is `lsN`: a kN
     arm's engine adapter slots (each stack's engine), in place of one per job of a stack, so that
     arms of several job counts run on one engine (one cluster start)."""
@@ -205,6 +206,10 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
         elif o == "off":
             # The run config's arm.offset_stacks (shared-sync on kN): stack k starts when stack k-1's
             # first generation ends. A schedule of the run, not a process setting.
+            trainer["offset_stacks"] = True
+        elif re.fullmatch(r"hold[1-9][0-9]?", o) and int(o[4:]) <= 50:
+            # The run config's arm.hold_apart (in hundredths of a cycle), with the offset start it needs.
+            trainer["hold_apart"] = int(o[4:]) / 100
             trainer["offset_stacks"] = True
         elif re.fullmatch(r"ls[1-9][0-9]*", o):
             # A kN arm's engine adapter slots (vLLM max_loras of each stack's engine), in place of
@@ -244,7 +249,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "never), rK (the first K responses of each prompt audited), np (published adapters "
                              "loaded unpinned), kN (N engine + trainer stacks splitting the jobs), lock (a kN "
                              "shared-sync arm's stacks in lockstep), off (a kN shared-sync arm's stacks started out "
-                             "of step), lsN (a kN "
+                             "of step), holdF (off, the stacks then held F hundredths of a cycle apart, 1-50), "
+                             "lsN (a kN "
                              "arm's engine adapter slots, in place of one per job of a stack) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
     sync_stacks = trainer.get("stacks", 1) >= 2 and ARMS[name][0] == "shared-sync"  # what lock and off need
@@ -252,8 +258,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
         raise SystemExit(f"--arms {text!r}: lock holds each stack's generation for the other stacks' publishes: "
                          "a shared-sync arm on kN stacks (N >= 2) only")
     if trainer.get("offset_stacks") and (not sync_stacks or trainer.get("lockstep")):
-        raise SystemExit(f"--arms {text!r}: off starts each stack when the one before has generated: a shared-sync "
-                         "arm on kN stacks (N >= 2) only, and not with lock")
+        raise SystemExit(f"--arms {text!r}: off starts each stack when the one before has generated (holdF "
+                         "too): a shared-sync arm on kN stacks (N >= 2) only, and not with lock")
     if "engine_slots" in trainer and trainer.get("stacks", 1) < 2:
         # Before any run: an arm on one engine takes the pool's slots, which every arm shares.
         raise SystemExit(f"--arms {text!r}: ls{trainer['engine_slots']} sets a kN arm's engine adapter slots; "
@@ -603,8 +609,10 @@ def main() -> None:
             arm_slots = arm_trainer.get("engine_slots")  # lsN: a kN arm's engine slots (parse_arm: kN only)
             arm_lock = arm_trainer.get("lockstep")  # lock: the run config's arm.lockstep
             arm_off = arm_trainer.get("offset_stacks")  # off: the run config's arm.offset_stacks
+            arm_hold = arm_trainer.get("hold_apart")  # holdF: the run config's arm.hold_apart
             arm_trainer = {k: v for k, v in arm_trainer.items()
-                           if k not in ("share_prompts", "stacks", "engine_slots", "lockstep", "offset_stacks")}
+                           if k not in ("share_prompts", "stacks", "engine_slots", "lockstep", "offset_stacks",
+                                        "hold_apart")}
             try:
                 # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.
                 arm_opts = dataclasses.replace(opts, **arm_trainer)
@@ -632,7 +640,7 @@ def main() -> None:
                 mb = args.aa_mb_tokens if rep else arm_mb
                 cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                                        steps=args.steps, seed=seed, stacks=stacks if stacks > 1 else None,
-                                       lockstep=arm_lock, offset_stacks=arm_off)
+                                       lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold)
                 cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
                 cfg, _ = with_audit(cfg, arm_opts)  # the arm's audit (:aN, :rK, --audit-*) in its recorded config
                 own_jobs = n
@@ -677,6 +685,7 @@ def main() -> None:
                 variant += f"-k{stacks}" if stacks > 1 else ""  # engine + trainer stacks splitting the jobs
                 variant += "-lock" if arm_lock else ""  # the stacks in lockstep (arm.lockstep)
                 variant += "-off" if arm_off else ""  # the stacks started out of step (arm.offset_stacks)
+                variant += f"-hold{round(arm_hold * 100)}" if arm_hold else ""  # then held apart (arm.hold_apart)
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"

@@ -125,7 +125,8 @@ def baseline_flags(present: set, flags: frozenset, jobs: int, stacks: int = 1) -
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups (/k<N>: N engine + trainer stacks, arm.stacks; +lock: in lockstep,
-    arm.lockstep; +off: started out of step, arm.offset_stacks), plus the settings a run
+    arm.lockstep; +off: started out of step, arm.offset_stacks; +hold<F>: then held F hundredths of a
+    cycle apart, arm.hold_apart), plus the settings a run
     changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
@@ -151,6 +152,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
             label += "+lock"  # the stacks in lockstep (arm.lockstep)
         if arm.get("offset_stacks"):
             label += "+off"  # the stacks started out of step (arm.offset_stacks)
+        if arm.get("hold_apart"):
+            label += f"+hold{round(arm['hold_apart'] * 100)}"  # then held apart (arm.hold_apart)
     run = run_controls(summary or {})
     if trainer_freed(arm):
         label += "+freed"

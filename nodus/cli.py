@@ -31,6 +31,10 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offset-stacks", action="store_true", default=None,
                    help="shared-sync on --stacks N >= 2: stack k > 0 starts when stack k-1's first generation "
                         "ends, generating while it trains; then each goes at its own pace (arm.offset_stacks)")
+    p.add_argument("--hold-apart", type=float, metavar="F", default=None,
+                   help="offset stacks held apart (sets --offset-stacks): a stack's next generation waits until "
+                        "it starts F of its cycle after another stack's latest start, times 2 / stacks (0.5: "
+                        "exactly out of step; arm.hold_apart, 0 < F <= 0.5)")
     p.add_argument("--steps", type=int, help="optimizer steps per job (default 20)")
     p.add_argument("--seed", type=int, help="run seed (default 1)")
     p.add_argument("--share-prompts", type=int, metavar="K",
@@ -118,7 +122,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     cfg = config_from_args(data, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
-                           offset_stacks=a.offset_stacks)
+                           offset_stacks=a.offset_stacks, hold_apart=a.hold_apart)
     if a.profile is None and "profile" not in (data or {}) and (cfg.arm.stacks or 1) > 1 \
             and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice":
         # No profile chosen: stacks under MPS get the shipped profile with a two-engine rate.
@@ -173,7 +177,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
-                           offset_stacks=a.offset_stacks)
+                           offset_stacks=a.offset_stacks, hold_apart=a.hold_apart)
     cfg = default_packing(cfg, a.trainer_graphs if a.backend == "real" else profile_graphed(cfg.profile))
     cfg = audit_from_args(cfg, a)
     opts = None

@@ -148,6 +148,13 @@ class ArmSpec(_Model):
     # beside the other stack's generation took 0.92 s, one beside its train 1.19 s
     # (experiments/stack_alignment.py). False: every stack starts at once.
     offset_stacks: bool = False
+    # Offset stacks held apart: a stack's next generation waits until it starts this share of its
+    # cycle (its mean time from one generation's start to the next) after another stack's latest
+    # generation start, and as long before the next one already set (0.5 with two stacks: exactly
+    # out of step; with n stacks the share is of the cycle's n-th part, doubled). Measured on the H200
+    # (session 40), offset stacks left to themselves fell in step within seven steps of a 20-step run.
+    # Needs offset_stacks (the start). 0: not held.
+    hold_apart: float = Field(default=0.0, ge=0.0, le=0.5)
 
 
 def trainer_freed(arm: dict) -> bool:
@@ -405,10 +412,17 @@ class RunConfig(_Model):
             raise ValueError(f"arm.lockstep with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: lockstep "
                              "holds each stack's generation for the other stacks' publishes; it needs policy "
                              "'shared-sync' on arm.stacks >= 2")
+        if self.arm.hold_apart and not sync_stacks:
+            raise ValueError(f"arm.hold_apart with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: it "
+                             "holds stacks apart; it needs policy 'shared-sync' on arm.stacks >= 2")
         if self.arm.offset_stacks and not sync_stacks:
             raise ValueError(f"arm.offset_stacks with arm.stacks={self.arm.stacks} and policy={self.arm.policy!r}: it "
                              "starts each stack when the one before has generated; it needs policy 'shared-sync' "
                              "on arm.stacks >= 2")
+        if self.arm.hold_apart and not self.arm.offset_stacks:
+            raise ValueError(f"arm.hold_apart={self.arm.hold_apart} without arm.offset_stacks: it holds apart stacks "
+                             "that offset_stacks started apart; set offset_stacks: true too (nodus sim/run "
+                             "--hold-apart sets both)")
         if self.arm.offset_stacks and self.arm.lockstep:
             raise ValueError("arm.offset_stacks with arm.lockstep: lockstep holds the stacks in step, "
                              "offset_stacks starts them out of step; choose one")

@@ -42,6 +42,8 @@ class Generate:
     group: int
     stack: int  # engine/trainer pair to use; 0 unless policy is timeslice
     requests: tuple[RolloutRequest, ...]
+    # Start no earlier than this time of the backend's clock (arm.hold_apart); None: at once.
+    not_before_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
             groups = [(s, g) for s, gs in enumerate(per_stack) for g in gs]
         return Scheduler(steps, groups, concurrent=True, stagger=policy == "overlap", start_versions=sv,
                          trainer_waits_for_publish=waits, merge_trains=policy == "continuous",
-                         lockstep=cfg.arm.lockstep, offset_stacks=cfg.arm.offset_stacks)
+                         lockstep=cfg.arm.lockstep, offset_stacks=cfg.arm.offset_stacks,
+                         hold_apart=cfg.arm.hold_apart)
     if policy in ("shared-sync", "dedicated"):
         return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv, trainer_waits_for_publish=waits)
     if policy == "overlap":
@@ -194,7 +195,8 @@ def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
                       **({"stacks": cfg.arm.stacks, "stack_jobs": [len(ids) for ids in stack_jobs(cfg)]}
                          if cfg.arm.stacks > 1 else {}),
                       **({"lockstep": True} if cfg.arm.lockstep else {}),
-                      **({"offset_stacks": True} if cfg.arm.offset_stacks else {})}
+                      **({"offset_stacks": True} if cfg.arm.offset_stacks else {}),
+                      **({"hold_apart": cfg.arm.hold_apart} if cfg.arm.hold_apart else {})}
     # Flat copies of the arm, the layout `nodus compare` reads.
     summary.update(policy=cfg.arm.policy, groups=cfg.arm.groups, sharing=cfg.arm.sharing)
     summary["jobs"] = len(cfg.jobs)

@@ -74,6 +74,10 @@ class Scheduler:
     # Stacks started out of step: stack k > 0 starts when stack k-1's first generation ends (it
     # generates while stack k-1 trains); after that each stack goes at its own pace.
     offset_stacks: bool = False
+    # Stacks held apart (RunConfig arm.hold_apart): a stack's next Generate carries a not-before time
+    # that keeps its start this share of its cycle (times 2 / stacks) from every other stack's latest
+    # start (_hold_until). 0: never held.
+    hold_apart: float = 0.0
     start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
     spans: list[Span] = field(default_factory=list)
 
@@ -96,6 +100,9 @@ class Scheduler:
             self._train_queue.setdefault(g.stack, deque())
         self._next_id = 0
         self._holding: list[_Group] = []  # lockstep: groups published, waiting for the other stacks
+        self._now = 0.0  # the backend's clock as the latest result told it
+        self._starts: dict[int, list[float]] = {}  # stack -> when each of its Generates was set to start
+        self._held_s: dict[str, float] = {}  # Generate action id -> seconds it was held (hold_apart)
 
     # -- public interface -------------------------------------------------------------------
     def start(self) -> list[Action]:
@@ -132,6 +139,7 @@ class Scheduler:
             groups, action = self._inflight.pop(result.action_id)
         except KeyError:
             raise SchedulerError(f"result for unknown action {result.action_id!r}") from None
+        self._now = max(self._now, result.end_s)
         if isinstance(result, GenerateDone):
             return self._on_generated(groups[0], action, result)
         if isinstance(result, TrainDone):
@@ -148,7 +156,7 @@ class Scheduler:
         self._next_id += 1
         return f"{kind}-{self._next_id}"
 
-    def _generate(self, g: _Group) -> list[Action]:
+    def _generate(self, g: _Group, not_before: float | None = None) -> list[Action]:
         active = [self.jobs[j] for j in g.jobs if self.jobs[j].active]
         if not active:
             g.state = "done"
@@ -160,7 +168,10 @@ class Scheduler:
                     f"job {job.id}: engine serves version {job.published} but the current adapter is "
                     f"version {job.version}; refusing to sample")
             reqs.append(RolloutRequest(job.id, step=job.version, adapter_version=job.version))
-        a = Generate(self._id("gen"), g.index, g.stack, tuple(reqs))
+        a = Generate(self._id("gen"), g.index, g.stack, tuple(reqs), not_before)
+        self._starts.setdefault(g.stack, []).append(self._now if not_before is None else not_before)
+        if not_before is not None:
+            self._held_s[a.action_id] = not_before - self._now
         g.state = "generating"
         self._inflight[a.action_id] = ([g], a)
         return [a]
@@ -179,7 +190,9 @@ class Scheduler:
             self.spans.append(Span(ro.job_id, g.index, "generate", ro.start_s, ro.end_s, g.stack, {
                 "step": ro.step, "adapter_version": ro.adapter_version, "n_sequences": ro.n_sequences,
                 "prompt_tokens": ro.prompt_tokens, "response_tokens": list(ro.response_tokens),
-                "mean_reward": ro.mean_reward}))
+                "mean_reward": ro.mean_reward,
+                **({"held_s": round(self._held_s[a.action_id], 6)} if a.action_id in self._held_s else {})}))
+        self._held_s.pop(a.action_id, None)
         g.rollouts = r.rollouts
         g.generations += 1
         g.state = "queued"
@@ -268,7 +281,7 @@ class Scheduler:
         """The groups' next Generate; in lockstep, held until no group of any stack is mid-step,
         then every held group's at once."""
         if not self.lockstep:
-            return [x for g in groups for x in self._generate(g)]
+            return [x for g in groups for x in self._generate(g, self._hold_until(g.stack))]
         for g in groups:
             g.state = "holding"
         self._holding += groups
@@ -276,6 +289,27 @@ class Scheduler:
             return []
         held, self._holding = self._holding, []
         return [x for g in held for x in self._generate(g)]
+
+    def _hold_until(self, stack: int) -> float | None:
+        """hold_apart: when the stack's next generation may start, or None for now. Its cycle is the
+        mean time between its last (up to four) generation starts; the gap is hold_apart x cycle x 2 /
+        stacks (half a cycle with two stacks at 0.5). A start within the gap of another stack's latest
+        start (past, or set in the future by its own hold) moves to that start plus the gap, until no
+        other stack's start is that close. Before a stack has started twice (no cycle) it is not held."""
+        own = self._starts.get(stack, [])
+        if self.hold_apart <= 0 or len(own) < 2:
+            return None
+        recent = own[-4:]
+        gap = self.hold_apart * (recent[-1] - recent[0]) / (len(recent) - 1) * 2 / len(self._trainer_busy)
+        live = {g.stack for g in self._groups if g.state != "done"}  # a finished stack holds no one
+        others = [st[-1] for o, st in self._starts.items() if o != stack and st and o in live]
+        t = self._now
+        for _ in range(len(others) + 1):
+            close = [x for x in others if abs(t - x) < gap - 1e-9]
+            if not close:
+                break
+            t = max(close) + gap
+        return t if t > self._now + 1e-9 else None
 
     def _after_group_done(self, g: _Group) -> list[Action]:
         # Timeslice: the stack's next job starts. Overlap: a staggered group whose predecessor had

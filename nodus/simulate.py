@@ -25,7 +25,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                      groups: int | None = None, sharing: str | None = None, steps: int | None = None,
                      seed: int | None = None, profile: str | None = None,
                      share_prompts: int | None = None, stacks: int | None = None,
-                     lockstep: bool | None = None, offset_stacks: bool | None = None) -> RunConfig:
+                     lockstep: bool | None = None, offset_stacks: bool | None = None,
+                     hold_apart: float | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
     run's adapter slots sized to its largest group, for overlap (``nodus.runner.size_engine_slots``),
     and its engine graphs to the sequences those slots can hold (``size_engine_graphs``)."""
@@ -41,9 +42,11 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
         data["jobs"] = [{**j, "steps": steps} for j in data["jobs"]]
     arm = dict(data.get("arm", {}))
     for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing), ("stacks", stacks),
-                     ("lockstep", lockstep), ("offset_stacks", offset_stacks)):
+                     ("lockstep", lockstep), ("offset_stacks", offset_stacks), ("hold_apart", hold_apart)):
         if val is not None:
             arm[key] = val
+    if hold_apart:  # stacks held apart start apart
+        arm["offset_stacks"] = True
     if "policy" not in arm and len(data["jobs"]) == 1:
         arm["policy"] = "shared-sync"  # one job cannot be split into phase-offset groups
     if arm.get("policy") in ("shared-sync", "dedicated", "continuous") and groups is None:

@@ -521,24 +521,31 @@ class Cluster:
 
     def get(self, timeout: float = 3600.0):
         """Next worker message; raises with the worker's traceback if one failed or died."""
-        if self.closed:
-            raise RuntimeError("the real backend's workers were stopped after an earlier failure")
         deadline = time.monotonic() + max(timeout, 1.0)
         while True:
-            try:
-                msg = self.outbox.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.name for p in self.procs if p.pid is not None and not p.is_alive()]
-                if dead:
-                    self.close()
-                    raise RuntimeError(f"real backend worker(s) died: {dead}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("no answer from the real backend workers")
-                continue
-            if msg[0] == "error":
+            msg = self.poll(1.0)
+            if msg is not None:
+                return msg
+            if time.monotonic() > deadline:
+                raise TimeoutError("no answer from the real backend workers")
+
+    def poll(self, timeout: float):
+        """The next worker message within ``timeout`` seconds, or None; a failed or dead worker raises
+        as in ``get``."""
+        if self.closed:
+            raise RuntimeError("the real backend's workers were stopped after an earlier failure")
+        try:
+            msg = self.outbox.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            dead = [p.name for p in self.procs if p.pid is not None and not p.is_alive()]
+            if dead:
                 self.close()
-                raise RuntimeError(f"real backend worker {msg[1]} failed:\n{msg[2]}")
-            return msg
+                raise RuntimeError(f"real backend worker(s) died: {dead}") from None
+            return None
+        if msg[0] == "error":
+            self.close()
+            raise RuntimeError(f"real backend worker {msg[1]} failed:\n{msg[2]}")
+        return msg
 
     def close(self) -> None:
         self.closed = True
@@ -612,6 +619,7 @@ class RealBackend:
         self.host_monitor = HostMonitor()
         self._pending: dict[str, tuple] = {}
         self._local: deque[Result] = deque()
+        self._held: list[tuple[float, str, int, list]] = []  # arm.hold_apart: (due, action id, stack, requests)
         self.failed: dict[str, str] = {}
         self.audit: list[dict] = []
         self.microbatches: list[int] = []  # micro-batches per train step, in order
@@ -707,7 +715,19 @@ class RealBackend:
                                    forced_lengths=sp.forced_lengths, logprobs=self.audits(r.step),
                                    logprob_responses=self.opts.audit_responses))
         self._pending[a.action_id] = (a, sps)
+        if a.not_before_s is not None and a.not_before_s > self.now():
+            self._held.append((a.not_before_s, a.action_id, a.stack, reqs))  # wait() sends it when due
+            return
         self.c.engines[a.stack].put(("gen", a.action_id, reqs))
+
+    def _release_held(self) -> float | None:
+        """Sends the held generations now due; returns the seconds until the next one, or None."""
+        now = self.now()
+        due = [h for h in self._held if h[0] <= now]
+        self._held = [h for h in self._held if h[0] > now]
+        for _, action_id, stack, reqs in sorted(due, key=lambda h: h[0]):
+            self.c.engines[stack].put(("gen", action_id, reqs))
+        return min(h[0] for h in self._held) - now if self._held else None
 
     def audits(self, step: int) -> bool:
         """Whether a job's step ``step`` is audited (its rollouts carry the engine's logprobs)."""
@@ -755,7 +775,14 @@ class RealBackend:
     def wait(self) -> Result:
         if self._local:
             return self._local.popleft()
-        msg = self.c.get()
+        while True:
+            until = self._release_held()
+            if until is None:
+                msg = self.c.get()
+                break
+            msg = self.c.poll(until)  # a held generation falls due before any answer: send it, wait on
+            if msg is not None:
+                break
         kind, tag = msg[0], msg[1]
         a, extra = self._pending.pop(tag)
         if kind == "generated":

@@ -125,6 +125,17 @@ class SimBackend:
         return self.env.now
 
     def generate(self, a: Generate) -> None:
+        delay = (a.not_before_s or 0.0) - self.env.now  # arm.hold_apart: start no earlier than that
+        if delay > 0:
+            self.env.process(self._held(a, delay))
+            return
+        self._submit(a)
+
+    def _held(self, a: Generate, delay: float):
+        yield self.env.timeout(delay)
+        self._submit(a)
+
+    def _submit(self, a: Generate) -> None:
         batch = []
         for r in a.requests:
             job = self.jobs[r.job_id]
