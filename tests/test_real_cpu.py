@@ -392,6 +392,25 @@ def test_offset_stacks_on_the_real_backend_start_the_second_stack_after_the_firs
     assert first[1].start_s >= first[0].end_s
 
 
+def test_stacks_held_apart_on_the_real_backend_stay_on_policy_and_apart(timeslice_pool):
+    """arm.hold_apart on the two-stack cluster: the backend keeps a held generation until its
+    not-before time while it waits on its workers; every step runs, every rollout is on-policy, and
+    from the step a cycle is known no two stacks' generations start within a quarter of a cycle."""
+    from nodus.runner import run_arm
+
+    base = _small_cfg(2, 5)
+    cfg = base.model_copy(update={"arm": base.arm.model_copy(update={"stacks": 2, "offset_stacks": True,
+                                                                     "hold_apart": 0.5})})
+    s, runs = run_arm(cfg, timeslice_pool.pool, baseline=False)
+    assert s["steps"] == 10 and s["stale_rollouts"] == 0 and s["arm"]["hold_apart"] == 0.5
+    assert audit_on_policy(runs[0]) == []
+    start = {(x.stack, x.attrs["step"]): x.start_s for x in runs[0] if x.phase == "generate"}
+    cycle = (start[(0, 4)] - start[(0, 0)]) / 4
+    for step in (3, 4):
+        assert abs(start[(1, step)] - start[(0, step)]) % cycle >= 0.25 * cycle - 1e-3
+        assert cycle - abs(start[(1, step)] - start[(0, step)]) % cycle >= 0.25 * cycle - 1e-3
+
+
 def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     """--trainer-compile: the trainer process compiles its element-wise ops in the untimed warm-up
     and the run goes on as usual (logprob audit inside the bf16/fp32 agreement);
