@@ -23,6 +23,9 @@ workloads = st.fixed_dictionaries({
     "sharing": st.sampled_from(["none", "mps"]),
     "max_num_seqs": st.integers(1, 16),
     "seed": st.integers(0, 10),
+    # shared-sync on two stacks: free-running, in lockstep, started out of step, or held apart too
+    "stacks": st.sampled_from(["one", "free", "lockstep", "offset", "hold"]),
+    "hold": st.sampled_from([0.1, 0.25, 0.5]),
 })
 
 
@@ -30,10 +33,14 @@ def _cfg(w):
     n = w["n"]
     groups = max(2, min(w["groups"], n)) if w["policy"] in ("overlap", "timeslice") and n >= 2 else 1
     policy = w["policy"] if (w["policy"] not in ("overlap",) or n >= 2) else "shared-sync"
+    arm = {"policy": policy, "groups": groups, "sharing": w["sharing"]}
+    if policy == "shared-sync" and n >= 2 and w["stacks"] != "one":
+        arm.update(stacks=2, lockstep=w["stacks"] == "lockstep", offset_stacks=w["stacks"] in ("offset", "hold"),
+                   hold_apart=w["hold"] if w["stacks"] == "hold" else 0.0)
     return build_config({
         "jobs": [{"task": w["tasks"][i], "steps": w["steps"][i], "prompts_per_step": w["prompts"],
                   "responses_per_prompt": w["responses"], "max_new_tokens": w["max_new"]} for i in range(n)],
-        "arm": {"policy": policy, "groups": groups, "sharing": w["sharing"]},
+        "arm": arm,
         "engine": {"max_num_seqs": w["max_num_seqs"]},
         "seed": w["seed"]})
 
