@@ -18,6 +18,7 @@ import numpy as np
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, AuditSpec, ConfigError, build_config, corun_key,
                           drop_idle_priority, packed_rows, stacks_of, trainer_freed)
 from nodus.gpumon import SLOWDOWN_REASONS
+from nodus.timeline import read_bytes, read_text, stored
 from nodus.runner import run_arm
 
 PHASES = ("generate", "train", "publish")
@@ -138,11 +139,11 @@ def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
 
 def load_recorded(run_dir: Path) -> tuple[dict, dict, list[dict]]:
     for f in ("config.json", "summary.json", "spans.jsonl"):
-        if not (run_dir / f).is_file():
+        if not stored(run_dir / f).is_file():  # spans.jsonl may be kept as spans.jsonl.gz
             raise ConfigError(f"{str(run_dir)!r} is not a recorded run: {f} is missing")
     cfg = json.loads((run_dir / "config.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
-    spans = [json.loads(x) for x in (run_dir / "spans.jsonl").read_text().splitlines() if x.strip()]
+    spans = [json.loads(x) for x in read_text(run_dir / "spans.jsonl").splitlines() if x.strip()]
     return cfg, summary, spans
 
 
@@ -238,7 +239,7 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
     """A recorded run's configuration for the simulator on `profile`, in the run's own grouping
     (not a re-balance over the replayed lengths): replaying its response lengths, and sampling
     fresh ones."""
-    trace = str((rd / "spans.jsonl").resolve())
+    trace = str((rd / "spans.jsonl").resolve())  # or its .gz: nodus.lengths reads either
     cfg = dict(cfg, audit=recorded_audit(rd, cfg))
     pol = cfg["arm"]["policy"]
     group_key = "group" if pol == "overlap" else "stack"
@@ -267,8 +268,9 @@ def recorded_configs(rd: Path, cfg: dict, spans: list[dict], profile: str) -> tu
 
 
 def spans_digest(run: str | Path) -> str:
-    """A recorded run's identity, whatever path reaches it: the SHA-256 of its spans.jsonl."""
-    return hashlib.sha256((Path(run) / "spans.jsonl").read_bytes()).hexdigest()
+    """A recorded run's identity, whatever path reaches it: the SHA-256 of its spans.jsonl (of the
+    decompressed bytes where it is kept as spans.jsonl.gz: the same digest)."""
+    return hashlib.sha256(read_bytes(Path(run) / "spans.jsonl")).hexdigest()
 
 
 def stacks_fit_run(prof: dict, run: str | Path) -> bool:
@@ -278,7 +280,7 @@ def stacks_fit_run(prof: dict, run: str | Path) -> bool:
     meas = prof.get("measurements") or {}
     rows = [r for key in ("stacks", "stacks_trainer") for r in ((meas.get(key) or {}).get("rows") or [])]
     digests = {r.get("spans_sha256") for r in rows} - {None}
-    if not digests or not (Path(run) / "spans.jsonl").is_file():
+    if not digests or not stored(Path(run) / "spans.jsonl").is_file():
         return False
     return spans_digest(run) in digests
 

@@ -23,13 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from nodus.timeline import read_text
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def recorded_step(run: Path, step: int) -> list[dict]:
     """Each job's generation at ``step`` of a recorded run: prompts, responses a prompt, forced
     response lengths (prompt-major), prompt tokens per prompt."""
-    spans = [json.loads(line) for line in (run / "spans.jsonl").read_text().splitlines() if line.strip()]
+    spans = [json.loads(line) for line in read_text(run / "spans.jsonl").splitlines() if line.strip()]
     gens = [s for s in spans if s["phase"] == "generate" and s["attrs"].get("step") == step]
     if not gens:
         raise SystemExit(f"{run}: no generate span at step {step}")

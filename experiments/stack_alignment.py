@@ -25,6 +25,8 @@ import json
 import math
 from pathlib import Path
 
+from nodus.timeline import read_text
+
 SIDE_SHARE = 0.9  # a train action "in step" or "alternating": this share of it beside the other kind
 
 
@@ -78,15 +80,14 @@ def run_alignment(run_dir: str | Path) -> dict:
     rd = Path(run_dir)
     phases: dict[tuple[int, str], set] = {}
     gen_starts: dict[int, dict[int, float]] = {}  # stack -> step -> its generation's first start
-    with open(rd / "spans.jsonl") as f:
-        for line in f:
-            d = json.loads(line)
-            if d.get("phase") in ("train", "generate") and d.get("stack") is not None:
-                phases.setdefault((int(d["stack"]), d["phase"]), set()).add((d["start_s"], d["end_s"]))
-                step = (d.get("attrs") or {}).get("step")
-                if d["phase"] == "generate" and step is not None:
-                    by_step = gen_starts.setdefault(int(d["stack"]), {})
-                    by_step[step] = min(by_step.get(step, d["start_s"]), d["start_s"])
+    for line in read_text(rd / "spans.jsonl").splitlines():  # or spans.jsonl.gz
+        d = json.loads(line)
+        if d.get("phase") in ("train", "generate") and d.get("stack") is not None:
+            phases.setdefault((int(d["stack"]), d["phase"]), set()).add((d["start_s"], d["end_s"]))
+            step = (d.get("attrs") or {}).get("step")
+            if d["phase"] == "generate" and step is not None:
+                by_step = gen_starts.setdefault(int(d["stack"]), {})
+                by_step[step] = min(by_step.get(step, d["start_s"]), d["start_s"])
     stacks = sorted({k[0] for k in phases})
     if len(stacks) < 2 or any((s, p) not in phases for s in stacks for p in ("train", "generate")):
         raise ValueError(f"{rd}: expected two stacks or more, each with train and generate spans; found stacks "

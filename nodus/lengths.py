@@ -14,6 +14,7 @@ import numpy as np
 
 from nodus.config import ConfigError, FixedLengths, JobSpec, LognormalLengths, ReplayLengths
 from nodus.tasks import TASK_SHAPES
+from nodus.timeline import read_text, stored
 
 
 def length_model(job: JobSpec):
@@ -76,16 +77,15 @@ def sample_response_tokens(job: JobSpec, step: int, rng: np.random.Generator) ->
 @lru_cache(maxsize=64)
 def _replay_table_cached(path: str, mtime: float, job: str) -> dict[int, list[int]]:
     table: dict[int, list[int]] = {}
-    with open(path) as f:
-        for line in f:
-            d = json.loads(line)
-            if d.get("phase") == "generate" and d.get("job") == job:
-                table[int(d["attrs"]["step"])] = list(d["attrs"]["response_tokens"])
+    for line in read_text(path).splitlines():
+        d = json.loads(line)
+        if d.get("phase") == "generate" and d.get("job") == job:
+            table[int(d["attrs"]["step"])] = list(d["attrs"]["response_tokens"])
     return table
 
 
 def _replay_table(path: str, job: str) -> dict[int, list[int]]:
-    p = Path(path)
+    p = stored(path)  # a recorded spans.jsonl, or its .gz
     if not p.is_file():
         raise ConfigError(f"lengths.trace={path!r} does not exist")
     try:
@@ -97,11 +97,11 @@ def _replay_table(path: str, job: str) -> dict[int, list[int]]:
 def recorded_step_lengths(run_dir: str | Path, step: int) -> dict[str, tuple[int, list[int]]]:
     """job -> (prompt tokens per sequence, response lengths) of ``step`` in a recorded run's
     ``spans.jsonl`` (its generate spans): the rows a bench or a fit rebuilds a step from."""
-    path = Path(run_dir) / "spans.jsonl"
+    path = stored(Path(run_dir) / "spans.jsonl")
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no spans.jsonl there (a run folder of nodus run / gpu_arms)")
     out = {}
-    for line in path.read_text().splitlines():
+    for line in read_text(path).splitlines():
         span = json.loads(line)
         attrs = span.get("attrs") or {}
         if span.get("phase") == "generate" and attrs.get("step") == step and attrs.get("response_tokens"):

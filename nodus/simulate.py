@@ -18,7 +18,7 @@ from nodus.config import (AUTO_SHARE_PROMPTS, DEFAULT_PROFILE, POLICIES, SHARING
 from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import run_arm, run_spans, size_engine_slots
 from nodus.accounting import summarize
-from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, write_chrome_trace, write_jsonl
+from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, stored, write_chrome_trace, write_jsonl
 
 
 def config_from_args(config: dict | None = None, *, jobs: int | None = None, policy: str | None = None,
@@ -480,7 +480,7 @@ def report(run_dir: str | Path) -> str:
     d = Path(run_dir)
     if (d / "sweep.json").is_file():
         render_sweep(d)
-    elif (d / "summary.json").is_file() and (d / "spans.jsonl").is_file():
+    elif (d / "summary.json").is_file() and stored(d / "spans.jsonl").is_file():
         render_run(d)
     else:
         raise ConfigError(f"{str(d)!r} is not a run folder (no summary.json + spans.jsonl, no sweep.json)")

@@ -1,10 +1,13 @@
 """Timelines: phase spans as JSONL, as a Chrome trace (opens in Perfetto), and as a Gantt PNG.
 
-Sim and real runs write the same schema, which is how the two are compared.
+Sim and real runs write the same schema, which is how the two are compared. A recorded run's
+spans.jsonl may be kept compressed as spans.jsonl.gz (old sessions' runs, so that the tree a GPU call
+carries stays small): every reader goes through ``stored`` / ``read_bytes`` / ``read_text``.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -19,15 +22,34 @@ def write_jsonl(runs: list[list[Span]], path: Path) -> None:
                 f.write(json.dumps({**s.to_dict(), "gpu": gpu}, sort_keys=True) + "\n")
 
 
+def stored(path: str | Path) -> Path:
+    """``path``, or ``path`` + ``.gz`` where only the compressed copy is kept."""
+    p = Path(path)
+    if not p.exists():
+        gz = p.with_name(p.name + ".gz")
+        if gz.exists():
+            return gz
+    return p
+
+
+def read_bytes(path: str | Path) -> bytes:
+    """A file's bytes, decompressed where only ``path.gz`` is kept: the same bytes either way."""
+    p = stored(path)
+    return gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+
+
+def read_text(path: str | Path) -> str:
+    return read_bytes(path).decode()
+
+
 def read_jsonl(path: Path) -> list[list[Span]]:
     runs: dict[int, list[Span]] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                d = json.loads(line)
-                runs.setdefault(d.get("gpu", 0), []).append(Span.from_dict(d))
-            except (json.JSONDecodeError, KeyError) as err:
-                raise ValueError(f"{path}:{n}: not a span line ({err})") from None
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        try:
+            d = json.loads(line)
+            runs.setdefault(d.get("gpu", 0), []).append(Span.from_dict(d))
+        except (json.JSONDecodeError, KeyError) as err:
+            raise ValueError(f"{path}:{n}: not a span line ({err})") from None
     return [runs[k] for k in sorted(runs)]
 
 
