@@ -90,11 +90,11 @@ def split(data_files: list[Path], out_root: Path, name: str, size: int, prefix: 
 
     for f in data_files:
         with open(f, "rb") as fh:
-            while block := fh.read(size):
+            while block := fh.read(size - len(buf)):  # fill the part, across the files' boundaries
                 buf += block
-                while len(buf) >= size:
-                    flush(buf[:size])
-                    buf = buf[size:]
+                if len(buf) == size:
+                    flush(buf)
+                    buf = b""
     if buf:
         flush(buf)
     if n == 0:
@@ -155,14 +155,8 @@ def main(argv: list[str] | None = None) -> list[Path] | int:
     if a.what == "bundle":
         if not a.stage.is_file():
             raise SystemExit(f"device_parts: no stage script at {a.stage}")
-        files = bundle_parts(device)
-        data = b"".join(f.read_bytes() for f in files)  # the bundle leaves its old folders only once
-        whole = device / ".bundle-whole"
-        whole.write_bytes(data)
-        try:
-            dirs = split([whole], device, "vllm", size, "part_", a.stage)
-        finally:
-            whole.unlink()
+        # The old parts are read in order; split replaces their folders only once every new part is written.
+        dirs = split(bundle_parts(device), device, "vllm", size, "part_", a.stage)
     else:
         if a.file is None or not a.file.is_file():
             raise SystemExit(f"device_parts: cache needs the compile cache file a call sent back; got {a.file}")

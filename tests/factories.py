@@ -134,16 +134,16 @@ def run_on_pool(pool, cfg: RunConfig, opts):
         raise
 
 
-def simulate_with_and_without(tmp_path, flag: str, **kw) -> dict:
+def simulate_with_and_without(tmp_path, flag: str, value=True, **kw) -> dict:
     """Two simulated runs of the arm ``kw`` (nodus.simulate.config_from_args' keywords), without and
-    with the arm flag ``flag`` (``lockstep``, ``offset_stacks``), each checked to carry it; their
-    run folders under ``tmp_path`` by the flag's value."""
+    with the arm setting ``flag`` (``lockstep``, ``offset_stacks``; ``hold_apart`` at ``value``), each
+    checked to carry it; their run folders under ``tmp_path``, keyed False and True."""
     from nodus.simulate import config_from_args, simulate
 
     runs = {}
     for on in (False, True):
-        cfg = config_from_args(**kw, **{flag: on or None})
-        assert getattr(cfg.arm, flag) is on
+        cfg = config_from_args(**kw, **{flag: value if on else None})
+        assert getattr(cfg.arm, flag) == (value if on else type(value)())
         runs[on] = tmp_path / f"{flag}-{on}"
         simulate(cfg, runs[on])
     return runs

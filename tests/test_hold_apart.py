@@ -11,11 +11,12 @@ import pytest
 from experiments import stack_alignment as sa
 from experiments.gpu_arms import parse_arm
 from experiments.gpu_table import arm_label
+from factories import simulate_with_and_without
 from nodus.accounting import audit_on_policy
 from nodus.config import STACKS_PROFILE, ConfigError
 from nodus.messages import Publish, PublishDone
 from nodus.scheduler import Scheduler
-from nodus.simulate import config_from_args, simulate
+from nodus.simulate import config_from_args
 from nodus.timeline import read_jsonl
 
 
@@ -44,19 +45,13 @@ def test_a_finished_stack_holds_no_one():
     assert s._hold_until(1) is None
 
 
-def _offset_run(tmp_path, hold):
-    cfg = config_from_args(jobs=8, steps=20, policy="shared-sync", sharing="mps", seed=1, stacks=2,
-                           offset_stacks=True, hold_apart=hold or None, profile=STACKS_PROFILE)
-    out = tmp_path / f"hold{hold}"
-    summary = simulate(cfg, out=out)
-    return summary, out
-
-
 def test_simulated_stacks_stay_apart_only_when_held(tmp_path):
     # On the shipped stacks profile offset stacks close in and run in step by their last steps
     # (session 40 measured them fall in step within seven); held at 0.5 they stay half a cycle apart.
-    free_summary, free = _offset_run(tmp_path, 0.0)
-    held_summary, held = _offset_run(tmp_path, 0.5)
+    runs = simulate_with_and_without(tmp_path, "hold_apart", 0.5, jobs=8, steps=20, policy="shared-sync",
+                                     sharing="mps", seed=1, stacks=2, offset_stacks=True, profile=STACKS_PROFILE)
+    free, held = runs[False], runs[True]
+    free_summary, held_summary = (json.loads((d / "summary.json").read_text()) for d in (free, held))
     phase_free = sa.run_alignment(free)["phase_by_step"][1]
     phase_held = sa.run_alignment(held)["phase_by_step"][1]
     assert min(phase_free[-5:]) < 0.1
