@@ -74,20 +74,44 @@ def phase_by_step(starts: dict[int, dict[int, float]]) -> dict[int, list[float]]
     return out
 
 
+def held_cycle(starts: dict[int, dict[int, float]], held: dict[int, dict[int, float]], pace: dict) -> dict:
+    """What holding stacks apart (arm.hold_apart) cost a run: each stack's mean cycle (one generation's
+    start to the next), the mean seconds a generation was held, and the cycle less the holds. With the
+    pace over the run's window, the pace the run would have made at that shorter cycle, had the stacks
+    kept their phases and speeds unheld (a projection, not a measurement). Empty when nothing was held."""
+    gaps, holds = [], []
+    for k, by_step in starts.items():
+        steps = sorted(by_step)
+        gaps += [by_step[b] - by_step[a] for a, b in zip(steps, steps[1:])]
+        holds += [held.get(k, {}).get(b, 0.0) for b in steps[1:]]
+    if not gaps or not any(holds):
+        return {}
+    cycle, hold = sum(gaps) / len(gaps), sum(holds) / len(holds)
+    out = {"cycle_s": cycle, "held_s_per_step": hold, "unheld_cycle_s": cycle - hold}
+    if pace.get("pace_steps_per_gpu_hour"):
+        out["pace"] = pace["pace_steps_per_gpu_hour"]
+        out["unheld_pace_projected"] = out["pace"] * cycle / (cycle - hold)
+    return out
+
+
 def run_alignment(run_dir: str | Path) -> dict:
     """One run's stack alignment. Raises ValueError when the run has not two stacks or more, each
     with train and generate phases."""
     rd = Path(run_dir)
     phases: dict[tuple[int, str], set] = {}
     gen_starts: dict[int, dict[int, float]] = {}  # stack -> step -> its generation's first start
+    held: dict[int, dict[int, float]] = {}  # stack -> step -> seconds its generation was held (hold_apart)
     for line in read_text(rd / "spans.jsonl").splitlines():  # or spans.jsonl.gz
         d = json.loads(line)
         if d.get("phase") in ("train", "generate") and d.get("stack") is not None:
             phases.setdefault((int(d["stack"]), d["phase"]), set()).add((d["start_s"], d["end_s"]))
-            step = (d.get("attrs") or {}).get("step")
+            attrs = d.get("attrs") or {}
+            step = attrs.get("step")
             if d["phase"] == "generate" and step is not None:
                 by_step = gen_starts.setdefault(int(d["stack"]), {})
                 by_step[step] = min(by_step.get(step, d["start_s"]), d["start_s"])
+                held_by_step = held.setdefault(int(d["stack"]), {})
+                held_by_step[step] = max(held_by_step.get(step, 0.0), attrs.get("held_s", 0.0))
     stacks = sorted({k[0] for k in phases})
     if len(stacks) < 2 or any((s, p) not in phases for s in stacks for p in ("train", "generate")):
         raise ValueError(f"{rd}: expected two stacks or more, each with train and generate spans; found stacks "
@@ -119,12 +143,13 @@ def run_alignment(run_dir: str | Path) -> dict:
     summary = json.loads((rd / "summary.json").read_text())
     phase = phase_by_step(gen_starts)
     pooled = [p for ph in (phase or {}).values() for p in ph]
+    hold = held_cycle(gen_starts, held, summary.get("pace") or {})
     return {"run": str(rd), "jobs": len(summary.get("per_job") or {}), "stacks": len(stacks),
             "phase_by_step": phase, "apart_share": sum(p >= APART for p in pooled) / len(pooled) if pooled else None,
             "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
             "train_beside_train": beside_train, "train_beside_generate": beside_gen,
             "train_s": train / n_train, "generate_s": gen / n_gen,
-            **{f"train_{k}_n": len(v) for k, v in sides.items()},
+            **hold, **{f"train_{k}_n": len(v) for k, v in sides.items()},
             **{f"train_{k}_s": sum(v) for k, v in sides.items()}}
 
 
@@ -178,6 +203,16 @@ def render(rows: list[dict], corr: dict[int, dict], sides: dict | None = None) -
                      f"{r['train_beside_train']:.0%} | "
                      f"{r['train_beside_generate']:.0%} | {r['train_s']:.3f} | {r['generate_s']:.3f} | "
                      f"{'-' if apart is None else f'{apart:.0%}'} |")
+    held = [r for r in rows if r.get("held_s_per_step")]
+    if held:
+        lines += ["", "Held stacks (arm.hold_apart): each stack's mean cycle, the mean seconds a generation was held, "
+                  "and the pace projected at the cycle less the holds, the stacks' phases and speeds kept:", "",
+                  "| run | cycle s | held s a step | cycle less the holds s | pace | pace projected unheld |",
+                  "|---|---|---|---|---|---|"]
+        for r in held:
+            pace = [f"{r[k]:.0f}" if k in r else "-" for k in ("pace", "unheld_pace_projected")]
+            lines.append(f"| {r['run']} | {r['cycle_s']:.2f} | {r['held_s_per_step']:.2f} | {r['unheld_cycle_s']:.2f} | "
+                         f"{pace[0]} | {pace[1]} |")
     phased = [r for r in rows if r.get("phase_by_step")]
     if phased:
         lines += ["", "Phase by step: how far each stack's generation started from stack 0's, in stack 0's cycles "

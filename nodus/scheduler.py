@@ -102,6 +102,7 @@ class Scheduler:
         self._holding: list[_Group] = []  # lockstep: groups published, waiting for the other stacks
         self._now = 0.0  # the backend's clock as the latest result told it
         self._starts: dict[int, list[float]] = {}  # stack -> when each of its Generates was set to start
+        self._holds: dict[int, list[float]] = {}  # stack -> seconds each of those starts was held
         self._held_s: dict[str, float] = {}  # Generate action id -> seconds it was held (hold_apart)
 
     # -- public interface -------------------------------------------------------------------
@@ -170,6 +171,7 @@ class Scheduler:
             reqs.append(RolloutRequest(job.id, step=job.version, adapter_version=job.version))
         a = Generate(self._id("gen"), g.index, g.stack, tuple(reqs), not_before)
         self._starts.setdefault(g.stack, []).append(self._now if not_before is None else not_before)
+        self._holds.setdefault(g.stack, []).append(0.0 if not_before is None else not_before - self._now)
         if not_before is not None:
             self._held_s[a.action_id] = not_before - self._now
         g.state = "generating"
@@ -292,15 +294,21 @@ class Scheduler:
 
     def _hold_until(self, stack: int) -> float | None:
         """hold_apart: when the stack's next generation may start, or None for now. Its cycle is the
-        mean time between its last (up to four) generation starts; the gap is hold_apart x cycle x 2 /
-        stacks (half a cycle with two stacks at 0.5). A start within the gap of another stack's latest
-        start (past, or set in the future by its own hold) moves to that start plus the gap, until no
-        other stack's start is that close. Before a stack has started twice (no cycle) it is not held."""
+        mean time between its last (up to four) generation starts, less the time those starts were
+        held: the stack's own pace, not the hold's. (A cycle that counted the holds would keep any
+        slow step's length for good: each hold would make the next one, as on the H200 in session 41,
+        where held stacks kept a 3.68 s cycle by holding up to 1.1 s a step.) The gap is hold_apart x
+        cycle x 2 / stacks (half a cycle with two stacks at 0.5). A start within the gap of another
+        stack's latest start (past, or set in the future by its own hold) moves to that start plus
+        the gap, until no other stack's start is that close. Before a stack has started twice (no
+        cycle) it is not held."""
         own = self._starts.get(stack, [])
         if self.hold_apart <= 0 or len(own) < 2:
             return None
         recent = own[-4:]
-        gap = self.hold_apart * (recent[-1] - recent[0]) / (len(recent) - 1) * 2 / len(self._trainer_busy)
+        held = sum(self._holds.get(stack, [])[-len(recent) + 1:])  # the holds of recent[1:]
+        cycle = max(recent[-1] - recent[0] - held, 0.0) / (len(recent) - 1)
+        gap = self.hold_apart * cycle * 2 / len(self._trainer_busy)
         live = {g.stack for g in self._groups if g.state != "done"}  # a finished stack holds no one
         others = [st[-1] for o, st in self._starts.items() if o != stack and st and o in live]
         t = self._now

@@ -39,6 +39,36 @@ def test_hold_until_keeps_half_a_cycle_from_the_other_stack():
     assert _scheduler(0.5, {0: [8.0], 1: [6.0]}, 8.5)._hold_until(1) is None  # no cycle yet
 
 
+def _held_cycles(natural):
+    """Two held stacks (0.5) whose generation becomes ready ``natural(stack, k)`` seconds after its
+    k-th start, started through _hold_until as the scheduler starts them: the starts and holds."""
+    s = _scheduler(starts={}, now=0.0)
+    ready = {0: 0.0, 1: 1.5}
+    s._starts, s._holds = {0: [], 1: []}, {0: [], 1: []}
+    while min(len(v) for v in s._starts.values()) < 20:
+        stack = min(ready, key=lambda k: (ready[k], k))
+        s._now = ready[stack]
+        start = s._hold_until(stack) or s._now
+        s._starts[stack].append(start)
+        s._holds[stack].append(start - s._now)
+        ready[stack] = start + natural(stack, len(s._starts[stack]) - 1)
+    return s._starts, s._holds
+
+
+def test_a_slow_step_does_not_lengthen_the_held_cycle():
+    # Each stack's own cycle is 3 s, but stack 0's step 5 takes 6 s. The holds keep the stacks half
+    # a cycle apart through it, then stop: the cycle is the stacks' own, not the hold's. (Counting
+    # the holds in the cycle kept the slow step's length for good: session 41 on the H200.)
+    starts, holds = _held_cycles(lambda stack, k: 6.0 if (stack, k) == (0, 5) else 3.0)
+    for stack in (0, 1):
+        gaps = [b - a for a, b in zip(starts[stack][-6:], starts[stack][-5:])]
+        assert gaps == pytest.approx([3.0] * 5)
+        assert max(holds[stack][-6:]) == pytest.approx(0.0)
+    assert max(max(h) for h in holds.values()) >= 0.5  # the slow step held both stacks a while
+    phase = [(b - a) % 3.0 for a, b in zip(starts[0][-5:], starts[1][-5:])]
+    assert phase == pytest.approx([1.5] * 5)  # half a cycle apart again
+
+
 def test_a_finished_stack_holds_no_one():
     s = _scheduler(starts={0: [0.0, 4.0, 8.0], 1: [2.2, 6.2]}, now=8.5)
     s._groups[0].state = "done"

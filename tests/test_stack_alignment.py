@@ -124,6 +124,20 @@ def test_phase_by_step_folds_the_lag_into_cycles(tmp_path):
     assert "stack 1: 0.50 0.25 0.00 0.25" in text and "| 75% |" in text
 
 
+def test_held_cycle_and_the_pace_projected_unheld():
+    # Two stacks on a 4 s cycle of which 0.5 s a step (after the first) went to holds: 3.5 s unheld.
+    starts = {0: {0: 0.0, 1: 4.0, 2: 8.0}, 1: {0: 2.0, 1: 6.0, 2: 10.0}}
+    held = {0: {1: 0.5, 2: 0.5}, 1: {1: 1.0, 2: 0.0}}
+    h = sa.held_cycle(starts, held, {"pace_steps_per_gpu_hour": 7000.0})
+    assert h == pytest.approx({"cycle_s": 4.0, "held_s_per_step": 0.5, "unheld_cycle_s": 3.5, "pace": 7000.0,
+                               "unheld_pace_projected": 8000.0})
+    assert sa.held_cycle(starts, {}, {"pace_steps_per_gpu_hour": 7000.0}) == {}  # nothing held
+    assert "pace" not in sa.held_cycle(starts, held, {})
+    text = sa.render([{"run": "r", "jobs": 8, "stacks": 2, "steps_per_gpu_hour": 7000.0, "train_beside_train": 0.0,
+                       "train_beside_generate": 1.0, "train_s": 1.0, "generate_s": 2.0, **h}], {})
+    assert "| r | 4.00 | 0.50 | 3.50 | 7000 | 8000 |" in text
+
+
 def test_phase_by_step_needs_step_numbers(tmp_path):
     rd = _write_run(tmp_path / "nostep", [(0, "generate", 0, 2), (0, "train", 2, 4), (1, "generate", 0, 3),
                                           (1, "train", 3, 5)])
