@@ -177,7 +177,7 @@ class SharingCost(_M):
     # from its runs, e.g. {"trainer_priority": "below-normal"}): they move the co-run rates (the
     # trainer at below-normal priority gave the engine's co-running generations 1.78 s against
     # 2.22 s), so `nodus validate` flags an MPS run whose settings differ. {}: the defaults.
-    controls: dict[str, str | int | float] = {}
+    controls: dict[str, bool | str | int | float] = {}
     # Each engine's rate (alone-without-MPS work per second) while the engines of two stacks
     # (arm.stacks = 2) generate at once under MPS, nothing else running; None: never measured, and
     # the two engines share the engine-trainer pair's combined rate (the 'sharing-many-clients'
@@ -190,7 +190,7 @@ class SharingCost(_M):
     # The settings mps_engines was fitted under (`nodus fit-stacks` records its runs' policy,
     # packing, engine and trainer thread caps and MPS settings; `nodus validate` and the simulator
     # flag a stacks run that differs). Applies to arm.stacks arms only, never to timeslice's.
-    engines_controls: dict[str, str | int | float | None] = {}
+    engines_controls: dict[str, bool | str | int | float | None] = {}
     # A trainer's rate (alone-without-MPS work per second) in an arm of several stacks under MPS
     # while it is the only trainer running and one engine or more generate: a train beside another
     # stack's generation (offset stacks, stacks drifted apart) or, on an overlap arm, beside its own
@@ -199,7 +199,7 @@ class SharingCost(_M):
     # `nodus fit-stacks --rate trainer` fits it on recorded runs, the two-engine rate held.
     mps_stacks_trainer: float | None = Field(default=None, gt=0, le=RATE_MAX)
     # The settings mps_stacks_trainer was fitted under (as engines_controls).
-    stacks_trainer_controls: dict[str, str | int | float | None] = {}
+    stacks_trainer_controls: dict[str, bool | str | int | float | None] = {}
 
 
 class Assumption(_M):

@@ -415,3 +415,14 @@ def test_an_ls_arm_runs_its_job_counts_on_one_two_stack_engine_each_primed(tmp_p
         monkeypatch.setattr(sys, "argv", ["gpu_arms.py", "--out", str(tmp_path / "o"), "--plan", "--arms", arms])
         with pytest.raises(SystemExit, match="ls4 sets a kN arm's engine adapter slots"):
             gpu_arms.main()
+
+
+def test_a_plan_prices_each_arm_of_stacks_with_its_own_schedule(tmp_path, monkeypatch, capsys):
+    """Held, offset and free stacks are one cluster's runs, each simulated with its own arm (session
+    41's log gave all three the free stacks' prediction): their estimated seconds differ."""
+    a = "shared-sync+mps:cg:lowpri:sp4:k2:m8192"
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--steps", "20", "--engine-slots", "8",
+                "--cuda-graph-max-tokens", "512", "--arms", f"{a}:hold50:s1,{a}:off:s1,{a}:s1")
+    rows = _rows(out)
+    assert [r[1].rsplit("-k2-", 1)[1] for r in rows] == ["off-hold50-mb8k", "off-mb8k", "mb8k"]
+    assert len({float(r[7]) for r in rows}) == 3, out

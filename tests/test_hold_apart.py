@@ -13,7 +13,7 @@ from experiments.gpu_arms import parse_arm
 from experiments.gpu_table import arm_label
 from factories import simulate_with_and_without
 from nodus.accounting import audit_on_policy
-from nodus.config import STACKS_PROFILE, ConfigError
+from nodus.config import STACKS_PAIR_PROFILE, ConfigError
 from nodus.messages import Publish, PublishDone
 from nodus.scheduler import Scheduler
 from nodus.simulate import config_from_args
@@ -76,10 +76,10 @@ def test_a_finished_stack_holds_no_one():
 
 
 def test_simulated_stacks_stay_apart_only_when_held(tmp_path):
-    # On the shipped stacks profile offset stacks close in and run in step by their last steps
+    # On the pair's-rate stacks profile offset stacks close in and run in step by their last steps
     # (session 40 measured them fall in step within seven); held at 0.5 they stay half a cycle apart.
     runs = simulate_with_and_without(tmp_path, "hold_apart", 0.5, jobs=8, steps=20, policy="shared-sync",
-                                     sharing="mps", seed=1, stacks=2, offset_stacks=True, profile=STACKS_PROFILE)
+                                     sharing="mps", seed=1, stacks=2, offset_stacks=True, profile=STACKS_PAIR_PROFILE)
     free, held = runs[False], runs[True]
     free_summary, held_summary = (json.loads((d / "summary.json").read_text()) for d in (free, held))
     phase_free = sa.run_alignment(free)["phase_by_step"][1]

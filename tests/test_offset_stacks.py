@@ -73,11 +73,17 @@ def test_simulated_offset_stacks_start_apart(tmp_path):
 def test_cli_offset_stacks_flag_is_flagged_as_outside_the_profile(capsys):
     from nodus.cli import main
 
-    assert main(["sim", "--jobs", "4", "--steps", "2", "--policy", "shared-sync", "--stacks", "2",
-                 "--offset-stacks", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["steps_per_gpu_hour"] > 0
-    assert any("arm.offset_stacks" in f for d in out["diagnostics"] for f in d.get("outside_profile", []))
+    from nodus.config import STACKS_PAIR_PROFILE
+
+    def flagged(*profile):
+        assert main(["sim", "--jobs", "4", "--steps", "2", "--policy", "shared-sync", "--stacks", "2",
+                     "--offset-stacks", "--json", *profile]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["steps_per_gpu_hour"] > 0
+        return any("arm.offset_stacks" in f for d in out["diagnostics"] for f in d.get("outside_profile", []))
+
+    assert not flagged()  # the shipped stacks profile's lone-trainer rate was fitted on offset stacks
+    assert flagged("--profile", STACKS_PAIR_PROFILE)  # the pair's trainer rate, fitted on one stack
     assert main(["sim", "--jobs", "4", "--steps", "2", "--policy", "shared-sync", "--stacks", "2",
                  "--offset-stacks", "--lockstep"]) != 0
     assert "choose one" in capsys.readouterr().err

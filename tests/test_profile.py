@@ -104,3 +104,14 @@ def test_publish_corun_factor_defaults_to_one_and_refuses_a_speed_up(tmp_path):
     half = what_if(base, {"publish": 0.5})["publish"]
     assert half["corun_factor"] == 4.0
     assert half["save_s_per_adapter"] == pytest.approx(0.5 * base["publish"]["save_s_per_adapter"])
+
+
+def test_a_profile_dict_keeps_booleans_in_its_fitted_settings():
+    # The lone-trainer rate was fitted on offset stacks: the setting stays true through a rewrite
+    # (`nodus validate --annotate`), not 1.
+    from nodus.config import STACKS_TRAINER_PROFILE
+    from sim.profile import profile_dict
+
+    prof = profile_dict(STACKS_TRAINER_PROFILE)
+    assert prof["sharing"]["stacks_trainer_controls"]["offset_stacks"] is True
+    assert load_profile(STACKS_TRAINER_PROFILE).profile.sharing.stacks_trainer_controls["offset_stacks"] is True

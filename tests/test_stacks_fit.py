@@ -333,15 +333,17 @@ def test_fit_stacks_rate_trainer_recovers_the_lone_trainer_rate(tmp_path, capsys
 
 
 def test_the_shipped_profiles_flag_offset_stacks_and_overlap_unless_they_carry_the_trainer_rate(tmp_path):
-    from nodus.config import STACKS_TRAINER_PROFILE
+    from nodus.config import STACKS_PAIR_PROFILE, STACKS_TRAINER_PROFILE
 
-    assert load_profile(STACKS_PROFILE).profile.sharing.mps_stacks_trainer is None
+    assert STACKS_PROFILE == STACKS_TRAINER_PROFILE  # the default for stacks since session 41
+
+    assert load_profile(STACKS_PAIR_PROFILE).profile.sharing.mps_stacks_trainer is None
     assert load_profile(STACKS_TRAINER_PROFILE).profile.sharing.mps_stacks_trainer > 0
     kw = dict(jobs=8, steps=3, sharing="mps", stacks=2, seed=1, share_prompts=4)
     for arm in (dict(policy="shared-sync", offset_stacks=True), dict(policy="overlap", groups=2)):
         flags = {p: " ".join(simulate(config_from_args(profile=p, **arm, **kw))["outside_profile"])
-                 for p in (STACKS_PROFILE, STACKS_TRAINER_PROFILE)}
-        assert "no lone-trainer rate" in flags[STACKS_PROFILE] and STACKS_TRAINER_PROFILE in flags[STACKS_PROFILE]
+                 for p in (STACKS_PAIR_PROFILE, STACKS_TRAINER_PROFILE)}
+        assert "no lone-trainer rate" in flags[STACKS_PAIR_PROFILE] and STACKS_TRAINER_PROFILE in flags[STACKS_PAIR_PROFILE]
         assert "no lone-trainer rate" not in flags[STACKS_TRAINER_PROFILE]
     # Overlap is another policy than the rate's fit (offset stacks of shared-sync): flagged as such.
     assert "sharing.mps_stacks_trainer" in flags[STACKS_TRAINER_PROFILE]
