@@ -395,7 +395,9 @@ def test_offset_stacks_on_the_real_backend_start_the_second_stack_after_the_firs
 def test_stacks_held_apart_on_the_real_backend_stay_on_policy_and_apart(timeslice_pool):
     """arm.hold_apart on the two-stack cluster: the backend keeps a held generation until its
     not-before time while it waits on its workers; every step runs, every rollout is on-policy, and
-    from the step a cycle is known no two stacks' generations start within a quarter of a cycle."""
+    once a stack's cycle is known no generation of it starts near one of the other stack's. (The
+    stacks' paces differ on a loaded CPU, so the bound is the two stacks' shorter own cycle, gaps less
+    holds as the rule measures it, and half the rule's share: dispatch latency aside.)"""
     from nodus.runner import run_arm
 
     base = _small_cfg(2, 5)
@@ -404,11 +406,20 @@ def test_stacks_held_apart_on_the_real_backend_stay_on_policy_and_apart(timeslic
     s, runs = run_arm(cfg, timeslice_pool.pool, baseline=False)
     assert s["steps"] == 10 and s["stale_rollouts"] == 0 and s["arm"]["hold_apart"] == 0.5
     assert audit_on_policy(runs[0]) == []
-    start = {(x.stack, x.attrs["step"]): x.start_s for x in runs[0] if x.phase == "generate"}
-    cycle = (start[(0, 4)] - start[(0, 0)]) / 4
-    for step in (3, 4):
-        assert abs(start[(1, step)] - start[(0, step)]) % cycle >= 0.25 * cycle - 1e-3
-        assert cycle - abs(start[(1, step)] - start[(0, step)]) % cycle >= 0.25 * cycle - 1e-3
+    gens = {(x.stack, x.attrs["step"]): (x.start_s, x.attrs.get("held_s", 0.0)) for x in runs[0]
+            if x.phase == "generate"}
+
+    def own_cycle(stack, step):  # as Scheduler._hold_until: the last four starts' gaps less their holds
+        recent = [gens[(stack, k)] for k in range(max(0, step - 4), step)]
+        return (recent[-1][0] - recent[0][0] - sum(h for _, h in recent[1:])) / (len(recent) - 1)
+
+    assert any(h > 0 for _, h in gens.values())  # the rule held generations through the real backend
+    for (stack, step), (t, _) in gens.items():
+        if step < 2:
+            continue
+        near = min((abs(t - u), k) for (o, k), (u, _) in gens.items() if o != stack and k >= 2)
+        bound = 0.25 * min(own_cycle(stack, step), own_cycle(1 - stack, near[1]))
+        assert near[0] >= bound - 0.02, (stack, step, near, bound, sorted(gens.items()))
 
 
 def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
