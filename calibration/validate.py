@@ -333,6 +333,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         packing = build_config(replay_cfg, f"{rd}/config.json").trainer_packing()  # as the trainer ran it
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
                "audit": audit_label(replay_cfg["audit"]),  # its own configuration, priced or not
+               "machine": run_machine(meas),
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
                "host_monitor": run_host_monitor(meas), "jit_compiles": run_jit_compiles(meas),
                **({"engine_steps": es} if (es := run_engine_steps(meas)) else {}),
@@ -391,10 +392,44 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     report["error_correlates"] = error_correlates(rows)
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
+    report["heldout_machine_calibrated"] = machine_calibrated([r for r in rows if r["heldout"]])
     h = report["heldout_replay"]
     report.update(heldout_mape_replay=h["mape"], heldout_mape_sampled=report["heldout_sampled"]["mape"],
                   worst=h["worst"], bias=h["bias"], kendall_tau=h["kendall_tau"])
     return report
+
+
+def machine_calibrated(rows: list[dict]) -> dict | None:
+    """The simulator with the machine's speed known: each run's prediction times its machine's
+    measured over simulated steps/GPU-h on that machine's *other* runs (the mean ratio; leave one
+    out, so a run never calibrates itself), as a planner who measured other configurations on the
+    machine would have it. Runs alone on their machine, or of no recorded machine, are left out.
+    Per lengths mode: the error statistics and Kendall tau of those predictions; with ``machines``
+    (how many) and ``factors`` (each machine's mean ratio over all its runs). None with no machine of
+    two runs or more. What is left is the simulator's error between configurations on one machine;
+    the factors' spread is what the machine itself adds."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("machine"):
+            by.setdefault(r["machine"], []).append(r)
+    by = {m: rs for m, rs in by.items() if len(rs) >= 2}
+    if not by:
+        return None
+
+    def ratio(r: dict, mode: str) -> float:
+        return r["measured"]["steps_per_gpu_hour"] / r[mode]["steps_per_gpu_hour"]
+
+    out: dict = {"machines": len(by)}
+    for mode in ("replay", "sampled"):
+        pred, meas = [], []
+        for rs in by.values():
+            for r in rs:
+                f = float(np.mean([ratio(o, mode) for o in rs if o is not r]))
+                pred.append(r[mode]["steps_per_gpu_hour"] * f)
+                meas.append(r["measured"]["steps_per_gpu_hour"])
+        out[mode] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)}
+    out["factors"] = {m: float(np.mean([ratio(r, "replay") for r in rs])) for m, rs in sorted(by.items())}
+    return out
 
 
 def run_audit(summary: dict) -> dict:
@@ -1210,6 +1245,17 @@ def render_markdown(rep: dict) -> str:
             fmt = (lambda x: "-" if x is None else f"{x:.1%}")
             tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
             lines.append(f"| {split} | {mode} | {fmt(e['mape'])} | {fmt(e['worst'])} | {fmt(e['bias'])} | {tau} | {e['n']} |")
+    mc = rep.get("heldout_machine_calibrated")
+    if mc:
+        f = sorted(mc["factors"].values())
+        lines += ["", f"With the machine's speed known (each held-out run's prediction times its machine's measured "
+                  f"over simulated steps/GPU-h on that machine's other held-out runs; {mc['machines']} machines "
+                  f"of two runs or more, their factors {f[0]:.3f}-{f[-1]:.3f}):", "",
+                  "| lengths | MAPE | worst | bias | Kendall tau | n |", "|---|---|---|---|---|---|"]
+        for mode in ("replay", "sampled"):
+            e = mc[mode]
+            tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
+            lines.append(f"| {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {tau} | {e['n']} |")
     pc = [(split, rep.get(f"{split}_per_config")) for split in ("heldout", "all")]
     if any(p and p["replay"]["n"] for _, p in pc):
         lines += ["", "Against each configuration's mean over its runs (seeds, repeats):", "",

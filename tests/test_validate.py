@@ -19,6 +19,31 @@ def test_error_stats_and_kendall_tau_on_known_values():
     assert kendall_tau([1], [1]) is None
 
 
+def test_machine_calibrated_predictions_leave_each_run_out_of_its_own_factor():
+    from calibration.validate import machine_calibrated, render_markdown
+
+    def row(machine, measured, simulated):
+        return {"machine": machine, "measured": {"steps_per_gpu_hour": measured},
+                "replay": {"steps_per_gpu_hour": simulated}, "sampled": {"steps_per_gpu_hour": simulated}}
+
+    # Machine a runs 10% over the simulator on both runs: exact once its speed is known. Machine b's
+    # runs are 10% and 20% under it: each is priced with the other's factor (80 -> 90, 90 -> 80).
+    # Machine c has one run and a run has no machine: both left out.
+    rows = [row("a", 110, 100), row("a", 220, 200), row("b", 90, 100), row("b", 80, 100),
+            row("c", 5, 5), row(None, 50, 100)]
+    mc = machine_calibrated(rows)
+    assert mc["machines"] == 2 and mc["replay"]["n"] == 4
+    assert mc["replay"]["mape"] == pytest.approx((0 + 0 + 10 / 90 + 10 / 80) / 4)
+    assert mc["replay"]["worst"] == pytest.approx(10 / 80)
+    assert mc["factors"] == pytest.approx({"a": 1.1, "b": 0.85})
+    assert machine_calibrated([row("a", 110, 100), row("b", 90, 100)]) is None  # no machine of two runs
+    text = render_markdown({"profile": "p", "fit_max_jobs": 4, "rows": [],
+                            **{f"{sp}_{m}": {"mape": None, "worst": None, "bias": None, "n": 0, "kendall_tau": None}
+                               for sp in ("heldout", "all") for m in ("replay", "sampled")},
+                            "heldout_machine_calibrated": mc})
+    assert "With the machine's speed known" in text and "| replay | 5.9% | 12.5% |" in text
+
+
 def test_discordant_pairs_name_what_tau_counts_against_the_simulator():
     from calibration.validate import discordant_pairs
 
