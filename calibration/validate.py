@@ -1398,5 +1398,10 @@ def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | Non
         "kendall_tau": h["kendall_tau"], "heldout_runs": len(held),
         "configurations": sorted({config_label(r) for r in held if r.get("arm")}),
         "report": report, **days}
+    mc = rep.get("heldout_machine_calibrated")
+    if mc:
+        e = mc["replay"]
+        prof["validation"].update(machine_mape=e["mape"], machine_bias=e["bias"], machine_worst=e["worst"],
+                                  machine_runs=e["n"], machines=mc["machines"])
     write_profile(prof, out, "nodus validate --annotate", overwrite=in_place)
     return prof

@@ -368,6 +368,10 @@ def error_bar_line(validation: dict | None) -> str:
     line = (f"This profile against {v.get('heldout_runs', 0)} held-out real runs: steps per GPU-hour "
             f"MAPE {v['heldout_mape']:.1%}, bias {v['heldout_bias']:+.1%}, worst {v['heldout_worst']:.1%}"
             + (f" ({v['report']})" if v.get("report") else "") + ".")
+    if v.get("machine_mape") is not None:
+        line += (f" With the machine's speed known (its other configurations measured; {v.get('machine_runs', 0)} "
+                 f"runs on {v.get('machines', 0)} machines): MAPE {v['machine_mape']:.1%}, bias "
+                 f"{v['machine_bias']:+.1%}, worst {v['machine_worst']:.1%}.")
     if v.get("across_days_mape") is not None:
         line += (f" On {v.get('across_days_runs', 0)} runs of other days: MAPE {v['across_days_mape']:.1%}, "
                  f"bias {v['across_days_bias']:+.1%}, worst {v['across_days_worst']:.1%}"

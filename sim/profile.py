@@ -226,6 +226,14 @@ class Validation(_M):
     across_days_worst: float | None = None
     across_days_runs: int = 0
     across_days_report: str | None = None
+    # The held-out error with each run's machine speed known (`nodus validate`'s machine-calibrated
+    # figures: each run priced with its machine's measured-over-simulated ratio on its other runs):
+    # what a plan gets once one configuration is measured on the machine it is for.
+    machine_mape: float | None = None
+    machine_bias: float | None = None
+    machine_worst: float | None = None
+    machine_runs: int = 0
+    machines: int = 0
 
 
 class Profile(_M):

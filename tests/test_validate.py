@@ -100,6 +100,22 @@ def test_extrapolated_predictions_are_flagged_in_the_report(tmp_path):
     assert "outside the profiled region" in md and "train micro-batch tokens" in md
 
 
+def test_annotation_carries_the_machine_calibrated_error(tmp_path):
+    from calibration.validate import annotate_profile
+    from nodus.simulate import error_bar_line
+    from sim.profile import load_profile
+
+    rep = {"rows": [{"heldout": True, "arm": None}], "heldout_replay": {"mape": 0.07, "bias": 0.017, "worst": 0.171,
+                                                                      "kendall_tau": 0.0},
+           "heldout_machine_calibrated": {"machines": 5, "replay": {"mape": 0.04, "bias": 0.002, "worst": 0.109, "n": 20}}}
+    out = tmp_path / "p.json"
+    annotate_profile(DEFAULT_PROFILE, rep, out)
+    v = load_profile(str(out)).validation()
+    assert (v["machine_mape"], v["machine_runs"], v["machines"]) == (0.04, 20, 5)
+    line = error_bar_line(v)
+    assert "MAPE 7.0%" in line and "With the machine's speed known" in line and "20 runs on 5 machines): MAPE 4.0%" in line
+
+
 def test_annotated_profile_carries_its_error_bar_into_every_report(tmp_path, capsys):
     runs = []
     for jobs, policy in ((1, "dedicated"), (8, "overlap")):
