@@ -432,6 +432,27 @@ def machine_calibrated(rows: list[dict]) -> dict | None:
     return out
 
 
+def machine_factor(runs: list[str | Path], profile: str) -> dict:
+    """How fast one machine runs against a profile: the mean measured over simulated steps/GPU-h of
+    runs recorded on it (their own configurations, replayed lengths). Raises ConfigError when the
+    runs name no machine or more than one, or a folder is not a recorded run. With ``factor``,
+    ``runs``, ``machine`` and each run's ``ratio``: ``nodus sim --machine-runs`` scales a prediction
+    by it (the profiles' machine-calibrated held-out error is the error bar of that)."""
+    rep = validate(runs, profile)
+    machines = {r["machine"] for r in rep["rows"]}
+    if None in machines:
+        raise ConfigError("--machine-runs: "
+                          f"{[r['run'] for r in rep['rows'] if r['machine'] is None]} record no machine (host name and "
+                          "boot id, or GPU UUIDs: runs of the real backend since session 35 do); a factor needs runs "
+                          "known to share one machine")
+    if len(machines) > 1:
+        raise ConfigError(f"--machine-runs: the runs come from {len(machines)} machines ({sorted(machines)}); a machine "
+                          "factor is one machine's: give runs of the machine the plan is for")
+    ratios = {r["run"]: r["measured"]["steps_per_gpu_hour"] / r["replay"]["steps_per_gpu_hour"] for r in rep["rows"]}
+    return {"factor": float(np.mean(list(ratios.values()))), "runs": len(ratios), "machine": machines.pop(),
+            "ratio": ratios}
+
+
 def run_audit(summary: dict) -> dict:
     """A run's logprob audit settings as its diagnostics recorded them (logprobs, every, responses;
     the last entry that has them), {} for a run before the record (the default audit)."""

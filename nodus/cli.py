@@ -140,16 +140,43 @@ def cmd_sim(a: argparse.Namespace) -> int:
         Path(profile).write_text(json.dumps(prof, indent=1))
         cfg = cfg.model_copy(update={"profile": profile})
     cfg = audit_from_args(default_packing(cfg, profile_graphed(cfg.profile)), a)
+    machine = None
+    if a.machine_runs:  # before the simulation: bad runs fail before anything is written
+        from calibration.validate import machine_factor
+
+        machine = machine_factor(a.machine_runs, cfg.profile)
     summary = simulate(cfg, a.out)
+    if machine:
+        summary = scale_to_machine(summary, machine)
+        if a.out:
+            (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
     if a.what_if and a.out:
         shutil.copy(profile, Path(a.out) / "what_if_profile.json")
     if a.json:
         print(json.dumps(summary, sort_keys=True, default=str))
     else:
         print(render_table(summary, cfg.trainer.share_prompts))
+        if machine:
+            print(f"\nScaled to the machine of {machine['runs']} measured run(s) ({machine['machine']}): their measured "
+                  f"over simulated steps/GPU-h, {machine['factor']:.3f}, times the steps/GPU-h and the pace above "
+                  f"(unscaled {machine['unscaled_steps_per_gpu_hour']:.1f}); the ratios vs dedicated are unscaled.")
         if a.out:
             print(f"\nwrote {a.out}/ (summary.json, spans.jsonl, trace.json for Perfetto, gantt.png)")
     return 0
+
+
+def scale_to_machine(summary: dict, machine: dict) -> dict:
+    """A simulated summary at one machine's speed (``calibration.validate.machine_factor``): its
+    steps/GPU-h and steady pace times the factor, the unscaled figure and the factor kept under
+    ``machine``. Ratios vs dedicated stay as simulated (the factor was measured on the runs given,
+    not on dedicated ones)."""
+    f = machine["factor"]
+    out = dict(summary, steps_per_gpu_hour=summary["steps_per_gpu_hour"] * f,
+               machine=dict(machine, unscaled_steps_per_gpu_hour=summary["steps_per_gpu_hour"]))
+    machine.update(unscaled_steps_per_gpu_hour=summary["steps_per_gpu_hour"])
+    if (summary.get("pace") or {}).get("pace_steps_per_gpu_hour"):
+        out["pace"] = dict(summary["pace"], pace_steps_per_gpu_hour=summary["pace"]["pace_steps_per_gpu_hour"] * f)
+    return out
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:
@@ -461,6 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--what-if", action="append", default=[], metavar="PHASE=FACTOR",
                    help="scale a phase's costs on the profile, hypothetically (train, decode, prefill, "
                         "publish; 0.5: twice as fast); repeatable; the report lists it as an assumption")
+    p.add_argument("--machine-runs", nargs="+", metavar="RUN_DIR",
+                   help="recorded real runs of the machine the plan is for (one machine): the prediction's "
+                        "steps/GPU-h and pace times their measured over simulated steps/GPU-h (the profile's "
+                        "machine-calibrated error is its error bar)")
     p.set_defaults(fn=cmd_sim)
 
     p = sub.add_parser("profiles", help="the shipped simulator profiles: where measured, and their error bars")

@@ -850,3 +850,36 @@ def test_validate_names_runs_of_one_folder_name_by_their_day(tmp_path):
 
     rows = [{"run": str(r), "host_probe": {"cpu_loop_s": 1.0 if i else 3.0}} for i, r in enumerate(runs)]
     assert flagged_text(host_flags(rows)) == "session1/arms/ovl-s1 (cpu_loop_s 3.0x)"
+
+
+def test_sim_scaled_to_a_machine_by_its_recorded_runs(tmp_path, capsys):
+    """nodus sim --machine-runs: the prediction times one machine's measured over simulated
+    steps/GPU-h on runs recorded there (session 41's second H200, two of its runs); runs of two
+    machines, or of none recorded, are refused by name."""
+    import json
+
+    from calibration.validate import machine_factor
+    from nodus.config import STACKS_PROFILE
+
+    day = Path(__file__).resolve().parents[1] / "experiments/results/h200/session41"
+    m2 = [str(day / "session41-m2/arms" / f"shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-{k}mb8k-s2")
+          for k in ("", "off-")]
+    mf = machine_factor(m2, STACKS_PROFILE)
+    rep = validate(m2, STACKS_PROFILE)
+    want = sum(r["measured"]["steps_per_gpu_hour"] / r["replay"]["steps_per_gpu_hour"] for r in rep["rows"]) / 2
+    assert mf["runs"] == 2 and mf["factor"] == pytest.approx(want) and "80dd47ae" in mf["machine"]
+    argv = ["sim", "--jobs", "8", "--steps", "3", "--policy", "shared-sync", "--stacks", "2", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--machine-runs", *m2]) == 0
+    scaled = json.loads(capsys.readouterr().out)
+    assert scaled["steps_per_gpu_hour"] == pytest.approx(plain["steps_per_gpu_hour"] * mf["factor"])
+    assert scaled["machine"]["unscaled_steps_per_gpu_hour"] == pytest.approx(plain["steps_per_gpu_hour"])
+    assert scaled["ratio_vs_dedicated"] == pytest.approx(plain["ratio_vs_dedicated"])
+    m1 = str(day / "arms/shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s1")
+    with pytest.raises(ConfigError, match="from 2 machines"):
+        machine_factor([m1, m2[0]], STACKS_PROFILE)
+    sim_run = tmp_path / "sim"
+    simulate(config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="mps"), sim_run)
+    assert main(argv + ["--machine-runs", str(sim_run), "--out", str(tmp_path / "never")]) != 0
+    assert "record no machine" in capsys.readouterr().err and not (tmp_path / "never").exists()
