@@ -157,9 +157,10 @@ def cmd_sim(a: argparse.Namespace) -> int:
     else:
         print(render_table(summary, cfg.trainer.share_prompts))
         if machine:
-            print(f"\nScaled to the machine of {machine['runs']} measured run(s) ({machine['machine']}): their measured "
-                  f"over simulated steps/GPU-h, {machine['factor']:.3f}, times the steps/GPU-h and the pace above "
-                  f"(unscaled {machine['unscaled_steps_per_gpu_hour']:.1f}); the ratios vs dedicated are unscaled.")
+            m = summary["machine"]
+            print(f"\nScaled to the machine of {m['runs']} measured run(s) ({m['machine']}): their measured over "
+                  f"simulated steps/GPU-h, {m['factor']:.3f}, times the steps/GPU-h and the pace above (unscaled "
+                  f"{m['unscaled_steps_per_gpu_hour']:.1f}); the ratios vs dedicated are unscaled.")
         if a.out:
             print(f"\nwrote {a.out}/ (summary.json, spans.jsonl, trace.json for Perfetto, gantt.png)")
     return 0
@@ -173,7 +174,6 @@ def scale_to_machine(summary: dict, machine: dict) -> dict:
     f = machine["factor"]
     out = dict(summary, steps_per_gpu_hour=summary["steps_per_gpu_hour"] * f,
                machine=dict(machine, unscaled_steps_per_gpu_hour=summary["steps_per_gpu_hour"]))
-    machine.update(unscaled_steps_per_gpu_hour=summary["steps_per_gpu_hour"])
     if (summary.get("pace") or {}).get("pace_steps_per_gpu_hour"):
         out["pace"] = dict(summary["pace"], pace_steps_per_gpu_hour=summary["pace"]["pace_steps_per_gpu_hour"] * f)
     return out
