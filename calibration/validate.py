@@ -399,6 +399,11 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     return report
 
 
+def _speed_ratio(row: dict, mode: str = "replay") -> float:
+    """A validated run's measured over simulated steps/GPU-h (``mode``: replayed or sampled lengths)."""
+    return row["measured"]["steps_per_gpu_hour"] / row[mode]["steps_per_gpu_hour"]
+
+
 def machine_calibrated(rows: list[dict]) -> dict | None:
     """The simulator with the machine's speed known: each run's prediction times its machine's
     measured over simulated steps/GPU-h on that machine's *other* runs (the mean ratio; leave one
@@ -415,20 +420,16 @@ def machine_calibrated(rows: list[dict]) -> dict | None:
     by = {m: rs for m, rs in by.items() if len(rs) >= 2}
     if not by:
         return None
-
-    def ratio(r: dict, mode: str) -> float:
-        return r["measured"]["steps_per_gpu_hour"] / r[mode]["steps_per_gpu_hour"]
-
     out: dict = {"machines": len(by)}
     for mode in ("replay", "sampled"):
         pred, meas = [], []
         for rs in by.values():
             for r in rs:
-                f = float(np.mean([ratio(o, mode) for o in rs if o is not r]))
+                f = float(np.mean([_speed_ratio(o, mode) for o in rs if o is not r]))
                 pred.append(r[mode]["steps_per_gpu_hour"] * f)
                 meas.append(r["measured"]["steps_per_gpu_hour"])
         out[mode] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas)}
-    out["factors"] = {m: float(np.mean([ratio(r, "replay") for r in rs])) for m, rs in sorted(by.items())}
+    out["factors"] = {m: float(np.mean([_speed_ratio(r) for r in rs])) for m, rs in sorted(by.items())}
     return out
 
 
@@ -448,7 +449,7 @@ def machine_factor(runs: list[str | Path], profile: str) -> dict:
     if len(machines) > 1:
         raise ConfigError(f"--machine-runs: the runs come from {len(machines)} machines ({sorted(machines)}); a machine "
                           "factor is one machine's: give runs of the machine the plan is for")
-    ratios = {r["run"]: r["measured"]["steps_per_gpu_hour"] / r["replay"]["steps_per_gpu_hour"] for r in rep["rows"]}
+    ratios = {r["run"]: _speed_ratio(r) for r in rep["rows"]}
     return {"factor": float(np.mean(list(ratios.values()))), "runs": len(ratios), "machine": machines.pop(),
             "ratio": ratios}
 
@@ -1244,6 +1245,10 @@ def run_labels(rep: dict) -> dict[str, str]:
     return dict(zip(runs, unique_names(runs)))
 
 
+def _tau_text(e: dict) -> str:
+    return "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
+
+
 def render_markdown(rep: dict) -> str:
     label = run_labels(rep)
     lines = [f"Simulator (profile `{rep['profile']}`) against recorded runs; held out: more than "
@@ -1264,8 +1269,8 @@ def render_markdown(rep: dict) -> str:
         for mode in ("replay", "sampled"):
             e = rep[f"{split}_{mode}"]
             fmt = (lambda x: "-" if x is None else f"{x:.1%}")
-            tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
-            lines.append(f"| {split} | {mode} | {fmt(e['mape'])} | {fmt(e['worst'])} | {fmt(e['bias'])} | {tau} | {e['n']} |")
+            lines.append(f"| {split} | {mode} | {fmt(e['mape'])} | {fmt(e['worst'])} | {fmt(e['bias'])} | "
+                         f"{_tau_text(e)} | {e['n']} |")
     mc = rep.get("heldout_machine_calibrated")
     if mc:
         f = sorted(mc["factors"].values())
@@ -1275,8 +1280,7 @@ def render_markdown(rep: dict) -> str:
                   "| lengths | MAPE | worst | bias | Kendall tau | n |", "|---|---|---|---|---|---|"]
         for mode in ("replay", "sampled"):
             e = mc[mode]
-            tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
-            lines.append(f"| {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {tau} | {e['n']} |")
+            lines.append(f"| {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {_tau_text(e)} | {e['n']} |")
     pc = [(split, rep.get(f"{split}_per_config")) for split in ("heldout", "all")]
     if any(p and p["replay"]["n"] for _, p in pc):
         lines += ["", "Against each configuration's mean over its runs (seeds, repeats):", "",
@@ -1285,9 +1289,8 @@ def render_markdown(rep: dict) -> str:
             for mode in ("replay", "sampled"):
                 e = p[mode]
                 if e["n"]:
-                    tau = "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
                     lines.append(f"| {split} | {mode} | {e['n']} | {e['mape']:.1%} | {e['worst']:.1%} | "
-                                 f"{e['bias']:+.1%} | {tau} |")
+                                 f"{e['bias']:+.1%} | {_tau_text(e)} |")
         worse = (rep.get("heldout_per_config") or {}).get("replay", {}).get("discordant")
         if worse:
             lines += ["", "Held-out configurations the simulator orders unlike the measurements, or level "
