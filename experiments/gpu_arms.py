@@ -714,8 +714,7 @@ def main() -> None:
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                     steps=args.steps, stacks=stacks if stacks > 1 else None,
-                    lockstep=cfg.arm.lockstep or None, offset_stacks=cfg.arm.offset_stacks or None,
-                    hold_apart=cfg.arm.hold_apart or None,
+                    lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold,
                     seed=seed, profile=profile).model_copy(update={"audit": cfg.audit}), engine_args))
                 # Without a priming step (--no-prime) new processes still cost their start, inside the run.
                 prime_s = est.prime_s(action, sharing, n_stacks(cfg)) if prime or action != "reuse" else 0.0

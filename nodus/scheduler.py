@@ -170,10 +170,11 @@ class Scheduler:
                     f"version {job.version}; refusing to sample")
             reqs.append(RolloutRequest(job.id, step=job.version, adapter_version=job.version))
         a = Generate(self._id("gen"), g.index, g.stack, tuple(reqs), not_before)
-        self._starts.setdefault(g.stack, []).append(self._now if not_before is None else not_before)
-        self._holds.setdefault(g.stack, []).append(0.0 if not_before is None else not_before - self._now)
+        held = 0.0 if not_before is None else not_before - self._now
+        self._starts.setdefault(g.stack, []).append(self._now + held)
+        self._holds.setdefault(g.stack, []).append(held)
         if not_before is not None:
-            self._held_s[a.action_id] = not_before - self._now
+            self._held_s[a.action_id] = held
         g.state = "generating"
         self._inflight[a.action_id] = ([g], a)
         return [a]
