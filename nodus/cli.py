@@ -145,38 +145,16 @@ def cmd_sim(a: argparse.Namespace) -> int:
         from calibration.validate import machine_factor
 
         machine = machine_factor(a.machine_runs, cfg.profile)
-    summary = simulate(cfg, a.out)
-    if machine:
-        summary = scale_to_machine(summary, machine)
-        if a.out:
-            (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
+    summary = simulate(cfg, a.out, machine)
     if a.what_if and a.out:
         shutil.copy(profile, Path(a.out) / "what_if_profile.json")
     if a.json:
         print(json.dumps(summary, sort_keys=True, default=str))
     else:
         print(render_table(summary, cfg.trainer.share_prompts))
-        if machine:
-            m = summary["machine"]
-            print(f"\nScaled to the machine of {m['runs']} measured run(s) ({m['machine']}): their measured over "
-                  f"simulated steps/GPU-h, {m['factor']:.3f}, times the steps/GPU-h and the pace above (unscaled "
-                  f"{m['unscaled_steps_per_gpu_hour']:.1f}); the ratios vs dedicated are unscaled.")
         if a.out:
             print(f"\nwrote {a.out}/ (summary.json, spans.jsonl, trace.json for Perfetto, gantt.png)")
     return 0
-
-
-def scale_to_machine(summary: dict, machine: dict) -> dict:
-    """A simulated summary at one machine's speed (``calibration.validate.machine_factor``): its
-    steps/GPU-h and steady pace times the factor, the unscaled figure and the factor kept under
-    ``machine``. Ratios vs dedicated stay as simulated (the factor was measured on the runs given,
-    not on dedicated ones)."""
-    f = machine["factor"]
-    out = dict(summary, steps_per_gpu_hour=summary["steps_per_gpu_hour"] * f,
-               machine=dict(machine, unscaled_steps_per_gpu_hour=summary["steps_per_gpu_hour"]))
-    if (summary.get("pace") or {}).get("pace_steps_per_gpu_hour"):
-        out["pace"] = dict(summary["pace"], pace_steps_per_gpu_hour=summary["pace"]["pace_steps_per_gpu_hour"] * f)
-    return out
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:

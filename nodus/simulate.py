@@ -63,8 +63,10 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
     return size_engine_graphs(size_engine_slots(build_config(data)))  # the slots bound the sequences
 
 
-def simulate(cfg: RunConfig, out: str | Path | None = None) -> dict:
-    """Run one arm in the simulator (plus its dedicated baseline); write a run folder if `out`."""
+def simulate(cfg: RunConfig, out: str | Path | None = None, machine: dict | None = None) -> dict:
+    """Run one arm in the simulator (plus its dedicated baseline); write a run folder if `out`.
+    ``machine``: a machine's speed (``calibration.validate.machine_factor``) to scale the prediction
+    to (``scale_to_machine``)."""
     from sim import backend_factory
 
     out_dir = make_out_dir(out) if out is not None else None
@@ -75,9 +77,24 @@ def simulate(cfg: RunConfig, out: str | Path | None = None) -> dict:
     summary["assumptions"] = make.cost.assumptions()
     summary["profile_validation"] = make.cost.validation()
     summary["outside_profile"] = sorted(make.cost.flags)
+    if machine:
+        summary = scale_to_machine(summary, machine)
     if out_dir is not None:
         write_run(out_dir, cfg, summary, runs)
     return summary
+
+
+def scale_to_machine(summary: dict, machine: dict) -> dict:
+    """A simulated summary at one machine's speed (``calibration.validate.machine_factor``): its
+    steps/GPU-h and steady pace times the factor, the unscaled figure and the factor kept under
+    ``machine``. Ratios vs dedicated stay as simulated (the factor was measured on the runs given,
+    not on dedicated ones)."""
+    f = machine["factor"]
+    out = dict(summary, steps_per_gpu_hour=summary["steps_per_gpu_hour"] * f,
+               machine=dict(machine, unscaled_steps_per_gpu_hour=summary["steps_per_gpu_hour"]))
+    if (summary.get("pace") or {}).get("pace_steps_per_gpu_hour"):
+        out["pace"] = dict(summary["pace"], pace_steps_per_gpu_hour=summary["pace"]["pace_steps_per_gpu_hour"] * f)
+    return out
 
 
 def write_run(out_dir: Path, cfg: RunConfig, summary: dict, runs) -> None:
@@ -170,6 +187,11 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
     if slow:
         lines.append(f"| per-job slowdown vs alone: min / max | {min(slow):.2f}x / {max(slow):.2f}x |")
     out = "\n".join(lines)
+    m = s.get("machine")
+    if m:
+        out += (f"\n\nScaled to the machine of {m['runs']} measured run(s) ({m['machine']}): their measured over "
+                f"simulated steps/GPU-h, {m['factor']:.3f}, times the steps/GPU-h and the pace above (unscaled "
+                f"{m['unscaled_steps_per_gpu_hour']:.1f}); the ratios vs dedicated are unscaled.")
     if s.get("assumptions"):
         out += "\n\nProfile: " + s["profile"]["source"] + ". Assumptions used (not yet measured):\n"
         out += "\n".join(f"- {a['id']}: {a['what']}" for a in s["assumptions"])

@@ -876,6 +876,12 @@ def test_sim_scaled_to_a_machine_by_its_recorded_runs(tmp_path, capsys):
     assert scaled["steps_per_gpu_hour"] == pytest.approx(plain["steps_per_gpu_hour"] * mf["factor"])
     assert scaled["machine"]["unscaled_steps_per_gpu_hour"] == pytest.approx(plain["steps_per_gpu_hour"])
     assert scaled["ratio_vs_dedicated"] == pytest.approx(plain["ratio_vs_dedicated"])
+    out = tmp_path / "scaled"
+    assert main(argv[:-1] + ["--machine-runs", *m2, "--out", str(out)]) == 0
+    capsys.readouterr()
+    written = json.loads((out / "summary.json").read_text())  # the run folder holds the scaled prediction
+    assert written["steps_per_gpu_hour"] == pytest.approx(scaled["steps_per_gpu_hour"]) and written["git_commit"]
+    assert f"measured over simulated steps/GPU-h, {mf['factor']:.3f}" in (out / "table.md").read_text()
     m1 = str(day / "arms/shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s1")
     with pytest.raises(ConfigError, match="from 2 machines"):
         machine_factor([m1, m2[0]], STACKS_PROFILE)
