@@ -663,6 +663,9 @@ class RealBackend:
         packed = max(prompt_tokens_of(j) + max(share, 1) * j.max_new_tokens for j in jobs)
         rows = max(j.prompts_per_step * j.responses_per_prompt for j in jobs)
         sched = plan(self.cfg, self._start)
+        # Every stack warms at once (each stack's engine and trainer are processes of their own):
+        # one after the other, a two-stack cluster spent 50-60 s a stack here on the H200 (session
+        # 41), most of it the graphed trainer's captures. The replies name their stack in the tag.
         for s in range(self.c.n_stacks):
             per_step = max_jobs_per_train(sched, s)
             reqs = []
@@ -671,24 +674,26 @@ class RealBackend:
                 reqs.append(GenRequest(job_id=j.id, adapter_version=self._start[j.id], prompts=[sp.prompts[0]], n=1,
                                        max_new_tokens=4, temperature=1.0,
                                        forced_lengths=[4] if sp.forced_lengths else None))
-            self.c.engines[s].put(("eval", "warmup", reqs))
+            tag = f"warmup{s}"
+            self.c.engines[s].put(("eval", tag, reqs))
             # Every step size the engine runs without CUDA graphs (big prefills) compiles its LoRA
             # kernels now: a compile inside a measured generation stalls it for seconds.
-            self.c.engines[s].put(("warmkernels", "warmup", jobs[0].id))
-            self.c.trainers[s].put(("warmup", "warmup", max(j.lora_rank for j in jobs), rows, seq, per_step, share,
+            self.c.engines[s].put(("warmkernels", tag, jobs[0].id))
+            self.c.trainers[s].put(("warmup", tag, max(j.lora_rank for j in jobs), rows, seq, per_step, share,
                                     packed))
-            for _ in range(3):
-                msg = self.c.get()
-                if msg[0] == "warmed" and len(msg) > 2:
-                    self.c.worker_info.setdefault(f"trainer{s}", {}).update(msg[2])
-                elif msg[0] == "warmedkernels":
-                    _, _, counts, secs, jit, before = msg
-                    # Compiles: the kernel warm-up's, and the warm-up generation's before it (None:
-                    # not seen, the engine core in a process of its own).
-                    self.c.worker_info.setdefault(f"engine{s}", {})["kernel_warmup"] = {
-                        "token_counts": counts, "s": round(secs, 3),
-                        "jit_compiles": None if jit is None else len(jit),
-                        "generation_jit_compiles": None if before is None else len(before)}
+        for _ in range(3 * self.c.n_stacks):
+            msg = self.c.get()
+            s = int(msg[1][len("warmup"):])
+            if msg[0] == "warmed" and len(msg) > 2:
+                self.c.worker_info.setdefault(f"trainer{s}", {}).update(msg[2])
+            elif msg[0] == "warmedkernels":
+                _, _, counts, secs, jit, before = msg
+                # Compiles: the kernel warm-up's, and the warm-up generation's before it (None:
+                # not seen, the engine core in a process of its own).
+                self.c.worker_info.setdefault(f"engine{s}", {})["kernel_warmup"] = {
+                    "token_counts": counts, "s": round(secs, 3),
+                    "jit_compiles": None if jit is None else len(jit),
+                    "generation_jit_compiles": None if before is None else len(before)}
 
     def start_versions(self) -> dict[str, int]:
         return dict(self._start)

@@ -360,6 +360,11 @@ def test_shared_sync_in_two_stacks_runs_each_stacks_jobs_on_its_own_engine_and_t
     first = {x.job: x for x in spans if x.phase == "generate" and x.attrs["step"] == 0}
     a, b = first.values()
     assert a.start_s < b.end_s and b.start_s < a.end_s  # the two stacks generated at the same time
+    # Both stacks warmed up (at once, each reply told apart by its tag): each engine's kernel
+    # warm-up and each trainer's state are recorded under that stack's own names.
+    workers = s["diagnostics"][0]["workers"]
+    for k in range(2):
+        assert "kernel_warmup" in workers[f"engine{k}"] and "step_mode" in workers[f"trainer{k}"]
 
 
 def _two_stack_run(timeslice_pool, flag: str):
