@@ -64,6 +64,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -923,12 +924,14 @@ def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
     base_scale = prof["decode"].get("scale", 1.0)
     (scale,) = nonneg_rel_lstsq(dec_a[:, None], y_a - fixed_a, scale=y_a)
     scale = float(scale) if scale > 0 else base_scale
-    before = (fixed_a + dec_a) / y_a - 1
+    before = (fixed_a + dec_a) / y_a - 1  # the curves unscaled (decode.scale 1)
+    at_base = (fixed_a + base_scale * dec_a) / y_a - 1  # the base's scale
     after = (fixed_a + scale * dec_a) / y_a - 1
     prof["decode"]["scale"] = scale
     return {"scale": scale, "generations": len(rows), "base_scale": base_scale,
             "mape_before": float(np.mean(np.abs(before))), "mape_after": float(np.mean(np.abs(after))),
-            "bias_before": float(np.mean(before)), "bias_after": float(np.mean(after))}
+            "bias_before": float(np.mean(before)), "bias_after": float(np.mean(after)),
+            "mape_base": float(np.mean(np.abs(at_base))), "bias_base": float(np.mean(at_base))}
 
 
 def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]:
@@ -999,6 +1002,66 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
     if table:
         sharing["corun_by_engine_batch"] = kept
     return dropped
+
+
+def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
+    """A copy of ``base`` with ``decode.scale`` alone refitted on dedicated runs' generations (one
+    job alone, no MPS: ``_decode_scale``); every other term and rate kept.
+
+    For a profile whose engine scale was fitted on runs of another engine setting than the ones it
+    is now used for: the stacks profiles' came from session 16's dedicated runs (vLLM's default
+    CUDA-graph sizes, the trainer on torch's own threads) and priced today's dedicated runs (512-token
+    graphs, 2 trainer threads) 10-19% slow, so a plan's ratio over dedicated came out high. The rates
+    that were fitted at the old scale (``nodus fit-stacks``'s two-engine and lone-trainer rates) move
+    with it: fit them again on the new profile. Refused: a run that is not dedicated without MPS, ran
+    a cheaper audit, its engine core in a process of its own, or other LoRA kernels than the base's."""
+    from sim.profile import add_source, profile_dict, profile_lora_kernels, set_assumption
+    from calibration.validate import run_controls
+
+    prof = profile_dict(base)
+    base_kernels = profile_lora_kernels(prof)
+    gens, used, hosts = [], [], []
+    for rd in map(Path, runs):
+        recorded = load_recorded(rd)
+        cfg, summary, _ = recorded
+        arm = cfg["arm"]
+        if arm.get("policy") != "dedicated" or arm.get("sharing", "none") != "none" or stacks_of(arm) > 1:
+            raise ConfigError(f"nodus fit --decode-scale-only: {rd} is a {arm.get('policy')} run under "
+                              f"{arm.get('sharing')} sharing; decode.scale is fitted on dedicated runs without MPS "
+                              "(one job alone on the engine)")
+        controls = run_controls(summary)
+        if controls.get("audit"):
+            raise ConfigError(f"nodus fit --decode-scale-only: {rd}'s engine returned logprobs on fewer steps or "
+                              f"responses (audit {controls['audit']}) than the runs a profile describes; fit runs at "
+                              "the default audit")
+        if controls.get("engine_core_process"):
+            raise ConfigError(f"nodus fit --decode-scale-only: {rd}'s engine ran its core in a process of its own "
+                              "(--engine-core-process); a profile describes an engine in one process")
+        kernels = controls.get("lora_kernels", "default")
+        if kernels != base_kernels:
+            raise ConfigError(f"nodus fit --decode-scale-only: {rd}'s engine ran {kernels} LoRA kernel configs, the "
+                              f"base's engine the {base_kernels} ones: fit runs of the base's engine")
+        gens += [dict(g, dedicated=True) for g in generate_samples(rd, recorded)]
+        used.append(str(rd))
+        for d in summary.get("diagnostics", []):
+            if d.get("host") and d["host"] not in hosts:
+                hosts.append(d["host"])
+    if not used:
+        raise ConfigError("nodus fit --decode-scale-only: no runs given")
+    fitted = _decode_scale(gens, prof)
+    if fitted is None:
+        raise ConfigError(f"nodus fit --decode-scale-only: {len(gens)} complete generation(s) in {len(used)} run(s); "
+                          "need >= 3")
+    prof.setdefault("measurements", {})["decode_scale_fit"] = dict(fitted, runs=used, hosts=hosts)
+    carried = next((x for x in prof.get("assumptions", []) if x["id"] == "engine-curves-from-base"), None)
+    if carried:  # its text names the scale: say the new one and where it came from
+        set_assumption(prof, dict(carried, what=re.sub(
+            r"decode\.scale \([0-9.]+, [^)]*\)",
+            f"decode.scale ({fitted['scale']:.3f}, refitted on {len(used)} dedicated run(s)' generations by nodus fit "
+            "--decode-scale-only)", carried["what"])))
+    add_source(prof, f"nodus fit --decode-scale-only on {len(used)} run(s): decode.scale {fitted['base_scale']:.3f} "
+                     f"-> {fitted['scale']:.3f}")
+    return prof
 
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,

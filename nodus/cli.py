@@ -290,9 +290,32 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_decode_scale_only(a: argparse.Namespace) -> int:
+    from calibration.fit_runs import fit_decode_scale
+    from sim.profile import refuse_existing, write_profile
+
+    others = [flag for flag, on in (("--trainer-mode", a.trainer_mode), ("--lora-kernels", a.lora_kernels),
+                                    ("--graphless-from", a.graphless_from), ("--scales-only", a.scales_only))
+              if on]
+    if others:
+        raise ConfigError(f"--decode-scale-only fits decode.scale alone: drop {', '.join(others)}")
+    refuse_existing(a.out, "nodus fit")
+    prof = fit_decode_scale(a.runs, a.base)
+    write_profile(prof, a.out, "nodus fit")
+    d = prof["measurements"]["decode_scale_fit"]
+    print(f"decode steps x {d['scale']:.3f} (was {d['base_scale']:.3f}; {d['generations']} dedicated generations "
+          f"of {len(d['runs'])} run(s): their error at the base's scale {d['mape_base']:.1%}, bias {d['bias_base']:+.1%}; "
+          f"now {d['mape_after']:.1%}, {d['bias_after']:+.1%}); every other term and rate kept from the base")
+    print(f"wrote {a.out}; rates fitted at the old scale (nodus fit-stacks) move with it: fit them again on it, "
+          f"then check it with: nodus validate RUN_DIR... --profile {a.out}")
+    return 0
+
+
 def cmd_fit(a: argparse.Namespace) -> int:
     from calibration.fit_runs import fit_to_file
 
+    if a.decode_scale_only:
+        return _fit_decode_scale_only(a)
     if a.graph_max_tokens is not None and a.graphless_from is None:
         raise ConfigError("--graph-max-tokens says which rows of --graphless-from are past the CUDA graphs: "
                           "give --graphless-from too")
@@ -642,6 +665,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="carry the base to the runs' host and day instead of refitting it: its cost shapes and "
                         "sharing rates kept, the runs fit the trainer's scale, decode.scale and the publish cost "
                         "(the day's dedicated runs suffice; one is needed)")
+    p.add_argument("--decode-scale-only", action="store_true",
+                   help="refit decode.scale alone on dedicated runs' generations (one job alone, no MPS), every "
+                        "other term and rate of the base kept: for a profile whose engine scale came from runs of "
+                        "other engine settings; refit its stacks rates after it (nodus fit-stacks)")
     p.add_argument("--term-selection", choices=TERM_SELECTIONS, default="runs",
                    help="how the train terms the runs support are chosen by cross-validation: runs (leave one run "
                         "out) or extrapolate (the largest steps predicted from the smaller ones, as the profile is "

@@ -888,3 +888,36 @@ def test_a_fitted_decode_scale_records_the_runs_engine_slots(tmp_path):
     assert fit([ded, shared], base=base)["environment"]["engine_max_loras"] == 8
     _mark_slots(shared, 4)
     assert fit([ded, shared], base=base)["environment"]["engine_max_loras"] is None
+
+
+def test_decode_scale_only_refits_the_engine_scale_and_keeps_every_other_term(tmp_path, capsys):
+    """Dedicated runs recorded at decode.scale 0.85 against a base at 1.25 (the stacks profiles'
+    case: an engine scale from runs of other settings): --decode-scale-only gives 0.85 back, keeps
+    the train terms, publish cost and sharing rates as they were, and the dedicated runs are then
+    predicted exactly; a run that is not dedicated without MPS is refused by name, and the CLI says
+    the old and new scale."""
+    base = _profile_with(tmp_path, "base", a=0.15, b=2e-5, c=0.04, save=0.05, decode_scale=1.25)
+    day = _profile_with(tmp_path, "day", a=0.15, b=2e-5, c=0.04, save=0.05, decode_scale=0.85)
+    ded, shared = tmp_path / "ded", tmp_path / "shared"
+    simulate(config_from_args(jobs=4, steps=3, policy="dedicated", sharing="none", profile=day), ded)
+    simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", profile=day), shared)
+    from calibration.fit_runs import fit_decode_scale
+
+    prof = fit_decode_scale([ded], base)
+    was = json.loads(open(base).read())
+    assert prof["decode"]["scale"] == pytest.approx(0.85, rel=1e-6)
+    assert {k: prof[k] for k in ("train", "publish", "sharing", "prefill")} == \
+        {k: was[k] for k in ("train", "publish", "sharing", "prefill")}
+    d = prof["measurements"]["decode_scale_fit"]
+    assert d["base_scale"] == 1.25 and d["bias_base"] > 0.1 and abs(d["bias_after"]) < 1e-6
+    assert prof["environment"]["sources"][-1].endswith("decode.scale 1.250 -> 0.850")
+    out = tmp_path / "fitted.json"
+    assert main(["fit", "--decode-scale-only", str(ded), "--base", base, "--out", str(out)]) == 0
+    assert "decode steps x 0.850 (was 1.250" in capsys.readouterr().out
+    assert validate([ded], profile=str(out))["all_replay"]["mape"] == pytest.approx(0, abs=1e-6)
+    assert validate([ded], profile=base)["all_replay"]["mape"] > 0.05
+    with pytest.raises(ConfigError, match=f"{shared.name} is a shared-sync run under mps sharing"):
+        fit_decode_scale([ded, shared], base)
+    assert main(["fit", "--decode-scale-only", str(ded), "--base", base, "--scales-only",
+                 "--out", str(tmp_path / "x.json")]) != 0
+    assert "drop --scales-only" in capsys.readouterr().err
