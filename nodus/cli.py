@@ -399,7 +399,7 @@ def cmd_fit_audit(a: argparse.Namespace) -> int:
 def cmd_fit_stacks(a: argparse.Namespace) -> int:
     from calibration.stacks import fit_to_file
 
-    r = fit_to_file(a.runs, a.base, a.out, report=a.report, rate_name=a.rate)
+    r = fit_to_file(a.runs, a.base, a.out, report=a.report, rate_name=a.rate, left_out=not a.no_left_out)
     what = (f"each of two stacks' engines generating together; one engine alone under MPS {r['mps_alone_engine']:.3f}"
             if r["field"] == "mps_engines" else
             f"a lone trainer beside engines of several stacks; the pair's, fitted on one stack, {r['mps_corun_trainer']:.3f}")
@@ -696,6 +696,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "lone trainer beside engines of several stacks (sharing.mps_stacks_trainer), fitted on a base "
                         "with a two-engine rate, held (fit it on runs whose trains ran beside generations: offset "
                         "stacks, --offset-stacks)")
+    p.add_argument("--no-left-out", action="store_true",
+                   help="fit on every run only, without leaving each run and each day out (those fits replay "
+                        "the runs about 20,000 times for thirty runs: hours on two cores); validate the profile on "
+                        "held-out runs instead (nodus validate)")
     p.set_defaults(fn=cmd_fit_stacks)
 
     p = sub.add_parser("fit-audit", help="fit the audit's engine cost (decode.logprob_s_per_seq) from pairs of "

@@ -95,6 +95,14 @@ def test_fit_stacks_recovers_the_rate_the_runs_were_simulated_with(tmp_path, cap
     assert prof["sharing"]["mps_engines"] == pytest.approx(0.7, rel=0.02)
     assert any(a["id"] == "sharing-two-engines" for a in prof["assumptions"])
     assert (tmp_path / "rep.md").is_file()
+    # --no-left-out: the same rate from every run, without the left-out fits (none recorded).
+    quick = tmp_path / "quick.json"
+    assert main(["fit-stacks", *map(str, runs), "--base", DEFAULT_PROFILE, "--out", str(quick), "--no-left-out"]) == 0
+    assert "leaving each run out" not in capsys.readouterr().out
+    q = json.loads(quick.read_text())
+    assert q["sharing"]["mps_engines"] == prof["sharing"]["mps_engines"]
+    assert q["measurements"]["stacks"]["left_out_mape"] is None
+    assert all(row["left_out"] is None for row in q["measurements"]["stacks"]["rows"])
     # nodus validate counts the fit runs as fitted, not held out, by their spans whatever the path
     # (a copy elsewhere, a path through ..); another two-stack run of the same arm stays held out.
     import shutil
