@@ -363,10 +363,22 @@ STACKS_PAIR_PROFILE = "h200-xeon16-graphed-stacks-audit-sessions30-38-qwen3-0.6b
 # above the trainer's alone rate under MPS (1.074): it carries the train terms' overpricing on these
 # machines. Most of its error is the machine: on session 41's two machines it was +9 to +17% on one
 # and -1 to -2% on the other, whose free runs differed by 16%.
+# The default for two stacks in sessions 41-42. Its engine scale (decode.scale 1.226) came from
+# session 16's dedicated runs (vLLM's default graph sizes, the trainer on torch's own threads): it
+# priced today's dedicated runs (512-token graphs, 2 trainer threads) 10-19% slow, its stacks rates
+# carried that, and its ratio over dedicated came out +15% on 11 same-machine pairs (sessions 39, 42).
 STACKS_TRAINER_PROFILE = "h200-xeon16-graphed-stacks-audit-trainer-sessions30-39-qwen3-0.6b"
+# The profile above with decode.scale refitted on 22 dedicated runs of sessions 31-38 at today's
+# settings (nodus fit --decode-scale-only: 1.054) and both stacks rates fitted again on it, on the
+# same runs (nodus fit-stacks --no-left-out: two engines 0.743, a lone trainer 0.888). On the 24
+# runs held out (sessions 39-42, six machines): 7.7% / 7.8% MAPE, worst 18.8%, bias -0.4% (the
+# profile above: 7.5% / 7.4%, worst 21.4%, bias +3.1%); the held-out days' dedicated runs -9 to +5%
+# (above: -13 to -15% on session 42's); the ratio over dedicated on 11 same-machine pairs 7.9% off,
+# bias +1.8% (above: 15.4%, +15.1%). experiments/results/h200/session42/README.md, section 4.
+STACKS_DECODE_PROFILE = "h200-xeon16-graphed-stacks-audit-trainer-decode31-38-sessions30-39-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
 # normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen.
-STACKS_PROFILE = STACKS_TRAINER_PROFILE
+STACKS_PROFILE = STACKS_DECODE_PROFILE
 
 
 class RunConfig(_Model):

@@ -343,7 +343,10 @@ def test_fit_stacks_rate_trainer_recovers_the_lone_trainer_rate(tmp_path, capsys
 def test_the_shipped_profiles_flag_offset_stacks_and_overlap_unless_they_carry_the_trainer_rate(tmp_path):
     from nodus.config import STACKS_PAIR_PROFILE, STACKS_TRAINER_PROFILE
 
-    assert STACKS_PROFILE == STACKS_TRAINER_PROFILE  # the default for stacks since session 41
+    from nodus.config import STACKS_DECODE_PROFILE
+
+    assert STACKS_PROFILE == STACKS_DECODE_PROFILE  # the default for stacks since session 42
+    assert load_profile(STACKS_DECODE_PROFILE).profile.sharing.mps_stacks_trainer > 0
 
     assert load_profile(STACKS_PAIR_PROFILE).profile.sharing.mps_stacks_trainer is None
     assert load_profile(STACKS_TRAINER_PROFILE).profile.sharing.mps_stacks_trainer > 0
