@@ -664,8 +664,9 @@ class RealBackend:
         rows = max(j.prompts_per_step * j.responses_per_prompt for j in jobs)
         sched = plan(self.cfg, self._start)
         # Every stack warms at once (each stack's engine and trainer are processes of their own):
-        # one after the other, a two-stack cluster spent 50-60 s a stack here on the H200 (session
-        # 41), most of it the graphed trainer's captures. The replies name their stack in the tag.
+        # one after the other, a two-stack cluster spent 111 s here on the H200 (session 41), most of
+        # it the graphed trainers' captures; at once, 71 s (session 42). Replies name their stack in
+        # the tag.
         for s in range(self.c.n_stacks):
             per_step = max_jobs_per_train(sched, s)
             reqs = []
