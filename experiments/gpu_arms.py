@@ -171,7 +171,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     restarts). `kN` (arm.stacks), `lock` (arm.lockstep: a shared-sync kN arm's stacks in lockstep), `off`
     (arm.offset_stacks: a shared-sync kN arm's stacks started out of step), `holdF` (arm.hold_apart:
     offset stacks held apart, F in hundredths of a cycle, hold50: exactly out of step; sets off) and
-    `spK` (trainer.share_prompts) are the run config's, carried in the same dict, as is `lsN`: a kN
+    `spK` (trainer.share_prompts) are the run config's, carried in the same dict, as are `nN` (this
+    arm's steps a job, over --steps) and `lsN`: a kN
     arm's engine adapter slots (each stack's engine), in place of one per job of a stack, so that
     arms of several job counts run on one engine (one cluster start)."""
     name, *opts = text.strip().split(":")
@@ -211,6 +212,11 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             # The run config's arm.hold_apart (in hundredths of a cycle), with the offset start it needs.
             trainer["hold_apart"] = int(o[4:]) / 100
             trainer["offset_stacks"] = True
+        elif re.fullmatch(r"n[1-9][0-9]*", o):
+            # This arm's steps a job, over --steps: one call runs dedicated runs of 5 steps beside
+            # two-stack runs of 20 (session 42's --steps 20 gave its dedicated run 20 too: 220 s, and
+            # the deadline skipped the two-stack runs after it).
+            trainer["steps"] = int(o[1:])
         elif re.fullmatch(r"ls[1-9][0-9]*", o):
             # A kN arm's engine adapter slots (vLLM max_loras of each stack's engine), in place of
             # one per job of its stack: arms of several job counts on one engine (one cluster start).
@@ -250,7 +256,7 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "loaded unpinned), kN (N engine + trainer stacks splitting the jobs), lock (a kN "
                              "shared-sync arm's stacks in lockstep), off (a kN shared-sync arm's stacks started out "
                              "of step), holdF (off, the stacks then held F hundredths of a cycle apart, 1-50), "
-                             "lsN (a kN "
+                             "nN (this arm's steps a job, over --steps), lsN (a kN "
                              "arm's engine adapter slots, in place of one per job of a stack) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
     sync_stacks = trainer.get("stacks", 1) >= 2 and ARMS[name][0] == "shared-sync"  # what lock and off need
@@ -610,9 +616,10 @@ def main() -> None:
             arm_lock = arm_trainer.get("lockstep")  # lock: the run config's arm.lockstep
             arm_off = arm_trainer.get("offset_stacks")  # off: the run config's arm.offset_stacks
             arm_hold = arm_trainer.get("hold_apart")  # holdF: the run config's arm.hold_apart
+            arm_steps = arm_trainer.get("steps", args.steps)  # nN: this arm's steps a job
             arm_trainer = {k: v for k, v in arm_trainer.items()
                            if k not in ("share_prompts", "stacks", "engine_slots", "lockstep", "offset_stacks",
-                                        "hold_apart")}
+                                        "hold_apart", "steps")}
             try:
                 # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.
                 arm_opts = dataclasses.replace(opts, **arm_trainer)
@@ -639,7 +646,7 @@ def main() -> None:
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else arm_mb
                 cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
-                                       steps=args.steps, seed=seed, stacks=stacks if stacks > 1 else None,
+                                       steps=arm_steps, seed=seed, stacks=stacks if stacks > 1 else None,
                                        lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold)
                 cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
                 cfg, _ = with_audit(cfg, arm_opts)  # the arm's audit (:aN, :rK, --audit-*) in its recorded config
@@ -689,6 +696,7 @@ def main() -> None:
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"
+                key += f"-n{arm_steps}" if arm_steps != args.steps else ""  # nN: its own steps a job
                 key += f"-r{rnd}" if rnd > 1 else ""  # a repeat round (--rounds): the same arm again
                 # New trainer settings restart the trainers: a new shape to prime (run-loop settings,
                 # such as the audit's cadence, keep every process: nothing new to prime).
@@ -713,7 +721,7 @@ def main() -> None:
                                       stacks > 1 and sharing == "mps" and policy != "timeslice")
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
-                    steps=args.steps, stacks=stacks if stacks > 1 else None,
+                    steps=arm_steps, stacks=stacks if stacks > 1 else None,
                     lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold,
                     seed=seed, profile=profile).model_copy(update={"audit": cfg.audit}), engine_args))
                 # Without a priming step (--no-prime) new processes still cost their start, inside the run.

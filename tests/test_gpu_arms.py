@@ -426,3 +426,18 @@ def test_a_plan_prices_each_arm_of_stacks_with_its_own_schedule(tmp_path, monkey
     rows = _rows(out)
     assert [r[1].rsplit("-k2-", 1)[1] for r in rows] == ["off-hold50-mb8k", "off-mb8k", "mb8k"]
     assert len({float(r[7]) for r in rows}) == 3, out
+
+
+def test_an_arm_may_run_its_own_step_count(tmp_path, monkeypatch, capsys):
+    """nN: this arm's steps a job over --steps, so one call runs 5-step dedicated runs beside 20-step
+    two-stack runs (session 42's --steps 20 gave its dedicated run 20 steps: 220 s, and the deadline
+    then skipped the two-stack runs). The run's key says so, and its estimate is the shorter run's."""
+    assert parse_arm("dedicated:cg:n5:s3")[-1] == {"trainer_graphs": True, "steps": 5}
+    with pytest.raises(SystemExit, match="'n0' is not jN.*nN"):
+        parse_arm("dedicated:n0")
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--steps", "20", "--engine-slots", "8",
+                "--cuda-graph-max-tokens", "512", "--arms", "dedicated:cg:n5:s1,dedicated:cg:s2")
+    rows = _rows(out)
+    assert [r[1] for r in rows] == ["dedicated-cg-gm512-cpu2-n5", "dedicated-cg-gm512-cpu2"], out
+    five, twenty = (float(r[7]) for r in rows)
+    assert 3 * five < twenty < 5 * five, out  # the run's own steps, and its fixed costs once
