@@ -64,7 +64,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -269,6 +268,38 @@ def graphless_points(path: str | Path, graph_max_tokens: int | None = None) -> t
     return graph_max_tokens, [best[a] for a in sorted(best)]
 
 
+def _refuse_other_engine(rd: Path, controls: dict, command: str) -> None:
+    """Refuse (ConfigError, naming ``command``) a run whose engine is not the one a profile describes:
+    logprobs returned on fewer steps or responses than every response of every step, or vLLM's core
+    in a process of its own."""
+    if controls.get("audit"):
+        raise ConfigError(f"{command}: {rd}'s engine returned logprobs on fewer steps or responses (audit "
+                          f"{controls['audit']}; --audit-every / --audit-responses / --no-audit) than the runs a "
+                          "profile describes (every response of every step): its generations would fit a cheaper "
+                          "engine; fit runs at the default audit")
+    if controls.get("engine_core_process"):
+        raise ConfigError(f"{command}: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
+                          "a profile describes an engine in one process: fit runs without it")
+
+
+def _add_hosts(hosts: list, summary: dict) -> None:
+    """Append the hosts a run's diagnostics record that ``hosts`` does not hold yet."""
+    for d in summary.get("diagnostics", []):
+        if d.get("host") and d["host"] not in hosts:
+            hosts.append(d["host"])
+
+
+def _engine_curves_assumption(kernels: str, curves_kernels: str, scale: float, fitted: bool) -> dict:
+    """Assumption ``engine-curves-from-base``: an engine of ``kernels`` LoRA kernel configs priced by
+    decode curves measured with ``curves_kernels`` ones, times ``scale`` (``fitted`` on dedicated runs'
+    generations, or kept from the base)."""
+    return {"id": "engine-curves-from-base", "value": curves_kernels,
+            "what": f"the engine ran the {kernels} LoRA kernel configs, the decode curves were measured with "
+                    f"the {curves_kernels} ones: they are those curves times decode.scale ({scale:.3f}, "
+                    f"{'fitted on' if fitted else 'kept from the base: no'} dedicated runs' generations), "
+                    "prefill is the base's unscaled; nodus calibrate with the same kernels measures them"}
+
+
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
         lora_kernels: str | None = None, graphless_from: str | Path | None = None,
         graph_max_tokens: int | None = None, scales_only: bool = False,
@@ -341,14 +372,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                               f"({'--trainer-mode' if trainer_mode else 'the base profile, train.step_mode'}): fit "
                               "runs of one trainer (a graphed trainer's base: nodus calibrate --trainer-graphs; or "
                               "--trainer-mode graphed to fit its terms onto another base)")
-        if controls.get("audit"):
-            raise ConfigError(f"nodus fit: {rd}'s engine returned logprobs on fewer steps or responses (audit "
-                              f"{controls['audit']}; --audit-every / --audit-responses / --no-audit) than the runs a "
-                              "profile describes (every response of every step): its generations would fit a cheaper "
-                              "engine; fit runs at the default audit")
-        if controls.get("engine_core_process"):
-            raise ConfigError(f"nodus fit: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
-                              "a profile describes an engine in one process: fit runs without it")
+        _refuse_other_engine(rd, controls, "nodus fit")
         if controls.get("engine_cpu_threads"):
             raise ConfigError(f"nodus fit: {rd}'s engine ran {controls['engine_cpu_threads']} torch CPU threads "
                               "(--engine-cpu-threads); a profile records no engine thread cap: fit runs on torch's "
@@ -388,10 +412,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         gens += [dict(g, dedicated=cfg["arm"]["policy"] == "dedicated") for g in generate_samples(rd, recorded)]
         used.append(str(rd))
         commits.add(summary.get("git_commit") or "unrecorded")
-        for d in summary.get("diagnostics", []):
-            if d.get("host") and d["host"] not in hosts:
-                hosts.append(d["host"])
-            slots.add(d.get("engine_max_loras"))
+        _add_hosts(hosts, summary)
+        slots.update(d.get("engine_max_loras") for d in summary.get("diagnostics", []))
     if len(layouts) > 1:
         raise ConfigError("nodus fit: the runs' trainers used different multi-adapter layouts ("
                           + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layouts.items()))
@@ -545,13 +567,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
             if want_kernels == "tuned" else None)
     prof["assumptions"] = [x for x in prof.get("assumptions", []) if x["id"] != "engine-curves-from-base"]
     if want_kernels != curves_kernels:
-        scale = prof["decode"].get("scale", 1.0)
-        prof["assumptions"].append(
-            {"id": "engine-curves-from-base", "value": curves_kernels,
-             "what": f"the engine ran the {want_kernels} LoRA kernel configs, the decode curves were measured with "
-                     f"the {curves_kernels} ones: they are those curves times decode.scale ({scale:.3f}, "
-                     f"{'fitted on' if decode_fit else 'kept from the base: no'} dedicated runs' generations), "
-                     "prefill is the base's unscaled; nodus calibrate with the same kernels measures them"})
+        prof["assumptions"].append(_engine_curves_assumption(want_kernels, curves_kernels,
+                                                             prof["decode"].get("scale", 1.0), decode_fit is not None))
     if graphless_from is not None:
         name = Path(graphless_from).name
         measured = ", ".join(f"{p['step_s'] * 1e3:.1f} ms at batch {p['batch']} with {p['adapters']} adapters"
@@ -1030,22 +1047,14 @@ def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
                               f"{arm.get('sharing')} sharing; decode.scale is fitted on dedicated runs without MPS "
                               "(one job alone on the engine)")
         controls = run_controls(summary)
-        if controls.get("audit"):
-            raise ConfigError(f"nodus fit --decode-scale-only: {rd}'s engine returned logprobs on fewer steps or "
-                              f"responses (audit {controls['audit']}) than the runs a profile describes; fit runs at "
-                              "the default audit")
-        if controls.get("engine_core_process"):
-            raise ConfigError(f"nodus fit --decode-scale-only: {rd}'s engine ran its core in a process of its own "
-                              "(--engine-core-process); a profile describes an engine in one process")
+        _refuse_other_engine(rd, controls, "nodus fit --decode-scale-only")
         kernels = controls.get("lora_kernels", "default")
         if kernels != base_kernels:
             raise ConfigError(f"nodus fit --decode-scale-only: {rd}'s engine ran {kernels} LoRA kernel configs, the "
                               f"base's engine the {base_kernels} ones: fit runs of the base's engine")
         gens += [dict(g, dedicated=True) for g in generate_samples(rd, recorded)]
         used.append(str(rd))
-        for d in summary.get("diagnostics", []):
-            if d.get("host") and d["host"] not in hosts:
-                hosts.append(d["host"])
+        _add_hosts(hosts, summary)
     if not used:
         raise ConfigError("nodus fit --decode-scale-only: no runs given")
     fitted = _decode_scale(gens, prof)
@@ -1054,11 +1063,8 @@ def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
                           "need >= 3")
     prof.setdefault("measurements", {})["decode_scale_fit"] = dict(fitted, runs=used, hosts=hosts)
     carried = next((x for x in prof.get("assumptions", []) if x["id"] == "engine-curves-from-base"), None)
-    if carried:  # its text names the scale: say the new one and where it came from
-        set_assumption(prof, dict(carried, what=re.sub(
-            r"decode\.scale \([0-9.]+, [^)]*\)",
-            f"decode.scale ({fitted['scale']:.3f}, refitted on {len(used)} dedicated run(s)' generations by nodus fit "
-            "--decode-scale-only)", carried["what"])))
+    if carried:  # its text names the scale: the new one
+        set_assumption(prof, _engine_curves_assumption(base_kernels, carried["value"], fitted["scale"], True))
     add_source(prof, f"nodus fit --decode-scale-only on {len(used)} run(s): decode.scale {fitted['base_scale']:.3f} "
                      f"-> {fitted['scale']:.3f}")
     return prof
