@@ -436,20 +436,25 @@ def machine_calibrated(rows: list[dict]) -> dict | None:
 def machine_factor(runs: list[str | Path], profile: str) -> dict:
     """How fast one machine runs against a profile: the mean measured over simulated steps/GPU-h of
     runs recorded on it (their own configurations, replayed lengths). Raises ConfigError when the
-    runs name no machine or more than one, or a folder is not a recorded run. With ``factor``,
-    ``runs``, ``machine`` and each run's ``ratio``: ``nodus sim --machine-runs`` scales a prediction
-    by it (the profiles' machine-calibrated held-out error is the error bar of that)."""
-    rep = validate(runs, profile)
-    machines = {r["machine"] for r in rep["rows"]}
+    runs name no machine or more than one, or a folder is not a recorded run; both before any
+    simulation. With ``factor``, ``runs``, ``machine`` and each run's ``ratio``: ``nodus sim
+    --machine-runs`` scales a prediction by it (the profiles' machine-calibrated held-out error is
+    the error bar of that). Only the replayed lengths are simulated (``validate`` also samples)."""
+    recorded = [(str(rd), *load_recorded(rd)) for rd in map(Path, runs)]
+    machines = {run_machine(meas) for _, _, meas, _ in recorded}
     if None in machines:
         raise ConfigError("--machine-runs: "
-                          f"{[r['run'] for r in rep['rows'] if r['machine'] is None]} record no machine (host name and "
-                          "boot id, or GPU UUIDs: runs of the real backend since session 35 do); a factor needs runs "
-                          "known to share one machine")
+                          f"{[rd for rd, _, meas, _ in recorded if run_machine(meas) is None]} record no machine (host "
+                          "name and boot id, or GPU UUIDs: runs of the real backend since session 35 do); a factor needs "
+                          "runs known to share one machine")
     if len(machines) > 1:
         raise ConfigError(f"--machine-runs: the runs come from {len(machines)} machines ({sorted(machines)}); a machine "
                           "factor is one machine's: give runs of the machine the plan is for")
-    ratios = {r["run"]: _speed_ratio(r) for r in rep["rows"]}
+    ratios = {}
+    for rd, cfg, meas, spans in recorded:
+        replay_cfg, _ = recorded_configs(Path(rd), cfg, spans, profile)
+        sim = _simulate(replay_cfg, f"{rd}/config.json")
+        ratios[rd] = meas["steps_per_gpu_hour"] / sim["steps_per_gpu_hour"]
     return {"factor": float(np.mean(list(ratios.values()))), "runs": len(ratios), "machine": machines.pop(),
             "ratio": ratios}
 

@@ -852,19 +852,25 @@ def test_validate_names_runs_of_one_folder_name_by_their_day(tmp_path):
     assert flagged_text(host_flags(rows)) == "session1/arms/ovl-s1 (cpu_loop_s 3.0x)"
 
 
-def test_sim_scaled_to_a_machine_by_its_recorded_runs(tmp_path, capsys):
+def test_sim_scaled_to_a_machine_by_its_recorded_runs(tmp_path, capsys, monkeypatch):
     """nodus sim --machine-runs: the prediction times one machine's measured over simulated
-    steps/GPU-h on runs recorded there (session 41's second H200, two of its runs); runs of two
-    machines, or of none recorded, are refused by name."""
+    steps/GPU-h on runs recorded there (session 41's second H200, two of its runs), simulating each
+    run once (its replayed lengths); runs of two machines, or of none recorded, are refused by name
+    before any simulation."""
     import json
 
+    import calibration.validate as cv
     from calibration.validate import machine_factor
     from nodus.config import STACKS_PROFILE
 
     day = Path(__file__).resolve().parents[1] / "experiments/results/h200/session41"
     m2 = [str(day / "session41-m2/arms" / f"shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-{k}mb8k-s2")
           for k in ("", "off-")]
+    simulated = []
+    real_simulate = cv._simulate
+    monkeypatch.setattr(cv, "_simulate", lambda cfg, src: simulated.append(src) or real_simulate(cfg, src))
     mf = machine_factor(m2, STACKS_PROFILE)
+    assert simulated == [f"{r}/config.json" for r in m2]  # replayed lengths only: one simulation a run
     rep = validate(m2, STACKS_PROFILE)
     want = sum(r["measured"]["steps_per_gpu_hour"] / r["replay"]["steps_per_gpu_hour"] for r in rep["rows"]) / 2
     assert mf["runs"] == 2 and mf["factor"] == pytest.approx(want) and "80dd47ae" in mf["machine"]
@@ -883,8 +889,10 @@ def test_sim_scaled_to_a_machine_by_its_recorded_runs(tmp_path, capsys):
     assert written["steps_per_gpu_hour"] == pytest.approx(scaled["steps_per_gpu_hour"]) and written["git_commit"]
     assert f"measured over simulated steps/GPU-h, {mf['factor']:.3f}" in (out / "table.md").read_text()
     m1 = str(day / "arms/shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s1")
+    simulated.clear()
     with pytest.raises(ConfigError, match="from 2 machines"):
         machine_factor([m1, m2[0]], STACKS_PROFILE)
+    assert simulated == []  # refused before any simulation
     sim_run = tmp_path / "sim"
     simulate(config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="mps"), sim_run)
     assert main(argv + ["--machine-runs", str(sim_run), "--out", str(tmp_path / "never")]) != 0
