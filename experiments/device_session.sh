@@ -161,10 +161,12 @@ case "${1:-arms}" in
     # of the limit are left for what the invocation does before its first run and after its last
     # (the model's save, closing the processes, the environment record).
     # Plan a call first, on the CPU machine: gpu_arms.py --plan --cpus 16 with the same arms.
+    # --estimates: the starts and run factors measured by earlier calls on this machine (a fresh
+    # machine has none: the H200 defaults), so a call on a warm machine is planned by its own figures.
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
       --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" \
       --deadline $(( ${ARMS_TIMEOUT:-540} > 60 ? ${ARMS_TIMEOUT:-540} - 30 : ${ARMS_TIMEOUT:-540} / 2 )) \
-      ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
+      --estimates ~/.cache/nodus/gpu_arms_estimates.json ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
     echo "gpu_arms$T rc=$?"
     grep "steps/GPU-h\|skipped\|Error\|error:" "$D/arms/arms.log" | tail -12
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;

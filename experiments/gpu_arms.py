@@ -45,12 +45,27 @@ WALL_OVER_SIM = 2.0
 class Estimates:
     """Seconds a run will take (``--deadline``, ``--plan``): the invocation's own measurements where it
     has them (a start of the same sharing mode and stack count; its priming steps; the same arm's largest wall over
-    the simulator's GPU-seconds, else any arm's), the H200's figures above until then."""
+    the simulator's GPU-seconds, else any arm's), the H200's figures above until then.
 
-    def __init__(self) -> None:
+    ``path`` (``--estimates``): a JSON file of starts and run factors measured by earlier invocations
+    on this machine, read at the start and rewritten after each measurement, so that the next call
+    on a warm machine (its compile cache and page cache warm: session 43's starts took 110-256 s
+    against the defaults' 275-400 s) plans with them. Each start and each factor keeps the slowest
+    measured (a deadline errs toward skipping). A file that does not read as one is refused by name."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
         self.start: dict[tuple[str, int], float] = {}  # (sharing, stacks) -> a start and priming step here
         self.prime: list[float] = []  # priming steps on running processes here
         self.factor: dict[str, float] = {}  # arm name -> a run's wall over its simulated GPU-seconds
+        if path is not None and path.exists():
+            try:
+                data = json.loads(path.read_text())
+                self.start = {(k.split("/")[0], int(k.split("/")[1])): float(v) for k, v in data["start"].items()}
+                self.factor = {k: float(v) for k, v in data["factor"].items()}
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+                raise SystemExit(f"gpu_arms: --estimates {path}: not an estimates file ({type(err).__name__}: {err}); "
+                                 "remove it to start from the H200 defaults") from None
 
     def prime_s(self, action: str, sharing: str, stacks: int) -> float:
         """A priming step's seconds after the pool's ``action`` (ClusterPool.plan: "start" includes the
@@ -64,13 +79,21 @@ class Estimates:
 
     def primed(self, action: str, sharing: str, stacks: int, seconds: float) -> None:
         if action == "start":
-            self.start[(sharing, stacks)] = seconds
+            self.start[(sharing, stacks)] = max(self.start.get((sharing, stacks), 0.0), seconds)
+            self._save()
         else:
             self.prime.append(seconds)
 
     def ran(self, name: str, sim_gpu_s: float, seconds: float) -> None:
         if sim_gpu_s > 0:  # the arm's slowest run yet: a deadline errs toward skipping
             self.factor[name] = max(self.factor.get(name, 0.0), seconds / sim_gpu_s)
+            self._save()
+
+    def _save(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"start": {f"{k[0]}/{k[1]}": v for k, v in sorted(self.start.items())},
+                                             "factor": dict(sorted(self.factor.items()))}, indent=1))
 
 
 def interleave_rounds(order: list, rounds: int, default_jobs: int = 0) -> list[tuple[tuple, int]]:
@@ -511,6 +534,11 @@ def main() -> None:
                     help="seconds from the start of this invocation: a run after the first whose estimate (its "
                          "start or priming step and the run) would end later is skipped, not begun, and listed in "
                          "arms.json's 'skipped' (experiments/device_session.sh sets it from ARMS_TIMEOUT)")
+    ap.add_argument("--estimates", type=Path, default=None,
+                    help="a JSON file of cluster starts and run factors measured by earlier invocations on this "
+                         "machine: --deadline and --plan use them before this invocation measures its own, and each "
+                         "measurement is written back (experiments/device_session.sh keeps one in ~/.cache/nodus, "
+                         "so a later call on a warm machine plans with that machine's starts)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
@@ -601,7 +629,7 @@ def main() -> None:
     print(f"engine adapter slots for every arm: {slots}" + (" (--engine-slots)" if args.engine_slots else
                                                             " (the largest arm's jobs)"), flush=True)
     t_all = time.monotonic()
-    est = Estimates()
+    est = Estimates(args.estimates)
     planned: list[dict] = []  # --plan: the runs in order, with what each costs
     plan_clock = 0.0
     begun = 0  # runs begun (or planned)

@@ -309,6 +309,42 @@ def test_estimates_take_the_invocations_own_measurements_over_the_h200_defaults(
     assert est.run_s("overlap+mps", 10.0) == pytest.approx(17.0)  # no run of its own yet: the largest factor
 
 
+def test_estimates_file_carries_a_machines_starts_and_factors_to_the_next_call(tmp_path, monkeypatch, capsys):
+    """--estimates: an invocation writes the starts and run factors it measures (each the slowest
+    measured), the next one on the machine reads them, and a plan then fits what the H200 defaults
+    would skip (session 43: a dedicated and a two-stack arm in one call). A file that is not one is
+    refused by name."""
+    import json
+
+    from experiments.gpu_arms import START_S, WALL_OVER_SIM, Estimates
+
+    path = tmp_path / "cache" / "est.json"
+    est = Estimates(path)
+    assert est.prime_s("start", "mps", 2) == START_S[0] + 2 * START_S[1] and not path.exists()
+    est.primed("start", "mps", 2, 256.0)
+    est.primed("start", "mps", 2, 179.0)  # a faster start later: the slowest stays
+    est.primed("start", "none", 1, 133.0)
+    est.ran("dedicated", 50.0, 60.0)
+    est.primed("reuse", "none", 1, 20.0)  # a priming step on running processes: this invocation's only
+    again = Estimates(path)
+    assert again.prime_s("start", "mps", 2) == 256.0 and again.prime_s("start", "none", 1) == 133.0
+    assert again.run_s("dedicated", 10.0) == pytest.approx(12.0) and again.prime == []
+    assert json.loads(path.read_text())["start"] == {"mps/2": 256.0, "none/1": 133.0}
+    assert Estimates(tmp_path / "none.json").run_s("x", 1.0) == WALL_OVER_SIM  # no file yet: the defaults
+
+    arms = ["--cpus", "16", "--steps", "20", "--engine-slots", "8", "--cuda-graph-max-tokens", "512",
+            "--deadline", "545", "--arms", "dedicated:cg:n5:s2,shared-sync+mps:cg:lowpri:sp4:k2:m8192:s2"]
+    assert "skipped by --deadline: shared-sync+mps" in _plan(monkeypatch, capsys, tmp_path, *arms)
+    path.write_text(json.dumps({"start": {"none/1": 133.0, "mps/2": 256.0},
+                                "factor": {"dedicated": 1.0, "shared-sync+mps": 1.0}}))
+    out = _plan(monkeypatch, capsys, tmp_path, *arms, "--estimates", str(path))
+    assert "skipped" not in out and [r[1] for r in _rows(out)] == [
+        "dedicated-cg-gm512-cpu2-n5", "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k"], out
+    path.write_text("{}")
+    with pytest.raises(SystemExit, match="not an estimates file"):
+        _plan(monkeypatch, capsys, tmp_path, *arms, "--estimates", str(path))
+
+
 def test_cpus_is_for_plans_only(tmp_path, monkeypatch):
     import sys
 
