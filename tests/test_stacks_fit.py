@@ -358,3 +358,34 @@ def test_the_shipped_profiles_flag_offset_stacks_and_overlap_unless_they_carry_t
         assert "no lone-trainer rate" not in flags[STACKS_TRAINER_PROFILE]
     # Overlap is another policy than the rate's fit (offset stacks of shared-sync): flagged as such.
     assert "sharing.mps_stacks_trainer" in flags[STACKS_TRAINER_PROFILE]
+
+
+def test_the_protocol_stacks_profile_is_fitted_on_runs_of_at_most_four_jobs_a_gpu():
+    """#5's protocol: every run a term or rate of STACKS_PROTOCOL_PROFILE was fitted on (nodus fit's
+    runs, the decode scale's dedicated runs, the two-engine rate's two-stack runs) has at most 4 jobs
+    a GPU, and none of the 75 two-stack runs it was validated on (8 and 16 jobs) is one of them.
+    The audit's per-sequence term is the one exception, recorded with its pairs: a ratio between two
+    audit levels, fitted on 8- and 16-job pairs (sessions 32-33)."""
+    from pathlib import Path
+
+    from calibration.validate import jobs_per_gpu
+    from nodus.config import STACKS_PROTOCOL_PROFILE
+    from sim.profile import profile_dict
+
+    root = Path(__file__).resolve().parents[1]
+    prof = profile_dict(STACKS_PROTOCOL_PROFILE)
+    meas = prof["measurements"]
+    fitted = (meas["fit_runs"]["runs"] + meas["decode_scale_fit"]["runs"]
+              + [r["run"] for r in meas["stacks"]["rows"]])
+    assert len(fitted) == 31 and "stacks_trainer" not in meas and prof["sharing"].get("mps_stacks_trainer") is None
+    for run in fitted:
+        assert jobs_per_gpu(json.loads((root / run / "config.json").read_text())) <= 4, run
+    assert {jobs_per_gpu(json.loads((root / r / "config.json").read_text()))
+            for p in meas["audit"]["rows"] for r in (p["full"], p["light"])} == {8, 16}
+    val = prof["validation"]
+    assert val["heldout_runs"] == 75 and len(val["configurations"]) == 9
+    report = json.loads((root / val["report"]).with_suffix(".json").read_text())
+    held = [r for r in report["rows"] if r["heldout"]]
+    assert len(held) == 75 and all(r["jobs"] >= 8 for r in held)
+    assert not any(stacks_fit_run(prof, root / r["run"]) for r in held)
+    assert report["heldout_mape_replay"] == pytest.approx(val["heldout_mape"])
