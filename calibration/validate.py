@@ -331,7 +331,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
             # own audit, from its config (recorded_configs), is simulated, not outside the profile.
             controls = {k: v for k, v in controls.items() if k != "audit"}
         packing = build_config(replay_cfg, f"{rd}/config.json").trainer_packing()  # as the trainer ran it
-        row = {"run": str(rd), "jobs": len(cfg["jobs"]), "arm": arm, "controls": controls,
+        row = {"run": str(rd), "jobs": len(cfg["jobs"]), "seed": cfg.get("seed"), "day": run_day(rd),
+               "arm": arm, "controls": controls,
                "audit": audit_label(replay_cfg["audit"]),  # its own configuration, priced or not
                "machine": run_machine(meas),
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
@@ -393,10 +394,53 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
     report["heldout_machine_calibrated"] = machine_calibrated([r for r in rows if r["heldout"]])
+    report["heldout_ratio"] = ratio_errors(rows)
     h = report["heldout_replay"]
     report.update(heldout_mape_replay=h["mape"], heldout_mape_sampled=report["heldout_sampled"]["mape"],
                   worst=h["worst"], bias=h["bias"], kendall_tau=h["kendall_tau"])
     return report
+
+
+def run_day(run: str | Path) -> str | None:
+    """A recorded run's day: the folder holding its ``arms`` folder (``.../session43/arms/RUN``:
+    'session43'; a second machine's runs lie in a day folder of their own), None for a run laid out
+    otherwise."""
+    p = Path(run).resolve()
+    return p.parent.parent.name if p.parent.name == "arms" else None
+
+
+def ratio_errors(rows: list[dict]) -> dict | None:
+    """The simulator's ratio over dedicated, the figure a plan is booked on: each held-out run that
+    is not dedicated over the dedicated runs among ``rows`` of its day (``run_day``), seed, job count
+    and audit, on its machine where both record one (their mean where the day repeats one: an A/A
+    pair). Per lengths mode the error statistics of the simulated ratio against the measured one,
+    and ``pairs`` (each run, its dedicated runs, the measured and simulated ratios). None where no
+    held-out run has such a dedicated run."""
+    def dedicated(r: dict) -> bool:
+        return (r.get("arm") or {}).get("policy") == "dedicated"
+
+    base: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if dedicated(r) and r.get("day"):
+            base.setdefault((r["day"], r.get("seed"), r["jobs"], r["audit"]), []).append(r)
+    pairs = []
+    for r in rows:
+        if not r["heldout"] or dedicated(r) or not r.get("day"):
+            continue
+        ds = [d for d in base.get((r["day"], r.get("seed"), r["jobs"], r["audit"]), [])
+              if not (d.get("machine") and r.get("machine")) or d["machine"] == r["machine"]]
+        if not ds:
+            continue
+        pair = {"run": r["run"], "dedicated": [d["run"] for d in ds]}
+        for mode in ("measured", "replay", "sampled"):
+            pair[mode] = r[mode]["steps_per_gpu_hour"] / float(np.mean([d[mode]["steps_per_gpu_hour"] for d in ds]))
+        pairs.append(pair)
+    if not pairs:
+        return None
+    out: dict = {"pairs": pairs}
+    for mode in ("replay", "sampled"):
+        out[mode] = error_stats([p[mode] for p in pairs], [p["measured"] for p in pairs])
+    return out
 
 
 def _speed_ratio(row: dict, mode: str = "replay") -> float:
@@ -1286,6 +1330,18 @@ def render_markdown(rep: dict) -> str:
         for mode in ("replay", "sampled"):
             e = mc[mode]
             lines.append(f"| {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {_tau_text(e)} | {e['n']} |")
+    rt = rep.get("heldout_ratio")
+    if rt:
+        lines += ["", f"The ratio over dedicated ({len(rt['pairs'])} held-out runs, each over the dedicated runs of its "
+                  "day, seed, job count and audit, on its machine; their mean where a day repeats one):", "",
+                  "| lengths | MAPE | worst | bias | n |", "|---|---|---|---|---|"]
+        for mode in ("replay", "sampled"):
+            e = rt[mode]
+            lines.append(f"| {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {e['n']} |")
+        lines += ["", "| run | over dedicated runs | measured ratio | simulated (replay) | error |", "|---|---|---|---|---|"]
+        for pr in rt["pairs"]:
+            lines.append(f"| {label[pr['run']]} | {len(pr['dedicated'])} | {pr['measured']:.2f} | {pr['replay']:.2f} | "
+                         f"{pr['replay'] / pr['measured'] - 1:+.1%} |")
     pc = [(split, rep.get(f"{split}_per_config")) for split in ("heldout", "all")]
     if any(p and p["replay"]["n"] for _, p in pc):
         lines += ["", "Against each configuration's mean over its runs (seeds, repeats):", "",
@@ -1432,5 +1488,9 @@ def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | Non
         e = mc["replay"]
         prof["validation"].update(machine_mape=e["mape"], machine_bias=e["bias"], machine_worst=e["worst"],
                                   machine_runs=e["n"], machines=mc["machines"])
+    rt = rep.get("heldout_ratio")
+    if rt:
+        e = rt["replay"]
+        prof["validation"].update(ratio_mape=e["mape"], ratio_bias=e["bias"], ratio_worst=e["worst"], ratio_pairs=e["n"])
     write_profile(prof, out, "nodus validate --annotate", overwrite=in_place)
     return prof

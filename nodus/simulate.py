@@ -394,6 +394,9 @@ def error_bar_line(validation: dict | None) -> str:
         line += (f" With the machine's speed known (its other configurations measured; {v.get('machine_runs', 0)} "
                  f"runs on {v.get('machines', 0)} machines): MAPE {v['machine_mape']:.1%}, bias "
                  f"{v['machine_bias']:+.1%}, worst {v['machine_worst']:.1%}.")
+    if v.get("ratio_mape") is not None:
+        line += (f" Its ratio over dedicated on {v.get('ratio_pairs', 0)} same-machine pairs: MAPE "
+                 f"{v['ratio_mape']:.1%}, bias {v['ratio_bias']:+.1%}, worst {v['ratio_worst']:.1%}.")
     if v.get("across_days_mape") is not None:
         line += (f" On {v.get('across_days_runs', 0)} runs of other days: MAPE {v['across_days_mape']:.1%}, "
                  f"bias {v['across_days_bias']:+.1%}, worst {v['across_days_worst']:.1%}"

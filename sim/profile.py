@@ -234,6 +234,12 @@ class Validation(_M):
     machine_worst: float | None = None
     machine_runs: int = 0
     machines: int = 0
+    # The ratio over dedicated (`nodus validate`'s heldout_ratio): each held-out run over the same day's
+    # and machine's dedicated run of its seed, simulated against measured; the error bar of a ratio.
+    ratio_mape: float | None = None
+    ratio_bias: float | None = None
+    ratio_worst: float | None = None
+    ratio_pairs: int = 0
 
 
 class Profile(_M):

@@ -897,3 +897,51 @@ def test_sim_scaled_to_a_machine_by_its_recorded_runs(tmp_path, capsys, monkeypa
     simulate(config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="mps"), sim_run)
     assert main(argv + ["--machine-runs", str(sim_run), "--out", str(tmp_path / "never")]) != 0
     assert "record no machine" in capsys.readouterr().err and not (tmp_path / "never").exists()
+
+
+def test_ratio_over_dedicated_pairs_each_held_out_run_with_its_days_dedicated_run():
+    """nodus validate's heldout_ratio: each held-out run over the dedicated run of its day, seed, job
+    count and audit on its machine (session 43: seeds 2-3 had one; seed 1's two-stack run had
+    none), measured against simulated; the annotation carries it into every prediction's error bar."""
+    from calibration.validate import ratio_errors, render_markdown
+    from nodus.config import STACKS_PROFILE
+
+    day = Path(__file__).resolve().parents[1] / "experiments/results/h200/session43/arms"
+    rep = validate(sorted(str(p) for p in day.iterdir() if p.is_dir()), STACKS_PROFILE)
+    rt = rep["heldout_ratio"]
+    rows = {Path(r["run"]).name: r for r in rep["rows"]}
+    got = {Path(p["run"]).name: p for p in rt["pairs"]}
+    assert sorted(got) == ["shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s2",
+                           "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s3",
+                           "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-off-mb8k-s2"]
+    p, r, d = (got["shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s3"],
+               rows["shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s3"], rows["dedicated-cg-gm512-cpu2-n5-s3"])
+    assert p["dedicated"] == [d["run"]] and r["day"] == "session43" and r["seed"] == 3
+    assert p["measured"] == pytest.approx(7962.4 / 2919.1, rel=1e-4)
+    assert p["replay"] == pytest.approx(r["replay"]["steps_per_gpu_hour"] / d["replay"]["steps_per_gpu_hour"])
+    errs = [q["replay"] / q["measured"] - 1 for q in rt["pairs"]]
+    assert rt["replay"]["n"] == 3 and rt["replay"]["bias"] == pytest.approx(sum(errs) / 3)
+    assert "The ratio over dedicated (3 held-out runs" in render_markdown(rep)
+    # Another machine's dedicated run of the same day is no baseline; an A/A pair's mean is.
+    def row(run, policy, sph, machine, heldout=True):
+        return {"run": run, "day": "d", "seed": 1, "jobs": 8, "audit": "", "machine": machine, "heldout": heldout,
+                "arm": {"policy": policy}, **{m: {"steps_per_gpu_hour": sph} for m in ("measured", "replay", "sampled")}}
+    assert ratio_errors([row("a", "shared-sync", 9000, "m1"), row("b", "dedicated", 3000, "m2", False)]) is None
+    two = ratio_errors([row("a", "shared-sync", 9000, "m1"), row("b", "dedicated", 3000, "m1", False),
+                        row("c", "dedicated", 2000, "m1", False)])
+    assert two["pairs"][0]["measured"] == pytest.approx(3.6) and two["pairs"][0]["dedicated"] == ["b", "c"]
+
+
+def test_annotation_carries_the_ratio_error(tmp_path):
+    from calibration.validate import annotate_profile
+    from nodus.simulate import error_bar_line
+    from sim.profile import load_profile
+
+    rep = {"rows": [{"heldout": True, "arm": None}], "heldout_replay": {"mape": 0.07, "bias": 0.0, "worst": 0.188,
+                                                                      "kendall_tau": 0.0},
+           "heldout_ratio": {"pairs": [], "replay": {"mape": 0.081, "bias": 0.033, "worst": 0.24, "n": 14}}}
+    out = tmp_path / "p.json"
+    annotate_profile(DEFAULT_PROFILE, rep, out)
+    v = load_profile(str(out)).validation()
+    assert (v["ratio_mape"], v["ratio_pairs"]) == (0.081, 14)
+    assert "Its ratio over dedicated on 14 same-machine pairs: MAPE 8.1%, bias +3.3%, worst 24.0%" in error_bar_line(v)
