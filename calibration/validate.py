@@ -334,7 +334,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         row = {"run": str(rd), "jobs": len(cfg["jobs"]), "seed": cfg.get("seed"), "day": run_day(rd),
                "arm": arm, "controls": controls,
                "audit": audit_label(replay_cfg["audit"]),  # its own configuration, priced or not
-               "machine": run_machine(meas),
+               "machine": run_machine(meas), "started_unix_s": run_started(meas),
                "host_probe": run_host_probe(meas), "gpu_monitor": run_gpu_monitor(meas),
                "host_monitor": run_host_monitor(meas), "jit_compiles": run_jit_compiles(meas),
                **({"engine_steps": es} if (es := run_engine_steps(meas)) else {}),
@@ -431,7 +431,11 @@ def ratio_errors(rows: list[dict]) -> dict | None:
               if not (d.get("machine") and r.get("machine")) or d["machine"] == r["machine"]]
         if not ds:
             continue
-        pair = {"run": r["run"], "dedicated": [d["run"] for d in ds]}
+        # How far apart the ratio's runs began: a dedicated baseline moved 11-25% on one machine within
+        # 25 minutes (session 43), so a ratio's two runs are best minutes apart.
+        times = [r.get("started_unix_s")] + [d.get("started_unix_s") for d in ds]
+        apart = None if None in times else max(abs(t - times[0]) for t in times[1:]) / 60
+        pair = {"run": r["run"], "dedicated": [d["run"] for d in ds], "minutes_apart": apart}
         for mode in ("measured", "replay", "sampled"):
             pair[mode] = r[mode]["steps_per_gpu_hour"] / float(np.mean([d[mode]["steps_per_gpu_hour"] for d in ds]))
         pairs.append(pair)
@@ -741,6 +745,14 @@ def run_host_probe(summary: dict) -> dict | None:
         if vals:
             out[k] = float(max(vals))
     return out or None
+
+
+def run_started(summary: dict) -> float | None:
+    """When a run began, in Unix seconds: its earliest host probe's start (``nodus.outdir.host_probe``
+    records the time it ran); None for a run without one."""
+    starts = [p["unix_s"] for d in summary.get("diagnostics", []) for p in (d.get("host_probe") or {}).values()
+              if isinstance(p, dict) and isinstance(p.get("unix_s"), (int, float))]
+    return float(min(starts)) if starts else None
 
 
 def run_machine(summary: dict) -> str | None:
@@ -1338,10 +1350,12 @@ def render_markdown(rep: dict) -> str:
         for mode in ("replay", "sampled"):
             e = rt[mode]
             lines.append(f"| {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {e['n']} |")
-        lines += ["", "| run | over dedicated runs | measured ratio | simulated (replay) | error |", "|---|---|---|---|---|"]
+        lines += ["", "| run | over dedicated runs | minutes apart (the farthest) | measured ratio | simulated (replay) | "
+                  "error |", "|---|---|---|---|---|---|"]
         for pr in rt["pairs"]:
-            lines.append(f"| {label[pr['run']]} | {len(pr['dedicated'])} | {pr['measured']:.2f} | {pr['replay']:.2f} | "
-                         f"{pr['replay'] / pr['measured'] - 1:+.1%} |")
+            apart = "-" if pr.get("minutes_apart") is None else f"{pr['minutes_apart']:.0f}"
+            lines.append(f"| {label[pr['run']]} | {len(pr['dedicated'])} | {apart} | {pr['measured']:.2f} | "
+                         f"{pr['replay']:.2f} | {pr['replay'] / pr['measured'] - 1:+.1%} |")
     pc = [(split, rep.get(f"{split}_per_config")) for split in ("heldout", "all")]
     if any(p and p["replay"]["n"] for _, p in pc):
         lines += ["", "Against each configuration's mean over its runs (seeds, repeats):", "",

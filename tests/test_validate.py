@@ -917,6 +917,8 @@ def test_ratio_over_dedicated_pairs_each_held_out_run_with_its_days_dedicated_ru
     p, r, d = (got["shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s3"],
                rows["shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-s3"], rows["dedicated-cg-gm512-cpu2-n5-s3"])
     assert p["dedicated"] == [d["run"]] and r["day"] == "session43" and r["seed"] == 3
+    # Call b's dedicated run of seed 3 began about 4 minutes after call a's two-stack run of seed 3 ended.
+    assert p["minutes_apart"] == pytest.approx((d["started_unix_s"] - r["started_unix_s"]) / 60) and 3 < p["minutes_apart"] < 15
     assert p["measured"] == pytest.approx(7962.4 / 2919.1, rel=1e-4)
     assert p["replay"] == pytest.approx(r["replay"]["steps_per_gpu_hour"] / d["replay"]["steps_per_gpu_hour"])
     errs = [q["replay"] / q["measured"] - 1 for q in rt["pairs"]]
@@ -925,11 +927,13 @@ def test_ratio_over_dedicated_pairs_each_held_out_run_with_its_days_dedicated_ru
     # Another machine's dedicated run of the same day is no baseline; an A/A pair's mean is.
     def row(run, policy, sph, machine, heldout=True):
         return {"run": run, "day": "d", "seed": 1, "jobs": 8, "audit": "", "machine": machine, "heldout": heldout,
+                "started_unix_s": None,
                 "arm": {"policy": policy}, **{m: {"steps_per_gpu_hour": sph} for m in ("measured", "replay", "sampled")}}
     assert ratio_errors([row("a", "shared-sync", 9000, "m1"), row("b", "dedicated", 3000, "m2", False)]) is None
     two = ratio_errors([row("a", "shared-sync", 9000, "m1"), row("b", "dedicated", 3000, "m1", False),
                         row("c", "dedicated", 2000, "m1", False)])
     assert two["pairs"][0]["measured"] == pytest.approx(3.6) and two["pairs"][0]["dedicated"] == ["b", "c"]
+    assert two["pairs"][0]["minutes_apart"] is None  # runs that record no start
 
 
 def test_annotation_carries_the_ratio_error(tmp_path):
