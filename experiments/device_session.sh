@@ -163,10 +163,16 @@ case "${1:-arms}" in
     # Plan a call first, on the CPU machine: gpu_arms.py --plan --cpus 16 with the same arms.
     # --estimates: the starts and run factors measured by earlier calls on this machine (a fresh
     # machine has none: the H200 defaults), so a call on a warm machine is planned by its own figures.
+    # ESTIMATES_SEED=FILE (e.g. experiments/results/h200/session43/estimates.json, measured there with
+    # the compile cache staged): the figures a machine with none of its own starts from.
+    EST=~/.cache/nodus/gpu_arms_estimates.json
+    if [ ! -f "$EST" ] && [ -n "${ESTIMATES_SEED:-}" ]; then
+      mkdir -p ~/.cache/nodus && cp "$ESTIMATES_SEED" "$EST" && echo "estimates seeded from $ESTIMATES_SEED"
+    fi
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
       --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" \
       --deadline $(( ${ARMS_TIMEOUT:-540} > 60 ? ${ARMS_TIMEOUT:-540} - 30 : ${ARMS_TIMEOUT:-540} / 2 )) \
-      --estimates ~/.cache/nodus/gpu_arms_estimates.json ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
+      --estimates "$EST" ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
     echo "gpu_arms$T rc=$?"
     grep "steps/GPU-h\|skipped\|Error\|error:" "$D/arms/arms.log" | tail -12
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;

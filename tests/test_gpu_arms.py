@@ -315,6 +315,7 @@ def test_estimates_file_carries_a_machines_starts_and_factors_to_the_next_call(t
     would skip (session 43: a dedicated and a two-stack arm in one call). A file that is not one is
     refused by name."""
     import json
+    from pathlib import Path
 
     from experiments.gpu_arms import START_S, WALL_OVER_SIM, Estimates
 
@@ -340,6 +341,12 @@ def test_estimates_file_carries_a_machines_starts_and_factors_to_the_next_call(t
     out = _plan(monkeypatch, capsys, tmp_path, *arms, "--estimates", str(path))
     assert "skipped" not in out and [r[1] for r in _rows(out)] == [
         "dedicated-cg-gm512-cpu2-n5", "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k"], out
+    # The figures session 43's machine measured (experiments/device_session.sh's ESTIMATES_SEED): a
+    # dedicated and a two-stack run of one seed, 5 steps a job each, fit one call.
+    seed = Path(__file__).resolve().parents[1] / "experiments/results/h200/session43/estimates.json"
+    arms5 = [a.replace("k2:m8192:s2", "k2:m8192:n5:s2") for a in arms]
+    out = _plan(monkeypatch, capsys, tmp_path, *arms5, "--estimates", str(seed))
+    assert "skipped" not in out and float(_rows(out)[-1][-1].strip(" |")) < 545 - 45, out
     path.write_text("{}")
     with pytest.raises(SystemExit, match="not an estimates file"):
         _plan(monkeypatch, capsys, tmp_path, *arms, "--estimates", str(path))
