@@ -432,7 +432,7 @@ def ratio_errors(rows: list[dict]) -> dict | None:
         if not ds:
             continue
         # How far apart the ratio's runs began: a dedicated baseline moved 11-25% on one machine within
-        # 25 minutes (session 43), so a ratio's two runs are best minutes apart.
+        # 15 minutes (session 43), so a ratio's two runs are best minutes apart.
         times = [r.get("started_unix_s")] + [d.get("started_unix_s") for d in ds]
         apart = None if None in times else max(abs(t - times[0]) for t in times[1:]) / 60
         pair = {"run": r["run"], "dedicated": [d["run"] for d in ds], "minutes_apart": apart}
