@@ -75,6 +75,14 @@ def slots_flag(flag: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _minutes_apart(start: float | None, base_starts: list) -> float | None:
+    """Minutes between a run's start and the farthest of its baseline runs' starts; None where any of
+    them is unrecorded (runs before the host probe's times) or there is none."""
+    if start is None or not base_starts or None in base_starts:
+        return None
+    return max(abs(start - t) for t in base_starts) / 60
+
+
 def _other_machine(arm: set, dedicated: list | None) -> dict | None:
     """{"arm": [...], "dedicated": [...]} where the runs of a row and the dedicated runs its ratio
     divides by did not all run on one machine; None where they did, or where a machine is unknown
@@ -216,7 +224,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     from calibration.validate import (_phase_means, _simulate, corun_phase_means, gpu_flags, host_flags,
                                       host_monitor_flags, jit_flags, load_recorded, recorded_configs,
                                       run_gpu_monitor, run_host_monitor, run_host_probe, run_jit_compiles,
-                                      run_machine)
+                                      run_machine, run_started)
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
@@ -245,6 +253,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     sim_alone: dict[tuple[int, int, frozenset], dict[str, tuple[int, float]]] = {}
     ded_task: dict[tuple[int, int, frozenset], dict[str, str]] = {}
     ded_machine: dict[tuple[int, int, frozenset], set] = {}  # the machines of the dedicated runs
+    ded_start: dict[tuple[int, int, frozenset], list] = {}  # when they began (Unix s; None: not recorded)
     ded_pace: dict[tuple[int, int, frozenset], list[float]] = {}  # their steady pace (accounting.pace_of)
     paces: dict[str, dict] = {}  # run -> its pace_of
     for rd in runs:
@@ -260,6 +269,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             key = (jobs, seed, label_flags(plain))
             ded_sph.setdefault(key, []).append(summary["steps_per_gpu_hour"])
             ded_machine.setdefault(key, set()).add(run_machine(summary))
+            ded_start.setdefault(key, []).append(run_started(summary))
             ded_pace.setdefault(key, []).append(paces[str(rd)].get("pace_steps_per_gpu_hour"))
             sim_sph.setdefault(key, []).append(sim["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
@@ -292,6 +302,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             prev["engine_steps"] = (prev.get("engine_steps") or []) + [engine_steps(summary, rd)]
             prev["machines"] = sorted(set(prev["machines"]) | {machine}, key=str)
             prev["baseline_machine"] = _other_machine(set(prev["machines"]), prev["baseline_machines"])
+            if prev.get("minutes_from_baseline") is not None and not is_base:  # the farthest of the repeats
+                apart = _minutes_apart(run_started(summary), prev.get("baseline_starts") or [])
+                prev["minutes_from_baseline"] = None if apart is None else max(apart, prev["minutes_from_baseline"])
             if not is_base:  # measured and simulated: the mean over the runs, over the row's own baselines
                 for kind, value in (("steps_per_gpu_hour", summary["steps_per_gpu_hour"]),
                                     ("sim_steps_per_gpu_hour", sim["steps_per_gpu_hour"])):
@@ -317,6 +330,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         variant, by_task = None, False
         over: frozenset = frozenset()  # the settings of the dedicated runs the ratio divides by
         base_machines: set | None = None  # the machines of those runs
+        base_starts: list = []  # when those runs began
         base = sbase = bpace = None
         alone: dict = {}
         if base_flags is not None:
@@ -325,6 +339,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             bpace = mean(ded_pace[key]) if all(ded_pace[key]) else None
             alone = {j: mean(v) for j, v in alone_finish.get(key, {}).items()}
             variant, over, base_machines = _flags_text(base_flags), base_flags, ded_machine[key]
+            base_starts = ded_start[key]
         elif not dedicated:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
@@ -339,6 +354,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                 variant = _flags_text(sub_flags) if base else None
                 over = sub_flags if base else over
                 base_machines = ded_machine[(*used, sub_flags)] if base else None
+                base_starts = ded_start[(*used, sub_flags)] if base else []
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         if is_base:  # the baseline itself: the mean over its repeats
             base_key = (jobs, seed, flags)
@@ -395,6 +411,12 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "baseline_machine": _other_machine({machine}, over_machines),
             "machines": [machine],  # every run's of the row (repeats add theirs)
             "baseline_machines": over_machines,
+            # Minutes between this run's start and the farthest start of the dedicated runs its ratio
+            # divides by (None: no ratio, or a start not recorded): a dedicated baseline moved 11-25% on
+            # one machine within 15 minutes in session 43, so a ratio's runs are best minutes apart.
+            "minutes_from_baseline": (None if over_machines is None
+                                      else _minutes_apart(run_started(summary), base_starts)),
+            "baseline_starts": base_starts if over_machines is not None else [],
             "sim_profile": profile_of(rd),
         }
     table["factors"] = factors(table)
@@ -626,6 +648,12 @@ def render(table: dict) -> str:
     if other_audit:
         lines += ["", "Measured over a dedicated run under another audit (none of the arm's own that day; the ratio "
                   "holds any gain the audit gives dedicated too): " + "; ".join(other_audit) + "."]
+    apart = [f"{label} seed {seed}: {d['minutes_from_baseline']:.0f}" for label, per in table["arms"].items()
+             for seed, d in sorted(per.items()) if d.get("minutes_from_baseline") is not None]
+    if apart:
+        lines += ["", "Minutes between each ratio's run and the farthest of the dedicated runs it divides by "
+                  "(`minutes_from_baseline`; a dedicated baseline moved 11-25% on one machine within 15 minutes "
+                  "in session 43): " + "; ".join(apart) + "."]
     other_machine = [f"{label} seed {seed}" for label, per in table["arms"].items()
                      for seed, d in sorted(per.items()) if d.get("baseline_machine")]
     if other_machine:

@@ -652,3 +652,27 @@ def test_a_smaller_arm_takes_its_subset_baseline_from_its_own_days_dedicated_run
     assert day1 > 1.0 and day2 == pytest.approx(2 * day1)
     assert run_day(runs[0]) == "session1" and run_day(tmp_path / "ovl") is None
     assert run_day(tmp_path / "s1+rerun" / "arms" / "x") == "s1-rerun"  # '+' splits a label's settings
+
+
+def test_each_ratio_says_how_many_minutes_apart_its_runs_began(tmp_path):
+    """A dedicated baseline moved 11-25% on one machine within 15 minutes (session 43): each ratio
+    row carries the minutes between its run's start and its dedicated runs' farthest start (the
+    host probes' Unix times), and the table lists them; a run without recorded times gets None."""
+    from experiments.gpu_table import main
+
+    def at(t):
+        return [{"machine": {"hostname": "m1", "boot_id": "b"},
+                 "host_probe": {"start": {"unix_s": t, "cpu_loop_s": 0.05}, "end": {"unix_s": t + 60}}}]
+
+    arm = dict(policy="shared-sync", sharing="mps")
+    ded = _simulated(tmp_path / "a", (("ded", dict(policy="dedicated", sharing="none")),), diagnostics=at(1000.0),
+                     jobs=2, steps=2, seed=1)
+    late = _simulated(tmp_path / "b", (("sync", arm),), diagnostics=at(1000.0 + 12 * 60), jobs=2, steps=2, seed=1)
+    table = main(ded + late + ["--out", str(tmp_path / "t")])
+    assert table["arms"]["shared-sync/mps/g1/2jobs"]["1"]["minutes_from_baseline"] == pytest.approx(12.0)
+    assert table["arms"]["dedicated/none/g1/2jobs"]["1"]["minutes_from_baseline"] is None
+    assert "shared-sync/mps/g1/2jobs seed 1: 12." in (tmp_path / "t.md").read_text()
+    untimed = _simulated(tmp_path / "c", (("sync", arm),), diagnostics=[{"machine": {"hostname": "m1", "boot_id": "b"}}],
+                         jobs=2, steps=2, seed=1)
+    table = main(ded + untimed + ["--out", str(tmp_path / "u")])
+    assert table["arms"]["shared-sync/mps/g1/2jobs"]["1"]["minutes_from_baseline"] is None
