@@ -292,6 +292,9 @@ def profile_summaries() -> list[dict]:
             "heldout_mape": v.heldout_mape if v else None, "heldout_bias": v.heldout_bias if v else None,
             "heldout_runs": v.heldout_runs if v else 0, "report": v.report if v else None,
             "across_days_mape": v.across_days_mape if v else None, "across_days_runs": v.across_days_runs if v else 0,
+            # Its ratio over dedicated on held-out same-machine pairs (nodus validate's heldout_ratio).
+            "ratio_mape": v.ratio_mape if v else None, "ratio_bias": v.ratio_bias if v else None,
+            "ratio_pairs": v.ratio_pairs if v else 0,
             "assumptions": len(p.assumptions),
             # Its two-engine rate's fit (nodus fit-stacks), where it has one: runs and leave-one-out error.
             "stacks": (cost.validation() or {}).get("stacks")})

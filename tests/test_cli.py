@@ -133,8 +133,14 @@ def test_profiles_lists_each_shipped_profile_with_its_error_bar(capsys):
     shipped = rows["h200-qwen3-0.6b"]
     assert shipped["gpu"] == "NVIDIA H200" and shipped["heldout_runs"] >= 1
     assert 0 < shipped["heldout_mape"] < 1 and shipped["report"].endswith(".md")
+    # The shipped stacks profile carries its ratio over dedicated on held-out same-machine pairs.
+    from nodus.config import STACKS_PROFILE
+
+    stacks = rows[STACKS_PROFILE]
+    assert stacks["ratio_pairs"] >= 10 and 0 < stacks["ratio_mape"] < 1
     assert main(["profiles"]) == 0
-    assert "| h200-qwen3-0.6b |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| h200-qwen3-0.6b |" in out and f"{stacks['ratio_mape']:.1%}, {stacks['ratio_bias']:+.1%} (" in out
 
 
 def test_sim_what_if_reports_the_hypothesis_and_bad_factors_are_clear_errors(capsys):
