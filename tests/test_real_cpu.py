@@ -418,7 +418,16 @@ def test_stacks_held_apart_on_the_real_backend_stay_on_policy_and_apart(timeslic
         recent = [gens[(stack, k)] for k in range(max(0, step - 4), step)]
         return (recent[-1][0] - recent[0][0] - sum(h for _, h in recent[1:])) / (len(recent) - 1)
 
-    assert any(h > 0 for _, h in gens.values())  # the rule held generations through the real backend
+    # Whether the rule has to hold depends on the loaded CPU's timing: stacks that drift apart on
+    # their own need no hold (a fresh clone's run in session 43 held none, where `any(held)` was
+    # asserted). Where a generation became ready well inside the rule's gap (half its own cycle) of
+    # the other stack's latest start, the backend must have held it. Slack: a fifth of the gap and
+    # 10 ms, since spans time the engine's start and the rule its dispatch; on this CPU a cycle is
+    # 0.2-0.3 s and a hold 10-20 ms.
+    for (stack, step), (t, h) in gens.items():
+        past = [u for (o, _), (u, _) in gens.items() if o != stack and u <= t - h]
+        if step >= 2 and past and (t - h) - max(past) < 0.8 * 0.5 * own_cycle(stack, step) - 0.01:
+            assert h > 0, (stack, step, sorted(gens.items()))
     for (stack, step), (t, _) in gens.items():
         if step < 2:
             continue
