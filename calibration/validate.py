@@ -433,9 +433,8 @@ def ratio_errors(rows: list[dict]) -> dict | None:
             continue
         # How far apart the ratio's runs began: a dedicated baseline moved 11-25% on one machine within
         # 15 minutes (session 43), so a ratio's two runs are best minutes apart.
-        times = [r.get("started_unix_s")] + [d.get("started_unix_s") for d in ds]
-        apart = None if None in times else max(abs(t - times[0]) for t in times[1:]) / 60
-        pair = {"run": r["run"], "dedicated": [d["run"] for d in ds], "minutes_apart": apart}
+        pair = {"run": r["run"], "dedicated": [d["run"] for d in ds],
+                "minutes_apart": minutes_apart(r.get("started_unix_s"), [d.get("started_unix_s") for d in ds])}
         for mode in ("measured", "replay", "sampled"):
             pair[mode] = r[mode]["steps_per_gpu_hour"] / float(np.mean([d[mode]["steps_per_gpu_hour"] for d in ds]))
         pairs.append(pair)
@@ -753,6 +752,15 @@ def run_started(summary: dict) -> float | None:
     starts = [p["unix_s"] for d in summary.get("diagnostics", []) for p in (d.get("host_probe") or {}).values()
               if isinstance(p, dict) and isinstance(p.get("unix_s"), (int, float))]
     return float(min(starts)) if starts else None
+
+
+def minutes_apart(start: float | None, others: list) -> float | None:
+    """Minutes between a run's start and the farthest of ``others``' starts (``run_started``: Unix
+    seconds); None where any of them is unrecorded (runs before the host probe's times) or there is
+    no other."""
+    if start is None or not others or None in others:
+        return None
+    return max(abs(start - t) for t in others) / 60
 
 
 def run_machine(summary: dict) -> str | None:

@@ -57,10 +57,13 @@ def best_flags(present: set, flags: frozenset, own: frozenset | None) -> frozens
 
 
 def run_day(run: str | Path) -> str | None:
-    """A run's day: the folder holding its ``arms`` folder (``.../session35/arms/RUN``: 'session35',
-    a '+' in it as '-', since a label's settings are split on '+'); None for a run laid out otherwise."""
-    p = Path(run).resolve()
-    return p.parent.parent.name.replace("+", "-") if p.parent.name == "arms" else None
+    """A run's day as a label setting: ``calibration.validate.run_day`` (the folder holding its
+    ``arms`` folder: ``.../session35/arms/RUN``, 'session35'), a '+' in it as '-', since a label's
+    settings are split on '+'; None for a run laid out otherwise."""
+    from calibration.validate import run_day as day_folder
+
+    day = day_folder(run)
+    return day.replace("+", "-") if day else None
 
 
 def _flags_text(flags: frozenset) -> str | None:
@@ -73,14 +76,6 @@ def slots_flag(flag: str) -> int | None:
     """N of an engine-slot setting '+lsN'; None for any other flag."""
     m = re.fullmatch(r"\+ls(\d+)", flag)
     return int(m.group(1)) if m else None
-
-
-def _minutes_apart(start: float | None, base_starts: list) -> float | None:
-    """Minutes between a run's start and the farthest of its baseline runs' starts; None where any of
-    them is unrecorded (runs before the host probe's times) or there is none."""
-    if start is None or not base_starts or None in base_starts:
-        return None
-    return max(abs(start - t) for t in base_starts) / 60
 
 
 def _other_machine(arm: set, dedicated: list | None) -> dict | None:
@@ -224,7 +219,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     from calibration.validate import (_phase_means, _simulate, corun_phase_means, gpu_flags, host_flags,
                                       host_monitor_flags, jit_flags, load_recorded, recorded_configs,
                                       run_gpu_monitor, run_host_monitor, run_host_probe, run_jit_compiles,
-                                      run_machine, run_started)
+                                      minutes_apart, run_machine, run_started)
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
@@ -255,6 +250,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     ded_machine: dict[tuple[int, int, frozenset], set] = {}  # the machines of the dedicated runs
     ded_start: dict[tuple[int, int, frozenset], list] = {}  # when they began (Unix s; None: not recorded)
     ded_pace: dict[tuple[int, int, frozenset], list[float]] = {}  # their steady pace (accounting.pace_of)
+    row_base_starts: dict[tuple[str, str], list] = {}  # (label, seed) -> when its ratio's dedicated runs began
     paces: dict[str, dict] = {}  # run -> its pace_of
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
@@ -303,7 +299,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             prev["machines"] = sorted(set(prev["machines"]) | {machine}, key=str)
             prev["baseline_machine"] = _other_machine(set(prev["machines"]), prev["baseline_machines"])
             if prev.get("minutes_from_baseline") is not None and not is_base:  # the farthest of the repeats
-                apart = _minutes_apart(run_started(summary), prev.get("baseline_starts") or [])
+                apart = minutes_apart(run_started(summary), row_base_starts.get((label, str(seed))) or [])
                 prev["minutes_from_baseline"] = None if apart is None else max(apart, prev["minutes_from_baseline"])
             if not is_base:  # measured and simulated: the mean over the runs, over the row's own baselines
                 for kind, value in (("steps_per_gpu_hour", summary["steps_per_gpu_hour"]),
@@ -415,10 +411,10 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             # divides by (None: no ratio, or a start not recorded): a dedicated baseline moved 11-25% on
             # one machine within 15 minutes in session 43, so a ratio's runs are best minutes apart.
             "minutes_from_baseline": (None if over_machines is None
-                                      else _minutes_apart(run_started(summary), base_starts)),
-            "baseline_starts": base_starts if over_machines is not None else [],
+                                      else minutes_apart(run_started(summary), base_starts)),
             "sim_profile": profile_of(rd),
         }
+        row_base_starts[(label, str(seed))] = base_starts if over_machines is not None else []
     table["factors"] = factors(table)
     # Runs on a slowed host (their host probe above the threshold times the table's median): named,
     # never dropped; runs recorded before the probe existed have none.
