@@ -18,7 +18,9 @@ cache into ~/.cache on the machine, where ``device_session.sh`` finds it and res
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -43,6 +45,31 @@ mkdir -p ~/.cache
 cat "$store"/piece_* | tar xz -C ~/.cache
 ls -d ~/.cache/vllm/torch_compile_cache > /dev/null && echo "vLLM compile cache unpacked into ~/.cache"
 """
+
+
+# Put before a stage script that gathers parts in a store on the machine (its ``store=`` line): parts
+# of another split (an older size, or another bundle) staged there earlier, on a machine still warm,
+# share the part names but not the cuts; joined with this split's they unpack corrupt (session 44:
+# a stale part and ``.last`` from a 19 MiB split under a 13 MiB one). Each split writes ``.split``
+# (its bytes' hash and part count) beside every part; a part of another split clears the store.
+SPLIT_GUARD = """#!/bin/bash
+# Parts of another split on this machine (device_parts.py) do not join with this one's: clear them.
+g_me=$(cd "$(dirname "$0")" && pwd); g_store={store}
+if [ -f "$g_me/.split" ] && [ "$(cat "$g_store/.split" 2>/dev/null)" != "$(cat "$g_me/.split")" ]; then
+  if [ -d "$g_store" ] && [ -n "$(ls -A "$g_store")" ]; then echo "cleared $g_store: parts of another split"; fi
+  rm -rf "$g_store"; mkdir -p "$g_store"; cp "$g_me/.split" "$g_store/.split"
+fi
+"""
+
+
+def guarded(stage: str) -> str:
+    """``stage`` with ``SPLIT_GUARD`` before it, on the store its ``store=`` line names; unchanged
+    where it names none."""
+    m = re.search(r"^store=(\S+)$", stage, re.M)
+    if not m:
+        return stage
+    body = stage.split("\n", 1)[1] if stage.startswith("#!") else stage
+    return SPLIT_GUARD.format(store=m.group(1)) + body
 
 
 def tree_bytes_on_disk(root: Path) -> int:
@@ -73,17 +100,19 @@ def split(data_files: list[Path], out_root: Path, name: str, size: int, prefix: 
           stage: str | Path) -> list[Path]:
     """Concatenate ``data_files`` in order and write ``out_root/<name>-1 .. -N``, each one part of at most
     ``size`` bytes named ``<prefix>NN`` (numbered across all parts, so a glob sorts them) with the stage
-    script beside it; the last folder gets ``.last`` holding N. Earlier ``<name>-*`` folders are
+    script beside it (behind ``SPLIT_GUARD``) and ``.split``; the last folder gets ``.last`` holding N. Earlier ``<name>-*`` folders are
     replaced only once every new part is written."""
     tmp = out_root / f".{name}-split"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     n = 0
     buf = b""
+    digest = hashlib.sha256()
 
     def flush(chunk: bytes) -> None:
         nonlocal n
         n += 1
+        digest.update(chunk)
         d = tmp / f"{name}-{n}"
         d.mkdir()
         (d / f"{prefix}{n - 1:02d}").write_bytes(chunk)
@@ -103,13 +132,13 @@ def split(data_files: list[Path], out_root: Path, name: str, size: int, prefix: 
     if n > 100:
         shutil.rmtree(tmp)
         raise SystemExit(f"device_parts: {n} parts of {size / MIB:.0f} MiB; the names hold 100 at most")
+    text = guarded(stage.read_text() if isinstance(stage, Path) else stage)
+    split_id = f"{digest.hexdigest()[:16]}-{n}\n"
     for k in range(1, n + 1):
         d = tmp / f"{name}-{k}"
-        if isinstance(stage, Path):
-            shutil.copy(stage, d / "stage.sh")
-        else:
-            (d / "stage.sh").write_text(stage)
+        (d / "stage.sh").write_text(text)
         (d / "stage.sh").chmod(0o755)
+        (d / ".split").write_text(split_id)
     (tmp / f"{name}-{n}" / ".last").write_text(f"{n}\n")
     for old in out_root.glob(f"{name}-*"):
         shutil.rmtree(old)

@@ -53,6 +53,8 @@ def test_bundle_resplit_keeps_the_bytes_in_order(tmp_path):
     assert all((d / "stage.sh").read_text() == stage.read_text() for d in dirs)
     assert (dirs[-1] / ".last").read_text().strip() == "3" and not (dirs[0] / ".last").exists()
     assert sorted(p.name for p in (root / ".device").iterdir()) == ["vllm-1", "vllm-2", "vllm-3"]
+    ids = {(d / ".split").read_text() for d in dirs}
+    assert len(ids) == 1 and ids.pop().strip().endswith("-3")  # one split: its hash and part count
 
 
 def test_cache_pieces_unpack_on_the_machine(tmp_path):
@@ -75,6 +77,36 @@ def test_cache_pieces_unpack_on_the_machine(tmp_path):
                              env={**os.environ, "HOME": str(home)}).stdout
         assert ("unpacked" in out) == (k == 3)
     assert (home / ".cache" / "vllm" / "torch_compile_cache" / "blob").read_bytes() == (src / "blob").read_bytes()
+
+
+def _stage_on(machine, d):
+    """Run part folder ``d``'s stage script on a stand-in machine (HOME and the store under ``machine``)."""
+    script = (d / "stage.sh").read_text().replace("/root/nodus-cache-in", str(machine / "cache-in"))
+    (d / "stage.sh").write_text(script)
+    return subprocess.run(["bash", str(d / "stage.sh")], capture_output=True, text=True, check=True,
+                          env={**os.environ, "HOME": str(machine)}).stdout
+
+
+def test_a_stale_split_on_a_warm_machine_is_cleared(tmp_path):
+    # Session 44: a part and .last of a 19 MiB split were on the machine when a 13 MiB split of the
+    # same bytes was staged; the same part names joined across the two splits and unpacked corrupt.
+    root = _repo(tmp_path)
+    src = tmp_path / "home" / ".cache" / "vllm" / "torch_compile_cache"
+    src.mkdir(parents=True)
+    (src / "blob").write_bytes(os.urandom(int(3.5 * dp.MIB)))
+    tgz = tmp_path / "vllm-cache.tgz"
+    subprocess.run(["tar", "czf", str(tgz), "-C", str(tmp_path / "home" / ".cache"), "vllm"], check=True)
+    machine = tmp_path / "machine"
+    machine.mkdir()
+    old = dp.main(["cache", str(tgz), "--root", str(root), "--part-mib", "2"])  # 2 pieces
+    assert len(old) == 2
+    _stage_on(machine, old[-1])  # the old split's last piece and its .last (2) reach the machine
+    new = dp.main(["cache", str(tgz), "--root", str(root), "--part-mib", "1"])  # 4 pieces
+    assert len(new) == 4
+    outs = [_stage_on(machine, d) for d in new]
+    assert "another split" in outs[0] and not any("another split" in o for o in outs[1:])
+    assert ["unpacked" in o for o in outs] == [False, False, False, True]
+    assert (machine / ".cache" / "vllm" / "torch_compile_cache" / "blob").read_bytes() == (src / "blob").read_bytes()
 
 
 def test_bad_input_is_named(tmp_path):
