@@ -163,7 +163,7 @@ case "${1:-arms}" in
     # Plan a call first, on the CPU machine: gpu_arms.py --plan --cpus 16 with the same arms.
     # --estimates: the starts and run factors measured by earlier calls on this machine (a fresh
     # machine has none: the H200 defaults), so a call on a warm machine is planned by its own figures.
-    # ESTIMATES_SEED=FILE (e.g. experiments/results/h200/session43/estimates.json, measured there with
+    # ESTIMATES_SEED=FILE (e.g. experiments/results/h200/session44/estimates.json, the slowest of its three machines, with
     # the compile cache staged): the figures a machine with none of its own starts from.
     EST=~/.cache/nodus/gpu_arms_estimates.json
     if [ ! -f "$EST" ] && [ -n "${ESTIMATES_SEED:-}" ]; then
