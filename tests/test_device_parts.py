@@ -57,26 +57,15 @@ def test_bundle_resplit_keeps_the_bytes_in_order(tmp_path):
     assert len(ids) == 1 and ids.pop().strip().endswith("-3")  # one split: its hash and part count
 
 
-def test_cache_pieces_unpack_on_the_machine(tmp_path):
-    root = _repo(tmp_path)
+def _cache_tgz(tmp_path, mib):
+    """A compile cache as a call sends it back (vllm-cache.tgz holding vllm/torch_compile_cache/blob of
+    ``mib`` random MiB): the blob's path and the tgz."""
     src = tmp_path / "home" / ".cache" / "vllm" / "torch_compile_cache"
     src.mkdir(parents=True)
-    (src / "blob").write_bytes(os.urandom(int(2.5 * dp.MIB)))
+    (src / "blob").write_bytes(os.urandom(int(mib * dp.MIB)))
     tgz = tmp_path / "vllm-cache.tgz"
     subprocess.run(["tar", "czf", str(tgz), "-C", str(tmp_path / "home" / ".cache"), "vllm"], check=True)
-    dirs = dp.main(["cache", str(tgz), "--root", str(root), "--part-mib", "1"])
-    assert len(dirs) == 3 and [d.name for d in dirs] == ["cache-1", "cache-2", "cache-3"]
-    assert b"".join(f.read_bytes() for d in dirs for f in sorted(d.glob("piece_*"))) == tgz.read_bytes()
-    # The stage scripts on a stand-in machine: HOME and the store moved under tmp_path.
-    home = tmp_path / "machine"
-    home.mkdir()
-    for k, d in enumerate(dirs, 1):
-        script = (d / "stage.sh").read_text().replace("/root/nodus-cache-in", str(home / "cache-in"))
-        (d / "stage.sh").write_text(script)
-        out = subprocess.run(["bash", str(d / "stage.sh")], capture_output=True, text=True, check=True,
-                             env={**os.environ, "HOME": str(home)}).stdout
-        assert ("unpacked" in out) == (k == 3)
-    assert (home / ".cache" / "vllm" / "torch_compile_cache" / "blob").read_bytes() == (src / "blob").read_bytes()
+    return src / "blob", tgz
 
 
 def _stage_on(machine, d):
@@ -87,15 +76,25 @@ def _stage_on(machine, d):
                           env={**os.environ, "HOME": str(machine)}).stdout
 
 
+def test_cache_pieces_unpack_on_the_machine(tmp_path):
+    root = _repo(tmp_path)
+    blob, tgz = _cache_tgz(tmp_path, 2.5)
+    dirs = dp.main(["cache", str(tgz), "--root", str(root), "--part-mib", "1"])
+    assert len(dirs) == 3 and [d.name for d in dirs] == ["cache-1", "cache-2", "cache-3"]
+    assert b"".join(f.read_bytes() for d in dirs for f in sorted(d.glob("piece_*"))) == tgz.read_bytes()
+    # The stage scripts on a stand-in machine: HOME and the store moved under tmp_path.
+    home = tmp_path / "machine"
+    home.mkdir()
+    for k, d in enumerate(dirs, 1):
+        assert ("unpacked" in _stage_on(home, d)) == (k == 3)
+    assert (home / ".cache" / "vllm" / "torch_compile_cache" / "blob").read_bytes() == blob.read_bytes()
+
+
 def test_a_stale_split_on_a_warm_machine_is_cleared(tmp_path):
     # Session 44: a part and .last of a 19 MiB split were on the machine when a 13 MiB split of the
     # same bytes was staged; the same part names joined across the two splits and unpacked corrupt.
     root = _repo(tmp_path)
-    src = tmp_path / "home" / ".cache" / "vllm" / "torch_compile_cache"
-    src.mkdir(parents=True)
-    (src / "blob").write_bytes(os.urandom(int(3.5 * dp.MIB)))
-    tgz = tmp_path / "vllm-cache.tgz"
-    subprocess.run(["tar", "czf", str(tgz), "-C", str(tmp_path / "home" / ".cache"), "vllm"], check=True)
+    blob, tgz = _cache_tgz(tmp_path, 3.5)
     machine = tmp_path / "machine"
     machine.mkdir()
     old = dp.main(["cache", str(tgz), "--root", str(root), "--part-mib", "2"])  # 2 pieces
@@ -106,7 +105,7 @@ def test_a_stale_split_on_a_warm_machine_is_cleared(tmp_path):
     outs = [_stage_on(machine, d) for d in new]
     assert "another split" in outs[0] and not any("another split" in o for o in outs[1:])
     assert ["unpacked" in o for o in outs] == [False, False, False, True]
-    assert (machine / ".cache" / "vllm" / "torch_compile_cache" / "blob").read_bytes() == (src / "blob").read_bytes()
+    assert (machine / ".cache" / "vllm" / "torch_compile_cache" / "blob").read_bytes() == blob.read_bytes()
 
 
 def test_bad_input_is_named(tmp_path):
