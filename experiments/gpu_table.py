@@ -250,6 +250,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     ded_machine: dict[tuple[int, int, frozenset], set] = {}  # the machines of the dedicated runs
     ded_start: dict[tuple[int, int, frozenset], list] = {}  # when they began (Unix s; None: not recorded)
     ded_pace: dict[tuple[int, int, frozenset], list[float]] = {}  # their steady pace (accounting.pace_of)
+    ded_runs: dict[tuple[int, int, frozenset], list[str]] = {}  # the dedicated runs themselves
     row_base_starts: dict[tuple[str, str], list] = {}  # (label, seed) -> when its ratio's dedicated runs began
     paces: dict[str, dict] = {}  # run -> its pace_of
     for rd in runs:
@@ -266,6 +267,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             ded_sph.setdefault(key, []).append(summary["steps_per_gpu_hour"])
             ded_machine.setdefault(key, set()).add(run_machine(summary))
             ded_start.setdefault(key, []).append(run_started(summary))
+            ded_runs.setdefault(key, []).append(str(rd))
             ded_pace.setdefault(key, []).append(paces[str(rd)].get("pace_steps_per_gpu_hour"))
             sim_sph.setdefault(key, []).append(sim["steps_per_gpu_hour"])
             for j, d in summary.get("per_job", {}).items():
@@ -327,6 +329,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         over: frozenset = frozenset()  # the settings of the dedicated runs the ratio divides by
         base_machines: set | None = None  # the machines of those runs
         base_starts: list = []  # when those runs began
+        base_runs: list = []  # those runs
         base = sbase = bpace = None
         alone: dict = {}
         if base_flags is not None:
@@ -335,7 +338,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             bpace = mean(ded_pace[key]) if all(ded_pace[key]) else None
             alone = {j: mean(v) for j, v in alone_finish.get(key, {}).items()}
             variant, over, base_machines = _flags_text(base_flags), base_flags, ded_machine[key]
-            base_starts = ded_start[key]
+            base_starts, base_runs = ded_start[key], ded_runs[key]
         elif not dedicated:
             # No dedicated run of this job count: a dedicated run is one job per GPU, so a larger
             # one holding the same jobs gives the baseline over just these jobs (their steps over
@@ -351,6 +354,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                 over = sub_flags if base else over
                 base_machines = ded_machine[(*used, sub_flags)] if base else None
                 base_starts = ded_start[(*used, sub_flags)] if base else []
+                base_runs = ded_runs[(*used, sub_flags)] if base else []
         slow = [d["finish_s"] / alone[j] for j, d in summary.get("per_job", {}).items() if alone.get(j)]
         if is_base:  # the baseline itself: the mean over its repeats
             base_key = (jobs, seed, flags)
@@ -407,6 +411,7 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
             "baseline_machine": _other_machine({machine}, over_machines),
             "machines": [machine],  # every run's of the row (repeats add theirs)
             "baseline_machines": over_machines,
+            "baseline_runs": None if over_machines is None else base_runs,
             # Minutes between this run's start and the farthest start of the dedicated runs its ratio
             # divides by (None: no ratio, or a start not recorded): a dedicated baseline moved 11-25% on
             # one machine within 15 minutes in session 43, so a ratio's runs are best minutes apart.
@@ -428,11 +433,29 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     # core clock): named, never dropped; runs recorded before the host monitor have none.
     table["host_monitor"] = host_monitor_flags([{"run": str(rd), "host_monitor": run_host_monitor(summary)}
                                                 for rd, _, summary, *_ in rows])
+    mark_contended_ratios(table)
     # Runs whose engine JIT-compiled kernels inside the measured window (a stall the simulator does
     # not model): named, never dropped.
     table["jit"] = jit_flags([{"run": str(rd), "jit_compiles": run_jit_compiles(summary)}
                               for rd, _, summary, *_ in rows])
     return table
+
+
+def mark_contended_ratios(table: dict) -> None:
+    """Give each ratio the runs behind it that ran on a contended host (``table["host_monitor"]``'s
+    flags): ``ratio_contended`` = {"runs": its own flagged runs, "baseline": the flagged dedicated runs
+    it divides by}, each with why; None where none was. Marked, never dropped: session 45's machine
+    stole 16-20% of the CPU time its dedicated runs wanted (6% of its two-stack runs'), and the
+    ratios over them read 3.54x and 5.01x where the uncontended same-machine ratios were 2.7-3.1x."""
+    why = {f["run"]: f["why"] for f in (table.get("host_monitor") or {}).get("flagged", [])}
+    for per in table["arms"].values():
+        for d in per.values():
+            if d.get("ratio_vs_dedicated") is None or d.get("baseline_runs") is None:
+                d["ratio_contended"] = None
+                continue
+            own = [{"run": r, "why": why[r]} for r in [d["run"], *d.get("repeats", [])[1:]] if r in why]
+            base = [{"run": r, "why": why[r]} for r in d["baseline_runs"] if r in why]
+            d["ratio_contended"] = {"runs": own, "baseline": base} if own or base else None
 
 
 # Where the ratio comes from: each step of the ladder dedicated -> shared-sync -> overlap ->
@@ -592,6 +615,7 @@ def render(table: dict) -> str:
             sph = f"{d['steps_per_gpu_hour']:.0f}" + (f" ({' / '.join(f'{x:.0f}' for x in runs)})" if runs else "")
             ratio = f(d['ratio_vs_dedicated']) + (f" (over dedicated{d['baseline_variant']})"
                                                   if d.get("baseline_variant") and d['ratio_vs_dedicated'] else "")
+            ratio += " (contended host)" if d.get("ratio_contended") else ""
             lines.append(f"| {label} | {seed} | {sph} | {ratio} | "
                          f"{f(d['reference_ratio'], 3)} | {d['sim_steps_per_gpu_hour']:.0f} | "
                          f"{f(d['sim_ratio_vs_dedicated'])} | {f(d.get('rollout_tokens_per_gpu_s'), 0)} | "
@@ -650,6 +674,12 @@ def render(table: dict) -> str:
         lines += ["", "Minutes between each ratio's run and the farthest of the dedicated runs it divides by "
                   "(`minutes_from_baseline`; a dedicated baseline moved 11-25% on one machine within 15 minutes "
                   "in session 43): " + "; ".join(apart) + "."]
+    contended = [f"{label} seed {seed} ({_contended_text(d['ratio_contended'])})" for label, per in table["arms"].items()
+                 for seed, d in sorted(per.items()) if d.get("ratio_contended")]
+    if contended:
+        lines += ["", "Ratios with a run on a contended host behind them (`ratio_contended` in the JSON; steal on a "
+                  "dedicated run it divides by makes the ratio read high, on the arm's own run low; not a "
+                  "measurement of the arm): " + "; ".join(contended) + "."]
     other_machine = [f"{label} seed {seed}" for label, per in table["arms"].items()
                      for seed, d in sorted(per.items()) if d.get("baseline_machine")]
     if other_machine:
@@ -727,6 +757,15 @@ def _render_learning(guard: dict) -> list[str]:
         lines.append(f"| {arm} | {' '.join(map(str, g['seeds']))} | {' / '.join(f'{r:.2f}' for r in g['ratios'])} | "
                      f"{ci(g['acc_diff'])} | {ci(g['reward_diff'])} | {verdict} |")
     return lines
+
+
+def _contended_text(c: dict) -> str:
+    """'the run: steal 6%; dedicated: steal 17%' for a ratio's ``ratio_contended``."""
+    def one(w: dict) -> str:
+        return ", ".join(f"steal {v:.0%}" if k == "steal" else f"{k} {v:.2f}" if isinstance(v, float) else k
+                         for k, v in w.items())
+    parts = [f"the run: {one(r['why'])}" for r in c["runs"]] + [f"dedicated: {one(r['why'])}" for r in c["baseline"]]
+    return "; ".join(parts)
 
 
 def _slow(d: dict) -> str:

@@ -676,3 +676,30 @@ def test_each_ratio_says_how_many_minutes_apart_its_runs_began(tmp_path):
                          jobs=2, steps=2, seed=1)
     table = main(ded + untimed + ["--out", str(tmp_path / "u")])
     assert table["arms"]["shared-sync/mps/g1/2jobs"]["1"]["minutes_from_baseline"] is None
+
+
+def test_a_ratio_over_a_contended_dedicated_run_is_marked(tmp_path):
+    """Session 45's machine stole 16-20% of the CPU time its dedicated runs wanted, and ratios over
+    them read 3.54x and 5.01x: a ratio with a contended run behind it (its own, or a dedicated run it
+    divides by) carries ``ratio_contended`` and is marked in its cell and listed under the table; a
+    ratio over uncontended runs carries None and no mark."""
+    from experiments.gpu_table import main
+
+    def mon(steal):
+        return [{"host_monitor": {"available": True, "cores_busy": 4.0, "run_cores": 3.8, "other_cores": 0.0,
+                                  "steal_frac": steal, "steal_cores": 0.5 * steal, "cpu_mhz": {"mean": 2100.0}}}]
+
+    arm = dict(policy="shared-sync", sharing="mps")
+    quiet = _simulated(tmp_path / "q", (("ded", dict(policy="dedicated", sharing="none")), ("sync", arm)),
+                       diagnostics=mon(0.01), jobs=2, steps=2, seed=1)
+    table = main(quiet + ["--out", str(tmp_path / "t")])
+    assert table["arms"]["shared-sync/mps/g1/2jobs"]["1"]["ratio_contended"] is None
+    assert "contended host" not in (tmp_path / "t.md").read_text().split("\n\n")[1]
+    stolen = _simulated(tmp_path / "s", (("ded", dict(policy="dedicated", sharing="none")),),
+                        diagnostics=mon(0.20), jobs=2, steps=2, seed=1)
+    table = main(stolen + quiet[1:] + ["--out", str(tmp_path / "u")])
+    row = table["arms"]["shared-sync/mps/g1/2jobs"]["1"]
+    assert row["ratio_contended"] == {"runs": [], "baseline": [{"run": stolen[0], "why": {"steal": 0.20}}]}
+    assert table["arms"]["dedicated/none/g1/2jobs"]["1"]["ratio_contended"] is None  # no ratio of its own
+    md = (tmp_path / "u.md").read_text()
+    assert "(contended host)" in md and "shared-sync/mps/g1/2jobs seed 1 (dedicated: steal 20%)" in md
