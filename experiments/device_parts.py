@@ -7,6 +7,8 @@ compile cache (about 11 MB) travel in parts, one a call, back to back on a warm 
     python experiments/device_parts.py bundle            # re-split .device/vllm-* into parts that fit
     python experiments/device_parts.py cache FILE.tgz    # .device/cache-1 .. -N, each with its stage.sh
     python experiments/device_parts.py headroom          # what one part may weigh now
+    python experiments/device_parts.py light             # leave the recorded H200 results out of the tree
+    python experiments/device_parts.py whole             # put them back
 
 ``bundle`` keeps the bundle's bytes and order (the parts of .device/vllm-1, -2, ... concatenated) and
 writes .device/vllm-1 .. -N again, each with the shared stage.sh and the last with ``.last``; stage
@@ -151,6 +153,36 @@ def split(data_files: list[Path], out_root: Path, name: str, size: int, prefix: 
     return dirs
 
 
+# What a device call needs of the recorded H200 results: every call's estimates seed, and the runs
+# device_session.sh names (its graphs and ep modes replay them). Found in the script, not listed here.
+RESULTS = "experiments/results/h200"
+SESSION_SCRIPT = "experiments/device_session.sh"
+
+
+def light_patterns(root: Path) -> list[str]:
+    """The sparse-checkout patterns of a light tree: everything but ``RESULTS``, less what
+    ``SESSION_SCRIPT`` names under it and every day's ``estimates.json``."""
+    script = (root / SESSION_SCRIPT).read_text()
+    named = sorted(set(re.findall(re.escape(RESULTS) + r"/[\w./+-]+", script)))
+    return ["/*", f"!/{RESULTS}/", f"/{RESULTS}/*/estimates.json", *(f"/{p.rstrip('/')}" + ("/" if (root / p).is_dir() else "")
+                                                                  for p in named)]
+
+
+def light(root: Path) -> None:
+    """Leave the recorded H200 results (42.7 of the tree's 51.2 MiB in session 44) out of the work
+    tree with a sparse checkout: they stay in git, and a device call carries only the files on disk
+    (session 45: a run seeded from an excluded estimates file found none there). Parts of 48 MiB then
+    fit, and the vLLM bundle stages in 3 calls, the compile cache riding with the last (session 45:
+    3 calls, 22 s; 12 calls in session 44). ``whole`` puts the results back; commit with the tree whole."""
+    subprocess.run(["git", "-C", str(root), "sparse-checkout", "set", "--no-cone", "--stdin"],
+                   input="\n".join(light_patterns(root)) + "\n", text=True, check=True)
+
+
+def whole(root: Path) -> None:
+    """Every tracked file back in the work tree (undoes ``light``)."""
+    subprocess.run(["git", "-C", str(root), "sparse-checkout", "disable"], check=True)
+
+
 def bundle_parts(device: Path) -> list[Path]:
     """The bundle's part files in order: the folders .device/vllm-1, -2, ... by number, each one's
     part_* by name."""
@@ -164,7 +196,7 @@ def bundle_parts(device: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[Path] | int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("bundle", "cache", "headroom"))
+    ap.add_argument("what", choices=("bundle", "cache", "headroom", "light", "whole"))
     ap.add_argument("file", nargs="?", type=Path, help="cache: the compile cache (vllm-cache.tgz) a call sent back")
     ap.add_argument("--root", type=Path, default=Path("."), help="the project's checkout (default: here)")
     ap.add_argument("--part-mib", type=int, default=None, help="a part's size; default: the most that fits")
@@ -172,6 +204,11 @@ def main(argv: list[str] | None = None) -> list[Path] | int:
                     help="bundle: the stage script each part carries")
     a = ap.parse_args(argv)
     root = a.root.resolve()
+    if a.what in ("light", "whole"):
+        (light if a.what == "light" else whole)(root)
+        print(f"tree {tree_bytes_on_disk(root) / MIB:.1f} MiB on disk"
+              + ("; re-split the bundle to fit: python experiments/device_parts.py bundle" if a.what == "light" else ""))
+        return 0
     tree = tree_bytes_on_disk(root)
     size = a.part_mib * MIB if a.part_mib else min(part_bytes(tree), 48 * MIB)
     if a.part_mib and tree + size + MARGIN > LIMIT:

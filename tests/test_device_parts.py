@@ -116,3 +116,29 @@ def test_bad_input_is_named(tmp_path):
         dp.main(["cache", str(tmp_path / "missing.tgz"), "--root", str(root), "--part-mib", "1"])
     with pytest.raises(SystemExit, match="a 62 MiB part beside the tree .* is over the 64 MiB"):
         dp.main(["headroom", "--root", str(root), "--part-mib", "62"])
+
+
+def test_light_leaves_the_recorded_results_out_but_what_a_call_reads(tmp_path):
+    """``light``: the recorded H200 results leave the work tree (they stay in git), so the tree a call
+    carries shrinks and parts grow; every day's estimates seed and the runs device_session.sh names
+    stay; ``whole`` puts every file back."""
+    root = _repo(tmp_path, tracked_bytes=dp.MIB)
+    res = root / dp.RESULTS
+    (res / "s1" / "arms" / "run").mkdir(parents=True)
+    (res / "s1" / "arms" / "run" / "spans.jsonl.gz").write_bytes(os.urandom(4 * dp.MIB))
+    (res / "s1" / "estimates.json").write_text("{}")
+    (res / "s2" / "arms" / "named").mkdir(parents=True)
+    (res / "s2" / "arms" / "named" / "summary.json").write_text("{}")
+    (root / dp.SESSION_SCRIPT).write_text(f'--run "${{EP_RUN:-{dp.RESULTS}/s2/arms/named}}"\n')
+    subprocess.run(["git", "-C", str(root), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
+                   check=True)
+    before = dp.tree_bytes_on_disk(root)
+    dp.main(["light", "--root", str(root)])
+    assert not (res / "s1" / "arms" / "run" / "spans.jsonl.gz").exists()
+    assert (res / "s1" / "estimates.json").exists() and (res / "s2" / "arms" / "named" / "summary.json").exists()
+    assert (root / "big.bin").exists() and (root / dp.SESSION_SCRIPT).exists()
+    assert dp.tree_bytes_on_disk(root) <= before - 4 * dp.MIB
+    dp.main(["whole", "--root", str(root)])
+    assert (res / "s1" / "arms" / "run" / "spans.jsonl.gz").exists()
+    assert dp.tree_bytes_on_disk(root) == before
