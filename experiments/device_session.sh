@@ -166,6 +166,13 @@ case "${1:-arms}" in
     # ESTIMATES_SEED=FILE (e.g. experiments/results/h200/session44/estimates.json, the slowest of its three machines, with
     # the compile cache staged): the figures a machine with none of its own starts from.
     EST=~/.cache/nodus/gpu_arms_estimates.json
+    # A seed named but absent stops the call: without it a fresh machine plans on the H200 defaults
+    # and skips runs they overprice (session 45: a seed left out of the carried tree, 504 s priced
+    # for a two-stack start that takes 256-306 s).
+    if [ -n "${ESTIMATES_SEED:-}" ] && [ ! -f "$ESTIMATES_SEED" ]; then
+      echo "ESTIMATES_SEED=$ESTIMATES_SEED: no such file in the carried tree (device_parts.py light keeps */estimates.json)"
+      exit 2
+    fi
     if [ ! -f "$EST" ] && [ -n "${ESTIMATES_SEED:-}" ]; then
       mkdir -p ~/.cache/nodus && cp "$ESTIMATES_SEED" "$EST" && echo "estimates seeded from $ESTIMATES_SEED"
     fi
