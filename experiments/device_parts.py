@@ -162,10 +162,12 @@ SESSION_SCRIPT = "experiments/device_session.sh"
 def light_patterns(root: Path) -> list[str]:
     """The sparse-checkout patterns of a light tree: everything but ``RESULTS``, less what
     ``SESSION_SCRIPT`` names under it and every day's ``estimates.json``."""
+    if not (root / SESSION_SCRIPT).is_file():
+        raise SystemExit(f"device_parts: no {SESSION_SCRIPT} under {root}: light needs the project's checkout")
     script = (root / SESSION_SCRIPT).read_text()
-    named = sorted(set(re.findall(re.escape(RESULTS) + r"/[\w./+-]+", script)))
-    return ["/*", f"!/{RESULTS}/", f"/{RESULTS}/*/estimates.json", *(f"/{p.rstrip('/')}" + ("/" if (root / p).is_dir() else "")
-                                                                  for p in named)]
+    named = sorted({p.rstrip("/") for p in re.findall(re.escape(RESULTS) + r"/[\w./+-]+", script)})
+    keep = [f"/{p}/" if (root / p).is_dir() else f"/{p}" for p in named]
+    return ["/*", f"!/{RESULTS}/", f"/{RESULTS}/*/estimates.json", *keep]
 
 
 def light(root: Path) -> None:
@@ -173,7 +175,8 @@ def light(root: Path) -> None:
     tree with a sparse checkout: they stay in git, and a device call carries only the files on disk
     (session 45: a run seeded from an excluded estimates file found none there). Parts of 48 MiB then
     fit, and the vLLM bundle stages in 3 calls, the compile cache riding with the last (session 45:
-    3 calls, 22 s; 12 calls in session 44). ``whole`` puts the results back; commit with the tree whole."""
+    two machines, 3 calls of 0.2-12 s each; 12 calls a machine in session 44). ``whole`` puts the
+    results back; commit with the tree whole."""
     subprocess.run(["git", "-C", str(root), "sparse-checkout", "set", "--no-cone", "--stdin"],
                    input="\n".join(light_patterns(root)) + "\n", text=True, check=True)
 
@@ -206,8 +209,8 @@ def main(argv: list[str] | None = None) -> list[Path] | int:
     root = a.root.resolve()
     if a.what in ("light", "whole"):
         (light if a.what == "light" else whole)(root)
-        print(f"tree {tree_bytes_on_disk(root) / MIB:.1f} MiB on disk"
-              + ("; re-split the bundle to fit: python experiments/device_parts.py bundle" if a.what == "light" else ""))
+        hint = "; re-split the bundle to fit: python experiments/device_parts.py bundle" if a.what == "light" else ""
+        print(f"tree {tree_bytes_on_disk(root) / MIB:.1f} MiB on disk{hint}")
         return 0
     tree = tree_bytes_on_disk(root)
     size = a.part_mib * MIB if a.part_mib else min(part_bytes(tree), 48 * MIB)

@@ -674,8 +674,8 @@ def render(table: dict) -> str:
         lines += ["", "Minutes between each ratio's run and the farthest of the dedicated runs it divides by "
                   "(`minutes_from_baseline`; a dedicated baseline moved 11-25% on one machine within 15 minutes "
                   "in session 43): " + "; ".join(apart) + "."]
-    contended = [f"{label} seed {seed} ({_contended_text(d['ratio_contended'])})" for label, per in table["arms"].items()
-                 for seed, d in sorted(per.items()) if d.get("ratio_contended")]
+    contended = [f"{label} seed {seed} ({_contended_text(d['ratio_contended'])})"
+                 for label, per in table["arms"].items() for seed, d in sorted(per.items()) if d.get("ratio_contended")]
     if contended:
         lines += ["", "Ratios with a run on a contended host behind them (`ratio_contended` in the JSON; steal on a "
                   "dedicated run it divides by makes the ratio read high, on the arm's own run low; not a "

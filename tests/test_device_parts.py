@@ -116,6 +116,8 @@ def test_bad_input_is_named(tmp_path):
         dp.main(["cache", str(tmp_path / "missing.tgz"), "--root", str(root), "--part-mib", "1"])
     with pytest.raises(SystemExit, match="a 62 MiB part beside the tree .* is over the 64 MiB"):
         dp.main(["headroom", "--root", str(root), "--part-mib", "62"])
+    with pytest.raises(SystemExit, match="no experiments/device_session.sh under .*: light needs the project's checkout"):
+        dp.main(["light", "--root", str(root)])
 
 
 def test_light_leaves_the_recorded_results_out_but_what_a_call_reads(tmp_path):
