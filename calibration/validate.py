@@ -66,6 +66,41 @@ def discordant_pairs(labels: list[str], pred: list[float], meas: list[float]) ->
     return sorted(out, key=lambda d: -d["measured"])
 
 
+# A pair of configurations counts as measurably apart when their measured means differ by at least
+# this many standard errors of the difference (two: about 95% for independent normal means).
+RESOLVED_Z = 2.0
+
+
+def resolved_tau(pred: list[float], meas: list[float], runs: list[list[float]]) -> dict:
+    """Kendall's tau over the pairs of configurations the measurements tell apart: a pair whose
+    measured means (``meas``; each configuration's runs in ``runs``) differ by at least
+    ``RESOLVED_Z`` standard errors of the difference. A configuration's standard error is the larger
+    of its runs' own spread and the pooled relative spread of all configurations with two runs or
+    more, over the square root of its runs (a configuration of one run, or of runs on one machine,
+    is not taken as more certain than the pool). Each resolved pair counts +1 ordered alike, -1
+    unlike, 0 level simulated; None with no resolved pair. Plain tau counts every pair, also those
+    apart by less than the runs' noise, which are ordered by chance."""
+    multi = [np.asarray(v, float) for v in runs if len(v) >= 2]
+    dof = sum(len(v) - 1 for v in multi)
+    pooled = float(np.sqrt(sum(np.sum(((v - v.mean()) / v.mean()) ** 2) for v in multi) / dof)) if dof else None
+    se = []
+    for v, m in zip(runs, meas):
+        own = float(np.std(v, ddof=1)) if len(v) >= 2 else 0.0
+        spread = max(own, pooled * m) if pooled is not None else (own or None)
+        se.append(None if spread is None else spread / np.sqrt(len(v)))
+    n = len(meas)
+    score, resolved = 0.0, 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            if se[i] is None or se[j] is None:
+                continue
+            if abs(meas[i] - meas[j]) >= RESOLVED_Z * float(np.hypot(se[i], se[j])):
+                resolved += 1
+                score += np.sign(pred[i] - pred[j]) * np.sign(meas[i] - meas[j])
+    return {"kendall_tau_resolved": float(score / resolved) if resolved else None,
+            "pairs_resolved": resolved, "pairs": n * (n - 1) // 2, "pooled_run_spread": pooled}
+
+
 def error_stats(pred: list[float], meas: list[float]) -> dict:
     """Mean absolute percentage error, worst case and signed bias of predictions (fractions)."""
     if not meas:
@@ -1298,10 +1333,12 @@ def per_config_errors(rows: list[dict]) -> dict:
     by = _by_config(rows)
     out: dict = {}
     out["configs"] = [config_label(v[0]) if v[0].get("arm") else "{}/{}/g{}/{}jobs".format(k[0], k[1], k[2], k[4]) for k, v in by.items()]
+    runs = [[r["measured"]["steps_per_gpu_hour"] for r in v] for v in by.values()]
     for mode in ("replay", "sampled"):
-        meas = [float(np.mean([r["measured"]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
+        meas = [float(np.mean(v)) for v in runs]
         pred = [float(np.mean([r[mode]["steps_per_gpu_hour"] for r in v])) for v in by.values()]
         out[mode] = {**error_stats(pred, meas), "kendall_tau": kendall_tau(pred, meas),
+                     **resolved_tau(pred, meas, runs),
                      "discordant": discordant_pairs(out["configs"], pred, meas)}
     out["runs_per_config"] = [len(v) for v in by.values()]
     return out
@@ -1316,6 +1353,14 @@ def run_labels(rep: dict) -> dict[str, str]:
 
 def _tau_text(e: dict) -> str:
     return "-" if e["kendall_tau"] is None else f"{e['kendall_tau']:.2f}"
+
+
+def _resolved_text(e: dict) -> str:
+    """'0.78 (18 of 36)' for a per-configuration error's tau over resolved pairs."""
+    if e.get("pairs_resolved") is None:  # a report written before the figure existed
+        return "-"
+    tau = "-" if e["kendall_tau_resolved"] is None else f"{e['kendall_tau_resolved']:.2f}"
+    return f"{tau} ({e['pairs_resolved']} of {e['pairs']})"
 
 
 def render_markdown(rep: dict) -> str:
@@ -1367,13 +1412,17 @@ def render_markdown(rep: dict) -> str:
     pc = [(split, rep.get(f"{split}_per_config")) for split in ("heldout", "all")]
     if any(p and p["replay"]["n"] for _, p in pc):
         lines += ["", "Against each configuration's mean over its runs (seeds, repeats):", "",
-                  "| split | lengths | configurations | MAPE | worst | bias | Kendall tau |", "|---|---|---|---|---|---|---|"]
+                  "| split | lengths | configurations | MAPE | worst | bias | Kendall tau | "
+                  "tau over pairs measurably apart (pairs) |", "|---|---|---|---|---|---|---|---|"]
         for split, p in pc:
             for mode in ("replay", "sampled"):
                 e = p[mode]
                 if e["n"]:
                     lines.append(f"| {split} | {mode} | {e['n']} | {e['mape']:.1%} | {e['worst']:.1%} | "
-                                 f"{e['bias']:+.1%} | {_tau_text(e)} |")
+                                 f"{e['bias']:+.1%} | {_tau_text(e)} | {_resolved_text(e)} |")
+        lines += ["", f"(Measurably apart: measured means {RESOLVED_Z:.0f} standard errors of their difference or more "
+                  "apart, each configuration's error its runs' spread or the pooled spread, the larger, over the "
+                  "root of its runs. Plain tau also counts pairs closer than the runs' noise, ordered by chance.)"]
         worse = (rep.get("heldout_per_config") or {}).get("replay", {}).get("discordant")
         if worse:
             lines += ["", "Held-out configurations the simulator orders unlike the measurements, or level "
@@ -1514,5 +1563,10 @@ def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | Non
     if rt:
         e = rt["replay"]
         prof["validation"].update(ratio_mape=e["mape"], ratio_bias=e["bias"], ratio_worst=e["worst"], ratio_pairs=e["n"])
+    pc = (rep.get("heldout_per_config") or {}).get("replay")
+    if pc and pc.get("n"):
+        prof["validation"].update(config_mape=pc["mape"], config_worst=pc["worst"], config_tau=pc["kendall_tau"],
+                                  configs=pc["n"], config_tau_resolved=pc.get("kendall_tau_resolved"),
+                                  config_pairs_resolved=pc.get("pairs_resolved"), config_pairs=pc.get("pairs"))
     write_profile(prof, out, "nodus validate --annotate", overwrite=in_place)
     return prof

@@ -394,6 +394,16 @@ def error_bar_line(validation: dict | None) -> str:
         line += (f" With the machine's speed known (its other configurations measured; {v.get('machine_runs', 0)} "
                  f"runs on {v.get('machines', 0)} machines): MAPE {v['machine_mape']:.1%}, bias "
                  f"{v['machine_bias']:+.1%}, worst {v['machine_worst']:.1%}.")
+    if v.get("config_mape") is not None:
+        tau = "-" if v.get("config_tau") is None else f"{v['config_tau']:.2f}"
+        line += (f" Against each of {v.get('configs', 0)} configurations' mean: MAPE {v['config_mape']:.1%}, worst "
+                 f"{v['config_worst']:.1%}, Kendall tau {tau}")
+        if v.get("config_pairs_resolved"):
+            line += (f" ({v['config_tau_resolved']:.2f} over the {v['config_pairs_resolved']} of "
+                     f"{v.get('config_pairs', 0)} pairs the measurements tell apart)")
+        elif v.get("config_pairs_resolved") == 0:
+            line += f" (the measurements tell no pair of the {v.get('config_pairs', 0)} apart)"
+        line += "."
     if v.get("ratio_mape") is not None:
         line += (f" Its ratio over dedicated on {v.get('ratio_pairs', 0)} same-machine pairs: MAPE "
                  f"{v['ratio_mape']:.1%}, bias {v['ratio_bias']:+.1%}, worst {v['ratio_worst']:.1%}.")

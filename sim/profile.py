@@ -240,6 +240,17 @@ class Validation(_M):
     ratio_bias: float | None = None
     ratio_worst: float | None = None
     ratio_pairs: int = 0
+    # Against each held-out configuration's mean over its runs (`nodus validate`'s heldout_per_config):
+    # the per-run noise averaged out; Kendall tau over every pair of configurations, and over the
+    # pairs whose measured means lie apart by more than their runs' noise (the others are ordered by
+    # chance; calibration.validate.resolved_tau).
+    config_mape: float | None = None
+    config_worst: float | None = None
+    config_tau: float | None = None
+    configs: int = 0
+    config_tau_resolved: float | None = None
+    config_pairs_resolved: int | None = None
+    config_pairs: int = 0
 
 
 class Profile(_M):

@@ -107,13 +107,17 @@ def test_annotation_carries_the_machine_calibrated_error(tmp_path):
 
     rep = {"rows": [{"heldout": True, "arm": None}], "heldout_replay": {"mape": 0.07, "bias": 0.017, "worst": 0.171,
                                                                       "kendall_tau": 0.0},
-           "heldout_machine_calibrated": {"machines": 5, "replay": {"mape": 0.04, "bias": 0.002, "worst": 0.109, "n": 20}}}
+           "heldout_machine_calibrated": {"machines": 5, "replay": {"mape": 0.04, "bias": 0.002, "worst": 0.109, "n": 20}},
+           "heldout_per_config": {"replay": {"mape": 0.055, "worst": 0.101, "bias": 0.001, "n": 9, "kendall_tau": 0.61,
+                                             "kendall_tau_resolved": 1.0, "pairs_resolved": 13, "pairs": 36}}}
     out = tmp_path / "p.json"
     annotate_profile(DEFAULT_PROFILE, rep, out)
     v = load_profile(str(out)).validation()
     assert (v["machine_mape"], v["machine_runs"], v["machines"]) == (0.04, 20, 5)
+    assert (v["configs"], v["config_tau"], v["config_tau_resolved"], v["config_pairs_resolved"]) == (9, 0.61, 1.0, 13)
     line = error_bar_line(v)
     assert "MAPE 7.0%" in line and "With the machine's speed known" in line and "20 runs on 5 machines): MAPE 4.0%" in line
+    assert "each of 9 configurations' mean: MAPE 5.5%, worst 10.1%, Kendall tau 0.61 (1.00 over the 13 of 36 pairs" in line
 
 
 def test_annotated_profile_carries_its_error_bar_into_every_report(tmp_path, capsys):
@@ -158,6 +162,26 @@ def test_noise_floor_and_per_configuration_errors_on_known_values():
     assert pc["replay"]["mape"] == pytest.approx((0.0 + 0.2) / 2)  # 100 vs 100; 60 vs 50
     assert pc["replay"]["kendall_tau"] == pytest.approx(1.0)
     assert measurement_noise(rows[2:])["mape_floor"] is None
+
+
+def test_tau_over_resolved_pairs_counts_only_configurations_measurably_apart():
+    """Three configurations of three runs: A and C both measure 100 (level: not apart), B 150 (apart
+    from both by far more than two standard errors). Tau over resolved pairs counts (A, B) and
+    (C, B) alone; the plain tau also counts (A, C), ordered by the simulator's noise."""
+    from calibration.validate import resolved_tau
+
+    runs = [[100, 102, 98], [150, 152, 148], [101, 99, 100]]
+    meas = [100.0, 150.0, 100.0]
+    out = resolved_tau([90, 160, 95], meas, runs)
+    assert out["pairs_resolved"] == 2 and out["pairs"] == 3 and out["kendall_tau_resolved"] == pytest.approx(1.0)
+    # relative deviations from each mean: A 0, ±0.02; B 0, ±2/150; C ±0.01, 0; over 6 degrees of freedom
+    assert out["pooled_run_spread"] == pytest.approx(((2 * 0.02 ** 2 + 2 * (2 / 150) ** 2 + 2 * 0.01 ** 2) / 6) ** 0.5)
+    assert resolved_tau([90, 80, 95], meas, runs)["kendall_tau_resolved"] == pytest.approx(-1.0)
+    # 1% apart with a 2% spread over 3 runs each: not resolved, so no tau at all
+    close = resolved_tau([1, 2], [100.0, 101.0], [[98, 100, 102], [99, 101, 103]])
+    assert close["pairs_resolved"] == 0 and close["kendall_tau_resolved"] is None
+    # single runs and no pool: no standard error, no pair resolved
+    assert resolved_tau([1, 2], [100.0, 200.0], [[100], [200]])["pairs_resolved"] == 0
 
 
 def test_runs_at_another_micro_batch_size_are_another_configuration():
