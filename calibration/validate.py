@@ -429,11 +429,27 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
     report["heldout_machine_calibrated"] = machine_calibrated([r for r in rows if r["heldout"]])
+    report["heldout_unflagged"] = unflagged_errors(report)
     report["heldout_ratio"] = ratio_errors(rows)
     h = report["heldout_replay"]
     report.update(heldout_mape_replay=h["mape"], heldout_mape_sampled=report["heldout_sampled"]["mape"],
                   worst=h["worst"], bias=h["bias"], kendall_tau=h["kendall_tau"])
     return report
+
+
+def unflagged_errors(report: dict) -> dict:
+    """The held-out error over the runs no monitor flagged (host probe, GPU monitor, host monitor:
+    ``report["host"]``, ``["gpu"]``, ``["host_monitor"]``) and over the flagged ones apart: what a
+    plan on an uncontended machine meets. Flagged runs stay in every other figure."""
+    flagged = {f["run"] for key in ("host", "gpu", "host_monitor") for f in (report.get(key) or {}).get("flagged", [])}
+    held = [r for r in report["rows"] if r["heldout"]]
+    out: dict = {"flagged_runs": sorted(r["run"] for r in held if r["run"] in flagged)}
+    for name, sel in (("unflagged", [r for r in held if r["run"] not in flagged]),
+                      ("flagged", [r for r in held if r["run"] in flagged])):
+        meas = [r["measured"]["steps_per_gpu_hour"] for r in sel]
+        out[name] = {mode: error_stats([r[mode]["steps_per_gpu_hour"] for r in sel], meas)
+                     for mode in ("replay", "sampled")}
+    return out
 
 
 def run_day(run: str | Path) -> str | None:
@@ -1395,6 +1411,15 @@ def render_markdown(rep: dict) -> str:
         for mode in ("replay", "sampled"):
             e = mc[mode]
             lines.append(f"| {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {_tau_text(e)} | {e['n']} |")
+    uf = rep.get("heldout_unflagged")
+    if uf and uf["flagged_runs"] and uf["unflagged"]["replay"]["n"]:
+        lines += ["", "Held out, the runs no monitor flagged (host probe, GPU monitor, host monitor; below) and the "
+                  "flagged ones apart:", "", "| runs | lengths | MAPE | worst | bias | n |", "|---|---|---|---|---|---|"]
+        for name in ("unflagged", "flagged"):
+            for mode in ("replay", "sampled"):
+                e = uf[name][mode]
+                if e["n"]:
+                    lines.append(f"| {name} | {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {e['n']} |")
     rt = rep.get("heldout_ratio")
     if rt:
         lines += ["", f"The ratio over dedicated ({len(rt['pairs'])} held-out runs, each over the dedicated runs of its "

@@ -184,6 +184,31 @@ def test_tau_over_resolved_pairs_counts_only_configurations_measurably_apart():
     assert resolved_tau([1, 2], [100.0, 200.0], [[100], [200]])["pairs_resolved"] == 0
 
 
+def test_the_held_out_error_on_unflagged_runs_is_given_apart():
+    """Three held-out runs, one flagged by the host monitor (predicted 20% high, as a contended host's
+    run is) and one fitted run: the unflagged error counts the two clean held-out runs alone, the
+    flagged one its own; the fitted run is in neither, and the report shows both."""
+    from calibration.validate import render_markdown, unflagged_errors
+
+    def row(run, meas, pred, held=True):
+        return {"run": run, "heldout": held, "measured": {"steps_per_gpu_hour": meas},
+                "replay": {"steps_per_gpu_hour": pred}, "sampled": {"steps_per_gpu_hour": pred}}
+
+    rep = {"rows": [row("a", 100, 105), row("b", 100, 97), row("c", 100, 120), row("fit", 100, 150, held=False)],
+           "host_monitor": {"flagged": [{"run": "c", "why": {"steal": 0.2}}]}, "host": {"flagged": []}, "gpu": {}}
+    u = unflagged_errors(rep)
+    assert u["flagged_runs"] == ["c"]
+    assert u["unflagged"]["replay"]["n"] == 2 and u["unflagged"]["replay"]["mape"] == pytest.approx(0.04)
+    assert u["unflagged"]["replay"]["bias"] == pytest.approx(0.01)
+    assert u["flagged"]["sampled"]["n"] == 1 and u["flagged"]["sampled"]["bias"] == pytest.approx(0.20)
+    assert unflagged_errors({**rep, "host_monitor": {}})["flagged_runs"] == []
+    md_rep = {"profile": "p", "fit_max_jobs": 4, "rows": [], "heldout_unflagged": u,
+              **{f"{s}_{m}": {"mape": None, "worst": None, "bias": None, "n": 0, "kendall_tau": None}
+                 for s in ("heldout", "all") for m in ("replay", "sampled")}}
+    md = render_markdown(md_rep)
+    assert "the runs no monitor flagged" in md and "| unflagged | replay | 4.0% | 5.0% | +1.0% | 2 |" in md
+
+
 def test_runs_at_another_micro_batch_size_are_another_configuration():
     from calibration.validate import config_key, config_label
 
