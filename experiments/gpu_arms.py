@@ -375,7 +375,8 @@ def state_text(summary: dict) -> str:
     """What a run recorded of its engine and host, for its progress line: the mean engine step and
     its spread across generations, the share of the engines' busy time in GC, and the busiest
     thread's share of a core and its process's name ('' for a run without them)."""
-    from calibration.validate import run_engine_steps, run_host_monitor
+    from calibration.validate import (HOSTMON_CG_THROTTLED, HOSTMON_OTHER_CORES, HOSTMON_STEAL, run_engine_steps,
+                                      run_host_monitor)
 
     out = ""
     es = run_engine_steps(summary)
@@ -384,10 +385,22 @@ def state_text(summary: dict) -> str:
         if es.get("step_ms_spread"):
             out += f" (generations {es['step_ms_spread']:.2f}x apart"
             out += f", GC {es['gc_share']:.1%})" if es.get("gc_share") is not None else ")"
-    busiest = (run_host_monitor(summary) or {}).get("busiest_thread") or {}
+    hm = run_host_monitor(summary) or {}
+    busiest = hm.get("busiest_thread") or {}
     if busiest.get("core_frac") is not None:
         where = (busiest.get("process") or busiest.get("name") or "?").split(":")[0]
         out += f", busiest thread {busiest['core_frac']:.0%} of a core ({where})"
+    # A contended host, said while the call runs (session 45: dedicated runs at 16-20% steal were
+    # seen only in the table afterwards, after 1000 s of device time on that machine).
+    why = []
+    if (hm.get("steal_frac") or 0) >= HOSTMON_STEAL:
+        why.append(f"steal {hm['steal_frac']:.0%} of the CPU time wanted")
+    if (hm.get("cgroup_throttled_frac") or 0) >= HOSTMON_CG_THROTTLED:
+        why.append(f"cgroup throttled in {hm['cgroup_throttled_frac']:.0%} of periods")
+    if (hm.get("other_cores") or 0) >= HOSTMON_OTHER_CORES:
+        why.append(f"other processes on {hm['other_cores']:.1f} cores")
+    if why:
+        out += f"; CONTENDED HOST ({', '.join(why)}): its ratios measure the host"
     return out
 
 

@@ -217,6 +217,9 @@ def test_a_runs_progress_line_names_its_engine_step_and_busiest_thread():
     assert state_text(summary) == (", engine step 4.60 ms (generations 1.59x apart, GC 1.2%), "
                                    "busiest thread 92% of a core (nodus-engine0)")
     assert state_text({"diagnostics": [{}]}) == ""
+    summary["diagnostics"][0]["host_monitor"]["steal_frac"] = 0.20  # session 45's dedicated runs
+    assert state_text(summary).endswith("(nodus-engine0); CONTENDED HOST (steal 20% of the CPU time wanted): "
+                                        "its ratios measure the host")
 
 
 def _rows(out: str) -> list[list[str]]:
