@@ -1419,7 +1419,8 @@ def render_markdown(rep: dict) -> str:
             for mode in ("replay", "sampled"):
                 e = uf[name][mode]
                 if e["n"]:
-                    lines.append(f"| {name} | {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {e['n']} |")
+                    lines.append(f"| {name} | {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | "
+                                 f"{e['n']} |")
     rt = rep.get("heldout_ratio")
     if rt:
         lines += ["", f"The ratio over dedicated ({len(rt['pairs'])} held-out runs, each over the dedicated runs of its "
