@@ -1027,6 +1027,35 @@ def run_engine_steps(summary: dict) -> dict | None:
             "gc_share": top("gc_share")}
 
 
+def contention_why(m: dict, median_mhz: float | None = None) -> dict:
+    """What marks one run's host monitor figures (``run_host_monitor``) as a contended host: steal
+    at least ``HOSTMON_STEAL`` of the time its CPUs wanted, a cgroup quota-throttled in
+    ``HOSTMON_CG_THROTTLED`` of its periods or more, other processes on ``HOSTMON_OTHER_CORES`` cores
+    or more, and, given the runs' median clock, cores more than ``HOSTMON_MHZ_LOW`` under it. Each
+    as its figure (the clock: over the median); empty for an uncontended run."""
+    why = {}
+    if (m.get("steal_frac") or 0) >= HOSTMON_STEAL:
+        why["steal"] = m["steal_frac"]
+    if (m.get("cgroup_throttled_frac") or 0) >= HOSTMON_CG_THROTTLED:
+        why["cgroup_throttled"] = m["cgroup_throttled_frac"]
+    if (m.get("other_cores") or 0) >= HOSTMON_OTHER_CORES:
+        why["other_cores"] = m["other_cores"]
+    if median_mhz and m.get("cpu_mhz") and m["cpu_mhz"] < (1 - HOSTMON_MHZ_LOW) * median_mhz:
+        why["cpu_mhz"] = m["cpu_mhz"] / median_mhz
+    return why
+
+
+def contention_text(why: dict) -> str:
+    """A run's contention (``contention_why``, or a flag's ``why``) in words: 'steal 6% of the CPU
+    time wanted; other processes on 2.1 cores'."""
+    text = {"steal": lambda v: f"steal {v:.0%} of the CPU time wanted",
+            "cgroup_throttled": lambda v: f"cgroup quota-throttled in {v:.0%} of periods",
+            "other_cores": lambda v: f"other processes on {v:.1f} cores",
+            "cpu_mhz": lambda v: f"core clock {v:.2f}x the median",
+            "stopped_early": lambda v: f"sampling stopped early: {v}"}
+    return "; ".join(text[k](v) for k, v in why.items())
+
+
 def host_monitor_flags(rows: list[dict]) -> dict:
     """Runs whose host was contended while measured: steal at least ``HOSTMON_STEAL`` of the time
     the run's CPUs wanted, a cgroup quota-throttled in ``HOSTMON_CG_THROTTLED`` of its periods or
@@ -1047,15 +1076,8 @@ def host_monitor_flags(rows: list[dict]) -> dict:
               "busiest_thread_core_frac": med(lambda m: (m.get("busiest_thread") or {}).get("core_frac"))}
     flagged = []
     for r in monitored:
-        m, why = r["host_monitor"], {}
-        if (m.get("steal_frac") or 0) >= HOSTMON_STEAL:
-            why["steal"] = m["steal_frac"]
-        if (m.get("cgroup_throttled_frac") or 0) >= HOSTMON_CG_THROTTLED:
-            why["cgroup_throttled"] = m["cgroup_throttled_frac"]
-        if (m.get("other_cores") or 0) >= HOSTMON_OTHER_CORES:
-            why["other_cores"] = m["other_cores"]
-        if median["cpu_mhz"] and m.get("cpu_mhz") and m["cpu_mhz"] < (1 - HOSTMON_MHZ_LOW) * median["cpu_mhz"]:
-            why["cpu_mhz"] = m["cpu_mhz"] / median["cpu_mhz"]
+        m = r["host_monitor"]
+        why = contention_why(m, median["cpu_mhz"])
         if m.get("stopped_early"):
             why["stopped_early"] = m["stopped_early"]
         if why:
@@ -1079,14 +1101,7 @@ def host_monitor_flags(rows: list[dict]) -> dict:
 def host_monitor_flagged_text(flags: dict) -> str:
     """``host_monitor_flags``' flagged runs as 'run (steal 6% of the CPU time wanted; other
     processes on 2.1 cores); ...' for a report."""
-    def one(f: dict) -> str:
-        text = {"steal": lambda v: f"steal {v:.0%} of the CPU time wanted",
-                "cgroup_throttled": lambda v: f"cgroup quota-throttled in {v:.0%} of periods",
-                "other_cores": lambda v: f"other processes on {v:.1f} cores",
-                "cpu_mhz": lambda v: f"core clock {v:.2f}x the median",
-                "stopped_early": lambda v: f"sampling stopped early: {v}"}
-        return f"{_run_name(f)} ({'; '.join(text[k](v) for k, v in f['why'].items())})"
-    return "; ".join(one(f) for f in flags["flagged"])
+    return "; ".join(f"{_run_name(f)} ({contention_text(f['why'])})" for f in flags["flagged"])
 
 
 def host_monitor_text(flags: dict) -> str:

@@ -375,8 +375,7 @@ def state_text(summary: dict) -> str:
     """What a run recorded of its engine and host, for its progress line: the mean engine step and
     its spread across generations, the share of the engines' busy time in GC, and the busiest
     thread's share of a core and its process's name ('' for a run without them)."""
-    from calibration.validate import (HOSTMON_CG_THROTTLED, HOSTMON_OTHER_CORES, HOSTMON_STEAL, run_engine_steps,
-                                      run_host_monitor)
+    from calibration.validate import contention_text, contention_why, run_engine_steps, run_host_monitor
 
     out = ""
     es = run_engine_steps(summary)
@@ -392,15 +391,9 @@ def state_text(summary: dict) -> str:
         out += f", busiest thread {busiest['core_frac']:.0%} of a core ({where})"
     # A contended host, said while the call runs (session 45: dedicated runs at 16-20% steal were
     # seen only in the table afterwards, after 1000 s of device time on that machine).
-    why = []
-    if (hm.get("steal_frac") or 0) >= HOSTMON_STEAL:
-        why.append(f"steal {hm['steal_frac']:.0%} of the CPU time wanted")
-    if (hm.get("cgroup_throttled_frac") or 0) >= HOSTMON_CG_THROTTLED:
-        why.append(f"cgroup throttled in {hm['cgroup_throttled_frac']:.0%} of periods")
-    if (hm.get("other_cores") or 0) >= HOSTMON_OTHER_CORES:
-        why.append(f"other processes on {hm['other_cores']:.1f} cores")
+    why = contention_why(hm)
     if why:
-        out += f"; CONTENDED HOST ({', '.join(why)}): its ratios measure the host"
+        out += f"; CONTENDED HOST ({contention_text(why)}): its ratios measure the host"
     return out
 
 
