@@ -389,6 +389,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
             raise ConfigError(f"nodus fit: {rd}'s engine loaded published adapters into pageable host memory "
                               "(publish_pinned false, :np); a profile describes vLLM's pinned loads: fit runs "
                               "without it")
+        if controls.get("adapter_format", "safetensors") != "safetensors":
+            raise ConfigError(f"nodus fit: {rd} handed adapters to the engine as {controls['adapter_format']} files "
+                              "(:flat); a profile's train and publish terms describe PEFT safetensors folders: fit "
+                              "runs without it")
         if kernels != want_kernels:
             hint = ("the runs mix two engines: fit the runs of one" if lora_kernels else
                     f"or --lora-kernels {kernels} to fit that engine onto this base")

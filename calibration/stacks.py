@@ -76,6 +76,7 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> lis
                               f"profile's engine terms are the {lora_kernels} ones': fit on a base of that engine")
         odd = [k for k in ("audit", "engine_core_process", "engine_args", "engine_env") if controls.get(k)]
         odd += ["publish_pinned"] if controls.get("publish_pinned") is False else []
+        odd += ["adapter_format"] if controls.get("adapter_format", "safetensors") != "safetensors" else []
         if odd:
             raise ConfigError(f"nodus fit-stacks: {rd} ran settings no profile describes ({', '.join(odd)}; "
                               "nodus validate names them): fit runs without them")

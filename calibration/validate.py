@@ -605,7 +605,8 @@ def run_controls(summary: dict) -> dict:
     (``--engine-arg``), ``engine_core_process`` for vLLM's core in its own process
     (``--engine-core-process``), ``trainer_cpu_threads`` for torch's CPU threads in the trainers
     where capped (``trainer_cpu_cap``), ``publish_pinned`` False for adapters the engine loaded into pageable
-    host memory (``RealOptions.publish_pinned``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
+    host memory (``RealOptions.publish_pinned``), ``adapter_format`` "flat" for adapters the trainer handed
+    over as flat files (``RealOptions.adapter_format``), ``cuda_graph_max_tokens`` for the engine's CUDA-graph size set in
     the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an engine started with more
     or fewer adapter slots than the run has jobs (recorded since session 21), ``engine_env`` for the
     engine's extra environment variables (their names), ``audit`` for a logprob audit on fewer steps or
@@ -628,6 +629,8 @@ def run_controls(summary: dict) -> dict:
             out["engine_core_process"] = True
         if d.get("publish_pinned") is False:
             out["publish_pinned"] = False  # published adapters loaded into pageable host memory (:np)
+        if d.get("adapter_format", "safetensors") != "safetensors":
+            out["adapter_format"] = d["adapter_format"]  # adapters handed over as flat files (:flat)
         if d.get("cuda_graph_max_tokens"):
             out["cuda_graph_max_tokens"] = d["cuda_graph_max_tokens"]  # the sim models it (config)
         # One slot per job of an engine's own: the run's jobs, or its largest stack's (arm.stack_jobs).
@@ -679,6 +682,8 @@ UNMODELLED_CONTROLS = {"trainer_step_mode": "the trainer replayed CUDA graphs (-
                                     "kernel configs): the profile's engine terms are the default engine's",
                       "publish_pinned": "the engine loaded published adapters into pageable host memory "
                                         "(publish_pinned false, :np): the profile's publish is vLLM's pinned one",
+                      "adapter_format": "the trainer handed adapters to the engine as flat files (:flat): the "
+                                        "profile's train and publish terms include the PEFT safetensors save and load",
                       "audit": "the engine returned logprobs on fewer steps or responses (--audit-every / "
                                "--audit-responses / --no-audit): the profile's engine terms were measured returning "
                                "them for every response of every step"}

@@ -255,6 +255,10 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
         elif o == "np":
             # A run-loop setting too: the engine loads published adapters into pageable host memory.
             trainer["publish_pinned"] = False
+        elif o == "flat":
+            # A trainer setting: new adapter versions reach the engines as flat files
+            # (real/flat_adapter.py: one write, one read), not PEFT safetensors folders.
+            trainer["adapter_format"] = "flat"
         elif len(o) > 1 and o[0] == "r" and o[1:].isdigit() and int(o[1:]) >= 1:
             # A run-loop setting too: the first K responses of each prompt audited (an audit, also
             # under --no-audit).
@@ -276,7 +280,7 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "at below-normal MPS priority), cpuN (torch's CPU threads in the trainer), tN (trainer "
                              "MPS thread percentage, 1-100), aN (the engine's logprobs audited every N-th step; a0: "
                              "never), rK (the first K responses of each prompt audited), np (published adapters "
-                             "loaded unpinned), kN (N engine + trainer stacks splitting the jobs), lock (a kN "
+                             "loaded unpinned), flat (adapters handed over as flat files), kN (N engine + trainer stacks splitting the jobs), lock (a kN "
                              "shared-sync arm's stacks in lockstep), off (a kN shared-sync arm's stacks started out "
                              "of step), holdF (off, the stacks then held F hundredths of a cycle apart, 1-50), "
                              "nN (this arm's steps a job, over --steps), lsN (a kN "
@@ -722,6 +726,7 @@ def main() -> None:
                     variant += f"-audit{arm_opts.audit_every}" if arm_opts.audit_every != 1 else ""
                     variant += f"-audr{arm_opts.audit_responses}" if arm_opts.audit_responses is not None else ""
                 variant += "" if arm_opts.publish_pinned else "-np"  # adapters loaded into pageable memory
+                variant += "-flat" if arm_opts.adapter_format == "flat" else ""  # adapters as flat files
                 variant += f"-sp{arm_share}" if arm_share > 1 else ""  # each prompt once in the trainer
                 variant += f"-k{stacks}" if stacks > 1 else ""  # engine + trainer stacks splitting the jobs
                 variant += "-lock" if arm_lock else ""  # the stacks in lockstep (arm.lockstep)

@@ -164,6 +164,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
         # Published adapters loaded into pageable host memory (RealOptions.publish_pinned); right
         # after +freed, so the factor below finds its pair as "overlap/mps/g2+np" + the rest.
         label += "+np"
+    if run.get("adapter_format") == "flat":
+        label += "+flat"  # adapters handed to the engine as flat files (RealOptions.adapter_format)
     mb = (trainer or {}).get("max_tokens_per_microbatch", DEFAULT_MICROBATCH_TOKENS)
     if mb != DEFAULT_MICROBATCH_TOKENS:
         label += f"+{mb_tag(mb)}"

@@ -28,6 +28,7 @@ from nodus.messages import (
 )
 from nodus.lengths import prompt_tokens as prompt_tokens_of
 from nodus.outdir import host, host_probe, machine
+from real.flat_adapter import ADAPTER_FORMATS
 from real.mps import MPSDaemon
 from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
 from real.stepstats import summarise_generations
@@ -79,6 +80,10 @@ class RealOptions:
     # vLLM copies each tensor of a published adapter into page-locked host memory before its next
     # step copies it to the GPU slots (its default); False leaves them in pageable memory.
     publish_pinned: bool = True
+    # How each new adapter version goes from trainer to engines: "safetensors" (PEFT's folder, what
+    # every run up to session 45 used) or "flat" (real/flat_adapter.py: one file written in one call,
+    # read in one call into one page-locked buffer; needs engine_core_process=False).
+    adapter_format: str = "safetensors"
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     max_model_len: int | None = None
     evaluate: bool = True  # final eval on each job's held-out set (tasks mode)
@@ -124,6 +129,12 @@ class RealOptions:
             if key in ENGINE_ARGS_SET_BY_NODUS:
                 raise ValueError(f"engine_args: {key!r} is set by nodus itself (from the run's config and "
                                  f"options); choose another, or the option that sets it")
+        if self.adapter_format not in ADAPTER_FORMATS:
+            raise ValueError(f"adapter_format={self.adapter_format!r}: choose one of {ADAPTER_FORMATS}")
+        if self.adapter_format == "flat" and self.engine_core_process:
+            raise ValueError("adapter_format='flat' needs the engine core in the engine worker's process "
+                             "(engine_core_process=False): nodus teaches vLLM's adapter loader the flat file "
+                             "there, not in a core process of vLLM's own")
         if not self.publish_pinned and self.engine_core_process:
             raise ValueError("publish_pinned=False needs the engine core in the engine worker's process "
                              "(engine_core_process=False): vLLM loads adapters in its core's process, where the "
@@ -207,7 +218,7 @@ def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
 
 # RealOptions fields only the trainer processes read: a change restarts the trainers, not the engines.
 TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", "lora_layout", "trainer_compile",
-                    "trainer_cpu_threads")
+                    "trainer_cpu_threads", "adapter_format")
 # RealOptions fields only the run loop reads (what it asks of the processes per request): a change
 # keeps every process.
 RUN_SETTINGS = ("audit_logprobs", "audit_every", "audit_responses", "temperature", "seeded_sampling", "evaluate",
@@ -447,7 +458,8 @@ class Cluster:
         spec = TrainerSpec(**self._trainer_args, env=t_env, lora_layout=opts.lora_layout,
                            compile_elementwise=opts.trainer_compile,
                            cpu_threads=trainer_cpu_threads(opts.trainer_cpu_threads, self.device),
-                           step_mode=trainer_step_mode(opts.trainer_graphs, self.device))
+                           step_mode=trainer_step_mode(opts.trainer_graphs, self.device),
+                           adapter_format=opts.adapter_format)
         tin = self._ctx.Queue()
         return tin, self._ctx.Process(target=trainer_main, args=(spec, tin, self.outbox, f"trainer{stack}"),
                                       daemon=True)
@@ -888,6 +900,7 @@ class RealBackend:
                 "engine_env": dict(self.c.opts.engine_env), "engine_args": dict(self.c.opts.engine_args),
                 "engine_core_process": self.c.opts.engine_core_process,
                 "publish_pinned": self.opts.publish_pinned,
+                "adapter_format": self.opts.adapter_format,
                 "cuda_graph_max_tokens": self.cfg.engine.cuda_graph_max_tokens,
                 # The adapter slots the engine was started with: a pool sized for a larger arm of
                 # the invocation gives a smaller one its engine (session 21's 8-job runs on a

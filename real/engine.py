@@ -36,6 +36,8 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
+from real.flat_adapter import FLAT_WEIGHTS, install_vllm_loader
+
 # The engine core runs in this process unless asked otherwise (RealOptions.engine_core_process sets
 # it to 1 in the engine worker; session 1 saw a spawned core hang, from a daemonic parent).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -360,7 +362,8 @@ class MultiLoRAEngine:
         return None if p is None else p.version
 
     def publish(self, job_id: str, version: int, adapter_path: str | os.PathLike, pinned: bool = True) -> float:
-        """Make `version` (a PEFT adapter folder) the one `generate` uses for the job; return the
+        """Make `version` (a PEFT adapter folder, or one with the flat file of real/flat_adapter.py
+        in place of the safetensors) the one `generate` uses for the job; return the
         seconds it took. The new weights are loaded now, not on the next generate, and the
         previous version is evicted from the engine. ``pinned``: vLLM copies each of the adapter's
         tensors into page-locked host memory (its default on a GPU); False leaves them pageable
@@ -378,6 +381,12 @@ class MultiLoRAEngine:
             raise ValueError("pinned=False needs vLLM's engine core in this process "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING=0): the core loads adapters in its own process, "
                              "where this switch does not reach")
+        if (path / FLAT_WEIGHTS).is_file():
+            if not self.jit_recorded:
+                raise ValueError(f"{path}: a flat adapter (adapter_model.flat) needs vLLM's engine core in this "
+                                 "process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where nodus teaches its loader "
+                                 "the format; publish a PEFT safetensors folder instead")
+            install_vllm_loader()
         t0 = self._clock()
         with _LoraPinning(pinned):
             lora_id = self._load(job_id, version, path, prev)

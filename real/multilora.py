@@ -277,6 +277,16 @@ def wrap_linears(model: nn.Module, target_modules: tuple[str, ...], routing: Rou
     return shapes
 
 
+def _peft_tensors(adapter: Adapter) -> tuple[list[str], list[torch.Tensor]]:
+    """PEFT's saved key names (base_model.model.<module>.lora_{A,B}.weight, no adapter name) and
+    the adapter's tensors, in that order."""
+    names, tensors = [], []
+    for name in adapter.A:
+        names += [f"base_model.model.{name}.lora_A.weight", f"base_model.model.{name}.lora_B.weight"]
+        tensors += [adapter.A[name].detach(), adapter.B[name].detach()]
+    return names, tensors
+
+
 def peft_state_dict(adapter: Adapter, dtype: torch.dtype = torch.float32,
                     one_copy: bool | None = None) -> dict[str, torch.Tensor]:
     """PEFT's saved key names: base_model.model.<module>.lora_{A,B}.weight (no adapter name).
@@ -284,10 +294,7 @@ def peft_state_dict(adapter: Adapter, dtype: torch.dtype = torch.float32,
     On a GPU every tensor goes to the host in one copy (one flat buffer, cast to ``dtype`` on the
     device): a copy per tensor would wait on the GPU ~400 times per adapter. ``one_copy`` forces
     either way (default: on a GPU)."""
-    names, tensors = [], []
-    for name in adapter.A:
-        names += [f"base_model.model.{name}.lora_A.weight", f"base_model.model.{name}.lora_B.weight"]
-        tensors += [adapter.A[name].detach(), adapter.B[name].detach()]
+    names, tensors = _peft_tensors(adapter)
     if not (one_copy if one_copy is not None else tensors[0].device.type != "cpu"):
         return {n: t.to("cpu", dtype).contiguous() for n, t in zip(names, tensors)}
     flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype).cpu()
@@ -305,18 +312,38 @@ def save_peft_adapter(adapter: Adapter, path: str | os.PathLike, target_modules:
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    config = {
+    config = peft_config(adapter, target_modules, base_model_name_or_path)
+    # Write to temporary names and rename, so a reader (the engine) never sees half a file.
+    tmp_w = os.path.join(path, ".adapter_model.safetensors.tmp")
+    save_file(peft_state_dict(adapter, dtype), tmp_w, metadata={"format": "pt"})
+    os.replace(tmp_w, os.path.join(path, "adapter_model.safetensors"))
+    _write_config(path, config)
+
+
+def peft_config(adapter: Adapter, target_modules: tuple[str, ...], base_model_name_or_path: str | None) -> dict:
+    """adapter_config.json as ``PeftModel.save_pretrained`` writes it for a plain LoRA."""
+    return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.rank, "lora_alpha": adapter.alpha,
         "target_modules": sorted({n.rsplit(".", 1)[-1] for n in adapter.A} & set(target_modules)),
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "base_model_name_or_path": base_model_name_or_path, "rank_pattern": {}, "alpha_pattern": {},
     }
-    # Write to temporary names and rename, so a reader (the engine) never sees half a file.
-    tmp_w = os.path.join(path, ".adapter_model.safetensors.tmp")
-    save_file(peft_state_dict(adapter, dtype), tmp_w, metadata={"format": "pt"})
-    tmp_c = os.path.join(path, ".adapter_config.json.tmp")
-    with open(tmp_c, "w") as f:
+
+
+def save_flat_adapter(adapter: Adapter, path: str | os.PathLike, target_modules: tuple[str, ...],
+                      base_model_name_or_path: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """adapter_config.json + adapter_model.flat (real/flat_adapter.py): the engine's fast handoff,
+    the same tensors under the same names as ``save_peft_adapter``'s file."""
+    from real.flat_adapter import FLAT_WEIGHTS, write_flat
+
+    os.makedirs(path, exist_ok=True)
+    write_flat(os.path.join(path, FLAT_WEIGHTS), *_peft_tensors(adapter), dtype)
+    _write_config(path, peft_config(adapter, target_modules, base_model_name_or_path))
+
+
+def _write_config(path: str | os.PathLike, config: dict) -> None:
+    tmp = os.path.join(path, ".adapter_config.json.tmp")
+    with open(tmp, "w") as f:
         json.dump(config, f, indent=2)
-    os.replace(tmp_w, os.path.join(path, "adapter_model.safetensors"))
-    os.replace(tmp_c, os.path.join(path, "adapter_config.json"))
+    os.replace(tmp, os.path.join(path, "adapter_config.json"))

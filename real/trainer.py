@@ -28,10 +28,11 @@ from torch.profiler import record_function
 
 from nodus.microbatch import plan_microbatches  # noqa: F401 (re-exported)
 from real.grpo_loss import LOSS_TYPES, LossType, aggregate_loss, per_token_loss, token_logprobs
+from real.flat_adapter import ADAPTER_FORMATS
 from real.graphed import (StaticKey, StaticState, StaticStep, bucket_widths, microbatch_inputs, packed_length,
                           program_rows, prompt_groups, static_plan)
 from real.multilora import (DEFAULT_TARGET_MODULES, Adapter, AdapterStack, Routing, RowLayout, init_adapter,
-                            make_row_layout, save_peft_adapter, wrap_linears)
+                            make_row_layout, save_flat_adapter, save_peft_adapter, wrap_linears)
 
 
 @dataclass
@@ -693,10 +694,15 @@ class MultiLoRATrainer:
 
     # --- persistence ------------------------------------------------------------------------
 
-    def save_adapter(self, job_id: str, path: str, dtype: torch.dtype = torch.float32) -> None:
-        """PEFT format (adapter_config.json + adapter_model.safetensors), loadable by
-        ``peft.PeftModel.from_pretrained`` and vLLM's ``LoRARequest``."""
-        save_peft_adapter(self._job(job_id).adapter, path, self.target_modules, self.base_model_name_or_path, dtype)
+    def save_adapter(self, job_id: str, path: str, dtype: torch.dtype = torch.float32,
+                     adapter_format: str = "safetensors") -> None:
+        """``safetensors``: PEFT format (adapter_config.json + adapter_model.safetensors), loadable
+        by ``peft.PeftModel.from_pretrained`` and vLLM's ``LoRARequest``. ``flat``: the engine's fast
+        handoff (real/flat_adapter.py), loadable by an engine that installed its loader."""
+        if adapter_format not in ADAPTER_FORMATS:
+            raise ValueError(f"adapter_format={adapter_format!r}: choose one of {ADAPTER_FORMATS}")
+        save = save_flat_adapter if adapter_format == "flat" else save_peft_adapter
+        save(self._job(job_id).adapter, path, self.target_modules, self.base_model_name_or_path, dtype)
 
     def state_dict_job(self, job_id: str) -> dict:
         """Everything to resume the job: config, adapter, optimizer state, step count, RNG. CPU copies."""

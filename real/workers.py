@@ -74,6 +74,7 @@ class TrainerSpec:
     compile_elementwise: bool | None = None  # None: on a GPU
     step_mode: str = "eager"  # eager | graphed (CUDA graphs) | static (see MultiLoRATrainer)
     cpu_threads: int | None = None  # torch's intra-op CPU threads (None: torch's default)
+    adapter_format: str = "safetensors"  # what the engines load: safetensors (PEFT) | flat (real/flat_adapter.py)
 
 
 def _apply_env(env: dict, cpu_threads: int | None = None) -> None:
@@ -212,7 +213,8 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         # Adapters for the engine in the model's dtype: the engine casts them to it on load anyway
         # (the same rounding), and a bf16 file is half the bytes to write and read.
         save_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype), "step_mode": spec.step_mode,
+        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype),
+                "adapter_format": spec.adapter_format, "step_mode": spec.step_mode,
                 "cpu_threads": spec.cpu_threads, "torch_threads": torch.get_num_threads()}
         if compile_wanted(spec.compile_elementwise, trainer.device):
             info["compiled"] = fuse_elementwise(model)
@@ -239,13 +241,13 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 _, tag, job_id, cfg, path = cmd
                 trainer.add_job(job_id, rank=cfg.rank, alpha=cfg.alpha, lr=cfg.lr, seed=cfg.seed,
                                 max_grad_norm=cfg.max_grad_norm, loss_type=cfg.loss_type)
-                trainer.save_adapter(job_id, path.format(v=0), dtype=save_dtype)
+                trainer.save_adapter(job_id, path.format(v=0), dtype=save_dtype, adapter_format=spec.adapter_format)
                 outbox.put(("added", tag, 0))
             elif kind == "load":
                 _, tag, job_id, ckpt, path = cmd
                 state = torch.load(ckpt, map_location="cpu", weights_only=False)
                 trainer.load_state_job(job_id, state)
-                trainer.save_adapter(job_id, path.format(v=int(state["step"])), dtype=save_dtype)
+                trainer.save_adapter(job_id, path.format(v=int(state["step"])), dtype=save_dtype, adapter_format=spec.adapter_format)
                 outbox.put(("added", tag, int(state["step"])))
             elif kind == "warmup":
                 # Scratch jobs train one step at the run's shape (``jobs`` jobs of ``rows`` rows of
@@ -299,7 +301,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                     with torch.profiler.record_function("nodus.save"):
                         for job_id, st in done["stats"].items():
                             if not st.failed:
-                                trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype)
+                                trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype, adapter_format=spec.adapter_format)
                                 if ckpt_dir:
                                     save_checkpoint(trainer, job_id, ckpt_dir)
 

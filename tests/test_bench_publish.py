@@ -31,3 +31,19 @@ def test_bench_publish_refuses_a_non_positive_stack_dump_delay(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path), "--dump-stacks-after", "0", "--out", str(tmp_path / "p.json")])
     assert "--dump-stacks-after must be > 0 seconds" in capsys.readouterr().err
+
+
+def test_bench_handoff_times_both_formats_on_both_sides(tmp_path, tiny_model):
+    """experiments/bench_handoff.py: each format's saves and publishes timed version by version
+    (version 0 untimed), the report written, and the same numbers served from either file."""
+    from experiments.bench_handoff import main
+
+    out = tmp_path / "handoff.json"
+    report = main(["--model", str(tiny_model), "--jobs", "2", "--versions", "2", "--rank", "8", "--out", str(out)])
+    assert json.loads(out.read_text())["flat_saves"] == report["flat_saves"]
+    for fmt in ("safetensors", "flat"):
+        r = report["formats"][fmt]
+        assert r["save_s"]["n"] == 2 and r["save_each_s"]["n"] == 4 and r["publish_each_s"]["n"] == 4
+        assert r["publish_s"]["median"] > 0 and report["adapter_bytes"][fmt] > 0
+    assert report["same_tokens"] is True and len(report["check_tokens"]["flat"]) == 4
+    assert report["trainer_device"] == "cpu" and report["dtype"] == "float32"

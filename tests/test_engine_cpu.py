@@ -146,6 +146,55 @@ def test_publish_switches_versions_and_isolates_jobs(engine, adapters, hf):
     assert second["B"].adapter_version == 0
 
 
+def _as_flat(peft_dir, out):
+    """The PEFT folder's tensors as the flat handoff file (real/flat_adapter.py), its config kept."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from real.flat_adapter import FLAT_WEIGHTS, write_flat
+
+    out.mkdir()
+    shutil.copy(peft_dir / "adapter_config.json", out / "adapter_config.json")
+    tensors = load_file(peft_dir / "adapter_model.safetensors")
+    write_flat(out / FLAT_WEIGHTS, list(tensors), list(tensors.values()), torch.float32)
+    return out
+
+
+def test_flat_adapter_files_load_the_same_weights(engine, adapters, hf, tmp_path):
+    """A version published as the flat file samples what its PEFT folder samples (HF+PEFT's greedy
+    tokens, the same logprobs), another adapter's flat file follows that adapter, and a foreign
+    tensor name is refused as vLLM's loader refuses it."""
+    from real.engine import GenRequest
+    from real.flat_adapter import FLAT_WEIGHTS, write_flat
+
+    flat = {name: _as_flat(adapters[name], tmp_path / name) for name in ("A0", "B0")}
+    assert not (flat["A0"] / "adapter_model.safetensors").exists()
+    engine.publish("F", 0, adapters["A0"])
+    req = GenRequest("F", 0, [PROMPT], n=2, max_new_tokens=8, temperature=1.0, seed=3)
+    (peft_out,) = engine.generate([req])
+    engine.publish("F", 1, flat["A0"])
+    (flat_out,) = engine.generate([GenRequest("F", 1, [PROMPT], n=2, max_new_tokens=8, temperature=1.0, seed=3)])
+    assert flat_out.completion_token_ids == peft_out.completion_token_ids
+    for a, b in zip(flat_out.logprobs[0], peft_out.logprobs[0]):
+        assert a == pytest.approx(b, abs=1e-6)
+    assert _greedy(engine, "F")["F"].completion_token_ids[0][0] == hf["A0"].greedy(PROMPT, GREEDY_TOKENS)
+    engine.publish("F", 2, flat["B0"])
+    assert _greedy(engine, "F")["F"].completion_token_ids[0][0] == hf["B0"].greedy(PROMPT, GREEDY_TOKENS)
+
+    import torch
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((adapters["A0"] / "adapter_config.json").read_text())
+    write_flat(bad / FLAT_WEIGHTS, ["base_model.model.model.layers.0.mlp.nope.lora_A.weight"],
+               [torch.zeros(RANK, 4)], torch.float32)
+    with pytest.raises(ValueError, match="expected target modules"):
+        engine.publish("F", 3, bad)
+    assert engine.current_version("F") == 2  # the refused version left the published one in place
+
+
 def test_stale_or_unknown_versions_are_refused(engine, adapters):
     from real.engine import GenRequest, StaleAdapterError
 

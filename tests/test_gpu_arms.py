@@ -67,6 +67,9 @@ def test_arm_specs_name_their_own_trainer_settings():
     # np: the engine loads published adapters into pageable host memory (a run-loop setting).
     assert parse_arm("overlap+mps:cg:lowpri:np:free")[-2:] == (
         False, {"trainer_graphs": True, "trainer_priority": "below-normal", "publish_pinned": False})
+    # flat: the trainer hands each version to the engines as a flat file (a trainer setting).
+    assert parse_arm("shared-sync+mps:cg:flat:k2")[-1] == {"trainer_graphs": True, "adapter_format": "flat",
+                                                          "stacks": 2}
     # spK: the run config's trainer.share_prompts (each prompt's responses K to a row).
     assert parse_arm("overlap+mps:cg:sp4:s2")[3:] == ([2], None, None, {"trainer_graphs": True, "share_prompts": 4})
 

@@ -117,6 +117,22 @@ def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monke
     assert other is not first and first.closed and len(FakeCluster.started) == 2
 
 
+def test_the_adapter_handoff_is_a_trainer_setting_and_a_bad_one_is_refused():
+    """adapter_format picks what the trainers write (a trainer restart, the engines kept: they read
+    either); an unknown format, or the flat file with vLLM's core in a process of its own (where
+    nodus cannot teach vLLM's loader the format), is refused when the options are made."""
+    from real.backend import RealOptions, engine_settings, trainer_settings
+
+    opts = RealOptions(model="tiny")
+    flat = dataclasses.replace(opts, adapter_format="flat")
+    assert engine_settings(flat) == engine_settings(opts)
+    assert trainer_settings(flat)["adapter_format"] == "flat" != trainer_settings(opts)["adapter_format"]
+    with pytest.raises(ValueError, match="adapter_format='npz': choose one of"):
+        RealOptions(adapter_format="npz")
+    with pytest.raises(ValueError, match="adapter_format='flat' needs the engine core in the engine worker"):
+        RealOptions(adapter_format="flat", engine_core_process=True)
+
+
 def test_the_engines_batch_settings_pick_the_cluster(monkeypatch):
     """max_num_seqs and the CUDA-graph size are fixed at the engine's start: a run asking others
     gets a new cluster (the last one closed first), and has_cluster says which runs fit the running one."""

@@ -475,6 +475,53 @@ def test_adapter_leaves_the_device_in_one_copy_with_the_same_tensors(dtype):
     save(one)  # raises if any two share memory
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_adapter_file_holds_the_peft_files_tensors(dtype, tmp_path):
+    """save_adapter(adapter_format="flat") writes the safetensors file's tensors, names and config
+    (the engine's fast handoff), read back as views of one buffer; an unknown format is refused."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from real.flat_adapter import FLAT_WEIGHTS, read_flat
+
+    trainer = make_trainer()
+    trainer.train_step(two_step_data()[0])
+    trainer.save_adapter("b", str(tmp_path / "peft"), dtype=dtype)
+    trainer.save_adapter("b", str(tmp_path / "flat"), dtype=dtype, adapter_format="flat")
+    assert sorted(p.name for p in (tmp_path / "flat").iterdir()) == ["adapter_config.json", FLAT_WEIGHTS]
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    flat = read_flat(tmp_path / "flat" / FLAT_WEIGHTS)
+    assert sorted(flat) == sorted(peft)  # (safetensors keeps its keys sorted)
+    for k in peft:
+        assert flat[k].dtype == dtype and torch.equal(flat[k], peft[k])
+    assert len({t.untyped_storage().data_ptr() for t in flat.values()}) == 1
+    configs = [json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("peft", "flat")]
+    assert configs[0] == configs[1] and configs[0]["r"] == JOBS["b"]["rank"]
+    with pytest.raises(ValueError, match="adapter_format='npz'"):
+        trainer.save_adapter("b", str(tmp_path / "x"), adapter_format="npz")
+
+
+def test_a_bad_flat_adapter_file_is_a_clear_error(tmp_path):
+    """A file cut short, another format under the name, or a dtype outside the three: each an error
+    naming the file, before vLLM sees a tensor."""
+    from real.flat_adapter import read_flat, write_flat
+
+    path = tmp_path / "a.flat"
+    write_flat(path, ["x", "y"], [torch.ones(4, 3), torch.zeros(5)], torch.float32)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-4])
+    with pytest.raises(ValueError, match="truncated or foreign"):
+        read_flat(path)
+    path.write_bytes(b"PK\x03\x04" + whole[4:])
+    with pytest.raises(ValueError, match="not a nodus flat adapter"):
+        read_flat(path)
+    with pytest.raises(ValueError, match="flat adapter dtype torch.int8"):
+        write_flat(path, ["x"], [torch.ones(2)], torch.int8)
+    with pytest.raises(ValueError, match="2 names for 1 tensors"):
+        write_flat(path, ["x", "y"], [torch.ones(2)], torch.float32)
+
+
 @pytest.mark.slow
 def test_bench_trainer_smoke_with_profile(tmp_path):
     """experiments/bench_trainer.py on the CPU with a tiny model: both layouts timed, profiled

@@ -447,6 +447,13 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     assert unmodelled_controls(run_controls(unpinned)) == [
         "the engine loaded published adapters into pageable host memory (publish_pinned false, :np): the "
         "profile's publish is vLLM's pinned one"]
+    # Adapters handed over as flat files: another configuration, outside the profile (PEFT's is the default).
+    flat = {"diagnostics": [dict(plain["diagnostics"][0], adapter_format="flat")]}
+    peft = {"diagnostics": [dict(plain["diagnostics"][0], adapter_format="safetensors")]}
+    assert run_controls(flat) == {"adapter_format": "flat"} and run_controls(peft) == {}
+    assert unmodelled_controls(run_controls(flat)) == [
+        "the trainer handed adapters to the engine as flat files (:flat): the profile's train and publish "
+        "terms include the PEFT safetensors save and load"]
     # The engine's logprobs on fewer steps than every one: another configuration, outside the profile.
     # Or on fewer responses: another configuration too. The table labels name the same settings.
     from calibration.validate import audit_label
