@@ -104,7 +104,8 @@ _INSTALLED = False
 
 def install_vllm_loader() -> None:
     """Teach vLLM's `LoRAModel.from_local_checkpoint` (in this process) to read a folder's flat file;
-    folders without one load as before. Idempotent."""
+    folders without one load as before. Idempotent. Raises RuntimeError naming what this vLLM lacks
+    where its loader is not the shape this wraps."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -112,28 +113,36 @@ def install_vllm_loader() -> None:
 
     cls = lora_model.LoRAModel
     original = cls.from_local_checkpoint.__func__
+    wraps = inspect.signature(original)
     accepted = set(inspect.signature(cls.from_lora_tensors).parameters)
-    missing = {"lora_model_id", "tensors", "peft_helper", "device", "dtype"} - accepted
+    missing = ({"lora_dir", "expected_lora_modules", "peft_helper"} - set(wraps.parameters)) | (
+        {"lora_model_id", "tensors", "peft_helper", "device", "dtype"} - accepted)
     if missing:
-        raise RuntimeError(f"this vLLM's LoRAModel.from_lora_tensors lacks {sorted(missing)}: "
-                           "the flat adapter format cannot hand it tensors (use adapter_format='safetensors')")
+        raise RuntimeError(f"this vLLM's LoRAModel loaders lack {sorted(missing)}: the flat adapter format "
+                           "cannot hand them tensors (use adapter_format='safetensors')")
 
-    def from_local_checkpoint(klass, lora_dir, expected_lora_modules, peft_helper=None, **kwargs):
-        flat = Path(lora_dir) / FLAT_WEIGHTS
+    def from_local_checkpoint(klass, *args, **kwargs):
+        bound = wraps.bind(klass, *args, **kwargs)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        flat = Path(given["lora_dir"]) / FLAT_WEIGHTS
         if not flat.is_file():
-            return original(klass, lora_dir, expected_lora_modules, peft_helper=peft_helper, **kwargs)
-        device = str(kwargs.get("device", "cuda"))
+            return original(klass, *args, **kwargs)
+        device = str(given.get("device", "cuda"))
         pin = device == "cpu" and bool(getattr(lora_model, "PIN_MEMORY", False))
         tensors = read_flat(flat, pin=pin)
-        _check_modules(lora_dir, tensors, expected_lora_modules, peft_helper, kwargs.get("weights_mapper"))
-        lora_id = kwargs.pop("lora_model_id", None)
-        if lora_id is None:
-            lora_id = lora_model.get_lora_id()
-        passed = {k: v for k, v in kwargs.items() if k in accepted}
-        return klass.from_lora_tensors(lora_model_id=lora_id, tensors=tensors, peft_helper=peft_helper, **passed)
+        _check_modules(given["lora_dir"], tensors, given["expected_lora_modules"], given["peft_helper"],
+                       given.get("weights_mapper"))
+        if given.get("lora_model_id") is None:
+            given["lora_model_id"] = lora_model.get_lora_id()
+        given["tensors"] = tensors
+        return klass.from_lora_tensors(**{k: v for k, v in given.items() if k in accepted and k != "cls"})
 
     cls.from_local_checkpoint = classmethod(from_local_checkpoint)
     _INSTALLED = True
+
+
+_CHECKED: set = set()  # (names, allowed modules) already checked: a job's every version has the same names
 
 
 def _check_modules(lora_dir, tensors: dict, expected: set[str], peft_helper, weights_mapper) -> None:
@@ -141,6 +150,10 @@ def _check_modules(lora_dir, tensors: dict, expected: set[str], peft_helper, wei
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
     extra = set(getattr(peft_helper, "modules_to_save", None) or ())
+    # Cached where no weights mapper renames the names (one made per load could differ).
+    key = (tuple(tensors), frozenset(expected | extra)) if weights_mapper is None else None
+    if key is not None and key in _CHECKED:
+        return
     bad = []
     for name in tensors:
         module, _ = parse_fine_tuned_lora_name(name, weights_mapper)
@@ -149,3 +162,5 @@ def _check_modules(lora_dir, tensors: dict, expected: set[str], peft_helper, wei
     if bad:
         raise ValueError(f"While loading {lora_dir}, expected target modules in {sorted(expected)} "
                          f"but received {bad[:5]}{' ...' if len(bad) > 5 else ''}")
+    if key is not None:
+        _CHECKED.add(key)
