@@ -639,6 +639,7 @@ class RealBackend:
         self.generations: list[dict] = []  # each generation's engine steps and collections (real.stepstats)
         self._stack_of = {j.id: 0 for j in cfg.jobs}  # the stack whose engine has the newest version
         self._start: dict[str, int] = {}
+        self._superseded: list[tuple[int, str, int]] = []  # (stack, job, version) published: older folders go
         for s in range(cluster.n_stacks):
             pubs = []
             for j in cfg.jobs:
@@ -713,6 +714,19 @@ class RealBackend:
 
     def _path(self, job_id: str, version, stack: int) -> str:
         return os.path.join(self.adapter_root, f"s{stack}", job_id, f"v{version}")
+
+    def _drop_superseded(self) -> None:
+        """Delete each adapter folder older than what its stack's engine has published since: that
+        engine holds the versions it serves in memory (it rereads only its current one, after an
+        eviction), so a run keeps one folder a job and stack, not one a step (~20 MB each on /dev/shm,
+        which is memory: 16 jobs x 500 steps were 160 GB). Called as the run waits on its workers."""
+        while self._superseded:
+            stack, job_id, v = self._superseded.pop()
+            folder = os.path.dirname(self._path(job_id, v, stack))
+            with os.scandir(folder) as entries:
+                old = [e.path for e in entries if e.name.startswith("v") and e.name[1:].isdigit() and int(e.name[1:]) < v]
+            for path in old:
+                shutil.rmtree(path, ignore_errors=True)
 
     # -- protocol ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -793,6 +807,7 @@ class RealBackend:
     def wait(self) -> Result:
         if self._local:
             return self._local.popleft()
+        self._drop_superseded()
         while True:
             until = self._release_held()
             if until is None:
@@ -838,6 +853,7 @@ class RealBackend:
         if kind == "published":
             for j, v in msg[4]:
                 self._versions[j], self._stack_of[j] = v, a.stack
+                self._superseded.append((a.stack, j, v))
             return PublishDone(a.action_id, msg[2] - self.t0, msg[3] - self.t0, tuple(tuple(x) for x in msg[4]))
         raise RuntimeError(f"unexpected worker message {kind!r}")
 
@@ -884,6 +900,7 @@ class RealBackend:
         return out
 
     def diagnostics(self) -> dict:
+        self._drop_superseded()
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
                 # a snapshot: the pool's next run goes on updating the live per-worker state
                 "workers": copy.deepcopy(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
@@ -901,6 +918,9 @@ class RealBackend:
                 "engine_core_process": self.c.opts.engine_core_process,
                 "publish_pinned": self.opts.publish_pinned,
                 "adapter_format": self.opts.adapter_format,
+                # Adapter version folders left at the end: one a job per stack whose engine serves it.
+                "adapter_folders_kept": sum(1 for _, dirs, _ in os.walk(self.adapter_root)
+                                            for d in dirs if d.startswith("v") and d[1:].isdigit()),
                 "cuda_graph_max_tokens": self.cfg.engine.cuda_graph_max_tokens,
                 # The adapter slots the engine was started with: a pool sized for a larger arm of
                 # the invocation gives a smaller one its engine (session 21's 8-job runs on a

@@ -266,6 +266,8 @@ def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool):
         assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
         assert s["diagnostics"][0]["adapter_format"] == fmt
         assert s["diagnostics"][0]["workers"]["trainer0"]["adapter_format"] == fmt
+        # Each job's superseded versions deleted as the run went: its current folder alone is left.
+        assert s["diagnostics"][0]["adapter_folders_kept"] == 2
         losses[fmt] = {(sp.job, sp.attrs["step"]): sp.attrs["loss"] for r in spans for sp in r if sp.phase == "train"}
     assert sorted(losses["flat"]) == [(j, k) for j in ("job0", "job1") for k in (0, 1)]
     for key, loss in losses["safetensors"].items():
@@ -387,6 +389,9 @@ def test_shared_sync_in_two_stacks_runs_each_stacks_jobs_on_its_own_engine_and_t
     workers = s["diagnostics"][0]["workers"]
     for k in range(2):
         assert "kernel_warmup" in workers[f"engine{k}"] and "step_mode" in workers[f"trainer{k}"]
+    # Superseded adapter folders went as the run did: each job's current one on its own stack, and
+    # the version 0 every engine was given at the start on the other.
+    assert s["diagnostics"][0]["adapter_folders_kept"] == 4
 
 
 def _two_stack_run(timeslice_pool, flag: str):
