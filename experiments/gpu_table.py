@@ -143,7 +143,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     responses of each prompt / both (--no-audit, --audit-every, --audit-responses);
     +cpu<N>: torch's CPU threads in the trainer processes capped at N (RealOptions.trainer_cpu_threads);
     +ecpu<N>: the same in the engine processes (RealOptions.engine_cpu_threads);
-    +np: the engine loaded published adapters into pageable host memory; +sp<K>: the trainer packed
+    +np: the engine loaded published adapters into pageable host memory; +flat: the trainer handed
+    them over as flat files (RealOptions.adapter_format); +sp<K>: the trainer packed
     each prompt's responses K to a row (trainer.share_prompts); +freed: the trainer took
     the next train while
     the engine loaded the last adapters, arm.trainer_waits_for_publish false; waiting is the default
@@ -480,6 +481,11 @@ FACTORS = (
     ("publish_unpinned", "overlap/mps/g2+np", "overlap/mps/g2",
      "the engine loads published adapters into pageable host memory (over vLLM's pinned copies, "
      "under overlap + MPS)"),
+    ("flat_handoff", "shared-sync/mps/g1/k2+flat", "shared-sync/mps/g1/k2",
+     "the trainer hands each version to the engine as one flat file (over PEFT safetensors folders, "
+     "shared-sync + MPS on two stacks)"),
+    ("flat_handoff_dedicated", "dedicated/none/g1+flat", "dedicated/none/g1",
+     "the flat adapter file over PEFT safetensors folders, in the dedicated runs"),
     ("overlap_with_mps", "overlap/mps/g2", "shared-sync/mps/g1",
      "two phase-offset groups under MPS (overlap + MPS over shared-sync + MPS)"),
     ("continuous", "continuous/mps/g1", "overlap/mps/g2",

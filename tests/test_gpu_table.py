@@ -451,6 +451,26 @@ def test_the_unpinned_publish_factor_pairs_runs_that_differ_only_in_it(tmp_path)
     assert table["factors"]["4+lowpri"]["1"]["publish_unpinned"] == pytest.approx(sph["np"] / sph["pinned"])
 
 
+def test_the_flat_handoff_factor_pairs_two_stack_and_dedicated_runs_that_differ_only_in_it(tmp_path):
+    from experiments.gpu_table import main
+
+    runs = []
+    for name, arm, flat in (("ded", dict(policy="dedicated", sharing="none"), False),
+                            ("dedflat", dict(policy="dedicated", sharing="none"), True),
+                            ("k2", dict(policy="shared-sync", sharing="mps", stacks=2), False),
+                            ("k2flat", dict(policy="shared-sync", sharing="mps", stacks=2), True)):
+        runs += _simulated(tmp_path, ((name, arm),), diagnostics=[{"adapter_format": "flat"} if flat else {}],
+                           jobs=4, steps=4 if flat else 3, seed=1)  # (other steps: other figures)
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    assert {"shared-sync/mps/g1/k2+flat/4jobs", "dedicated/none/g1+flat/4jobs"} <= set(table["arms"])
+    sph = {k: json.loads((tmp_path / k / "summary.json").read_text())["steps_per_gpu_hour"]
+           for k in ("ded", "dedflat", "k2", "k2flat")}
+    row = table["factors"]["4"]["1"]
+    assert sph["k2flat"] != sph["k2"] and sph["dedflat"] != sph["ded"]
+    assert row["flat_handoff"] == pytest.approx(sph["k2flat"] / sph["k2"])
+    assert row["flat_handoff_dedicated"] == pytest.approx(sph["dedflat"] / sph["ded"])
+
+
 def test_an_eight_job_arm_is_measured_over_a_four_job_dedicated_run_on_its_engine(tmp_path):
     """dedicated:j4 on the 8-job arms' engine (8 adapter slots, label +ls8) and an 8-job arm on that
     engine (one slot a job: no +ls) whose jobs share the dedicated run's four tasks: the arm's ratio
