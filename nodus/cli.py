@@ -201,7 +201,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                            trainer_cpu_threads=a.trainer_cpu_threads, engine_cpu_threads=a.engine_cpu_threads,
                            engine_env=tuple(env_pairs(a.engine_env)),
                            engine_args=tuple(engine_arg_pairs(a.engine_arg)),
-                           checkpoint_dir=a.checkpoint_dir,
+                           checkpoint_dir=a.checkpoint_dir, adapter_format=a.adapter_format,
                            seeded_sampling=not a.unseeded, lora_layout=a.lora_layout,
                            trainer_compile=a.trainer_compile, trainer_graphs=a.trainer_graphs,
                            tuned_lora_kernels=a.tuned_lora_kernels, engine_core_process=a.engine_core_process)
@@ -560,6 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=False,
                    help="vLLM's engine core (scheduler, model runner) in a process of its own: its next decode step "
                         "runs while the engine worker handles the last one's outputs; default: one process")
+    p.add_argument("--adapter-format", choices=("safetensors", "flat"), default="safetensors",
+                   help="how each new adapter version goes from trainer to engine: PEFT safetensors folders "
+                        "(default) or one flat file each (one write, one read; the engine core in the engine's "
+                        "process)")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     _add_audit_flags(p)
     p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,

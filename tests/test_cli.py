@@ -49,6 +49,8 @@ def test_bad_input_exits_2_with_named_field(capsys):
     assert main(["report", "/nonexistent"]) == 2
     assert main(["run", "--backend", "real", "--jobs", "1", "--engine-env", "NO_VALUE"]) == 2
     assert "--engine-env 'NO_VALUE': expected NAME=VALUE" in capsys.readouterr().err
+    assert main(["run", "--backend", "real", "--jobs", "1", "--adapter-format", "flat", "--engine-core-process"]) == 2
+    assert "adapter_format='flat' needs the engine core in the engine worker's process" in capsys.readouterr().err
 
 
 def test_sim_share_prompts_on_a_graphed_profile_and_its_errors(capsys):
