@@ -1,7 +1,7 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
 #   bash experiments/device_session.sh MODE
-#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|publish|learn|small-base)
+#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|publish|handoff|learn|small-base)
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders,
 # and the compile cache (1-3 of the 8: with several TAG invocations in a call, mind the count).
 set -uo pipefail
@@ -137,6 +137,13 @@ case "${1:-arms}" in
       --dump-stacks-after $(( ${PUB_TIMEOUT:-300} > 40 ? ${PUB_TIMEOUT:-300} - 20 : ${PUB_TIMEOUT:-300} / 2 + 1 )) \
       > "$OUT/publish.log" 2>&1
     echo "bench_publish rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/publish.log" | tail -60 ;;
+  handoff)
+    # Both sides of a step's adapter handoff, PEFT safetensors folders against the flat file
+    # (bench_handoff.py): the trainer's save of 4 adapters from the GPU, the engine's publish of them.
+    random_model
+    timeout "${HO_TIMEOUT:-300}" python experiments/bench_handoff.py --model /tmp/nodus-qwen3-0.6b-random \
+      --jobs "${HO_JOBS:-4}" --versions "${HO_VERSIONS:-20}" --out "$OUT/handoff_h200.json" > "$OUT/handoff.log" 2>&1
+    echo "bench_handoff rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/handoff.log" | tail -40 ;;
   engine-profile)
     # Is the shared generation GPU- or host-bound? A recorded step's generation timed per engine
     # step, under torch.profiler (kernel time against the wall) and cProfile (the host's time).
