@@ -723,8 +723,12 @@ class RealBackend:
         while self._superseded:
             stack, job_id, v = self._superseded.pop()
             folder = os.path.dirname(self._path(job_id, v, stack))
-            with os.scandir(folder) as entries:
-                old = [e.path for e in entries if e.name.startswith("v") and e.name[1:].isdigit() and int(e.name[1:]) < v]
+            try:
+                with os.scandir(folder) as entries:
+                    old = [e.path for e in entries
+                           if e.name.startswith("v") and e.name[1:].isdigit() and int(e.name[1:]) < v]
+            except FileNotFoundError:  # nothing written there (a run's folder removed under it)
+                continue
             for path in old:
                 shutil.rmtree(path, ignore_errors=True)
 

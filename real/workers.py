@@ -247,7 +247,8 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 _, tag, job_id, ckpt, path = cmd
                 state = torch.load(ckpt, map_location="cpu", weights_only=False)
                 trainer.load_state_job(job_id, state)
-                trainer.save_adapter(job_id, path.format(v=int(state["step"])), dtype=save_dtype, adapter_format=spec.adapter_format)
+                trainer.save_adapter(job_id, path.format(v=int(state["step"])), dtype=save_dtype,
+                                     adapter_format=spec.adapter_format)
                 outbox.put(("added", tag, int(state["step"])))
             elif kind == "warmup":
                 # Scratch jobs train one step at the run's shape (``jobs`` jobs of ``rows`` rows of
@@ -301,7 +302,8 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                     with torch.profiler.record_function("nodus.save"):
                         for job_id, st in done["stats"].items():
                             if not st.failed:
-                                trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype, adapter_format=spec.adapter_format)
+                                trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype,
+                                                     adapter_format=spec.adapter_format)
                                 if ckpt_dir:
                                     save_checkpoint(trainer, job_id, ckpt_dir)
 

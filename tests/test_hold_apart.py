@@ -141,6 +141,7 @@ def test_real_backend_sends_a_held_generation_when_due():
     t = rb.now()
     rb.c = _Cluster([None, ("published", "pub-1", rb.t0 + t, rb.t0 + t + 0.01, [("a", 1)])])
     rb._local, rb._pending, rb._versions, rb._stack_of = deque(), {"pub-1": (pub, None)}, {}, {}
+    rb._superseded = []  # (stack, job, version) published: older adapter folders go at the next wait
     rb._held = [(t + 0.05, "gen-2", 1, ["request"])]
     done = rb.wait()
     assert isinstance(done, PublishDone) and rb._versions == {"a": 1}
