@@ -610,10 +610,10 @@ def run_controls(summary: dict) -> dict:
     CUDA-graph size set in the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an
     engine started with more or fewer adapter slots than the run has jobs (recorded since session 21),
     ``engine_env`` for the engine's extra environment variables (their names), ``audit`` for a logprob
-    audit on fewer steps or responses than all (``audit_text``), ``engine_cpu_threads`` for torch's CPU threads in the engines
-    where capped (``RealOptions.engine_cpu_threads``), and
-    ``lora_kernels`` "tuned" for an engine that ran tuned LoRA kernel configs (the
-    shipped ones, ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
+    audit on fewer steps or responses than all (``audit_text``), ``engine_cpu_threads`` for torch's CPU
+    threads in the engines where capped (``RealOptions.engine_cpu_threads``), and ``lora_kernels``
+    "tuned" for an engine that ran tuned LoRA kernel configs (the shipped ones,
+    ``real/lora_kernels.py``, or a folder set through the environment). {} for a run
     at the defaults of runs before session 11 (vLLM's own LoRA kernels, the audit every step); a
     default H200 run since gives {"lora_kernels": "tuned"}."""
     from real.backend import RealOptions  # light: no torch, no vLLM
