@@ -9,14 +9,18 @@ The adapters have the model's shape (rank --rank, every attention and MLP projec
 the trainer's device (a GPU where there is one), in the dtype the trainer saves; each version
 nudges every B, so each save copies new numbers. The formats take turns version by version. A
 check compares the greedy first tokens of four prompts after the same version was published in
-each format.
+each format; cProfile's heaviest functions (own time) of 3 more publishes in each format go in the
+report too (untimed: the profiler's cost would tilt the comparison), to say what each leaves.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import shutil
 import statistics
 import sys
@@ -28,6 +32,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FORMATS = ("safetensors", "flat")
+PROFILED = 3  # versions per format published under cProfile
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]]
 
 
@@ -168,6 +173,21 @@ def main(argv=None) -> dict:
         base, flat = (report["formats"][f] for f in FORMATS)
         report["flat_saves"] = {key: base[key]["median"] - flat[key]["median"]
                                 for key in ("save_s", "publish_s", "first_token_s")}
+        report["profiles"] = {}
+        for fmt in FORMATS:
+            prof = cProfile.Profile()
+            for _ in range(PROFILED):
+                nudge(adapters)
+                folders, _, _ = save_version(adapters, work, v, fmt, dtype, DEFAULT_TARGET_MODULES)
+                prof.enable()
+                publish_version(engine, folders, v)
+                prof.disable()
+                for folder in folders.values():
+                    shutil.rmtree(folder)
+                v += 1
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)
+            report["profiles"][fmt] = buf.getvalue()
         # The same numbers in each format: the same greedy first tokens.
         got = {}
         for fmt in FORMATS:

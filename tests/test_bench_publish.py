@@ -47,3 +47,4 @@ def test_bench_handoff_times_both_formats_on_both_sides(tmp_path, tiny_model):
         assert r["publish_s"]["median"] > 0 and report["adapter_bytes"][fmt] > 0
     assert report["same_tokens"] is True and len(report["check_tokens"]["flat"]) == 4
     assert report["trainer_device"] == "cpu" and report["dtype"] == "float32"
+    assert "from_lora_tensors" in report["profiles"]["flat"] and "safe_open" in report["profiles"]["safetensors"]
