@@ -180,8 +180,11 @@ def main(argv=None) -> dict:
                 nudge(adapters)
                 folders, _, _ = save_version(adapters, work, v, fmt, dtype, DEFAULT_TARGET_MODULES)
                 prof.enable()
-                publish_version(engine, folders, v)
+                for job, folder in folders.items():
+                    engine.publish(job, v, folder)
                 prof.disable()
+                engine.generate([GenRequest(job, v, [PROMPTS[0]], n=1, max_new_tokens=1, temperature=0.0)
+                                 for job in folders])
                 for folder in folders.values():
                     shutil.rmtree(folder)
                 v += 1
