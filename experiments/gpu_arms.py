@@ -256,8 +256,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             # A run-loop setting too: the engine loads published adapters into pageable host memory.
             trainer["publish_pinned"] = False
         elif o == "flat":
-            # A trainer setting: new adapter versions reach the engines as flat files
-            # (real/flat_adapter.py: one write, one read), not PEFT safetensors folders.
+            # A run-loop setting too (every process kept): new adapter versions reach the engines as
+            # flat files (real/flat_adapter.py: one write, one read), not PEFT safetensors folders.
             trainer["adapter_format"] = "flat"
         elif len(o) > 1 and o[0] == "r" and o[1:].isdigit() and int(o[1:]) >= 1:
             # A run-loop setting too: the first K responses of each prompt audited (an audit, also

@@ -82,7 +82,8 @@ class RealOptions:
     publish_pinned: bool = True
     # How each new adapter version goes from trainer to engines: "safetensors" (PEFT's folder, what
     # every run up to session 45 used) or "flat" (real/flat_adapter.py: one file written in one call,
-    # read in one call into one page-locked buffer; needs engine_core_process=False).
+    # read in one call into one page-locked buffer; needs engine_core_process=False). A run-loop
+    # setting: each command to the trainer names it, so an A/B keeps every process.
     adapter_format: str = "safetensors"
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     max_model_len: int | None = None
@@ -218,11 +219,11 @@ def process_envs(opts: RealOptions, mps_env: dict) -> tuple[dict, dict]:
 
 # RealOptions fields only the trainer processes read: a change restarts the trainers, not the engines.
 TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", "lora_layout", "trainer_compile",
-                    "trainer_cpu_threads", "adapter_format")
+                    "trainer_cpu_threads")
 # RealOptions fields only the run loop reads (what it asks of the processes per request): a change
 # keeps every process.
 RUN_SETTINGS = ("audit_logprobs", "audit_every", "audit_responses", "temperature", "seeded_sampling", "evaluate",
-                "checkpoint_dir", "publish_pinned")
+                "checkpoint_dir", "publish_pinned", "adapter_format")
 
 
 def trainer_settings(opts: RealOptions) -> dict:
@@ -458,8 +459,7 @@ class Cluster:
         spec = TrainerSpec(**self._trainer_args, env=t_env, lora_layout=opts.lora_layout,
                            compile_elementwise=opts.trainer_compile,
                            cpu_threads=trainer_cpu_threads(opts.trainer_cpu_threads, self.device),
-                           step_mode=trainer_step_mode(opts.trainer_graphs, self.device),
-                           adapter_format=opts.adapter_format)
+                           step_mode=trainer_step_mode(opts.trainer_graphs, self.device))
         tin = self._ctx.Queue()
         return tin, self._ctx.Process(target=trainer_main, args=(spec, tin, self.outbox, f"trainer{stack}"),
                                       daemon=True)
@@ -646,9 +646,11 @@ class RealBackend:
                 ckpt = os.path.join(self.opts.checkpoint_dir or "", f"{j.id}.pt")
                 if self.opts.checkpoint_dir and os.path.isfile(ckpt):
                     # Resume: the job's adapter, optimizer, RNG and step from its last completed step.
-                    cluster.trainers[s].put(("load", "load", j.id, ckpt, self._path(j.id, "{v}", s)))
+                    cluster.trainers[s].put(("load", "load", j.id, ckpt, self._path(j.id, "{v}", s),
+                                             self.opts.adapter_format))
                 else:
-                    cluster.trainers[s].put(("add", "add", j.id, _job_config(j, cfg), self._path(j.id, "{v}", s)))
+                    cluster.trainers[s].put(("add", "add", j.id, _job_config(j, cfg), self._path(j.id, "{v}", s),
+                                             self.opts.adapter_format))
                 v = self._start[j.id] = cluster.get()[2]
                 if v > j.steps:
                     raise ValueError(f"job {j.id}: checkpoint is at step {v} but the job has steps={j.steps}")
@@ -798,9 +800,11 @@ class RealBackend:
             now = self.now()
             self._local.append(TrainDone(a.action_id, now, now, tuple(failed)))
             return
-        # The run's own micro-batch size: a pooled cluster's trainer serves runs that ask for others.
+        # The run's own micro-batch size and adapter format: a pooled cluster's trainer serves runs that
+        # ask for others.
         self.c.trainers[a.stack].put(("train", a.action_id, batches, paths, elp or None, self.opts.checkpoint_dir,
-                                      self.cfg.trainer.max_tokens_per_microbatch, self.cfg.trainer_packing()))
+                                      self.cfg.trainer.max_tokens_per_microbatch, self.cfg.trainer_packing(),
+                                      self.opts.adapter_format))
 
     def publish(self, a: Publish) -> None:
         self._pending[a.action_id] = (a, None)

@@ -74,7 +74,6 @@ class TrainerSpec:
     compile_elementwise: bool | None = None  # None: on a GPU
     step_mode: str = "eager"  # eager | graphed (CUDA graphs) | static (see MultiLoRATrainer)
     cpu_threads: int | None = None  # torch's intra-op CPU threads (None: torch's default)
-    adapter_format: str = "safetensors"  # what the engines load: safetensors (PEFT) | flat (real/flat_adapter.py)
 
 
 def _apply_env(env: dict, cpu_threads: int | None = None) -> None:
@@ -187,9 +186,14 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
             return
 
 
+FORMAT = "safetensors"  # the adapter format a command that names none asks for (PEFT's folder)
+
+
 def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
-    """Commands: ("add", tag, job_id, JobConfig, save_path) saves version 0;
-    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir[, mb_tokens[, share_prompts]]);
+    """Commands: ("add", tag, job_id, JobConfig, save_path[, adapter_format]) saves version 0;
+    ("load", tag, job_id, checkpoint, save_path[, adapter_format]) resumes a job and saves its version;
+    ("train", tag, {job: JobBatch}, {job: save_path}, engine_logprobs, ckpt_dir[, mb_tokens[, share_prompts[,
+    adapter_format]]]);
     ("warmup", tag, rank, rows, seq[, jobs[, share_prompts, packed_row_tokens]]);
     ("remove", tag, [job]); ("stop",)."""
     name_process(name)
@@ -213,8 +217,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
         # Adapters for the engine in the model's dtype: the engine casts them to it on load anyway
         # (the same rounding), and a bf16 file is half the bytes to write and read.
         save_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype),
-                "adapter_format": spec.adapter_format, "step_mode": spec.step_mode,
+        info = {"lora_layout": spec.lora_layout, "adapter_save_dtype": str(save_dtype), "step_mode": spec.step_mode,
                 "cpu_threads": spec.cpu_threads, "torch_threads": torch.get_num_threads()}
         if compile_wanted(spec.compile_elementwise, trainer.device):
             info["compiled"] = fuse_elementwise(model)
@@ -238,17 +241,17 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 outbox.put(("stopped", name))
                 return
             if kind == "add":
-                _, tag, job_id, cfg, path = cmd
+                _, tag, job_id, cfg, path, *fmt = cmd
                 trainer.add_job(job_id, rank=cfg.rank, alpha=cfg.alpha, lr=cfg.lr, seed=cfg.seed,
                                 max_grad_norm=cfg.max_grad_norm, loss_type=cfg.loss_type)
-                trainer.save_adapter(job_id, path.format(v=0), dtype=save_dtype, adapter_format=spec.adapter_format)
+                trainer.save_adapter(job_id, path.format(v=0), dtype=save_dtype, adapter_format=(fmt or [FORMAT])[0])
                 outbox.put(("added", tag, 0))
             elif kind == "load":
-                _, tag, job_id, ckpt, path = cmd
+                _, tag, job_id, ckpt, path, *fmt = cmd
                 state = torch.load(ckpt, map_location="cpu", weights_only=False)
                 trainer.load_state_job(job_id, state)
                 trainer.save_adapter(job_id, path.format(v=int(state["step"])), dtype=save_dtype,
-                                     adapter_format=spec.adapter_format)
+                                     adapter_format=(fmt or [FORMAT])[0])
                 outbox.put(("added", tag, int(state["step"])))
             elif kind == "warmup":
                 # Scratch jobs train one step at the run's shape (``jobs`` jobs of ``rows`` rows of
@@ -293,6 +296,8 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                     trainer.max_tokens_per_microbatch = run_settings[0]
                 if len(run_settings) > 1:  # and its own share_prompts
                     trainer.set_share_prompts(run_settings[1])
+                # and how its engines take the new versions (RealOptions.adapter_format)
+                fmt = run_settings[2] if len(run_settings) > 2 else FORMAT
                 trains += 1
                 done = {}
 
@@ -302,8 +307,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                     with torch.profiler.record_function("nodus.save"):
                         for job_id, st in done["stats"].items():
                             if not st.failed:
-                                trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype,
-                                                     adapter_format=spec.adapter_format)
+                                trainer.save_adapter(job_id, paths[job_id], dtype=save_dtype, adapter_format=fmt)
                                 if ckpt_dir:
                                     save_checkpoint(trainer, job_id, ckpt_dir)
 

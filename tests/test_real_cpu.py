@@ -254,18 +254,19 @@ def test_trainer_graphs_on_a_cpu_run_the_fixed_shape_program_end_to_end(pool):
 def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool):
     """RealOptions.adapter_format="flat": every version reaches the engine as one flat file; the run
     stays on policy, the engine's logprobs agree with the training forward's, and each step's loss
-    is the PEFT-folder run's (the same rollouts from the same adapters). The worker and the summary
-    say which handoff ran; validate's run controls set the run apart from default ones."""
+    is the PEFT-folder run's (the same rollouts from the same adapters), on the same processes (a
+    run-loop setting). The summary says which handoff ran; validate's run controls set the run apart
+    from default ones."""
     from calibration.validate import run_controls
 
     cfg = _small_cfg(2, 2)
-    losses = {}
+    losses, pids = {}, []
     for fmt in ("safetensors", "flat"):
         s, spans = _pooled(pool, cfg, adapter_format=fmt)
+        pids.append(sorted(p.pid for c in pool.clusters.values() for p in c.procs))
         assert s["steps"] == 4 and s["stale_rollouts"] == 0
         assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
         assert s["diagnostics"][0]["adapter_format"] == fmt
-        assert s["diagnostics"][0]["workers"]["trainer0"]["adapter_format"] == fmt
         # Each job's superseded versions deleted as the run went: its current folder alone is left.
         assert s["diagnostics"][0]["adapter_folders_kept"] == 2
         losses[fmt] = {(sp.job, sp.attrs["step"]): sp.attrs["loss"] for r in spans for sp in r if sp.phase == "train"}
@@ -273,6 +274,7 @@ def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool):
     for key, loss in losses["safetensors"].items():
         assert losses["flat"][key] == pytest.approx(loss, rel=1e-5, abs=1e-7)
     assert run_controls(s)["adapter_format"] == "flat"
+    assert pids[0] == pids[1]  # the same engine and trainer processes ran both
 
 
 def test_a_raising_reward_fails_that_job_only(monkeypatch, pool):

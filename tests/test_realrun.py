@@ -117,16 +117,16 @@ def test_pool_restarts_only_the_trainers_when_only_trainer_settings_change(monke
     assert other is not first and first.closed and len(FakeCluster.started) == 2
 
 
-def test_the_adapter_handoff_is_a_trainer_setting_and_a_bad_one_is_refused():
-    """adapter_format picks what the trainers write (a trainer restart, the engines kept: they read
-    either); an unknown format, or the flat file with vLLM's core in a process of its own (where
+def test_the_adapter_handoff_is_a_run_loop_setting_and_a_bad_one_is_refused():
+    """adapter_format is named in each command to the trainers (every process kept: the engines read
+    either file); an unknown format, or the flat file with vLLM's core in a process of its own (where
     nodus cannot teach vLLM's loader the format), is refused when the options are made."""
-    from real.backend import RealOptions, engine_settings, trainer_settings
+    from real.backend import RUN_SETTINGS, RealOptions, engine_settings, trainer_settings
 
     opts = RealOptions(model="tiny")
     flat = dataclasses.replace(opts, adapter_format="flat")
-    assert engine_settings(flat) == engine_settings(opts)
-    assert trainer_settings(flat)["adapter_format"] == "flat" != trainer_settings(opts)["adapter_format"]
+    assert engine_settings(flat) == engine_settings(opts) and trainer_settings(flat) == trainer_settings(opts)
+    assert "adapter_format" in RUN_SETTINGS
     with pytest.raises(ValueError, match="adapter_format='npz': choose one of"):
         RealOptions(adapter_format="npz")
     with pytest.raises(ValueError, match="adapter_format='flat' needs the engine core in the engine worker"):
