@@ -202,6 +202,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                            engine_env=tuple(env_pairs(a.engine_env)),
                            engine_args=tuple(engine_arg_pairs(a.engine_arg)),
                            checkpoint_dir=a.checkpoint_dir, adapter_format=a.adapter_format,
+                           adapters_out=a.adapters_out,
                            seeded_sampling=not a.unseeded, lora_layout=a.lora_layout,
                            trainer_compile=a.trainer_compile, trainer_graphs=a.trainer_graphs,
                            tuned_lora_kernels=a.tuned_lora_kernels, engine_core_process=a.engine_core_process)
@@ -565,6 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default) or one flat file each (one write, one read; the engine core in the engine's "
                         "process)")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
+    p.add_argument("--adapters-out", help="where each job's final adapter goes as a PEFT folder "
+                                          "(<DIR>/<policy>/<job>; default: the --out folder's adapters/)")
     _add_audit_flags(p)
     p.add_argument("--trainer-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the trainer's element-wise ops (RMSNorm, rotary, SiLU*up); compiles at "

@@ -184,6 +184,8 @@ def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None
     check_run_settings(cfg, opts)  # before an output folder or a process
     cfg = engine_args_size_graphs(cfg, opts.engine_args)  # graph sizes the engine args set stay theirs
     out_dir = make_out_dir(out) if out is not None else None
+    if out_dir is not None and opts.adapters_out is None:  # the jobs' trained adapters: the run's deliverable
+        opts = dataclasses.replace(opts, adapters_out=str(out_dir / "adapters"))
     pool = baseline_pool(cfg, opts)
     # A dedicated-GPU-per-job baseline must not share a cluster with the MPS arm's sharing mode:
     # run_arm asks the pool for a sharing='none' backend, which restarts the processes.

@@ -86,6 +86,10 @@ class RealOptions:
     # setting: each command to the trainer names it, so an A/B keeps every process.
     adapter_format: str = "safetensors"
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
+    # Where each job's final adapter goes when a run ends, as a PEFT folder (<adapters_out>/<arm
+    # policy>/<job>: PeftModel.from_pretrained and vLLM load it, whatever adapter_format ran); None:
+    # nowhere (nodus run --out puts them under its folder).
+    adapters_out: str | None = None
     max_model_len: int | None = None
     evaluate: bool = True  # final eval on each job's held-out set (tasks mode)
     # A seed per response makes rollouts reproducible, but vLLM samples seeded requests one
@@ -223,7 +227,7 @@ TRAINER_SETTINGS = ("trainer_thread_pct", "trainer_priority", "trainer_graphs", 
 # RealOptions fields only the run loop reads (what it asks of the processes per request): a change
 # keeps every process.
 RUN_SETTINGS = ("audit_logprobs", "audit_every", "audit_responses", "temperature", "seeded_sampling", "evaluate",
-                "checkpoint_dir", "publish_pinned", "adapter_format")
+                "checkpoint_dir", "publish_pinned", "adapter_format", "adapters_out")
 
 
 def trainer_settings(opts: RealOptions) -> dict:
@@ -907,9 +911,23 @@ class RealBackend:
             out[j.id] = {"accuracy": sum(correct) / len(correct), "correct": correct, "version": v}
         return out
 
+    def export_adapters(self) -> dict[str, str]:
+        """Each job's current adapter (the version its engine serves) as a PEFT folder under
+        ``adapters_out``/<arm policy>/<job>; {job: folder}. A failed job's is its last good one."""
+        from real.flat_adapter import export_peft
+
+        out = {}
+        for j in self.cfg.jobs:
+            src = self._path(j.id, self._versions[j.id], self._stack_of[j.id])
+            dst = os.path.join(self.opts.adapters_out, self.cfg.arm.policy, j.id)
+            out[j.id] = str(export_peft(src, dst))
+        return out
+
     def diagnostics(self) -> dict:
         self._drop_superseded()
+        adapters = self.export_adapters() if self.opts.adapters_out else None
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
+                "adapters": adapters,  # each job's final adapter, a PEFT folder (RealOptions.adapters_out)
                 # a snapshot: the pool's next run goes on updating the live per-worker state
                 "workers": copy.deepcopy(self.c.worker_info), "trainer_microbatches": list(self.microbatches),
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),

@@ -164,3 +164,28 @@ def _check_modules(lora_dir, tensors: dict, expected: set[str], peft_helper, wei
                          f"but received {bad[:5]}{' ...' if len(bad) > 5 else ''}")
     if key is not None:
         _CHECKED.add(key)
+
+
+def export_peft(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """The adapter folder ``src`` (either format) as a PEFT folder at ``dst`` (adapter_config.json +
+    adapter_model.safetensors: ``PeftModel.from_pretrained`` and vLLM load it), written under a
+    temporary name and renamed. Refuses a ``dst`` that exists: a run's deliverable is never overwritten."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst}: an adapter is already there (adapters are never overwritten)")
+    tmp = dst.with_name("." + dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if (src / FLAT_WEIGHTS).is_file():
+        from safetensors.torch import save_file
+
+        tmp.mkdir(parents=True)
+        # Each tensor its own storage: safetensors refuses views of one buffer.
+        tensors = {k: v.clone() for k, v in read_flat(src / FLAT_WEIGHTS).items()}
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(src / "adapter_config.json", tmp / "adapter_config.json")
+    else:
+        shutil.copytree(src, tmp)
+    os.replace(tmp, dst)
+    return dst

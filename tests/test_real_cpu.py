@@ -2,10 +2,11 @@
 scheduler and arms as the simulator, strictly on-policy, with the logprob audit."""
 
 import json
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from nodus.accounting import audit_on_policy  # noqa: E402
@@ -63,6 +64,24 @@ def test_two_job_overlap_runs_on_policy(overlap_run):
     assert gens == [("job0", 0, 0), ("job0", 1, 1), ("job1", 0, 0), ("job1", 1, 1)]
     # Two groups: one job per group, and the engine ran group 1 while group 0 trained or published.
     assert {x.group for x in spans} == {0, 1}
+
+
+def test_nodus_run_leaves_each_jobs_trained_adapter_in_its_folder(overlap_run):
+    """The run's deliverable: each job's final adapter as a PEFT folder under --out's adapters/<policy>/,
+    named in the summary; nothing else left behind. (The tiny model earns no reward on these tasks,
+    so no advantage moves it: the flat-handoff test below checks trained numbers.)"""
+    from safetensors.torch import load_file
+
+    s = json.loads((overlap_run / "summary.json").read_text())
+    folders = s["diagnostics"][0]["adapters"]
+    assert set(folders) == {"job0", "job1"}
+    for job, folder in folders.items():
+        assert folder == str(overlap_run / "adapters" / "overlap" / job)
+        assert sorted(p.name for p in Path(folder).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        tensors = load_file(Path(folder) / "adapter_model.safetensors")
+        assert json.loads((Path(folder) / "adapter_config.json").read_text())["peft_type"] == "LORA"
+        assert any("lora_B" in k for k in tensors) and any("lora_A" in k for k in tensors)
+    assert sorted(p.name for p in (overlap_run / "adapters").iterdir()) == ["overlap"]
 
 
 def test_the_trainer_worker_profiles_the_asked_train_command(overlap_run):
@@ -251,18 +270,27 @@ def test_trainer_graphs_on_a_cpu_run_the_fixed_shape_program_end_to_end(pool):
         assert first["static"][job] == pytest.approx(loss, rel=1e-4, abs=1e-6)
 
 
-def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool):
+def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool, tmp_path, monkeypatch):
     """RealOptions.adapter_format="flat": every version reaches the engine as one flat file; the run
     stays on policy, the engine's logprobs agree with the training forward's, and each step's loss
     is the PEFT-folder run's (the same rollouts from the same adapters), on the same processes (a
     run-loop setting). The summary says which handoff ran; validate's run controls set the run apart
-    from default ones."""
+    from default ones. Each run's final adapters (RealOptions.adapters_out, PEFT folders whatever the
+    handoff) hold the same trained numbers. Rewards alternate 1, 0 within each prompt's responses
+    (the tiny model earns none on the tasks): advantages that move the adapters."""
+    from safetensors.torch import load_file
+
+    import real.backend
     from calibration.validate import run_controls
 
+    monkeypatch.setattr(real.backend, "rewards", lambda job, step, sp, texts, n: [float(k % 2 == 0) for k in
+                                                                                  range(len(sp.prompts) * n)])
     cfg = _small_cfg(2, 2)
-    losses, pids = {}, []
+    losses, pids, final = {}, [], {}
     for fmt in ("safetensors", "flat"):
-        s, spans = _pooled(pool, cfg, adapter_format=fmt)
+        s, spans = _pooled(pool, cfg, adapter_format=fmt, adapters_out=str(tmp_path / fmt))
+        # The final adapters exported as PEFT folders whatever the handoff: the same numbers.
+        final[fmt] = {j: load_file(Path(f) / "adapter_model.safetensors") for j, f in s["diagnostics"][0]["adapters"].items()}
         pids.append(sorted(p.pid for c in pool.clusters.values() for p in c.procs))
         assert s["steps"] == 4 and s["stale_rollouts"] == 0
         assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
@@ -275,6 +303,11 @@ def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool):
         assert losses["flat"][key] == pytest.approx(loss, rel=1e-5, abs=1e-7)
     assert run_controls(s)["adapter_format"] == "flat"
     assert pids[0] == pids[1]  # the same engine and trainer processes ran both
+    assert set(final["flat"]) == {"job0", "job1"} and any(loss != 0 for loss in losses["flat"].values())
+    assert all(any(t.abs().max() > 0 for k, t in final["flat"][j].items() if "lora_B" in k) for j in final["flat"])
+    for job, tensors in final["safetensors"].items():
+        assert sorted(final["flat"][job]) == sorted(tensors)
+        assert all(torch.equal(final["flat"][job][k], t) for k, t in tensors.items())
 
 
 def test_a_raising_reward_fails_that_job_only(monkeypatch, pool):

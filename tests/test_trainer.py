@@ -502,6 +502,28 @@ def test_flat_adapter_file_holds_the_peft_files_tensors(dtype, tmp_path):
         trainer.save_adapter("b", str(tmp_path / "x"), adapter_format="npz")
 
 
+def test_an_adapter_of_either_format_exports_as_the_same_peft_folder(tmp_path):
+    """export_peft (a run's final adapters): a flat folder becomes PEFT's safetensors folder with the
+    PEFT save's tensors and config; a PEFT folder is copied; an existing destination is refused."""
+    from safetensors.torch import load_file
+
+    from real.flat_adapter import export_peft
+
+    trainer = make_trainer()
+    trainer.train_step(two_step_data()[0])
+    trainer.save_adapter("a", str(tmp_path / "peft"))
+    trainer.save_adapter("a", str(tmp_path / "flat"), adapter_format="flat")
+    want = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    for src in ("peft", "flat"):
+        out = export_peft(tmp_path / src, tmp_path / "out" / src)
+        assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        got = load_file(out / "adapter_model.safetensors")
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+        assert (out / "adapter_config.json").read_text() == (tmp_path / "peft" / "adapter_config.json").read_text()
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        export_peft(tmp_path / "flat", tmp_path / "out" / "peft")
+
+
 def test_a_bad_flat_adapter_file_is_a_clear_error(tmp_path):
     """A file cut short, another format under the name, or a dtype outside the three: each an error
     naming the file, before vLLM sees a tensor."""
