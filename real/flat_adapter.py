@@ -150,9 +150,9 @@ def _check_modules(lora_dir, tensors: dict, expected: set[str], peft_helper, wei
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
     extra = set(getattr(peft_helper, "modules_to_save", None) or ())
-    # Cached where no weights mapper renames the names (one made per load could differ).
-    key = (tuple(tensors), frozenset(expected | extra)) if weights_mapper is None else None
-    if key is not None and key in _CHECKED:
+    # The mapper (vLLM makes one per load) by its contents: its rename rules.
+    key = (tuple(tensors), frozenset(expected | extra), repr(weights_mapper))
+    if key in _CHECKED:
         return
     bad = []
     for name in tensors:
@@ -162,8 +162,7 @@ def _check_modules(lora_dir, tensors: dict, expected: set[str], peft_helper, wei
     if bad:
         raise ValueError(f"While loading {lora_dir}, expected target modules in {sorted(expected)} "
                          f"but received {bad[:5]}{' ...' if len(bad) > 5 else ''}")
-    if key is not None:
-        _CHECKED.add(key)
+    _CHECKED.add(key)
 
 
 def export_peft(src: str | os.PathLike, dst: str | os.PathLike) -> Path:

@@ -290,7 +290,8 @@ def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool, tmp_path, mo
     for fmt in ("safetensors", "flat"):
         s, spans = _pooled(pool, cfg, adapter_format=fmt, adapters_out=str(tmp_path / fmt))
         # The final adapters exported as PEFT folders whatever the handoff: the same numbers.
-        final[fmt] = {j: load_file(Path(f) / "adapter_model.safetensors") for j, f in s["diagnostics"][0]["adapters"].items()}
+        final[fmt] = {j: load_file(Path(f) / "adapter_model.safetensors")
+                      for j, f in s["diagnostics"][0]["adapters"].items()}
         pids.append(sorted(p.pid for c in pool.clusters.values() for p in c.procs))
         assert s["steps"] == 4 and s["stale_rollouts"] == 0
         assert max(a["max_abs"] for a in s["diagnostics"][0]["logprob_agreement"]) < 1e-3
