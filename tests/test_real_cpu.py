@@ -81,6 +81,16 @@ def test_nodus_run_leaves_each_jobs_trained_adapter_in_its_folder(overlap_run):
         tensors = load_file(Path(folder) / "adapter_model.safetensors")
         assert json.loads((Path(folder) / "adapter_config.json").read_text())["peft_type"] == "LORA"
         assert any("lora_B" in k for k in tensors) and any("lora_A" in k for k in tensors)
+    # PEFT loads it onto the base it names.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(folders["job0"]) / "adapter_config.json").read_text())
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]),
+                                           folders["job0"])
+    loaded = {n: p for n, p in peft_model.named_parameters() if "lora_A" in n}
+    assert loaded and len(loaded) == sum("lora_A" in k for k in load_file(Path(folders["job0"]) /
+                                                                           "adapter_model.safetensors"))
     assert sorted(p.name for p in (overlap_run / "adapters").iterdir()) == ["overlap"]
 
 
