@@ -86,6 +86,21 @@ def _apply_env(env: dict, cpu_threads: int | None = None) -> None:
     os.dup2(2, 1)
 
 
+def _start_process(spec, name: str) -> None:
+    """A worker's first steps: its process name and environment (``spec.env``, ``spec.cpu_threads``)."""
+    name_process(name)
+    _apply_env(spec.env, spec.cpu_threads)
+
+
+def _torch_threads(cpu_threads: int | None):
+    """torch, with its intra-op CPU threads capped at ``cpu_threads`` where given."""
+    import torch
+
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
+    return torch
+
+
 def name_process(name: str) -> bool:
     """Name this process (and the threads it starts from now on) ``nodus-<name>`` in /proc's comm
     (prctl PR_SET_NAME, 15 characters), so the host monitor tells the engine and trainer workers
@@ -105,13 +120,9 @@ def engine_main(spec: EngineSpec, inbox, outbox, name: str) -> None:
     """Commands: ("gen", tag, [GenRequest]), ("publish", tag, [(job, version, path)][, pinned]),
     ("eval", tag, [GenRequest]) (greedy, answered when done), ("warmkernels", tag, job_id) (the
     kernels of every eager step size compiled with the job's adapter), ("stop",)."""
-    name_process(name)
-    _apply_env(spec.env, spec.cpu_threads)
+    _start_process(spec, name)
     try:
-        import torch
-
-        if spec.cpu_threads:
-            torch.set_num_threads(spec.cpu_threads)
+        torch = _torch_threads(spec.cpu_threads)
         from real.engine import MultiLoRAEngine
 
         t0 = time.monotonic()
@@ -196,15 +207,10 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
     adapter_format]]]);
     ("warmup", tag, rank, rows, seq[, jobs[, share_prompts, packed_row_tokens]]);
     ("remove", tag, [job]); ("stop",)."""
-    name_process(name)
-    _apply_env(spec.env, spec.cpu_threads)
+    _start_process(spec, name)
     try:
-        import torch
-
+        torch = _torch_threads(spec.cpu_threads)
         from real.fuse import compile_wanted, fuse_elementwise
-
-        if spec.cpu_threads:
-            torch.set_num_threads(spec.cpu_threads)
         from real.trainer import MultiLoRATrainer
 
         t0 = time.monotonic()
