@@ -402,6 +402,18 @@ def state_text(summary: dict) -> str:
     return out
 
 
+def phase_seconds(runs: list[list]) -> dict[str, float]:
+    """The mean seconds of each phase's actions over a run's spans (one action per stack and
+    interval: a train step of four jobs is four spans of one interval), e.g. {"generate": 1.9,
+    "train": 1.04, "publish": 0.18}: the figures the adapter handoff (``:flat``) moves."""
+    actions: dict[str, set] = {}
+    for spans in runs:
+        for sp in spans:
+            # A dedicated run's jobs each had a GPU of their own: their spans stay apart by run.
+            actions.setdefault(sp.phase, set()).add((id(spans), sp.stack, sp.start_s, sp.end_s))
+    return {phase: sum(e - s for _, _, s, e in acts) / len(acts) for phase, acts in sorted(actions.items())}
+
+
 def plan_text(planned: list[dict], skipped: list[dict], deadline: float | None, cpus: int | None) -> str:
     """``--plan``'s table: each run in order with what it does to the processes and its estimated
     seconds (Estimates' H200 figures: no run measured), then the runs ``--deadline`` would skip."""
@@ -820,6 +832,7 @@ def main() -> None:
                 jit = run_jit_compiles(summary)  # kernels compiled inside the measured window (each a stall)
                 eager = trainer_graph_failures(summary)  # trainers whose capture failed: they trained eager
                 per_job = summary.get("per_job", {})
+                phases = phase_seconds(runs)
                 results["arms"].setdefault(key, {})[str(seed)] = {
                     "steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
                     "rollout_tokens_per_gpu_s": summary["rollout_tokens_per_gpu_s"],
@@ -835,10 +848,13 @@ def main() -> None:
                     "eval_accuracy": {j: d["eval"]["accuracy"] for j, d in per_job.items() if d.get("eval")},
                     "mean_reward": {j: sum(d["rewards"]) / len(d["rewards"])
                                     for j, d in per_job.items() if d.get("rewards")},
+                    "phase_mean_s": phases,  # each phase's mean action (phase_seconds)
                 }
                 print(f"[{time.monotonic() - t_all:6.1f}s] {key} seed {seed}: "
                       f"{summary['steps_per_gpu_hour']:.0f} steps/GPU-h (sim {pred['steps_per_gpu_hour']:.0f}), "
-                      f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s" + state_text(summary)
+                      f"stale {summary['stale_rollouts']}, wall {summary['wall_s']:.1f}s"
+                      + "".join(f", {p} {phases[p]:.3f} s" for p in ("train", "publish") if p in phases)
+                      + state_text(summary)
                       + (f", JIT compiles {len(jit)} ({', '.join(sorted(set(jit)))})" if jit else "")
                       + (f", TRAINED EAGER, graphs failed ({'; '.join(eager)})" if eager else ""),
                       flush=True)

@@ -205,6 +205,21 @@ def test_an_arms_ratio_is_over_the_dedicated_run_of_its_own_trainer():
     assert dedicated_key("overlap+mps-cg", ["dedicated-aa", "dedicated-gm1024"]) is None
 
 
+def test_phase_seconds_count_each_shared_action_once():
+    """A train step of two jobs is two spans of one interval: one action. Two stacks' steps at the
+    same times are two; a dedicated run's per-job runs stay apart."""
+    from experiments.gpu_arms import phase_seconds
+    from nodus.messages import Span
+
+    shared = [Span("a", 0, "train", 1.0, 2.0), Span("b", 0, "train", 1.0, 2.0), Span("a", 0, "publish", 2.0, 2.2),
+              Span("b", 0, "publish", 2.0, 2.2), Span("c", 0, "train", 1.0, 1.5, stack=1),
+              Span("a", 0, "generate", 0.0, 1.0)]
+    assert phase_seconds([shared]) == pytest.approx({"generate": 1.0, "publish": 0.2, "train": 0.75})
+    dedicated = [[Span("a", 0, "train", 1.0, 1.4)], [Span("b", 0, "train", 1.0, 1.4)], [Span("c", 0, "train", 0, 0.1)]]
+    assert phase_seconds(dedicated) == pytest.approx({"train": 0.3})
+    assert phase_seconds([]) == {}
+
+
 def test_a_runs_progress_line_names_its_engine_step_and_busiest_thread():
     """gpu_arms' progress line: the engine step figures and the busiest thread's process, from the
     run's diagnostics; nothing for a run without them."""
