@@ -768,11 +768,12 @@ def _render_learning(guard: dict) -> list[str]:
 
 
 def _contended_text(c: dict) -> str:
-    """'the run: steal 6%; dedicated: steal 17%' for a ratio's ``ratio_contended``."""
-    def one(w: dict) -> str:
-        return ", ".join(f"steal {v:.0%}" if k == "steal" else f"{k} {v:.2f}" if isinstance(v, float) else k
-                         for k, v in w.items())
-    parts = [f"the run: {one(r['why'])}" for r in c["runs"]] + [f"dedicated: {one(r['why'])}" for r in c["baseline"]]
+    """'the run: steal 6% of the CPU time wanted; dedicated: steal 17% of the CPU time wanted' for a
+    ratio's ``ratio_contended``, in the validation reports' words (``contention_text``)."""
+    from calibration.validate import contention_text
+
+    parts = ([f"the run: {contention_text(r['why'])}" for r in c["runs"]]
+             + [f"dedicated: {contention_text(r['why'])}" for r in c["baseline"]])
     return "; ".join(parts)
 
 

@@ -722,4 +722,5 @@ def test_a_ratio_over_a_contended_dedicated_run_is_marked(tmp_path):
     assert row["ratio_contended"] == {"runs": [], "baseline": [{"run": stolen[0], "why": {"steal": 0.20}}]}
     assert table["arms"]["dedicated/none/g1/2jobs"]["1"]["ratio_contended"] is None  # no ratio of its own
     md = (tmp_path / "u.md").read_text()
-    assert "(contended host)" in md and "shared-sync/mps/g1/2jobs seed 1 (dedicated: steal 20%)" in md
+    assert "(contended host)" in md
+    assert "shared-sync/mps/g1/2jobs seed 1 (dedicated: steal 20% of the CPU time wanted)" in md
