@@ -644,6 +644,7 @@ class RealBackend:
         self._stack_of = {j.id: 0 for j in cfg.jobs}  # the stack whose engine has the newest version
         self._start: dict[str, int] = {}
         self._superseded: list[tuple[int, str, int]] = []  # (stack, job, version) published: older folders go
+        self._adapters: dict[str, str] | None = None  # the jobs' exported adapters (adapters_out), once written
         for s in range(cluster.n_stacks):
             pubs = []
             for j in cfg.jobs:
@@ -925,7 +926,7 @@ class RealBackend:
 
     def diagnostics(self) -> dict:
         self._drop_superseded()
-        adapters = self.export_adapters() if self.opts.adapters_out else None
+        adapters = self._adapters = self.export_adapters() if self.opts.adapters_out else None
         return {"logprob_agreement": list(self.audit), "failed": dict(self.failed),
                 "adapters": adapters,  # each job's final adapter, a PEFT folder (RealOptions.adapters_out)
                 # a snapshot: the pool's next run goes on updating the live per-worker state
@@ -972,15 +973,35 @@ class RealBackend:
     def close(self) -> None:
         self.gpu_monitor.stop()  # no sampling thread outlives the run, diagnostics read or not
         self.host_monitor.stop()
-        if self.c.closed:
+        try:
+            if self.opts.adapters_out and self._adapters is None:
+                self._export_on_stop()
+            if self.c.closed:
+                return
+            ids = [j.id for j in self.cfg.jobs]
+            for s in range(self.c.n_stacks):
+                self.c.trainers[s].put(("remove", "rm", ids))
+                self.c.get()
+                self.c.engines[s].put(("reset", "rs", ids))
+                self.c.get()
+        finally:  # the version folders are memory (/dev/shm): never left behind, a dead cluster's too
+            shutil.rmtree(self.adapter_root, ignore_errors=True)
+
+    def _export_on_stop(self) -> None:
+        """A run stopped before its end (an error, a dead worker): each job's last published adapter
+        still goes to ``adapters_out``, said on stderr; an export that fails is said, not raised (the
+        run's own error is the one to see)."""
+        import sys
+
+        try:
+            self._adapters = self.export_adapters()
+        except Exception as err:  # noqa: BLE001
+            print(f"nodus: the run stopped early and its adapters could not be saved to {self.opts.adapters_out}: "
+                  f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
             return
-        ids = [j.id for j in self.cfg.jobs]
-        for s in range(self.c.n_stacks):
-            self.c.trainers[s].put(("remove", "rm", ids))
-            self.c.get()
-            self.c.engines[s].put(("reset", "rs", ids))
-            self.c.get()
-        shutil.rmtree(self.adapter_root, ignore_errors=True)
+        print(f"nodus: the run stopped early; each job's last published adapter is in "
+              f"{os.path.join(self.opts.adapters_out, self.cfg.arm.policy)} "
+              f"({', '.join(f'{j} v{self._versions[j]}' for j in self._adapters)})", file=sys.stderr, flush=True)
 
 
 def _fast_dir() -> str | None:

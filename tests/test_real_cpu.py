@@ -355,6 +355,35 @@ def test_killed_run_resumes_from_its_last_completed_step(tmp_path, pool):
     assert second["steps"] == 2 and audit_on_policy(spans) == []
 
 
+def test_a_run_that_stops_early_still_leaves_each_jobs_last_adapter(tmp_path, monkeypatch, capsys):
+    """A run that dies after its first step (here its second generation raises) still leaves each
+    job's last published adapter (version 1) as a PEFT folder, says so on stderr, and leaves no
+    version folders behind on /dev/shm; the run's own error is the one raised."""
+    import real.backend
+    from nodus.realrun import run
+    from real.backend import RealOptions
+
+    generated = real.backend.RealBackend._generated
+    roots = []
+
+    def dying(self, a, sps, batches, ends):
+        roots.append(self.adapter_root)
+        if any(r.step >= 1 for r in a.requests):
+            raise RuntimeError("the host went away")
+        return generated(self, a, sps, batches, ends)
+
+    monkeypatch.setattr(real.backend.RealBackend, "_generated", dying)
+    with pytest.raises(RuntimeError, match="the host went away"):
+        run(_small_cfg(2, 3), opts=RealOptions(model="tiny", evaluate=False), baseline=False, out=tmp_path / "r")
+    err = capsys.readouterr().err
+    assert "the run stopped early; each job's last published adapter is in" in err and "job0 v1" in err
+    for job in ("job0", "job1"):
+        folder = tmp_path / "r" / "adapters" / "shared-sync" / job
+        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert roots and not Path(roots[0]).exists()
+    assert not (tmp_path / "r" / "summary.json").exists()  # the run did not end: no summary claims it did
+
+
 def test_bad_models_and_ranks_are_clear_errors(tmp_path, capsys):
     from real.backend import BackendConfigError, engine_lora_rank, resolve_model
 
