@@ -1434,7 +1434,8 @@ def render_markdown(rep: dict) -> str:
     uf = rep.get("heldout_unflagged")
     if uf and uf["flagged_runs"] and uf["unflagged"]["replay"]["n"]:
         lines += ["", "Held out, the runs no monitor flagged (host probe, GPU monitor, host monitor; below) and the "
-                  "flagged ones apart:", "", "| runs | lengths | MAPE | worst | bias | n |", "|---|---|---|---|---|---|"]
+                  "flagged ones apart:", "", "| runs | lengths | MAPE | worst | bias | n |",
+                  "|---|---|---|---|---|---|"]
         for name in ("unflagged", "flagged"):
             for mode in ("replay", "sampled"):
                 e = uf[name][mode]

@@ -22,7 +22,6 @@ import json
 import os
 import pstats
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -38,12 +37,6 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]]
 
 def progress(what: str) -> None:
     print(f"[bench_handoff {time.strftime('%H:%M:%S')}] {what}", flush=True)
-
-
-def summary(xs: list[float]) -> dict:
-    from experiments.bench_hotload import quartiles
-
-    return {"mean": statistics.fmean(xs), **quartiles(xs)}
 
 
 def make_adapters(config: dict, jobs: list[str], rank: int, device: str, dtype) -> dict:
@@ -169,6 +162,8 @@ def main(argv=None) -> dict:
             progress(f"version {k} of {args.versions}: " + ", ".join(
                 f"{fmt} save {rows[fmt]['save_s'][-1]:.3f} s publish {rows[fmt]['publish_s'][-1]:.3f} s"
                 for fmt in FORMATS if rows[fmt]["save_s"]))
+        from experiments.bench_publish import summary  # mean and quartiles
+
         report["formats"] = {fmt: {key: summary(xs) for key, xs in r.items()} for fmt, r in rows.items()}
         base, flat = (report["formats"][f] for f in FORMATS)
         report["flat_saves"] = {key: base[key]["median"] - flat[key]["median"]

@@ -177,7 +177,8 @@ case "${1:-arms}" in
     # and skips runs they overprice (session 45: a seed left out of the carried tree, 504 s priced
     # for a two-stack start that takes 256-306 s).
     if [ -n "${ESTIMATES_SEED:-}" ] && [ ! -f "$ESTIMATES_SEED" ]; then
-      echo "ESTIMATES_SEED=$ESTIMATES_SEED: no such file in the carried tree (device_parts.py light keeps */estimates.json)"
+      echo "ESTIMATES_SEED=$ESTIMATES_SEED: no such file in the carried tree" \
+        "(device_parts.py light keeps */estimates.json)"
       exit 2
     fi
     if [ ! -f "$EST" ] && [ -n "${ESTIMATES_SEED:-}" ]; then

@@ -382,10 +382,11 @@ STACKS_DECODE_PROFILE = "h200-xeon16-graphed-stacks-audit-trainer-decode31-38-se
 # of 2 and 4 jobs (0.825); no lone-trainer rate (no offset runs of 4 jobs or fewer exist). Held out:
 # every two-stack run of 8 and 16 jobs of sessions 30-45 (80 runs, 9 configurations, 16 days): 5.1%
 # / 5.1% MAPE (replay / sampled), worst 15.6%, bias -0.1%; per configuration 5.5%, worst 10.1%, tau
-# 0.61 (1.00 over the 13 of 36 pairs measured apart beyond noise); the machine's speed known 3.2%, worst 9.1% (60 runs). On the 44 runs the profile below held
-# out at session 44, 4.7% against its 6.3%. But its phases are off in opposite directions: a train step +25%,
-# a generation -7.5% (the profile below: +8.6%, +0.1%), so steps/GPU-h come out right by errors
-# that cancel. Its 16-job runs come out +10% (the profile below: +4.5%).
+# 0.61 (1.00 over the 13 of 36 pairs measured apart beyond noise); the machine's speed known 3.2%,
+# worst 9.1% (60 runs). On the 44 runs the profile below held out at session 44, 4.7% against its
+# 6.3%. But its phases are off in opposite directions: a train step +25%, a generation -7.5% (the
+# profile below: +8.6%, +0.1%), so steps/GPU-h come out right by errors that cancel. Its 16-job runs
+# come out +10% (the profile below: +4.5%).
 # experiments/results/h200/session43/README.md, section 4; sessions 44-45's runs: their README.md.
 STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4-session35-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below

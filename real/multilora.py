@@ -297,7 +297,9 @@ def peft_state_dict(adapter: Adapter, dtype: torch.dtype = torch.float32,
     names, tensors = _peft_tensors(adapter)
     if not (one_copy if one_copy is not None else tensors[0].device.type != "cpu"):
         return {n: t.to("cpu", dtype).contiguous() for n, t in zip(names, tensors)}
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype).cpu()
+    from real.flat_adapter import host_copy
+
+    flat = host_copy(tensors, dtype)
     out, offset = {}, 0
     for n, t in zip(names, tensors):
         # Each its own storage: safetensors refuses tensors that share memory.
