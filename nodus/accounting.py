@@ -97,9 +97,11 @@ def job_overlaps(spans: list[Span]) -> list[str]:
 def per_job(spans: list[Span]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for s in spans:
-        d = out.setdefault(s.job, {"steps": 0, "finish_s": 0.0, "response_tokens": 0, "group": s.group,
-                                   "rewards": []})
+        d = out.setdefault(s.job, {"steps": 0, "start_s": None, "finish_s": 0.0, "response_tokens": 0,
+                                   "group": s.group, "rewards": []})
         d["finish_s"] = max(d["finish_s"], s.end_s)
+        if s.phase == "generate" and (d["start_s"] is None or s.start_s < d["start_s"]):
+            d["start_s"] = s.start_s  # its first generation
         if s.phase == "train" and not s.attrs.get("failed"):
             d["steps"] += 1
         if s.phase == "generate":
@@ -179,8 +181,11 @@ def projected_steps_per_gpu_hour(summary: dict, steps_per_job: int) -> float | N
     return steps / gpu_s * 3600 if gpu_s > 0 else None
 
 
-def summarize(runs: list[list[Span]]) -> dict:
-    """Metrics over one or more runs, each on its own GPU (dedicated: one run per job)."""
+def summarize(runs: list[list[Span]], late_arrivals: bool = False) -> dict:
+    """Metrics over one or more runs, each on its own GPU (dedicated: one run per job).
+    ``late_arrivals``: some job arrived after the start (``jobs[].arrive_s``), so the jobs were
+    never all under way together from the start and the run has no steady pace (``pace`` empty: the
+    sum of the jobs' paces would price every job's pace while it ran with fewer beside it)."""
     gpu_s = sum(window_s(r) for r in runs)
     steps = sum(completed_steps(r) for r in runs)
     tokens = sum(sum(s.attrs.get("response_tokens", [])) for r in runs for s in r if s.phase == "generate")
@@ -200,13 +205,26 @@ def summarize(runs: list[list[Span]]) -> dict:
         "busy": {k: (v / gpu_s if gpu_s > 0 else 0.0) for k, v in busy.items()},
         "stale_rollouts": sum(stale_rollouts(r) for r in runs),
         # The window split into its steady pace and its ramp (start and drain): see pace_of.
-        "pace": pace_of(runs),
+        "pace": {} if late_arrivals else pace_of(runs),
         "per_job": jobs,
     }
 
 
+def add_arrivals(summary: dict, arrivals: dict[str, float]) -> None:
+    """Each late job's ``arrive_s`` and ``wait_s``, from its arrival to its first generation (the
+    step boundary at which its group took it in), in the summary's ``per_job``."""
+    for job, t in arrivals.items():
+        d = summary["per_job"].get(job)
+        if d is None or not t:
+            continue
+        d["arrive_s"] = t
+        if d.get("start_s") is not None:
+            d["wait_s"] = d["start_s"] - t
+
+
 def add_slowdowns(shared: dict, dedicated: dict) -> None:
-    """Each job's finish time sharing the GPU over its finish time alone on its own GPU."""
+    """Each job's time from its arrival (``arrive_s``, else the start) to its finish sharing the GPU,
+    over its time alone on its own GPU (which it has from its arrival)."""
     for job, d in shared["per_job"].items():
         alone = dedicated["per_job"].get(job, {}).get("finish_s")
-        d["slowdown_vs_alone"] = d["finish_s"] / alone if alone else None
+        d["slowdown_vs_alone"] = (d["finish_s"] - (d.get("arrive_s") or 0.0)) / alone if alone else None

@@ -36,6 +36,9 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
                         "it starts F of its cycle after another stack's latest start, times 2 / stacks (0.5: "
                         "exactly out of step; arm.hold_apart, 0 < F <= 0.5)")
     p.add_argument("--steps", type=int, help="optimizer steps per job (default 20)")
+    p.add_argument("--arrive-every", type=float, metavar="S", default=None,
+                   help="job i arrives i x S seconds after the start (jobs[].arrive_s) and joins its group's "
+                        "next generation; each dedicated job has its GPU from its arrival")
     p.add_argument("--seed", type=int, help="run seed (default 1)")
     p.add_argument("--share-prompts", type=int, metavar="K",
                    help="trainer.share_prompts: each prompt's responses trained K to a row, the prompt once "
@@ -126,7 +129,8 @@ def cmd_sim(a: argparse.Namespace) -> int:
     cfg = config_from_args(data, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
-                           offset_stacks=a.offset_stacks, hold_apart=a.hold_apart)
+                           offset_stacks=a.offset_stacks, hold_apart=a.hold_apart,
+                           arrive_every=a.arrive_every)
     if a.profile is None and "profile" not in (data or {}) and (cfg.arm.stacks or 1) > 1 \
             and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice":
         # No profile chosen: stacks under MPS get the shipped profile with a two-engine rate.
@@ -166,7 +170,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
     result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
                    steps=a.steps, profile=a.profile, workers=a.workers, out=a.out, share_prompts=a.share_prompts,
-                   stacks=a.stacks, audit=audit_spec_from_args(a))
+                   stacks=a.stacks, audit=audit_spec_from_args(a), arrive_every=a.arrive_every)
     print(json.dumps(result, default=str) if a.json
           else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best"),
                            result.get("outside_profile")))
@@ -186,7 +190,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = config_from_args(load_config(a.config) if a.config else None, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
-                           offset_stacks=a.offset_stacks, hold_apart=a.hold_apart)
+                           offset_stacks=a.offset_stacks, hold_apart=a.hold_apart,
+                           arrive_every=a.arrive_every)
     cfg = default_packing(cfg, a.trainer_graphs if a.backend == "real" else profile_graphed(cfg.profile))
     cfg = audit_from_args(cfg, a)
     opts = None
@@ -519,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the jobs fill them (default 1); two stacks are priced by the profile's two-engine rate "
                         f"(sharing.mps_engines, nodus fit-stacks; shipped: {STACKS_PROFILE}) or flagged without one")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--arrive-every", type=float, metavar="S", default=None,
+                   help="job i arrives i x S seconds after the start (jobs[].arrive_s) and joins its group's "
+                        "next generation; each dedicated job has its GPU from its arrival")
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")
     p.add_argument("--out", help="write sweep.csv, sweep.json, sweep.png into this new folder")

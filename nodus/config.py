@@ -107,6 +107,9 @@ class JobSpec(_Model):
     stack: int | None = Field(default=None, ge=0)  # pin to one of arm.stacks (nodus validate replays a run's own)
     prompt_pool: int | None = Field(default=None, ge=1)  # a finite training set of this many items
                                                          # (default: fresh items every step)
+    # Seconds after the run's start that the job is submitted (default: at the start). It joins its
+    # group's first generation that starts after; alone on its own GPU (dedicated) it starts at once.
+    arrive_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _known_task(self) -> "JobSpec":
@@ -461,6 +464,14 @@ class RunConfig(_Model):
         if self.arm.offset_stacks and self.arm.lockstep:
             raise ValueError("arm.offset_stacks with arm.lockstep: lockstep holds the stacks in step, "
                              "offset_stacks starts them out of step; choose one")
+        arrivals = [j.arrive_s or 0.0 for j in self.jobs]
+        if max(arrivals) > 0:
+            if min(arrivals) > 0:
+                raise ValueError(f"jobs[].arrive_s: the first job arrives at {min(arrivals):g} s, but a run's GPU is "
+                                 "booked from its start: shift the arrivals so the first is 0")
+            if self.arm.lockstep:
+                raise ValueError("jobs[].arrive_s with arm.lockstep: every stack would wait for a job yet to "
+                                 "arrive; run the stacks free (no lockstep)")
         pinned = [j.group for j in self.jobs if j.group is not None]
         if pinned and self.arm.policy in ("overlap", "timeslice") and self.arm.stacks == 1:
             if len(pinned) != n:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from nodus.accounting import add_slowdowns, summarize
+from nodus.accounting import add_arrivals, add_slowdowns, summarize
 from nodus.backend import Backend
 from nodus.config import ArmSpec, RunConfig
 from nodus.grouping import balance_groups
@@ -24,6 +24,7 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
     """The scheduler for a (non-dedicated) arm: which jobs form which groups on which stack.
     `start_versions`: jobs resumed from checkpoints start at their last completed step."""
     sv = dict(start_versions or {})
+    arr = {j.id: j.arrive_s for j in cfg.jobs if j.arrive_s}  # late jobs (jobs[].arrive_s)
     steps = {j.id: j.steps for j in cfg.jobs}
     work = {j.id: predicted_step_tokens(j) * j.steps for j in cfg.jobs}
     ids = [j.id for j in cfg.jobs]
@@ -43,28 +44,28 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
             groups = [(s, [j]) for s, gs in enumerate(per_stack) for g in gs for j in g]
         else:  # overlap: the stack's groups; shared-sync: its one group
             groups = [(s, g) for s, gs in enumerate(per_stack) for g in gs]
-        return Scheduler(steps, groups, concurrent=True, stagger=policy == "overlap", start_versions=sv,
+        return Scheduler(steps, groups, concurrent=True, stagger=policy == "overlap", start_versions=sv, arrivals=arr,
                          trainer_waits_for_publish=waits, merge_trains=policy == "continuous",
                          lockstep=cfg.arm.lockstep, offset_stacks=cfg.arm.offset_stacks,
                          hold_apart=cfg.arm.hold_apart)
     if policy in ("shared-sync", "dedicated"):
-        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv, trainer_waits_for_publish=waits)
+        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits)
     if policy == "overlap":
         groups = split()
-        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, start_versions=sv,
+        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, start_versions=sv, arrivals=arr,
                          trainer_waits_for_publish=waits)
     if policy == "continuous":
         # Every job its own group, all generating from the start; the free trainer takes every job
         # whose rollouts are in (one shared batch), and each job generates again as soon as its
         # new adapter is published: the engine's long tails overlap other jobs' training, and the
         # phases of jobs spread by themselves.
-        return Scheduler(steps, [(0, [j]) for j in ids], concurrent=True, stagger=False, start_versions=sv,
+        return Scheduler(steps, [(0, [j]) for j in ids], concurrent=True, stagger=False, start_versions=sv, arrivals=arr,
                          trainer_waits_for_publish=waits, merge_trains=True)
     if policy == "timeslice":
         # Each stack runs its jobs one after another, dedicated-style; stacks share the GPU.
         stacks = split()
         return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False,
-                         start_versions=sv, trainer_waits_for_publish=waits)
+                         start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits)
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -153,7 +154,9 @@ def run_spans(cfg: RunConfig, make_backend: BackendFactory, on_progress=None,
               extras: dict | None = None) -> list[list[Span]]:
     """The spans of each GPU's run: one run for a shared arm, one per job for dedicated.
     `extras`, if given, collects each job's final eval and the backends' diagnostics."""
-    solos = [cfg.model_copy(update={"jobs": [j]}) for j in cfg.jobs] if cfg.arm.policy == "dedicated" else [cfg]
+    # A dedicated job has its GPU from its arrival: its run starts then (arrive_s does not apply).
+    solos = ([cfg.model_copy(update={"jobs": [j.model_copy(update={"arrive_s": None})]}) for j in cfg.jobs]
+             if cfg.arm.policy == "dedicated" else [cfg])
     return [_one(c, make_backend, on_progress, extras) for c in solos]
 
 
@@ -167,6 +170,12 @@ def _one(cfg: RunConfig, make_backend: BackendFactory, on_progress, extras: dict
         return spans
     finally:
         backend.close()
+
+
+def late_arrivals(cfg: RunConfig) -> bool:
+    """Whether a shared run's jobs arrive apart (``jobs[].arrive_s``; a dedicated job's GPU starts at
+    its arrival, so its run never has one)."""
+    return cfg.arm.policy != "dedicated" and any(j.arrive_s for j in cfg.jobs)
 
 
 def dedicated_of(cfg: RunConfig) -> RunConfig:
@@ -185,11 +194,13 @@ def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
     """Summary (with ratio_vs_dedicated and per-job slowdowns when `baseline`) and the spans."""
     extras: dict = {}
     runs = run_spans(cfg, make_backend, on_progress, extras)
-    summary = summarize(runs)
+    summary = summarize(runs, late_arrivals=late_arrivals(cfg))
     for job, ev in extras.get("eval", {}).items():
         summary["per_job"][job]["eval"] = ev
     for job in cfg.jobs:
         summary["per_job"][job.id].update(task=job.task, seed=job.seed)
+    if late_arrivals(cfg):
+        add_arrivals(summary, {j.id: j.arrive_s for j in cfg.jobs if j.arrive_s})
     summary["diagnostics"] = extras.get("diagnostics", [])
     summary["arm"] = {"policy": cfg.arm.policy, "groups": cfg.arm.groups, "sharing": cfg.arm.sharing,
                       **({"stacks": cfg.arm.stacks, "stack_jobs": [len(ids) for ids in stack_jobs(cfg)]}

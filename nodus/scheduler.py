@@ -10,6 +10,11 @@ Train ends with its adapters saved, so the trainer takes the next group's Train 
 loads them (the Publish): a group's own next Generate still waits for its Publish. The engine
 accepts Generate actions from several groups at once (continuous batching joins them).
 
+Jobs may arrive late (``arrivals``, RunConfig ``jobs[].arrive_s``): a job takes no part in its
+group's generations before its arrival and joins the first one that starts after it, at a step
+boundary; a group none of whose unfinished jobs has arrived generates when the first of them does
+(``Generate.not_before_s``). Staggered and timesliced groups start in order of arrival.
+
 Strictly on-policy: a job's rollouts for step s are sampled from adapter version s, only after
 version s was published to the engine; the trainer consumes only rollouts tagged with the job's
 current version. Any violation raises StaleRolloutError before it can corrupt a job.
@@ -79,6 +84,8 @@ class Scheduler:
     # start (_hold_until). 0: never held.
     hold_apart: float = 0.0
     start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
+    # Seconds of the backend's clock at which each job arrives (missing: 0, at the start).
+    arrivals: dict[str, float] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,12 @@ class Scheduler:
         seen = [j for _, ids in self.groups for j in ids]
         if sorted(seen) != sorted(self.jobs):
             raise ValueError(f"every job must be in exactly one group; groups hold {seen}")
+        unknown = sorted(set(self.arrivals) - set(self.jobs))
+        if unknown:
+            raise ValueError(f"arrivals name jobs that are in no group: {unknown}")
+        bad = {j: t for j, t in self.arrivals.items() if not t >= 0}
+        if bad:
+            raise ValueError(f"arrival times must be seconds >= 0; got {bad}")
         self._group_of = {j: g for g in self._groups for j in g.jobs}
         # action id -> (the groups it serves, the action): a merged Train or Publish serves several.
         self._inflight: dict[str, tuple[list[_Group], Action]] = {}
@@ -118,11 +131,23 @@ class Scheduler:
         return actions
 
     def _start_stack(self, stack: int) -> list[Action]:
-        """A stack's first Generate(s): its first group (timeslice, overlap's stagger), else all."""
-        groups = [g for g in self._groups if g.stack == stack]
+        """A stack's first Generate(s): its first group to arrive (timeslice, overlap's stagger),
+        else all."""
+        groups = self._pending(stack)
         if not self.concurrent or self.stagger:
             groups = groups[:1]
         return [x for g in groups for x in self._generate(g)]
+
+    def _arrival(self, job_id: str) -> float:
+        return self.arrivals.get(job_id, 0.0)
+
+    def _pending(self, stack: int) -> list[_Group]:
+        """The stack's groups yet to start, the first to have an unfinished job arrive first (in
+        group order where they arrive together, as without arrivals)."""
+        def first(g: _Group) -> float:
+            return min((self._arrival(j) for j in g.jobs if self.jobs[j].active), default=0.0)
+        return sorted((g for g in self._groups if g.stack == stack and g.state == "pending"),
+                      key=lambda g: (first(g), g.index))
 
     def _cue_next_stack(self, stack: int) -> list[Action]:
         """offset_stacks: the stack after ``stack`` starts, if it has not (its groups all pending)."""
@@ -162,6 +187,12 @@ class Scheduler:
         if not active:
             g.state = "done"
             return self._after_group_done(g)
+        # Jobs yet to arrive wait for a later generation; if none has arrived, the group waits for
+        # the first that will.
+        t = max(self._now, not_before if not_before is not None else self._now)
+        if all(self._arrival(j.id) > t + 1e-9 for j in active):
+            t = not_before = min(self._arrival(j.id) for j in active)
+        active = [j for j in active if self._arrival(j.id) <= t + 1e-9]
         reqs = []
         for job in active:
             if job.published != job.version:
@@ -204,7 +235,7 @@ class Scheduler:
         if g.generations == 1:
             actions += self._cue_next_stack(g.stack)
         if self.concurrent and self.stagger and g.generations == 1:
-            nxt = [h for h in self._groups if h.stack == g.stack and h.index > g.index and h.state == "pending"]
+            nxt = self._pending(g.stack)
             if nxt:
                 actions += self._generate(nxt[0])
         return actions
@@ -324,7 +355,7 @@ class Scheduler:
         # Timeslice: the stack's next job starts. Overlap: a staggered group whose predecessor had
         # no step to run never got its cue.
         # offset_stacks: a stack none of whose jobs had a step to run cues the next stack itself.
-        nxt = [h for h in self._groups if h.stack == g.stack and h.state == "pending"]
+        nxt = self._pending(g.stack)
         return (self._generate(nxt[0]) if nxt else []) + (self._cue_next_stack(g.stack) if g.generations == 0 else [])
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from nodus.config import (AUTO_SHARE_PROMPTS, DEFAULT_PROFILE, POLICIES, SHARINGS, AuditSpec, ConfigError, RunConfig,
                           build_config, default_jobs, packed_rows, size_engine_graphs, stacks_of)
 from nodus.outdir import git_commit, make_out_dir, write_json
-from nodus.runner import run_arm, run_spans, size_engine_slots
+from nodus.runner import late_arrivals, run_arm, run_spans, size_engine_slots
 from nodus.accounting import summarize
 from nodus.timeline import plot_gantt, plot_learning_curves, read_jsonl, stored, write_chrome_trace, write_jsonl
 
@@ -26,7 +26,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                      seed: int | None = None, profile: str | None = None,
                      share_prompts: int | None = None, stacks: int | None = None,
                      lockstep: bool | None = None, offset_stacks: bool | None = None,
-                     hold_apart: float | None = None) -> RunConfig:
+                     hold_apart: float | None = None, arrive_every: float | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
     run's adapter slots sized to its largest group, for overlap (``nodus.runner.size_engine_slots``),
     and its engine graphs to the sequences those slots can hold (``size_engine_graphs``)."""
@@ -40,6 +40,14 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
         if steps < 1:
             raise ConfigError(f"--steps {steps}: steps must be >= 1")
         data["jobs"] = [{**j, "steps": steps} for j in data["jobs"]]
+    if arrive_every is not None:  # job i arrives i x S seconds after the start, in the jobs' order
+        if not arrive_every >= 0 or arrive_every == float("inf"):
+            raise ConfigError(f"--arrive-every {arrive_every}: seconds between arrivals, a number >= 0")
+        if any(j.get("arrive_s") for j in data["jobs"]):
+            raise ConfigError(f"--arrive-every {arrive_every:g} and the config's jobs[].arrive_s both set arrivals; "
+                              "use one")
+        data["jobs"] = [{**j, **({"arrive_s": i * arrive_every} if i and arrive_every else {})}
+                        for i, j in enumerate(data["jobs"])]
     arm = dict(data.get("arm", {}))
     for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing), ("stacks", stacks),
                      ("lockstep", lockstep), ("offset_stacks", offset_stacks), ("hold_apart", hold_apart)):
@@ -183,9 +191,15 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
         first = sum(r[0] for r in rewards) / len(rewards)
         last = sum(r[-1] for r in rewards) / len(rewards)
         lines.append(f"| mean training reward, first / last step | {first:.3f} / {last:.3f} |")
+    late = [d for d in s["per_job"].values() if d.get("arrive_s")]
+    if late:  # jobs[].arrive_s: each joined its group's next generation after it arrived
+        waits = [d["wait_s"] for d in late if d.get("wait_s") is not None]
+        lines.append(f"| jobs arriving after the start / seconds each waited to join, mean / max | {len(late)} / "
+                     + (f"{sum(waits) / len(waits):.1f} / {max(waits):.1f} |" if waits else "- |"))
     slow = [d.get("slowdown_vs_alone") for d in s["per_job"].values() if d.get("slowdown_vs_alone")]
     if slow:
-        lines.append(f"| per-job slowdown vs alone: min / max | {min(slow):.2f}x / {max(slow):.2f}x |")
+        since = " (from its arrival)" if late else ""
+        lines.append(f"| per-job slowdown vs alone{since}: min / max | {min(slow):.2f}x / {max(slow):.2f}x |")
     out = "\n".join(lines)
     m = s.get("machine")
     if m:
@@ -241,16 +255,17 @@ def stacked_arms(jobs: int, arms: list[tuple[str, int, str]], stacks: list[int])
 
 
 def _sweep_task(args) -> dict:
-    jobs, seed, (policy, groups, sharing, stacks), steps, profile, share, audit = args
+    jobs, seed, (policy, groups, sharing, stacks), steps, profile, share, audit, arrive_every = args
     cfg = config_from_args(jobs=jobs, policy=policy, groups=groups, sharing=sharing, steps=steps,
-                           seed=seed, profile=profile, share_prompts=share, stacks=stacks if stacks > 1 else None)
+                           seed=seed, profile=profile, share_prompts=share, stacks=stacks if stacks > 1 else None,
+                           arrive_every=arrive_every)
     if audit is not None:
         cfg = cfg.model_copy(update={"audit": AuditSpec(**audit)})
     from sim import backend_factory
 
     t0 = time.perf_counter()
     make = backend_factory(profile)
-    s = summarize(run_spans(cfg, make))
+    s = summarize(run_spans(cfg, make), late_arrivals=late_arrivals(cfg))
     return {"jobs": jobs, "seed": seed, "policy": policy, "groups": groups, "sharing": sharing, "stacks": stacks,
             "share_prompts": share, "outside_profile": sorted(make.cost.flags),
             "steps_per_gpu_hour": s["steps_per_gpu_hour"], "rollout_tokens_per_gpu_s": s["rollout_tokens_per_gpu_s"],
@@ -278,14 +293,15 @@ def _parse_list(text: str, cast, name: str, choices=None) -> list:
 def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", sharing: str = "none,mps",
           seeds: str = "1,2,3", steps: int = 20, profile: str = DEFAULT_PROFILE, workers: int | None = None,
           out: str | Path | None = None, progress: bool = True, share_prompts: str | None = None,
-          stacks: str = "1", audit: AuditSpec | None = None) -> dict:
+          stacks: str = "1", audit: AuditSpec | None = None, arrive_every: float | None = None) -> dict:
     """Every arm for every job count, seed and ``share_prompts`` (the trainer's responses a packed
     row, ``trainer.share_prompts``; 0: plain rows; None: ``AUTO_SHARE_PROMPTS`` on a graphed profile,
     0 on an eager one, as ``nodus sim``); ratios are against the dedicated arm of the same job count,
     seed and trainer setting (the job alone trains the same way). Writes sweep.csv, sweep.json and
     sweep.png into `out`. ``stacks``: the engine + trainer stack counts (arm.stacks) each shared
     arm runs on, where its jobs fill them (``stacked_arms``). ``audit``: every run's audit
-    (RunConfig.audit, the dedicated baseline's too; None: the full audit)."""
+    (RunConfig.audit, the dedicated baseline's too; None: the full audit). ``arrive_every``: job i
+    of every shared run arrives i x that many seconds after the start (``config_from_args``)."""
     job_list = _parse_list(jobs, int, "jobs")
     if min(job_list) < 1:
         raise ConfigError(f"--jobs {jobs}: every job count must be >= 1")
@@ -313,7 +329,9 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
                           f"{profile!r} describes the eager one (train.step_mode): sweep a graphed profile")
     out_dir = make_out_dir(out) if out is not None else None
     audit_dict = audit.model_dump() if audit is not None else None
-    tasks = [(n, sd, arm, steps, profile, sp, audit_dict) for n in job_list for sd in seed_list for sp in share_list
+    if arrive_every is not None:  # a bad value fails here, before forking workers
+        config_from_args(jobs=1, arrive_every=arrive_every)
+    tasks = [(n, sd, arm, steps, profile, sp, audit_dict, arrive_every) for n in job_list for sd in seed_list for sp in share_list
              for arm in stacked_arms(n, sweep_arms(n, pol, group_list, shr), stack_list)]
     tasks.sort(key=lambda t: -t[0] * (t[2][1] if t[2][0] == "overlap" else 1))  # big runs first
     rows, t0 = [], time.perf_counter()
@@ -335,6 +353,7 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     flags = sorted({f for r in rows for f in r.pop("outside_profile")})
     result = {"profile": profile, "profile_validation": validation, "steps": steps, "seeds": seed_list,
               "share_prompts": share_list, "stacks": stack_list, "audit": (audit or AuditSpec()).model_dump(),
+              **({"arrive_every_s": arrive_every} if arrive_every else {}),
               "outside_profile": flags,
               "rows": rows, "best": best_arms(rows, (validation or {}).get("heldout_mape")),
               "wall_s": time.perf_counter() - t0, "workers": workers}

@@ -26,6 +26,8 @@ workloads = st.fixed_dictionaries({
     # shared-sync on two stacks: free-running, in lockstep, started out of step, or held apart too
     "stacks": st.sampled_from(["one", "free", "lockstep", "offset", "hold"]),
     "hold": st.sampled_from([0.1, 0.25, 0.5]),
+    # jobs[].arrive_s of jobs 1..5 (job 0 arrives at the start), or all at the start
+    "arrivals": st.one_of(st.none(), st.lists(st.floats(0.0, 8.0), min_size=5, max_size=5)),
 })
 
 
@@ -37,9 +39,11 @@ def _cfg(w):
     if policy == "shared-sync" and n >= 2 and w["stacks"] != "one":
         arm.update(stacks=2, lockstep=w["stacks"] == "lockstep", offset_stacks=w["stacks"] in ("offset", "hold"),
                    hold_apart=w["hold"] if w["stacks"] == "hold" else 0.0)
+    late = [0.0] + w["arrivals"] if w["arrivals"] and not arm.get("lockstep") else [0.0] * 6
     return build_config({
         "jobs": [{"task": w["tasks"][i], "steps": w["steps"][i], "prompts_per_step": w["prompts"],
-                  "responses_per_prompt": w["responses"], "max_new_tokens": w["max_new"]} for i in range(n)],
+                  "responses_per_prompt": w["responses"], "max_new_tokens": w["max_new"],
+                  **({"arrive_s": late[i]} if late[i] else {})} for i in range(n)],
         "arm": arm,
         "engine": {"max_num_seqs": w["max_num_seqs"]},
         "seed": w["seed"]})
@@ -68,6 +72,11 @@ def test_invariants(w):
            for s in spans if s.phase == "generate"}
     tr = {(s.job, s.attrs["step"]): s.attrs["tokens"] for s in spans if s.phase == "train"}
     assert gen == tr
+    # A job sharing the GPU starts no earlier than it arrives (a dedicated one has its GPU from then).
+    if cfg.arm.policy != "dedicated":
+        for j in cfg.jobs:
+            first = min(s.start_s for s in spans if s.job == j.id and s.phase == "generate")
+            assert first >= (j.arrive_s or 0.0) - 1e-9
 
 
 @settings(max_examples=15, deadline=None)

@@ -660,6 +660,25 @@ def test_continuous_policy_on_the_real_backend_is_on_policy(pool):
     assert {x.group for x in spans if x.phase == "generate"} == {0, 1}
 
 
+def test_a_job_arriving_late_on_the_real_backend_joins_the_running_ones_generation(pool):
+    """jobs[].arrive_s on the real backend: the late job's first generation starts after its
+    arrival, in the same generation as the running job's next step (not alone), and it runs every
+    step on-policy; the summary keeps its arrival and wait."""
+    cfg = _small_cfg(2, 4)  # a step takes ~0.08 s here: job0's 8 steps are under way when job1 arrives
+    cfg = cfg.model_copy(update={"jobs": [cfg.jobs[0].model_copy(update={"steps": 8}),
+                                          cfg.jobs[1].model_copy(update={"arrive_s": 0.1})]})
+    summary, runs = _pooled(pool, cfg.resolved())
+    spans = [x for r in runs for x in r]
+    assert summary["steps"] == 12 and summary["stale_rollouts"] == 0 and audit_on_policy(spans) == []
+    late = sorted((x for x in spans if x.job == "job1" and x.phase == "generate"), key=lambda x: x.start_s)
+    beside = [x for x in spans if x.job == "job0" and x.phase == "generate"
+              and x.start_s < late[0].end_s and late[0].start_s < x.end_s]
+    assert late[0].start_s >= 0.1 and len(late) == 4
+    assert [x.attrs["step"] for x in beside] != [] and beside[0].attrs["step"] >= 1  # in job0's later generation
+    d = summary["per_job"]["job1"]
+    assert d["arrive_s"] == 0.1 and d["wait_s"] == pytest.approx(late[0].start_s - 0.1)
+
+
 def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size(pool):
     """A cluster started for one run serves the next: the next run's
     trainer.max_tokens_per_microbatch reaches the trainer process (it kept the first run's)."""
@@ -757,3 +776,4 @@ def test_fewer_adapter_slots_than_jobs_stay_on_policy_with_every_adapter_kept(tm
     agree = {(a["job"], a["version"]): a["max_abs"] for a in d["logprob_agreement"]}
     assert set(agree) == {(f"job{i}", v) for i in range(4) for v in (0, 1)}
     assert max(agree.values()) < 1e-3
+
