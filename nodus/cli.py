@@ -183,6 +183,19 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    from nodus.plan import plan, plan_table
+
+    result = plan(load_config(a.config) if a.config else None, total_jobs=a.total_jobs, steps=a.steps,
+                  per_gpu=a.per_gpu, policies=a.policies, groups=a.groups, sharing=a.sharing, stacks=a.stacks,
+                  profile=a.profile, seed=a.seed, deadline_h=a.deadline_h, max_gpus=a.max_gpus,
+                  sim_steps=a.sim_steps, workers=a.workers, out=a.out, progress=not a.json and sys.stderr.isatty())
+    print(json.dumps(result, default=str) if a.json else plan_table(result))
+    print(f"{result['loads_simulated']} GPU loads simulated in {result['wall_s']:.1f}s with {result['workers']} workers"
+          + (f"; wrote {a.out}/ (plan.json, plan.md)" if a.out else ""), file=sys.stderr)
+    return 0
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from nodus.realrun import run
     from nodus.simulate import config_from_args, render_table
@@ -533,6 +546,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _add_audit_flags(p)  # every run of the sweep, the dedicated baseline's too
     p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("plan", help="how many GPUs a fleet of jobs needs, packed N to a GPU, and for how long")
+    p.add_argument("config", nargs="?", help="YAML/JSON config whose jobs are the templates, repeated to "
+                                             "--total-jobs (default: the reference workload's 8 jobs)")
+    p.add_argument("--total-jobs", type=int, required=True, metavar="J", help="jobs to place")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per job (default 20)")
+    p.add_argument("--per-gpu", default="1,2,4,8,16", metavar="N,...",
+                   help="jobs a GPU to weigh (1: a GPU per job, the dedicated baseline; default 1,2,4,8,16)")
+    p.add_argument("--policies", default="shared-sync,overlap,continuous", metavar="P,...",
+                   help="shared arms to weigh (default shared-sync,overlap,continuous)")
+    p.add_argument("--groups", default="2", metavar="K,...", help="overlap's phase groups (default 2)")
+    p.add_argument("--sharing", default="mps", metavar="S,...", help="none, mps or both (default mps)")
+    p.add_argument("--stacks", default="1", metavar="N,...",
+                   help="engine + trainer stacks a GPU (arm.stacks; default 1); with more than one under MPS and "
+                        f"no profile chosen, every option is priced on {STACKS_PROFILE}")
+    p.add_argument("--profile", help="shipped profile name or profile JSON path (default: the config's, else "
+                                     + DEFAULT_PROFILE + ")")
+    p.add_argument("--seed", type=int, default=1, help="run seed (default 1)")
+    p.add_argument("--deadline-h", type=float, metavar="H", help="every job done within H hours")
+    p.add_argument("--max-gpus", type=int, metavar="G", help="at most G GPUs")
+    p.add_argument("--sim-steps", type=int, metavar="N",
+                   help="simulate N steps a job and project to --steps by each GPU's steady pace (faster for "
+                        "long jobs; default: simulate every step)")
+    p.add_argument("--workers", type=int, help="processes (default: CPU count)")
+    p.add_argument("--out", help="write plan.json and plan.md into this new folder")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("run", help="run one arm through the real backend (vLLM + multi-LoRA trainer) or the sim")
     _add_arm_flags(p)

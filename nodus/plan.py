@@ -1,0 +1,278 @@
+"""Capacity plans: how many GPUs a fleet of jobs needs, packed n to a GPU on an arm, and for how long.
+
+``nodus plan --total-jobs J --steps S`` deals the jobs (the config's jobs, or the reference
+workload's, repeated to J) to GPUs n at a time, in order, for each packing n (1: a GPU per job)
+and each shared arm; the last GPU takes the rest. Each distinct GPU load is simulated for the jobs'
+S steps (``--sim-steps N``: N steps, projected to S by the load's steady pace, start and drain paid
+once; ``nodus.accounting.projected_steps_per_gpu_hour``). A GPU is billed until its last job ends.
+Per option: the GPUs, the hours until every job is done (the slowest GPU), each job's mean hours,
+the GPU-hours, steps per GPU-hour and the GPU-hours against a GPU per job; with ``--deadline-h``
+and ``--max-gpus``, which options meet them, and the one that costs fewest GPU-hours, with the
+profile's held-out error as its error bar (options closer than that are a tie to the simulator).
+Jobs are taken as submitted together (no ``arrive_s``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from nodus.config import DEFAULT_PROFILE, SHARINGS, STACKS_PROFILE, ConfigError, default_jobs
+from nodus.outdir import make_out_dir, write_json
+
+PLAN_POLICIES = ("shared-sync", "overlap", "continuous")  # the shared arms a plan weighs by default
+MIN_PROJECTION_STEPS = 3  # --sim-steps: a steady pace needs a job's first and a later generation
+
+
+def _parse(text: str, cast, flag: str) -> list:
+    try:
+        vals = [cast(x.strip()) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected a comma-separated list") from None
+    if not vals:
+        raise ConfigError(f"{flag} is empty")
+    return vals
+
+
+def arm_name(policy: str, groups: int, sharing: str, stacks: int) -> str:
+    if policy == "dedicated":
+        return "dedicated"
+    return (f"{policy}{f' g={groups}' if policy == 'overlap' else ''} {sharing}"
+            f"{f' k{stacks}' if stacks > 1 else ''}")
+
+
+def arm_fits(policy: str, groups: int, stacks: int, jobs: int) -> bool:
+    """Whether ``jobs`` jobs can run the arm: every group of every stack needs a job."""
+    if policy == "dedicated":
+        return True
+    per = groups if policy == "overlap" else 1
+    return jobs >= stacks * per and (policy != "overlap" or groups >= 2)
+
+
+def _gpu_arm(arm: tuple, jobs: int) -> tuple:
+    """The arm a GPU of ``jobs`` jobs runs: ``arm``, or, for a last GPU too small for it, one
+    stack of shared-sync (a job alone: its own dedicated-style loop)."""
+    policy, groups, sharing, stacks = arm
+    if arm_fits(policy, groups, stacks, jobs):
+        return arm
+    return ("shared-sync", 1, sharing, 1)
+
+
+def _simulate_load(task: tuple) -> dict:
+    """One GPU load: (base config dict, template indices, arm, steps, sim_steps) -> its billed
+    seconds, steps and each job's finish, projected to ``steps`` when ``sim_steps`` is fewer."""
+    from nodus.accounting import summarize
+    from nodus.config import with_default_packing
+    from nodus.runner import run_spans
+    from nodus.simulate import config_from_args
+    from sim import backend_factory
+
+    base, templates, load, (policy, groups, sharing, stacks), steps, sim_steps = task
+    # A job's seed is its template's (run seed x 1000 + template index, as RunConfig.resolved gives
+    # the templates' config): the same draws alone on a GPU and packed with others.
+    data = dict(base, jobs=[{"seed": base["seed"] * 1000 + t, **templates[t], "id": f"job{i}"}
+                            for i, t in enumerate(load)])
+    n = sim_steps or steps
+    cfg = config_from_args(data, policy=policy, groups=groups, sharing=sharing, steps=n,
+                           stacks=stacks if stacks > 1 else None)
+    make = backend_factory(cfg.profile)
+    cfg = with_default_packing(cfg, make.cost.profile.train.step_mode == "graphed")  # as nodus sim packs rows
+    runs = run_spans(cfg, make)
+    out = []
+    for r in runs:  # dedicated: a GPU a job
+        s = summarize([r])
+        gpu_s, finish = s["gpu_seconds"], {j: d["finish_s"] for j, d in s["per_job"].items()}
+        if n < steps:
+            pace = s["pace"]
+            if not pace:
+                raise ConfigError(f"--sim-steps {n}: the simulated load has no steady pace to project "
+                                  f"{steps} steps from; simulate more steps")
+            per_s = pace["pace_steps_per_gpu_hour"] / 3600 / pace["jobs"]  # one job's steps a second
+            gpu_s = pace["ramp_gpu_s"] + steps / per_s
+            finish = {j: t + (steps - n) / per_s for j, t in finish.items()}
+        out.append({"gpu_s": gpu_s, "steps": len(finish) * steps, "finish_s": finish})
+    return {"gpus": out, "flags": sorted(make.cost.flags)}
+
+
+def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gpu: str = "1,2,4,8,16",
+         policies: str = ",".join(PLAN_POLICIES), groups: str = "2", sharing: str = "mps", stacks: str = "1",
+         profile: str | None = None, seed: int = 1, deadline_h: float | None = None,
+         max_gpus: int | None = None, sim_steps: int | None = None, workers: int | None = None,
+         out: str | Path | None = None, progress: bool = False) -> dict:
+    """The options for ``total_jobs`` jobs of ``steps`` steps (module docstring). ``config``: a
+    config file's dict: its jobs are the templates (repeated in order to ``total_jobs``), its
+    engine, trainer, audit and profile apply to every option; its arm is replaced by each option's."""
+    if total_jobs < 1:
+        raise ConfigError(f"--total-jobs {total_jobs}: a plan needs at least one job")
+    if steps < 1:
+        raise ConfigError(f"--steps {steps}: steps must be >= 1")
+    if deadline_h is not None and not (deadline_h > 0 and math.isfinite(deadline_h)):
+        raise ConfigError(f"--deadline-h {deadline_h}: hours, a number > 0")
+    if max_gpus is not None and max_gpus < 1:
+        raise ConfigError(f"--max-gpus {max_gpus}: at least one GPU")
+    if sim_steps is not None and not MIN_PROJECTION_STEPS <= sim_steps:
+        raise ConfigError(f"--sim-steps {sim_steps}: at least {MIN_PROJECTION_STEPS} steps (a steady pace to "
+                          "project from)")
+    sim_steps = sim_steps if sim_steps is not None and sim_steps < steps else None
+    packs = sorted(set(_parse(per_gpu, int, "--per-gpu")))
+    if packs[0] < 1:
+        raise ConfigError(f"--per-gpu {per_gpu}: jobs a GPU, integers >= 1")
+    packs = [n for n in packs if n <= total_jobs] or [total_jobs]
+    pols = _parse(policies, str, "--policies")
+    bad = [p for p in pols if p not in PLAN_POLICIES]
+    if bad:
+        raise ConfigError(f"--policies: {bad} cannot pack jobs on a GPU here; choose from {', '.join(PLAN_POLICIES)} "
+                          "(a GPU per job is --per-gpu 1)")
+    shr = _parse(sharing, str, "--sharing")
+    if any(s not in SHARINGS for s in shr):
+        raise ConfigError(f"--sharing {sharing}: choose from {', '.join(SHARINGS)}")
+    grp, stk = _parse(groups, int, "--groups"), _parse(stacks, int, "--stacks")
+    if min(grp) < 2 or min(stk) < 1:
+        raise ConfigError(f"--groups {groups} / --stacks {stacks}: overlap's groups >= 2, stacks >= 1")
+    base = {k: v for k, v in (config or {}).items() if k not in ("jobs", "arm")}
+    base["seed"] = seed
+    if profile is not None:
+        base["profile"] = profile
+    if "profile" not in base and max(stk) > 1 and "mps" in shr:
+        base["profile"] = STACKS_PROFILE  # as nodus sim: the shipped profile with a two-engine rate
+    base.setdefault("profile", DEFAULT_PROFILE)
+    templates = (config or {}).get("jobs") or [j.model_dump(exclude_none=True) for j in default_jobs(8)]
+    if any(t.get("arrive_s") for t in templates):
+        raise ConfigError("jobs[].arrive_s: nodus plan packs jobs submitted together; drop the arrivals "
+                          "(nodus sim simulates them)")
+    from nodus.simulate import config_from_args
+    from sim.profile import load_profile
+
+    config_from_args(dict(base, jobs=templates))  # a bad config or profile fails here, before forking
+    validation = load_profile(base["profile"]).validation() or {}
+    arms = [(p, g if p == "overlap" else 1, s, k) for p in pols for g in (grp if p == "overlap" else [1])
+            for s in shr for k in stk]
+    options = [(1, ("dedicated", 1, "none", 1))]
+    options += [(n, a) for n in packs if n > 1 for a in dict.fromkeys(arms) if arm_fits(a[0], a[1], a[3], n)]
+    # Each option's GPUs and their loads (template indices); equal loads are simulated once.
+    T = len(templates)
+    layouts, tasks = {}, {}
+    for n, arm in options:
+        gpus = []
+        for g in range(math.ceil(total_jobs / n)):
+            load = tuple(i % T for i in range(g * n, min((g + 1) * n, total_jobs)))
+            key = (load, _gpu_arm(arm, len(load)))
+            gpus.append(key)
+            tasks.setdefault(key, (base, templates, load, key[1], steps, sim_steps))
+        layouts[(n, arm)] = gpus
+    t0 = time.perf_counter()
+    results = {}
+    workers = workers or min(os.cpu_count() or 1, 8)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futs = {key: pool.submit(_simulate_load, t) for key, t in tasks.items()}
+        for i, (key, f) in enumerate(futs.items(), 1):
+            results[key] = f.result()
+            if progress:
+                print(f"\rplan: {i}/{len(futs)} GPU loads simulated", end="", file=sys.stderr)
+    if progress:
+        print(file=sys.stderr)
+    rows = []
+    for (n, arm), gpus in layouts.items():
+        per = [x for key in gpus for x in results[key]["gpus"]]
+        gpu_s = sum(x["gpu_s"] for x in per)
+        finishes = [t for x in per for t in x["finish_s"].values()]
+        last = {_gpu_arm(arm, len(key[0])) for key in gpus} - {arm}
+        rows.append({"per_gpu": n, "arm": arm_name(*arm), "policy": arm[0], "groups": arm[1], "sharing": arm[2],
+                     "stacks": arm[3], "gpus": len(per), "hours": max(x["gpu_s"] for x in per) / 3600,
+                     "mean_job_hours": sum(finishes) / len(finishes) / 3600, "gpu_hours": gpu_s / 3600,
+                     "steps_per_gpu_hour": sum(x["steps"] for x in per) / gpu_s * 3600,
+                     "outside_profile": sorted({f for key in gpus for f in results[key]["flags"]}),
+                     **({"last_gpu": arm_name(*next(iter(last)))} if last else {})})
+    dedicated = next(r for r in rows if r["policy"] == "dedicated")
+    for r in rows:
+        r["gpu_hours_vs_dedicated"] = r["gpu_hours"] / dedicated["gpu_hours"]
+        r["meets"] = ((deadline_h is None or r["hours"] <= deadline_h)
+                      and (max_gpus is None or r["gpus"] <= max_gpus))
+    rows.sort(key=lambda r: (r["gpu_hours"], r["hours"]))
+    common = set.intersection(*(set(r["outside_profile"]) for r in rows))  # every option's: no difference
+    for r in rows:
+        r["outside_profile_own"] = [f for f in r["outside_profile"] if f not in common]
+    fits = [r for r in rows if r["meets"]]
+    error = validation.get("heldout_mape")
+    best = None
+    if fits:
+        best = {"per_gpu": fits[0]["per_gpu"], "arm": fits[0]["arm"], "gpu_hours": fits[0]["gpu_hours"],
+                "outside_profile": bool(fits[0]["outside_profile_own"])}
+        if len(fits) > 1:
+            gap = fits[1]["gpu_hours"] / fits[0]["gpu_hours"] - 1
+            best.update(next=f"{fits[1]['per_gpu']} a GPU, {fits[1]['arm']}", next_gap=gap,
+                        within_error=error is not None and gap < error)
+    flags = sorted({f for v in results.values() for f in v["flags"]})
+    result = {"total_jobs": total_jobs, "steps": steps, "sim_steps": sim_steps, "profile": base["profile"],
+              "deadline_h": deadline_h, "max_gpus": max_gpus, "rows": rows, "best": best,
+              "profile_validation": validation, "outside_profile": flags, "outside_profile_every_option": sorted(common),
+              "loads_simulated": len(tasks), "wall_s": time.perf_counter() - t0, "workers": workers}
+    if out is not None:
+        out_dir = make_out_dir(out)
+        write_json(out_dir / "plan.json", result)
+        (out_dir / "plan.md").write_text(plan_table(result) + "\n")
+    return result
+
+
+def _hours(h: float) -> str:
+    """A duration for the table: seconds under a minute, minutes under an hour, else hours."""
+    return f"{h * 3600:.1f} s" if h < 1 / 60 else f"{h * 60:.1f} min" if h < 1 else f"{h:.2f} h"
+
+
+def plan_table(result: dict) -> str:
+    from nodus.simulate import error_bar_line
+
+    limits = [f"{result['deadline_h']:g} h" if result.get("deadline_h") else "",
+              f"{result['max_gpus']} GPUs" if result.get("max_gpus") else ""]
+    limit = " and ".join(x for x in limits if x)
+    sim = (f"; simulated {result['sim_steps']} steps a job, projected by the steady pace" if result.get("sim_steps")
+           else "")
+    lines = [f"{result['total_jobs']} jobs of {result['steps']} steps on profile {result['profile']}{sim}:", "",
+             "| jobs a GPU | arm | GPUs | until the last job ends | a job's mean time | GPU-hours | steps per GPU-hour "
+             "| GPU-hours vs a GPU per job |" + (f" within {limit} |" if limit else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if limit else "")]
+    for r in result["rows"]:
+        arm = (r["arm"] + (f" (last GPU {r['last_gpu']})" if r.get("last_gpu") else "")
+               + (" *" if r.get("outside_profile_own") else ""))
+        lines.append(f"| {r['per_gpu']} | {arm} | {r['gpus']} | {_hours(r['hours'])} | {_hours(r['mean_job_hours'])} | "
+                     f"{r['gpu_hours']:.3g} | {r['steps_per_gpu_hour']:.0f} | {r['gpu_hours_vs_dedicated']:.3f} |"
+                     + ((" yes |" if r["meets"] else " no |") if limit else ""))
+    b = result.get("best")
+    lines.append("")
+    if b is None:
+        rows = result["rows"]
+        line = f"No option is within {limit}."
+        if result.get("deadline_h") and result.get("max_gpus"):  # what each limit alone allows
+            fleet = [r for r in rows if r["gpus"] <= result["max_gpus"]]
+            fast = [r for r in rows if r["hours"] <= result["deadline_h"]]
+            if fleet:
+                r = min(fleet, key=lambda r: r["hours"])
+                line += (f" Soonest on {result['max_gpus']} GPUs or fewer: {r['per_gpu']} jobs a GPU, {r['arm']}, "
+                         f"{_hours(r['hours'])}.")
+            if fast:
+                r = min(fast, key=lambda r: (r["gpus"], r["gpu_hours"]))
+                line += (f" Fewest GPUs within {result['deadline_h']:g} h: {r['gpus']} ({r['per_gpu']} jobs a GPU, "
+                         f"{r['arm']}).")
+        lines.append(line)
+    else:
+        line = (f"Fewest GPU-hours{' within ' + limit if limit else ''}: {b['per_gpu']} jobs a GPU, {b['arm']} "
+                f"({b['gpu_hours']:.3g} GPU-hours)")
+        if b.get("next"):
+            line += (f"; next {b['next']}, {b['next_gap']:+.1%}"
+                     + (", within the profile's error: the simulator cannot tell them apart" if b["within_error"]
+                        else ""))
+        if b.get("outside_profile"):
+            line += "; it lies outside the profiled region (below), so its error may be larger"
+        lines.append(line + ".")
+    lines += ["", error_bar_line(result.get("profile_validation"))]
+    every = result.get("outside_profile_every_option") or []
+    if every:
+        lines += ["", "Outside the profiled region, every option: " + "; ".join(every)]
+    own = [f for f in result.get("outside_profile") or [] if f not in every]
+    if own:
+        lines += ["", "Outside the profiled region, the rows marked *: " + "; ".join(own)]
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""nodus plan: GPUs, hours and GPU-hours for a fleet of jobs packed N to a GPU, from the simulator."""
+
+import json
+import math
+
+import pytest
+
+from nodus.accounting import summarize
+from nodus.config import ConfigError, default_jobs
+from nodus.plan import plan, plan_table
+from nodus.runner import run_spans
+from nodus.simulate import config_from_args
+from sim import backend_factory
+
+
+def _row(result, per_gpu, arm):
+    return next(r for r in result["rows"] if r["per_gpu"] == per_gpu and r["arm"] == arm)
+
+
+def _sim_gpu_s(templates, policy, steps, groups=None):
+    """The billed seconds of each GPU of one load, simulated directly: (template index, JobSpec)
+    pairs, each job seeded by its template (run seed 1)."""
+    jobs = [{**j.model_dump(exclude_none=True), "id": f"job{i}", "seed": 1000 + t} for i, (t, j) in enumerate(templates)]
+    cfg = config_from_args({"jobs": jobs}, policy=policy, groups=groups, steps=steps,
+                           sharing="none" if policy == "dedicated" else "mps")
+    return [summarize([r])["gpu_seconds"] for r in run_spans(cfg, backend_factory(cfg.profile))]
+
+
+def test_a_plan_deals_the_jobs_to_gpus_and_bills_each_until_its_last_job_ends():
+    """5 jobs 4 to a GPU: one GPU of templates 0-3 on the arm, and a last GPU of template 4 alone
+    (too few for overlap's 2 groups: it runs shared-sync, and the row says so)."""
+    r = plan(total_jobs=5, steps=3, per_gpu="1,4", policies="overlap,shared-sync", workers=1)
+    tpl = list(enumerate(default_jobs(8)))
+    ov = _row(r, 4, "overlap g=2 mps")
+    assert ov["gpus"] == 2 and ov["last_gpu"] == "shared-sync mps"
+    full = _sim_gpu_s(tpl[:4], "overlap", 3, groups=2)[0]
+    last = _sim_gpu_s(tpl[4:5], "shared-sync", 3)[0]
+    assert ov["gpu_hours"] == pytest.approx((full + last) / 3600)
+    assert ov["hours"] == pytest.approx(max(full, last) / 3600)
+    assert ov["steps_per_gpu_hour"] == pytest.approx(5 * 3 / (full + last) * 3600)
+    ded = _row(r, 1, "dedicated")
+    alone = [_sim_gpu_s([t], "dedicated", 3)[0] for t in tpl[:5]]  # each job's own GPU and engine
+    assert ded["gpus"] == 5 and ded["gpu_hours"] == pytest.approx(sum(alone) / 3600)
+    assert ded["hours"] == pytest.approx(max(alone) / 3600) and ded["gpu_hours_vs_dedicated"] == 1.0
+    assert ov["gpu_hours_vs_dedicated"] == pytest.approx(ov["gpu_hours"] / ded["gpu_hours"])
+    # rows cheapest first; the best is the cheapest (no limits given)
+    assert [x["gpu_hours"] for x in r["rows"]] == sorted(x["gpu_hours"] for x in r["rows"])
+    assert (r["best"]["per_gpu"], r["best"]["arm"]) == (r["rows"][0]["per_gpu"], r["rows"][0]["arm"])
+
+
+def test_templates_repeat_to_the_total_and_equal_loads_are_simulated_once():
+    r = plan(total_jobs=16, steps=2, per_gpu="8", policies="shared-sync", workers=1)
+    # 16 jobs of 8 templates, 8 a GPU: both GPUs carry templates 0-7 (one load), and each dedicated
+    # job's load is one of the 8 templates
+    assert _row(r, 8, "shared-sync mps")["gpus"] == 2 and _row(r, 1, "dedicated")["gpus"] == 16
+    assert r["loads_simulated"] == 1 + 8
+
+
+def test_a_deadline_and_a_fleet_pick_the_cheapest_option_within_both():
+    free = plan(total_jobs=8, steps=3, per_gpu="1,2,8", policies="shared-sync", workers=1)
+    ded, two, eight = (_row(free, n, a) for n, a in ((1, "dedicated"), (2, "shared-sync mps"), (8, "shared-sync mps")))
+    assert eight["gpu_hours"] < two["gpu_hours"] < ded["gpu_hours"]  # packing saves GPU-hours
+    assert eight["hours"] > two["hours"] > ded["hours"] * 0.99  # and costs wall time
+    # a deadline between 2- and 8-a-GPU's hours rules out 8 a GPU: 2 a GPU is the cheapest left
+    limited = plan(total_jobs=8, steps=3, per_gpu="1,2,8", policies="shared-sync", workers=1,
+                   deadline_h=(two["hours"] + eight["hours"]) / 2)
+    assert limited["best"]["per_gpu"] == 2 and not _row(limited, 8, "shared-sync mps")["meets"]
+    # ...and a fleet of fewer GPUs than that needs rules out everything
+    none = plan(total_jobs=8, steps=3, per_gpu="1,2,8", policies="shared-sync", workers=1,
+                deadline_h=(two["hours"] + eight["hours"]) / 2, max_gpus=3)
+    assert none["best"] is None
+    text = plan_table(none)
+    assert "No option is within" in text and "Soonest on 3 GPUs or fewer: 8 jobs a GPU" in text
+
+
+def test_sim_steps_projects_long_jobs_by_the_steady_pace():
+    full = plan(total_jobs=4, steps=24, per_gpu="4", policies="shared-sync", workers=1)
+    proj = plan(total_jobs=4, steps=24, per_gpu="4", policies="shared-sync", workers=1, sim_steps=8)
+    a, b = _row(full, 4, "shared-sync mps"), _row(proj, 4, "shared-sync mps")
+    assert proj["sim_steps"] == 8 and b["gpu_hours"] == pytest.approx(a["gpu_hours"], rel=0.03)
+    assert b["gpu_hours"] != a["gpu_hours"]  # projected, not simulated
+    # as many simulated steps as asked: no projection
+    assert plan(total_jobs=2, steps=4, per_gpu="2", policies="shared-sync", workers=1, sim_steps=9)["sim_steps"] is None
+
+
+def test_bad_plans_are_clear_errors():
+    with pytest.raises(ConfigError, match="--total-jobs 0"):
+        plan(total_jobs=0)
+    with pytest.raises(ConfigError, match="--policies: \\['timeslice'\\]"):
+        plan(total_jobs=4, policies="timeslice")
+    with pytest.raises(ConfigError, match="--sim-steps 2: at least 3"):
+        plan(total_jobs=4, sim_steps=2)
+    with pytest.raises(ConfigError, match="--deadline-h -1"):
+        plan(total_jobs=4, deadline_h=-1.0)
+    with pytest.raises(ConfigError, match="--max-gpus 0"):
+        plan(total_jobs=4, max_gpus=0)
+    with pytest.raises(ConfigError, match="--per-gpu 0,2"):
+        plan(total_jobs=4, per_gpu="0,2")
+    with pytest.raises(ConfigError, match="arrive_s: nodus plan packs jobs submitted together"):
+        plan({"jobs": [{"task": "gsm8k"}, {"task": "modular", "arrive_s": 5}]}, total_jobs=4)
+    with pytest.raises(ValueError, match="not a known task"):
+        plan({"jobs": [{"task": "nope"}]}, total_jobs=2)
+
+
+def test_nodus_plan_cli_prints_the_table_and_writes_the_plan(tmp_path, capsys):
+    from nodus.cli import main
+
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text("jobs:\n  - {task: sorting, max_new_tokens: 64}\n  - {task: gsm8k}\n")
+    out = tmp_path / "plan"
+    assert main(["plan", str(cfg), "--total-jobs", "6", "--steps", "3", "--per-gpu", "1,3,6",
+                 "--policies", "shared-sync", "--workers", "1", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "6 jobs of 3 steps on profile" in text and "| 3 | shared-sync mps | 2 |" in text
+    assert "Fewest GPU-hours: " in text
+    saved = json.loads((out / "plan.json").read_text())
+    assert {r["per_gpu"] for r in saved["rows"]} == {1, 3, 6} and (out / "plan.md").read_text().strip() == text.strip()
+    assert math.isclose(sum(1 for r in saved["rows"] if r["policy"] == "dedicated"), 1)
+    assert main(["plan", "--total-jobs", "4", "--deadline-h", "0"]) == 2
+    assert "--deadline-h 0" in capsys.readouterr().err
+
+
+def test_options_outside_the_profiled_region_are_marked_apart_from_what_every_option_shares():
+    r = plan(total_jobs=16, steps=2, per_gpu="1,16", policies="shared-sync", workers=1)
+    sixteen, ded = _row(r, 16, "shared-sync mps"), _row(r, 1, "dedicated")
+    assert any("adapters up to 16 > profiled 8" in f for f in sixteen["outside_profile_own"])
+    assert ded["outside_profile_own"] == [] and set(r["outside_profile_every_option"]) <= set(ded["outside_profile"])
+    text = plan_table(r)
+    assert "| 16 | shared-sync mps * |" in text and "| 1 | dedicated |" in text
+    assert "Outside the profiled region, the rows marked *: " in text
