@@ -242,6 +242,20 @@ def cmd_tasks(a: argparse.Namespace) -> int:
 
     if a.tasks_cmd == "sample":
         print(tasks_sample(a.task, n=a.n, seed=a.seed))
+    elif a.tasks_cmd == "dataset":
+        from nodus.config import DatasetSpec, JobSpec
+        from nodus.tasks.base import solution_text
+        from nodus.tasks.datasets import dataset_split
+
+        job = JobSpec(task=a.task, dataset=DatasetSpec(train=a.train, eval=a.eval, eval_size=a.eval_size))
+        train, held = dataset_split(job.dataset, job.task)
+        print(f"{a.train}: {len(train)} training items, {len(held)} eval items"
+              f" ({a.eval or f'the last {a.eval_size} of the training file'}), scored by {a.task}'s check")
+        from nodus.tasks import get_task
+
+        for it in train[:a.n]:
+            print(f"--- prompt:\n{it.prompt}\n--- its answer as a completion "
+                  f"(reward {get_task(a.task).reward(it, solution_text(it))}):\n{solution_text(it)}")
     else:
         print(tasks_list(as_json=a.json))
     return 0
@@ -784,6 +798,13 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("task")
     ts.add_argument("-n", "--n", type=int, default=3, dest="n")
     ts.add_argument("--seed", type=int, default=0)
+    td = tsub.add_parser("dataset", help="read a job's own problems (jobs[].dataset) as a run would: counts "
+                                         "and the first items")
+    td.add_argument("train", help="JSONL of {\"question\", \"answer\"} a line")
+    td.add_argument("--task", default="gsm8k", help="the family whose answer check scores them (default gsm8k)")
+    td.add_argument("--eval", help="held-out JSONL (default: the last --eval-size items of the training file)")
+    td.add_argument("--eval-size", type=int, default=64)
+    td.add_argument("-n", "--n", type=int, default=2, dest="n", help="items to show (default 2)")
     p.set_defaults(fn=cmd_tasks, json=False)
 
     p = sub.add_parser("compare", help="equal-learning comparison and gate verdict across run folders")

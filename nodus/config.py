@@ -89,6 +89,15 @@ class ReplayLengths(_Model):
 LengthModel = Annotated[Union[LognormalLengths, FixedLengths, ReplayLengths], Field(discriminator="kind")]
 
 
+class DatasetSpec(_Model):
+    """A job's own problems (nodus.tasks.datasets): JSONL of {"question", "answer"}, scored by the
+    job's task family's answer check. Paths are read where the run starts."""
+
+    train: str  # training problems
+    eval: str | None = None  # held-out problems; default: the last eval_size of train, never trained on
+    eval_size: int = Field(default=64, ge=1)
+
+
 class JobSpec(_Model):
     """One customer's LoRA GRPO job."""
 
@@ -110,6 +119,20 @@ class JobSpec(_Model):
     # Seconds after the run's start that the job is submitted (default: at the start). It joins its
     # group's first generation that starts after; alone on its own GPU (dedicated) it starts at once.
     arrive_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    dataset: DatasetSpec | None = None  # the job's own problems in place of its family's generator
+
+    @model_validator(mode="after")
+    def _dataset_fits(self) -> "JobSpec":
+        if self.dataset is None:
+            return self
+        from nodus.tasks.datasets import NO_DATASET_TASKS
+
+        if self.task in NO_DATASET_TASKS:
+            raise ValueError(f"dataset with task={self.task!r}: its check needs the numbers the family draws; a "
+                             "dataset is scored by a value-answer family's check (gsm8k, modular, ...)")
+        if self.prompt_pool is not None:
+            raise ValueError("dataset with prompt_pool: the dataset is the job's training set; drop prompt_pool")
+        return self
 
     @model_validator(mode="after")
     def _known_task(self) -> "JobSpec":

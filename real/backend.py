@@ -274,6 +274,10 @@ def check_run_settings(cfg: RunConfig, opts: RealOptions) -> None:
             f"trainer.share_prompts={cfg.trainer.share_prompts} packs each prompt's responses into one row, which "
             "the fixed-shape trainer step does: run with the graphed trainer (--trainer-graphs; on a CPU its "
             "uncaptured program), or set share_prompts to 0")
+    if opts.mode == "tasks":  # a job's own problems, read before any process starts
+        from nodus.tasks.datasets import check_datasets
+
+        check_datasets(cfg.jobs)
 
 
 # A GPU trainer's CPU work is small (micro-batches built in numpy, logprobs scattered back), but
@@ -897,11 +901,12 @@ class RealBackend:
         if self.opts.mode != "tasks" or not self.opts.evaluate:
             return {}
         from nodus.tasks import eval_set, get_task
+        from nodus.tasks.datasets import dataset_split
         from real.engine import GenRequest
 
         out = {}
         for j in self.cfg.jobs:
-            items = eval_set(j.task)
+            items = dataset_split(j.dataset, j.task)[1] if j.dataset is not None else eval_set(j.task)
             task = get_task(j.task)
             stack, v = self._stack_of[j.id], self._versions[j.id]
             self.c.engines[stack].put(("eval", "eval", [GenRequest(

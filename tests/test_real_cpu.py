@@ -679,6 +679,27 @@ def test_a_job_arriving_late_on_the_real_backend_joins_the_running_ones_generati
     assert d["arrive_s"] == 0.1 and d["wait_s"] == pytest.approx(late[0].start_s - 0.1)
 
 
+def test_a_job_with_its_own_dataset_is_evaluated_on_its_held_out_problems(pool, tmp_path):
+    """jobs[].dataset on the real backend: the job samples its own problems and its eval is over the
+    dataset's held-out items (5 here, not its family's 64); the other job keeps its family's."""
+    from factories import run_on_pool
+    from real.backend import RealOptions
+
+    rows = [{"question": f"What is ({a} + {b}) mod 7?", "answer": f"{a} + {b} = {a + b}\n#### {(a + b) % 7}"}
+            for a in range(2, 6) for b in range(3, 7)]
+    data = tmp_path / "acme.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    from nodus.config import build_config
+
+    d = _small_cfg(2, 2).model_dump(exclude_none=True)
+    d["jobs"][0]["dataset"] = {"train": str(data), "eval_size": 5}  # as a config file gives it
+    cfg = build_config(d)
+    summary, _ = run_on_pool(pool, cfg.resolved(), RealOptions(model="tiny", evaluate=True))
+    assert summary["steps"] == 4 and summary["stale_rollouts"] == 0
+    assert len(summary["per_job"]["job0"]["eval"]["correct"]) == 5
+    assert len(summary["per_job"]["job1"]["eval"]["correct"]) == 64
+
+
 def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size(pool):
     """A cluster started for one run serves the next: the next run's
     trainer.max_tokens_per_microbatch reaches the trainer process (it kept the first run's)."""
