@@ -120,6 +120,16 @@ class JobSpec(_Model):
     # group's first generation that starts after; alone on its own GPU (dedicated) it starts at once.
     arrive_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     dataset: DatasetSpec | None = None  # the job's own problems in place of its family's generator
+    # The job's own GRPO update (names as TRL's GRPOConfig and PEFT's LoraConfig); unset: nodus's
+    # defaults (resolved by ``grpo_settings``). Trained in a shared batch, the job's step is the one
+    # these settings give it alone.
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = None  # default grpo
+    epsilon: float | None = Field(default=None, gt=0, lt=1)  # PPO clip range below 1; default 0.2
+    epsilon_high: float | None = Field(default=None, gt=0)  # clip range above 1; default epsilon
+    beta: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # KL to the base model; default 0
+    max_grad_norm: float | None = Field(default=None, gt=0)  # default trainer.max_grad_norm
+    weight_decay: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # AdamW's; default 0
+    lora_alpha: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # default 2 x lora_rank
 
     @model_validator(mode="after")
     def _dataset_fits(self) -> "JobSpec":
@@ -521,6 +531,21 @@ class RunConfig(_Model):
                 "seed": j.seed if j.seed is not None else self.seed * 1000 + i,
             }))
         return self.model_copy(update={"jobs": jobs})
+
+
+def grpo_settings(job: JobSpec, trainer: "TrainerSpec") -> dict:
+    """A job's resolved update settings, by the trainer's names (real.trainer.JobConfig): its own
+    where set, else nodus's defaults (grpo loss, clip 0.2 both ways, no KL, AdamW without weight
+    decay, LoRA alpha twice the rank, the trainer's gradient clip). dr_grpo's constant length is
+    the job's max_new_tokens, as TRL's max_completion_length."""
+    loss = job.loss_type or "grpo"
+    eps = job.epsilon if job.epsilon is not None else 0.2
+    return {"alpha": job.lora_alpha if job.lora_alpha is not None else 2.0 * job.lora_rank,
+            "loss_type": loss, "epsilon_low": eps,
+            "epsilon_high": job.epsilon_high if job.epsilon_high is not None else eps,
+            "beta": job.beta or 0.0, "weight_decay": job.weight_decay or 0.0,
+            "max_grad_norm": job.max_grad_norm if job.max_grad_norm is not None else trainer.max_grad_norm,
+            "max_completion_length": job.max_new_tokens if loss == "dr_grpo" else None}
 
 
 def default_jobs(n: int, steps: int = 20, **job_fields) -> list[JobSpec]:

@@ -1016,5 +1016,6 @@ def _fast_dir() -> str | None:
 def _job_config(j: JobSpec, cfg: RunConfig):
     from real.trainer import JobConfig
 
-    return JobConfig(rank=j.lora_rank, alpha=2.0 * j.lora_rank, lr=j.learning_rate, seed=j.seed,
-                     max_grad_norm=cfg.trainer.max_grad_norm)
+    from nodus.config import grpo_settings
+
+    return JobConfig(rank=j.lora_rank, lr=j.learning_rate, seed=j.seed, **grpo_settings(j, cfg.trainer))

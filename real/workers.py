@@ -13,7 +13,7 @@ import queue
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -248,8 +248,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 return
             if kind == "add":
                 _, tag, job_id, cfg, path, *fmt = cmd
-                trainer.add_job(job_id, rank=cfg.rank, alpha=cfg.alpha, lr=cfg.lr, seed=cfg.seed,
-                                max_grad_norm=cfg.max_grad_norm, loss_type=cfg.loss_type)
+                trainer.add_job(job_id, **asdict(cfg))  # every setting of the job's update
                 trainer.save_adapter(job_id, path.format(v=0), dtype=save_dtype, adapter_format=(fmt or [FORMAT])[0])
                 outbox.put(("added", tag, 0))
             elif kind == "load":

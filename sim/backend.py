@@ -105,6 +105,12 @@ class SimBackend:
                         f"{STACKS_TRAINER_PROFILE} has the rate)")
                 _note_fitted_elsewhere(cost, n_stacks, mine, fitted, "the two-engine rate (sharing.mps_engines)",
                                        "sharing.engines_controls")
+        kl = [j.id or j.task for j in cfg.jobs if j.beta]
+        if kl:
+            cost.note_unmodelled(
+                f"jobs[].beta > 0 ({', '.join(map(str, kl))}): the trainer's forward pass of the base model for "
+                "the KL term is not priced (no profile measures it): those jobs' train steps are priced as "
+                "without it")
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         if not cfg.audit.is_full() and not cost.profile.decode.logprob_s_per_seq:
             cost.note_unmodelled(

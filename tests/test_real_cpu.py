@@ -321,6 +321,39 @@ def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool, tmp_path, mo
         assert all(torch.equal(final["flat"][job][k], t) for k, t in tensors.items())
 
 
+def test_each_jobs_own_grpo_settings_reach_the_trainer_and_give_it_its_update_alone(pool, tmp_path, monkeypatch):
+    """jobs[].loss_type / epsilon / epsilon_high / beta / max_grad_norm / weight_decay / lora_alpha:
+    job0's settings change its steps (against the same job on the defaults), and trained in a
+    shared batch beside job1 it ends with the adapter it ends with alone. Rewards alternate 1, 0
+    within each prompt's responses (the tiny model earns none): advantages that move the adapters."""
+    from safetensors.torch import load_file
+
+    import real.backend
+    from nodus.config import build_config
+
+    monkeypatch.setattr(real.backend, "rewards", lambda job, step, sp, texts, n: [float(k % 2 == 0) for k in
+                                                                                  range(len(sp.prompts) * n)])
+    own = {"loss_type": "bnpo", "epsilon": 0.1, "epsilon_high": 0.3, "beta": 0.1, "max_grad_norm": 0.01,
+           "weight_decay": 0.1, "lora_alpha": 8.0}
+    plain = _small_cfg(2, 2).model_dump(exclude_none=True)
+    mine = {**plain, "jobs": [{**plain["jobs"][0], **own}, plain["jobs"][1]]}
+    alone = {**mine, "jobs": mine["jobs"][:1]}
+    out = {}
+    for name, d in (("plain", plain), ("shared", mine), ("alone", alone)):
+        s, spans = _pooled(pool, build_config(d).resolved(), adapters_out=str(tmp_path / name))
+        assert s["stale_rollouts"] == 0
+        out[name] = ({(x.attrs["step"]): x.attrs["loss"] for r in spans for x in r
+                      if x.phase == "train" and x.job == "job0"},
+                     load_file(Path(s["diagnostics"][0]["adapters"]["job0"]) / "adapter_model.safetensors"),
+                     json.loads((Path(s["diagnostics"][0]["adapters"]["job0"]) / "adapter_config.json").read_text()))
+    assert out["shared"][2]["lora_alpha"] == 8.0 and out["plain"][2]["lora_alpha"] == 2.0 * 16
+    assert out["shared"][0] != out["plain"][0]  # the settings changed job0's steps
+    for step, loss in out["alone"][0].items():  # ...and beside job1 it took the steps it takes alone
+        assert out["shared"][0][step] == pytest.approx(loss, rel=1e-4, abs=1e-7)
+    for k, t in out["alone"][1].items():
+        assert torch.allclose(out["shared"][1][k], t, rtol=1e-4, atol=1e-6), k
+
+
 def test_a_raising_reward_fails_that_job_only(monkeypatch, pool):
     import real.backend
 
