@@ -21,21 +21,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from nodus.config import DEFAULT_PROFILE, SHARINGS, STACKS_PROFILE, ConfigError, default_jobs
+from nodus.accounting import summarize
+from nodus.config import DEFAULT_PROFILE, SHARINGS, STACKS_PROFILE, ConfigError, default_jobs, with_default_packing
 from nodus.outdir import make_out_dir, write_json
+from nodus.runner import run_spans
+from nodus.simulate import config_from_args, error_bar_line, parse_list
 
 PLAN_POLICIES = ("shared-sync", "overlap", "continuous")  # the shared arms a plan weighs by default
 MIN_PROJECTION_STEPS = 3  # --sim-steps: a steady pace needs a job's first and a later generation
-
-
-def _parse(text: str, cast, flag: str) -> list:
-    try:
-        vals = [cast(x.strip()) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected a comma-separated list") from None
-    if not vals:
-        raise ConfigError(f"{flag} is empty")
-    return vals
 
 
 def arm_name(policy: str, groups: int, sharing: str, stacks: int) -> str:
@@ -65,10 +58,6 @@ def _gpu_arm(arm: tuple, jobs: int) -> tuple:
 def _simulate_load(task: tuple) -> dict:
     """One GPU load: (base config dict, template indices, arm, steps, sim_steps) -> its billed
     seconds, steps and each job's finish, projected to ``steps`` when ``sim_steps`` is fewer."""
-    from nodus.accounting import summarize
-    from nodus.config import with_default_packing
-    from nodus.runner import run_spans
-    from nodus.simulate import config_from_args
     from sim import backend_factory
 
     base, templates, load, (policy, groups, sharing, stacks), steps, sim_steps = task
@@ -118,19 +107,19 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gp
         raise ConfigError(f"--sim-steps {sim_steps}: at least {MIN_PROJECTION_STEPS} steps (a steady pace to "
                           "project from)")
     sim_steps = sim_steps if sim_steps is not None and sim_steps < steps else None
-    packs = sorted(set(_parse(per_gpu, int, "--per-gpu")))
+    packs = sorted(set(parse_list(per_gpu, int, "per-gpu")))
     if packs[0] < 1:
         raise ConfigError(f"--per-gpu {per_gpu}: jobs a GPU, integers >= 1")
     packs = [n for n in packs if n <= total_jobs] or [total_jobs]
-    pols = _parse(policies, str, "--policies")
+    pols = parse_list(policies, str, "policies")
     bad = [p for p in pols if p not in PLAN_POLICIES]
     if bad:
         raise ConfigError(f"--policies: {bad} cannot pack jobs on a GPU here; choose from {', '.join(PLAN_POLICIES)} "
                           "(a GPU per job is --per-gpu 1)")
-    shr = _parse(sharing, str, "--sharing")
+    shr = parse_list(sharing, str, "sharing")
     if any(s not in SHARINGS for s in shr):
         raise ConfigError(f"--sharing {sharing}: choose from {', '.join(SHARINGS)}")
-    grp, stk = _parse(groups, int, "--groups"), _parse(stacks, int, "--stacks")
+    grp, stk = parse_list(groups, int, "groups"), parse_list(stacks, int, "stacks")
     if min(grp) < 2 or min(stk) < 1:
         raise ConfigError(f"--groups {groups} / --stacks {stacks}: overlap's groups >= 2, stacks >= 1")
     base = {k: v for k, v in (config or {}).items() if k not in ("jobs", "arm")}
@@ -144,7 +133,6 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gp
     if any(t.get("arrive_s") for t in templates):
         raise ConfigError("jobs[].arrive_s: nodus plan packs jobs submitted together; drop the arrivals "
                           "(nodus sim simulates them)")
-    from nodus.simulate import config_from_args
     from sim.profile import load_profile
 
     config_from_args(dict(base, jobs=templates))  # a bad config or profile fails here, before forking
@@ -224,8 +212,6 @@ def _hours(h: float) -> str:
 
 
 def plan_table(result: dict) -> str:
-    from nodus.simulate import error_bar_line
-
     limits = [f"{result['deadline_h']:g} h" if result.get("deadline_h") else "",
               f"{result['max_gpus']} GPUs" if result.get("max_gpus") else ""]
     limit = " and ".join(x for x in limits if x)

@@ -276,7 +276,8 @@ def _sweep_task(args) -> dict:
             "stale_rollouts": s["stale_rollouts"], "wall_s": time.perf_counter() - t0}
 
 
-def _parse_list(text: str, cast, name: str, choices=None) -> list:
+def parse_list(text: str, cast, name: str, choices=None) -> list:
+    """A command line's comma-separated values (``--name``), each cast; errors name the flag."""
     try:
         vals = [cast(x.strip()) for x in str(text).split(",") if x.strip()]
     except ValueError:
@@ -302,16 +303,16 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     arm runs on, where its jobs fill them (``stacked_arms``). ``audit``: every run's audit
     (RunConfig.audit, the dedicated baseline's too; None: the full audit). ``arrive_every``: job i
     of every shared run arrives i x that many seconds after the start (``config_from_args``)."""
-    job_list = _parse_list(jobs, int, "jobs")
+    job_list = parse_list(jobs, int, "jobs")
     if min(job_list) < 1:
         raise ConfigError(f"--jobs {jobs}: every job count must be >= 1")
-    group_list = _parse_list(groups, int, "groups")
-    pol = list(POLICIES) if policies == "all" else _parse_list(policies, str, "policies", POLICIES)
+    group_list = parse_list(groups, int, "groups")
+    pol = list(POLICIES) if policies == "all" else parse_list(policies, str, "policies", POLICIES)
     if "dedicated" not in pol:
         pol = ["dedicated"] + pol  # ratios need the baseline
-    shr = list(SHARINGS) if sharing == "all" else _parse_list(sharing, str, "sharing", SHARINGS)
-    seed_list = _parse_list(seeds, int, "seeds")
-    stack_list = sorted(set(_parse_list(stacks, int, "stacks")))
+    shr = list(SHARINGS) if sharing == "all" else parse_list(sharing, str, "sharing", SHARINGS)
+    seed_list = parse_list(seeds, int, "seeds")
+    stack_list = sorted(set(parse_list(stacks, int, "stacks")))
     if min(stack_list) < 1:
         raise ConfigError(f"--stacks {stacks}: every stack count must be >= 1")
     from sim.profile import load_profile
@@ -319,7 +320,7 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     cost = load_profile(profile)  # fails fast on a bad profile, before forking workers
     if share_prompts is None:
         share_prompts = str(AUTO_SHARE_PROMPTS if cost.profile.train.step_mode == "graphed" else 0)
-    share_list = _parse_list(share_prompts, int, "share-prompts")
+    share_list = parse_list(share_prompts, int, "share-prompts")
     if min(share_list) < 0:
         raise ConfigError(f"--share-prompts {share_prompts}: responses a row holds, integers >= 0 (0: none)")
     share_list = sorted({packed_rows(k) for k in share_list})

@@ -25,13 +25,13 @@ from nodus.tasks.base import ANSWER_MARK, Item
 NO_DATASET_TASKS = ("countdown",)
 
 
-def load_items_jsonl(path: str | Path, task: str) -> list[Item]:
-    """Items of ``task`` from a JSONL file (module docstring). FileNotFoundError for a missing
-    file; ValueError naming the file and line for a malformed one, or the file for an empty one."""
+def jsonl_records(path: str | Path, what: str, keys: str):
+    """(``file:line``, object) for each non-blank line of a JSONL file of ``what`` records (named in
+    errors; ``keys`` says what an object holds). FileNotFoundError for a missing file; ValueError
+    naming the file and line for a line that is not a JSON object."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
-    items = []
+        raise FileNotFoundError(f"{what} file not found: {path}")
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -41,7 +41,15 @@ def load_items_jsonl(path: str | Path, task: str) -> list[Item]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object with 'question' (or 'prompt') and 'answer'")
+            raise ValueError(f"{where}: expected a JSON object with {keys}")
+        yield where, record
+
+
+def load_items_jsonl(path: str | Path, task: str) -> list[Item]:
+    """Items of ``task`` from a JSONL file (module docstring). FileNotFoundError for a missing
+    file; ValueError naming the file and line for a malformed one, or the file for an empty one."""
+    items = []
+    for where, record in jsonl_records(path, "dataset", "'question' (or 'prompt') and 'answer'"):
         question = record.get("question", record.get("prompt"))
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"{where}: missing or empty 'question' (or 'prompt') string")

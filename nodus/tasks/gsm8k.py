@@ -8,13 +8,13 @@ can feed a job and share the numeric check.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
 from nodus.tasks.base import ANSWER_MARK, Item, Task, choice, exact_check, randint
+from nodus.tasks.datasets import jsonl_records
 
 NAMES = ("Ann", "Ben", "Cal", "Dee", "Eva", "Finn", "Gus", "Ivy", "Jo", "Kim", "Leo", "Mia")
 THINGS = ("apples", "pens", "books", "cards", "eggs", "shells", "stickers", "marbles")
@@ -73,20 +73,8 @@ def _final_answer(answer_text: str) -> str:
 def load_gsm8k_jsonl(path: str | Path) -> list[Item]:
     """Items from a GSM8K JSONL file; blank lines are skipped. Raises FileNotFoundError for a
     missing file and ValueError naming the file and line for a malformed one."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GSM8K file not found: {path}")
     items = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object with 'question' and 'answer'")
+    for where, record in jsonl_records(path, "GSM8K", "'question' and 'answer'"):
         for key in ("question", "answer"):
             if not isinstance(record.get(key), str):
                 raise ValueError(f"{where}: missing or non-string field {key!r}")
