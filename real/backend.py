@@ -264,8 +264,9 @@ def with_audit(cfg: RunConfig, opts: RealOptions) -> tuple[RunConfig, RealOption
                              f"(--no-audit / --audit-every / --audit-responses) {theirs.model_dump()}: set one")
 
 
-def check_run_settings(cfg: RunConfig, opts: RealOptions) -> None:
-    """Refuse a run config the backend's options cannot serve, naming the setting."""
+def check_run_settings(cfg: RunConfig, opts: RealOptions | None) -> None:
+    """Refuse a run config the backend's options cannot serve (None: the default options), naming
+    the setting."""
     if cfg.audit != options_audit(opts):
         raise BackendConfigError(f"audit: the config asks {cfg.audit.model_dump()} and the backend's options run "
                                  f"{options_audit(opts).model_dump()} (real.backend.with_audit makes them one)")
@@ -274,7 +275,7 @@ def check_run_settings(cfg: RunConfig, opts: RealOptions) -> None:
             f"trainer.share_prompts={cfg.trainer.share_prompts} packs each prompt's responses into one row, which "
             "the fixed-shape trainer step does: run with the graphed trainer (--trainer-graphs; on a CPU its "
             "uncaptured program), or set share_prompts to 0")
-    if opts.mode == "tasks":  # a job's own problems, read before any process starts
+    if (opts or RealOptions()).mode == "tasks":  # a job's own problems, read before any process starts
         from nodus.tasks.datasets import check_datasets
 
         check_datasets(cfg.jobs)
