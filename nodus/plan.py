@@ -181,15 +181,16 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gp
         r["meets"] = ((deadline_h is None or r["hours"] <= deadline_h)
                       and (max_gpus is None or r["gpus"] <= max_gpus))
     rows.sort(key=lambda r: (r["gpu_hours"], r["hours"]))
-    common = set.intersection(*(set(r["outside_profile"]) for r in rows))  # every option's: no difference
+    # Flags every option shares tell no option apart: a row keeps its own (``outside_profile``).
+    common = set.intersection(*(set(r["outside_profile"]) for r in rows))
     for r in rows:
-        r["outside_profile_own"] = [f for f in r["outside_profile"] if f not in common]
+        r["outside_profile"] = [f for f in r["outside_profile"] if f not in common]
     fits = [r for r in rows if r["meets"]]
     error = validation.get("heldout_mape")
     best = None
     if fits:
         best = {"per_gpu": fits[0]["per_gpu"], "arm": fits[0]["arm"], "gpu_hours": fits[0]["gpu_hours"],
-                "outside_profile": bool(fits[0]["outside_profile_own"])}
+                "outside_profile": bool(fits[0]["outside_profile"])}
         if len(fits) > 1:
             gap = fits[1]["gpu_hours"] / fits[0]["gpu_hours"] - 1
             best.update(next=f"{fits[1]['per_gpu']} a GPU, {fits[1]['arm']}", next_gap=gap,
@@ -197,7 +198,8 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gp
     flags = sorted({f for v in results.values() for f in v["flags"]})
     result = {"total_jobs": total_jobs, "steps": steps, "sim_steps": sim_steps, "profile": base["profile"],
               "deadline_h": deadline_h, "max_gpus": max_gpus, "rows": rows, "best": best,
-              "profile_validation": validation, "outside_profile": flags, "outside_profile_every_option": sorted(common),
+              "profile_validation": validation, "outside_profile": flags,
+              "outside_profile_every_option": sorted(common),
               "loads_simulated": len(tasks), "wall_s": time.perf_counter() - t0, "workers": workers}
     if out is not None:
         out_dir = make_out_dir(out)
@@ -223,7 +225,7 @@ def plan_table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|" + ("---|" if limit else "")]
     for r in result["rows"]:
         arm = (r["arm"] + (f" (last GPU {r['last_gpu']})" if r.get("last_gpu") else "")
-               + (" *" if r.get("outside_profile_own") else ""))
+               + (" *" if r.get("outside_profile") else ""))
         lines.append(f"| {r['per_gpu']} | {arm} | {r['gpus']} | {_hours(r['hours'])} | {_hours(r['mean_job_hours'])} | "
                      f"{r['gpu_hours']:.3g} | {r['steps_per_gpu_hour']:.0f} | {r['gpu_hours_vs_dedicated']:.3f} |"
                      + ((" yes |" if r["meets"] else " no |") if limit else ""))

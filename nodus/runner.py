@@ -37,6 +37,8 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
             return [[j.id for j in cfg.jobs if j.group == g] for g in range(cfg.arm.groups)]
         return balance_groups(work, cfg.arm.groups)
 
+    # Every policy's scheduler: resumed jobs' versions, late jobs' arrivals, the trainer's wait.
+    common = dict(start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits)
     if cfg.arm.stacks > 1:
         # Each stack runs the policy over its own jobs: its groups on its engine and trainer.
         per_stack = stack_groups(cfg)
@@ -44,28 +46,24 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
             groups = [(s, [j]) for s, gs in enumerate(per_stack) for g in gs for j in g]
         else:  # overlap: the stack's groups; shared-sync: its one group
             groups = [(s, g) for s, gs in enumerate(per_stack) for g in gs]
-        return Scheduler(steps, groups, concurrent=True, stagger=policy == "overlap", start_versions=sv, arrivals=arr,
-                         trainer_waits_for_publish=waits, merge_trains=policy == "continuous",
-                         lockstep=cfg.arm.lockstep, offset_stacks=cfg.arm.offset_stacks,
-                         hold_apart=cfg.arm.hold_apart)
+        return Scheduler(steps, groups, concurrent=True, stagger=policy == "overlap", **common,
+                         merge_trains=policy == "continuous", lockstep=cfg.arm.lockstep,
+                         offset_stacks=cfg.arm.offset_stacks, hold_apart=cfg.arm.hold_apart)
     if policy in ("shared-sync", "dedicated"):
-        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits)
+        return Scheduler(steps, [(0, ids)], concurrent=True, stagger=False, **common)
     if policy == "overlap":
         groups = split()
-        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, start_versions=sv, arrivals=arr,
-                         trainer_waits_for_publish=waits)
+        return Scheduler(steps, [(0, g) for g in groups], concurrent=True, stagger=True, **common)
     if policy == "continuous":
         # Every job its own group, all generating from the start; the free trainer takes every job
         # whose rollouts are in (one shared batch), and each job generates again as soon as its
         # new adapter is published: the engine's long tails overlap other jobs' training, and the
         # phases of jobs spread by themselves.
-        return Scheduler(steps, [(0, [j]) for j in ids], concurrent=True, stagger=False, start_versions=sv, arrivals=arr,
-                         trainer_waits_for_publish=waits, merge_trains=True)
+        return Scheduler(steps, [(0, [j]) for j in ids], concurrent=True, stagger=False, merge_trains=True, **common)
     if policy == "timeslice":
         # Each stack runs its jobs one after another, dedicated-style; stacks share the GPU.
         stacks = split()
-        return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False,
-                         start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits)
+        return Scheduler(steps, [(s, [j]) for s, g in enumerate(stacks) for j in g], concurrent=False, **common)
     raise ValueError(f"unknown policy {policy!r}")
 
 

@@ -332,7 +332,8 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     audit_dict = audit.model_dump() if audit is not None else None
     if arrive_every is not None:  # a bad value fails here, before forking workers
         config_from_args(jobs=1, arrive_every=arrive_every)
-    tasks = [(n, sd, arm, steps, profile, sp, audit_dict, arrive_every) for n in job_list for sd in seed_list for sp in share_list
+    tasks = [(n, sd, arm, steps, profile, sp, audit_dict, arrive_every)
+             for n in job_list for sd in seed_list for sp in share_list
              for arm in stacked_arms(n, sweep_arms(n, pol, group_list, shr), stack_list)]
     tasks.sort(key=lambda t: -t[0] * (t[2][1] if t[2][0] == "overlap" else 1))  # big runs first
     rows, t0 = [], time.perf_counter()

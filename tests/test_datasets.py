@@ -107,7 +107,7 @@ def test_each_step_samples_its_prompts_from_the_training_split_and_scores_them_b
     job = JobSpec(id="j", task="modular", seed=3, prompts_per_step=4, responses_per_prompt=2,
                   dataset={"train": str(f), "eval_size": 4})
     train, held = dataset_split(job.dataset, "modular")
-    a, b, again = step_prompts(job, 0, "tasks", 100), step_prompts(job, 1, "tasks", 100), step_prompts(job, 0, "tasks", 100)
+    a, b, again = (step_prompts(job, k, "tasks", 100) for k in (0, 1, 0))
     assert a.prompts == again.prompts and a.prompts != b.prompts  # seeded per (job, step)
     assert {p.strip() for p in a.prompts + b.prompts} <= {it.prompt for it in train}
     assert len(set(a.prompts)) == 4  # a step's prompts are distinct when the set is large enough

@@ -20,7 +20,8 @@ def _row(result, per_gpu, arm):
 def _sim_gpu_s(templates, policy, steps, groups=None):
     """The billed seconds of each GPU of one load, simulated directly: (template index, JobSpec)
     pairs, each job seeded by its template (run seed 1)."""
-    jobs = [{**j.model_dump(exclude_none=True), "id": f"job{i}", "seed": 1000 + t} for i, (t, j) in enumerate(templates)]
+    jobs = [{**j.model_dump(exclude_none=True), "id": f"job{i}", "seed": 1000 + t}
+            for i, (t, j) in enumerate(templates)]
     cfg = config_from_args({"jobs": jobs}, policy=policy, groups=groups, steps=steps,
                            sharing="none" if policy == "dedicated" else "mps")
     return [summarize([r])["gpu_seconds"] for r in run_spans(cfg, backend_factory(cfg.profile))]
@@ -123,8 +124,8 @@ def test_nodus_plan_cli_prints_the_table_and_writes_the_plan(tmp_path, capsys):
 def test_options_outside_the_profiled_region_are_marked_apart_from_what_every_option_shares():
     r = plan(total_jobs=16, steps=2, per_gpu="1,16", policies="shared-sync", workers=1)
     sixteen, ded = _row(r, 16, "shared-sync mps"), _row(r, 1, "dedicated")
-    assert any("adapters up to 16 > profiled 8" in f for f in sixteen["outside_profile_own"])
-    assert ded["outside_profile_own"] == [] and set(r["outside_profile_every_option"]) <= set(ded["outside_profile"])
+    assert any("adapters up to 16 > profiled 8" in f for f in sixteen["outside_profile"])
+    assert ded["outside_profile"] == [] and set(r["outside_profile_every_option"]) <= set(r["outside_profile"])
     text = plan_table(r)
     assert "| 16 | shared-sync mps * |" in text and "| 1 | dedicated |" in text
     assert "Outside the profiled region, the rows marked *: " in text
