@@ -24,6 +24,9 @@ from calibration.provisional import fit_linear_rel
 from nodus.outdir import git_commit, host
 
 
+KL_BETA = 0.04  # the KL coefficient of the calibration's KL step (its cost does not depend on it)
+
+
 def _train_batches(adapters: int, tokens: int, vocab: int, rng, seq: int = 256) -> dict:
     """About `tokens` tokens of random rows of `seq` tokens (the first quarter prompt) split evenly
     over the calibration jobs cal0..cal{adapters-1}."""
@@ -195,8 +198,29 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             s = time.perf_counter() - t0
             train.append({"tokens": sum(len(r) for b in batches_.values() for r in b.input_ids), "adapters": a, "s": s})
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
+    # The KL term (jobs[].beta > 0): the same step with every job's beta on adds a forward pass of
+    # the base model over the job's tokens (its reference logprobs); train.kl_share prices it.
+    a, tokens = max(adapter_counts), max(train_tokens)
+    for j in range(a):
+        trainer.add_job(f"kl{j}", rank=rank, alpha=2 * rank, lr=1e-5, seed=j, beta=KL_BETA)
+    plain = _train_batches(a, tokens, vocab, rng)
+    with_kl = {f"kl{k[3:]}": b for k, b in plain.items()}
+    times = {}
+    for name, b in (("plain_s", plain), ("s", with_kl)):
+        trainer.train_step(b)  # warm-up at this shape
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        trainer.train_step(b)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times[name] = time.perf_counter() - t0
+    train_kl = {"tokens": sum(len(r) for b in plain.values() for r in b.input_ids), "adapters": a, "beta": KL_BETA,
+                **times}
+    log(f"train {train_kl['tokens']:6d} tokens, {a} adapters, beta {KL_BETA}: {times['s']:.3f} s "
+        f"(without: {times['plain_s']:.3f} s)")
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
-            "graph_max_tokens": graph_max, "graphless": graphless,
+            "train_kl": train_kl, "graph_max_tokens": graph_max, "graphless": graphless,
             "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens),
             "engine_max_loras": slots,
             # The engine's LoRA kernel configs (None: vLLM's defaults): the engine terms describe them.
@@ -272,7 +296,8 @@ def fit_profile(raw: dict, base: dict, env: dict, decode_model: str = "surface")
         "prefill": {"no_lora": {"a_s": pa, "b_s_per_unit": pb}, "lora": {"a_s": pa, "b_s_per_unit": pb}},
         "train": {"per_microbatch": {"a_s": 0.0, "b_s_per_unit": tb}, "s_per_adapter": tc,
                   "max_profiled_tokens": raw["train_mb_tokens"],
-                  "step_mode": raw.get("trainer", {}).get("step_mode", "eager")},
+                  "step_mode": raw.get("trainer", {}).get("step_mode", "eager"),
+                  **({"kl_share": kl_share(raw["train_kl"], tb)} if raw.get("train_kl") else {})},
         "publish": {"save_s_per_adapter": float(np.median(raw["save_s"])),
                     "engine_load_s": float(np.median(raw["load_s"]))},
         "sharing": base["sharing"],
@@ -287,6 +312,14 @@ def fit_profile(raw: dict, base: dict, env: dict, decode_model: str = "surface")
                          if surface else []),
         "measurements": {"calibrate": raw, **({"decode_fit": surface} if surface else {})},
     }
+
+
+def kl_share(kl: dict, b_s_per_token: float) -> float:
+    """What the KL term (every job's beta > 0: the base model's forward for its reference
+    logprobs) adds to a train step, as a share of the step's micro-batch cost (the fitted
+    ``b_s_per_token`` x its tokens; the calibration's fit has no per-micro-batch constant): the
+    step with the KL less the same step without (0 where the two time alike)."""
+    return max(kl["s"] - kl["plain_s"], 0.0) / (kl["tokens"] * b_s_per_token)
 
 
 CALIBRATE_SOURCE = "nodus calibrate"

@@ -106,11 +106,11 @@ class SimBackend:
                 _note_fitted_elsewhere(cost, n_stacks, mine, fitted, "the two-engine rate (sharing.mps_engines)",
                                        "sharing.engines_controls")
         kl = [j.id or j.task for j in cfg.jobs if j.beta]
-        if kl:
+        if kl and cost.profile.train.kl_share is None:
             cost.note_unmodelled(
                 f"jobs[].beta > 0 ({', '.join(map(str, kl))}): the trainer's forward pass of the base model for "
-                "the KL term is not priced (no profile measures it): those jobs' train steps are priced as "
-                "without it")
+                "the KL term is not priced (the profile has no train.kl_share; nodus calibrate measures "
+                "it): those jobs' train steps are priced as without it")
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         if not cfg.audit.is_full() and not cost.profile.decode.logprob_s_per_seq:
             cost.note_unmodelled(
@@ -206,7 +206,10 @@ class SimBackend:
         mb_tokens = self.cfg.trainer.max_tokens_per_microbatch
         padded, regroup = microbatch_costs(rows, mb_tokens, self.cost.profile.train.extra_tokens_layout)
         pairs = packed_pairs_per_microbatch(rows, mb_tokens) if share else []
-        work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup, packed_pairs=pairs)
+        # jobs[].beta > 0: a forward pass of the base model over those jobs' tokens (the KL's reference)
+        kl = sum(tokens[b.job_id] for b in a.batches if self.jobs[b.job_id].beta) / max(sum(tokens.values()), 1)
+        work = self.cost.train_s(padded, adapters=len(a.batches), regroup_tokens=regroup, packed_pairs=pairs,
+                                 kl_fraction=kl)
         yield from self.gpu.work("trainer", work)
         updates = tuple(JobUpdate(b.job_id, new_version=v + 1, tokens=tokens[b.job_id])
                         for b, v in zip(a.batches, a.expected_versions))

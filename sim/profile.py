@@ -128,6 +128,11 @@ class TrainCost(_M):
     packed_pair_per_token: float | None = Field(default=None, ge=0)
     # The largest micro-batch (in query-key pairs) that fit saw: a larger one is flagged.
     max_profiled_packed_pairs: int | None = Field(default=None, ge=1)
+    # The KL term of a job with beta > 0 (jobs[].beta): the base model's forward pass over its tokens
+    # for the reference logprobs, as a share of what those tokens' micro-batches cost (``per_microbatch``:
+    # forward and backward; nodus calibrate's KL step). None: not measured, such a job's train priced
+    # without it (and flagged).
+    kl_share: float | None = Field(default=None, ge=0)
     # The trainer these terms (and the sharing rates measured with this profile as base) describe:
     # eager, or its micro-batches replayed as CUDA graphs (--trainer-graphs; "static" on a CPU).
     step_mode: Literal[STEP_MODES] = "eager"
@@ -529,11 +534,13 @@ class CostModel:
         return (f.a_s if cold else 0.0) + f.b_s_per_unit * tokens
 
     def train_s(self, microbatch_tokens: list[int], adapters: int, regroup_tokens: int = 0,
-                packed_pairs: list[int] = ()) -> float:
+                packed_pairs: list[int] = (), kl_fraction: float = 0.0) -> float:
         """One train step: per micro-batch (padded tokens), per adapter, per token of the
-        multi-adapter regrouping beyond the padded tokens, and per query-key pair of packed rows'
+        multi-adapter regrouping beyond the padded tokens, per query-key pair of packed rows'
         masked attention (``packed_pairs``: each packed micro-batch's, checked against the profiled
-        range; priced where the profile measured it: ``has_packed_attention``)."""
+        range; priced where the profile measured it: ``has_packed_attention``), and the KL term's
+        forward pass over the step's tokens of jobs with beta > 0 (``kl_fraction`` of its tokens;
+        ``train.kl_share`` of the micro-batches' cost, where the profile measured it)."""
         t = self.profile.train
         for n in microbatch_tokens:
             if n > t.max_profiled_tokens:
@@ -543,8 +550,9 @@ class CostModel:
                 if n > t.max_profiled_packed_pairs:
                     self._note("packed micro-batch query-key pairs", n, t.max_profiled_packed_pairs)
         pairs_s = t.per_microbatch.b_s_per_unit * (t.packed_pair_per_token or 0.0) * sum(packed_pairs)
-        return sum(t.per_microbatch.a_s + t.per_microbatch.b_s_per_unit * n for n in microbatch_tokens) \
-            + t.s_per_adapter * adapters + t.s_per_regroup_token * regroup_tokens + pairs_s
+        mb_s = sum(t.per_microbatch.a_s + t.per_microbatch.b_s_per_unit * n for n in microbatch_tokens)
+        kl_s = (t.kl_share or 0.0) * kl_fraction * mb_s
+        return mb_s + t.s_per_adapter * adapters + t.s_per_regroup_token * regroup_tokens + pairs_s + kl_s
 
     @property
     def has_packed_attention(self) -> bool:

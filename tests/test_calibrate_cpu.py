@@ -31,6 +31,11 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     # The trainer measured is the runs' trainer: default layout; compiled only on a GPU.
     assert raw["trainer"] == {"lora_layout": "masked", "compiled": [], "step_mode": "eager", "graph_error": None}
     assert prof["train"]["step_mode"] == "eager"
+    # The KL step (every job's beta on) against the same step without: its share of the micro-batch cost.
+    kl = raw["train_kl"]
+    assert kl["adapters"] == 2 and kl["s"] > 0 and kl["plain_s"] > 0 and kl["beta"] > 0
+    assert prof["train"]["kl_share"] == pytest.approx(
+        max(kl["s"] - kl["plain_s"], 0) / (kl["tokens"] * prof["train"]["per_microbatch"]["b_s_per_unit"]))
     # No CUDA graphs on a CPU: no step past them to measure, none in the profile. On a GPU the
     # measured points become the profile's graphless steps.
     assert raw["graph_max_tokens"] is None and raw["graphless"] == [] and "graphless" not in prof["decode"]
