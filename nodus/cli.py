@@ -565,7 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML/JSON config whose jobs are the templates, repeated to "
                                              "--total-jobs (default: the reference workload's 8 jobs)")
     p.add_argument("--total-jobs", type=int, required=True, metavar="J", help="jobs to place")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per job (default 20)")
+    p.add_argument("--steps", type=int, help="optimizer steps per job (default: each job's own steps in the config, "
+                                             "20 where it sets none)")
     p.add_argument("--per-gpu", default="1,2,4,8,16", metavar="N,...",
                    help="jobs a GPU to weigh (1: a GPU per job, the dedicated baseline; default 1,2,4,8,16)")
     p.add_argument("--policies", default="shared-sync,overlap,continuous", metavar="P,...",

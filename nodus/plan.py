@@ -1,10 +1,11 @@
 """Capacity plans: how many GPUs a fleet of jobs needs, packed n to a GPU on an arm, and for how long.
 
-``nodus plan --total-jobs J --steps S`` deals the jobs (the config's jobs, or the reference
+``nodus plan --total-jobs J [--steps S]`` deals the jobs (the config's jobs, or the reference
 workload's, repeated to J) to GPUs n at a time, in order, for each packing n (1: a GPU per job)
-and each shared arm; the last GPU takes the rest. Each distinct GPU load is simulated for the jobs'
-S steps (``--sim-steps N``: N steps, projected to S by the load's steady pace, start and drain paid
-once; ``nodus.accounting.projected_steps_per_gpu_hour``). A GPU is billed until its last job ends.
+and each shared arm; the last GPU takes the rest. Each distinct GPU load is simulated for its jobs'
+steps (S each, or each job's own ``steps`` from the config; ``--sim-steps N`` with S: N steps,
+projected to S by the load's steady pace, start and drain paid once;
+``nodus.accounting.projected_steps_per_gpu_hour``). A GPU is billed until its last job ends.
 Per option: the GPUs, the hours until every job is done (the slowest GPU), each job's mean hours,
 the GPU-hours, steps per GPU-hour and the GPU-hours against a GPU per job; with ``--deadline-h``
 and ``--max-gpus``, which options meet them, and the one that costs fewest GPU-hours, with the
@@ -65,7 +66,7 @@ def _simulate_load(task: tuple) -> dict:
     # the templates' config): the same draws alone on a GPU and packed with others.
     data = dict(base, jobs=[{"seed": base["seed"] * 1000 + t, **templates[t], "id": f"job{i}"}
                             for i, t in enumerate(load)])
-    n = sim_steps or steps
+    n = sim_steps or steps  # None: each job's own steps
     cfg = config_from_args(data, policy=policy, groups=groups, sharing=sharing, steps=n,
                            stacks=stacks if stacks > 1 else None)
     make = backend_factory(cfg.profile)
@@ -75,7 +76,7 @@ def _simulate_load(task: tuple) -> dict:
     for r in runs:  # dedicated: a GPU a job
         s = summarize([r])
         gpu_s, finish = s["gpu_seconds"], {j: d["finish_s"] for j, d in s["per_job"].items()}
-        if n < steps:
+        if sim_steps:
             pace = s["pace"]
             if not pace:
                 raise ConfigError(f"--sim-steps {n}: the simulated load has no steady pace to project "
@@ -83,21 +84,23 @@ def _simulate_load(task: tuple) -> dict:
             per_s = pace["pace_steps_per_gpu_hour"] / 3600 / pace["jobs"]  # one job's steps a second
             gpu_s = pace["ramp_gpu_s"] + steps / per_s
             finish = {j: t + (steps - n) / per_s for j, t in finish.items()}
-        out.append({"gpu_s": gpu_s, "steps": len(finish) * steps, "finish_s": finish})
+        done = len(finish) * steps if sim_steps else sum(d["steps"] for d in s["per_job"].values())
+        out.append({"gpu_s": gpu_s, "steps": done, "finish_s": finish})
     return {"gpus": out, "flags": sorted(make.cost.flags)}
 
 
-def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gpu: str = "1,2,4,8,16",
+def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = None, per_gpu: str = "1,2,4,8,16",
          policies: str = ",".join(PLAN_POLICIES), groups: str = "2", sharing: str = "mps", stacks: str = "1",
          profile: str | None = None, seed: int = 1, deadline_h: float | None = None,
          max_gpus: int | None = None, sim_steps: int | None = None, workers: int | None = None,
          out: str | Path | None = None, progress: bool = False) -> dict:
-    """The options for ``total_jobs`` jobs of ``steps`` steps (module docstring). ``config``: a
+    """The options for ``total_jobs`` jobs of ``steps`` steps each (None: each job's own, its
+    template's ``steps``; module docstring). ``config``: a
     config file's dict: its jobs are the templates (repeated in order to ``total_jobs``), its
     engine, trainer, audit and profile apply to every option; its arm is replaced by each option's."""
     if total_jobs < 1:
         raise ConfigError(f"--total-jobs {total_jobs}: a plan needs at least one job")
-    if steps < 1:
+    if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps}: steps must be >= 1")
     if deadline_h is not None and not (deadline_h > 0 and math.isfinite(deadline_h)):
         raise ConfigError(f"--deadline-h {deadline_h}: hours, a number > 0")
@@ -106,6 +109,9 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gp
     if sim_steps is not None and not MIN_PROJECTION_STEPS <= sim_steps:
         raise ConfigError(f"--sim-steps {sim_steps}: at least {MIN_PROJECTION_STEPS} steps (a steady pace to "
                           "project from)")
+    if sim_steps is not None and steps is None:
+        raise ConfigError(f"--sim-steps {sim_steps} projects every job to --steps S: give --steps (one step count "
+                          "for every job)")
     sim_steps = sim_steps if sim_steps is not None and sim_steps < steps else None
     packs = sorted(set(parse_list(per_gpu, int, "per-gpu")))
     if packs[0] < 1:
@@ -166,13 +172,13 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gp
     rows = []
     for (n, arm), gpus in layouts.items():
         per = [x for key in gpus for x in results[key]["gpus"]]
-        gpu_s = sum(x["gpu_s"] for x in per)
+        gpu_s, steps_done = sum(x["gpu_s"] for x in per), sum(x["steps"] for x in per)
         finishes = [t for x in per for t in x["finish_s"].values()]
         last = {_gpu_arm(arm, len(key[0])) for key in gpus} - {arm}
         rows.append({"per_gpu": n, "arm": arm_name(*arm), "policy": arm[0], "groups": arm[1], "sharing": arm[2],
                      "stacks": arm[3], "gpus": len(per), "hours": max(x["gpu_s"] for x in per) / 3600,
                      "mean_job_hours": sum(finishes) / len(finishes) / 3600, "gpu_hours": gpu_s / 3600,
-                     "steps_per_gpu_hour": sum(x["steps"] for x in per) / gpu_s * 3600,
+                     "steps": steps_done, "steps_per_gpu_hour": steps_done / gpu_s * 3600,
                      "outside_profile": sorted({f for key in gpus for f in results[key]["flags"]}),
                      **({"last_gpu": arm_name(*next(iter(last)))} if last else {})})
     dedicated = next(r for r in rows if r["policy"] == "dedicated")
@@ -196,7 +202,8 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int = 20, per_gp
             best.update(next=f"{fits[1]['per_gpu']} a GPU, {fits[1]['arm']}", next_gap=gap,
                         within_error=error is not None and gap < error)
     flags = sorted({f for v in results.values() for f in v["flags"]})
-    result = {"total_jobs": total_jobs, "steps": steps, "sim_steps": sim_steps, "profile": base["profile"],
+    result = {"total_jobs": total_jobs, "steps": steps, "job_steps": dedicated["steps"],
+              "sim_steps": sim_steps, "profile": base["profile"],
               "deadline_h": deadline_h, "max_gpus": max_gpus, "rows": rows, "best": best,
               "profile_validation": validation, "outside_profile": flags,
               "outside_profile_every_option": sorted(common),
@@ -219,7 +226,9 @@ def plan_table(result: dict) -> str:
     limit = " and ".join(x for x in limits if x)
     sim = (f"; simulated {result['sim_steps']} steps a job, projected by the steady pace" if result.get("sim_steps")
            else "")
-    lines = [f"{result['total_jobs']} jobs of {result['steps']} steps on profile {result['profile']}{sim}:", "",
+    each = (f"{result['steps']} steps" if result.get("steps") else
+            f"their own steps ({result['job_steps']} in all)")
+    lines = [f"{result['total_jobs']} jobs of {each} on profile {result['profile']}{sim}:", "",
              "| jobs a GPU | arm | GPUs | until the last job ends | a job's mean time | GPU-hours | steps per GPU-hour "
              "| GPU-hours vs a GPU per job |" + (f" within {limit} |" if limit else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|" if limit else "")]

@@ -129,3 +129,15 @@ def test_options_outside_the_profiled_region_are_marked_apart_from_what_every_op
     text = plan_table(r)
     assert "| 16 | shared-sync mps * |" in text and "| 1 | dedicated |" in text
     assert "Outside the profiled region, the rows marked *: " in text
+
+
+def test_without_steps_each_job_runs_its_own_and_sim_steps_needs_one_count():
+    cfg = {"jobs": [{"task": "gsm8k", "steps": 4}, {"task": "sorting", "steps": 1}]}
+    r = plan(cfg, total_jobs=4, per_gpu="1,4", policies="continuous", workers=1)
+    assert r["steps"] is None and r["job_steps"] == 4 + 1 + 4 + 1
+    assert all(row["steps"] == 10 for row in r["rows"])
+    four = _row(r, 4, "continuous mps")
+    assert four["steps_per_gpu_hour"] == pytest.approx(10 / four["gpu_hours"])
+    assert "4 jobs of their own steps (10 in all)" in plan_table(r)
+    with pytest.raises(ConfigError, match="--sim-steps 3 projects every job to --steps S"):
+        plan(cfg, total_jobs=4, sim_steps=3)
