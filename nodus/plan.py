@@ -92,6 +92,7 @@ def _simulate_load(task: tuple) -> dict:
 def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = None, per_gpu: str = "1,2,4,8,16",
          policies: str = ",".join(PLAN_POLICIES), groups: str = "2", sharing: str = "mps", stacks: str = "1",
          profile: str | None = None, seed: int = 1, deadline_h: float | None = None,
+         price_per_gpu_hour: float | None = None,
          max_gpus: int | None = None, sim_steps: int | None = None, workers: int | None = None,
          out: str | Path | None = None, progress: bool = False) -> dict:
     """The options for ``total_jobs`` jobs of ``steps`` steps each (None: each job's own, its
@@ -104,6 +105,8 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
         raise ConfigError(f"--steps {steps}: steps must be >= 1")
     if deadline_h is not None and not (deadline_h > 0 and math.isfinite(deadline_h)):
         raise ConfigError(f"--deadline-h {deadline_h}: hours, a number > 0")
+    if price_per_gpu_hour is not None and not (price_per_gpu_hour > 0 and math.isfinite(price_per_gpu_hour)):
+        raise ConfigError(f"--price {price_per_gpu_hour}: what a GPU-hour costs, a number > 0")
     if max_gpus is not None and max_gpus < 1:
         raise ConfigError(f"--max-gpus {max_gpus}: at least one GPU")
     if sim_steps is not None and not MIN_PROJECTION_STEPS <= sim_steps:
@@ -184,6 +187,8 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     dedicated = next(r for r in rows if r["policy"] == "dedicated")
     for r in rows:
         r["gpu_hours_vs_dedicated"] = r["gpu_hours"] / dedicated["gpu_hours"]
+        if price_per_gpu_hour is not None:
+            r["cost"] = r["gpu_hours"] * price_per_gpu_hour
         r["meets"] = ((deadline_h is None or r["hours"] <= deadline_h)
                       and (max_gpus is None or r["gpus"] <= max_gpus))
     rows.sort(key=lambda r: (r["gpu_hours"], r["hours"]))
@@ -204,7 +209,8 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     flags = sorted({f for v in results.values() for f in v["flags"]})
     result = {"total_jobs": total_jobs, "steps": steps, "job_steps": dedicated["steps"],
               "sim_steps": sim_steps, "profile": base["profile"],
-              "deadline_h": deadline_h, "max_gpus": max_gpus, "rows": rows, "best": best,
+              "deadline_h": deadline_h, "max_gpus": max_gpus, "price_per_gpu_hour": price_per_gpu_hour,
+              "rows": rows, "best": best,
               "profile_validation": validation, "outside_profile": flags,
               "outside_profile_every_option": sorted(common),
               "loads_simulated": len(tasks), "wall_s": time.perf_counter() - t0, "workers": workers}
@@ -224,19 +230,21 @@ def plan_table(result: dict) -> str:
     limits = [f"{result['deadline_h']:g} h" if result.get("deadline_h") else "",
               f"{result['max_gpus']} GPUs" if result.get("max_gpus") else ""]
     limit = " and ".join(x for x in limits if x)
+    priced = result.get("price_per_gpu_hour") is not None
     sim = (f"; simulated {result['sim_steps']} steps a job, projected by the steady pace" if result.get("sim_steps")
            else "")
     each = (f"{result['steps']} steps" if result.get("steps") else
             f"their own steps ({result['job_steps']} in all)")
     lines = [f"{result['total_jobs']} jobs of {each} on profile {result['profile']}{sim}:", "",
              "| jobs a GPU | arm | GPUs | until the last job ends | a job's mean time | GPU-hours | steps per GPU-hour "
-             "| GPU-hours vs a GPU per job |" + (f" within {limit} |" if limit else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if limit else "")]
+             "| GPU-hours vs a GPU per job |" + (" cost |" if priced else "") + (f" within {limit} |" if limit else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if priced else "") + ("---|" if limit else "")]
     for r in result["rows"]:
         arm = (r["arm"] + (f" (last GPU {r['last_gpu']})" if r.get("last_gpu") else "")
                + (" *" if r.get("outside_profile") else ""))
         lines.append(f"| {r['per_gpu']} | {arm} | {r['gpus']} | {_hours(r['hours'])} | {_hours(r['mean_job_hours'])} | "
                      f"{r['gpu_hours']:.3g} | {r['steps_per_gpu_hour']:.0f} | {r['gpu_hours_vs_dedicated']:.3f} |"
+                     + (f" {r['cost']:,.2f} |" if priced else "")
                      + ((" yes |" if r["meets"] else " no |") if limit else ""))
     b = result.get("best")
     lines.append("")
@@ -257,7 +265,9 @@ def plan_table(result: dict) -> str:
         lines.append(line)
     else:
         line = (f"Fewest GPU-hours{' within ' + limit if limit else ''}: {b['per_gpu']} jobs a GPU, {b['arm']} "
-                f"({b['gpu_hours']:.3g} GPU-hours)")
+                f"({b['gpu_hours']:.3g} GPU-hours"
+                + (f", {b['gpu_hours'] * result['price_per_gpu_hour']:,.2f} at "
+                   f"{result['price_per_gpu_hour']:g} a GPU-hour" if priced else "") + ")")
         if b.get("next"):
             line += (f"; next {b['next']}, {b['next_gap']:+.1%}"
                      + (", within the profile's error: the simulator cannot tell them apart" if b["within_error"]

@@ -141,3 +141,12 @@ def test_without_steps_each_job_runs_its_own_and_sim_steps_needs_one_count():
     assert "4 jobs of their own steps (10 in all)" in plan_table(r)
     with pytest.raises(ConfigError, match="--sim-steps 3 projects every job to --steps S"):
         plan(cfg, total_jobs=4, sim_steps=3)
+
+
+def test_a_price_a_gpu_hour_gives_each_option_its_cost():
+    r = plan(total_jobs=4, steps=2, per_gpu="1,4", policies="shared-sync", workers=1, price_per_gpu_hour=3.5)
+    assert all(row["cost"] == pytest.approx(row["gpu_hours"] * 3.5) for row in r["rows"])
+    text = plan_table(r)
+    assert "| cost |" in text and f"{r['rows'][0]['cost']:,.2f} |" in text and "at 3.5 a GPU-hour" in text
+    with pytest.raises(ConfigError, match="--price 0"):
+        plan(total_jobs=4, price_per_gpu_hour=0.0)
