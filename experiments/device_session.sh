@@ -1,7 +1,8 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
 #   bash experiments/device_session.sh MODE
-#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|publish|handoff|learn|small-base)
+#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|publish|handoff|arrivals|learn|
+#    small-base)
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders,
 # and the compile cache (1-3 of the 8: with several TAG invocations in a call, mind the count).
 set -uo pipefail
@@ -144,6 +145,23 @@ case "${1:-arms}" in
     timeout "${HO_TIMEOUT:-300}" python experiments/bench_handoff.py --model /tmp/nodus-qwen3-0.6b-random \
       --jobs "${HO_JOBS:-4}" --versions "${HO_VERSIONS:-20}" --out "$OUT/handoff_h200.json" > "$OUT/handoff.log" 2>&1
     echo "bench_handoff rc=$?"; grep -v " INFO \| WARNING \|it/s\]" "$OUT/handoff.log" | tail -40 ;;
+  arrivals)
+    # Jobs that arrive over time (jobs[].arrive_s) on the real backend: JOBS jobs (8), one every
+    # ARRIVE_EVERY s (5), STEPS steps (10), ARR_POLICY (continuous) under MPS with the graphed
+    # trainer, random Qwen3-0.6B-shape weights and synthetic rollouts, no baseline; then the
+    # simulator's prediction of the recorded config on ARR_PROFILE. Back: arrivals.tgz (the run
+    # folder, its log, sim.json). Run it as a session's first arms call would be (CPU checked:
+    # 3 jobs on the tiny model, a late job waited 0.2-0.4 s to join, 0.0 in the simulator).
+    random_model
+    D=$(mktemp -d /tmp/arrivals-XXXXXX)
+    timeout "${ARR_TIMEOUT:-400}" python -m nodus.cli run --backend real --model /tmp/nodus-qwen3-0.6b-random \
+      --mode synthetic --jobs "${JOBS:-8}" --policy "${ARR_POLICY:-continuous}" --arrive-every "${ARRIVE_EVERY:-5}" \
+      --steps "${STEPS:-10}" --trainer-graphs --trainer-priority below-normal --no-baseline --out "$D/run" \
+      ${ARR_EXTRA:-} > "$D/arrivals.log" 2>&1
+    echo "arrivals rc=$?"; grep "^|" "$D/arrivals.log" | tail -16
+    python -m nodus.cli sim "$D/run/config.json" --profile "${ARR_PROFILE:-h200-xeon16-graphed-session16-qwen3-0.6b}" \
+      --json > "$D/sim.json" 2>> "$D/arrivals.log"; echo "sim rc=$?"
+    tar czf "$OUT/arrivals.tgz" -C "$D" . ;;
   engine-profile)
     # Is the shared generation GPU- or host-bound? A recorded step's generation timed per engine
     # step, under torch.profiler (kernel time against the wall) and cProfile (the host's time).
