@@ -151,7 +151,8 @@ case "${1:-arms}" in
     # trainer, random Qwen3-0.6B-shape weights and synthetic rollouts, no baseline; then the
     # simulator's prediction of the recorded config on ARR_PROFILE. Back: arrivals.tgz (the run
     # folder, its log, sim.json). Run it as a session's first arms call would be (CPU checked:
-    # 3 jobs on the tiny model, a late job waited 0.2-0.4 s to join, 0.0 in the simulator).
+    # 3 jobs on the tiny model, sharing none: the late jobs waited 0.003 and 0.38 s to join, the
+    # second behind a CPU engine step with the first's 64 prompts in it; 0.00 s in the simulator).
     random_model
     D=$(mktemp -d /tmp/arrivals-XXXXXX)
     timeout "${ARR_TIMEOUT:-400}" python -m nodus.cli run --backend real --model /tmp/nodus-qwen3-0.6b-random \
