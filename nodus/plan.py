@@ -139,6 +139,9 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
         base["profile"] = STACKS_PROFILE  # as nodus sim: the shipped profile with a two-engine rate
     base.setdefault("profile", DEFAULT_PROFILE)
     templates = (config or {}).get("jobs") or [j.model_dump(exclude_none=True) for j in default_jobs(8)]
+    # A plan deals the jobs itself: a template's group or stack pin (a recorded run's) is dropped.
+    templates = [{k: v for k, v in t.items() if k not in ("group", "stack")} if isinstance(t, dict) else t
+                 for t in templates]
     if any(t.get("arrive_s") for t in templates):
         raise ConfigError("jobs[].arrive_s: nodus plan packs jobs submitted together; drop the arrivals "
                           "(nodus sim simulates them)")

@@ -132,8 +132,8 @@ def test_options_outside_the_profiled_region_are_marked_apart_from_what_every_op
 
 
 def test_without_steps_each_job_runs_its_own_and_sim_steps_needs_one_count():
-    cfg = {"jobs": [{"task": "gsm8k", "steps": 4}, {"task": "sorting", "steps": 1}]}
-    r = plan(cfg, total_jobs=4, per_gpu="1,4", policies="continuous", workers=1)
+    cfg = {"jobs": [{"task": "gsm8k", "steps": 4, "group": 0}, {"task": "sorting", "steps": 1, "group": 1}]}
+    r = plan(cfg, total_jobs=4, per_gpu="1,4", policies="continuous", workers=1)  # a recorded run's pins dropped
     assert r["steps"] is None and r["job_steps"] == 4 + 1 + 4 + 1
     assert all(row["steps"] == 10 for row in r["rows"])
     four = _row(r, 4, "continuous mps")
