@@ -139,7 +139,8 @@ class Scheduler:
         return [x for g in groups for x in self._generate(g)]
 
     def _arrival(self, job_id: str) -> float:
-        return self.arrivals.get(job_id, 0.0)
+        """When the job arrives; a job resumed from a checkpoint was under way before: at once."""
+        return 0.0 if self.start_versions.get(job_id) else self.arrivals.get(job_id, 0.0)
 
     def _pending(self, stack: int) -> list[_Group]:
         """The stack's groups yet to start, the first to have an unfinished job arrive first (in

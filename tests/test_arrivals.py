@@ -67,6 +67,15 @@ def test_timeslice_runs_a_stacks_jobs_in_order_of_arrival():
     assert [g.requests[0].job_id for g in _generates(b)] == ["b", "a"]
 
 
+def test_a_resumed_job_is_under_way_at_once_whatever_its_arrival():
+    """A run resumed from checkpoints (start_versions) starts a job that had begun before at once;
+    one that had not yet begun still waits for its arrival."""
+    s = Scheduler({"a": 3, "b": 3, "c": 3}, [(0, ["a", "b", "c"])], stagger=False,
+                  arrivals={"b": 40.0, "c": 40.0}, start_versions={"b": 1})
+    (g,) = s.start()
+    assert [(r.job_id, r.step) for r in g.requests] == [("a", 0), ("b", 1)] and g.not_before_s is None
+
+
 def test_arrivals_of_unknown_jobs_or_negative_times_are_errors():
     with pytest.raises(ValueError, match="in no group.*'z'"):
         Scheduler({"a": 1}, [(0, ["a"])], arrivals={"z": 1.0})
