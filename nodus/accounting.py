@@ -211,11 +211,12 @@ def summarize(runs: list[list[Span]], late_arrivals: bool = False) -> dict:
 
 
 def add_arrivals(summary: dict, arrivals: dict[str, float]) -> None:
-    """Each late job's ``arrive_s`` and ``wait_s``, from its arrival to its first generation (the
-    step boundary at which its group took it in), in the summary's ``per_job``."""
+    """Each named job's ``arrive_s`` and ``wait_s``, from its arrival to its first generation (the
+    step boundary at which its group took it in, or a slot freed: arm.max_active), in the
+    summary's ``per_job``."""
     for job, t in arrivals.items():
         d = summary["per_job"].get(job)
-        if d is None or not t:
+        if d is None:
             continue
         d["arrive_s"] = t
         if d.get("start_s") is not None:

@@ -39,6 +39,9 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrive-every", type=float, metavar="S", default=None,
                    help="job i arrives i x S seconds after the start (jobs[].arrive_s) and joins its group's "
                         "next generation; each dedicated job has its GPU from its arrival")
+    p.add_argument("--max-active", type=int, metavar="N", default=None,
+                   help="at most N jobs under way at once (arm.max_active, a service's slots): later jobs queue, "
+                        "by arrival, and start as running jobs end")
     p.add_argument("--seed", type=int, help="run seed (default 1)")
     p.add_argument("--share-prompts", type=int, metavar="K",
                    help="trainer.share_prompts: each prompt's responses trained K to a row, the prompt once "
@@ -130,7 +133,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
                            offset_stacks=a.offset_stacks, hold_apart=a.hold_apart,
-                           arrive_every=a.arrive_every)
+                           arrive_every=a.arrive_every, max_active=a.max_active)
     if a.profile is None and "profile" not in (data or {}) and (cfg.arm.stacks or 1) > 1 \
             and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice":
         # No profile chosen: stacks under MPS get the shipped profile with a two-engine rate.
@@ -205,7 +208,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
                            offset_stacks=a.offset_stacks, hold_apart=a.hold_apart,
-                           arrive_every=a.arrive_every)
+                           arrive_every=a.arrive_every, max_active=a.max_active)
     cfg = default_packing(cfg, a.trainer_graphs if a.backend == "real" else profile_graphed(cfg.profile))
     cfg = audit_from_args(cfg, a)
     opts = None

@@ -191,6 +191,10 @@ class ArmSpec(_Model):
     # (session 40), offset stacks left to themselves fell in step within seven steps of a 20-step run.
     # Needs offset_stacks (the start). 0: not held.
     hold_apart: float = Field(default=0.0, ge=0.0, le=0.5)
+    # The most jobs under way on the GPU at once (a service's slots); None: every job at once. A job
+    # beyond it (arrived, not yet started) queues, by arrival then job order, and joins its group's
+    # first generation after a running job ends. The engine then has that many adapter slots.
+    max_active: int | None = Field(default=None, ge=1)
 
 
 def trainer_freed(arm: dict) -> bool:
@@ -497,6 +501,12 @@ class RunConfig(_Model):
         if self.arm.offset_stacks and self.arm.lockstep:
             raise ValueError("arm.offset_stacks with arm.lockstep: lockstep holds the stacks in step, "
                              "offset_stacks starts them out of step; choose one")
+        if self.arm.max_active is not None and self.arm.policy == "dedicated":
+            raise ValueError(f"arm.max_active={self.arm.max_active} with policy='dedicated': each job has a GPU of "
+                             "its own; the cap is for jobs sharing one")
+        if self.arm.max_active is not None and self.arm.lockstep:
+            raise ValueError("arm.max_active with arm.lockstep: every stack would wait for a job yet to get a "
+                             "slot; run the stacks free (no lockstep)")
         arrivals = [j.arrive_s or 0.0 for j in self.jobs]
         if max(arrivals) > 0:
             if min(arrivals) > 0:

@@ -37,8 +37,9 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
             return [[j.id for j in cfg.jobs if j.group == g] for g in range(cfg.arm.groups)]
         return balance_groups(work, cfg.arm.groups)
 
-    # Every policy's scheduler: resumed jobs' versions, late jobs' arrivals, the trainer's wait.
-    common = dict(start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits)
+    # Every policy's scheduler: resumed jobs' versions, late jobs' arrivals, the trainer's wait, the
+    # cap on jobs under way.
+    common = dict(start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits, max_active=cfg.arm.max_active)
     if cfg.arm.stacks > 1:
         # Each stack runs the policy over its own jobs: its groups on its engine and trainer.
         per_stack = stack_groups(cfg)
@@ -90,6 +91,11 @@ def size_engine_slots(cfg: RunConfig) -> RunConfig:
     configs are sized (``nodus.simulate.config_from_args``: ``nodus sim``, ``run``, ``sweep``, also
     from a config file); ``nodus validate`` and ``fit`` replay a recorded run with its own slots."""
     n = len(cfg.jobs)
+    cap = cfg.arm.max_active
+    if cfg.engine.max_loras is None and cap is not None and cap < n and cfg.arm.policy != "timeslice":
+        # At most max_active jobs run at once: an adapter slot each (the engine keeps every job's
+        # adapter on the host, max_cpu_loras, so a queued job's is loaded when it starts).
+        return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"max_loras": cap})})
     if cfg.engine.max_loras is None and cfg.arm.stacks > 1 and cfg.arm.policy != "timeslice":
         # An engine per stack serves its own stack's jobs only: slots for those (an overlap stack's
         # by the rule below, within the stack), not one per job of the run.
@@ -171,9 +177,11 @@ def _one(cfg: RunConfig, make_backend: BackendFactory, on_progress, extras: dict
 
 
 def late_arrivals(cfg: RunConfig) -> bool:
-    """Whether a shared run's jobs arrive apart (``jobs[].arrive_s``; a dedicated job's GPU starts at
-    its arrival, so its run never has one)."""
-    return cfg.arm.policy != "dedicated" and any(j.arrive_s for j in cfg.jobs)
+    """Whether a shared run's jobs start apart: some arrive late (``jobs[].arrive_s``; a dedicated
+    job's GPU starts at its arrival, so its run never has one) or queue for a slot (``arm.max_active``
+    below the jobs)."""
+    capped = cfg.arm.max_active is not None and cfg.arm.max_active < len(cfg.jobs)
+    return cfg.arm.policy != "dedicated" and (capped or any(j.arrive_s for j in cfg.jobs))
 
 
 def dedicated_of(cfg: RunConfig) -> RunConfig:
@@ -197,15 +205,17 @@ def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
         summary["per_job"][job]["eval"] = ev
     for job in cfg.jobs:
         summary["per_job"][job.id].update(task=job.task, seed=job.seed)
-    if late_arrivals(cfg):
-        add_arrivals(summary, {j.id: j.arrive_s for j in cfg.jobs if j.arrive_s})
+    if late_arrivals(cfg):  # each late or queued job's arrival and wait to start
+        capped = cfg.arm.max_active is not None
+        add_arrivals(summary, {j.id: j.arrive_s or 0.0 for j in cfg.jobs if j.arrive_s or capped})
     summary["diagnostics"] = extras.get("diagnostics", [])
     summary["arm"] = {"policy": cfg.arm.policy, "groups": cfg.arm.groups, "sharing": cfg.arm.sharing,
                       **({"stacks": cfg.arm.stacks, "stack_jobs": [len(ids) for ids in stack_jobs(cfg)]}
                          if cfg.arm.stacks > 1 else {}),
                       **({"lockstep": True} if cfg.arm.lockstep else {}),
                       **({"offset_stacks": True} if cfg.arm.offset_stacks else {}),
-                      **({"hold_apart": cfg.arm.hold_apart} if cfg.arm.hold_apart else {})}
+                      **({"hold_apart": cfg.arm.hold_apart} if cfg.arm.hold_apart else {}),
+                      **({"max_active": cfg.arm.max_active} if cfg.arm.max_active else {})}
     # Flat copies of the arm, the layout `nodus compare` reads.
     summary.update(policy=cfg.arm.policy, groups=cfg.arm.groups, sharing=cfg.arm.sharing)
     summary["jobs"] = len(cfg.jobs)

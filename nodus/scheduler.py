@@ -46,6 +46,7 @@ class _Job:
     version: int = 0  # adapter version = optimizer steps completed
     published: int = 0  # newest version the engine serves
     failed: str | None = None
+    started: bool = False  # in a Generate yet (max_active counts the started jobs still running)
 
     @property
     def active(self) -> bool:
@@ -57,7 +58,8 @@ class _Group:
     index: int
     stack: int
     jobs: list[str]
-    state: str = "pending"  # pending | generating | queued | training | publishing | holding | done
+    # pending | generating | queued | training | publishing | holding | waiting (for a slot) | done
+    state: str = "pending"
     rollouts: tuple[Rollouts, ...] = ()
     generations: int = 0
 
@@ -86,6 +88,9 @@ class Scheduler:
     start_versions: dict[str, int] = field(default_factory=dict)  # resumed jobs: last completed step
     # Seconds of the backend's clock at which each job arrives (missing: 0, at the start).
     arrivals: dict[str, float] = field(default_factory=dict)
+    # The most jobs under way at once (RunConfig arm.max_active; None: no cap): a job arrived beyond
+    # it queues (by arrival, then job order) and joins its group's first generation after a slot frees.
+    max_active: int | None = None
     spans: list[Span] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -93,6 +98,10 @@ class Scheduler:
         for j, v in self.start_versions.items():
             # A resumed job starts from its checkpoint, already published to the engine.
             self.jobs[j].version = self.jobs[j].published = v
+            self.jobs[j].started = v > 0
+        if self.max_active is not None and self.max_active < 1:
+            raise ValueError(f"max_active={self.max_active}: at least one job must be able to run")
+        self._order = {j: i for i, (_, ids) in enumerate(self.groups) for j in ids}
         self._groups = [_Group(i, stack, list(ids)) for i, (stack, ids) in enumerate(self.groups)]
         seen = [j for _, ids in self.groups for j in ids]
         if sorted(seen) != sorted(self.jobs):
@@ -138,6 +147,31 @@ class Scheduler:
             groups = groups[:1]
         return [x for g in groups for x in self._generate(g)]
 
+    def _slots_free(self) -> float:
+        """max_active less the jobs under way (started, not finished or failed); inf without a cap."""
+        if self.max_active is None:
+            return float("inf")
+        return self.max_active - sum(1 for j in self.jobs.values() if j.started and j.active)
+
+    def _admissible(self, fresh: list[_Job], t: float) -> list[_Job]:
+        """Of ``fresh`` (a group's jobs not yet started), those arrived by ``t`` that a free slot
+        takes now: the free slots go to every group's waiting jobs in order of arrival, then of job."""
+        arrived = [j for j in fresh if self._arrival(j.id) <= t + 1e-9]
+        if self.max_active is None or not arrived:
+            return arrived
+        queue = sorted((j for j in self.jobs.values() if not j.started and j.active
+                        and self._arrival(j.id) <= t + 1e-9),
+                       key=lambda j: (self._arrival(j.id), self._order[j.id]))
+        first = {j.id for j in queue[:max(int(self._slots_free()), 0)]}
+        return [j for j in arrived if j.id in first]
+
+    def _wake(self) -> list[Action]:
+        """max_active: every group waiting for a slot tries again (a job may have ended, or the job
+        queued before its own may have started)."""
+        if self.max_active is None:
+            return []
+        return [x for g in self._groups if g.state == "waiting" for x in self._generate(g)]
+
     def _arrival(self, job_id: str) -> float:
         """When the job arrives; a job resumed from a checkpoint was under way before: at once."""
         return 0.0 if self.start_versions.get(job_id) else self.arrivals.get(job_id, 0.0)
@@ -168,12 +202,14 @@ class Scheduler:
             raise SchedulerError(f"result for unknown action {result.action_id!r}") from None
         self._now = max(self._now, result.end_s)
         if isinstance(result, GenerateDone):
-            return self._on_generated(groups[0], action, result)
-        if isinstance(result, TrainDone):
-            return self._on_trained(groups, action, result)
-        if isinstance(result, PublishDone):
-            return self._on_published(groups, action, result)
-        raise SchedulerError(f"unknown result type {type(result).__name__}")
+            actions = self._on_generated(groups[0], action, result)
+        elif isinstance(result, TrainDone):
+            actions = self._on_trained(groups, action, result)
+        elif isinstance(result, PublishDone):
+            actions = self._on_published(groups, action, result)
+        else:
+            raise SchedulerError(f"unknown result type {type(result).__name__}")
+        return actions + self._wake()
 
     def done(self) -> bool:
         return not self._inflight and all(g.state == "done" for g in self._groups)
@@ -188,12 +224,21 @@ class Scheduler:
         if not active:
             g.state = "done"
             return self._after_group_done(g)
-        # Jobs yet to arrive wait for a later generation; if none has arrived, the group waits for
-        # the first that will.
+        # Jobs yet to arrive (or, under max_active, yet to get a slot) wait for a later generation.
+        # A group with none to run waits for the first arrival, or, all slots taken, for a slot.
         t = max(self._now, not_before if not_before is not None else self._now)
-        if all(self._arrival(j.id) > t + 1e-9 for j in active):
-            t = not_before = min(self._arrival(j.id) for j in active)
-        active = [j for j in active if self._arrival(j.id) <= t + 1e-9]
+        running = [j for j in active if j.started]
+        eligible = running + self._admissible([j for j in active if not j.started], t)
+        if not eligible and all(self._arrival(j.id) > t + 1e-9 for j in active):
+            t = not_before = min(self._arrival(j.id) for j in active)  # none arrived: the first to
+            eligible = self._admissible(active, t)
+        if not eligible:  # arrived, but every slot is taken or goes to a job queued before them
+            g.state = "waiting"  # tried again after each result (_wake)
+            return []
+        chosen = {j.id for j in eligible}
+        active = [j for j in active if j.id in chosen]  # in the group's job order
+        for job in active:
+            job.started = True
         reqs = []
         for job in active:
             if job.published != job.version:

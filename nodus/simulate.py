@@ -26,7 +26,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                      seed: int | None = None, profile: str | None = None,
                      share_prompts: int | None = None, stacks: int | None = None,
                      lockstep: bool | None = None, offset_stacks: bool | None = None,
-                     hold_apart: float | None = None, arrive_every: float | None = None) -> RunConfig:
+                     hold_apart: float | None = None, arrive_every: float | None = None,
+                     max_active: int | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
     run's adapter slots sized to its largest group, for overlap (``nodus.runner.size_engine_slots``),
     and its engine graphs to the sequences those slots can hold (``size_engine_graphs``)."""
@@ -50,7 +51,8 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                         for i, j in enumerate(data["jobs"])]
     arm = dict(data.get("arm", {}))
     for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing), ("stacks", stacks),
-                     ("lockstep", lockstep), ("offset_stacks", offset_stacks), ("hold_apart", hold_apart)):
+                     ("lockstep", lockstep), ("offset_stacks", offset_stacks), ("hold_apart", hold_apart),
+                     ("max_active", max_active)):
         if val is not None:
             arm[key] = val
     if hold_apart:  # stacks held apart start apart
@@ -151,7 +153,8 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
     packed = f", each prompt's responses {share} to a row" if share else ""
     lines = [
         f"| {s['jobs']} jobs, {arm['policy']} (groups {arm['groups']}, sharing {arm['sharing']}{packed}"
-        f"{', ' + str(arm['stacks']) + ' stacks' if stacks_of(arm) > 1 else ''}) | value |",
+        f"{', ' + str(arm['stacks']) + ' stacks' if stacks_of(arm) > 1 else ''}"
+        f"{', at most ' + str(arm['max_active']) + ' under way' if arm.get('max_active') else ''}) | value |",
         "|---|---|",
         f"| optimizer steps per GPU-hour | {s['steps_per_gpu_hour']:.1f} |",
     ]
@@ -191,10 +194,11 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
         first = sum(r[0] for r in rewards) / len(rewards)
         last = sum(r[-1] for r in rewards) / len(rewards)
         lines.append(f"| mean training reward, first / last step | {first:.3f} / {last:.3f} |")
-    late = [d for d in s["per_job"].values() if d.get("arrive_s")]
-    if late:  # jobs[].arrive_s: each joined its group's next generation after it arrived
+    late = [d for d in s["per_job"].values() if "arrive_s" in d]
+    if late:  # jobs[].arrive_s, arm.max_active: each joined a generation after it arrived (and got a slot)
         waits = [d["wait_s"] for d in late if d.get("wait_s") is not None]
-        lines.append(f"| jobs arriving after the start / seconds each waited to join, mean / max | {len(late)} / "
+        lines.append(f"| jobs arriving after the start / seconds a job waited to start, mean / max | "
+                     f"{sum(1 for d in late if d['arrive_s'])} / "
                      + (f"{sum(waits) / len(waits):.1f} / {max(waits):.1f} |" if waits else "- |"))
     slow = [d.get("slowdown_vs_alone") for d in s["per_job"].values() if d.get("slowdown_vs_alone")]
     if slow:

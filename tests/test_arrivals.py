@@ -144,7 +144,7 @@ def test_nodus_sim_arrive_every_reports_the_waits(capsys):
 
     assert main(["sim", "--jobs", "4", "--steps", "3", "--policy", "shared-sync", "--arrive-every", "10"]) == 0
     out = capsys.readouterr().out
-    assert "| jobs arriving after the start / seconds each waited to join, mean / max | 3 / " in out
+    assert "| jobs arriving after the start / seconds a job waited to start, mean / max | 3 / " in out
     assert "per-job slowdown vs alone (from its arrival)" in out
     assert "steady pace" not in out
     assert main(["sim", "--jobs", "2", "--arrive-every", "nan"]) == 2

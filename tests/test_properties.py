@@ -28,6 +28,7 @@ workloads = st.fixed_dictionaries({
     "hold": st.sampled_from([0.1, 0.25, 0.5]),
     # jobs[].arrive_s of jobs 1..5 (job 0 arrives at the start), or all at the start
     "arrivals": st.one_of(st.none(), st.lists(st.floats(0.0, 8.0), min_size=5, max_size=5)),
+    "max_active": st.one_of(st.none(), st.integers(1, 4)),  # arm.max_active (shared policies)
 })
 
 
@@ -40,6 +41,8 @@ def _cfg(w):
         arm.update(stacks=2, lockstep=w["stacks"] == "lockstep", offset_stacks=w["stacks"] in ("offset", "hold"),
                    hold_apart=w["hold"] if w["stacks"] == "hold" else 0.0)
     late = [0.0] + w["arrivals"] if w["arrivals"] and not arm.get("lockstep") else [0.0] * 6
+    if w["max_active"] and policy != "dedicated" and not arm.get("lockstep"):
+        arm["max_active"] = w["max_active"]
     return build_config({
         "jobs": [{"task": w["tasks"][i], "steps": w["steps"][i], "prompts_per_step": w["prompts"],
                   "responses_per_prompt": w["responses"], "max_new_tokens": w["max_new"],
@@ -72,6 +75,15 @@ def test_invariants(w):
            for s in spans if s.phase == "generate"}
     tr = {(s.job, s.attrs["step"]): s.attrs["tokens"] for s in spans if s.phase == "train"}
     assert gen == tr
+    # At most arm.max_active jobs under way at once: from a job's first generation to its last train.
+    if cfg.arm.max_active:
+        spans_of = {j.id: [s for s in spans if s.job == j.id and s.phase in ("generate", "train")] for j in cfg.jobs}
+        events = sorted([(min(x.start_s for x in v), 1) for v in spans_of.values()]
+                        + [(max(x.end_s for x in v), -1) for v in spans_of.values()], key=lambda e: (e[0], e[1]))
+        under_way = 0
+        for _, d in events:
+            under_way += d
+            assert under_way <= cfg.arm.max_active
     # A job sharing the GPU starts no earlier than it arrives (a dedicated one has its GPU from then).
     if cfg.arm.policy != "dedicated":
         for j in cfg.jobs:

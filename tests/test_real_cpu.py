@@ -712,6 +712,21 @@ def test_a_job_arriving_late_on_the_real_backend_joins_the_running_ones_generati
     assert d["arrive_s"] == 0.1 and d["wait_s"] == pytest.approx(late[0].start_s - 0.1)
 
 
+def test_a_capped_real_run_starts_the_queued_job_after_a_running_one_ends(pool):
+    """arm.max_active on the real backend: of two jobs with one slot, the second starts only after
+    the first's last train, and both run every step on-policy."""
+    from nodus.config import build_config
+
+    d = _small_cfg(2, 2).model_dump(exclude_none=True)
+    d["arm"]["max_active"] = 1
+    summary, runs = _pooled(pool, build_config(d).resolved())
+    spans = [x for r in runs for x in r]
+    assert summary["steps"] == 4 and summary["stale_rollouts"] == 0 and audit_on_policy(spans) == []
+    first_end = max(x.end_s for x in spans if x.job == "job0" and x.phase == "train")
+    assert min(x.start_s for x in spans if x.job == "job1" and x.phase == "generate") >= first_end
+    assert summary["per_job"]["job1"]["wait_s"] >= first_end - 1e-6
+
+
 def test_a_job_with_its_own_dataset_is_evaluated_on_its_held_out_problems(pool, tmp_path):
     """jobs[].dataset on the real backend: the job samples its own problems and its eval is over the
     dataset's held-out items (5 here, not its family's 64); the other job keeps its family's."""
