@@ -57,14 +57,17 @@ def _gpu_arm(arm: tuple, jobs: int) -> tuple:
 
 
 def _simulate_load(task: tuple) -> dict:
-    """One GPU load: (base config dict, template indices, arm, steps, sim_steps) -> its billed
-    seconds, steps and each job's finish, projected to ``steps`` when ``sim_steps`` is fewer."""
+    """One GPU load: (base config dict, template indices, arm, steps, sim_steps, arrive_every) -> its
+    billed seconds from its first job's arrival, steps and each job's finish (in load order, from the
+    same start), projected to ``steps`` when ``sim_steps`` is fewer."""
     from sim import backend_factory
 
-    base, templates, load, (policy, groups, sharing, stacks), steps, sim_steps = task
+    base, templates, load, (policy, groups, sharing, stacks), steps, sim_steps, every = task
     # A job's seed is its template's (run seed x 1000 + template index, as RunConfig.resolved gives
-    # the templates' config): the same draws alone on a GPU and packed with others.
-    data = dict(base, jobs=[{"seed": base["seed"] * 1000 + t, **templates[t], "id": f"job{i}"}
+    # the templates' config): the same draws alone on a GPU and packed with others. Job k of the
+    # load arrives k x every after the first.
+    data = dict(base, jobs=[{"seed": base["seed"] * 1000 + t, **templates[t], "id": f"job{i}",
+                             **({"arrive_s": i * every} if i and every else {})}
                             for i, t in enumerate(load)])
     n = sim_steps or steps  # None: each job's own steps
     cfg = config_from_args(data, policy=policy, groups=groups, sharing=sharing, steps=n,
@@ -75,7 +78,8 @@ def _simulate_load(task: tuple) -> dict:
     out = []
     for r in runs:  # dedicated: a GPU a job
         s = summarize([r])
-        gpu_s, finish = s["gpu_seconds"], {j: d["finish_s"] for j, d in s["per_job"].items()}
+        gpu_s = s["gpu_seconds"]
+        finish = [s["per_job"][f"job{i}"]["finish_s"] for i in range(len(load)) if f"job{i}" in s["per_job"]]
         if sim_steps:
             pace = s["pace"]
             if not pace:
@@ -83,7 +87,7 @@ def _simulate_load(task: tuple) -> dict:
                                   f"{steps} steps from; simulate more steps")
             per_s = pace["pace_steps_per_gpu_hour"] / 3600 / pace["jobs"]  # one job's steps a second
             gpu_s = pace["ramp_gpu_s"] + steps / per_s
-            finish = {j: t + (steps - n) / per_s for j, t in finish.items()}
+            finish = [t + (steps - n) / per_s for t in finish]
         done = len(finish) * steps if sim_steps else sum(d["steps"] for d in s["per_job"].values())
         out.append({"gpu_s": gpu_s, "steps": done, "finish_s": finish})
     return {"gpus": out, "flags": sorted(make.cost.flags)}
@@ -92,7 +96,7 @@ def _simulate_load(task: tuple) -> dict:
 def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = None, per_gpu: str = "1,2,4,8,16",
          policies: str = ",".join(PLAN_POLICIES), groups: str = "2", sharing: str = "mps", stacks: str = "1",
          profile: str | None = None, seed: int = 1, deadline_h: float | None = None,
-         price_per_gpu_hour: float | None = None,
+         price_per_gpu_hour: float | None = None, arrive_every: float | None = None,
          max_gpus: int | None = None, sim_steps: int | None = None, workers: int | None = None,
          out: str | Path | None = None, progress: bool = False) -> dict:
     """The options for ``total_jobs`` jobs of ``steps`` steps each (None: each job's own, its
@@ -112,6 +116,12 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     if sim_steps is not None and not MIN_PROJECTION_STEPS <= sim_steps:
         raise ConfigError(f"--sim-steps {sim_steps}: at least {MIN_PROJECTION_STEPS} steps (a steady pace to "
                           "project from)")
+    if arrive_every is not None and not (arrive_every >= 0 and math.isfinite(arrive_every)):
+        raise ConfigError(f"--arrive-every {arrive_every}: seconds between arrivals, a number >= 0")
+    arrive_every = arrive_every or None
+    if sim_steps is not None and arrive_every:
+        raise ConfigError(f"--sim-steps {sim_steps} with --arrive-every: jobs arriving apart have no steady pace "
+                          "to project from; simulate every step")
     if sim_steps is not None and steps is None:
         raise ConfigError(f"--sim-steps {sim_steps} projects every job to --steps S: give --steps (one step count "
                           "for every job)")
@@ -142,9 +152,9 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     # A plan deals the jobs itself: a template's group or stack pin (a recorded run's) is dropped.
     templates = [{k: v for k, v in t.items() if k not in ("group", "stack")} if isinstance(t, dict) else t
                  for t in templates]
-    if any(t.get("arrive_s") for t in templates):
-        raise ConfigError("jobs[].arrive_s: nodus plan packs jobs submitted together; drop the arrivals "
-                          "(nodus sim simulates them)")
+    if any(t.get("arrive_s") for t in templates if isinstance(t, dict)):
+        raise ConfigError("jobs[].arrive_s: nodus plan deals the jobs itself; give their spacing as --arrive-every S "
+                          "(or simulate one GPU's arrivals with nodus sim)")
     from sim.profile import load_profile
 
     config_from_args(dict(base, jobs=templates))  # a bad config or profile fails here, before forking
@@ -162,7 +172,7 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
             load = tuple(i % T for i in range(g * n, min((g + 1) * n, total_jobs)))
             key = (load, _gpu_arm(arm, len(load)))
             gpus.append(key)
-            tasks.setdefault(key, (base, templates, load, key[1], steps, sim_steps))
+            tasks.setdefault(key, (base, templates, load, key[1], steps, sim_steps, arrive_every))
         layouts[(n, arm)] = gpus
     t0 = time.perf_counter()
     results = {}
@@ -177,12 +187,16 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
         print(file=sys.stderr)
     rows = []
     for (n, arm), gpus in layouts.items():
-        per = [x for key in gpus for x in results[key]["gpus"]]
+        # GPU g holds jobs g*n .. g*n+n-1 (one simulated run each): it starts at its first job's
+        # arrival, and its job k arrived k x arrive_every after that.
+        per = [results[key]["gpus"][0] for key in gpus]
+        every = arrive_every or 0.0
         gpu_s, steps_done = sum(x["gpu_s"] for x in per), sum(x["steps"] for x in per)
-        finishes = [t for x in per for t in x["finish_s"].values()]
+        finishes = [t - k * every for x in per for k, t in enumerate(x["finish_s"])]  # from each arrival
+        until = max(g * n * every + x["gpu_s"] for g, x in enumerate(per))
         last = {_gpu_arm(arm, len(key[0])) for key in gpus} - {arm}
         rows.append({"per_gpu": n, "arm": arm_name(*arm), "policy": arm[0], "groups": arm[1], "sharing": arm[2],
-                     "stacks": arm[3], "gpus": len(per), "hours": max(x["gpu_s"] for x in per) / 3600,
+                     "stacks": arm[3], "gpus": len(per), "hours": until / 3600,
                      "mean_job_hours": sum(finishes) / len(finishes) / 3600, "gpu_hours": gpu_s / 3600,
                      "steps": steps_done, "steps_per_gpu_hour": steps_done / gpu_s * 3600,
                      "outside_profile": sorted({f for key in gpus for f in results[key]["flags"]}),
@@ -210,7 +224,7 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
             best.update(next=f"{fits[1]['per_gpu']} a GPU, {fits[1]['arm']}", next_gap=gap,
                         within_error=error is not None and gap < error)
     flags = sorted({f for v in results.values() for f in v["flags"]})
-    result = {"total_jobs": total_jobs, "steps": steps, "job_steps": dedicated["steps"],
+    result = {"total_jobs": total_jobs, "steps": steps, "job_steps": dedicated["steps"], "arrive_every_s": arrive_every,
               "sim_steps": sim_steps, "profile": base["profile"],
               "deadline_h": deadline_h, "max_gpus": max_gpus, "price_per_gpu_hour": price_per_gpu_hour,
               "rows": rows, "best": best,
@@ -238,7 +252,9 @@ def plan_table(result: dict) -> str:
            else "")
     each = (f"{result['steps']} steps" if result.get("steps") else
             f"their own steps ({result['job_steps']} in all)")
-    lines = [f"{result['total_jobs']} jobs of {each} on profile {result['profile']}{sim}:", "",
+    every = (f", arriving {result['arrive_every_s']:g} s apart (each GPU billed from its first job's arrival)"
+             if result.get("arrive_every_s") else "")
+    lines = [f"{result['total_jobs']} jobs of {each}{every} on profile {result['profile']}{sim}:", "",
              "| jobs a GPU | arm | GPUs | until the last job ends | a job's mean time | GPU-hours | steps per GPU-hour "
              "| GPU-hours vs a GPU per job |" + (" cost |" if priced else "") + (f" within {limit} |" if limit else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|" if priced else "") + ("---|" if limit else "")]

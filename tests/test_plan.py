@@ -9,7 +9,7 @@ from nodus.accounting import summarize
 from nodus.config import ConfigError, default_jobs
 from nodus.plan import plan, plan_table
 from nodus.runner import run_spans
-from nodus.simulate import config_from_args
+from nodus.simulate import config_from_args, simulate
 from sim import backend_factory
 
 
@@ -97,7 +97,7 @@ def test_bad_plans_are_clear_errors():
         plan(total_jobs=4, max_gpus=0)
     with pytest.raises(ConfigError, match="--per-gpu 0,2"):
         plan(total_jobs=4, per_gpu="0,2")
-    with pytest.raises(ConfigError, match="arrive_s: nodus plan packs jobs submitted together"):
+    with pytest.raises(ConfigError, match="arrive_s: nodus plan deals the jobs itself; give their spacing"):
         plan({"jobs": [{"task": "gsm8k"}, {"task": "modular", "arrive_s": 5}]}, total_jobs=4)
     with pytest.raises(ValueError, match="not a known task"):
         plan({"jobs": [{"task": "nope"}]}, total_jobs=2)
@@ -150,3 +150,28 @@ def test_a_price_a_gpu_hour_gives_each_option_its_cost():
     assert "| cost |" in text and f"{r['rows'][0]['cost']:,.2f} |" in text and "at 3.5 a GPU-hour" in text
     with pytest.raises(ConfigError, match="--price 0"):
         plan(total_jobs=4, price_per_gpu_hour=0.0)
+
+
+def test_arrivals_join_each_gpu_as_they_come_and_each_gpu_is_billed_from_its_first():
+    """--arrive-every S: job i arrives i x S after the first; GPU g (jobs g*n ..) starts at its first
+    job's arrival, so the last job ends at the latest GPU start plus its window, and a job's time
+    runs from its own arrival. One GPU of all the jobs is nodus sim's run of them arriving S apart."""
+    r = plan(total_jobs=8, steps=3, per_gpu="1,4,8", policies="continuous", workers=1, arrive_every=6.0)
+    one = _row(r, 8, "continuous mps")
+    whole = simulate(config_from_args(jobs=8, policy="continuous", steps=3, arrive_every=6.0))
+    assert one["gpu_hours"] == pytest.approx(whole["gpu_seconds"] / 3600)
+    assert one["hours"] == pytest.approx(whole["gpu_seconds"] / 3600)
+    per_job = [d["finish_s"] - (d.get("arrive_s") or 0.0) for d in whole["per_job"].values()]
+    assert one["mean_job_hours"] == pytest.approx(sum(per_job) / len(per_job) / 3600)
+    four = _row(r, 4, "continuous mps")
+    second = simulate(config_from_args({"jobs": [{**j.model_dump(exclude_none=True), "id": f"job{i}",
+                                                  "seed": 1000 + 4 + i} for i, j in enumerate(default_jobs(8)[4:])]},
+                                       policy="continuous", steps=3, arrive_every=6.0))
+    assert four["hours"] >= (4 * 6.0 + second["gpu_seconds"]) / 3600 - 1e-9  # GPU 1 starts with job 4, at 24 s
+    ded = _row(r, 1, "dedicated")
+    assert ded["hours"] * 3600 > 7 * 6.0  # the last job arrives at 42 s and then runs
+    assert "arriving 6 s apart (each GPU billed from its first job's arrival)" in plan_table(r)
+    with pytest.raises(ConfigError, match="--sim-steps 3 with --arrive-every"):
+        plan(total_jobs=4, steps=9, sim_steps=3, arrive_every=6.0)
+    with pytest.raises(ConfigError, match="--arrive-every -1"):
+        plan(total_jobs=4, arrive_every=-1.0)
