@@ -184,18 +184,22 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         log(f"decode batch {b:4d} no LoRA: {no_lora[-1]['step_s'] * 1e3:.2f} ms/step")
     eng.close()
 
+    def timed_step(batches_) -> float:
+        """Seconds of one train step at this shape, after an untimed warm-up step at it."""
+        trainer.train_step(batches_)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        trainer.train_step(batches_)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     train = []
     for a in adapter_counts:
         for tokens in train_tokens:
             batches_ = _train_batches(a, tokens, vocab, rng)
-            trainer.train_step(batches_)  # warm-up at this shape
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            trainer.train_step(batches_)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            s = time.perf_counter() - t0
+            s = timed_step(batches_)
             train.append({"tokens": sum(len(r) for b in batches_.values() for r in b.input_ids), "adapters": a, "s": s})
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
     # The KL term (jobs[].beta > 0): the same step with every job's beta on adds a forward pass of
@@ -205,16 +209,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         trainer.add_job(f"kl{j}", rank=rank, alpha=2 * rank, lr=1e-5, seed=j, beta=KL_BETA)
     plain = _train_batches(a, tokens, vocab, rng)
     with_kl = {f"kl{k[3:]}": b for k, b in plain.items()}
-    times = {}
-    for name, b in (("plain_s", plain), ("s", with_kl)):
-        trainer.train_step(b)  # warm-up at this shape
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        trainer.train_step(b)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times[name] = time.perf_counter() - t0
+    times = {"plain_s": timed_step(plain), "s": timed_step(with_kl)}
     train_kl = {"tokens": sum(len(r) for b in plain.values() for r in b.input_ids), "adapters": a, "beta": KL_BETA,
                 **times}
     log(f"train {train_kl['tokens']:6d} tokens, {a} adapters, beta {KL_BETA}: {times['s']:.3f} s "
