@@ -15,6 +15,10 @@ from calibration.fit_runs import TERM_SELECTIONS
 from sim.profile import LORA_KERNELS, RATE_MAX, STEP_MODES
 
 
+ARRIVE_EVERY_HELP = ("job i arrives i x S seconds after the start (jobs[].arrive_s) and joins its group's next "
+                     "generation; each dedicated job has its GPU from its arrival")
+
+
 def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML/JSON config file (default: the embedded 8-job workload)")
     p.add_argument("--jobs", type=int, help="number of jobs (cycling through the task families)")
@@ -36,9 +40,7 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
                         "it starts F of its cycle after another stack's latest start, times 2 / stacks (0.5: "
                         "exactly out of step; arm.hold_apart, 0 < F <= 0.5)")
     p.add_argument("--steps", type=int, help="optimizer steps per job (default 20)")
-    p.add_argument("--arrive-every", type=float, metavar="S", default=None,
-                   help="job i arrives i x S seconds after the start (jobs[].arrive_s) and joins its group's "
-                        "next generation; each dedicated job has its GPU from its arrival")
+    p.add_argument("--arrive-every", type=float, metavar="S", default=None, help=ARRIVE_EVERY_HELP)
     p.add_argument("--max-active", type=int, metavar="N", default=None,
                    help="at most N jobs under way at once (arm.max_active, a service's slots): later jobs queue, "
                         "by arrival, and start as running jobs end")
@@ -248,6 +250,7 @@ def cmd_tasks(a: argparse.Namespace) -> int:
         print(tasks_sample(a.task, n=a.n, seed=a.seed))
     elif a.tasks_cmd == "dataset":
         from nodus.config import DatasetSpec, JobSpec
+        from nodus.tasks import get_task
         from nodus.tasks.base import solution_text
         from nodus.tasks.datasets import dataset_split
 
@@ -255,8 +258,6 @@ def cmd_tasks(a: argparse.Namespace) -> int:
         train, held = dataset_split(job.dataset, job.task)
         print(f"{a.train}: {len(train)} training items, {len(held)} eval items"
               f" ({a.eval or f'the last {a.eval_size} of the training file'}), scored by {a.task}'s check")
-        from nodus.tasks import get_task
-
         for it in train[:a.n]:
             print(f"--- prompt:\n{it.prompt}\n--- its answer as a completion "
                   f"(reward {get_task(a.task).reward(it, solution_text(it))}):\n{solution_text(it)}")
@@ -555,9 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the jobs fill them (default 1); two stacks are priced by the profile's two-engine rate "
                         f"(sharing.mps_engines, nodus fit-stacks; shipped: {STACKS_PROFILE}) or flagged without one")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--arrive-every", type=float, metavar="S", default=None,
-                   help="job i arrives i x S seconds after the start (jobs[].arrive_s) and joins its group's "
-                        "next generation; each dedicated job has its GPU from its arrival")
+    p.add_argument("--arrive-every", type=float, metavar="S", default=None, help=ARRIVE_EVERY_HELP)
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")
     p.add_argument("--out", help="write sweep.csv, sweep.json, sweep.png into this new folder")

@@ -58,8 +58,8 @@ def _gpu_arm(arm: tuple, jobs: int) -> tuple:
 
 def _simulate_load(task: tuple) -> dict:
     """One GPU load: (base config dict, template indices, arm, steps, sim_steps, arrive_every) -> its
-    billed seconds from its first job's arrival, steps and each job's finish (in load order, from the
-    same start), projected to ``steps`` when ``sim_steps`` is fewer."""
+    billed seconds from its first job's arrival, steps, each job's finish (in load order, from the
+    same start), projected to ``steps`` when ``sim_steps`` is fewer, and the profile's flags."""
     from sim import backend_factory
 
     base, templates, load, (policy, groups, sharing, stacks), steps, sim_steps, every = task
@@ -74,23 +74,20 @@ def _simulate_load(task: tuple) -> dict:
                            stacks=stacks if stacks > 1 else None)
     make = backend_factory(cfg.profile)
     cfg = with_default_packing(cfg, make.cost.profile.train.step_mode == "graphed")  # as nodus sim packs rows
-    runs = run_spans(cfg, make)
-    out = []
-    for r in runs:  # dedicated: a GPU a job
-        s = summarize([r])
-        gpu_s = s["gpu_seconds"]
-        finish = [s["per_job"][f"job{i}"]["finish_s"] for i in range(len(load)) if f"job{i}" in s["per_job"]]
-        if sim_steps:
-            pace = s["pace"]
-            if not pace:
-                raise ConfigError(f"--sim-steps {n}: the simulated load has no steady pace to project "
-                                  f"{steps} steps from; simulate more steps")
-            per_s = pace["pace_steps_per_gpu_hour"] / 3600 / pace["jobs"]  # one job's steps a second
-            gpu_s = pace["ramp_gpu_s"] + steps / per_s
-            finish = [t + (steps - n) / per_s for t in finish]
-        done = len(finish) * steps if sim_steps else sum(d["steps"] for d in s["per_job"].values())
-        out.append({"gpu_s": gpu_s, "steps": done, "finish_s": finish})
-    return {"gpus": out, "flags": sorted(make.cost.flags)}
+    (spans,) = run_spans(cfg, make)  # one run: a shared GPU's, or a dedicated GPU's one job
+    s = summarize([spans])
+    gpu_s = s["gpu_seconds"]
+    finish = [s["per_job"][f"job{i}"]["finish_s"] for i in range(len(load))]
+    if sim_steps:
+        pace = s["pace"]
+        if not pace:
+            raise ConfigError(f"--sim-steps {n}: the simulated load has no steady pace to project "
+                              f"{steps} steps from; simulate more steps")
+        per_s = pace["pace_steps_per_gpu_hour"] / 3600 / pace["jobs"]  # one job's steps a second
+        gpu_s = pace["ramp_gpu_s"] + steps / per_s
+        finish = [t + (steps - n) / per_s for t in finish]
+    done = len(finish) * steps if sim_steps else s["steps"]
+    return {"gpu_s": gpu_s, "steps": done, "finish_s": finish, "flags": sorted(make.cost.flags)}
 
 
 def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = None, per_gpu: str = "1,2,4,8,16",
@@ -116,9 +113,7 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     if sim_steps is not None and not MIN_PROJECTION_STEPS <= sim_steps:
         raise ConfigError(f"--sim-steps {sim_steps}: at least {MIN_PROJECTION_STEPS} steps (a steady pace to "
                           "project from)")
-    if arrive_every is not None and not (arrive_every >= 0 and math.isfinite(arrive_every)):
-        raise ConfigError(f"--arrive-every {arrive_every}: seconds between arrivals, a number >= 0")
-    arrive_every = arrive_every or None
+    arrive_every = arrive_every or None  # checked with the config below (config_from_args)
     if sim_steps is not None and arrive_every:
         raise ConfigError(f"--sim-steps {sim_steps} with --arrive-every: jobs arriving apart have no steady pace "
                           "to project from; simulate every step")
@@ -157,7 +152,7 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
                           "(or simulate one GPU's arrivals with nodus sim)")
     from sim.profile import load_profile
 
-    config_from_args(dict(base, jobs=templates))  # a bad config or profile fails here, before forking
+    config_from_args(dict(base, jobs=templates), arrive_every=arrive_every)  # a bad one fails here, before forking
     validation = load_profile(base["profile"]).validation() or {}
     arms = [(p, g if p == "overlap" else 1, s, k) for p in pols for g in (grp if p == "overlap" else [1])
             for s in shr for k in stk]
@@ -189,7 +184,7 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     for (n, arm), gpus in layouts.items():
         # GPU g holds jobs g*n .. g*n+n-1 (one simulated run each): it starts at its first job's
         # arrival, and its job k arrived k x arrive_every after that.
-        per = [results[key]["gpus"][0] for key in gpus]
+        per = [results[key] for key in gpus]
         every = arrive_every or 0.0
         gpu_s, steps_done = sum(x["gpu_s"] for x in per), sum(x["steps"] for x in per)
         finishes = [t - k * every for x in per for k, t in enumerate(x["finish_s"])]  # from each arrival

@@ -13,7 +13,9 @@ accepts Generate actions from several groups at once (continuous batching joins 
 Jobs may arrive late (``arrivals``, RunConfig ``jobs[].arrive_s``): a job takes no part in its
 group's generations before its arrival and joins the first one that starts after it, at a step
 boundary; a group none of whose unfinished jobs has arrived generates when the first of them does
-(``Generate.not_before_s``). Staggered and timesliced groups start in order of arrival.
+(``Generate.not_before_s``). Staggered and timesliced groups start in order of arrival. With
+``max_active`` at most that many jobs are under way (first generation to last train); the rest
+queue by arrival, then job order, and a group with none to run waits until a slot frees.
 
 Strictly on-policy: a job's rollouts for step s are sampled from adapter version s, only after
 version s was published to the engine; the trainer consumes only rollouts tagged with the job's

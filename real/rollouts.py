@@ -34,17 +34,14 @@ class StepPrompts:
 def step_prompts(job: JobSpec, step: int, mode: str, vocab_size: int) -> StepPrompts:
     seed = step_seed(job.seed, step)
     if mode == "tasks":
-        if job.dataset is not None:
-            # The job's own problems: each step samples its prompts from the training split.
+        pool = None  # a finite training set, each step sampling its prompts from it
+        if job.dataset is not None:  # the job's own problems: the dataset's training split
             from nodus.tasks.datasets import dataset_split
 
             pool = dataset_split(job.dataset, job.task)[0]
-            pick = np.random.default_rng(seed).permutation(len(pool))
-            repeats = job.prompts_per_step // len(pool) + 1
-            items = tuple(pool[i] for i in (list(pick) * repeats)[:job.prompts_per_step])
-        elif job.prompt_pool:
-            # A finite training set, drawn once from the job's seed; each step samples from it.
+        elif job.prompt_pool:  # drawn once from the job's seed
             pool = train_items(job.task, seed=job.seed, n=job.prompt_pool)
+        if pool is not None:
             pick = np.random.default_rng(seed).permutation(len(pool))
             repeats = job.prompts_per_step // len(pool) + 1
             items = tuple(pool[i] for i in (list(pick) * repeats)[:job.prompts_per_step])
