@@ -194,7 +194,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     result = plan(load_config(a.config) if a.config else None, total_jobs=a.total_jobs, steps=a.steps,
                   per_gpu=a.per_gpu, policies=a.policies, groups=a.groups, sharing=a.sharing, stacks=a.stacks,
                   profile=a.profile, seed=a.seed, deadline_h=a.deadline_h, max_gpus=a.max_gpus,
-                  price_per_gpu_hour=a.price, arrive_every=a.arrive_every,
+                  price_per_gpu_hour=a.price, arrive_every=a.arrive_every, gpus=a.gpus, max_wait_h=a.max_wait_h,
                   sim_steps=a.sim_steps, workers=a.workers, out=a.out, progress=not a.json and sys.stderr.isatty())
     print(json.dumps(result, default=str) if a.json else plan_table(result))
     print(f"{result['loads_simulated']} GPU loads simulated in {result['wall_s']:.1f}s with {result['workers']} workers"
@@ -584,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1, help="run seed (default 1)")
     p.add_argument("--deadline-h", type=float, metavar="H", help="every job done within H hours")
     p.add_argument("--max-gpus", type=int, metavar="G", help="at most G GPUs")
+    p.add_argument("--gpus", type=int, metavar="G",
+                   help="a fixed fleet of G GPUs for every option: jobs dealt to them in turn, each GPU running at "
+                        "most N at once (--per-gpu) while the rest queue for a slot; each job's wait is reported")
+    p.add_argument("--max-wait-h", type=float, metavar="H", help="no job waits longer than H hours to start")
     p.add_argument("--price", type=float, metavar="P", help="what a GPU-hour costs: each option's cost column")
     p.add_argument("--arrive-every", type=float, metavar="S",
                    help="job i arrives i x S seconds after the first; a GPU's jobs (dealt in order) join it as they "

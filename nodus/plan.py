@@ -10,7 +10,11 @@ Per option: the GPUs, the hours until every job is done (the slowest GPU), each 
 the GPU-hours, steps per GPU-hour and the GPU-hours against a GPU per job; with ``--deadline-h``
 and ``--max-gpus``, which options meet them, and the one that costs fewest GPU-hours, with the
 profile's held-out error as its error bar (options closer than that are a tie to the simulator).
-Jobs are taken as submitted together (no ``arrive_s``).
+Jobs are taken as submitted together, or ``--arrive-every S`` apart. ``--gpus G``: a fixed fleet
+of G GPUs for every option, job i dealt to GPU i mod G; a GPU runs at most n of its jobs at once
+(``arm.max_active``) and the rest queue for a slot (n = 1: one after another, each alone, chained
+from its one-job simulation); each option reports its jobs' mean and longest wait to start, which
+``--max-wait-h`` limits.
 """
 
 from __future__ import annotations
@@ -57,27 +61,29 @@ def _gpu_arm(arm: tuple, jobs: int) -> tuple:
 
 
 def _simulate_load(task: tuple) -> dict:
-    """One GPU load: (base config dict, template indices, arm, steps, sim_steps, arrive_every) -> its
-    billed seconds from its first job's arrival, steps, each job's finish (in load order, from the
-    same start), projected to ``steps`` when ``sim_steps`` is fewer, and the profile's flags."""
+    """One GPU load: (base config dict, template indices, arm, steps, sim_steps, arrivals, cap) ->
+    its billed seconds from its first job's arrival, steps, each job's finish and first generation
+    (in load order, from the same start), projected to ``steps`` when ``sim_steps`` is fewer, and
+    the profile's flags. ``arrivals``: each job's arrival from the first's; ``cap``: at most that
+    many jobs under way (``arm.max_active``), None for no cap."""
     from sim import backend_factory
 
-    base, templates, load, (policy, groups, sharing, stacks), steps, sim_steps, every = task
+    base, templates, load, (policy, groups, sharing, stacks), steps, sim_steps, arrivals, cap = task
     # A job's seed is its template's (run seed x 1000 + template index, as RunConfig.resolved gives
-    # the templates' config): the same draws alone on a GPU and packed with others. Job k of the
-    # load arrives k x every after the first.
+    # the templates' config): the same draws alone on a GPU and packed with others.
     data = dict(base, jobs=[{"seed": base["seed"] * 1000 + t, **templates[t], "id": f"job{i}",
-                             **({"arrive_s": i * every} if i and every else {})}
+                             **({"arrive_s": arrivals[i]} if arrivals[i] else {})}
                             for i, t in enumerate(load)])
     n = sim_steps or steps  # None: each job's own steps
     cfg = config_from_args(data, policy=policy, groups=groups, sharing=sharing, steps=n,
-                           stacks=stacks if stacks > 1 else None)
+                           stacks=stacks if stacks > 1 else None, max_active=cap)
     make = backend_factory(cfg.profile)
     cfg = with_default_packing(cfg, make.cost.profile.train.step_mode == "graphed")  # as nodus sim packs rows
     (spans,) = run_spans(cfg, make)  # one run: a shared GPU's, or a dedicated GPU's one job
     s = summarize([spans])
     gpu_s = s["gpu_seconds"]
-    finish = [s["per_job"][f"job{i}"]["finish_s"] for i in range(len(load))]
+    per_job = [s["per_job"][f"job{i}"] for i in range(len(load))]
+    finish, start = [d["finish_s"] for d in per_job], [d["start_s"] for d in per_job]
     if sim_steps:
         pace = s["pace"]
         if not pace:
@@ -87,19 +93,38 @@ def _simulate_load(task: tuple) -> dict:
         gpu_s = pace["ramp_gpu_s"] + steps / per_s
         finish = [t + (steps - n) / per_s for t in finish]
     done = len(finish) * steps if sim_steps else s["steps"]
-    return {"gpu_s": gpu_s, "steps": done, "finish_s": finish, "flags": sorted(make.cost.flags)}
+    return {"gpu_s": gpu_s, "steps": done, "finish_s": finish, "start_s": start, "flags": sorted(make.cost.flags)}
+
+
+def _one_at_a_time(alone: list[dict], arrivals: tuple) -> dict:
+    """A GPU of a fixed fleet that runs its jobs one after another, each alone (the dedicated arm
+    on ``--gpus G``): job k starts at its arrival or at job k-1's end, whichever is later, and runs
+    as it does alone (``alone[k]``: its one-job load). Billed from its first job's arrival to its
+    last job's end, idle gaps included."""
+    t, finish, start = 0.0, [], []
+    for x, a in zip(alone, arrivals):
+        t0 = max(t, a)
+        start.append(t0 + x["start_s"][0])
+        t = t0 + x["gpu_s"]
+        finish.append(t0 + x["finish_s"][0])
+    return {"gpu_s": t, "steps": sum(x["steps"] for x in alone), "finish_s": finish, "start_s": start,
+            "flags": sorted({f for x in alone for f in x["flags"]})}
 
 
 def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = None, per_gpu: str = "1,2,4,8,16",
          policies: str = ",".join(PLAN_POLICIES), groups: str = "2", sharing: str = "mps", stacks: str = "1",
          profile: str | None = None, seed: int = 1, deadline_h: float | None = None,
          price_per_gpu_hour: float | None = None, arrive_every: float | None = None,
-         max_gpus: int | None = None, sim_steps: int | None = None, workers: int | None = None,
+         max_gpus: int | None = None, gpus: int | None = None, max_wait_h: float | None = None,
+         sim_steps: int | None = None, workers: int | None = None,
          out: str | Path | None = None, progress: bool = False) -> dict:
     """The options for ``total_jobs`` jobs of ``steps`` steps each (None: each job's own, its
     template's ``steps``; module docstring). ``config``: a
     config file's dict: its jobs are the templates (repeated in order to ``total_jobs``), its
-    engine, trainer, audit and profile apply to every option; its arm is replaced by each option's."""
+    engine, trainer, audit and profile apply to every option; its arm is replaced by each option's.
+    ``gpus``: a fixed fleet of that many GPUs for every option, the jobs dealt to them in turn, each
+    GPU running at most n at once (the rest queue for a slot; ``arm.max_active``); n = 1 runs a
+    GPU's jobs one after another, each alone. ``max_wait_h``: no job waits longer than that to start."""
     if total_jobs < 1:
         raise ConfigError(f"--total-jobs {total_jobs}: a plan needs at least one job")
     if steps is not None and steps < 1:
@@ -110,6 +135,17 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
         raise ConfigError(f"--price {price_per_gpu_hour}: what a GPU-hour costs, a number > 0")
     if max_gpus is not None and max_gpus < 1:
         raise ConfigError(f"--max-gpus {max_gpus}: at least one GPU")
+    if gpus is not None:
+        if gpus < 1:
+            raise ConfigError(f"--gpus {gpus}: a fleet of at least one GPU")
+        if max_gpus is not None:
+            raise ConfigError(f"--gpus {gpus} fixes the fleet; --max-gpus {max_gpus} limits the fleets a plan "
+                              "chooses among: give one")
+        if sim_steps is not None:
+            raise ConfigError(f"--sim-steps {sim_steps} with --gpus: jobs queued for a slot have no steady pace to "
+                              "project from; simulate every step")
+    if max_wait_h is not None and not (max_wait_h >= 0 and math.isfinite(max_wait_h)):
+        raise ConfigError(f"--max-wait-h {max_wait_h}: hours a job may wait to start, a number >= 0")
     if sim_steps is not None and not MIN_PROJECTION_STEPS <= sim_steps:
         raise ConfigError(f"--sim-steps {sim_steps}: at least {MIN_PROJECTION_STEPS} steps (a steady pace to "
                           "project from)")
@@ -124,7 +160,11 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     packs = sorted(set(parse_list(per_gpu, int, "per-gpu")))
     if packs[0] < 1:
         raise ConfigError(f"--per-gpu {per_gpu}: jobs a GPU, integers >= 1")
-    packs = [n for n in packs if n <= total_jobs] or [total_jobs]
+    if gpus is not None:  # a fleet's GPU holds at most ceil(J / G) jobs: a larger cap never binds
+        gpus = min(gpus, total_jobs)
+        packs = sorted({min(n, math.ceil(total_jobs / gpus)) for n in packs})
+    else:
+        packs = [n for n in packs if n <= total_jobs] or [total_jobs]
     pols = parse_list(policies, str, "policies")
     bad = [p for p in pols if p not in PLAN_POLICIES]
     if bad:
@@ -158,17 +198,35 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
             for s in shr for k in stk]
     options = [(1, ("dedicated", 1, "none", 1))]
     options += [(n, a) for n in packs if n > 1 for a in dict.fromkeys(arms) if arm_fits(a[0], a[1], a[3], n)]
-    # Each option's GPUs and their loads (template indices); equal loads are simulated once.
+    # Each option's GPUs and their loads (template indices); equal loads are simulated once. A GPU:
+    # its jobs (indices into the fleet), the start of its first job's arrival, and the load keys it
+    # is simulated by (one, or each job's own when it runs them one at a time).
     T = len(templates)
+    every = arrive_every or 0.0
     layouts, tasks = {}, {}
+
+    def task(load: tuple, arm: tuple, arrivals: tuple, cap: int | None) -> tuple:
+        key = (load, arm, arrivals, cap)
+        tasks.setdefault(key, (base, templates, load, arm, steps, sim_steps, arrivals, cap))
+        return key
+
     for n, arm in options:
-        gpus = []
-        for g in range(math.ceil(total_jobs / n)):
-            load = tuple(i % T for i in range(g * n, min((g + 1) * n, total_jobs)))
-            key = (load, _gpu_arm(arm, len(load)))
-            gpus.append(key)
-            tasks.setdefault(key, (base, templates, load, key[1], steps, sim_steps, arrive_every))
-        layouts[(n, arm)] = gpus
+        fleet = []
+        if gpus is None:  # ceil(J / n) GPUs, n consecutive jobs each
+            deal = [range(g * n, min((g + 1) * n, total_jobs)) for g in range(math.ceil(total_jobs / n))]
+        else:  # G GPUs, job i to GPU i mod G
+            deal = [range(g, total_jobs, gpus) for g in range(gpus)]
+        for idx in deal:
+            load = tuple(i % T for i in idx)
+            arrivals = tuple((i - idx[0]) * every for i in idx)
+            if gpus is not None and n == 1:  # one after another, each alone: a one-job load each
+                keys = [task((t,), arm, (0.0,), None) for t in load]
+                fleet.append({"jobs": idx, "start": idx[0] * every, "keys": keys, "arrivals": arrivals, "alone": True})
+                continue
+            cap = n if gpus is not None and len(load) > n else None
+            key = task(load, _gpu_arm(arm, len(load)), arrivals, cap)
+            fleet.append({"jobs": idx, "start": idx[0] * every, "keys": [key], "arrivals": arrivals, "alone": False})
+        layouts[(n, arm)] = fleet
     t0 = time.perf_counter()
     results = {}
     workers = workers or min(os.cpu_count() or 1, 8)
@@ -181,20 +239,22 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     if progress:
         print(file=sys.stderr)
     rows = []
-    for (n, arm), gpus in layouts.items():
-        # GPU g holds jobs g*n .. g*n+n-1 (one simulated run each): it starts at its first job's
-        # arrival, and its job k arrived k x arrive_every after that.
-        per = [results[key] for key in gpus]
-        every = arrive_every or 0.0
+    for (n, arm), fleet in layouts.items():
+        # Each GPU starts at its first job's arrival; a job's time and wait run from its own arrival.
+        per = [_one_at_a_time([results[k] for k in g["keys"]], g["arrivals"]) if g["alone"] else results[g["keys"][0]]
+               for g in fleet]
         gpu_s, steps_done = sum(x["gpu_s"] for x in per), sum(x["steps"] for x in per)
-        finishes = [t - k * every for x in per for k, t in enumerate(x["finish_s"])]  # from each arrival
-        until = max(g * n * every + x["gpu_s"] for g, x in enumerate(per))
-        last = {_gpu_arm(arm, len(key[0])) for key in gpus} - {arm}
-        rows.append({"per_gpu": n, "arm": arm_name(*arm), "policy": arm[0], "groups": arm[1], "sharing": arm[2],
+        finishes = [t - a for g, x in zip(fleet, per) for t, a in zip(x["finish_s"], g["arrivals"])]
+        waits = [t - a for g, x in zip(fleet, per) for t, a in zip(x["start_s"], g["arrivals"])]
+        until = max(g["start"] + x["gpu_s"] for g, x in zip(fleet, per))
+        last = {key[1] for g in fleet for key in g["keys"]} - {arm}
+        name = "dedicated, one at a time" if gpus is not None and arm[0] == "dedicated" else arm_name(*arm)
+        rows.append({"per_gpu": n, "arm": name, "policy": arm[0], "groups": arm[1], "sharing": arm[2],
                      "stacks": arm[3], "gpus": len(per), "hours": until / 3600,
                      "mean_job_hours": sum(finishes) / len(finishes) / 3600, "gpu_hours": gpu_s / 3600,
+                     "mean_wait_h": sum(waits) / len(waits) / 3600, "max_wait_h": max(waits) / 3600,
                      "steps": steps_done, "steps_per_gpu_hour": steps_done / gpu_s * 3600,
-                     "outside_profile": sorted({f for key in gpus for f in results[key]["flags"]}),
+                     "outside_profile": sorted({f for x in per for f in x["flags"]}),
                      **({"last_gpu": arm_name(*next(iter(last)))} if last else {})})
     dedicated = next(r for r in rows if r["policy"] == "dedicated")
     for r in rows:
@@ -202,7 +262,8 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
         if price_per_gpu_hour is not None:
             r["cost"] = r["gpu_hours"] * price_per_gpu_hour
         r["meets"] = ((deadline_h is None or r["hours"] <= deadline_h)
-                      and (max_gpus is None or r["gpus"] <= max_gpus))
+                      and (max_gpus is None or r["gpus"] <= max_gpus)
+                      and (max_wait_h is None or r["max_wait_h"] <= max_wait_h + 1e-12))
     rows.sort(key=lambda r: (r["gpu_hours"], r["hours"]))
     # Flags every option shares tell no option apart: a row keeps its own (``outside_profile``).
     common = set.intersection(*(set(r["outside_profile"]) for r in rows))
@@ -220,6 +281,7 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
                         within_error=error is not None and gap < error)
     flags = sorted({f for v in results.values() for f in v["flags"]})
     result = {"total_jobs": total_jobs, "steps": steps, "job_steps": dedicated["steps"], "arrive_every_s": arrive_every,
+              "fleet_gpus": gpus, "max_wait_h": max_wait_h,
               "sim_steps": sim_steps, "profile": base["profile"],
               "deadline_h": deadline_h, "max_gpus": max_gpus, "price_per_gpu_hour": price_per_gpu_hour,
               "rows": rows, "best": best,
@@ -240,7 +302,8 @@ def _hours(h: float) -> str:
 
 def plan_table(result: dict) -> str:
     limits = [f"{result['deadline_h']:g} h" if result.get("deadline_h") else "",
-              f"{result['max_gpus']} GPUs" if result.get("max_gpus") else ""]
+              f"{result['max_gpus']} GPUs" if result.get("max_gpus") else "",
+              f"a wait of {_hours(result['max_wait_h'])}" if result.get("max_wait_h") is not None else ""]
     limit = " and ".join(x for x in limits if x)
     priced = result.get("price_per_gpu_hour") is not None
     sim = (f"; simulated {result['sim_steps']} steps a job, projected by the steady pace" if result.get("sim_steps")
@@ -249,15 +312,23 @@ def plan_table(result: dict) -> str:
             f"their own steps ({result['job_steps']} in all)")
     every = (f", arriving {result['arrive_every_s']:g} s apart (each GPU billed from its first job's arrival)"
              if result.get("arrive_every_s") else "")
+    fleet = result.get("fleet_gpus")
+    if fleet:
+        every += (f", on a fleet of {fleet} GPUs (jobs dealt in turn; a GPU runs at most its jobs-a-GPU at once, "
+                  "the rest queue; 1: one after another, each alone)")
+    waits = bool(fleet or result.get("arrive_every_s"))
     lines = [f"{result['total_jobs']} jobs of {each}{every} on profile {result['profile']}{sim}:", "",
-             "| jobs a GPU | arm | GPUs | until the last job ends | a job's mean time | GPU-hours | steps per GPU-hour "
-             "| GPU-hours vs a GPU per job |" + (" cost |" if priced else "") + (f" within {limit} |" if limit else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if priced else "") + ("---|" if limit else "")]
+             "| jobs a GPU | arm | GPUs | until the last job ends | a job's mean time |"
+             + (" mean / longest wait to start |" if waits else "") + " GPU-hours | steps per GPU-hour "
+             f"| GPU-hours vs {'one at a time' if fleet else 'a GPU per job'} |" + (" cost |" if priced else "") + (f" within {limit} |" if limit else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if waits else "") + ("---|" if priced else "")
+             + ("---|" if limit else "")]
     for r in result["rows"]:
         arm = (r["arm"] + (f" (last GPU {r['last_gpu']})" if r.get("last_gpu") else "")
                + (" *" if r.get("outside_profile") else ""))
-        lines.append(f"| {r['per_gpu']} | {arm} | {r['gpus']} | {_hours(r['hours'])} | {_hours(r['mean_job_hours'])} | "
-                     f"{r['gpu_hours']:.3g} | {r['steps_per_gpu_hour']:.0f} | {r['gpu_hours_vs_dedicated']:.3f} |"
+        wait = f" {_hours(r['mean_wait_h'])} / {_hours(r['max_wait_h'])} |" if waits else ""
+        lines.append(f"| {r['per_gpu']} | {arm} | {r['gpus']} | {_hours(r['hours'])} | {_hours(r['mean_job_hours'])} |"
+                     f"{wait} {r['gpu_hours']:.3g} | {r['steps_per_gpu_hour']:.0f} | {r['gpu_hours_vs_dedicated']:.3f} |"
                      + (f" {r['cost']:,.2f} |" if priced else "")
                      + ((" yes |" if r["meets"] else " no |") if limit else ""))
     b = result.get("best")

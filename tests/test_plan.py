@@ -119,6 +119,11 @@ def test_nodus_plan_cli_prints_the_table_and_writes_the_plan(tmp_path, capsys):
     assert math.isclose(sum(1 for r in saved["rows"] if r["policy"] == "dedicated"), 1)
     assert main(["plan", "--total-jobs", "4", "--deadline-h", "0"]) == 2
     assert "--deadline-h 0" in capsys.readouterr().err
+    assert main(["plan", "--total-jobs", "4", "--steps", "2", "--per-gpu", "1,2", "--policies", "shared-sync",
+                 "--gpus", "2", "--max-wait-h", "0.5", "--workers", "1"]) == 0
+    assert "on a fleet of 2 GPUs" in capsys.readouterr().out
+    assert main(["plan", "--total-jobs", "4", "--gpus", "2", "--max-gpus", "2"]) == 2
+    assert "--gpus 2 fixes the fleet" in capsys.readouterr().err
 
 
 def test_options_outside_the_profiled_region_are_marked_apart_from_what_every_option_shares():
@@ -175,3 +180,59 @@ def test_arrivals_join_each_gpu_as_they_come_and_each_gpu_is_billed_from_its_fir
         plan(total_jobs=4, steps=9, sim_steps=3, arrive_every=6.0)
     with pytest.raises(ConfigError, match="--arrive-every -1"):
         plan(total_jobs=4, arrive_every=-1.0)
+
+
+def test_a_fixed_fleet_deals_jobs_in_turn_and_queues_them_beyond_each_gpus_slots():
+    """--gpus G: job i to GPU i mod G, arriving i x S after the first; a GPU runs at most n at once
+    (arm.max_active) and the rest wait. GPU 0 of the fleet is nodus sim's run of its jobs (0, G,
+    2G, ..., arriving G x S apart) with that cap; n = 1 chains each job alone."""
+    every, G = 1.0, 2
+    r = plan(total_jobs=6, steps=3, per_gpu="1,2", policies="shared-sync", workers=1, gpus=G, arrive_every=every)
+    two = _row(r, 2, "shared-sync mps")
+    assert two["gpus"] == G and two["max_wait_h"] > 0  # job 4 waits for one of jobs 0 and 2 to end
+    tpl = default_jobs(8)
+    gpu = []
+    for g in range(G):  # GPU g: jobs g, g+2, g+4, each its template's seed
+        jobs = [{**tpl[i].model_dump(exclude_none=True), "id": f"job{k}", "seed": 1000 + i,
+                 **({"arrive_s": k * G * every} if k else {})} for k, i in enumerate(range(g, 6, G))]
+        gpu.append(simulate(config_from_args({"jobs": jobs}, policy="shared-sync", steps=3, max_active=2)))
+    assert two["gpu_hours"] == pytest.approx(sum(x["gpu_seconds"] for x in gpu) / 3600)
+    assert two["hours"] == pytest.approx(max(g * every + x["gpu_seconds"] for g, x in enumerate(gpu)) / 3600)
+    waits = [d["start_s"] - (d.get("arrive_s") or 0.0) for x in gpu for d in x["per_job"].values()]
+    assert two["max_wait_h"] == pytest.approx(max(waits) / 3600)
+    assert two["mean_wait_h"] == pytest.approx(sum(waits) / len(waits) / 3600)
+    # n = 1: each GPU's jobs one after another, each as alone; job k starts at max(its arrival,
+    # the previous job's end), so with arrivals closer than a job's time the later ones wait
+    one = _row(r, 1, "dedicated, one at a time")
+    alone = [_sim_gpu_s([(i, tpl[i])], "dedicated", 3)[0] for i in range(6)]
+    t_end = []
+    for g in range(G):
+        t = 0.0
+        for k, i in enumerate(range(g, 6, G)):
+            t = max(t, k * G * every) + alone[i]
+        t_end.append(t)
+    assert one["gpu_hours"] == pytest.approx(sum(t_end) / 3600)
+    assert one["max_wait_h"] > 0 and one["gpu_hours_vs_dedicated"] == 1.0
+    text = plan_table(r)
+    assert "on a fleet of 2 GPUs" in text and "| mean / longest wait to start |" in text
+    assert "GPU-hours vs one at a time" in text
+    # a cap above a GPU's share (3 jobs) never binds: it is taken as 3
+    assert {x["per_gpu"] for x in plan(total_jobs=6, steps=2, per_gpu="1,8", policies="shared-sync",
+                                       workers=1, gpus=G)["rows"]} == {1, 3}
+
+
+def test_a_wait_limit_picks_the_cheapest_option_whose_jobs_start_in_time_and_bad_fleets_are_errors():
+    r = plan(total_jobs=8, steps=3, per_gpu="1,2,4", policies="shared-sync", workers=1, gpus=2, arrive_every=1.0,
+             max_wait_h=0.0)
+    one = _row(r, 1, "dedicated, one at a time")
+    assert one["max_wait_h"] > 0 and not one["meets"]
+    assert all(x["meets"] == (x["max_wait_h"] <= 1e-12) for x in r["rows"])
+    assert "within a wait of 0.0 s" in plan_table(r)
+    with pytest.raises(ConfigError, match="--gpus 0"):
+        plan(total_jobs=4, gpus=0)
+    with pytest.raises(ConfigError, match="--gpus 2 fixes the fleet"):
+        plan(total_jobs=4, gpus=2, max_gpus=3)
+    with pytest.raises(ConfigError, match="--sim-steps 3 with --gpus"):
+        plan(total_jobs=4, steps=9, sim_steps=3, gpus=2)
+    with pytest.raises(ConfigError, match="--max-wait-h -1"):
+        plan(total_jobs=4, max_wait_h=-1.0)
