@@ -24,6 +24,7 @@ current version. Any violation raises StaleRolloutError before it can corrupt a 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -128,6 +129,7 @@ class Scheduler:
         self._starts: dict[int, list[float]] = {}  # stack -> when each of its Generates was set to start
         self._holds: dict[int, list[float]] = {}  # stack -> seconds each of those starts was held
         self._held_s: dict[str, float] = {}  # Generate action id -> seconds it was held (hold_apart)
+        self._stack_seq: list[int] = sorted(self._trainer_busy)  # the order stacks start in (start())
 
     # -- public interface -------------------------------------------------------------------
     def start(self) -> list[Action]:
@@ -136,10 +138,21 @@ class Scheduler:
             if v > 0:
                 self.spans.append(Span(j, self._group_of[j].index, "publish", 0.0, 0.0,
                                        self._group_of[j].stack, {"version": v, "resumed": True}))
-        stacks = sorted(self._trainer_busy)
+        stacks = self._stack_seq = self._stack_order()  # fixed at the start: the cue order
         for stack in stacks[:1] if self.offset_stacks else stacks:
             actions += self._start_stack(stack)
         return actions
+
+    def _stack_order(self) -> list[int]:
+        """The order offset stacks start in: by the first of their jobs in the queue for a slot
+        (arrival, then job order; ``_admissible``), so the first stack to start holds a job that
+        can start. Stack order when every job arrives at once. (By stack index, a first stack whose
+        jobs arrive later, or queue behind another stack's under ``max_active``, would never
+        generate, and the stacks it cues would never start.)"""
+        def head(stack: int) -> tuple:
+            return min(((self._arrival(j), self._order[j]) for g in self._groups if g.stack == stack
+                        for j in g.jobs if self.jobs[j].active), default=(math.inf, math.inf))
+        return sorted(self._trainer_busy, key=lambda k: (head(k), k))
 
     def _start_stack(self, stack: int) -> list[Action]:
         """A stack's first Generate(s): its first group to arrive (timeslice, overlap's stagger),
@@ -190,7 +203,7 @@ class Scheduler:
         """offset_stacks: the stack after ``stack`` starts, if it has not (its groups all pending)."""
         if not self.offset_stacks:
             return []
-        later = sorted({g.stack for g in self._groups if g.stack > stack})
+        later = self._stack_seq[self._stack_seq.index(stack) + 1:]
         if not later:
             return []
         if all(g.state == "pending" for g in self._groups if g.stack == later[0]):

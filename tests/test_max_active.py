@@ -73,3 +73,19 @@ def test_nodus_sim_max_active_says_so(capsys):
     out = capsys.readouterr().out
     assert "(groups 1, sharing mps, at most 2 under way)" in out
     assert "| jobs arriving after the start / seconds a job waited to start, mean / max | 0 / " in out
+
+
+
+@pytest.mark.parametrize("arrivals, first", [({"a": 1.0}, "b"), ({}, "a")])
+def test_offset_stacks_start_with_the_stack_whose_job_is_first_in_the_queue(arrivals, first):
+    """Offset stacks start one at a time, the next as the first one's first generation ends. A
+    stack whose only job arrives later, and under one slot queues behind the other stack's job,
+    must not start first: it could not generate, and would never cue the stack holding the job
+    that can (hypothesis found it: two jobs, one slot, stack 0's job arriving at 1 s). With every
+    job at once the queue is in job order and stack 0 starts, as before."""
+    s = Scheduler({"a": 1, "b": 2}, [(0, ["a"]), (1, ["b"])], stagger=False, offset_stacks=True,
+                  max_active=1, arrivals=arrivals)
+    b = ScriptedBackend()
+    spans = drive(s, b)
+    assert s.done() and audit_on_policy(spans) == []
+    assert _gens(b)[0] == [(first, 0)]
