@@ -199,8 +199,8 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     options = [(1, ("dedicated", 1, "none", 1))]
     options += [(n, a) for n in packs if n > 1 for a in dict.fromkeys(arms) if arm_fits(a[0], a[1], a[3], n)]
     # Each option's GPUs and their loads (template indices); equal loads are simulated once. A GPU:
-    # its jobs (indices into the fleet), the start of its first job's arrival, and the load keys it
-    # is simulated by (one, or each job's own when it runs them one at a time).
+    # its first job's arrival (its start), each job's arrival from that, and the load keys it is
+    # simulated by (one, or each job's own when it runs them one at a time: "alone").
     T = len(templates)
     every = arrive_every or 0.0
     layouts, tasks = {}, {}
@@ -221,11 +221,11 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
             arrivals = tuple((i - idx[0]) * every for i in idx)
             if gpus is not None and n == 1:  # one after another, each alone: a one-job load each
                 keys = [task((t,), arm, (0.0,), None) for t in load]
-                fleet.append({"jobs": idx, "start": idx[0] * every, "keys": keys, "arrivals": arrivals, "alone": True})
+                fleet.append({"start": idx[0] * every, "keys": keys, "arrivals": arrivals, "alone": True})
                 continue
             cap = n if gpus is not None and len(load) > n else None
             key = task(load, _gpu_arm(arm, len(load)), arrivals, cap)
-            fleet.append({"jobs": idx, "start": idx[0] * every, "keys": [key], "arrivals": arrivals, "alone": False})
+            fleet.append({"start": idx[0] * every, "keys": [key], "arrivals": arrivals, "alone": False})
         layouts[(n, arm)] = fleet
     t0 = time.perf_counter()
     results = {}

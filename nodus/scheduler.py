@@ -129,7 +129,7 @@ class Scheduler:
         self._starts: dict[int, list[float]] = {}  # stack -> when each of its Generates was set to start
         self._holds: dict[int, list[float]] = {}  # stack -> seconds each of those starts was held
         self._held_s: dict[str, float] = {}  # Generate action id -> seconds it was held (hold_apart)
-        self._stack_seq: list[int] = sorted(self._trainer_busy)  # the order stacks start in (start())
+        self._stack_seq = self._stack_order()  # the order offset stacks start in, each cueing the next
 
     # -- public interface -------------------------------------------------------------------
     def start(self) -> list[Action]:
@@ -138,7 +138,7 @@ class Scheduler:
             if v > 0:
                 self.spans.append(Span(j, self._group_of[j].index, "publish", 0.0, 0.0,
                                        self._group_of[j].stack, {"version": v, "resumed": True}))
-        stacks = self._stack_seq = self._stack_order()  # fixed at the start: the cue order
+        stacks = self._stack_seq
         for stack in stacks[:1] if self.offset_stacks else stacks:
             actions += self._start_stack(stack)
         return actions
