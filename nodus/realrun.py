@@ -78,9 +78,12 @@ class ClusterPool:
         fits (also when only run-loop settings changed, ``real.backend.RUN_SETTINGS``), the running
         one with its trainers restarted when trainer settings changed (``real.backend.TRAINER_SETTINGS``:
         an A/B of trainer settings keeps the engines), else a new one."""
-        from real.backend import Cluster, RealBackend, check_run_settings
+        from real.backend import Cluster, RealBackend, check_run_settings, fit_microbatch
 
         check_run_settings(cfg, self.opts)  # before any process starts
+        # A default micro-batch whose graphed trainers would not fit this GPU beside the engines: the
+        # largest that does, for this run's stacks (an arm and its one-stack baseline each their own).
+        cfg = fit_microbatch(cfg, self.opts, n_stacks)
         return RealBackend(self._cluster(cfg, n_stacks, Cluster)[0], cfg)
 
     def plan(self, cfg: RunConfig, n_stacks: int) -> str:

@@ -327,53 +327,124 @@ def trainer_step_mode(graphs: bool, device: str) -> str:
     return "graphed" if device == "cuda" else "static"
 
 
-# A graphed trainer's memory at 16k-token micro-batches, and the micro-batch it was seen at: in
-# session 29 two such trainers' graph captures ran out at 50.5 and 58.1 GiB. In session 30 two
-# trainers at 8k-token micro-batches and 49.1 GiB of engines fitted in 139.7 GiB (at most ~45 GiB
-# each), so the estimate scales with the micro-batch tokens.
-TRAINER_GIB, TRAINER_GIB_TOKENS = 50.0, 16384
+# A graphed trainer's memory at 16k-token micro-batches, and the micro-batch it was seen at. Each
+# out-of-memory capture bounds it from below: in session 29 two such trainers' captures ran out at
+# 50.5 and 58.1 GiB of their own; on the H100 of session 49 a trainer at 8k-token micro-batches ran
+# out at 28.3 GiB (11.9 GiB of it graph pools). In session 30 two trainers at 8k and 49.1 GiB of
+# engines fitted in 139.7 GiB (at most ~45 GiB each). The estimate scales with the micro-batch
+# tokens: 30 GiB at 8k, 60 GiB at 16k, above both failures.
+TRAINER_GIB, TRAINER_GIB_TOKENS = 60.0, 16384
+# An eager trainer's memory whatever its micro-batch (one-stack eager runs at 32k tokens worked in
+# sessions 5-6).
+EAGER_TRAINER_GIB = 50.0
+# What the processes hold beyond the engine share and the trainers (session 49, H100): each engine
+# process 2.0 GiB above its gpu_memory_utilization share (15.9 GiB at 13.9; CUDA context and CUDA
+# graphs), and the controller 2.0 GiB.
+ENGINE_OVERHEAD_GIB, CONTROLLER_GIB = 2.0, 2.0
+# The smallest micro-batch fit_microbatch goes down to.
+MIN_FIT_MICROBATCH = 1024
 
 
 def trainer_gib_estimate(microbatch_tokens: int | None, graphed: bool = True) -> float:
     """A trainer's memory, roughly: a graphed one TRAINER_GIB at TRAINER_GIB_TOKENS micro-batch
-    tokens, in proportion to them (its graph pools and activations grow with the micro-batch; two
-    points only, 8k known to fit in ~45 GiB, so the 25 GiB it gives there is a bound's guess, not
-    a measurement); an eager one TRAINER_GIB whatever its micro-batch (one-stack eager runs at 32k
-    tokens worked in sessions 5-6)."""
+    tokens, in proportion to them (its graph pools and activations grow with the micro-batch; a
+    bound above the captures seen to fail, not a measured peak); an eager one EAGER_TRAINER_GIB."""
     if not graphed:
-        return TRAINER_GIB
+        return EAGER_TRAINER_GIB
     return TRAINER_GIB * (microbatch_tokens or TRAINER_GIB_TOKENS) / TRAINER_GIB_TOKENS
+
+
+def gpu_memory_need_gib(total_gib: float, engine_memory: float, n_stacks: int, trainer_gib: float) -> float:
+    """What a cluster of ``n_stacks`` stacks asks of a GPU of ``total_gib``: the engines' share of
+    it, each engine's overhead beyond its share, the controller, and a trainer a stack."""
+    return engine_memory * total_gib + n_stacks * (ENGINE_OVERHEAD_GIB + trainer_gib) + CONTROLLER_GIB
+
+
+def microbatch_that_fits(free_gib: float, total_gib: float, engine_memory: float, n_stacks: int,
+                         microbatch_tokens: int, graphed: bool = True) -> int | None:
+    """The largest of ``microbatch_tokens``, its half, its quarter, ... (not under
+    MIN_FIT_MICROBATCH) at which a trainer a stack fits beside the engines in ``free_gib``; None
+    when none does (or, for an eager trainer, whose estimate does not follow the micro-batch, when
+    it does not fit as asked)."""
+    tokens = microbatch_tokens
+    while True:
+        if gpu_memory_need_gib(total_gib, engine_memory, n_stacks, trainer_gib_estimate(tokens, graphed)) <= free_gib:
+            return tokens
+        if not graphed or tokens // 2 < MIN_FIT_MICROBATCH:
+            return None
+        tokens //= 2
+
+
+def gpu_memory_gib() -> tuple[float, float] | None:
+    """The first GPU's free and total memory in GiB (nvidia-smi), or None where it cannot be read."""
+    import shutil as _sh
+    import subprocess
+
+    if _sh.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    free_mib, total_mib = (float(v) for v in out.stdout.splitlines()[0].split(","))
+    return free_mib / 1024, total_mib / 1024
 
 
 def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float | None = None,
                      microbatch_tokens: int | None = None, graphed: bool = True) -> None:
     """Refuse before starting anything if the engine share cannot fit in free memory; warn where
     it plus a trainer a stack (``trainer_gib``, else estimated from ``microbatch_tokens`` and
-    whether the trainer replays CUDA graphs, ``trainer_gib_estimate``) may not."""
+    whether the trainer replays CUDA graphs, ``trainer_gib_estimate``) may not, naming the largest
+    micro-batch that would fit."""
     if trainer_gib is None:
         trainer_gib = trainer_gib_estimate(microbatch_tokens, graphed)
-    import shutil as _sh
-    import subprocess
-
-    if _sh.which("nvidia-smi") is None:
+    mem = gpu_memory_gib()
+    if mem is None:
         return
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True)
-    if out.returncode != 0 or not out.stdout.strip():
-        return
-    free_mib, total_mib = (float(v) for v in out.stdout.splitlines()[0].split(","))
-    need = engine_memory * total_mib
-    if need > free_mib:
+    free, total = mem
+    need = engine_memory * total
+    if need > free:
         raise BackendConfigError(
-            f"--engine-memory {engine_memory}: the engine(s) need {need / 1024:.1f} GiB but only "
-            f"{free_mib / 1024:.1f} GiB of {total_mib / 1024:.1f} GiB is free")
-    if need + n_stacks * trainer_gib * 1024 > free_mib:
+            f"--engine-memory {engine_memory}: the engine(s) need {need:.1f} GiB but only "
+            f"{free:.1f} GiB of {total:.1f} GiB is free")
+    if gpu_memory_need_gib(total, engine_memory, n_stacks, trainer_gib) > free:
         # Session 29: two stacks at 0.35 and 16k-token micro-batches (~149 GiB asked of 139.8): both
-        # trainers' CUDA-graph captures ran out of memory and they trained eager.
+        # trainers' CUDA-graph captures ran out of memory and they trained eager. Session 49 (H100,
+        # 79.2 GiB): two stacks at 0.35 and 8k tokens, the same, at 5512 steps/GPU-h against 8369
+        # predicted.
         stacks = f" x {n_stacks} stacks" if n_stacks > 1 else ""
-        print(f"nodus: warning: engine share {need / 1024:.1f} GiB + ~{trainer_gib:.0f} GiB per trainer{stacks} may "
-              f"not fit in {free_mib / 1024:.1f} GiB free (a graphed trainer that does not fit trains eager); "
-              "lower --engine-memory or trainer.max_tokens_per_microbatch", flush=True)
+        fits = (microbatch_that_fits(free, total, engine_memory, n_stacks, microbatch_tokens or TRAINER_GIB_TOKENS)
+                if graphed else None)
+        hint = (f"trainer.max_tokens_per_microbatch {fits} would fit" if fits
+                else "lower --engine-memory or trainer.max_tokens_per_microbatch")
+        print(f"nodus: warning: engine share {need:.1f} GiB + ~{trainer_gib:.0f} GiB per trainer{stacks} "
+              f"(+ {ENGINE_OVERHEAD_GIB:.0f} GiB an engine and {CONTROLLER_GIB:.0f} GiB for the controller) may not "
+              f"fit in {free:.1f} GiB free (a graphed trainer that does not fit trains eager); {hint}", flush=True)
+
+
+def fit_microbatch(cfg, opts: RealOptions | None, stacks: int, mem: tuple[float, float] | None = None):
+    """``cfg`` with the trainer's micro-batch fitted to this GPU for a cluster of ``stacks``: where
+    the config leaves ``trainer.max_tokens_per_microbatch`` at its default and a graphed trainer a
+    stack at that size would not fit beside the engines (two stacks on an 80 GB card), the largest
+    halving that does, printed (the run's diagnostics record each run's, ``trainer_microbatch_tokens``).
+    A size the config sets stays (the start's check_gpu_memory warns, naming one that fits), as does
+    every run off a GPU, with an eager trainer, or where nothing smaller fits. ``mem``: the GPU's
+    (free, total) GiB, else read with nvidia-smi."""
+    if (opts is None or "max_tokens_per_microbatch" in cfg.trainer.model_fields_set or not opts.trainer_graphs
+            or run_device(opts) != "cuda"):
+        return cfg
+    mem = mem or gpu_memory_gib()
+    if mem is None:
+        return cfg
+    free, total = mem
+    asked = cfg.trainer.max_tokens_per_microbatch
+    fits = microbatch_that_fits(free, total, opts.engine_memory, stacks, asked)
+    if fits is None or fits == asked:
+        return cfg
+    print(f"nodus: trainer micro-batch {fits} tokens, not the default {asked}: {stacks} graphed trainer(s) of "
+          f"~{trainer_gib_estimate(asked):.0f} GiB beside an engine share of {opts.engine_memory * total:.1f} GiB "
+          f"do not fit in {free:.1f} GiB free (set trainer.max_tokens_per_microbatch to choose)", flush=True)
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"max_tokens_per_microbatch": fits})})
 
 
 def run_device(opts: RealOptions) -> str:
@@ -955,6 +1026,8 @@ class RealBackend:
                 "adapter_folders_kept": sum(1 for _, dirs, _ in os.walk(self.adapter_root)
                                             for d in dirs if d.startswith("v") and d[1:].isdigit()),
                 "cuda_graph_max_tokens": self.cfg.engine.cuda_graph_max_tokens,
+                # The micro-batch this run trained at (fit_microbatch may have halved the default).
+                "trainer_microbatch_tokens": self.cfg.trainer.max_tokens_per_microbatch,
                 # The adapter slots the engine was started with: a pool sized for a larger arm of
                 # the invocation gives a smaller one its engine (session 21's 8-job runs on a
                 # 16-slot, 1024-token-graph engine ran 6-13% slower than on their own).

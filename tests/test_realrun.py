@@ -297,31 +297,108 @@ def test_pool_keeps_the_trainers_priority_for_a_run_where_nothing_co_runs(monkey
     assert pool(_cfg(2, "overlap"), 1) is first and [o.trainer_priority for o in first.trainer_restarts] == ["normal"]
 
 
-def test_the_gpu_memory_check_refuses_an_engine_share_that_cannot_fit_and_warns_of_stacks(monkeypatch, capsys):
-    """Before any process: an engine share above the free memory is refused; engines plus a ~50 GiB
-    trainer per stack above it warn, naming the stacks (session 29: two stacks at 0.35 asked ~149 GiB
-    of 139.8, and the trainers' graph captures ran out of memory)."""
+def _smi(monkeypatch, free_mib, total_mib):
     import shutil
     import subprocess
 
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, f"{free_mib}, {total_mib}\n", ""))
+
+
+def test_the_gpu_memory_check_refuses_an_engine_share_that_cannot_fit_and_warns_of_stacks(monkeypatch, capsys):
+    """Before any process: an engine share above the free memory is refused; engines plus a ~60 GiB
+    trainer per stack above it warn, naming the stacks (session 29: two stacks at 0.35 asked ~149 GiB
+    of 139.8, and the trainers' graph captures ran out of memory)."""
     from real.backend import BackendConfigError, check_gpu_memory
 
-    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "143155, 143771\n", ""))
+    _smi(monkeypatch, 143155, 143771)  # an H200: 139.8 GiB free of 140.4
     check_gpu_memory(0.35, 1)
-    assert capsys.readouterr().out == ""  # 49 + 50 GiB of 139.8
+    assert capsys.readouterr().out == ""  # 49 + 2 + 2 + 60 GiB of 139.8
     check_gpu_memory(0.35, 2)
     out = capsys.readouterr().out
-    assert "~50 GiB per trainer x 2 stacks may not fit in 139.8 GiB free" in out and "trains eager" in out
+    assert "~60 GiB per trainer x 2 stacks" in out and "may not fit in 139.8 GiB free" in out and "trains eager" in out
+    assert "trainer.max_tokens_per_microbatch 8192 would fit" in out
     with pytest.raises(BackendConfigError, match="need 147.4 GiB but only 139.8 GiB"):
         check_gpu_memory(1.05, 1)
     # The trainer's estimate follows its micro-batch: two stacks at 8k tokens (session 30: they fitted).
     check_gpu_memory(0.35, 2, microbatch_tokens=8192)
-    assert capsys.readouterr().out == ""  # 49 + 2 x 25 GiB
+    assert capsys.readouterr().out == ""  # 49 + 2 x (2 + 30) + 2 GiB
     check_gpu_memory(0.35, 2, microbatch_tokens=16384)
-    assert "~50 GiB per trainer x 2 stacks" in capsys.readouterr().out
-    # An eager trainer keeps the flat estimate: one stack at 32k tokens does not warn, two at 8k do.
+    assert "~60 GiB per trainer x 2 stacks" in capsys.readouterr().out
+    # An eager trainer keeps the flat estimate: one stack at 32k tokens does not warn, two at 8k do
+    # (and no micro-batch is named: its estimate does not follow it).
     check_gpu_memory(0.35, 1, microbatch_tokens=32768, graphed=False)
     assert capsys.readouterr().out == ""
     check_gpu_memory(0.35, 2, microbatch_tokens=8192, graphed=False)
-    assert "~50 GiB per trainer x 2 stacks" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "~50 GiB per trainer x 2 stacks" in out and "lower --engine-memory" in out
+
+
+def test_the_gpu_memory_check_warns_of_the_h100_run_that_trained_eager(monkeypatch, capsys):
+    """Session 49's H100 (79.2 GiB, 77.2 free): two stacks at 0.35 with 8k-token graphed trainers
+    ran out of memory in both captures (one trainer at 28.3 GiB) and trained eager. The check warns
+    and names the micro-batch that fits: 4096 (27.7 + 2 x (2 + 15) + 2 = 63.7 GiB)."""
+    from real.backend import check_gpu_memory, microbatch_that_fits
+
+    _smi(monkeypatch, 79053, 81079)
+    check_gpu_memory(0.35, 2, microbatch_tokens=8192)
+    out = capsys.readouterr().out
+    assert "~30 GiB per trainer x 2 stacks" in out and "trainer.max_tokens_per_microbatch 4096 would fit" in out
+    check_gpu_memory(0.35, 2, microbatch_tokens=4096)
+    assert capsys.readouterr().out == ""
+    assert microbatch_that_fits(77.2, 79.18, 0.35, 2, 8192) == 4096
+    assert microbatch_that_fits(77.2, 79.18, 0.35, 1, 8192) == 8192  # one stack: 8k fits
+    assert microbatch_that_fits(139.8, 140.4, 0.35, 2, 16384) == 8192  # session 30's H200 pair
+    assert microbatch_that_fits(30.0, 40.0, 0.9, 2, 16384) is None  # the engines alone leave no room
+    assert microbatch_that_fits(77.2, 79.18, 0.35, 2, 8192, graphed=False) is None
+
+
+def test_a_default_micro_batch_is_fitted_to_the_gpu_and_a_set_one_stays(capsys):
+    """A run whose config leaves the micro-batch at its default gets the largest halving whose graphed
+    trainers fit beside the engines (two stacks on an 80 GB card: 4096), recorded in its config; one
+    the config sets stays; runs off a GPU, eager, or where the default fits are untouched."""
+    from real.backend import RealOptions, fit_microbatch
+
+    h100, h200 = (77.2, 79.18), (139.8, 140.4)
+    two = build_config({"jobs": [{"task": "sorting"} for _ in range(4)],
+                        "arm": {"policy": "shared-sync", "stacks": 2, "sharing": "mps"}})
+    graphed = RealOptions(device="cuda", trainer_graphs=True, engine_memory=0.35)
+    fitted = fit_microbatch(two, graphed, 2, mem=h100)
+    assert fitted.trainer.max_tokens_per_microbatch == 4096 and two.trainer.max_tokens_per_microbatch == 16384
+    assert "trainer micro-batch 4096 tokens, not the default 16384" in capsys.readouterr().out
+    assert fit_microbatch(two, graphed, 2, mem=h200).trainer.max_tokens_per_microbatch == 8192
+    one = build_config({"jobs": [{"task": "sorting"} for _ in range(4)], "arm": {"policy": "shared-sync"}})
+    assert fit_microbatch(one, graphed, 1, mem=h200) is one  # 49 + 2 + 2 + 60 GiB fits
+    assert fit_microbatch(one, graphed, 1, mem=h100).trainer.max_tokens_per_microbatch == 8192
+    capsys.readouterr()
+    set_ = build_config({"jobs": [{"task": "sorting"} for _ in range(4)],
+                         "arm": {"policy": "shared-sync", "stacks": 2, "sharing": "mps"},
+                         "trainer": {"max_tokens_per_microbatch": 16384}})
+    assert fit_microbatch(set_, graphed, 2, mem=h100) is set_
+    assert fit_microbatch(two, RealOptions(device="cuda", trainer_graphs=False), 2, mem=h100) is two
+    assert fit_microbatch(two, RealOptions(device="cpu", trainer_graphs=True), 2, mem=h100) is two
+    assert fit_microbatch(two, None, 2, mem=h100) is two
+    assert capsys.readouterr().out == ""
+
+
+def test_the_pool_fits_each_run_for_its_own_stacks(monkeypatch, capsys):
+    """Through the pool (what ``nodus run --backend real`` starts): on an 80 GB card a two-stack arm at
+    the default micro-batch trains at 4096 tokens and its one-stack dedicated baseline at 8192, each
+    the largest its own cluster fits, so the baseline is not slowed to the arm's size."""
+    from nodus.runner import dedicated_of
+    from real.backend import RealOptions, with_audit
+
+    monkeypatch.setattr(real.backend, "Cluster", FakeCluster)
+    monkeypatch.setattr(real.backend, "RealBackend", lambda cluster, cfg: (cluster, cfg))
+    monkeypatch.setattr(real.backend, "gpu_memory_gib", lambda: (77.2, 79.18))
+    arm = build_config({"jobs": [{"task": "sorting"} for _ in range(4)],
+                        "arm": {"policy": "shared-sync", "stacks": 2, "sharing": "mps"}})
+    arm, opts = with_audit(arm, RealOptions(device="cuda", trainer_graphs=True, engine_memory=0.35))
+    pool = ClusterPool(opts)
+    _, ran = pool(arm, 2)
+    assert ran.trainer.max_tokens_per_microbatch == 4096
+    _, base = pool(dedicated_of(arm), 1)
+    assert base.trainer.max_tokens_per_microbatch == 8192
+    out = capsys.readouterr().out
+    assert "micro-batch 4096 tokens" in out and "micro-batch 8192 tokens" in out
