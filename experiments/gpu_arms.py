@@ -301,6 +301,27 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     return name, jobs, groups, seeds, mb, wait, trainer
 
 
+def memory_skip(mem: tuple[float, float] | None, engine_memory: float, stacks: int, mb_tokens: int,
+                graphed: bool) -> str | None:
+    """Why an arm's graphed trainers would not fit beside its engines on a GPU with ``mem`` (free,
+    total GiB at the invocation's start), naming the micro-batch (``:mN``) that would; None when they
+    fit, the trainer is eager, or the memory is unknown. Session 49's H100: two stacks at 0.35 with
+    8k-token trainers ran 414 s of device time to train eager (real.backend.microbatch_that_fits)."""
+    from real.backend import gpu_memory_need_gib, microbatch_that_fits, trainer_gib_estimate
+
+    if mem is None or not graphed:
+        return None
+    free, total = mem
+    fits = microbatch_that_fits(free, total, engine_memory, stacks, mb_tokens)
+    if fits == mb_tokens:
+        return None
+    need = gpu_memory_need_gib(total, engine_memory, stacks, trainer_gib_estimate(mb_tokens))
+    return (f"{stacks} graphed trainer(s) at {mb_tokens}-token micro-batches beside {engine_memory:g} of the GPU for "
+            f"engines ask ~{need:.0f} GiB of {free:.1f} GiB free: they would train eager; "
+            + (f":m{fits} fits" if fits else "no micro-batch fits: lower --engine-memory")
+            + " (--allow-eager runs it anyway)")
+
+
 def check_share_prompts(specs: list, share: int, trainer_graphs: bool) -> None:
     """Before any work: --share-prompts >= 0, and every arm that packs prompts (its spK, else
     --share-prompts) runs the graphed trainer (its :cg, else --trainer-graphs), as the real backend
@@ -416,7 +437,8 @@ def phase_seconds(runs: list[list]) -> dict[str, float]:
 
 def plan_text(planned: list[dict], skipped: list[dict], deadline: float | None, cpus: int | None) -> str:
     """``--plan``'s table: each run in order with what it does to the processes and its estimated
-    seconds (Estimates' H200 figures: no run measured), then the runs ``--deadline`` would skip."""
+    seconds (Estimates' H200 figures: no run measured), then the runs ``--deadline`` or the memory
+    check (``--gpu-memory``) would skip."""
     import os
 
     where = "" if cpus else " (this machine; --cpus N for the GPU host)"
@@ -430,6 +452,9 @@ def plan_text(planned: list[dict], skipped: list[dict], deadline: float | None, 
         lines.append(f"| {i} | {r['arm']} | {r['seed']} | {r['jobs']} | {r['stacks']} | {what} | "
                      f"{r['prime_s']:.0f} | {r['run_s']:.0f} | {r['ends_s']:.0f} |")
     for r in skipped:
+        if "why" in r:  # the memory check (memory_skip)
+            lines.append(f"skipped by the memory check: {r['arm']} seed {r['seed']}: {r['why']}")
+            continue
         lines.append(f"skipped by --deadline: {r['arm']} seed {r['seed']} ({r['processes']}, about "
                      f"{r['prime_s'] + r['run_s']:.0f} s from {r['elapsed_s']:.0f} s)")
     if deadline and planned and planned[0]["ends_s"] > deadline:
@@ -562,6 +587,13 @@ def main() -> None:
                          "machine: --deadline and --plan use them before this invocation measures its own, and each "
                          "measurement is written back (experiments/device_session.sh keeps one in ~/.cache/nodus, "
                          "so a later call on a warm machine plans with that machine's starts)")
+    ap.add_argument("--gpu-memory", default=None, metavar="FREE,TOTAL",
+                    help="the GPU's free and total memory in GiB, for the memory check (default: read with "
+                         "nvidia-smi at the start on a GPU; with --plan, the GPU the plan is for, e.g. 77.2,79.2 "
+                         "for an H100 80GB or 139.8,140.4 for an H200)")
+    ap.add_argument("--allow-eager", action="store_true",
+                    help="run an arm whose graphed trainers the memory check says would not fit (they train eager); "
+                         "by default such an arm is skipped and listed in arms.json's 'skipped' with why")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
@@ -570,6 +602,14 @@ def main() -> None:
         raise SystemExit("gpu_arms: --cpus is for --plan (a run on the GPU host caps by its own CPUs)")
     if args.deadline is not None and args.deadline <= 0:
         raise SystemExit(f"gpu_arms: --deadline {args.deadline}: give the seconds this invocation may take (> 0)")
+    gpu_mem = None
+    if args.gpu_memory is not None:
+        try:
+            gpu_mem = tuple(float(v) for v in args.gpu_memory.split(","))
+            assert len(gpu_mem) == 2 and 0 < gpu_mem[0] <= gpu_mem[1]
+        except (ValueError, AssertionError):
+            raise SystemExit(f"gpu_arms: --gpu-memory {args.gpu_memory!r}: give FREE,TOTAL in GiB, free at most "
+                             "total (e.g. 77.2,79.2)")
 
     from calibration.validate import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
@@ -579,7 +619,8 @@ def main() -> None:
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm, size_engine_slots, stack_jobs
     from nodus.simulate import config_from_args, simulate, trainer_graph_failures, write_run
-    from real.backend import RUN_SETTINGS, engine_cpu_threads, run_device, trainer_cpu_threads, with_audit
+    from real.backend import (RUN_SETTINGS, engine_cpu_threads, gpu_memory_gib, run_device, trainer_cpu_threads,
+                              with_audit)
     from real.lora_kernels import ENV as LORA_CONFIG_ENV
 
     try:
@@ -588,6 +629,8 @@ def main() -> None:
         opts = _options(args, engine_env, engine_args)  # bad settings fail before any model is made
     except (ConfigError, ValueError) as err:
         raise SystemExit(f"gpu_arms: {err}")
+    if gpu_mem is None and not args.plan and run_device(opts) == "cuda":
+        gpu_mem = gpu_memory_gib()  # before any process: what every arm's processes may have
     if args.plan:  # run keys and thread defaults as on the GPU the plan is for
         opts = dataclasses.replace(opts, device="cuda")
     # An arm may name its own job count and groups (NAME:jN:gG), so that one invocation (one set
@@ -763,6 +806,17 @@ def main() -> None:
                 shape += (n,) if arm_slots else ()
                 # What the run does to the processes (a planning twin of the pool decides, starting none).
                 action = pool.shadow().plan(cfg, n_stacks(cfg))
+                # Graphed trainers that would not fit beside the engines train eager: skipped, not run
+                # (session 49's H100 spent 414 s on such a run), unless --allow-eager.
+                too_big = None if args.allow_eager else memory_skip(
+                    gpu_mem, arm_opts.engine_memory, n_stacks(cfg), cfg.trainer.max_tokens_per_microbatch,
+                    arm_opts.trainer_graphs)
+                if too_big:
+                    results["skipped"].append({"arm": key, "seed": seed, "why": too_big})
+                    print(f"skipped {key} seed {seed}: {too_big}", flush=True)
+                    if not args.plan:
+                        (args.out / "arms.json").write_text(json.dumps(results, indent=1))
+                    continue
                 # New processes, trainers restarted or a shape not yet trained at: a priming step first
                 # (a restarted trainer captures its graphs again, which a measured window must not hold).
                 prime = args.prime and (action != "reuse" or shape not in primed)

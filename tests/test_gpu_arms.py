@@ -505,3 +505,36 @@ def test_an_arm_may_run_its_own_step_count(tmp_path, monkeypatch, capsys):
     assert [r[1] for r in rows] == ["dedicated-cg-gm512-cpu2-n5", "dedicated-cg-gm512-cpu2"], out
     five, twenty = (float(r[7]) for r in rows)
     assert 3 * five < twenty < 5 * five, out  # the run's own steps, and its fixed costs once
+
+
+def test_an_arm_whose_graphed_trainers_would_not_fit_is_skipped_naming_the_micro_batch_that_fits(
+        tmp_path, monkeypatch, capsys):
+    """Session 49's H100 (77.2 of 79.2 GiB free): two stacks at 0.35 with 8k-token graphed trainers
+    trained eager, 414 s of device time for a run that measured nothing of the arm. A plan for that
+    GPU (--gpu-memory) skips it and names :m4096, and skips a dedicated run at the default 16k (one
+    ~60 GiB trainer beside 27.7 GiB of engine), naming :m8192; the same arms at those sizes are
+    planned; on an H200's memory all are; --allow-eager plans them anyway."""
+    from experiments.gpu_arms import memory_skip
+
+    why = memory_skip((77.2, 79.2), 0.35, 2, 8192, True)
+    assert ":m4096 fits" in why and "train eager" in why
+    assert memory_skip((77.2, 79.2), 0.35, 2, 4096, True) is None
+    assert memory_skip((77.2, 79.2), 0.35, 2, 8192, False) is None  # an eager trainer: nothing to lose
+    assert memory_skip(None, 0.35, 2, 8192, True) is None  # memory unknown: no check
+    assert "no micro-batch fits" in memory_skip((20.0, 24.0), 0.8, 2, 8192, True)
+    a = "shared-sync+mps:cg:lowpri:sp4:k2"
+    argv = ("--cpus", "16", "--steps", "20", "--engine-slots", "8", "--cuda-graph-max-tokens", "512",
+            "--arms", f"{a}:m8192:s1,{a}:m4096:s1,dedicated:cg:n5:s1,dedicated:cg:n5:m8192:s1")
+    out = _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "77.2,79.2")
+    runs = [r[1] for r in _rows(out)]
+    assert sorted(runs) == ["dedicated-cg-gm512-cpu2-mb8k-n5", "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb4k"], out
+    skips = [line for line in out.splitlines() if line.startswith("skipped by the memory check:")]
+    assert len(skips) == 2, out
+    assert any("k2-mb8k seed 1" in x and ":m4096 fits" in x for x in skips), out
+    assert any("dedicated-cg-gm512-cpu2-n5 seed 1" in x and ":m8192 fits" in x for x in skips), out
+    assert len(_rows(_plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "139.8,140.4"))) == 4
+    assert len(_rows(_plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "77.2,79.2", "--allow-eager"))) == 4
+    with pytest.raises(SystemExit, match="--gpu-memory '80': give FREE,TOTAL"):
+        _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "80")
+    with pytest.raises(SystemExit, match="free at most total"):
+        _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "90,80")
