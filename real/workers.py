@@ -264,29 +264,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
                 # allocator growth, compilation and graph capture are not billed to the first real
                 # step. Real jobs untouched.
                 _, tag, rank, rows, seq, *more = cmd
-                jobs = more[0] if more else 1
-                import numpy as np
-
-                from real.graphed import round_width
-                from real.trainer import JobBatch
-
-                if len(more) > 2:  # the run's share_prompts and its widest packed row
-                    trainer.set_share_prompts(more[1])
-                if more:  # the programs of the run's steps (rows up to its widest), captured now
-                    packed = more[2] if len(more) > 2 and more[1] > 1 else None
-                    trainer.prepare_static(jobs, rank, round_width(seq),
-                                           packed_width=None if packed is None else round_width(packed))
-                rng = np.random.default_rng(0)
-                scratch = {}
-                for k in range(jobs):
-                    trainer.add_job(f"__warmup{k}__", rank=rank, alpha=2 * rank, lr=1e-6, seed=k)
-                    ids = [[int(t) for t in rng.integers(1, trainer.vocab_size - 1, size=seq)] for _ in range(rows)]
-                    mask = [[0] * (seq // 2) + [1] * (seq - seq // 2) for _ in range(rows)]
-                    scratch[f"__warmup{k}__"] = JobBatch(input_ids=ids, completion_mask=mask,
-                                                         advantages=rng.standard_normal(rows).tolist())
-                trainer.train_step(scratch)
-                for job_id in scratch:
-                    trainer.remove_job(job_id)
+                warm_trainer(trainer, rank, rows, seq, *more)
                 if spec.device.startswith("cuda"):
                     torch.cuda.synchronize()
                 outbox.put(("warmed", tag, _trainer_state(trainer)))
@@ -330,13 +308,60 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
             return
 
 
+def warm_trainer(trainer, rank: int, rows: int, seq: int, jobs: int | None = None, share_prompts: int | None = None,
+                 packed: int | None = None) -> None:
+    """The trainer's warm-up (the worker's "warmup" command): with ``jobs``, every program of the
+    run's steps (up to ``jobs`` jobs of rank <= ``rank``, rows up to ``seq`` tokens, or packed rows up
+    to ``packed`` with ``share_prompts`` > 1) built, and captured when graphed; then one train step of
+    ``jobs`` (default 1) scratch jobs of ``rows`` rows of ``seq`` tokens, removed after. Real jobs
+    untouched. ``experiments/trainer_memory.py`` measures the memory of exactly this."""
+    import numpy as np
+
+    from real.graphed import round_width
+    from real.trainer import JobBatch
+
+    if share_prompts is not None and packed is not None:  # the run's share_prompts and its widest packed row
+        trainer.set_share_prompts(share_prompts)
+    if jobs is not None:  # the programs of the run's steps (rows up to its widest), captured now
+        wide = packed if packed is not None and share_prompts is not None and share_prompts > 1 else None
+        trainer.prepare_static(jobs, rank, round_width(seq), packed_width=None if wide is None else round_width(wide))
+    rng = np.random.default_rng(0)
+    scratch = {}
+    for k in range(jobs or 1):
+        trainer.add_job(f"__warmup{k}__", rank=rank, alpha=2 * rank, lr=1e-6, seed=k)
+        ids = [[int(t) for t in rng.integers(1, trainer.vocab_size - 1, size=seq)] for _ in range(rows)]
+        mask = [[0] * (seq // 2) + [1] * (seq - seq // 2) for _ in range(rows)]
+        scratch[f"__warmup{k}__"] = JobBatch(input_ids=ids, completion_mask=mask,
+                                             advantages=rng.standard_normal(rows).tolist())
+    trainer.train_step(scratch)
+    for job_id in scratch:
+        trainer.remove_job(job_id)
+
+
 def _trainer_state(trainer) -> dict:
     """How the trainer trains now (a graph capture that fails, in the warm-up or later, leaves it
     eager): reported with the warm-up and every train step, kept in the run's diagnostics."""
     return {"step_mode": trainer.step_mode, "graph_error": trainer.graph_error,
             "share_prompts": trainer.share_prompts, "last_step_rows": trainer.last_rows,
             "graphs": [str(k) for k in trainer.programs],
-            "graphs_build_s": round(sum(trainer.build_s.values()), 2)}
+            "graphs_build_s": round(sum(trainer.build_s.values()), 2),
+            "memory": trainer_memory(trainer.device, trainer.max_tokens_per_microbatch)}
+
+
+def trainer_memory(device, mb_tokens: int) -> dict | None:
+    """The trainer process's GPU memory so far, GiB (torch's allocator: its CUDA context, ~0.5 GiB,
+    is not in it): reserved now and at its peak, allocated at its peak, at the micro-batch it trains
+    at. Every run records it, so the fit check's estimate (real.backend.trainer_gib_estimate) can be
+    set against measured peaks; None off a GPU."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    gib = 2 ** 30
+    return {"mb_tokens": mb_tokens, "reserved_gib": round(torch.cuda.memory_reserved(dev) / gib, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / gib, 2),
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated(dev) / gib, 2)}
 
 
 def _profile_train(fn, done: dict, trainer, spec: TrainerSpec, name: str, path: str, at: int, jobs: int) -> None:

@@ -272,6 +272,7 @@ def test_trainer_graphs_on_a_cpu_run_the_fixed_shape_program_end_to_end(pool):
         runs[mode] = (s, [sp for r in spans for sp in r if sp.phase == "train"])
     worker = runs["static"][0]["diagnostics"][0]["workers"]["trainer0"]
     assert worker["step_mode"] == "static" and worker["graphs"] and worker["graph_error"] is None
+    assert worker["memory"] is None  # off a GPU; on one, the allocator's peaks (real.workers.trainer_memory)
     assert runs["eager"][0]["diagnostics"][0]["workers"]["trainer0"]["step_mode"] == "eager"
     first = {m: {sp.job: sp.attrs["loss"] for sp in spans if sp.attrs["step"] == 0}
              for m, (_, spans) in runs.items()}

@@ -402,3 +402,19 @@ def test_the_pool_fits_each_run_for_its_own_stacks(monkeypatch, capsys):
     assert base.trainer.max_tokens_per_microbatch == 8192
     out = capsys.readouterr().out
     assert "micro-batch 4096 tokens" in out and "micro-batch 8192 tokens" in out
+
+
+def test_a_trainer_on_a_gpu_reports_its_memory_peaks(monkeypatch):
+    """Every warm-up and train step reports the trainer's allocator memory (reserved now and at its
+    peak, allocated at its peak) with its micro-batch, so runs measure what the fit check estimates;
+    off a GPU, None."""
+    import torch
+
+    from real.workers import trainer_memory
+
+    assert trainer_memory("cpu", 8192) is None
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 20 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 28.3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 26.57 * 2**30)
+    assert trainer_memory("cuda", 8192) == {"mb_tokens": 8192, "reserved_gib": 20.0, "peak_reserved_gib": 28.3,
+                                            "peak_allocated_gib": 26.57}
