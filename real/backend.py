@@ -327,13 +327,14 @@ def trainer_step_mode(graphs: bool, device: str) -> str:
     return "graphed" if device == "cuda" else "static"
 
 
-# A graphed trainer's memory at 16k-token micro-batches, and the micro-batch it was seen at. Each
-# out-of-memory capture bounds it from below: in session 29 two such trainers' captures ran out at
-# 50.5 and 58.1 GiB of their own; on the H100 of session 49 a trainer at 8k-token micro-batches ran
-# out at 28.3 GiB (11.9 GiB of it graph pools). In session 30 two trainers at 8k and 49.1 GiB of
-# engines fitted in 139.7 GiB (at most ~45 GiB each). The estimate scales with the micro-batch
-# tokens: 30 GiB at 8k, 60 GiB at 16k, above both failures.
-TRAINER_GIB, TRAINER_GIB_TOKENS = 60.0, 16384
+# A graphed trainer's memory against its micro-batch tokens, affine: measured on session 49's H100
+# (experiments/trainer_memory.py, the backend's own warm-up of the reference workload's stack: 4 jobs
+# of 64 rows, packed 4 responses a row), the allocator's peak reserved memory plus ~0.5 GiB of CUDA
+# context: 19.8 GiB at 4096 tokens and 35.1 GiB at 8192. Above every capture seen to fail (58.1 GiB
+# at 16k in session 29; 28.3 GiB at 8k in session 49's two-stack run) and under session 30's fit
+# (two at 8k beside 49.1 GiB of engines in 139.7 GiB).
+TRAINER_BASE_GIB, TRAINER_GIB_PER_1K = 4.9, 3.73
+TRAINER_GIB_TOKENS = 16384  # the micro-batch an estimate without one assumes (the config's default)
 # An eager trainer's memory whatever its micro-batch (one-stack eager runs at 32k tokens worked in
 # sessions 5-6).
 EAGER_TRAINER_GIB = 50.0
@@ -346,12 +347,12 @@ MIN_FIT_MICROBATCH = 1024
 
 
 def trainer_gib_estimate(microbatch_tokens: int | None, graphed: bool = True) -> float:
-    """A trainer's memory, roughly: a graphed one TRAINER_GIB at TRAINER_GIB_TOKENS micro-batch
-    tokens, in proportion to them (its graph pools and activations grow with the micro-batch; a
-    bound above the captures seen to fail, not a measured peak); an eager one EAGER_TRAINER_GIB."""
+    """A trainer's memory: a graphed one TRAINER_BASE_GIB plus TRAINER_GIB_PER_1K a thousand
+    micro-batch tokens (its graph pools and activations grow with the micro-batch; two measured
+    sizes, on the reference workload's shape), 64.6 GiB at 16k; an eager one EAGER_TRAINER_GIB."""
     if not graphed:
         return EAGER_TRAINER_GIB
-    return TRAINER_GIB * (microbatch_tokens or TRAINER_GIB_TOKENS) / TRAINER_GIB_TOKENS
+    return TRAINER_BASE_GIB + TRAINER_GIB_PER_1K * (microbatch_tokens or TRAINER_GIB_TOKENS) / 1024
 
 
 def gpu_memory_need_gib(total_gib: float, engine_memory: float, n_stacks: int, trainer_gib: float) -> float:

@@ -512,7 +512,7 @@ def test_an_arm_whose_graphed_trainers_would_not_fit_is_skipped_naming_the_micro
     """Session 49's H100 (77.2 of 79.2 GiB free): two stacks at 0.35 with 8k-token graphed trainers
     trained eager, 414 s of device time for a run that measured nothing of the arm. A plan for that
     GPU (--gpu-memory) skips it and names :m4096, and skips a dedicated run at the default 16k (one
-    ~60 GiB trainer beside 27.7 GiB of engine), naming :m8192; the same arms at those sizes are
+    ~65 GiB trainer beside 27.7 GiB of engine), naming :m8192; the same arms at those sizes are
     planned; on an H200's memory all are; --allow-eager plans them anyway."""
     from experiments.gpu_arms import memory_skip
 

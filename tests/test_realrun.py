@@ -307,25 +307,25 @@ def _smi(monkeypatch, free_mib, total_mib):
 
 
 def test_the_gpu_memory_check_refuses_an_engine_share_that_cannot_fit_and_warns_of_stacks(monkeypatch, capsys):
-    """Before any process: an engine share above the free memory is refused; engines plus a ~60 GiB
+    """Before any process: an engine share above the free memory is refused; engines plus a ~65 GiB
     trainer per stack above it warn, naming the stacks (session 29: two stacks at 0.35 asked ~149 GiB
     of 139.8, and the trainers' graph captures ran out of memory)."""
     from real.backend import BackendConfigError, check_gpu_memory
 
     _smi(monkeypatch, 143155, 143771)  # an H200: 139.8 GiB free of 140.4
     check_gpu_memory(0.35, 1)
-    assert capsys.readouterr().out == ""  # 49 + 2 + 2 + 60 GiB of 139.8
+    assert capsys.readouterr().out == ""  # 49 + 2 + 2 + 65 GiB of 139.8
     check_gpu_memory(0.35, 2)
     out = capsys.readouterr().out
-    assert "~60 GiB per trainer x 2 stacks" in out and "may not fit in 139.8 GiB free" in out and "trains eager" in out
+    assert "~65 GiB per trainer x 2 stacks" in out and "may not fit in 139.8 GiB free" in out and "trains eager" in out
     assert "trainer.max_tokens_per_microbatch 8192 would fit" in out
     with pytest.raises(BackendConfigError, match="need 147.4 GiB but only 139.8 GiB"):
         check_gpu_memory(1.05, 1)
     # The trainer's estimate follows its micro-batch: two stacks at 8k tokens (session 30: they fitted).
     check_gpu_memory(0.35, 2, microbatch_tokens=8192)
-    assert capsys.readouterr().out == ""  # 49 + 2 x (2 + 30) + 2 GiB
+    assert capsys.readouterr().out == ""  # 49 + 2 x (2 + 35) + 2 GiB
     check_gpu_memory(0.35, 2, microbatch_tokens=16384)
-    assert "~60 GiB per trainer x 2 stacks" in capsys.readouterr().out
+    assert "~65 GiB per trainer x 2 stacks" in capsys.readouterr().out
     # An eager trainer keeps the flat estimate: one stack at 32k tokens does not warn, two at 8k do
     # (and no micro-batch is named: its estimate does not follow it).
     check_gpu_memory(0.35, 1, microbatch_tokens=32768, graphed=False)
@@ -338,13 +338,14 @@ def test_the_gpu_memory_check_refuses_an_engine_share_that_cannot_fit_and_warns_
 def test_the_gpu_memory_check_warns_of_the_h100_run_that_trained_eager(monkeypatch, capsys):
     """Session 49's H100 (79.2 GiB, 77.2 free): two stacks at 0.35 with 8k-token graphed trainers
     ran out of memory in both captures (one trainer at 28.3 GiB) and trained eager. The check warns
-    and names the micro-batch that fits: 4096 (27.7 + 2 x (2 + 15) + 2 = 63.7 GiB)."""
+    and names the micro-batch that fits: 4096 (27.7 + 2 x (2 + 19.8) + 2 = 73.3 GiB; the trainer's 19.8
+    GiB at 4096 measured there, experiments/results/h100/session49/trainer_memory.json)."""
     from real.backend import check_gpu_memory, microbatch_that_fits
 
     _smi(monkeypatch, 79053, 81079)
     check_gpu_memory(0.35, 2, microbatch_tokens=8192)
     out = capsys.readouterr().out
-    assert "~30 GiB per trainer x 2 stacks" in out and "trainer.max_tokens_per_microbatch 4096 would fit" in out
+    assert "~35 GiB per trainer x 2 stacks" in out and "trainer.max_tokens_per_microbatch 4096 would fit" in out
     check_gpu_memory(0.35, 2, microbatch_tokens=4096)
     assert capsys.readouterr().out == ""
     assert microbatch_that_fits(77.2, 79.18, 0.35, 2, 8192) == 4096
@@ -369,7 +370,7 @@ def test_a_default_micro_batch_is_fitted_to_the_gpu_and_a_set_one_stays(capsys):
     assert "trainer micro-batch 4096 tokens, not the default 16384" in capsys.readouterr().out
     assert fit_microbatch(two, graphed, 2, mem=h200).trainer.max_tokens_per_microbatch == 8192
     one = build_config({"jobs": [{"task": "sorting"} for _ in range(4)], "arm": {"policy": "shared-sync"}})
-    assert fit_microbatch(one, graphed, 1, mem=h200) is one  # 49 + 2 + 2 + 60 GiB fits
+    assert fit_microbatch(one, graphed, 1, mem=h200) is one  # 49 + 2 + 2 + 65 GiB fits
     assert fit_microbatch(one, graphed, 1, mem=h100).trainer.max_tokens_per_microbatch == 8192
     capsys.readouterr()
     set_ = build_config({"jobs": [{"task": "sorting"} for _ in range(4)],
