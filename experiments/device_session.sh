@@ -2,13 +2,24 @@
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
 #   bash experiments/device_session.sh MODE
 #   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|publish|handoff|arrivals|learn|
-#    small-base)
+#    small-base|trainer-memory)
+# trainer-memory needs no bundle (torch, transformers and numpy are in the device image); every other
+# mode stops at once, exit 3, on a machine where the bundle is not installed (a fresh machine: the
+# device may hand one back and start another between calls).
 # Writes at most 8 files under $OUT (the device returns no more): logs, JSON, a tarball of run folders,
 # and the compile cache (1-3 of the 8: with several TAG invocations in a call, mind the count).
 set -uo pipefail
 export PYTHONPATH=/opt/nodus-site:. VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
 export NODUS_COMMIT=$(cat .device_commit 2>/dev/null || echo unknown)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ "${1:-arms}" != trainer-memory ] && ! python -c "import vllm, pydantic, simpy" 2> /dev/null; then
+  # Session 49: a call after the machine had been swapped for a fresh one failed deep in gpu_arms
+  # ("No module named 'pydantic'") after 2 s; this names the cause.
+  echo "device_session: vLLM, pydantic or simpy does not import here (PYTHONPATH=$PYTHONPATH): the bundle is not" \
+       "installed on this machine, a fresh one if an earlier call staged it. Stage .device/vllm-1 .. -N first" \
+       "(bash .device/vllm-K/stage.sh, one part a call); trainer-memory needs no bundle." >&2
+  exit 3
+fi
 # vLLM's torch.compile cache from an earlier session (an engine starts in ~45 s with it, ~80 s
 # without; a new configuration's key compiles for ~55 s). Carry the folder .device/cache holding
 # the last call's cache as it came back (vllm-cache.tgz, or its parts vllm-cache.tgz.part0, part1,
@@ -210,6 +221,14 @@ case "${1:-arms}" in
     echo "gpu_arms$T rc=$?"
     grep "steps/GPU-h\|skipped\|Error\|error:" "$D/arms/arms.log" | tail -12
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;
+  trainer-memory)
+    # The graphed trainer's memory at each micro-batch size (experiments/trainer_memory.py: the
+    # backend's own warm-up of one stack of the reference workload, a process a size): what the fit
+    # check (real.backend.trainer_gib_estimate) prices. No bundle needed. MB_TOKENS: the sizes.
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+    timeout "${TM_TIMEOUT:-300}" python experiments/trainer_memory.py --mb-tokens "${MB_TOKENS:-4096,8192,16384}" \
+      --timeout "${TM_SIZE_TIMEOUT:-95}" --out "$OUT/trainer_memory.json" ${TM_EXTRA:-} > "$OUT/trainer_memory.log" 2>&1
+    echo "trainer_memory rc=$?"; tail -4 "$OUT/trainer_memory.log" ;;
   small-base)
     # The 25M small base for GPU learning runs (~2.5 min); a later call on the warm machine learns
     # on it with LEARN_MODEL=/tmp/small-base (the folder stays while the machine is held).

@@ -144,3 +144,21 @@ def test_light_leaves_the_recorded_results_out_but_what_a_call_reads(tmp_path):
     dp.main(["whole", "--root", str(root)])
     assert (res / "s1" / "arms" / "run" / "spans.jsonl.gz").exists()
     assert dp.tree_bytes_on_disk(root) == before
+
+
+def test_device_session_stops_at_once_where_the_bundle_is_not_installed(tmp_path):
+    """Session 49: a call on a machine the device had swapped for a fresh one failed in gpu_arms on
+    "No module named 'pydantic'". Every mode but trainer-memory now stops first, exit 3, naming the
+    cause (here a python on which vllm does not import)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text("#!/bin/sh\nexit 1\n")
+    (shim / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", "experiments/device_session.sh", "arms"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and "the bundle is not installed on this machine" in done.stderr
+    assert "trainer-memory needs no bundle" in done.stderr
