@@ -6,7 +6,7 @@ and its warm-up exactly as a run's (``real.workers.warm_trainer``: every program
 built and, graphed, captured; one scratch train step), then one more scratch step. Written per
 size: the allocator's peaks (``real.workers.trainer_memory``), the device's memory in use (the
 process's CUDA context included), whether the capture held, and the fit check's estimate
-(``real.backend.trainer_gib_estimate``) beside them. No vLLM, no pydantic: it runs on the lent GPU
+(``nodus.gpumemory.trainer_gib_estimate``) beside them. No vLLM, no pydantic: it runs on the lent GPU
 without the bundle.
 
     python experiments/trainer_memory.py --out trainer_memory.json                  # GPU, graphed
@@ -65,12 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def estimate_gib(mb: int, graphed: bool) -> float | None:
-    """The fit check's estimate for this size; None where real.backend does not import (the lent GPU
-    without the bundle has no pydantic: the estimate is set beside the rows afterwards)."""
-    try:
-        from real.backend import trainer_gib_estimate
-    except ImportError:
-        return None
+    """The fit check's estimate for this size (nodus.gpumemory: pure Python, so on a bare GPU host too)."""
+    from nodus.gpumemory import trainer_gib_estimate
+
     return trainer_gib_estimate(mb, graphed=graphed)
 
 

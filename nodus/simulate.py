@@ -87,6 +87,8 @@ def simulate(cfg: RunConfig, out: str | Path | None = None, machine: dict | None
     summary["assumptions"] = make.cost.assumptions()
     summary["profile_validation"] = make.cost.validation()
     summary["outside_profile"] = sorted(make.cost.flags)
+    if make.fitted:  # the default micro-batch fitted to the profile's GPU, as the real backend fits it
+        summary["trainer_microbatch_fitted"] = {str(k): v for k, v in sorted(make.fitted.items())}
     if machine:
         summary = scale_to_machine(summary, machine)
     if out_dir is not None:
@@ -218,6 +220,13 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
         out += "\n\n" + error_bar_line(v)
     if s.get("outside_profile"):
         out += "\n\nOutside the profiled region: " + "; ".join(s["outside_profile"])
+    fitted = s.get("trainer_microbatch_fitted")
+    if fitted:
+        gpu = (s.get("profile") or {}).get("environment", {}).get("gpu", "the profile's GPU")
+        out += ("\n\nTrainer micro-batch fitted to " + gpu + ", as the real backend fits it (the default's graphed "
+                "trainers would not fit beside the engines): " + ", ".join(
+                    f"{v} tokens on {k} stack{'s' if k != '1' else ''}" for k, v in fitted.items())
+                + " (set trainer.max_tokens_per_microbatch to choose).")
     eager = trainer_graph_failures(s)
     if eager:
         out += ("\n\nTrained eager: the CUDA-graph capture failed (" + "; ".join(eager) + "). Lower "

@@ -327,53 +327,11 @@ def trainer_step_mode(graphs: bool, device: str) -> str:
     return "graphed" if device == "cuda" else "static"
 
 
-# A graphed trainer's memory against its micro-batch tokens, affine: measured on session 49's H100
-# (experiments/trainer_memory.py, the backend's own warm-up of the reference workload's stack: 4 jobs
-# of 64 rows, packed 4 responses a row), the allocator's peak reserved memory plus ~0.5 GiB of CUDA
-# context: 19.8 GiB at 4096 tokens and 35.1 GiB at 8192. Above every capture seen to fail (58.1 GiB
-# at 16k in session 29; 28.3 GiB at 8k in session 49's two-stack run) and under session 30's fit
-# (two at 8k beside 49.1 GiB of engines in 139.7 GiB).
-TRAINER_BASE_GIB, TRAINER_GIB_PER_1K = 4.9, 3.73
-TRAINER_GIB_TOKENS = 16384  # the micro-batch an estimate without one assumes (the config's default)
-# An eager trainer's memory whatever its micro-batch (one-stack eager runs at 32k tokens worked in
-# sessions 5-6).
-EAGER_TRAINER_GIB = 50.0
-# What the processes hold beyond the engine share and the trainers (session 49, H100): each engine
-# process 2.0 GiB above its gpu_memory_utilization share (15.9 GiB at 13.9; CUDA context and CUDA
-# graphs), and the controller 2.0 GiB.
-ENGINE_OVERHEAD_GIB, CONTROLLER_GIB = 2.0, 2.0
-# The smallest micro-batch fit_microbatch goes down to.
-MIN_FIT_MICROBATCH = 1024
-
-
-def trainer_gib_estimate(microbatch_tokens: int | None, graphed: bool = True) -> float:
-    """A trainer's memory: a graphed one TRAINER_BASE_GIB plus TRAINER_GIB_PER_1K a thousand
-    micro-batch tokens (its graph pools and activations grow with the micro-batch; two measured
-    sizes, on the reference workload's shape), 64.6 GiB at 16k; an eager one EAGER_TRAINER_GIB."""
-    if not graphed:
-        return EAGER_TRAINER_GIB
-    return TRAINER_BASE_GIB + TRAINER_GIB_PER_1K * (microbatch_tokens or TRAINER_GIB_TOKENS) / 1024
-
-
-def gpu_memory_need_gib(total_gib: float, engine_memory: float, n_stacks: int, trainer_gib: float) -> float:
-    """What a cluster of ``n_stacks`` stacks asks of a GPU of ``total_gib``: the engines' share of
-    it, each engine's overhead beyond its share, the controller, and a trainer a stack."""
-    return engine_memory * total_gib + n_stacks * (ENGINE_OVERHEAD_GIB + trainer_gib) + CONTROLLER_GIB
-
-
-def microbatch_that_fits(free_gib: float, total_gib: float, engine_memory: float, n_stacks: int,
-                         microbatch_tokens: int, graphed: bool = True) -> int | None:
-    """The largest of ``microbatch_tokens``, its half, its quarter, ... (not under
-    MIN_FIT_MICROBATCH) at which a trainer a stack fits beside the engines in ``free_gib``; None
-    when none does (or, for an eager trainer, whose estimate does not follow the micro-batch, when
-    it does not fit as asked)."""
-    tokens = microbatch_tokens
-    while True:
-        if gpu_memory_need_gib(total_gib, engine_memory, n_stacks, trainer_gib_estimate(tokens, graphed)) <= free_gib:
-            return tokens
-        if not graphed or tokens // 2 < MIN_FIT_MICROBATCH:
-            return None
-        tokens //= 2
+# The memory model (what a cluster asks of a GPU, and the micro-batch that fits) is nodus.gpumemory's,
+# shared with the simulator, which fits a default micro-batch to its profile's GPU the same way.
+from nodus.gpumemory import (CONTROLLER_GIB, EAGER_TRAINER_GIB, ENGINE_OVERHEAD_GIB, MIN_FIT_MICROBATCH,  # noqa: E402,F401
+                             TRAINER_BASE_GIB, TRAINER_GIB_PER_1K, TRAINER_GIB_TOKENS, gpu_memory_need_gib,
+                             microbatch_that_fits, trainer_gib_estimate)
 
 
 def gpu_memory_gib() -> tuple[float, float] | None:
