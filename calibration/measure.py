@@ -356,11 +356,17 @@ def calibrate(model: str | None, out: str | Path, base: str | None = None, batch
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dtype = ("bfloat16" if device == "cuda" else "float32") if dtype == "auto" else dtype
     base_prof = profile_dict(base)
+    # The GPU's memory before anything of this calibration starts: the simulator fits a default
+    # trainer micro-batch to it (nodus.gpumemory.profile_gpu_memory). None off a GPU.
+    from nodus.gpumemory import gpu_memory_gib
+
+    memory = gpu_memory_gib() if device.startswith("cuda") else None
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
                   list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log,
                   trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels, engine_slots=engine_slots)
     env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": [CALIBRATE_SOURCE],
-           "lora_kernel_configs": raw.get("lora_kernel_configs"), "engine_max_loras": raw["engine_max_loras"]}
+           "lora_kernel_configs": raw.get("lora_kernel_configs"), "engine_max_loras": raw["engine_max_loras"],
+           "gpu_memory_gib": None if memory is None else [round(memory[0], 2), round(memory[1], 2)]}
     prof = _log_decode_fit(fit_profile(raw, base_prof, env, decode_model), log)
     write_profile(prof, out, "calibrate")
     return prof

@@ -56,6 +56,21 @@ def microbatch_that_fits(free_gib: float, total_gib: float, engine_memory: float
         tokens //= 2
 
 
+def gpu_memory_gib() -> tuple[float, float] | None:
+    """The first GPU's free and total memory in GiB (nvidia-smi), or None where it cannot be read."""
+    import shutil as _sh
+    import subprocess
+
+    if _sh.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    free_mib, total_mib = (float(v) for v in out.stdout.splitlines()[0].split(","))
+    return free_mib / 1024, total_mib / 1024
+
+
 # The real backend's engine share of the GPU unless told (RealOptions.engine_memory, `nodus run
 # --engine-memory`): what the simulator's fit assumes.
 DEFAULT_ENGINE_MEMORY = 0.45
@@ -63,6 +78,16 @@ DEFAULT_ENGINE_MEMORY = 0.45
 # simulator's fit reads its profile's environment.gpu here. H200: 143155 of 143771 MiB; H100 80GB
 # HBM3, session 49: 77.2 GiB free of 81559 MiB.
 GPU_MEMORY_GIB = {"NVIDIA H200": (139.8, 140.4), "NVIDIA H100 80GB HBM3": (77.2, 79.65)}
+
+
+def profile_gpu_memory(environment) -> tuple[float, float] | None:
+    """A profile's GPU memory (free, total GiB): the one ``nodus calibrate`` measured on it
+    (``environment.gpu_memory_gib``, read before anything started), else GPU_MEMORY_GIB's for its
+    GPU's name; None where neither says."""
+    own = getattr(environment, "gpu_memory_gib", None)
+    if own:
+        return float(own[0]), float(own[1])
+    return GPU_MEMORY_GIB.get(getattr(environment, "gpu", None))
 
 
 def fitted_microbatch(asked: int, stacks: int, mem: tuple[float, float] | None,

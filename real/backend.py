@@ -330,23 +330,8 @@ def trainer_step_mode(graphs: bool, device: str) -> str:
 # The memory model (what a cluster asks of a GPU, and the micro-batch that fits) is nodus.gpumemory's,
 # shared with the simulator, which fits a default micro-batch to its profile's GPU the same way.
 from nodus.gpumemory import (CONTROLLER_GIB, EAGER_TRAINER_GIB, ENGINE_OVERHEAD_GIB, MIN_FIT_MICROBATCH,  # noqa: E402,F401
-                             TRAINER_BASE_GIB, TRAINER_GIB_PER_1K, TRAINER_GIB_TOKENS, gpu_memory_need_gib,
-                             microbatch_that_fits, trainer_gib_estimate)
-
-
-def gpu_memory_gib() -> tuple[float, float] | None:
-    """The first GPU's free and total memory in GiB (nvidia-smi), or None where it cannot be read."""
-    import shutil as _sh
-    import subprocess
-
-    if _sh.which("nvidia-smi") is None:
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True)
-    if out.returncode != 0 or not out.stdout.strip():
-        return None
-    free_mib, total_mib = (float(v) for v in out.stdout.splitlines()[0].split(","))
-    return free_mib / 1024, total_mib / 1024
+                             TRAINER_BASE_GIB, TRAINER_GIB_PER_1K, TRAINER_GIB_TOKENS, gpu_memory_gib,
+                             gpu_memory_need_gib, microbatch_that_fits, trainer_gib_estimate)
 
 
 def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float | None = None,

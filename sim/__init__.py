@@ -7,16 +7,16 @@ def backend_factory(profile: str):
     """A `make_backend(cfg, n_stacks)` for the runner, all runs sharing one loaded profile.
 
     A run whose config leaves the trainer's micro-batch at its default, on a graphed profile whose
-    GPU's memory is known (``nodus.gpumemory.GPU_MEMORY_GIB``), trains at the micro-batch the real
+    GPU's memory is known (measured by ``nodus calibrate``, else ``nodus.gpumemory.GPU_MEMORY_GIB``), trains at the micro-batch the real
     backend would fit for its stacks (``nodus.gpumemory.fitted_microbatch``: two stacks on an H200,
     8192; their one-stack dedicated baseline keeps 16384). ``make.fitted`` records each fit
     (stacks -> tokens)."""
-    from nodus.gpumemory import GPU_MEMORY_GIB, fitted_microbatch
+    from nodus.gpumemory import fitted_microbatch, profile_gpu_memory
     from sim.backend import SimBackend
     from sim.profile import load_profile
 
     cost = load_profile(profile)
-    mem = GPU_MEMORY_GIB.get(cost.profile.environment.gpu) if cost.profile.train.step_mode == "graphed" else None
+    mem = profile_gpu_memory(cost.profile.environment) if cost.profile.train.step_mode == "graphed" else None
 
     def make(cfg, n_stacks: int):
         asked = cfg.trainer.max_tokens_per_microbatch

@@ -47,6 +47,10 @@ class Environment(_M):
     # torch's CPU threads in the measured trainers where capped (RealOptions.trainer_cpu_threads;
     # nodus fit records its runs'); None: torch's own count (every profile before the field).
     trainer_cpu_threads: int | None = Field(default=None, ge=1)
+    # The GPU's free and total memory in GiB before anything started (nodus calibrate, nvidia-smi):
+    # the simulator fits a default trainer micro-batch to it (nodus.gpumemory); None: not measured
+    # (nodus.gpumemory.GPU_MEMORY_GIB's by the GPU's name, where it knows it).
+    gpu_memory_gib: list[float] | None = Field(default=None, min_length=2, max_length=2)
     sources: list[str] = []
 
 

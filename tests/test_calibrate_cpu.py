@@ -28,6 +28,7 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     raw = prof["measurements"]["calibrate"]
     assert [d["batch"] for d in raw["decode_no_lora"]] == [4, 16] and all(d["step_s"] > 0 for d in raw["decode_no_lora"])
     assert prof["environment"]["sources"] == ["nodus calibrate"]
+    assert prof["environment"]["gpu_memory_gib"] is None  # off a GPU; on one, free and total GiB before the start
     # The trainer measured is the runs' trainer: default layout; compiled only on a GPU.
     assert raw["trainer"] == {"lora_layout": "masked", "compiled": [], "step_mode": "eager", "graph_error": None}
     assert prof["train"]["step_mode"] == "eager"

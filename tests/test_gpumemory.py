@@ -69,3 +69,28 @@ def test_a_simulated_run_reports_the_fitted_micro_batch():
     pinned = simulate(_cfg(mb=8192, steps=3))
     assert "trainer_microbatch_fitted" not in pinned
     assert pinned["steps_per_gpu_hour"] == pytest.approx(s["steps_per_gpu_hour"])  # the same micro-batch priced
+
+
+def test_a_calibrated_profile_carries_its_gpus_memory_and_the_simulator_fits_to_it(tmp_path):
+    """A GPU the table does not know: nodus calibrate records its free and total memory
+    (environment.gpu_memory_gib) and the fit uses that; without either, nothing is fitted."""
+    import json
+
+    from nodus.gpumemory import profile_gpu_memory
+    from sim import backend_factory
+    from sim.profile import load_profile, profile_dict
+
+    prof = profile_dict(STACKS_TRAINER_PROFILE)
+    prof["environment"]["gpu"] = "NVIDIA Some80GB"
+    (tmp_path / "unknown.json").write_text(json.dumps(prof))
+    prof["environment"]["gpu_memory_gib"] = [77.2, 79.65]
+    (tmp_path / "measured.json").write_text(json.dumps(prof))
+    assert profile_gpu_memory(load_profile(str(tmp_path / "measured.json")).profile.environment) == (77.2, 79.65)
+    measured = backend_factory(str(tmp_path / "measured.json"))
+    assert measured(_cfg(profile=str(tmp_path / "measured.json")), 2).cfg.trainer.max_tokens_per_microbatch == 2048
+    unknown = backend_factory(str(tmp_path / "unknown.json"))
+    assert unknown(_cfg(profile=str(tmp_path / "unknown.json")), 2).cfg.trainer.max_tokens_per_microbatch == 16384
+    prof["environment"]["gpu_memory_gib"] = [77.2]
+    (tmp_path / "bad.json").write_text(json.dumps(prof))
+    with pytest.raises(Exception, match="gpu_memory_gib"):
+        load_profile(str(tmp_path / "bad.json"))
