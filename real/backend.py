@@ -20,6 +20,11 @@ from collections import deque
 from dataclasses import dataclass, fields, replace
 
 from nodus.config import AuditSpec, JobSpec, RunConfig
+# The memory model (what a cluster asks of a GPU, and the micro-batch that fits) is nodus.gpumemory's,
+# shared with the simulator, which fits a default micro-batch to its profile's GPU the same way.
+from nodus.gpumemory import (CONTROLLER_GIB, EAGER_TRAINER_GIB, ENGINE_OVERHEAD_GIB, MIN_FIT_MICROBATCH,  # noqa: F401
+                             TRAINER_BASE_GIB, TRAINER_GIB_PER_1K, TRAINER_GIB_TOKENS, gpu_memory_gib,
+                             gpu_memory_need_gib, microbatch_that_fits, trainer_gib_estimate)
 from nodus.gpumon import GpuMonitor
 from nodus.grpo import group_advantages
 from nodus.hostmon import HostMonitor
@@ -325,13 +330,6 @@ def trainer_step_mode(graphs: bool, device: str) -> str:
     if not graphs:
         return "eager"
     return "graphed" if device == "cuda" else "static"
-
-
-# The memory model (what a cluster asks of a GPU, and the micro-batch that fits) is nodus.gpumemory's,
-# shared with the simulator, which fits a default micro-batch to its profile's GPU the same way.
-from nodus.gpumemory import (CONTROLLER_GIB, EAGER_TRAINER_GIB, ENGINE_OVERHEAD_GIB, MIN_FIT_MICROBATCH,  # noqa: E402,F401
-                             TRAINER_BASE_GIB, TRAINER_GIB_PER_1K, TRAINER_GIB_TOKENS, gpu_memory_gib,
-                             gpu_memory_need_gib, microbatch_that_fits, trainer_gib_estimate)
 
 
 def check_gpu_memory(engine_memory: float, n_stacks: int, trainer_gib: float | None = None,
