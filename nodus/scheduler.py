@@ -129,6 +129,10 @@ class Scheduler:
         self._starts: dict[int, list[float]] = {}  # stack -> when each of its Generates was set to start
         self._holds: dict[int, list[float]] = {}  # stack -> seconds each of those starts was held
         self._held_s: dict[str, float] = {}  # Generate action id -> seconds it was held (hold_apart)
+        # hold_apart: Generate action id -> its start as the hold rule counts it (the scheduler's
+        # clock at dispatch, plus any hold), on its spans as released_s: a backend's engine may start
+        # it later (a busy host), and the rule's gaps are between these, not the engine's starts.
+        self._released_s: dict[str, float] = {}
         self._stack_seq = self._stack_order()  # the order offset stacks start in, each cueing the next
 
     # -- public interface -------------------------------------------------------------------
@@ -267,6 +271,8 @@ class Scheduler:
         self._holds.setdefault(g.stack, []).append(held)
         if not_before is not None:
             self._held_s[a.action_id] = held
+        if self.hold_apart > 0:
+            self._released_s[a.action_id] = self._now + held
         g.state = "generating"
         self._inflight[a.action_id] = ([g], a)
         return [a]
@@ -286,8 +292,11 @@ class Scheduler:
                 "step": ro.step, "adapter_version": ro.adapter_version, "n_sequences": ro.n_sequences,
                 "prompt_tokens": ro.prompt_tokens, "response_tokens": list(ro.response_tokens),
                 "mean_reward": ro.mean_reward,
-                **({"held_s": round(self._held_s[a.action_id], 6)} if a.action_id in self._held_s else {})}))
+                **({"held_s": round(self._held_s[a.action_id], 6)} if a.action_id in self._held_s else {}),
+                **({"released_s": round(self._released_s[a.action_id], 6)} if a.action_id in self._released_s
+                   else {})}))
         self._held_s.pop(a.action_id, None)
+        self._released_s.pop(a.action_id, None)
         g.rollouts = r.rollouts
         g.generations += 1
         g.state = "queued"

@@ -549,21 +549,25 @@ def test_stacks_held_apart_on_the_real_backend_stay_on_policy_and_apart(timeslic
     assert audit_on_policy(runs[0]) == []
     gens = {(x.stack, x.attrs["step"]): (x.start_s, x.attrs.get("held_s", 0.0)) for x in runs[0]
             if x.phase == "generate"}
+    # The starts as the rule counts them (the scheduler's dispatch plus any hold, released_s): the
+    # engine's span may start later on a busy host (two fresh-clone runs of the whole suite in session
+    # 49 saw a 1.7-2.8 s stall at one stack's step 3, and the spans' starts no longer told when a
+    # generation was ready).
+    rel = {(x.stack, x.attrs["step"]): (x.attrs["released_s"], x.attrs.get("held_s", 0.0)) for x in runs[0]
+           if x.phase == "generate"}
 
-    def own_cycle(stack, step):  # as Scheduler._hold_until: the last four starts' gaps less their holds
-        recent = [gens[(stack, k)] for k in range(max(0, step - 4), step)]
+    def own_cycle(stack, step, starts=gens):  # as Scheduler._hold_until: the last four starts' gaps less their holds
+        recent = [starts[(stack, k)] for k in range(max(0, step - 4), step)]
         return (recent[-1][0] - recent[0][0] - sum(h for _, h in recent[1:])) / (len(recent) - 1)
 
     # Whether the rule has to hold depends on the loaded CPU's timing: stacks that drift apart on
     # their own need no hold (a fresh clone's run in session 43 held none, where `any(held)` was
     # asserted). Where a generation became ready well inside the rule's gap (half its own cycle) of
-    # the other stack's latest start, the backend must have held it. Slack: a fifth of the gap and
-    # 10 ms, since spans time the engine's start and the rule its dispatch; on this CPU a cycle is
-    # 0.2-0.3 s and a hold 10-20 ms.
-    for (stack, step), (t, h) in gens.items():
-        past = [u for (o, _), (u, _) in gens.items() if o != stack and u <= t - h]
-        if step >= 2 and past and (t - h) - max(past) < 0.8 * 0.5 * own_cycle(stack, step) - 0.01:
-            assert h > 0, (stack, step, sorted(gens.items()))
+    # the other stack's latest release, the backend must have held it (slack: a fifth of the gap).
+    for (stack, step), (t, h) in rel.items():
+        past = [u for (o, _), (u, _) in rel.items() if o != stack and u <= t - h]
+        if step >= 2 and past and (t - h) - max(past) < 0.8 * 0.5 * own_cycle(stack, step, rel):
+            assert h > 0, (stack, step, sorted(rel.items()))
     for (stack, step), (t, _) in gens.items():
         if step < 2:
             continue
