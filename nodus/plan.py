@@ -93,7 +93,8 @@ def _simulate_load(task: tuple) -> dict:
         gpu_s = pace["ramp_gpu_s"] + steps / per_s
         finish = [t + (steps - n) / per_s for t in finish]
     done = len(finish) * steps if sim_steps else s["steps"]
-    return {"gpu_s": gpu_s, "steps": done, "finish_s": finish, "start_s": start, "flags": sorted(make.cost.flags)}
+    return {"gpu_s": gpu_s, "steps": done, "finish_s": finish, "start_s": start, "flags": sorted(make.cost.flags),
+            "microbatch": dict(make.fitted)}  # the default micro-batch fitted to the profile's GPU (stacks -> tokens)
 
 
 def _one_at_a_time(alone: list[dict], arrivals: tuple) -> dict:
@@ -108,7 +109,8 @@ def _one_at_a_time(alone: list[dict], arrivals: tuple) -> dict:
         t = t0 + x["gpu_s"]
         finish.append(t0 + x["finish_s"][0])
     return {"gpu_s": t, "steps": sum(x["steps"] for x in alone), "finish_s": finish, "start_s": start,
-            "flags": sorted({f for x in alone for f in x["flags"]})}
+            "flags": sorted({f for x in alone for f in x["flags"]}),
+            "microbatch": {k: v for x in alone for k, v in x.get("microbatch", {}).items()}}
 
 
 def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = None, per_gpu: str = "1,2,4,8,16",
@@ -280,13 +282,16 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
             best.update(next=f"{fits[1]['per_gpu']} a GPU, {fits[1]['arm']}", next_gap=gap,
                         within_error=error is not None and gap < error)
     flags = sorted({f for v in results.values() for f in v["flags"]})
+    # Where the config leaves the micro-batch at its default, each GPU load's trainers train at what
+    # the real backend would fit to the profile's GPU (nodus.gpumemory): stacks -> tokens.
+    fitted = {str(k): v for x in results.values() for k, v in sorted(x.get("microbatch", {}).items())}
     result = {"total_jobs": total_jobs, "steps": steps, "job_steps": dedicated["steps"], "arrive_every_s": arrive_every,
               "fleet_gpus": gpus, "max_wait_h": max_wait_h,
               "sim_steps": sim_steps, "profile": base["profile"],
               "deadline_h": deadline_h, "max_gpus": max_gpus, "price_per_gpu_hour": price_per_gpu_hour,
               "rows": rows, "best": best,
               "profile_validation": validation, "outside_profile": flags,
-              "outside_profile_every_option": sorted(common),
+              "outside_profile_every_option": sorted(common), "trainer_microbatch_fitted": fitted,
               "loads_simulated": len(tasks), "wall_s": time.perf_counter() - t0, "workers": workers}
     if out is not None:
         out_dir = make_out_dir(out)
@@ -361,6 +366,12 @@ def plan_table(result: dict) -> str:
             line += "; it lies outside the profiled region (below), so its error may be larger"
         lines.append(line + ".")
     lines += ["", error_bar_line(result.get("profile_validation"))]
+    fitted = result.get("trainer_microbatch_fitted")
+    if fitted:
+        lines += ["", "Trainer micro-batch fitted to the profile's GPU, as the real backend fits it (the default's "
+                  "graphed trainers would not fit beside the engines): " + ", ".join(
+                      f"{v} tokens on {k} stack{'s' if k != '1' else ''}" for k, v in sorted(fitted.items()))
+                  + " (set trainer.max_tokens_per_microbatch in the config to choose)."]
     every = result.get("outside_profile_every_option") or []
     if every:
         lines += ["", "Outside the profiled region, every option: " + "; ".join(every)]

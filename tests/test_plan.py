@@ -236,3 +236,23 @@ def test_a_wait_limit_picks_the_cheapest_option_whose_jobs_start_in_time_and_bad
         plan(total_jobs=4, steps=9, sim_steps=3, gpus=2)
     with pytest.raises(ConfigError, match="--max-wait-h -1"):
         plan(total_jobs=4, max_wait_h=-1.0)
+
+
+def test_a_plan_prices_two_stacks_at_the_micro_batch_the_real_backend_fits_and_says_so():
+    """Two stacks' default 16k micro-batch does not fit an H200 beside the engines (session 29 trained
+    eager): the plan's two-stack loads train at 8192, as `nodus sim` and the real backend do, their
+    row equals a direct simulation at 8192, and the table says so; one-stack loads keep 16384."""
+    r = plan(total_jobs=8, steps=2, per_gpu="8", policies="shared-sync", stacks="1,2", workers=1)
+    assert r["trainer_microbatch_fitted"] == {"2": 8192}
+    assert "8192 tokens on 2 stacks" in plan_table(r)
+    two = next(x for x in r["rows"] if x["stacks"] == 2 and x["per_gpu"] == 8)
+    jobs = [{**j.model_dump(exclude_none=True), "id": f"job{i}", "seed": 1000 + i} for i, j in enumerate(default_jobs(8))]
+    cfg = config_from_args({"jobs": jobs, "trainer": {"max_tokens_per_microbatch": 8192}}, policy="shared-sync",
+                           steps=2, sharing="mps", stacks=2, profile=r["profile"])
+    from nodus.plan import with_default_packing
+
+    make = backend_factory(cfg.profile)
+    cfg = with_default_packing(cfg, make.cost.profile.train.step_mode == "graphed")
+    (spans,) = run_spans(cfg, make)
+    assert make.fitted == {}  # set in the config: nothing fitted
+    assert two["gpu_hours"] == pytest.approx(summarize([spans])["gpu_seconds"] / 3600)
