@@ -45,6 +45,7 @@ class ClusterPool:
         self.min_loras = min_loras
         self.min_cpu_loras = min_cpu_loras
         self.clusters: dict[tuple, object] = {}
+        self.fitted: dict[int, int] = {}  # stacks -> the default micro-batch fitted to the GPU (fit_microbatch)
         self._started: list[tuple[str, object]] = []  # every cluster started, closed ones too
 
     @staticmethod
@@ -83,8 +84,10 @@ class ClusterPool:
         check_run_settings(cfg, self.opts)  # before any process starts
         # A default micro-batch whose graphed trainers would not fit this GPU beside the engines: the
         # largest that does, for this run's stacks (an arm and its one-stack baseline each their own).
-        cfg = fit_microbatch(cfg, self.opts, n_stacks)
-        return RealBackend(self._cluster(cfg, n_stacks, Cluster)[0], cfg)
+        fitted = fit_microbatch(cfg, self.opts, n_stacks)
+        if fitted is not cfg:
+            self.fitted[n_stacks] = fitted.trainer.max_tokens_per_microbatch
+        return RealBackend(self._cluster(fitted, n_stacks, Cluster)[0], fitted)
 
     def plan(self, cfg: RunConfig, n_stacks: int) -> str:
         """What a run of ``cfg`` would do to the pool's processes, decided as ``__call__`` decides and
@@ -171,6 +174,22 @@ def baseline_pool(cfg: RunConfig, opts) -> ClusterPool:
     return ClusterPool(opts, min_loras=len(cfg.jobs))
 
 
+def record_fitted(cfg: RunConfig, summary: dict, fitted: dict[int, int]) -> RunConfig:
+    """A real run's record of micro-batches fitted to its GPU (``ClusterPool.fitted``: stacks ->
+    tokens): in the summary as the simulator reports them (``trainer_microbatch_fitted``), and the
+    arm's in the config the run writes, so that the config says what the arm trained at and ``nodus
+    validate`` replays that. ``cfg`` unchanged where nothing was fitted."""
+    from nodus.runner import n_stacks as stacks_of
+
+    if not fitted:
+        return cfg
+    summary["trainer_microbatch_fitted"] = {str(k): v for k, v in sorted(fitted.items())}
+    arm_mb = fitted.get(stacks_of(cfg))
+    if arm_mb is None:  # only the baseline's cluster was fitted
+        return cfg
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"max_tokens_per_microbatch": arm_mb})})
+
+
 def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None = None,
         baseline: bool = True) -> dict:
     """Run one arm (and, with `baseline`, its dedicated baseline) and return the summary; write a
@@ -201,6 +220,7 @@ def run(cfg: RunConfig, backend: str = "real", opts=None, out: str | Path | None
     summary["model"] = opts.model
     summary["mode"] = opts.mode
     summary["startup_s"] = startup
+    cfg = record_fitted(cfg, summary, pool.fitted)
     if out_dir is not None:
         write_run(out_dir, cfg, summary, runs)
     return summary

@@ -403,6 +403,17 @@ def test_the_pool_fits_each_run_for_its_own_stacks(monkeypatch, capsys):
     assert base.trainer.max_tokens_per_microbatch == 8192
     out = capsys.readouterr().out
     assert "micro-batch 4096 tokens" in out and "micro-batch 8192 tokens" in out
+    assert pool.fitted == {2: 4096, 1: 8192}
+    # What the run records (nodus.realrun.run): both fits in its summary, and the arm's in its config,
+    # which nodus validate replays; a config nothing was fitted for is written as it is.
+    from nodus.realrun import record_fitted
+
+    summary = {}
+    written = record_fitted(arm, summary, pool.fitted)
+    assert summary["trainer_microbatch_fitted"] == {"1": 8192, "2": 4096}
+    assert written.trainer.max_tokens_per_microbatch == 4096 and arm.trainer.max_tokens_per_microbatch == 16384
+    assert record_fitted(arm, {}, {}) is arm
+    assert record_fitted(arm, {}, {1: 8192}) is arm  # only the baseline fitted: the arm ran as asked
 
 
 def test_a_trainer_on_a_gpu_reports_its_memory_peaks(monkeypatch):
