@@ -41,6 +41,14 @@ RATES = {"engines": "mps_engines", "trainer": "mps_stacks_trainer"}
 WHAT = {"mps_engines": "two engines' rate", "mps_stacks_trainer": "a lone trainer's rate beside engines"}
 RATE_MIN = 0.05  # the bisection's lower end: an engine at a twentieth of its alone speed
 TOLERANCE = 1e-4  # the bisection stops when the rate's bracket is this narrow
+# A rate the runs do not identify: from RATE_MIN to RATE_MAX no run's prediction moves this much (of
+# its measured steps/GPU-h): lockstep stacks, say, never run a lone trainer beside engines. (Session
+# 35's free-running two-stack runs of 2 and 4 jobs do: 3506-4312 steps/GPU-h over that range.)
+IDENTIFIED_MIN = 0.005
+# Which runs carry each rate, for the error that finds none of it in the runs given.
+RUNS_THAT_SHOW = {"mps_engines": ": both stacks generating at once",
+                  "mps_stacks_trainer": ": one stack training while the other generates, as offset stacks "
+                                        "(--offset-stacks) run"}
 
 
 def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> list[dict]:
@@ -117,12 +125,17 @@ def fit_rate(rows: list[dict], prof: dict, tmp: Path, which: str = "",
     lo, hi = RATE_MIN, RATE_MAX
     what = WHAT[field]
     pred_hi = _predict(rows, prof, hi, tmp, field)
+    pred_lo = _predict(rows, prof, lo, tmp, field)
+    moved = max(abs(h - l) / r["measured"] for h, l, r in zip(pred_hi, pred_lo, rows))
+    if moved < IDENTIFIED_MIN:
+        raise ConfigError(f"nodus fit-stacks: the runs{which} are predicted the same whatever sharing.{field} is "
+                          f"(at most {moved:.2%} apart from {lo} to {hi}): they never ran what it prices "
+                          f"({what}{RUNS_THAT_SHOW[field]}), so any value would fit them; fit it on runs that do")
     if _bias(pred_hi, rows) < 0:
         raise ConfigError(f"nodus fit-stacks: even at sharing.{field}={hi} (the most a rate may be) the "
                           f"runs{which} are "
                           f"predicted {-_bias(pred_hi, rows):.1%} under the measured on average: the base profile "
                           f"misprices them by more than {what} can carry (fit on the runs' day's profile)")
-    pred_lo = _predict(rows, prof, lo, tmp, field)
     if _bias(pred_lo, rows) > 0:
         raise ConfigError(f"nodus fit-stacks: even at sharing.{field}={lo} the runs{which} are predicted "
                           f"{_bias(pred_lo, rows):.1%} over the measured on average: the base profile prices them "

@@ -340,6 +340,26 @@ def test_fit_stacks_rate_trainer_recovers_the_lone_trainer_rate(tmp_path, capsys
         fit(runs, base, "engine")
 
 
+def test_fit_stacks_refuses_a_rate_that_moves_no_prediction(monkeypatch, tmp_path):
+    """Runs that never ran what a rate prices (no train beside the other stack's generation, for
+    the lone trainer's) predict the same at every value: the bisection would write whatever value it
+    ended on as fitted. The fit refuses, naming the runs that carry the rate."""
+    import calibration.stacks as stacks
+
+    rows = [{"run": "a", "measured": 1000.0}, {"run": "b", "measured": 2000.0}]
+    monkeypatch.setattr(stacks, "_predict", lambda rows_, prof, rate, tmp, field: [1001.0, 1999.0][:len(rows_)])
+    with pytest.raises(ConfigError, match=r"the same whatever sharing.mps_stacks_trainer is \(at most 0.00% apart"
+                                          r".*offset-stacks"):
+        stacks.fit_rate(rows, {}, tmp_path, field="mps_stacks_trainer")
+    with pytest.raises(ConfigError, match=r" but a's are predicted the same whatever sharing.mps_engines.*both stacks"):
+        stacks.fit_rate(rows, {}, tmp_path, " but a's", field="mps_engines")
+    # A rate that moves a run's prediction is fitted (the prediction rising with it, as the simulator's).
+    monkeypatch.setattr(stacks, "_predict", lambda rows_, prof, rate, tmp, field:
+                        [r["measured"] * (0.5 + rate / 2) for r in rows_])
+    rate, pred = stacks.fit_rate(rows, {}, tmp_path, field="mps_stacks_trainer")
+    assert rate == pytest.approx(1.0, abs=1e-3) and pred == pytest.approx([1000.0, 2000.0], rel=1e-3)
+
+
 def test_the_shipped_profiles_flag_offset_stacks_and_overlap_unless_they_carry_the_trainer_rate(tmp_path):
     from nodus.config import STACKS_PAIR_PROFILE, STACKS_TRAINER_PROFILE
 
