@@ -25,8 +25,9 @@ import math
 import tempfile
 from pathlib import Path
 
-from calibration.validate import (_simulate, load_recorded, recorded_configs, run_controls, spans_digest,
-                                 unique_names)
+from calibration.validate import _simulate, load_recorded, recorded_configs, spans_digest
+from calibration.run_health import unique_names
+from calibration.run_settings import run_controls
 from nodus.config import AuditSpec, ConfigError
 from sim.profile import add_source, profile_dict, refuse_existing, set_assumption, write_fit_report, write_profile
 

@@ -376,7 +376,7 @@ def apply_sharing(profile: dict, measured: dict) -> dict:
     got = [k for k in RATES if k in rates]
     for k in got:
         profile["sharing"][k] = dict(rates[k])
-    from calibration.validate import settings_text
+    from calibration.run_settings import settings_text
 
     # Measured with nodus's default MPS settings: the profile's MPS rates are now the defaults'.
     was = profile["sharing"].get("controls") or {}

@@ -339,7 +339,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     smaller ones."""
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, drop_two_engine_rate, profile_dict,
                              profile_lora_kernels, profile_step_mode)
-    from calibration.validate import run_controls, settings_text, sharing_controls
+    from calibration.run_settings import run_controls, settings_text, sharing_controls
 
     if term_selection not in TERM_SELECTIONS:
         raise ConfigError(f"nodus fit: term selection {term_selection!r}: choose one of {', '.join(TERM_SELECTIONS)}")
@@ -1037,7 +1037,7 @@ def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
     with it: fit them again on the new profile. Refused: a run that is not dedicated without MPS, ran
     a cheaper audit, its engine core in a process of its own, or other LoRA kernels than the base's."""
     from sim.profile import add_source, profile_dict, profile_lora_kernels, set_assumption
-    from calibration.validate import run_controls
+    from calibration.run_settings import run_controls
 
     prof = profile_dict(base)
     base_kernels = profile_lora_kernels(prof)

@@ -30,8 +30,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from calibration.validate import (_simulate, load_recorded, recorded_configs, run_controls, spans_digest,
-                                  stacks_run_settings, unique_names)
+from calibration.validate import _simulate, load_recorded, recorded_configs, spans_digest
+from calibration.run_health import unique_names
+from calibration.run_settings import run_controls, stacks_run_settings
 from nodus.config import ConfigError, build_config, stacks_of
 from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
                          refuse_existing, set_assumption, write_fit_report, write_profile)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from nodus.config import corun_key, packed_rows
 
-# Run controls (calibration.validate.run_controls) of settings no profile here was fitted with.
+# Run controls (calibration.run_settings.run_controls) of settings no profile here was fitted with.
 OTHER_SETTINGS = ("audit", "engine_core_process", "engine_args", "engine_env", "publish_pinned", "engine_cpu_threads")
 
 
@@ -50,7 +50,7 @@ def comparable(row: dict, profile_slots: int | None = None, profile_cpu_threads:
 def mps_flagged(row: dict, profile_sharing: dict | None) -> bool:
     """The run's MPS settings are not those the profile's MPS rates were fitted under
     (``profile_sharing``: its ``sharing.controls``)."""
-    from calibration.validate import mps_settings_differ
+    from calibration.run_settings import mps_settings_differ
 
     arm = row.get("arm") or {}
     return mps_settings_differ(row.get("controls") or {}, profile_sharing, arm.get("sharing") == "mps",

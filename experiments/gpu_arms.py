@@ -401,7 +401,7 @@ def state_text(summary: dict) -> str:
     """What a run recorded of its engine and host, for its progress line: the mean engine step and
     its spread across generations, the share of the engines' busy time in GC, and the busiest
     thread's share of a core and its process's name ('' for a run without them)."""
-    from calibration.validate import contention_text, contention_why, run_engine_steps, run_host_monitor
+    from calibration.run_health import contention_text, contention_why, run_engine_steps, run_host_monitor
 
     out = ""
     es = run_engine_steps(summary)
@@ -611,7 +611,7 @@ def main() -> None:
             raise SystemExit(f"gpu_arms: --gpu-memory {args.gpu_memory!r}: give FREE,TOTAL in GiB, free at most "
                              "total (e.g. 77.2,79.2)")
 
-    from calibration.validate import run_jit_compiles
+    from calibration.run_health import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
     from nodus.config import (NO_CORUN_POLICIES, ConfigError, corun_key, drop_idle_priority, engine_args_size_graphs,
                               graph_sizes_given)

@@ -25,7 +25,7 @@ from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_P
                           corun_key, packed_rows, stacks_of, trainer_freed)
 from nodus.accounting import projected_steps_per_gpu_hour, recorded_pace
 from nodus.microbatch import mb_tag
-from calibration.validate import audit_label, run_audit, run_controls, trainer_step_modes
+from calibration.run_settings import audit_label, run_audit, run_controls, trainer_step_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
@@ -219,10 +219,10 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
           notes: list[str] | None = None) -> dict:
     """`run_profiles`: run-folder path prefix -> profile for the runs under it (runs made on
     another host are simulated on that host's profile); the rest use `profile`."""
-    from calibration.validate import (_phase_means, _simulate, corun_phase_means, gpu_flags, host_flags,
-                                      host_monitor_flags, jit_flags, load_recorded, recorded_configs,
-                                      run_gpu_monitor, run_host_monitor, run_host_probe, run_jit_compiles,
-                                      minutes_apart, run_machine, run_started)
+    from calibration.validate import _phase_means, _simulate, corun_phase_means, load_recorded, recorded_configs
+    from calibration.run_health import (gpu_flags, host_flags, host_monitor_flags, jit_flags, run_gpu_monitor,
+                                        run_host_monitor, run_host_probe, run_jit_compiles, minutes_apart, run_machine,
+                                        run_started)
     from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
@@ -573,8 +573,8 @@ def _subset_baseline(jobs: dict[str, str], seed: int, alone_finish: dict, ded_st
 def engine_steps(summary: dict, run: Path) -> dict:
     """A run's engine steps as the table keeps them: {"run", "mean_step_ms", "step_ms_spread"}, the
     two figures None for a run that recorded none (before session 28, or simulated;
-    ``calibration.validate.run_engine_steps``)."""
-    from calibration.validate import run_engine_steps
+    ``calibration.run_health.run_engine_steps``)."""
+    from calibration.run_health import run_engine_steps
 
     es = run_engine_steps(summary) or {}
     return {"run": str(run), "mean_step_ms": es.get("mean_step_ms"), "step_ms_spread": es.get("step_ms_spread")}
@@ -708,13 +708,13 @@ def render(table: dict) -> str:
         lines += _render_learning(table["learning"])
     hostf = table.get("host") or {}
     if hostf.get("flagged"):
-        from calibration.validate import flagged_text
+        from calibration.run_health import flagged_text
 
         lines.append(f"\nRuns on a slowed host (host probe above {hostf['threshold']:.1f}x the table's median): "
                      + flagged_text(hostf))
     gpuf = table.get("gpu") or {}
     if gpuf.get("flagged"):
-        from calibration.validate import gpu_flagged_text
+        from calibration.run_health import gpu_flagged_text
 
         med = gpuf["median_busy_sm_clock_mhz"]
         lines.append(f"\nRuns on a slowed GPU (busy SM clock more than {gpuf['clock_threshold']:.0%} under the table's "
@@ -722,12 +722,12 @@ def render(table: dict) -> str:
                      f"in {gpuf['throttle_threshold']:.0%} of samples or more): " + gpu_flagged_text(gpuf))
     hm = table.get("host_monitor") or {}
     if hm.get("flagged") or hm.get("one_thread") or hm.get("cgroup_unread") or hm.get("runs_without_figures"):
-        from calibration.validate import host_monitor_text
+        from calibration.run_health import host_monitor_text
 
         lines.append("\n" + host_monitor_text(hm))
     jit = table.get("jit") or {}
     if jit.get("flagged"):
-        from calibration.validate import jit_text
+        from calibration.run_health import jit_text
 
         lines.append("\nRuns whose engine JIT-compiled kernels while measured (each compile stalls the steps beside "
                      "it; the simulator does not model it): " + jit_text(jit))
@@ -770,7 +770,7 @@ def _render_learning(guard: dict) -> list[str]:
 def _contended_text(c: dict) -> str:
     """'the run: steal 6% of the CPU time wanted; dedicated: steal 17% of the CPU time wanted' for a
     ratio's ``ratio_contended``, in the validation reports' words (``contention_text``)."""
-    from calibration.validate import contention_text
+    from calibration.run_health import contention_text
 
     parts = ([f"the run: {contention_text(r['why'])}" for r in c["runs"]]
              + [f"dedicated: {contention_text(r['why'])}" for r in c["baseline"]])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from calibration.audit import audit_pairs, fit, fit_to_file
-from calibration.validate import unique_names
+from calibration.run_health import unique_names
 from calibration.validate import validate
 from nodus.cli import main
 from nodus.config import AuditSpec, ConfigError, build_config

@@ -579,7 +579,7 @@ def test_a_ratio_over_another_machines_dedicated_run_is_named(tmp_path):
     """Lent machines of one kind look alike, yet runs differ between them: an arm measured over a
     dedicated run from another machine (its GPU's UUID, else host name and boot id) is named in the
     table; one on the dedicated run's machine, or a run recorded before machines were, is not."""
-    from calibration.validate import run_machine
+    from calibration.run_health import run_machine
     from experiments.gpu_table import main
 
     def on(host=None, gpu=None):

@@ -104,7 +104,7 @@ def test_the_trainer_worker_profiles_the_asked_train_command(overlap_run):
 
 
 def test_a_real_run_records_its_host_probe_at_start_and_end(overlap_run):
-    from calibration.validate import run_host_probe
+    from calibration.run_health import run_host_probe
 
     s = json.loads((overlap_run / "summary.json").read_text())
     probe = s["diagnostics"][0]["host_probe"]
@@ -114,7 +114,7 @@ def test_a_real_run_records_its_host_probe_at_start_and_end(overlap_run):
     # and its machine (no GPU monitor on a CPU: named by host name and boot id)
     import platform
 
-    from calibration.validate import run_machine
+    from calibration.run_health import run_machine
     assert s["diagnostics"][0]["machine"]["hostname"] == platform.node()
     assert run_machine(s) == f"{platform.node()}/{s['diagnostics'][0]['machine']['boot_id']}"
 
@@ -141,7 +141,7 @@ def test_a_real_run_records_its_gpu_monitor(overlap_run):
 def test_a_real_run_records_its_host_monitor(overlap_run):
     """The run's processes (the controller, its trainer and engine workers, vLLM's core) over the
     measured window, read from this machine's /proc."""
-    from calibration.validate import run_host_monitor
+    from calibration.run_health import run_host_monitor
 
     s = json.loads((overlap_run / "summary.json").read_text())
     mon = s["diagnostics"][0]["host_monitor"]
@@ -292,7 +292,7 @@ def test_flat_adapter_handoff_runs_the_safetensors_runs_steps(pool, tmp_path, mo
     from safetensors.torch import load_file
 
     import real.backend
-    from calibration.validate import run_controls
+    from calibration.run_settings import run_controls
 
     monkeypatch.setattr(real.backend, "rewards", lambda job, step, sp, texts, n: [float(k % 2 == 0) for k in
                                                                                   range(len(sp.prompts) * n)])
@@ -596,7 +596,7 @@ def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     assert trainer["cpu_threads"] == n and trainer["torch_threads"] == n
     engine = s["diagnostics"][0]["workers"]["engine0"]
     assert engine["cpu_threads"] == n and engine["torch_threads"] == n
-    from calibration.validate import run_controls
+    from calibration.run_settings import run_controls
 
     assert run_controls(s)["engine_cpu_threads"] == n
 
@@ -762,7 +762,7 @@ def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size(pool)
         return c.model_copy(update={"jobs": jobs, "trainer": c.trainer.model_copy(
             update={"max_tokens_per_microbatch": mb})})
 
-    from calibration.validate import run_controls
+    from calibration.run_settings import run_controls
 
     big, _ = _pooled(pool, cfg(16384))
     (cluster,) = pool.clusters.values()

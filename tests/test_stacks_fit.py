@@ -6,7 +6,8 @@ import json
 import pytest
 
 from calibration.stacks import fit, fit_to_file
-from calibration.validate import stacks_fit_run, unmodelled_controls, validate
+from calibration.validate import stacks_fit_run, validate
+from calibration.run_settings import unmodelled_controls
 from nodus.cli import main
 from nodus.config import DEFAULT_PROFILE, STACKS_PROFILE, ConfigError
 from nodus.simulate import config_from_args, simulate

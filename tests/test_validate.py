@@ -319,7 +319,8 @@ def test_a_freed_trainer_is_its_own_configuration():
 
 
 def test_runs_at_other_mps_settings_are_another_configuration():
-    from calibration.validate import config_key, config_label, run_controls
+    from calibration.validate import config_key, config_label
+    from calibration.run_settings import run_controls
 
     plain = {"diagnostics": [{"sharing_controls": {"engine_thread_pct": None, "trainer_thread_pct": None,
                                                    "trainer_priority": "normal"}}]}
@@ -333,7 +334,7 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     assert config_key(a) != config_key(b) and config_key(a) == config_key({**a, "controls": None})
     assert config_label(b) == "8 jobs overlap g=2 mps trainer_thread_pct=50"
     # A CUDA-graphed trainer is its own configuration too, and one the profile does not model.
-    from calibration.validate import unmodelled_controls
+    from calibration.run_settings import unmodelled_controls
 
     graphed = {"diagnostics": [dict(plain["diagnostics"][0], workers={
         "engine0": {}, "trainer0": {"lora_layout": "masked", "step_mode": "graphed"}})]}
@@ -456,7 +457,7 @@ def test_runs_at_other_mps_settings_are_another_configuration():
         "terms include the PEFT safetensors save and load"]
     # The engine's logprobs on fewer steps than every one: another configuration, outside the profile.
     # Or on fewer responses: another configuration too. The table labels name the same settings.
-    from calibration.validate import audit_label
+    from calibration.run_settings import audit_label
 
     for audit, says, label in (({"logprobs": False, "every": 1}, "off", "a0"),
                                ({"logprobs": True, "every": 4}, "every 4 steps", "a4"),
@@ -472,7 +473,8 @@ def test_runs_at_other_mps_settings_are_another_configuration():
 
 
 def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
-    from calibration.validate import HOST_SLOW, host_flags, render_markdown, run_host_probe
+    from calibration.validate import render_markdown
+    from calibration.run_health import HOST_SLOW, host_flags, run_host_probe
     from nodus.outdir import host_probe
 
     p = host_probe(str(tmp_path))
@@ -520,7 +522,8 @@ def test_validate_and_the_gpu_table_name_runs_whose_engine_compiled_while_measur
     neither way."""
     import json
 
-    from calibration.validate import render_markdown, run_jit_compiles
+    from calibration.validate import render_markdown
+    from calibration.run_health import run_jit_compiles
     from experiments.gpu_table import build, render
 
     runs = []
@@ -605,7 +608,8 @@ def test_validate_and_the_gpu_table_name_runs_on_a_slowed_gpu(tmp_path):
     than 5% under the runs' median, and one whose power cap held the clocks in 30% of its samples,
     are named in the report and the GPU table; idle samples (gpu_idle) flag nothing. Runs without a
     monitor (every run before session 26) are said to have none."""
-    from calibration.validate import gpu_flags, render_markdown, run_gpu_monitor
+    from calibration.validate import render_markdown
+    from calibration.run_health import gpu_flags, run_gpu_monitor
     from experiments.gpu_table import build, render
 
     m = run_gpu_monitor({"diagnostics": [{"gpu_monitor": _gpu_monitor(1900, idle=0.5)},
@@ -712,7 +716,8 @@ def test_validate_and_the_gpu_table_name_runs_on_a_contended_host(tmp_path):
     """Runs whose summaries carry the host monitor: steal time, a quota-throttled cgroup, other
     processes' cores and a slow core clock each flag a run, named in the report and the GPU table;
     a run's several monitors (a dedicated arm's jobs) give its most contended figures."""
-    from calibration.validate import host_monitor_flags, render_markdown, run_host_monitor
+    from calibration.validate import render_markdown
+    from calibration.run_health import host_monitor_flags, run_host_monitor
     from experiments.gpu_table import build, render
 
     m = run_host_monitor({"diagnostics": [{"host_monitor": _host_monitor(steal=0.01, hot=0.95)},
@@ -772,7 +777,8 @@ def test_error_correlates_set_the_error_against_what_runs_recorded(tmp_path):
     """The simulator's error set against each recorded figure of the runs' state: over the
     held-out runs where there are enough, with a permutation p-value and the r over configuration
     means; figures on too few runs, with too few distinct values, or not finite are left out."""
-    from calibration.validate import error_correlates, error_correlates_text, render_markdown, run_gpu_monitor
+    from calibration.validate import error_correlates, error_correlates_text, render_markdown
+    from calibration.run_health import run_gpu_monitor
 
     def row(i, busy, err, held=True, probe=None, groups=2, measured=1000.0):
         return {"run": f"r{i}", "heldout": held, "jobs": 8, "arm": {"policy": "overlap", "groups": groups,
@@ -834,7 +840,8 @@ def test_engine_step_figures_reach_the_validated_rows_and_the_correlates(tmp_pat
     """real.stepstats' per-run summaries (one per GPU's run) pooled by run_engine_steps: the mean step
     weighted by steps, the spread from the fastest and slowest generations, the largest shares; a run
     without them has none, and error_correlates sets the mean step against the error."""
-    from calibration.validate import error_correlates, run_engine_steps, validate
+    from calibration.validate import error_correlates, validate
+    from calibration.run_health import run_engine_steps
 
     def es(gens, steps, mean_ms, lo, hi, between, gc, collect=0.02):
         return {"summary": {"generations": gens, "steps": steps, "mean_step_ms": mean_ms,
@@ -902,7 +909,7 @@ def test_validate_names_runs_of_one_folder_name_by_their_day(tmp_path):
     plot_validation(rep, tmp_path / "v.png")
     assert (tmp_path / "v.png").stat().st_size > 0
     # The flag lines too: a run on a slowed host named by its day
-    from calibration.validate import flagged_text, host_flags
+    from calibration.run_health import flagged_text, host_flags
 
     rows = [{"run": str(r), "host_probe": {"cpu_loop_s": 1.0 if i else 3.0}} for i, r in enumerate(runs)]
     assert flagged_text(host_flags(rows)) == "session1/arms/ovl-s1 (cpu_loop_s 3.0x)"
