@@ -441,6 +441,8 @@ def cmd_fit_audit(a: argparse.Namespace) -> int:
 def cmd_fit_stacks(a: argparse.Namespace) -> int:
     from calibration.stacks import fit_to_file
 
+    if a.rate == "phases":
+        return _fit_stacks_phases(a)
     r = fit_to_file(a.runs, a.base, a.out, report=a.report, rate_name=a.rate, left_out=not a.no_left_out)
     what = (f"each of two stacks' engines generating together; one engine alone under MPS {r['mps_alone_engine']:.3f}"
             if r["field"] == "mps_engines" else
@@ -452,6 +454,23 @@ def cmd_fit_stacks(a: argparse.Namespace) -> int:
         print(f"  {x['run']}: measured {x['measured']:.0f}, predicted {x['predicted']:.0f} ({x['error']:+.1%})"
               + (f", left out {x['left_out']['error']:+.1%}" if x["left_out"] else "")
               + f", without the rate {x['error_without_rate']:+.1%}")
+    print(f"wrote {a.out}" + (f", {a.report}.md and {a.report}.json" if a.report else ""))
+    return 0
+
+
+def _fit_stacks_phases(a: argparse.Namespace) -> int:
+    from calibration.stacks_phases import FIELDS, PHASES, WHAT, fit_to_file
+
+    r = fit_to_file(a.runs, a.base, a.out, report=a.report)
+    for f in FIELDS:
+        print(f"sharing.{f} = {r[f]:.3f} ({WHAT[f]})")
+    print(f"from {len(r['rows'])} run(s)' phase times: " + ", ".join(f"{ph} {r['phase_mape'][ph]:.1%}" for ph in PHASES)
+          + f" mean absolute error, steps/GPU-h {r['mape']:.1%} (the base's rates: "
+          + ", ".join(f"{ph} {r['base_phase_mape'][ph]:.1%}" for ph in PHASES) + f", {r['base_mape']:.1%})")
+    for x in r["rows"]:
+        e = x["phase_error"]
+        print(f"  {x['run']}: measured {x['measured']:.0f}, predicted {x['predicted']:.0f} ({x['error']:+.1%}); "
+              f"generation {e['generate']:+.1%}, train {e['train']:+.1%}")
     print(f"wrote {a.out}" + (f", {a.report}.md and {a.report}.json" if a.report else ""))
     return 0
 
@@ -776,11 +795,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile to copy (the one you will simulate with)")
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
     p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
-    p.add_argument("--rate", default="engines", choices=("engines", "trainer"),
+    p.add_argument("--rate", default="engines", choices=("engines", "trainer", "phases"),
                    help="engines: each of two stacks' engines generating together (sharing.mps_engines); trainer: a "
                         "lone trainer beside engines of several stacks (sharing.mps_stacks_trainer), fitted on a base "
                         "with a two-engine rate, held (fit it on runs whose trains ran beside generations: offset "
-                        "stacks, --offset-stacks)")
+                        "stacks, --offset-stacks); each to zero mean error in steps/GPU-h. phases: those two and the "
+                        "engines' rate beside the lone trainer (sharing.mps_stacks_engine) together, to the runs' "
+                        "mean generation and train-step times (no left-out fits)")
     p.add_argument("--no-left-out", action="store_true",
                    help="fit on every run only, without leaving each run and each day out (those fits replay "
                         "the runs about 20,000 times for thirty runs: hours on two cores); validate the profile on "

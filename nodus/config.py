@@ -418,17 +418,20 @@ STACKS_TRAINER_PROFILE = "h200-xeon16-graphed-stacks-audit-trainer-sessions30-39
 STACKS_DECODE_PROFILE = "h200-xeon16-graphed-stacks-audit-trainer-decode31-38-sessions30-39-qwen3-0.6b"
 # #5's protocol for two stacks: fitted on runs of at most 4 jobs a GPU only. The pair's-rate profile
 # of sessions 30-38 (above its trainer rate, STACKS_PAIR_PROFILE) with decode.scale refitted on the
-# same 22 dedicated runs (1.054) and the two-engine rate fitted on session 35's three two-stack runs
-# of 2 and 4 jobs (0.825); no lone-trainer rate (no offset runs of 4 jobs or fewer exist). Held out:
-# every two-stack run of 8 and 16 jobs of sessions 30-45 (80 runs, 9 configurations, 16 days): 5.1%
-# / 5.1% MAPE (replay / sampled), worst 15.6%, bias -0.1%; per configuration 5.5%, worst 10.1%, tau
-# 0.61 (1.00 over the 13 of 36 pairs measured apart beyond noise); the machine's speed known 3.2%,
-# worst 9.1% (60 runs). On the 44 runs the profile below held out at session 44, 4.7% against its
-# 6.3%. But its phases are off in opposite directions: a train step +25%, a generation -7.5% (the
-# profile below: +8.6%, +0.1%), so steps/GPU-h come out right by errors that cancel. Its 16-job runs
-# come out +10% (the profile below: +4.5%).
-# experiments/results/h200/session43/README.md, section 4; sessions 44-45's runs: their README.md.
-STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4-session35-qwen3-0.6b"
+# same 22 dedicated runs (1.054) and the stacks' three MPS rates fitted together on session 35's three
+# two-stack runs of 2 and 4 jobs, to their mean generation and train-step times (nodus fit-stacks
+# --rate phases, session 50): two engines 0.857, a lone trainer beside engines 0.921, an engine beside
+# it 0.473. Held out: every two-stack run of 8 and 16 jobs of sessions 30-49 (81 runs, 10
+# configurations): 5.0% / 4.9% MAPE (replay / sampled), worst 13.2%, bias -0.1%, tau 0.17; per
+# configuration 4.1%, worst 11.4%, bias +1.4%, tau 0.60 (1.00 over the 15 of 45 pairs measured apart
+# beyond noise); the machine's speed known 3.5%, worst 12.1% (60 runs); trains 9.0% off (bias +1.7%),
+# generations 8.2% (+0.2%). Its predecessor (the same base, the two-engine rate alone fitted to
+# steps/GPU-h: 0.825; h200-xeon16-graphed-stacks-audit-decode31-38-j2j4-session35-qwen3-0.6b) was at
+# 5.1% / 5.1%, worst 15.6%, per configuration 5.3%, worst 10.1%, tau 0.42, with trains +24.6% and
+# generations -7.8%: right in steps/GPU-h by errors that cancel, and 4-16% low on offset stacks.
+# calibration/reports/stacks-h200-session35-j2j4-phases-decode31-38.md and
+# validation-h200-stacks-protocol.md; the earlier profile: experiments/results/h200/session43/README.md.
+STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases-session35-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
 # normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen.
 STACKS_PROFILE = STACKS_DECODE_PROFILE

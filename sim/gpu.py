@@ -43,7 +43,9 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     profile names), except the engines of several stacks under MPS where the profile fitted their
     rate (``sharing.mps_engines``): each engine goes at it, past two engines too. Where the profile
     fitted a lone trainer's rate beside engines of several stacks (``sharing.mps_stacks_trainer``,
-    kept by ``sim.backend`` for arm.stacks arms only), that trainer goes at it.
+    kept by ``sim.backend`` for arm.stacks arms only), that trainer goes at it, and the engines
+    beside it at theirs where fitted too (``sharing.mps_stacks_engine``, in the pair's engine rate's
+    place).
     """
     if not kinds:
         return []
@@ -52,6 +54,9 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     pair: Rates = pair_rates(sharing, cost, engine_batch)
     stacks_trainer = (cost.mps_stacks_trainer if sharing == "mps" and kinds.count("trainer") == 1
                       and "engine" in kinds else None)
+    if stacks_trainer is not None and cost.mps_stacks_engine is not None:
+        # Engines beside a lone trainer of stacks at their own fitted rate, in the pair's place.
+        pair = Rates(engine=cost.mps_stacks_engine, trainer=pair.trainer)
     if len(kinds) == 2 and set(kinds) == {"engine", "trainer"}:
         rates = [getattr(pair, k) for k in kinds]
     else:

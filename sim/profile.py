@@ -207,6 +207,14 @@ class SharingCost(_M):
     # session 39's offset stacks' trains at 1.52-1.58 s against 0.88-0.96 s measured (H200).
     # `nodus fit-stacks --rate trainer` fits it on recorded runs, the two-engine rate held.
     mps_stacks_trainer: float | None = Field(default=None, gt=0, le=RATE_MAX)
+    # An engine's rate (alone-without-MPS work per second) beside that lone trainer: one engine goes
+    # at it, several at mps_engines times it over the engine's alone rate (as beside the pair's
+    # trainer). None: the pair's engine rate (mps_corun.engine). A lone trainer fitted faster than
+    # the pair's leaves the engine beside it at the pair's rate otherwise: on the H200 two stacks
+    # fitted that way (sessions 35, 39) priced generations 7-18% short and trains 15-98% long on
+    # held-out runs, right in steps/GPU-h by errors that cancel. `nodus fit-stacks --rate phases`
+    # fits it with the lone trainer's rate and the two-engine rate, on the runs' phase times.
+    mps_stacks_engine: float | None = Field(default=None, gt=0, le=RATE_MAX)
     # The settings mps_stacks_trainer was fitted under (as engines_controls).
     stacks_trainer_controls: dict[str, bool | str | int | float | None] = {}
 

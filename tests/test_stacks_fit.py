@@ -383,7 +383,7 @@ def test_the_shipped_profiles_flag_offset_stacks_and_overlap_unless_they_carry_t
 
 def test_the_protocol_stacks_profile_is_fitted_on_runs_of_at_most_four_jobs_a_gpu():
     """#5's protocol: every run a term or rate of STACKS_PROTOCOL_PROFILE was fitted on (nodus fit's
-    runs, the decode scale's dedicated runs, the two-engine rate's two-stack runs) has at most 4 jobs
+    runs, the decode scale's dedicated runs, the stacks rates' two-stack runs) has at most 4 jobs
     a GPU, and none of the 81 two-stack runs it was validated on (8 and 16 jobs) is one of them.
     The audit's per-sequence term is the one exception, recorded with its pairs: a ratio between two
     audit levels, fitted on 8- and 16-job pairs (sessions 32-33)."""
@@ -398,7 +398,10 @@ def test_the_protocol_stacks_profile_is_fitted_on_runs_of_at_most_four_jobs_a_gp
     meas = prof["measurements"]
     fitted = (meas["fit_runs"]["runs"] + meas["decode_scale_fit"]["runs"]
               + [r["run"] for r in meas["stacks"]["rows"]])
-    assert len(fitted) == 31 and "stacks_trainer" not in meas and prof["sharing"].get("mps_stacks_trainer") is None
+    # The three stacks rates were fitted together on the same three runs' phase times (--rate phases).
+    assert len(fitted) == 31 and meas["stacks"]["fitted_on"] == "phases"
+    assert [r["run"] for r in meas["stacks_trainer"]["rows"]] == [r["run"] for r in meas["stacks"]["rows"]]
+    assert all(prof["sharing"][f] for f in ("mps_engines", "mps_stacks_trainer", "mps_stacks_engine"))
     for run in fitted:
         assert jobs_per_gpu(json.loads((root / run / "config.json").read_text())) <= 4, run
     assert {jobs_per_gpu(json.loads((root / r / "config.json").read_text()))

@@ -1,0 +1,244 @@
+"""Two stacks' three MPS rates fitted together on the runs' phase times: the two engines' rate
+(``sharing.mps_engines``), a lone trainer's beside engines (``sharing.mps_stacks_trainer``) and the
+engines' beside that trainer (``sharing.mps_stacks_engine``).
+
+``nodus fit-stacks --rate engines`` and ``--rate trainer`` fit one rate each, to zero mean signed
+error in steps per GPU-hour. One number cannot tell a fast trainer beside a slowed engine from a
+slow trainer beside a fast one: on the H200, the rates fitted that way on session 35's two-stack
+runs of 2 and 4 jobs priced held-out trains 15-98% long and generations 7-18% short, right in
+steps/GPU-h by errors that cancel, and wrong wherever the mix of phases moves (offset stacks 4-16%
+low). Here the three rates are fitted together to the runs' mean generation and train-step times
+(replayed lengths; relative least squares), the other terms of the base kept: Nelder-Mead on the
+rates' logarithms, each between ``RATE_MIN`` and ``RATE_MAX``. A rate no run's phases move
+(runs that never ran what it prices) is refused, not fitted.
+
+    nodus fit-stacks RUN... --rate phases --base PROFILE --out PROFILE.json [--report PREFIX]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from calibration.run_health import unique_names
+from calibration.stacks import IDENTIFIED_MIN, RATE_MIN, stack_runs
+from calibration.validate import _phase_means, _simulate, load_recorded
+from nodus.config import ConfigError
+from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
+                         refuse_existing, set_assumption, write_fit_report, write_profile)
+
+FIELDS = ("mps_engines", "mps_stacks_trainer", "mps_stacks_engine")
+PHASES = ("generate", "train")  # the phase times fitted (publish has terms of its own)
+WHAT = {"mps_engines": "each engine while two stacks' engines generate",
+        "mps_stacks_trainer": "a lone trainer beside engines of stacks",
+        "mps_stacks_engine": "an engine beside that lone trainer"}
+FIRST_STEP = math.log(1.25)  # the search's first simplex: the start and each rate 25% above it
+LAST_STEP = math.log(1.002)  # it stops once the simplex is this narrow on every rate (0.2%)
+MAX_REPLAYS = 300  # ... or after this many distinct rate triples (each a replay of every run)
+
+
+def phase_rows(runs: list[str | Path], prof: dict) -> list[dict]:
+    """``stack_runs``' rows (settings checked alike), each with its measured mean phase times."""
+    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof))
+    for r in rows:
+        _, _, spans = load_recorded(Path(r["run"]))
+        means = _phase_means(spans)
+        missing = [ph for ph in PHASES if not means.get(ph)]
+        if missing:
+            raise ConfigError(f"nodus fit-stacks --rate phases: {r['run']} recorded no {' or '.join(missing)} phase "
+                              "(spans.jsonl): the rates are fitted to the runs' phase times")
+        r["phase_s"] = {ph: means[ph] for ph in PHASES}
+    return rows
+
+
+def _start(prof: dict) -> dict[str, float]:
+    """Where the search starts: the base's rates where it has them, else the pair's (one stack's)."""
+    sh = prof["sharing"]
+    return {"mps_engines": sh.get("mps_engines") or sh["mps_corun"]["engine"],
+            "mps_stacks_trainer": sh.get("mps_stacks_trainer") or sh["mps_corun"]["trainer"],
+            "mps_stacks_engine": sh.get("mps_stacks_engine") or sh["mps_corun"]["engine"]}
+
+
+def predict(rows: list[dict], prof: dict, rates: dict[str, float | None], tmp: Path) -> list[dict]:
+    """Each run replayed on ``prof`` with ``rates`` set: steps per GPU-hour and mean phase times."""
+    p = json.loads(json.dumps(prof))
+    p["sharing"].update(rates)
+    path = tmp / ("profile-" + "-".join(f"{rates[f]}" for f in FIELDS if f in rates) + ".json")
+    write_profile(p, path, "nodus fit-stacks", overwrite=True)
+    out = []
+    for r in rows:
+        s = _simulate(dict(r["cfg"], profile=str(path)), f"{r['run']}/config.json")
+        out.append({"steps_per_gpu_hour": s["steps_per_gpu_hour"], "phase_s": s["phase_s"]})
+    return out
+
+
+def phase_errors(pred: list[dict], rows: list[dict]) -> list[dict[str, float]]:
+    """Each run's relative error of each fitted phase's mean time (simulated over measured, less 1)."""
+    return [{ph: p["phase_s"].get(ph, 0.0) / r["phase_s"][ph] - 1 for ph in PHASES} for p, r in zip(pred, rows)]
+
+
+def loss(pred: list[dict], rows: list[dict]) -> float:
+    """Mean over runs and phases of the squared relative error of the phase's mean time."""
+    errs = [e for d in phase_errors(pred, rows) for e in d.values()]
+    return sum(e * e for e in errs) / len(errs)
+
+
+def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp: Path) -> None:
+    """Refuse a rate that moves no run's phase times by ``IDENTIFIED_MIN`` over its whole range."""
+    for f in FIELDS:
+        lo = predict(rows, prof, dict(rates, **{f: RATE_MIN}), tmp)
+        hi = predict(rows, prof, dict(rates, **{f: RATE_MAX}), tmp)
+        moved = max(abs(a["phase_s"].get(ph, 0.0) - b["phase_s"].get(ph, 0.0)) / r["phase_s"][ph]
+                    for a, b, r in zip(lo, hi, rows) for ph in PHASES)
+        if moved < IDENTIFIED_MIN:
+            raise ConfigError(f"nodus fit-stacks --rate phases: the runs' phase times are the same whatever "
+                              f"sharing.{f} is (at most {moved:.2%} apart from {RATE_MIN} to {RATE_MAX}): they never "
+                              f"ran what it prices ({WHAT[f]}); fit runs that do (free-running stacks drift into "
+                              "each case; offset stacks, --offset-stacks, put a lone trainer beside an engine)")
+
+
+def search(rows: list[dict], prof: dict, tmp: Path) -> tuple[dict[str, float], list[dict], int]:
+    """The rates of least ``loss``: Nelder-Mead on their logarithms (each clamped to
+    [``RATE_MIN``, ``RATE_MAX``]) from ``_start``, its first simplex ``FIRST_STEP`` apart on each rate,
+    until the simplex is ``LAST_STEP`` across or ``MAX_REPLAYS`` rounds have run. The loss is
+    piecewise in the rates (a simulation's events reorder), which stalls a search along one rate at a
+    time on a ridge; the simplex moves along it. Returns the rates, the runs' predictions there and
+    the replays it took (of all the runs)."""
+    lo, hi = math.log(RATE_MIN), math.log(RATE_MAX)
+    cache: dict[tuple, float] = {}
+
+    def rates_of(x: np.ndarray) -> dict[str, float]:
+        return {f: float(math.exp(min(hi, max(lo, v)))) for f, v in zip(FIELDS, x)}
+
+    def f(x: np.ndarray) -> float:
+        key = tuple(round(v, 9) for v in rates_of(x).values())
+        if key not in cache:
+            cache[key] = loss(predict(rows, prof, rates_of(x), tmp), rows)
+        return cache[key]
+
+    x0 = np.log([_start(prof)[k] for k in FIELDS])
+    simplex = [x0] + [x0 + FIRST_STEP * np.eye(len(FIELDS))[i] for i in range(len(FIELDS))]
+    vals = [f(x) for x in simplex]
+    while len(cache) < MAX_REPLAYS:
+        order = np.argsort(vals)
+        simplex, vals = [simplex[i] for i in order], [vals[i] for i in order]
+        if max(np.abs(x - simplex[0]).max() for x in simplex[1:]) < LAST_STEP:
+            break
+        centre = np.mean(simplex[:-1], axis=0)
+        worst = simplex[-1]
+        refl = centre + (centre - worst)
+        fr = f(refl)
+        if fr < vals[0]:
+            exp_ = centre + 2 * (centre - worst)
+            fe = f(exp_)
+            simplex[-1], vals[-1] = (exp_, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            simplex[-1], vals[-1] = refl, fr
+        else:
+            con = centre + 0.5 * (worst - centre) if fr >= vals[-1] else centre + 0.5 * (refl - centre)
+            fc = f(con)
+            if fc < min(fr, vals[-1]):
+                simplex[-1], vals[-1] = con, fc
+            else:  # shrink towards the best
+                simplex = [simplex[0]] + [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex[1:]]
+                vals = [vals[0]] + [f(x) for x in simplex[1:]]
+    best = simplex[int(np.argmin(vals))]
+    rates = rates_of(best)
+    return rates, predict(rows, prof, rates, tmp), len(cache) + 1
+
+
+def fit(runs: list[str | Path], base: str) -> dict:
+    """Fit the three rates on ``runs`` (two-stack runs under MPS of one setting) over ``base``."""
+    prof = profile_dict(base)
+    rows = phase_rows(runs, prof)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        check_identified(rows, prof, _start(prof), tmp)
+        rates, pred, evals = search(rows, prof, tmp)
+        before = predict(rows, prof, {f: prof["sharing"].get(f) for f in FIELDS}, tmp)
+    out_rows = []
+    for r, p, b, e, eb in zip(rows, pred, before, phase_errors(pred, rows), phase_errors(before, rows)):
+        out_rows.append({"run": r["run"], "spans_sha256": r["spans_sha256"], "measured": r["measured"],
+                         "predicted": p["steps_per_gpu_hour"],
+                         "error": p["steps_per_gpu_hour"] / r["measured"] - 1,
+                         "measured_phase_s": r["phase_s"], "predicted_phase_s": {ph: p["phase_s"].get(ph) for ph in PHASES},
+                         "phase_error": e, "base_predicted": b["steps_per_gpu_hour"],
+                         "base_error": b["steps_per_gpu_hour"] / r["measured"] - 1, "base_phase_error": eb})
+    n = len(out_rows)
+    return {"base": base, "field": "phases", **rates, "settings": rows[0]["settings"], "rows": out_rows,
+            "replays": evals * n, "loss": loss(pred, rows),
+            "base_rates": {f: prof["sharing"].get(f) for f in FIELDS},
+            "mape": sum(abs(x["error"]) for x in out_rows) / n,
+            "phase_mape": {ph: sum(abs(x["phase_error"][ph]) for x in out_rows) / n for ph in PHASES},
+            "base_mape": sum(abs(x["base_error"]) for x in out_rows) / n,
+            "base_phase_mape": {ph: sum(abs(x["base_phase_error"][ph]) for x in out_rows) / n for ph in PHASES}}
+
+
+def report_markdown(r: dict) -> str:
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(r["settings"].items()))
+    base = r["base_rates"]
+
+    def was(f: str) -> str:
+        return f"{base[f]:.3f}" if base[f] is not None else "none"
+
+    lines = [f"# Two stacks' rates fitted on their phase times, on `{r['base']}`", "",
+             f"Fitted together on {len(r['rows'])} two-stack run(s)' mean generation and train-step times "
+             f"(replayed lengths; relative least squares, {r['replays']} replays); their settings: {settings}. "
+             "Alone-without-MPS work per second:", "",
+             "| rate | fitted | the base's |", "|---|---|---|"]
+    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}** | {was(f)} |" for f in FIELDS]
+    pm, bm = r["phase_mape"], r["base_phase_mape"]
+    lines += ["", f"On these runs: generation {pm['generate']:.1%} and train step {pm['train']:.1%} mean absolute "
+              f"error (the base's rates: {bm['generate']:.1%} and {bm['train']:.1%}); steps per GPU-hour "
+              f"{r['mape']:.1%} (the base's: {r['base_mape']:.1%}).", "",
+              "| run | measured steps/GPU-h | predicted | error | generation s measured / error | train s measured "
+              "/ error | the base's rates: steps/GPU-h / generation / train error |",
+              "|---|---|---|---|---|---|---|"]
+    for x, name in zip(r["rows"], unique_names([x["run"] for x in r["rows"]])):
+        m, e, b = x["measured_phase_s"], x["phase_error"], x["base_phase_error"]
+        lines.append(f"| {name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} | "
+                     f"{m['generate']:.3f} / {e['generate']:+.1%} | {m['train']:.3f} / {e['train']:+.1%} | "
+                     f"{x['base_error']:+.1%} / {b['generate']:+.1%} / {b['train']:+.1%} |")
+    lines += ["", "The rates absorb whatever else the base misprices on these runs' day (README, `nodus fit-stacks`); "
+              "validate the profile on runs it was not fitted on (`nodus validate`)."]
+    return "\n".join(lines) + "\n"
+
+
+def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None) -> dict:
+    """Fit, write ``base`` with the three rates to ``out`` (never overwritten), and the report to
+    ``report``.{md,json} when given."""
+    refuse_existing(out, "nodus fit-stacks", report)  # before the fit's replays
+    result = fit(runs, base)
+    prof = profile_dict(base)
+    for f in FIELDS:
+        prof["sharing"][f] = result[f]
+    prof["sharing"]["engines_controls"] = dict(result["settings"])
+    prof["sharing"]["stacks_trainer_controls"] = dict(result["settings"])
+    # Both rates' fit records (which `nodus validate` reads to keep the fit runs out of its held-out
+    # figures, and the error bar quotes) are this fit's: no left-out fits here.
+    fitted = {k: v for k, v in result.items() if k in (*FIELDS, "settings", "rows", "loss", "mape", "phase_mape")}
+    fitted.update(fitted_on="phases", left_out_mape=None, left_out_worst=None, left_out_days=None)
+    prof.setdefault("measurements", {}).update(stacks=fitted, stacks_trainer=fitted)
+    n = len(result["rows"])
+    set_assumption(prof, {
+        "id": "sharing-two-engines",
+        "what": f"two stacks' engines generating together each go at sharing.mps_engines, fitted on {n} two-stack "
+                "run(s)' phase times with the lone trainer's rates (nodus fit-stacks --rate phases); beside a "
+                "trainer, scaled by the engine's rate beside it over its alone rate; past two stacks, each engine "
+                "at that rate too (an assumption; session 37)",
+        "value": result["mps_engines"]})
+    set_assumption(prof, {
+        "id": "sharing-stacks-trainer",
+        "what": "in an arm of several stacks under MPS, a trainer running alone beside engines goes at "
+                f"sharing.mps_stacks_trainer and each engine beside it at sharing.mps_stacks_engine, fitted on {n} "
+                "two-stack run(s)' phase times with the two-engine rate (nodus fit-stacks --rate phases); two "
+                "trainers or more keep the many-clients rule",
+        "value": result["mps_stacks_trainer"]})
+    add_source(prof, "nodus fit-stacks --rate phases " + " ".join(str(p) for p in runs))
+    write_profile(prof, out, "nodus fit-stacks")
+    write_fit_report(report, report_markdown(result), result)
+    return result

@@ -1,0 +1,104 @@
+"""Two stacks' three MPS rates fitted together on phase times (`nodus fit-stacks --rate phases`):
+the engines' rate beside a lone trainer of stacks in the simulator, and the fit recovering known
+rates from runs the simulator recorded with them."""
+
+import json
+
+import pytest
+
+from calibration.stacks_phases import FIELDS, fit
+from calibration.validate import stacks_fit_run
+from nodus.cli import main
+from nodus.config import DEFAULT_PROFILE, ConfigError
+from nodus.simulate import config_from_args, simulate
+from sim.gpu import sharing_rates
+from sim.profile import load_profile, profile_dict, write_profile
+
+
+def _profile(tmp_path, name, **rates):
+    """The default profile with the given sharing rates (mps_engines, mps_stacks_trainer, ...)."""
+    prof = profile_dict(DEFAULT_PROFILE)
+    prof["sharing"].update(rates)
+    path = tmp_path / name
+    write_profile(prof, path, "test")
+    return str(path)
+
+
+def test_engines_beside_a_lone_trainer_of_stacks_take_their_fitted_rate(tmp_path):
+    cost = load_profile(_profile(tmp_path, "p.json", mps_engines=0.8, mps_stacks_trainer=0.95,
+                                 mps_stacks_engine=0.6)).profile.sharing
+    alone = cost.mps_alone.engine
+    assert sharing_rates(["engine", "trainer"], "mps", cost) == pytest.approx([0.6, 0.95])
+    e, e2, t = sharing_rates(["engine", "engine", "trainer"], "mps", cost)
+    assert t == pytest.approx(0.95) and e == e2 == pytest.approx(0.8 * 0.6 / alone)
+    # Without a lone trainer nothing changes: two engines alone, two trainers beside an engine.
+    plain = load_profile(_profile(tmp_path, "q.json", mps_engines=0.8, mps_stacks_trainer=0.95)).profile.sharing
+    for kinds in (["engine", "engine"], ["engine", "trainer", "trainer"], ["trainer"], ["engine"]):
+        assert sharing_rates(kinds, "mps", cost) == sharing_rates(kinds, "mps", plain)
+    assert sharing_rates(["engine", "trainer"], "none", cost) == sharing_rates(["engine", "trainer"], "none", plain)
+    # It is the lone trainer's companion: without that rate the pair's engine rate stays.
+    pair = load_profile(_profile(tmp_path, "r.json", mps_engines=0.8, mps_stacks_engine=0.6)).profile.sharing
+    assert sharing_rates(["engine", "trainer"], "mps", pair) == pytest.approx(
+        [pair.mps_corun.engine, pair.mps_corun.trainer])
+    # One stack keeps the pair's rates its own runs were fitted on; two stacks move with it.
+    kw = dict(jobs=4, steps=3, policy="overlap", groups=2, sharing="mps", seed=1)
+    slow = _profile(tmp_path, "slow.json", mps_engines=0.8, mps_stacks_trainer=0.95, mps_stacks_engine=0.2)
+    fast = _profile(tmp_path, "fast.json", mps_engines=0.8, mps_stacks_trainer=0.95, mps_stacks_engine=1.5)
+    assert simulate(config_from_args(profile=slow, **kw))["steps_per_gpu_hour"] == pytest.approx(
+        simulate(config_from_args(profile=fast, **kw))["steps_per_gpu_hour"])
+    kw["stacks"] = 2
+    assert simulate(config_from_args(profile=slow, **kw))["steps_per_gpu_hour"] < \
+        simulate(config_from_args(profile=fast, **kw))["steps_per_gpu_hour"]
+
+
+def _runs(tmp_path, truth):
+    """Free-running two-stack runs of 4 jobs, recorded by the simulator on ``truth``: their stacks
+    drift into each case (both generating, both training, one training beside the other's generation)."""
+    runs = []
+    for seed in (1, 2, 3):
+        out = tmp_path / f"k2-s{seed}"
+        simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2, seed=seed,
+                                  share_prompts=0, profile=truth), out)
+        runs.append(out)
+    return runs
+
+
+def test_fit_stacks_phases_recovers_the_three_rates_the_runs_were_simulated_with(tmp_path, capsys):
+    truth_rates = {"mps_engines": 0.7, "mps_stacks_trainer": 1.1, "mps_stacks_engine": 0.5}
+    runs = _runs(tmp_path, _profile(tmp_path, "truth.json", **truth_rates))
+    out = tmp_path / "fitted.json"
+    assert main(["fit-stacks", *map(str, runs), "--rate", "phases", "--base", DEFAULT_PROFILE, "--out", str(out),
+                 "--report", str(tmp_path / "rep")]) == 0
+    printed = capsys.readouterr().out
+    prof = json.loads(out.read_text())
+    for f, want in truth_rates.items():
+        assert prof["sharing"][f] == pytest.approx(want, rel=0.03), f
+        assert float(printed.split(f"sharing.{f} = ")[1].split()[0]) == pytest.approx(want, rel=0.03)
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    assert rep["loss"] < 1e-4 and all(abs(r["error"]) < 0.01 for r in rep["rows"])
+    assert rep["base_rates"] == {f: None for f in FIELDS}  # the default profile has none of them
+    assert "sharing.mps_stacks_engine" in (tmp_path / "rep.md").read_text()
+    ids = {a["id"] for a in prof["assumptions"]}
+    assert {"sharing-two-engines", "sharing-stacks-trainer"} <= ids
+    # Its runs count as fitted in nodus validate (both rates' fit records are this fit's).
+    assert all(stacks_fit_run(prof, r) for r in runs)
+    assert prof["measurements"]["stacks"]["fitted_on"] == "phases"
+    assert main(["fit-stacks", *map(str, runs), "--rate", "phases", "--base", DEFAULT_PROFILE, "--out", str(out)]) == 2
+    assert "never overwrites" in capsys.readouterr().err
+
+
+def test_fit_stacks_phases_refuses_runs_without_what_a_rate_prices(monkeypatch, tmp_path):
+    import calibration.stacks_phases as sp
+
+    runs = _runs(tmp_path, _profile(tmp_path, "truth.json", mps_engines=0.7))
+    real_predict = sp.predict
+    # A simulator in which the engine beside a lone trainer never ran: that rate moves nothing.
+    monkeypatch.setattr(sp, "predict", lambda rows, prof, rates, tmp: real_predict(
+        rows, prof, dict(rates, mps_stacks_engine=0.5), tmp))
+    with pytest.raises(ConfigError, match=r"same whatever sharing.mps_stacks_engine is.*offset-stacks"):
+        fit(runs, DEFAULT_PROFILE)
+    # A run of one stack is refused as fit-stacks refuses it.
+    one = tmp_path / "one"
+    simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps"), one)
+    with pytest.raises(ConfigError, match="arm.stacks=2"):
+        fit([one], DEFAULT_PROFILE)
