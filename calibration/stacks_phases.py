@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -39,6 +40,7 @@ WHAT = {"mps_engines": "each engine while two stacks' engines generate",
 FIRST_STEP = math.log(1.25)  # the search's first simplex: the start and each rate 25% above it
 LAST_STEP = math.log(1.002)  # it stops once the simplex is this narrow on every rate (0.2%)
 MAX_REPLAYS = 300  # ... or after this many distinct rate triples (each a replay of every run)
+PROGRESS_EVERY = 25  # rate triples between progress lines (three runs: about 20 s on two cores)
 
 
 def phase_rows(runs: list[str | Path], prof: dict) -> list[dict]:
@@ -101,13 +103,14 @@ def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp:
                               "each case; offset stacks, --offset-stacks, put a lone trainer beside an engine)")
 
 
-def search(rows: list[dict], prof: dict, tmp: Path) -> tuple[dict[str, float], list[dict], int]:
+def search(rows: list[dict], prof: dict, tmp: Path,
+           progress: bool = False) -> tuple[dict[str, float], list[dict], int]:
     """The rates of least ``loss``: Nelder-Mead on their logarithms (each clamped to
     [``RATE_MIN``, ``RATE_MAX``]) from ``_start``, its first simplex ``FIRST_STEP`` apart on each rate,
     until the simplex is ``LAST_STEP`` across or ``MAX_REPLAYS`` rounds have run. The loss is
     piecewise in the rates (a simulation's events reorder), which stalls a search along one rate at a
     time on a ridge; the simplex moves along it. Returns the rates, the runs' predictions there and
-    the replays it took (of all the runs)."""
+    the replays it took (of all the runs). ``progress``: a line on stderr every ``PROGRESS_EVERY``."""
     lo, hi = math.log(RATE_MIN), math.log(RATE_MAX)
     cache: dict[tuple, float] = {}
 
@@ -118,6 +121,9 @@ def search(rows: list[dict], prof: dict, tmp: Path) -> tuple[dict[str, float], l
         key = tuple(round(v, 9) for v in rates_of(x).values())
         if key not in cache:
             cache[key] = loss(predict(rows, prof, rates_of(x), tmp), rows)
+            if progress and len(cache) % PROGRESS_EVERY == 0:
+                print(f"nodus fit-stacks --rate phases: {len(cache)} rate triples replayed on {len(rows)} run(s), "
+                      f"least loss {min(cache.values()):.5f}", file=sys.stderr, flush=True)
         return cache[key]
 
     x0 = np.log([_start(prof)[k] for k in FIELDS])
@@ -151,21 +157,22 @@ def search(rows: list[dict], prof: dict, tmp: Path) -> tuple[dict[str, float], l
     return rates, predict(rows, prof, rates, tmp), len(cache) + 1
 
 
-def fit(runs: list[str | Path], base: str) -> dict:
+def fit(runs: list[str | Path], base: str, progress: bool = False) -> dict:
     """Fit the three rates on ``runs`` (two-stack runs under MPS of one setting) over ``base``."""
     prof = profile_dict(base)
     rows = phase_rows(runs, prof)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         check_identified(rows, prof, _start(prof), tmp)
-        rates, pred, evals = search(rows, prof, tmp)
+        rates, pred, evals = search(rows, prof, tmp, progress)
         before = predict(rows, prof, {f: prof["sharing"].get(f) for f in FIELDS}, tmp)
     out_rows = []
     for r, p, b, e, eb in zip(rows, pred, before, phase_errors(pred, rows), phase_errors(before, rows)):
         out_rows.append({"run": r["run"], "spans_sha256": r["spans_sha256"], "measured": r["measured"],
                          "predicted": p["steps_per_gpu_hour"],
                          "error": p["steps_per_gpu_hour"] / r["measured"] - 1,
-                         "measured_phase_s": r["phase_s"], "predicted_phase_s": {ph: p["phase_s"].get(ph) for ph in PHASES},
+                         "measured_phase_s": r["phase_s"],
+                         "predicted_phase_s": {ph: p["phase_s"].get(ph) for ph in PHASES},
                          "phase_error": e, "base_predicted": b["steps_per_gpu_hour"],
                          "base_error": b["steps_per_gpu_hour"] / r["measured"] - 1, "base_phase_error": eb})
     n = len(out_rows)
@@ -208,11 +215,12 @@ def report_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None) -> dict:
+def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None,
+                progress: bool = False) -> dict:
     """Fit, write ``base`` with the three rates to ``out`` (never overwritten), and the report to
     ``report``.{md,json} when given."""
     refuse_existing(out, "nodus fit-stacks", report)  # before the fit's replays
-    result = fit(runs, base)
+    result = fit(runs, base, progress)
     prof = profile_dict(base)
     for f in FIELDS:
         prof["sharing"][f] = result[f]

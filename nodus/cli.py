@@ -461,7 +461,7 @@ def cmd_fit_stacks(a: argparse.Namespace) -> int:
 def _fit_stacks_phases(a: argparse.Namespace) -> int:
     from calibration.stacks_phases import FIELDS, PHASES, WHAT, fit_to_file
 
-    r = fit_to_file(a.runs, a.base, a.out, report=a.report)
+    r = fit_to_file(a.runs, a.base, a.out, report=a.report, progress=True)
     for f in FIELDS:
         print(f"sharing.{f} = {r[f]:.3f} ({WHAT[f]})")
     print(f"from {len(r['rows'])} run(s)' phase times: " + ", ".join(f"{ph} {r['phase_mape'][ph]:.1%}" for ph in PHASES)
