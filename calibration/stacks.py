@@ -52,13 +52,19 @@ RUNS_THAT_SHOW = {"mps_engines": ": both stacks generating at once",
                                         "(--offset-stacks) run"}
 
 
-def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> list[dict]:
+# How a run's stacks lined up (stacks_run_settings): settings a rate fitted to steps/GPU-h averages
+# over, which a fit to phase times (stacks_phases) does not: there the runs may differ in them.
+ALIGNMENT = ("lockstep", "offset_stacks", "hold_apart")
+
+
+def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_alignment: bool = False) -> list[dict]:
     """Each run's replay configuration (on no profile yet), measured steps per GPU-hour and
     settings (``stacks_run_settings``). Refuses a run that is not a two-stack run under MPS; one whose
     trainers did not all run ``step_mode`` or whose engine ran other LoRA kernels than
     ``lora_kernels`` (the base profile's terms); one with settings no profile describes (audit,
     engine core process, pageable publishes, extra engine arguments or environment beside the
-    shipped kernel configs); the same run twice; and runs of mixed settings."""
+    shipped kernel configs); the same run twice; and runs of mixed settings (``any_alignment``: but
+    for how their stacks lined up, ``ALIGNMENT``)."""
     out, seen = [], {}
     for rd in map(Path, runs):
         cfg, meas, spans = load_recorded(rd)
@@ -95,7 +101,7 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str) -> lis
                     "settings": stacks_run_settings(arm.get("policy"), stacks_of(arm), packing, controls,
                                                     bool(arm.get("lockstep")), bool(arm.get("offset_stacks")),
                                                     arm.get("hold_apart") or 0.0)})
-    keys = sorted({k for r in out for k in r["settings"]})
+    keys = sorted({k for r in out for k in r["settings"]} - (set(ALIGNMENT) if any_alignment else set()))
     mixed = [k for k in keys if len({r["settings"].get(k) for r in out}) > 1]
     if mixed:
         raise ConfigError("nodus fit-stacks: the runs differ in " + ", ".join(mixed) + " ("

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.run_health import unique_names
-from calibration.stacks import IDENTIFIED_MIN, RATE_MIN, stack_runs
+from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, stack_runs
 from calibration.validate import _phase_means, _simulate, load_recorded
 from nodus.config import ConfigError
 from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
@@ -44,8 +44,9 @@ PROGRESS_EVERY = 25  # rate triples between progress lines (three runs: about 20
 
 
 def phase_rows(runs: list[str | Path], prof: dict) -> list[dict]:
-    """``stack_runs``' rows (settings checked alike), each with its measured mean phase times."""
-    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof))
+    """``stack_runs``' rows (settings checked alike, but the runs may differ in how their stacks lined
+    up: free, offset, held or lockstep), each with its measured mean phase times."""
+    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof), any_alignment=True)
     for r in rows:
         _, _, spans = load_recorded(Path(r["run"]))
         means = _phase_means(spans)
@@ -176,7 +177,10 @@ def fit(runs: list[str | Path], base: str, progress: bool = False) -> dict:
                          "phase_error": e, "base_predicted": b["steps_per_gpu_hour"],
                          "base_error": b["steps_per_gpu_hour"] / r["measured"] - 1, "base_phase_error": eb})
     n = len(out_rows)
-    return {"base": base, "field": "phases", **rates, "settings": rows[0]["settings"], "rows": out_rows,
+    # The settings the rates hold for: the runs' own, but for how their stacks lined up (the runs may
+    # mix free, offset, held and lockstep stacks: each case is priced by its rate, not averaged).
+    settings = {k: v for k, v in rows[0]["settings"].items() if k not in ALIGNMENT}
+    return {"base": base, "field": "phases", **rates, "settings": settings, "rows": out_rows,
             "replays": evals * n, "loss": loss(pred, rows),
             "base_rates": {f: prof["sharing"].get(f) for f in FIELDS},
             "mape": sum(abs(x["error"]) for x in out_rows) / n,

@@ -82,7 +82,10 @@ class SimBackend:
                         "below the measured runs, as the same hour's two-stack runs were, 9%)")
                 fitted = cost.profile.sharing.engines_controls
                 mine = {"policy": cfg.arm.policy, "share_prompts": self._share}
-                if cfg.arm.lockstep != bool(fitted.get("lockstep")):
+                # A rate fitted to phase times (fit-stacks --rate phases) is not an average over the
+                # runs' alignment, and its runs may mix alignments.
+                by_phases = ((cost.profile.measurements or {}).get("stacks") or {}).get("fitted_on") == "phases"
+                if cfg.arm.lockstep != bool(fitted.get("lockstep")) and not by_phases:
                     cost.note_unmodelled(
                         f"arm.lockstep={cfg.arm.lockstep}: the two-engine rate (sharing.mps_engines) was fitted on "
                         + ("stacks in lockstep" if fitted.get("lockstep") else "free-running stacks")

@@ -52,13 +52,14 @@ def test_engines_beside_a_lone_trainer_of_stacks_take_their_fitted_rate(tmp_path
 
 
 def _runs(tmp_path, truth):
-    """Free-running two-stack runs of 4 jobs, recorded by the simulator on ``truth``: their stacks
-    drift into each case (both generating, both training, one training beside the other's generation)."""
+    """Two-stack runs of 4 jobs, recorded by the simulator on ``truth``: two free-running, whose stacks
+    drift into each case (both generating, both training, one training beside the other's
+    generation), and one offset (a lone trainer beside the other stack's generation every cycle)."""
     runs = []
-    for seed in (1, 2, 3):
-        out = tmp_path / f"k2-s{seed}"
+    for seed, offset in ((1, False), (2, False), (3, True)):
+        out = tmp_path / f"k2-s{seed}{'-off' if offset else ''}"
         simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2, seed=seed,
-                                  share_prompts=0, profile=truth), out)
+                                  offset_stacks=offset, share_prompts=0, profile=truth), out)
         runs.append(out)
     return runs
 
@@ -82,6 +83,12 @@ def test_fit_stacks_phases_recovers_the_three_rates_the_runs_were_simulated_with
     assert "sharing.mps_stacks_engine" in (tmp_path / "rep.md").read_text()
     ids = {a["id"] for a in prof["assumptions"]}
     assert {"sharing-two-engines", "sharing-stacks-trainer"} <= ids
+    # The runs mixed free and offset stacks: the rates hold for either (no alignment recorded), and a
+    # lockstep run is not flagged as another alignment than the fit's.
+    assert "offset_stacks" not in prof["sharing"]["engines_controls"]
+    lock = simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2, seed=1,
+                                     lockstep=True, share_prompts=0, profile=str(out)))
+    assert not any("arm.lockstep" in f for f in lock["outside_profile"])
     # Its runs count as fitted in nodus validate (both rates' fit records are this fit's).
     assert all(stacks_fit_run(prof, r) for r in runs)
     assert prof["measurements"]["stacks"]["fitted_on"] == "phases"
