@@ -110,14 +110,18 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_al
     return out
 
 
+def replay(rows: list[dict], prof: dict, rates: dict[str, float | None], tmp: Path) -> list[dict]:
+    """Each run replayed (``_simulate``'s summary) on ``prof`` with ``sharing`` updated by ``rates``."""
+    p = json.loads(json.dumps(prof))
+    p["sharing"].update(rates)
+    path = tmp / ("profile-" + "-".join(f"{k}-{v}" for k, v in sorted(rates.items())) + ".json")
+    write_profile(p, path, "nodus fit-stacks", overwrite=True)
+    return [_simulate(dict(r["cfg"], profile=str(path)), f"{r['run']}/config.json") for r in rows]
+
+
 def _predict(rows: list[dict], prof: dict, rate: float | None, tmp: Path, field: str = "mps_engines") -> list[float]:
     """Each run's replayed steps per GPU-hour on ``prof`` with ``sharing.<field> = rate``."""
-    p = json.loads(json.dumps(prof))
-    p["sharing"][field] = rate
-    path = tmp / f"profile-{field}-{rate}.json"
-    write_profile(p, path, "nodus fit-stacks", overwrite=True)
-    return [_simulate(dict(r["cfg"], profile=str(path)), f"{r['run']}/config.json")["steps_per_gpu_hour"]
-            for r in rows]
+    return [s["steps_per_gpu_hour"] for s in replay(rows, prof, {field: rate}, tmp)]
 
 
 def _bias(pred: list[float], rows: list[dict]) -> float:

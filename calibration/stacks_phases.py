@@ -17,7 +17,6 @@ rates' logarithms, each between ``RATE_MIN`` and ``RATE_MAX``. A rate no run's p
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import tempfile
@@ -26,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from calibration.run_health import unique_names
-from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, stack_runs
-from calibration.validate import _phase_means, _simulate, load_recorded
+from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, replay, stack_runs
+from calibration.validate import _phase_means, load_recorded
 from nodus.config import ConfigError
 from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
                          refuse_existing, set_assumption, write_fit_report, write_profile)
@@ -68,15 +67,8 @@ def _start(prof: dict) -> dict[str, float]:
 
 def predict(rows: list[dict], prof: dict, rates: dict[str, float | None], tmp: Path) -> list[dict]:
     """Each run replayed on ``prof`` with ``rates`` set: steps per GPU-hour and mean phase times."""
-    p = json.loads(json.dumps(prof))
-    p["sharing"].update(rates)
-    path = tmp / ("profile-" + "-".join(f"{rates[f]}" for f in FIELDS if f in rates) + ".json")
-    write_profile(p, path, "nodus fit-stacks", overwrite=True)
-    out = []
-    for r in rows:
-        s = _simulate(dict(r["cfg"], profile=str(path)), f"{r['run']}/config.json")
-        out.append({"steps_per_gpu_hour": s["steps_per_gpu_hour"], "phase_s": s["phase_s"]})
-    return out
+    return [{"steps_per_gpu_hour": s["steps_per_gpu_hour"], "phase_s": s["phase_s"]}
+            for s in replay(rows, prof, rates, tmp)]
 
 
 def phase_errors(pred: list[dict], rows: list[dict]) -> list[dict[str, float]]:
