@@ -324,6 +324,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     ``graphless-flat``), set before the engine's scale and rates are fitted; ``graph_max_tokens``:
     the graph size of the engine that measured them, when the file does not record it.
 
+    The runs' adapter handoff (``RealOptions.adapter_format``, one per fit) is the one the fitted
+    train and publish terms describe (``environment.adapter_format``).
+
     ``scales_only``: carry the base to another day's host instead of refitting its terms. The
     base's cost shapes and sharing rates are kept; the runs fit three scales: the trainer's terms
     times one factor (relative least squares over their train steps), ``decode.scale`` (their
@@ -337,8 +340,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     ``term_selection``: how the train terms the runs support are chosen (``_select_train_terms``):
     "runs" leaves one run out, "extrapolate" scores each subset on the larger steps fitted on the
     smaller ones."""
-    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, drop_two_engine_rate, profile_dict,
-                             profile_lora_kernels, profile_step_mode)
+    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, drop_two_engine_rate,
+                             profile_adapter_format, profile_dict, profile_lora_kernels, profile_step_mode)
     from calibration.run_settings import run_controls, settings_text, sharing_controls
 
     if term_selection not in TERM_SELECTIONS:
@@ -358,6 +361,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     slots: set = set()  # the runs' engines' adapter slots (engine_max_loras; None: not recorded)
     cpu_caps: dict = {}  # the runs' trainers' capped CPU threads (None: torch's own count) -> runs
     layouts: dict[str, list[str]] = {}
+    handoffs: dict[str, list[str]] = {}  # adapter handoff (RealOptions.adapter_format) -> runs
     mps_runs: list[tuple[str, dict, bool]] = []  # MPS runs: run, its MPS settings, whether it co-runs
     for rd in map(Path, runs):
         recorded = load_recorded(rd)
@@ -389,10 +393,8 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
             raise ConfigError(f"nodus fit: {rd}'s engine loaded published adapters into pageable host memory "
                               "(publish_pinned false, :np); a profile describes vLLM's pinned loads: fit runs "
                               "without it")
-        if controls.get("adapter_format", "safetensors") != "safetensors":
-            raise ConfigError(f"nodus fit: {rd} handed adapters to the engine as {controls['adapter_format']} files "
-                              "(:flat); a profile's train and publish terms describe PEFT safetensors folders: fit "
-                              "runs without it")
+        # The handoff the fitted train (the trainer's save) and publish (the engine's load) terms describe.
+        handoffs.setdefault(controls.get("adapter_format", "safetensors"), []).append(str(rd))
         if kernels != want_kernels:
             hint = ("the runs mix two engines: fit the runs of one" if lora_kernels else
                     f"or --lora-kernels {kernels} to fit that engine onto this base")
@@ -422,6 +424,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         raise ConfigError("nodus fit: the runs' trainers used different multi-adapter layouts ("
                           + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layouts.items()))
                           + "); fit the runs of one layout")
+    if len(handoffs) > 1:
+        raise ConfigError("nodus fit: the runs' trainers handed adapters to the engine in different formats ("
+                          + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(handoffs.items()))
+                          + "), which the train and publish terms include; fit the runs of one handoff")
     if len(cpu_caps) > 1:
         raise ConfigError("nodus fit: the runs' trainers ran different CPU thread counts ("
                           + "; ".join(f"{n or 'torch default'}: {', '.join(v)}"
@@ -597,6 +603,18 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         prof["environment"]["engine_max_loras"] = next(iter(slots)) if len(slots) == 1 else None
     # The train terms describe the runs' trainers: their capped CPU threads (None: torch's own count).
     prof["environment"]["trainer_cpu_threads"] = runs_cap
+    # ... and their adapter handoff. Scales alone carry the base's train shape, measured with its own
+    # handoff, to the runs' (the save's share of a step scaled with the rest): the profile says so.
+    base_handoff = profile_adapter_format(prof)
+    handoff = next(iter(handoffs), base_handoff)
+    prof["environment"]["adapter_format"] = handoff
+    prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "handoff-from-base"]
+    if scales_only and handoff != base_handoff:
+        prof["assumptions"].append(
+            {"id": "handoff-from-base", "value": None,
+             "what": f"the runs handed adapters over as {handoff} files, the base's train terms were measured with "
+                     f"the {base_handoff} handoff: its shape is kept and scaled to the runs' train steps (the "
+                     "trainer's save a fixed share of a step), the publish cost refitted on the runs"})
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")

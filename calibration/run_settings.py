@@ -172,7 +172,8 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
                         run_slots: int | None = None, run_jobs: int | None = None,
                         profile_cpu_threads: int | None = None, stacks: int = 1,
                         profile_engines_controls: dict | None = None,
-                        run_settings: dict | None = None) -> list[str]:
+                        run_settings: dict | None = None,
+                        profile_adapter_format: str = "safetensors") -> list[str]:
     """What a run's settings (``run_controls``) have that the profile was not measured with;
     ``profile_step_mode``: the trainer its train terms describe (``train.step_mode``);
     ``profile_lora_kernels``: the engine's LoRA kernels its engine terms describe ("tuned" or
@@ -188,12 +189,20 @@ def unmodelled_controls(controls: dict, profile_step_mode: str = "eager",
     ``stacks``: the run's engine + trainer stacks; ``profile_engines_controls``: the settings the
     profile's two-engine rate was fitted under (``sharing.engines_controls``; None where the profile
     has no ``sharing.mps_engines``), against which a stacks run under MPS is compared, its
-    ``run_settings`` (policy, share_prompts) with its controls (``stacks_run_settings``)."""
+    ``run_settings`` (policy, share_prompts) with its controls (``stacks_run_settings``);
+    ``profile_adapter_format``: the adapter handoff its train and publish terms describe
+    (``environment.adapter_format``), against the run's (its ``adapter_format`` control)."""
     cap = controls.get("engine_cpu_threads")
     fitted = profile_engines_controls or {}
     engines_fitted = stacks > 1 and mps and profile_engines_controls is not None
-    out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS and k != "trainer_step_mode"
+    out = [UNMODELLED_CONTROLS[k] for k in controls if k in UNMODELLED_CONTROLS
+           and k not in ("trainer_step_mode", "adapter_format")
            and not (k == "engine_cpu_threads" and engines_fitted and cap == fitted.get("engine_cpu_threads"))]
+    handoff = controls.get("adapter_format", "safetensors")
+    if handoff != profile_adapter_format:
+        out.append(UNMODELLED_CONTROLS["adapter_format"] if profile_adapter_format == "safetensors" else
+                   f"the trainer handed adapters to the engine as {handoff} files; the profile's train and publish "
+                   f"terms include the {profile_adapter_format} handoff's save and load (environment.adapter_format)")
     if engines_fitted:
         def threads(n):
             return f"{n} CPU threads" if n else "torch's own CPU thread count"

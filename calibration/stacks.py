@@ -34,8 +34,8 @@ from calibration.validate import _simulate, load_recorded, recorded_configs, spa
 from calibration.run_health import unique_names
 from calibration.run_settings import run_controls, stacks_run_settings
 from nodus.config import ConfigError, build_config, stacks_of
-from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
-                         refuse_existing, set_assumption, write_fit_report, write_profile)
+from sim.profile import (RATE_MAX, add_source, profile_adapter_format, profile_dict, profile_lora_kernels,
+                         profile_step_mode, refuse_existing, set_assumption, write_fit_report, write_profile)
 
 # The rates fit-stacks fits (--rate), each a field of the profile's sharing terms, and what each is.
 RATES = {"engines": "mps_engines", "trainer": "mps_stacks_trainer"}
@@ -57,11 +57,13 @@ RUNS_THAT_SHOW = {"mps_engines": ": both stacks generating at once",
 ALIGNMENT = ("lockstep", "offset_stacks", "hold_apart")
 
 
-def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_alignment: bool = False) -> list[dict]:
+def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_alignment: bool = False,
+               adapter_format: str = "safetensors") -> list[dict]:
     """Each run's replay configuration (on no profile yet), measured steps per GPU-hour and
     settings (``stacks_run_settings``). Refuses a run that is not a two-stack run under MPS; one whose
     trainers did not all run ``step_mode`` or whose engine ran other LoRA kernels than
-    ``lora_kernels`` (the base profile's terms); one with settings no profile describes (audit,
+    ``lora_kernels`` (the base profile's terms), or that handed adapters over otherwise than
+    ``adapter_format`` (the base's handoff); one with settings no profile describes (audit,
     engine core process, pageable publishes, extra engine arguments or environment beside the
     shipped kernel configs); the same run twice; and runs of mixed settings (``any_alignment``: but
     for how their stacks lined up, ``ALIGNMENT``)."""
@@ -91,7 +93,12 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_al
                               f"profile's engine terms are the {lora_kernels} ones': fit on a base of that engine")
         odd = [k for k in ("audit", "engine_core_process", "engine_args", "engine_env") if controls.get(k)]
         odd += ["publish_pinned"] if controls.get("publish_pinned") is False else []
-        odd += ["adapter_format"] if controls.get("adapter_format", "safetensors") != "safetensors" else []
+        handoff = controls.get("adapter_format", "safetensors")
+        if handoff != adapter_format:
+            raise ConfigError(f"nodus fit-stacks: {rd} handed adapters to the engines as {handoff} files, and the "
+                              f"base profile's train and publish terms describe the {adapter_format} handoff "
+                              "(environment.adapter_format): fit on a base of that handoff (nodus fit on its "
+                              "dedicated runs)")
         if odd:
             raise ConfigError(f"nodus fit-stacks: {rd} ran settings no profile describes ({', '.join(odd)}; "
                               "nodus validate names them): fit runs without them")
@@ -201,7 +208,8 @@ def fit(runs: list[str | Path], base: str, rate_name: str = "engines", left_out:
     if field == "mps_stacks_trainer" and prof["sharing"].get("mps_engines") is None:
         raise ConfigError(f"nodus fit-stacks --rate trainer: {base} has no two-engine rate (sharing.mps_engines); "
                           "the lone trainer's rate is fitted with it held: fit-stacks --rate engines first")
-    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof))
+    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof),
+                      adapter_format=profile_adapter_format(prof))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         rate, pred = fit_rate(rows, prof, tmp, field=field)

@@ -28,8 +28,8 @@ from calibration.run_health import unique_names
 from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, replay, stack_runs
 from calibration.validate import _phase_means, load_recorded
 from nodus.config import ConfigError
-from sim.profile import (RATE_MAX, add_source, profile_dict, profile_lora_kernels, profile_step_mode,
-                         refuse_existing, set_assumption, write_fit_report, write_profile)
+from sim.profile import (RATE_MAX, add_source, profile_adapter_format, profile_dict, profile_lora_kernels,
+                         profile_step_mode, refuse_existing, set_assumption, write_fit_report, write_profile)
 
 FIELDS = ("mps_engines", "mps_stacks_trainer", "mps_stacks_engine")
 PHASES = ("generate", "train")  # the phase times fitted (publish has terms of its own)
@@ -45,7 +45,8 @@ PROGRESS_EVERY = 25  # rate triples between progress lines (three runs: about 20
 def phase_rows(runs: list[str | Path], prof: dict) -> list[dict]:
     """``stack_runs``' rows (settings checked alike, but the runs may differ in how their stacks lined
     up: free, offset, held or lockstep), each with its measured mean phase times."""
-    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof), any_alignment=True)
+    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof), any_alignment=True,
+                      adapter_format=profile_adapter_format(prof))
     for r in rows:
         _, _, spans = load_recorded(Path(r["run"]))
         means = _phase_means(spans)

@@ -316,7 +316,7 @@ def stacks_fit_run(prof: dict, run: str | Path) -> bool:
 
 
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
-    from sim.profile import profile_dict, profile_lora_kernels, profile_step_mode
+    from sim.profile import profile_adapter_format, profile_dict, profile_lora_kernels, profile_step_mode
 
     prof = profile_dict(profile)
     step_mode, lora_kernels = profile_step_mode(prof), profile_lora_kernels(prof)
@@ -369,7 +369,8 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  if prof["sharing"].get("mps_engines") is not None
                                                                  else None,
                                                                  {"policy": cfg["arm"].get("policy"),
-                                                                  "share_prompts": packing})))}
+                                                                  "share_prompts": packing},
+                                                                 profile_adapter_format(prof))))}
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):

@@ -51,6 +51,10 @@ class Environment(_M):
     # the simulator fits a default trainer micro-batch to it (nodus.gpumemory); None: not measured
     # (nodus.gpumemory.GPU_MEMORY_GIB's by the GPU's name, where it knows it).
     gpu_memory_gib: list[float] | None = Field(default=None, min_length=2, max_length=2)
+    # How the measured trainers handed each new adapter version to the engine (RealOptions.adapter_format):
+    # PEFT safetensors folders (every profile before the field) or one flat file each (:flat). The train
+    # terms include the trainer's save and the publish the engine's load, so they describe this format.
+    adapter_format: Literal["safetensors", "flat"] = "safetensors"
     sources: list[str] = []
 
 
@@ -292,6 +296,12 @@ class Profile(_M):
 def profile_step_mode(prof: dict) -> str:
     """The trainer a profile dict's train terms describe (``train.step_mode``; eager before the field)."""
     return (prof.get("train") or {}).get("step_mode", "eager")
+
+
+def profile_adapter_format(prof: dict) -> str:
+    """The adapter handoff a profile dict's train and publish terms describe (``environment.adapter_format``:
+    "safetensors", PEFT folders, in every profile before the field, or "flat")."""
+    return (prof.get("environment") or {}).get("adapter_format") or "safetensors"
 
 
 def profile_lora_kernels(prof: dict) -> str:

@@ -294,7 +294,7 @@ def test_fit_onto_a_base_of_other_lora_kernels_fits_the_decode_scale_and_says_so
         _mark_tuned(rd, configs)
     with pytest.raises(ConfigError, match="ran tuned LoRA kernel configs but the fitted profile's engine is the "
                                           "default kernels' .the base profile.*--lora-kernels tuned"):
-        fit([ded, shared], base=base)
+        fit([ded, shared], base=base, fit_max_jobs=8)
     prof = fit([ded, shared], base=base, lora_kernels="tuned")
     assert prof["decode"]["scale"] == pytest.approx(0.8, rel=1e-6)
     assert prof["environment"]["lora_kernel_configs"] == configs
@@ -921,3 +921,42 @@ def test_decode_scale_only_refits_the_engine_scale_and_keeps_every_other_term(tm
     assert main(["fit", "--decode-scale-only", str(ded), "--base", base, "--scales-only",
                  "--out", str(tmp_path / "x.json")]) != 0
     assert "drop --scales-only" in capsys.readouterr().err
+
+
+def _mark_handoff(run_dir, fmt):
+    s = json.loads((run_dir / "summary.json").read_text())
+    s["diagnostics"] = [dict((s.get("diagnostics") or [{}])[0], adapter_format=fmt)]
+    (run_dir / "summary.json").write_text(json.dumps(s))
+
+
+def test_runs_of_the_flat_handoff_fit_a_profile_of_that_handoff(tmp_path):
+    """Runs whose trainers handed adapters over as flat files (:flat) fit a profile that says so
+    (environment.adapter_format): its publish cost is theirs, validate stops naming the handoff on
+    such runs and names it on PEFT-folder runs instead; one fit takes one handoff; scales alone
+    onto a base of the other handoff say that they carried its train shape."""
+    base = _profile_with(tmp_path, "base", a=0.15, b=2e-5, c=0.04, save=0.05)
+    day = _profile_with(tmp_path, "day", a=0.12, b=1.6e-5, c=0.032, save=0.02)
+    ded, shared = tmp_path / "ded", tmp_path / "shared"
+    simulate(config_from_args(jobs=4, steps=4, policy="dedicated", sharing="none", profile=day), ded)
+    simulate(config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", profile=day), shared)
+    for r in (ded, shared):
+        _mark_handoff(r, "flat")
+    for scales_only in (False, True):
+        prof = fit([ded, shared], base=base, scales_only=scales_only)
+        assert prof["environment"]["adapter_format"] == "flat"
+        assert prof["publish"]["save_s_per_adapter"] == pytest.approx(0.02, rel=1e-6)
+        carried = [x for x in prof["assumptions"] if x["id"] == "handoff-from-base"]
+        assert len(carried) == scales_only and all("as flat files" in x["what"] for x in carried)
+    out = tmp_path / "flat.json"
+    out.write_text(json.dumps(prof))
+    named = "handed adapters to the engine as flat files"
+    on_base = validate([ded, shared], profile=base)["rows"]
+    assert all(any(named in o for o in r["outside_profile"]) for r in on_base)
+    on_flat = validate([ded, shared], profile=str(out))["rows"]
+    assert not any("handed adapters" in o for r in on_flat for o in r["outside_profile"])
+    _mark_handoff(shared, "safetensors")  # a PEFT-folder run against the flat profile: named
+    (row,) = [r for r in validate([shared], profile=str(out))["rows"]]
+    assert any("as safetensors files; the profile's train and publish terms include the flat handoff" in o
+               for o in row["outside_profile"])
+    with pytest.raises(ConfigError, match=r"different formats \(flat: .*ded; safetensors: .*shared\)"):
+        fit([ded, shared], base=base, fit_max_jobs=8)

@@ -139,6 +139,16 @@ def test_fit_stacks_refuses_runs_it_cannot_fit(tmp_path):
     simulate(config_from_args(jobs=4, steps=2, policy="overlap", groups=2, sharing="mps", stacks=2), ov)
     with pytest.raises(ConfigError, match="differ in policy"):
         fit([k2, ov], DEFAULT_PROFILE)
+    # Adapters handed over as flat files: only onto a base of that handoff (environment.adapter_format).
+    from calibration.stacks import stack_runs
+
+    s = json.loads((k2 / "summary.json").read_text())
+    s["diagnostics"] = [dict((s.get("diagnostics") or [{}])[0], adapter_format="flat")]
+    (k2 / "summary.json").write_text(json.dumps(s))
+    with pytest.raises(ConfigError, match="as flat files, and the base profile's train and publish terms describe "
+                                          "the safetensors handoff"):
+        fit([k2], DEFAULT_PROFILE)
+    assert [r["run"] for r in stack_runs([k2], "eager", "default", adapter_format="flat")] == [str(k2)]
 
 
 def test_validate_prices_capped_engines_of_stacks_by_the_fitted_setting():

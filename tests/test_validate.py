@@ -455,6 +455,12 @@ def test_runs_at_other_mps_settings_are_another_configuration():
     assert unmodelled_controls(run_controls(flat)) == [
         "the trainer handed adapters to the engine as flat files (:flat): the profile's train and publish "
         "terms include the PEFT safetensors save and load"]
+    # ... but inside a profile of that handoff (environment.adapter_format, nodus fit on flat runs),
+    # where a PEFT-folder run is the one outside.
+    assert unmodelled_controls(run_controls(flat), profile_adapter_format="flat") == []
+    assert unmodelled_controls(run_controls(peft), profile_adapter_format="flat") == [
+        "the trainer handed adapters to the engine as safetensors files; the profile's train and publish terms "
+        "include the flat handoff's save and load (environment.adapter_format)"]
     # The engine's logprobs on fewer steps than every one: another configuration, outside the profile.
     # Or on fewer responses: another configuration too. The table labels name the same settings.
     from calibration.run_settings import audit_label
