@@ -362,6 +362,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     cpu_caps: dict = {}  # the runs' trainers' capped CPU threads (None: torch's own count) -> runs
     layouts: dict[str, list[str]] = {}
     handoffs: dict[str, list[str]] = {}  # adapter handoff (RealOptions.adapter_format) -> runs
+    gpus: dict[str, list[str]] = {}  # the GPU each run recorded (diagnostics' gpu, since session 51) -> runs
     mps_runs: list[tuple[str, dict, bool]] = []  # MPS runs: run, its MPS settings, whether it co-runs
     for rd in map(Path, runs):
         recorded = load_recorded(rd)
@@ -420,10 +421,17 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         commits.add(summary.get("git_commit") or "unrecorded")
         _add_hosts(hosts, summary)
         slots.update(d.get("engine_max_loras") for d in summary.get("diagnostics", []))
+        for d in summary.get("diagnostics", []):
+            if (d.get("gpu") or {}).get("name"):
+                gpus.setdefault(d["gpu"]["name"], []).append(str(rd))
     if len(layouts) > 1:
         raise ConfigError("nodus fit: the runs' trainers used different multi-adapter layouts ("
                           + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(layouts.items()))
                           + "); fit the runs of one layout")
+    if len(gpus) > 1:
+        raise ConfigError("nodus fit: the runs ran on different GPUs ("
+                          + "; ".join(f"{k}: {', '.join(sorted(set(v)))}" for k, v in sorted(gpus.items()))
+                          + "); fit the runs of one GPU")
     if len(handoffs) > 1:
         raise ConfigError("nodus fit: the runs' trainers handed adapters to the engine in different formats ("
                           + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(handoffs.items()))
@@ -603,6 +611,18 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         prof["environment"]["engine_max_loras"] = next(iter(slots)) if len(slots) == 1 else None
     # The train terms describe the runs' trainers: their capped CPU threads (None: torch's own count).
     prof["environment"]["trainer_cpu_threads"] = runs_cap
+    # The GPU the runs recorded, where another than the base's: its memory is looked up by name
+    # (nodus.gpumemory), and what the runs do not refit stays the base GPU's, which the profile says.
+    base_gpu = prof["environment"].get("gpu")
+    runs_gpu = next(iter(gpus), base_gpu)
+    prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "gpu-from-base"]
+    if runs_gpu != base_gpu:
+        prof["environment"]["gpu"], prof["environment"]["gpu_memory_gib"] = runs_gpu, None
+        prof["assumptions"].append(
+            {"id": "gpu-from-base", "value": base_gpu,
+             "what": f"the runs ran on an {runs_gpu}, the base profile was measured on an {base_gpu}: the terms and "
+                     "rates this fit did not set (the decode and prefill curves' shape, the sharing rates it left "
+                     "to the base) are that GPU's"})
     # ... and their adapter handoff. Scales alone carry the base's train shape, measured with its own
     # handoff, to the runs' (the save's share of a step scaled with the rest): the profile says so.
     base_handoff = profile_adapter_format(prof)

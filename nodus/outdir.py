@@ -41,6 +41,28 @@ def host() -> dict:
             "dev_shm": os.path.isdir("/dev/shm")}
 
 
+def gpu() -> dict | None:
+    """The first GPU's name and total memory in GiB (nvidia-smi), or None where none can be read (a
+    CPU run). A run records it so a profile fitted on its runs names the GPU they ran on (``nodus
+    fit``: ``environment.gpu``, which the simulator's micro-batch fit reads, ``nodus.gpumemory``)."""
+    import shutil as _sh
+
+    if _sh.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    name, total_mib = (v.strip() for v in out.stdout.splitlines()[0].rsplit(",", 1))
+    try:
+        return {"name": name, "total_gib": round(float(total_mib) / 1024, 2)}
+    except ValueError:
+        return {"name": name, "total_gib": None}
+
+
 def machine() -> dict:
     """Which machine a run ran on, to tell two machines of one kind apart: its host name and the
     kernel's boot id. Lent GPU machines look alike (same CPU model, cores and GPU), yet runs of one

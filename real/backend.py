@@ -32,7 +32,7 @@ from nodus.messages import (
     Generate, GenerateDone, JobUpdate, Publish, PublishDone, Result, Rollouts, Train, TrainDone,
 )
 from nodus.lengths import prompt_tokens as prompt_tokens_of
-from nodus.outdir import host, host_probe, machine
+from nodus.outdir import gpu, host, host_probe, machine
 from real.flat_adapter import ADAPTER_FORMATS
 from real.mps import MPSDaemon
 from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
@@ -953,6 +953,7 @@ class RealBackend:
                 "sharing_controls": self.c.opts.sharing_controls(self.c.sharing), "host": host(),
                 # which machine (host name, boot id): gpu_table names a ratio over another machine's run
                 "machine": machine(),
+                "gpu": gpu(),  # the GPU's name and memory (None on a CPU): nodus fit names it in a profile
                 "host_probe": {"start": self.probe_start, "end": host_probe(self.adapter_root)},
                 # SM clock, power, temperature and throttle reasons sampled over the run (nodus.gpumon;
                 # {"available": False, "why": ...} on a CPU or without NVML).

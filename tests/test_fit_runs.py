@@ -960,3 +960,46 @@ def test_runs_of_the_flat_handoff_fit_a_profile_of_that_handoff(tmp_path):
                for o in row["outside_profile"])
     with pytest.raises(ConfigError, match=r"different formats \(flat: .*ded; safetensors: .*shared\)"):
         fit([ded, shared], base=base, fit_max_jobs=8)
+
+
+def test_a_fit_names_the_gpu_its_runs_ran_on(tmp_path, monkeypatch):
+    """Runs record their GPU (diagnostics' gpu, from nvidia-smi); a fit on runs of another GPU than
+    its base's names theirs in the profile, so the simulator fits micro-batches to that card's
+    memory, and says what stayed the base GPU's; runs of two GPUs are refused."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from nodus import outdir
+    from nodus.gpumemory import fitted_microbatch, profile_gpu_memory
+    from sim.profile import Profile
+
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(
+        returncode=0, stdout="NVIDIA H100 80GB HBM3, 81559\n"))
+    card = outdir.gpu()
+    assert card == {"name": "NVIDIA H100 80GB HBM3", "total_gib": 79.65}
+    monkeypatch.undo()
+    base = _profile_with(tmp_path, "base", a=0.15, b=2e-5, c=0.04, save=0.05)
+    runs = []
+    for jobs in (2, 3):
+        out = tmp_path / f"r{jobs}"
+        simulate(config_from_args(jobs=jobs, steps=3, policy="shared-sync", sharing="none", profile=base,
+                                  seed=jobs), out)
+        s = json.loads((out / "summary.json").read_text())
+        s["diagnostics"] = [dict((s.get("diagnostics") or [{}])[0], gpu=card)]
+        (out / "summary.json").write_text(json.dumps(s))
+        runs.append(out)
+    prof = fit(runs, base=base)
+    env = Profile.model_validate(prof).environment
+    assert env.gpu == "NVIDIA H100 80GB HBM3" and env.gpu_memory_gib is None
+    (note,) = [x for x in prof["assumptions"] if x["id"] == "gpu-from-base"]
+    assert note["value"] == json.loads(open(base).read())["environment"]["gpu"] and "H100" in note["what"]
+    # Two graphed stacks at 0.35 of the GPU for engines: 8k-token micro-batches fit an H200, 4k an H100.
+    assert fitted_microbatch(16384, 2, profile_gpu_memory(env), engine_memory=0.35) == 4096
+    assert fitted_microbatch(16384, 2, profile_gpu_memory(Profile.model_validate(json.loads(open(base).read()))
+                                                          .environment), engine_memory=0.35) == 8192
+    s = json.loads((runs[0] / "summary.json").read_text())
+    s["diagnostics"][0]["gpu"] = {"name": "NVIDIA H200", "total_gib": 140.4}
+    (runs[0] / "summary.json").write_text(json.dumps(s))
+    with pytest.raises(ConfigError, match=r"ran on different GPUs \(NVIDIA H100 80GB HBM3: .*r3; NVIDIA H200: .*r2\)"):
+        fit(runs, base=base)
