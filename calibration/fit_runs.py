@@ -300,6 +300,18 @@ def _engine_curves_assumption(kernels: str, curves_kernels: str, scale: float, f
                     "prefill is the base's unscaled; nodus calibrate with the same kernels measures them"}
 
 
+def _note_carried(prof: dict, key: str, now: str | None, what, base_value: str | None = None) -> None:
+    """Keep the profile's assumption ``key`` (its ``value``: where the base's terms were measured) in
+    step with a fit whose runs are of ``now``: added, with ``what(origin)`` as its text, when the
+    origin (the assumption's value where the base carries one, else ``base_value``, the base's own)
+    differs from ``now``; dropped when it does not."""
+    held = next((x for x in prof["assumptions"] if x["id"] == key), None)
+    origin = held["value"] if held else base_value
+    prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != key]
+    if origin is not None and now is not None and origin != now:
+        prof["assumptions"].append({"id": key, "value": origin, "what": what(origin)})
+
+
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
         lora_kernels: str | None = None, graphless_from: str | Path | None = None,
         graph_max_tokens: int | None = None, scales_only: bool = False,
@@ -611,30 +623,25 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         prof["environment"]["engine_max_loras"] = next(iter(slots)) if len(slots) == 1 else None
     # The train terms describe the runs' trainers: their capped CPU threads (None: torch's own count).
     prof["environment"]["trainer_cpu_threads"] = runs_cap
-    # The GPU the runs recorded, where another than the base's: its memory is looked up by name
-    # (nodus.gpumemory), and what the runs do not refit stays the base GPU's, which the profile says.
+    # The GPU the runs recorded and their adapter handoff, each where another than the base's: what
+    # the fit does not set stays the base's, measured on its GPU and with its handoff, which the
+    # profile says (an assumption naming where those terms came from, kept through later fits until
+    # one fits runs of that GPU or handoff again). The GPU's memory is then looked up by its name.
     base_gpu = prof["environment"].get("gpu")
     runs_gpu = next(iter(gpus), base_gpu)
-    prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "gpu-from-base"]
     if runs_gpu != base_gpu:
         prof["environment"]["gpu"], prof["environment"]["gpu_memory_gib"] = runs_gpu, None
-        prof["assumptions"].append(
-            {"id": "gpu-from-base", "value": base_gpu,
-             "what": f"the runs ran on an {runs_gpu}, the base profile was measured on an {base_gpu}: the terms and "
-                     "rates this fit did not set (the decode and prefill curves' shape, the sharing rates it left "
-                     "to the base) are that GPU's"})
-    # ... and their adapter handoff. Scales alone carry the base's train shape, measured with its own
-    # handoff, to the runs' (the save's share of a step scaled with the rest): the profile says so.
+    _note_carried(prof, "gpu-from-base", runs_gpu,
+                  lambda origin: f"the runs ran on an {runs_gpu}, the base profile's terms were measured on an "
+                                 f"{origin}: those this fit did not set (the decode and prefill curves' shape, the "
+                                 "sharing rates it left to the base) are that GPU's", base_gpu)
     base_handoff = profile_adapter_format(prof)
     handoff = next(iter(handoffs), base_handoff)
+    _note_carried(prof, "handoff-from-base", handoff, lambda origin: (
+        f"the runs handed adapters over as {handoff} files, the base's train terms were measured with the {origin} "
+        "handoff: the terms this fit kept (all of them, scaled to the runs' train steps, under --scales-only) "
+        "include that handoff's save; the publish cost is the runs'"), base_handoff)
     prof["environment"]["adapter_format"] = handoff
-    prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "handoff-from-base"]
-    if scales_only and handoff != base_handoff:
-        prof["assumptions"].append(
-            {"id": "handoff-from-base", "value": None,
-             "what": f"the runs handed adapters over as {handoff} files, the base's train terms were measured with "
-                     f"the {base_handoff} handoff: its shape is kept and scaled to the runs' train steps (the "
-                     "trainer's save a fixed share of a step), the publish cost refitted on the runs"})
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
     add_source(prof, f"nodus fit on {len(used)} run(s)")

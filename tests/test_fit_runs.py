@@ -945,10 +945,13 @@ def test_runs_of_the_flat_handoff_fit_a_profile_of_that_handoff(tmp_path):
         prof = fit([ded, shared], base=base, scales_only=scales_only)
         assert prof["environment"]["adapter_format"] == "flat"
         assert prof["publish"]["save_s_per_adapter"] == pytest.approx(0.02, rel=1e-6)
-        carried = [x for x in prof["assumptions"] if x["id"] == "handoff-from-base"]
-        assert len(carried) == scales_only and all("as flat files" in x["what"] for x in carried)
+        (carried,) = [x for x in prof["assumptions"] if x["id"] == "handoff-from-base"]
+        assert carried["value"] == "safetensors" and "as flat files" in carried["what"]
     out = tmp_path / "flat.json"
     out.write_text(json.dumps(prof))
+    # Refitted on flat runs, the profile still carries the base's train shape: the note stays.
+    again = fit([ded], base=str(out), scales_only=True)
+    assert [x["value"] for x in again["assumptions"] if x["id"] == "handoff-from-base"] == ["safetensors"]
     named = "handed adapters to the engine as flat files"
     on_base = validate([ded, shared], profile=base)["rows"]
     assert all(any(named in o for o in r["outside_profile"]) for r in on_base)
@@ -998,8 +1001,19 @@ def test_a_fit_names_the_gpu_its_runs_ran_on(tmp_path, monkeypatch):
     assert fitted_microbatch(16384, 2, profile_gpu_memory(env), engine_memory=0.35) == 4096
     assert fitted_microbatch(16384, 2, profile_gpu_memory(Profile.model_validate(json.loads(open(base).read()))
                                                           .environment), engine_memory=0.35) == 8192
+    # A refit of that profile on H100 runs keeps the note of the H200's terms; one on H200 runs drops it.
+    h100 = tmp_path / "h100.json"
+    h100.write_text(json.dumps(prof))
+    assert [x["value"] for x in fit(runs, base=str(h100))["assumptions"] if x["id"] == "gpu-from-base"] == [
+        note["value"]]
     s = json.loads((runs[0] / "summary.json").read_text())
     s["diagnostics"][0]["gpu"] = {"name": "NVIDIA H200", "total_gib": 140.4}
     (runs[0] / "summary.json").write_text(json.dumps(s))
     with pytest.raises(ConfigError, match=r"ran on different GPUs \(NVIDIA H100 80GB HBM3: .*r3; NVIDIA H200: .*r2\)"):
         fit(runs, base=base)
+    s = json.loads((runs[1] / "summary.json").read_text())
+    s["diagnostics"][0]["gpu"] = {"name": "NVIDIA H200", "total_gib": 140.4}
+    (runs[1] / "summary.json").write_text(json.dumps(s))
+    back = fit(runs, base=str(h100))
+    assert back["environment"]["gpu"] == "NVIDIA H200" and not [x for x in back["assumptions"]
+                                                               if x["id"] == "gpu-from-base"]
