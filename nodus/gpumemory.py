@@ -56,18 +56,31 @@ def microbatch_that_fits(free_gib: float, total_gib: float, engine_memory: float
         tokens //= 2
 
 
-def gpu_memory_gib() -> tuple[float, float] | None:
-    """The first GPU's free and total memory in GiB (nvidia-smi), or None where it cannot be read."""
+def query_gpu(fields: str) -> list[str] | None:
+    """The first GPU's ``fields`` (nvidia-smi ``--query-gpu``, comma-separated names), one string
+    each without units, or None where nvidia-smi is missing, fails or does not answer in 30 s."""
     import shutil as _sh
     import subprocess
 
     if _sh.which("nvidia-smi") is None:
         return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True)
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
     if out.returncode != 0 or not out.stdout.strip():
         return None
-    free_mib, total_mib = (float(v) for v in out.stdout.splitlines()[0].split(","))
+    # From the right: only the first field (a GPU's name) could hold a comma.
+    return [v.strip() for v in out.stdout.splitlines()[0].rsplit(",", fields.count(","))]
+
+
+def gpu_memory_gib() -> tuple[float, float] | None:
+    """The first GPU's free and total memory in GiB (nvidia-smi), or None where it cannot be read."""
+    got = query_gpu("memory.free,memory.total")
+    if got is None:
+        return None
+    free_mib, total_mib = (float(v) for v in got)
     return free_mib / 1024, total_mib / 1024
 
 

@@ -45,18 +45,12 @@ def gpu() -> dict | None:
     """The first GPU's name and total memory in GiB (nvidia-smi), or None where none can be read (a
     CPU run). A run records it so a profile fitted on its runs names the GPU they ran on (``nodus
     fit``: ``environment.gpu``, which the simulator's micro-batch fit reads, ``nodus.gpumemory``)."""
-    import shutil as _sh
+    from nodus.gpumemory import query_gpu
 
-    if _sh.which("nvidia-smi") is None:
+    got = query_gpu("name,memory.total")
+    if got is None:
         return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0 or not out.stdout.strip():
-        return None
-    name, total_mib = (v.strip() for v in out.stdout.splitlines()[0].rsplit(",", 1))
+    name, total_mib = got
     try:
         return {"name": name, "total_gib": round(float(total_mib) / 1024, 2)}
     except ValueError:

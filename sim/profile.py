@@ -27,6 +27,8 @@ class _M(BaseModel):
 
 STEP_MODES = ("eager", "graphed", "static")  # the trainers a profile's train terms can describe (real/trainer.py)
 LORA_KERNELS = ("default", "tuned")  # the engine LoRA kernel configs a profile's engine terms describe
+# The adapter handoffs a profile's train and publish terms can describe (real.flat_adapter.ADAPTER_FORMATS).
+ADAPTER_FORMATS = ("safetensors", "flat")
 
 
 class Environment(_M):
@@ -54,7 +56,7 @@ class Environment(_M):
     # How the measured trainers handed each new adapter version to the engine (RealOptions.adapter_format):
     # PEFT safetensors folders (every profile before the field) or one flat file each (:flat). The train
     # terms include the trainer's save and the publish the engine's load, so they describe this format.
-    adapter_format: Literal["safetensors", "flat"] = "safetensors"
+    adapter_format: Literal[ADAPTER_FORMATS] = "safetensors"
     sources: list[str] = []
 
 

@@ -934,6 +934,10 @@ def test_runs_of_the_flat_handoff_fit_a_profile_of_that_handoff(tmp_path):
     (environment.adapter_format): its publish cost is theirs, validate stops naming the handoff on
     such runs and names it on PEFT-folder runs instead; one fit takes one handoff; scales alone
     onto a base of the other handoff say that they carried its train shape."""
+    from real.flat_adapter import ADAPTER_FORMATS as RUN_FORMATS
+    from sim.profile import ADAPTER_FORMATS
+
+    assert ADAPTER_FORMATS == RUN_FORMATS  # a profile can describe every handoff a run can make
     base = _profile_with(tmp_path, "base", a=0.15, b=2e-5, c=0.04, save=0.05)
     day = _profile_with(tmp_path, "day", a=0.12, b=1.6e-5, c=0.032, save=0.02)
     ded, shared = tmp_path / "ded", tmp_path / "shared"
