@@ -72,6 +72,11 @@ def _flags_text(flags: frozenset) -> str | None:
     return "".join(sorted(f for f in flags if not f.startswith("+@"))) or None
 
 
+def microbatch_flag(flag: str) -> bool:
+    """Whether a label flag is a trainer micro-batch size ('+mb8k', '+mb512': ``mb_tag``)."""
+    return re.fullmatch(r"\+mb\d+k?", flag) is not None
+
+
 def slots_flag(flag: str) -> int | None:
     """N of an engine-slot setting '+lsN'; None for any other flag."""
     m = re.fullmatch(r"\+ls(\d+)", flag)
@@ -102,9 +107,12 @@ def baseline_flags(present: set, flags: frozenset, jobs: int, stacks: int = 1) -
       stacks, each engine on 8 slots; or for 8 jobs on one stack, its first 8 jobs);
     - or the arm runs in stacks (each engine on fewer slots than the arm's jobs, as the plain
       dedicated run of its jobs has always stood for it).
-    Never of an arm on fewer slots otherwise (more slots cost an engine time). Ties go to the engine
-    whose slots (its +lsN, else one a job) are nearest the arm's, then to the run of more jobs. None
-    if none fits."""
+    Never of an arm on fewer slots otherwise (more slots cost an engine time). A dedicated run's
+    trainer micro-batch (``+mbNk``) counts whatever the arm's: each runs the micro-batch its GPU fits
+    (on an H100 the dedicated trainer fits 8k tokens, two stacks' trainers 4k; on the H200 16k and
+    8k), so the dedicated run at its own size is the dedicated arm; one at the arm's own size, then
+    one at the default, goes first. Ties go to the engine whose slots (its +lsN, else one a job) are
+    nearest the arm's, then to the run of more jobs. None if none fits."""
     flagged = next((n for n in map(slots_flag, flags) if n is not None), None)
     most = flagged if flagged is not None else jobs
     per_engine = flagged if flagged is not None else -(-jobs // max(1, stacks))
@@ -112,7 +120,8 @@ def baseline_flags(present: set, flags: frozenset, jobs: int, stacks: int = 1) -
     def view(ded_jobs: int, f: frozenset) -> frozenset:
         def same_engine(n: int) -> bool:
             return n <= most and (ded_jobs < n or n == per_engine or stacks > 1)
-        return frozenset(x for x in f if not (slots_flag(x) and same_engine(slots_flag(x))))
+        return frozenset(x for x in f if not (slots_flag(x) and same_engine(slots_flag(x)))
+                         and not (microbatch_flag(x) and x not in flags))
 
     fits = [(dj, f, view(dj, f)) for dj, f in present]
     fits = [(dj, f, v) for dj, f, v in fits if v <= flags]
@@ -123,7 +132,11 @@ def baseline_flags(present: set, flags: frozenset, jobs: int, stacks: int = 1) -
         return abs(per_engine - next((n for n in map(slots_flag, f) if n is not None), dj))
 
     # Then the run holding more jobs, then the flags' text: one answer whatever the set order.
-    return max(fits, key=lambda x: (len(x[2]), -gap(x[0], x[1]), x[0], sorted(x[2]), sorted(x[1])))[1]
+    def own_size(f: frozenset) -> bool:  # no micro-batch of its own but the arm's
+        return all(x in flags for x in f if microbatch_flag(x))
+
+    return max(fits, key=lambda x: (len(x[2]), own_size(x[1]), -gap(x[0], x[1]), x[0], sorted(x[2]),
+                                    sorted(x[1])))[1]
 
 
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:

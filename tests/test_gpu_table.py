@@ -310,6 +310,28 @@ def test_a_dedicated_run_on_a_larger_engine_is_the_baseline_of_arms_with_as_many
     assert baseline_flags({(16, ded16_8)}, eight, 8) == ded16_8
 
 
+def test_a_dedicated_run_at_the_micro_batch_its_gpu_fits_is_the_baseline_of_any_micro_batch():
+    """On an H100 the dedicated trainer fits 8k-token micro-batches and two stacks' trainers 4k:
+    the dedicated run at 8k is that arm's baseline (session 52 had no ratio for it); one at the arm's
+    own size, then one at the default size, goes first; other settings still keep runs apart."""
+    from experiments.gpu_table import baseline_flags, label_flags, microbatch_flag
+
+    assert microbatch_flag("+mb8k") and microbatch_flag("+mb512") and not microbatch_flag("+ls8")
+    ded8k = label_flags("dedicated/none/g1+flat+mb8k+cg+cpu2+gm512")
+    stacks4k = label_flags("shared-sync/mps/g1/k2+flat+mb4k+sp4+lowpri+cg+cpu2+ecpu4+gm512")
+    assert baseline_flags({(8, ded8k)}, stacks4k, 8, stacks=2) == ded8k
+    ded = label_flags("dedicated/none/g1+flat+cg+cpu2+gm512")
+    assert baseline_flags({(8, ded8k), (8, ded)}, stacks4k, 8, stacks=2) == ded  # the default size first
+    ded4k = label_flags("dedicated/none/g1+flat+mb4k+cg+cpu2+gm512")
+    assert baseline_flags({(8, ded8k), (8, ded), (8, ded4k)}, stacks4k, 8, stacks=2) == ded4k  # its own size
+    # The H200's pair: the default-size (16k) dedicated run under an 8k two-stack arm, as before.
+    stacks8k = label_flags("shared-sync/mps/g1/k2+flat+mb8k+sp4+lowpri+cg+cpu2+ecpu4+gm512")
+    assert baseline_flags({(8, ded)}, stacks8k, 8, stacks=2) == ded
+    # A dedicated run with a setting the arm lacks is still not its baseline, whatever its micro-batch.
+    other = label_flags("dedicated/none/g1+flat+mb8k+cg+cpu4+gm512")
+    assert baseline_flags({(8, other)}, stacks4k, 8, stacks=2) is None
+
+
 def test_factors_within_a_code_setting(tmp_path):
     """Arms run with one code setting (+cg: the graphed trainer) get the ladder among themselves,
     over the dedicated run with that setting, keyed by job count and setting."""
