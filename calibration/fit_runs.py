@@ -23,10 +23,11 @@ as the profile will be used (`_select_train_terms`; on sessions 21-24's protocol
 one slightly worse, two the same: `experiments/protocol_days.sh`).
 
 Publish: seconds = a fixed part + a part per adapter, fitted on the publishes that no train step
-on their GPU overlapped for more than half their time (relative least squares, each run weighing
-the same; publishes of one size keep the base's split, scaled); the median, over those it did
-overlap, of their seconds over that fitted cost is the publish's co-run factor (a freed trainer's
-next step slows a publish 4-7x on the H200).
+on their GPU overlapped for more than half their time (least squares, each publish's error over its
+run's mean publish, each run weighing the same; publishes of one size keep the base's split,
+scaled to their mean); those it did overlap, their seconds over that fitted cost (their totals,
+each run weighing the same), give the publish's co-run factor (a freed trainer's next step slows
+a publish 4-7x on the H200). Means, not medians: steps per GPU-hour sees the total.
 
 MPS settings: the rates below are those of the MPS settings the runs used (thread percentages,
 the trainer's priority; the priority counts only in runs that co-run engine and trainer), which
@@ -50,7 +51,8 @@ replay's batch at each moment is not quite the run's, since the run's co-run slo
 action before the next one joined: rates fitted to within a few percent on simulated runs.) Without MPS the alone rate is 1 and none_corun.engine is
 fitted; under MPS mps_alone.engine and mps_corun.engine; the same 15% rule keeps a rate from the
 base. Dedicated runs without MPS are that alone case: they fit decode.scale (seconds = fixed +
-scale * decode steps, over their one-job generations) and are left out of the rates. (An earlier
+scale * decode steps, over their one-job generations, to their total seconds) and are left out
+of the rates. (An earlier
 method matched one-job MPS generations to a dedicated run's same job, step and lengths and took
 the dedicated seconds as the work: it saw only one-job generations of replayed seeds, so it never
 fitted none_corun.engine and fitted mps_corun.engine at 1 job per generation only; the work as the
@@ -878,14 +880,18 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
     alone, its co-run factor from those beside a train step (kept from the base without both
     kinds); returns the counts, medians and what was fitted (None: kept).
 
-    The cost: seconds = save_s_per_publish + save_s_per_adapter * adapters, relative non-negative
-    least squares with each run weighing the same (a dedicated run's 40 one-adapter publishes would
-    otherwise outvote a shared run's 5): a publish's fixed part (the round trip to the engine, the
-    sync) does not grow with its adapters, so a per-adapter price alone, fitted on one-adapter
-    publishes, overcharges a 16-adapter one. Publishes of one size cannot split the two: the base's
-    split is kept, both parts times one factor (the median of measured over the base's seconds).
-    The co-run factor: the median, over the publishes beside a train step, of their seconds over
-    the fitted cost of their size (under 1 is noise: the simulator's factor slows, never speeds)."""
+    The cost: seconds = save_s_per_publish + save_s_per_adapter * adapters, non-negative least
+    squares with each run weighing the same (a dedicated run's 40 one-adapter publishes would
+    otherwise outvote a shared run's 5), each publish's error relative to its run's mean publish:
+    within a run the fit then prices the mean, which steps per GPU-hour sees (a publish's error
+    relative to itself, or the median, priced session 52's H100 publishes, half at 0.03 s and half
+    near 0.09 s, at 0.033 s against a mean of 0.052). A publish's fixed part (the round trip to the
+    engine, the sync) does not grow with its adapters, so a per-adapter price alone, fitted on
+    one-adapter publishes, overcharges a 16-adapter one. Publishes of one size cannot split the two:
+    the base's split is kept, both parts times one factor (the runs' measured seconds over the
+    base's, each run weighing the same). The co-run factor: the publishes beside a train step, their
+    seconds over the fitted cost of their size, the same way (under 1 is noise: the simulator's
+    factor slows, never speeds)."""
     publish = [p for p in publish if p["s"] > 0]  # a zero-length span says nothing of the cost
     alone = [p for p in publish if not p["beside_train"]]
     beside = [p for p in publish if p["beside_train"]]
@@ -896,25 +902,35 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
     if fixed0 <= 0 and save0 <= 0:  # a base that charges nothing: a price per adapter
         fixed0, save0 = 0.0, 1.0
     cost = (lambda ps, f, a: np.array([f + a * p["adapters"] for p in ps]))  # noqa: E731
+
+    def per_run(ps: list[dict]) -> np.ndarray:  # 1 / the publish's run's count: each run weighs 1
+        runs = [p.get("run", "") for p in ps]
+        return np.array([1.0 / runs.count(r) for r in runs])
+
+    def over(ps: list[dict], f: float, a: float) -> float:  # measured seconds over priced, runs alike
+        w = per_run(ps)
+        return float((w * np.array([p["s"] for p in ps])).sum() / (w * cost(ps, f, a)).sum())
+
     save, fixed, ratio, factor = None, None, None, None
     if alone:
         n = np.array([p["adapters"] for p in alone], dtype=float)
         y = np.array([p["s"] for p in alone])
         runs = [p.get("run", "") for p in alone]
-        count = {r: runs.count(r) for r in set(runs)}
-        weight = np.array([np.sqrt(count[r]) for r in runs])  # squared: 1/count per run
+        run_mean = {r: float(np.mean([p["s"] for p in alone if p.get("run", "") == r])) for r in set(runs)}
+        # Squared: each run's errors over its mean publish, 1/count per run.
+        scale = np.array([run_mean[r] for r in runs]) / np.sqrt(per_run(alone))
         if len(set(n)) > 1:
-            fixed, save = (float(v) for v in nonneg_rel_lstsq(np.stack([np.ones(len(n)), n], 1), y, scale=y * weight))
+            fixed, save = (float(v) for v in nonneg_rel_lstsq(np.stack([np.ones(len(n)), n], 1), y, scale=scale))
         else:  # one size: the base's split, scaled
-            k = float(np.median(y / cost(alone, fixed0, save0)))
+            k = over(alone, fixed0, save0)
             fixed, save = fixed0 * k, save0 * k
         if beside and save + fixed > 0:
-            ratio = float(np.median(np.array([p["s"] for p in beside]) / cost(beside, fixed, save)))
+            ratio = over(beside, fixed, save)
             factor = max(ratio, 1.0)
             pub["corun_factor"] = factor
     elif beside:
         # No publish alone to tell the two apart: the base's factor and split, scaled to these.
-        k = float(np.median(np.array([p["s"] for p in beside]) / cost(beside, fixed0, save0)))
+        k = over(beside, fixed0, save0)
         k /= pub.get("corun_factor", 1.0)
         fixed, save = fixed0 * k, save0 * k
     if save is not None:
@@ -974,8 +990,12 @@ def _complete(g: dict) -> bool:
 
 def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
     """decode.scale from the dedicated runs' generations (one job alone, no MPS): seconds =
-    fixed (prefill, adapter load) + scale * decode, relative-error least squares. Sets it in
-    ``prof`` and returns the fit's summary; None (scale kept) without such generations."""
+    fixed (prefill, adapter load) + scale * decode, the scale that gives the generations' total
+    seconds (their sum over the sum of the simulated ones): steps per GPU-hour sees that total. A
+    relative-error fit weighs a short generation as a long one and, where long generations run
+    slower per step (session 52's H100: -2% per generation came out -4.8% on the total), prices the
+    total short. Sets it in ``prof`` and returns the fit's summary, with the total's error before and
+    after; None (scale kept) without such generations."""
     rows = [g for g in gens if g["dedicated"] and g["sharing"] == "none" and _complete(g)]
     if len(rows) < 3:
         return None
@@ -988,8 +1008,8 @@ def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
         y.append(g["s"])
     fixed_a, dec_a, y_a = np.array(fixed), np.array(dec), np.array(y)
     base_scale = prof["decode"].get("scale", 1.0)
-    (scale,) = nonneg_rel_lstsq(dec_a[:, None], y_a - fixed_a, scale=y_a)
-    scale = float(scale) if scale > 0 else base_scale
+    scale = float((y_a - fixed_a).sum() / dec_a.sum()) if dec_a.sum() > 0 else 0.0
+    scale = scale if scale > 0 else base_scale
     before = (fixed_a + dec_a) / y_a - 1  # the curves unscaled (decode.scale 1)
     at_base = (fixed_a + base_scale * dec_a) / y_a - 1  # the base's scale
     after = (fixed_a + scale * dec_a) / y_a - 1
@@ -997,7 +1017,9 @@ def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
     return {"scale": scale, "generations": len(rows), "base_scale": base_scale,
             "mape_before": float(np.mean(np.abs(before))), "mape_after": float(np.mean(np.abs(after))),
             "bias_before": float(np.mean(before)), "bias_after": float(np.mean(after)),
-            "mape_base": float(np.mean(np.abs(at_base))), "bias_base": float(np.mean(at_base))}
+            "mape_base": float(np.mean(np.abs(at_base))), "bias_base": float(np.mean(at_base)),
+            "total_before": float((fixed_a + dec_a).sum() / y_a.sum() - 1),
+            "total_after": float((fixed_a + scale * dec_a).sum() / y_a.sum() - 1)}
 
 
 def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]:

@@ -347,7 +347,8 @@ def _fit_decode_scale_only(a: argparse.Namespace) -> int:
     d = prof["measurements"]["decode_scale_fit"]
     print(f"decode steps x {d['scale']:.3f} (was {d['base_scale']:.3f}; {d['generations']} dedicated generations "
           f"of {len(d['runs'])} run(s): their error at the base's scale {d['mape_base']:.1%}, bias {d['bias_base']:+.1%}; "
-          f"now {d['mape_after']:.1%}, {d['bias_after']:+.1%}); every other term and rate kept from the base")
+          f"now {d['mape_after']:.1%}, {d['bias_after']:+.1%}; their total seconds {d['total_after']:+.1%}); "
+          "every other term and rate kept from the base")
     print(f"wrote {a.out}; rates fitted at the old scale (nodus fit-stacks) move with it: fit them again on it, "
           f"then check it with: nodus validate RUN_DIR... --profile {a.out}")
     return 0
@@ -396,7 +397,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
               "others; runs of other sizes would pin it")
     d = f.get("decode_fit")
     print(f"decode steps x {d['scale']:.3f} (dedicated generations: {d['generations']}; their error "
-          f"{d['mape_before']:.1%} -> {d['mape_after']:.1%}, bias {d['bias_before']:+.1%} -> {d['bias_after']:+.1%})"
+          f"{d['mape_before']:.1%} -> {d['mape_after']:.1%}, bias {d['bias_before']:+.1%} -> {d['bias_after']:+.1%}; "
+          f"their total seconds {d['total_before']:+.1%} -> {d['total_after']:+.1%})"
           if d else "decode: kept from the base (no dedicated generations to fit it on)")
     rates = f.get("sharing_fit") or {}
     print("sharing rates fitted: " + (", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items()))

@@ -1021,3 +1021,54 @@ def test_a_fit_names_the_gpu_its_runs_ran_on(tmp_path, monkeypatch):
     back = fit(runs, base=str(h100))
     assert back["environment"]["gpu"] == "NVIDIA H200" and not [x for x in back["assumptions"]
                                                                if x["id"] == "gpu-from-base"]
+
+
+def _stretch(run_dir, factor_of):
+    """Lengthens each span of a recorded run by ``factor_of(span, i)`` (its i-th of its phase on
+    its GPU), moving every later span of that GPU on by what was added, as a slower phase would."""
+    spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
+    shift, seen = {}, {}
+    for s in sorted(spans, key=lambda s: (s["gpu"], s["start_s"])):
+        g = s["gpu"]
+        i = seen[(g, s["phase"])] = seen.get((g, s["phase"]), -1) + 1
+        extra = (s["end_s"] - s["start_s"]) * (factor_of(s, i) - 1)
+        s["start_s"] += shift.get(g, 0.0)
+        s["end_s"] += shift.get(g, 0.0) + extra
+        shift[g] = shift.get(g, 0.0) + extra
+    (run_dir / "spans.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+
+
+def test_fitted_scales_give_the_runs_total_seconds_not_a_typical_action(tmp_path):
+    """Steps per GPU-hour sees each phase's total seconds. Session 52's H100 dedicated run had
+    publishes of two kinds (half near 0.03 s, half near 0.09 s) and generations slower per step the
+    longer they ran: the median publish and a relative-error decode scale priced its own run 6.7%
+    fast. A run so stretched (every third publish 4x; each generation by 1 + its responses' tokens
+    over the run's most) is fitted to the mean publish and to the generations' total seconds."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.01, save=0.02)
+    ded = tmp_path / "ded"
+    simulate(config_from_args(jobs=2, steps=6, policy="dedicated", sharing="none", profile=truth, seed=3), ded)
+    spans = [json.loads(line) for line in (ded / "spans.jsonl").read_text().splitlines()]
+    most = max(sum(s["attrs"]["response_tokens"]) for s in spans if s["phase"] == "generate")
+
+    def factor(s, i):
+        if s["phase"] == "publish":
+            return 4.0 if i % 3 == 2 else 1.0
+        if s["phase"] == "generate":
+            return 1.0 + sum(s["attrs"]["response_tokens"]) / most
+        return 1.0
+
+    _stretch(ded, factor)
+    spans = [json.loads(line) for line in (ded / "spans.jsonl").read_text().splitlines()]
+    pubs = [s["end_s"] - s["start_s"] for s in spans if s["phase"] == "publish"]
+    assert np.median(pubs) < 0.8 * np.mean(pubs)  # the median is not the mean here
+    fitted = fit([ded], base=truth)
+    pub = fitted["publish"]
+    assert pub["save_s_per_publish"] + pub["save_s_per_adapter"] == pytest.approx(np.mean(pubs), rel=1e-6)
+    d = fitted["measurements"]["fit_runs"]["decode_fit"]
+    assert d["total_after"] == pytest.approx(0, abs=1e-9) and d["total_before"] < -0.2
+    out = tmp_path / "fitted.json"
+    out.write_text(json.dumps(fitted))
+    rep = validate([ded], profile=str(out))["rows"][0]
+    measured, replay = rep["measured"]["phase_s"], rep["replay"]["phase_s"]
+    assert replay["publish"] == pytest.approx(measured["publish"], rel=0.01)
+    assert replay["generate"] == pytest.approx(measured["generate"], rel=0.02)
