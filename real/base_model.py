@@ -41,7 +41,8 @@ import numpy as np
 
 from nodus.tasks import TASK_NAMES, eval_set, get_task, solution_text, train_items
 from nodus.tasks.base import ANSWER_MARK, Item
-from real.tiny import EOS_TOKEN, UNK_TOKEN, build_char_tokenizer, building, char_vocab, padded_vocab_size
+from real.tiny import (EOS_TOKEN, UNK_TOKEN, build_char_tokenizer, build_lock, building, char_vocab,
+                       padded_vocab_size)
 
 REPORT_NAME = "base_model.json"
 _FORMAT = 1  # bump when what train_base writes for the same spec changes (invalidates caches)
@@ -433,8 +434,11 @@ def ensure_tiny_base(cache_dir: str | os.PathLike | None = None, seed: int = 0,
     path = root / f"tiny-base-{spec.key()}-t{cpu_threads}"
     if base_complete(path):
         return path
-    if path.exists():
-        log(f"{path} is incomplete (a file of {', '.join(BASE_FILES)} is missing): training it again")
-    with building(path, ready=base_complete) as tmp:
-        _train_into(tmp, spec, "cpu", log, cpu_threads)
+    with build_lock(path):  # another process training it: wait for it, then use its model
+        if base_complete(path):
+            return path
+        if path.exists():
+            log(f"{path} is incomplete (a file of {', '.join(BASE_FILES)} is missing): training it again")
+        with building(path, ready=base_complete) as tmp:
+            _train_into(tmp, spec, "cpu", log, cpu_threads)
     return path

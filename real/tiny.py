@@ -133,6 +133,23 @@ def make_tiny_model(path: str | os.PathLike, vocab_size: int | None = None, seed
 
 
 @contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ``path``'s build (a ``.<name>.lock`` file beside it) while the
+    block runs: of several processes that want one model (two pytest-xdist workers on a fresh
+    machine), one builds it and the others wait, then find it built, instead of each spending the
+    same minutes. The lock goes with the process, whatever ends it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
 def building(path: Path, ready: Callable[[Path], bool]) -> Iterator[Path]:
     """Build a model folder in a temporary sibling and rename it into place, unless `ready(path)`
     says another builder finished first; a crash never leaves a half-written folder at `path`."""

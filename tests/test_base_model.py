@@ -45,6 +45,38 @@ def test_a_base_folder_missing_a_file_is_not_taken_as_finished(tmp_path):
     assert not base_complete(tmp_path / "absent")
 
 
+def test_a_process_that_finds_the_base_being_trained_waits_and_trains_none(tmp_path, monkeypatch):
+    """Two pytest-xdist workers on a fresh machine both want the tiny base: the one that finds
+    another holding its build lock waits for it, then uses its model without training one."""
+    import multiprocessing
+    import time
+
+    import real.base_model as bm
+    from real.tiny import build_lock
+
+    spec = bm.default_spec("tiny", seed=0)
+    path = tmp_path / f"tiny-base-{spec.key()}-t1"
+    trained = []
+    monkeypatch.setattr(bm, "_train_into", lambda *a, **k: trained.append(a))
+    ready = multiprocessing.get_context("fork").Event()
+
+    def builder():  # holds the lock while it "trains" for a second, then leaves a finished folder
+        with build_lock(path):
+            ready.set()
+            time.sleep(1.0)
+            path.mkdir()
+            for f in bm.BASE_FILES:
+                (path / f).write_text("{}")
+
+    p = multiprocessing.get_context("fork").Process(target=builder)
+    p.start()
+    assert ready.wait(30)
+    t0 = time.monotonic()
+    assert bm.ensure_tiny_base(tmp_path, log=lambda s: None) == path
+    assert time.monotonic() - t0 > 0.5 and trained == []  # it waited, and trained nothing
+    p.join(30)
+
+
 def test_spec_key_names_the_recipe():
     from real.base_model import default_spec
 
