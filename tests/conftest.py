@@ -12,4 +12,3 @@ def tiny_model(tmp_path):
     from real.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path / "tiny")
-
