@@ -11,7 +11,8 @@ pytest.importorskip("vllm")
 from nodus.cli import main  # noqa: E402
 from nodus.simulate import config_from_args, simulate  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# alone: these time real work (tests/conftest.py: no other worker's test runs beside them).
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
