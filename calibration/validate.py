@@ -509,7 +509,9 @@ def machine_factor(runs: list[str | Path], profile: str) -> dict:
     runs name no machine or more than one, or a folder is not a recorded run; both before any
     simulation. With ``factor``, ``runs``, ``machine`` and each run's ``ratio``: ``nodus sim
     --machine-runs`` scales a prediction by it (the profiles' machine-calibrated held-out error is
-    the error bar of that). Only the replayed lengths are simulated (``validate`` also samples)."""
+    the error bar of that). Only the replayed lengths are simulated (``validate`` also samples).
+    ``kinds``: the factor and run count of the dedicated runs and of the shared ones apart
+    (``run_kind``), for ``nodus.simulate.scale_to_machine`` to scale each by its own kind."""
     recorded = [(str(rd), *load_recorded(rd)) for rd in map(Path, runs)]
     machines = {run_machine(meas) for _, _, meas, _ in recorded}
     if None in machines:
@@ -520,13 +522,29 @@ def machine_factor(runs: list[str | Path], profile: str) -> dict:
     if len(machines) > 1:
         raise ConfigError(f"--machine-runs: the runs come from {len(machines)} machines ({sorted(machines)}); a machine "
                           "factor is one machine's: give runs of the machine the plan is for")
-    ratios = {}
+    ratios, kind_of = {}, {}
     for rd, cfg, meas, spans in recorded:
         replay_cfg, _ = recorded_configs(Path(rd), cfg, spans, profile)
         sim = _simulate(replay_cfg, f"{rd}/config.json")
         ratios[rd] = meas["steps_per_gpu_hour"] / sim["steps_per_gpu_hour"]
+        kind_of[rd] = run_kind(cfg["arm"]["policy"])
+    kinds = {}
+    for kind in ("dedicated", "shared"):
+        rs = [ratios[rd] for rd in ratios if kind_of[rd] == kind]
+        if rs:
+            kinds[kind] = {"factor": float(np.mean(rs)), "runs": len(rs)}
     return {"factor": float(np.mean(list(ratios.values()))), "runs": len(ratios), "machine": machines.pop(),
-            "ratio": ratios}
+            "ratio": ratios, "kinds": kinds}
+
+
+def run_kind(policy: str) -> str:
+    """'dedicated' (one job a GPU: bound by the engine's host loop at small batches) or 'shared' (many
+    jobs on one GPU: bound by the GPU). A machine's measured over simulated speed differs between the
+    two: on session 53's H100 host 1.23 on dedicated runs, 1.09 on two stacks; on the H200's 8 machines
+    with both (the 81 held-out runs' protocol), a dedicated-run factor put on shared runs left them
+    4.7% off against 4.3% unscaled and 3.8% with the machine's other shared runs
+    (``machine_factor``'s ``kinds``)."""
+    return "dedicated" if policy == "dedicated" else "shared"
 
 
 # What a run recorded of its own state: key -> (label, the figure from a validated row, None where

@@ -1018,3 +1018,42 @@ def test_annotation_carries_the_ratio_error(tmp_path):
     v = load_profile(str(out)).validation()
     assert (v["ratio_mape"], v["ratio_pairs"]) == (0.081, 14)
     assert "Its ratio over dedicated on 14 same-machine pairs: MAPE 8.1%, bias +3.3%, worst 24.0%" in error_bar_line(v)
+
+
+def test_sim_scaled_to_a_machine_scales_each_kind_by_its_own_runs(capsys):
+    """nodus sim --machine-runs with a machine's dedicated and shared runs (session 53's H100: a
+    dedicated run host-bound, 23% above the H200 profile, two stacks GPU-bound, 9% above): a shared
+    arm's steps/GPU-h times the shared runs' factor, its dedicated baseline times the dedicated runs',
+    so its ratio times their quotient; a dedicated plan times the dedicated runs' factor; with
+    dedicated runs only, a shared plan takes their factor and the table says it is the weaker one."""
+    import json
+
+    from calibration.validate import machine_factor
+    from nodus.config import STACKS_PROFILE
+
+    arms = Path(__file__).resolve().parents[1] / "experiments/results/h100/session53/m1/arms"
+    ded = str(arms / "dedicated-cg-gm512-cpu2-flat-mb8k-n5-s3")
+    shared = str(arms / "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-flat-sp4-k2-mb4k-s3")
+    mf = machine_factor([ded, shared], STACKS_PROFILE)
+    fd, fs = mf["kinds"]["dedicated"]["factor"], mf["kinds"]["shared"]["factor"]
+    assert (mf["kinds"]["dedicated"]["runs"], mf["kinds"]["shared"]["runs"]) == (1, 1)
+    assert fd == pytest.approx(mf["ratio"][ded]) and fs == pytest.approx(mf["ratio"][shared])
+    assert fd > 1.15 and 1.0 < fs < 1.15  # the host lifts the dedicated run more than the GPU-bound stacks
+    argv = ["sim", "--jobs", "8", "--steps", "3", "--policy", "shared-sync", "--stacks", "2", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--machine-runs", ded, shared]) == 0
+    scaled = json.loads(capsys.readouterr().out)
+    assert scaled["steps_per_gpu_hour"] == pytest.approx(plain["steps_per_gpu_hour"] * fs)
+    assert scaled["dedicated_steps_per_gpu_hour"] == pytest.approx(plain["dedicated_steps_per_gpu_hour"] * fd)
+    assert scaled["ratio_vs_dedicated"] == pytest.approx(plain["ratio_vs_dedicated"] * fs / fd)
+    assert scaled["machine"]["kind"] == "shared" and "kind_missing" not in scaled["machine"]
+    dedicated = ["sim", "--jobs", "8", "--steps", "3", "--policy", "dedicated", "--profile", STACKS_PROFILE, "--json"]
+    assert main(dedicated) == 0
+    plain_d = json.loads(capsys.readouterr().out)
+    assert main(dedicated + ["--machine-runs", ded, shared]) == 0
+    assert json.loads(capsys.readouterr().out)["steps_per_gpu_hour"] == pytest.approx(plain_d["steps_per_gpu_hour"] * fd)
+    assert main(argv[:-1] + ["--machine-runs", ded]) == 0  # no shared run: the dedicated factor, said so
+    text = capsys.readouterr().out
+    assert "none shared" in text and "the weaker one" in text and f"{fd:.3f}" in text
+    assert "the ratios vs dedicated are unscaled" in text
