@@ -401,6 +401,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
         report[f"{split}_per_config"] = per_config_errors([r for r in rows if keep(r)])
     report["heldout_machine_calibrated"] = machine_calibrated([r for r in rows if r["heldout"]])
+    report["machine_kinds"] = machine_kinds(rows)
     report["heldout_unflagged"] = unflagged_errors(report)
     report["heldout_ratio"] = ratio_errors(rows)
     h = report["heldout_replay"]
@@ -537,10 +538,52 @@ def machine_factor(runs: list[str | Path], profile: str) -> dict:
             "ratio": ratios, "kinds": kinds}
 
 
+def machine_kinds(rows: list[dict]) -> dict | None:
+    """Does a machine's speed carry from its dedicated runs to its shared ones (replayed lengths)?
+    Over the machines with both a dedicated run and a held-out run: each held-out run's prediction
+    unscaled, times its machine's dedicated runs' factor, and times its machine's other held-out
+    runs' factor (leave one out); and its ratio over the machine's dedicated runs of its seed, as
+    simulated and times the quotient of the two factors (what ``nodus sim --machine-runs`` does with
+    runs of both kinds). Error statistics of each; None where no machine has both."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("machine"):
+            by.setdefault(r["machine"], []).append(r)
+    meas, unscaled, by_ded, by_shared, m_ratio, sim_ratio, scaled_ratio = [], [], [], [], [], [], []
+    machines = 0
+    for rs in by.values():
+        ded = [r for r in rs if run_kind(r["arm"]["policy"]) == "dedicated"]
+        held = [r for r in rs if r["heldout"]]
+        if not ded or not held:
+            continue
+        machines += 1
+        fd = float(np.mean([_speed_ratio(r) for r in ded]))
+        for r in held:
+            others = [_speed_ratio(o) for o in held if o is not r]
+            sim, m = r["replay"]["steps_per_gpu_hour"], r["measured"]["steps_per_gpu_hour"]
+            meas.append(m), unscaled.append(sim), by_ded.append(sim * fd)
+            by_shared.append(sim * float(np.mean(others)) if others else None)
+            same_seed = [d for d in ded if d.get("seed") == r.get("seed")]
+            if others and same_seed:
+                m_ratio.append(m / float(np.mean([d["measured"]["steps_per_gpu_hour"] for d in same_seed])))
+                sr = sim / float(np.mean([d["replay"]["steps_per_gpu_hour"] for d in same_seed]))
+                sim_ratio.append(sr)
+                scaled_ratio.append(sr * float(np.mean(others)) / fd)
+    if not machines:
+        return None
+    keep = [i for i, p in enumerate(by_shared) if p is not None]
+    return {"machines": machines,
+            "unscaled": error_stats(unscaled, meas),
+            "by_dedicated_factor": error_stats(by_ded, meas),
+            "by_other_shared_factor": error_stats([by_shared[i] for i in keep], [meas[i] for i in keep]),
+            "ratio_as_simulated": error_stats(sim_ratio, m_ratio),
+            "ratio_by_factor_quotient": error_stats(scaled_ratio, m_ratio)}
+
+
 def run_kind(policy: str) -> str:
     """'dedicated' (one job a GPU: bound by the engine's host loop at small batches) or 'shared' (many
     jobs on one GPU: bound by the GPU). A machine's measured over simulated speed differs between the
-    two: on session 53's H100 host 1.23 on dedicated runs, 1.09 on two stacks; on the H200's 8 machines
+    two: on session 53's H100 host 1.23 on dedicated runs, 1.09 on two stacks; on the H200's 7 machines
     with both (the 81 held-out runs' protocol), a dedicated-run factor put on shared runs left them
     4.7% off against 4.3% unscaled and 3.8% with the machine's other shared runs
     (``machine_factor``'s ``kinds``)."""
@@ -789,6 +832,20 @@ def render_markdown(rep: dict) -> str:
         for mode in ("replay", "sampled"):
             e = mc[mode]
             lines.append(f"| {mode} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {_tau_text(e)} | {e['n']} |")
+    mk = rep.get("machine_kinds")
+    if mk:
+        lines += ["", f"A machine's speed from its dedicated runs against from its shared ones ({mk['machines']} "
+                  "machines with a dedicated run and a held-out run; replayed lengths; `calibration.validate."
+                  "machine_kinds`, what `nodus sim --machine-runs` scales by):", "",
+                  "| held-out runs' prediction | MAPE | worst | bias | n |", "|---|---|---|---|---|"]
+        for key, what in (("unscaled", "steps/GPU-h, unscaled"),
+                          ("by_dedicated_factor", "steps/GPU-h times the machine's dedicated runs' factor"),
+                          ("by_other_shared_factor", "steps/GPU-h times the machine's other held-out runs' factor"),
+                          ("ratio_as_simulated", "ratio over the machine's dedicated run of the seed, as simulated"),
+                          ("ratio_by_factor_quotient", "that ratio times the shared over the dedicated factor")):
+            e = mk[key]
+            if e["n"]:
+                lines.append(f"| {what} | {e['mape']:.1%} | {e['worst']:.1%} | {e['bias']:+.1%} | {e['n']} |")
     uf = rep.get("heldout_unflagged")
     if uf and uf["flagged_runs"] and uf["unflagged"]["replay"]["n"]:
         lines += ["", "Held out, the runs no monitor flagged (host probe, GPU monitor, host monitor; below) and the "

@@ -103,8 +103,9 @@ def scale_to_machine(summary: dict, machine: dict) -> dict:
     said under ``machine.kind_missing``), the unscaled figure and the factor used kept under
     ``machine``. With runs of both kinds, the dedicated baseline is scaled by the dedicated runs'
     factor and the ratios vs dedicated by the shared over the dedicated factor (on the H200's held-out
-    runs with the same machine's dedicated run of their seed: the ratio 5.9% off as simulated, 3.8%
-    so scaled, bias -2.2% -> +0.1%; 24 runs, 8 machines); otherwise the ratios stay as simulated."""
+    runs with the same machine's dedicated run of their seed: the ratio 5.9% off as simulated, 5.1%
+    so scaled, bias -2.2% -> +0.0%; 24 runs, 7 machines; ``calibration.validate.machine_kinds``);
+    otherwise the ratios stay as simulated."""
     from calibration.validate import run_kind
 
     kinds = machine.get("kinds") or {}

@@ -1057,3 +1057,26 @@ def test_sim_scaled_to_a_machine_scales_each_kind_by_its_own_runs(capsys):
     text = capsys.readouterr().out
     assert "none shared" in text and "the weaker one" in text and f"{fd:.3f}" in text
     assert "the ratios vs dedicated are unscaled" in text
+
+
+def test_machine_kinds_compares_a_machines_dedicated_factor_with_its_shared_one():
+    """machine_kinds on one machine: a dedicated run 1.2x its simulation, two held-out shared runs
+    1.1x theirs. The dedicated factor puts each shared run 9.1% high; the other shared run's factor
+    is exact; the ratio over the dedicated run, simulated 1.0 against 110/120 measured, comes out
+    exact times 1.1/1.2. A machine without a dedicated run is left out; none with both: None."""
+    from calibration.validate import machine_kinds
+
+    def row(policy, meas, sim, heldout, machine="m1", seed=1):
+        return {"arm": {"policy": policy}, "measured": {"steps_per_gpu_hour": meas},
+                "replay": {"steps_per_gpu_hour": sim}, "heldout": heldout, "machine": machine, "seed": seed}
+
+    rows = [row("dedicated", 120, 100, False), row("shared-sync", 110, 100, True), row("overlap", 99, 90, True),
+            row("shared-sync", 50, 100, True, machine="m2")]  # m2: no dedicated run, so not counted
+    mk = machine_kinds(rows)
+    assert mk["machines"] == 1 and mk["unscaled"]["n"] == 2
+    assert mk["by_dedicated_factor"]["bias"] == pytest.approx(120 / 110 - 1)
+    assert mk["by_other_shared_factor"]["mape"] == pytest.approx(0, abs=1e-12)
+    assert mk["ratio_as_simulated"]["bias"] == pytest.approx(
+        ((100 / 100) / (110 / 120) - 1 + (90 / 100) / (99 / 120) - 1) / 2)
+    assert mk["ratio_by_factor_quotient"]["mape"] == pytest.approx(0, abs=1e-12)
+    assert machine_kinds([r for r in rows if r["machine"] == "m2"]) is None
