@@ -554,8 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "publish; 0.5: twice as fast); repeatable; the report lists it as an assumption")
     p.add_argument("--machine-runs", nargs="+", metavar="RUN_DIR",
                    help="recorded real runs of the machine the plan is for (one machine): the prediction's "
-                        "steps/GPU-h and pace times their measured over simulated steps/GPU-h (the profile's "
-                        "machine-calibrated error is its error bar)")
+                        "steps/GPU-h and pace times their measured over simulated steps/GPU-h, over the runs of "
+                        "the plan's kind (dedicated or shared); with runs of both kinds the ratio vs dedicated "
+                        "times the quotient of the two (the profile's machine-calibrated error is its error bar)")
     p.set_defaults(fn=cmd_sim)
 
     p = sub.add_parser("profiles", help="the shipped simulator profiles: where measured, and their error bars")
