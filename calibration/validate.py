@@ -475,6 +475,15 @@ def _speed_ratio(row: dict, mode: str = "replay") -> float:
     return row["measured"]["steps_per_gpu_hour"] / row[mode]["steps_per_gpu_hour"]
 
 
+def _by_machine(rows: list[dict]) -> dict[str, list[dict]]:
+    """Validated runs by the machine they recorded (runs of no recorded machine left out)."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("machine"):
+            by.setdefault(r["machine"], []).append(r)
+    return by
+
+
 def machine_calibrated(rows: list[dict]) -> dict | None:
     """The simulator with the machine's speed known: each run's prediction times its machine's
     measured over simulated steps/GPU-h on that machine's *other* runs (the mean ratio; leave one
@@ -484,11 +493,7 @@ def machine_calibrated(rows: list[dict]) -> dict | None:
     (how many) and ``factors`` (each machine's mean ratio over all its runs). None with no machine of
     two runs or more. What is left is the simulator's error between configurations on one machine;
     the factors' spread is what the machine itself adds."""
-    by: dict[str, list[dict]] = {}
-    for r in rows:
-        if r.get("machine"):
-            by.setdefault(r["machine"], []).append(r)
-    by = {m: rs for m, rs in by.items() if len(rs) >= 2}
+    by = {m: rs for m, rs in _by_machine(rows).items() if len(rs) >= 2}
     if not by:
         return None
     out: dict = {"machines": len(by)}
@@ -545,13 +550,10 @@ def machine_kinds(rows: list[dict]) -> dict | None:
     runs' factor (leave one out); and its ratio over the machine's dedicated runs of its seed, as
     simulated and times the quotient of the two factors (what ``nodus sim --machine-runs`` does with
     runs of both kinds). Error statistics of each; None where no machine has both."""
-    by: dict[str, list[dict]] = {}
-    for r in rows:
-        if r.get("machine"):
-            by.setdefault(r["machine"], []).append(r)
-    meas, unscaled, by_ded, by_shared, m_ratio, sim_ratio, scaled_ratio = [], [], [], [], [], [], []
+    meas, unscaled, by_ded, m_ratio, sim_ratio, scaled_ratio = [], [], [], [], [], []
+    shared_pred, shared_meas = [], []  # runs with another held-out run on their machine
     machines = 0
-    for rs in by.values():
+    for rs in _by_machine(rows).values():
         ded = [r for r in rs if run_kind(r["arm"]["policy"]) == "dedicated"]
         held = [r for r in rs if r["heldout"]]
         if not ded or not held:
@@ -559,23 +561,28 @@ def machine_kinds(rows: list[dict]) -> dict | None:
         machines += 1
         fd = float(np.mean([_speed_ratio(r) for r in ded]))
         for r in held:
-            others = [_speed_ratio(o) for o in held if o is not r]
             sim, m = r["replay"]["steps_per_gpu_hour"], r["measured"]["steps_per_gpu_hour"]
-            meas.append(m), unscaled.append(sim), by_ded.append(sim * fd)
-            by_shared.append(sim * float(np.mean(others)) if others else None)
+            meas.append(m)
+            unscaled.append(sim)
+            by_ded.append(sim * fd)
+            others = [_speed_ratio(o) for o in held if o is not r]
+            if not others:
+                continue
+            fs = float(np.mean(others))
+            shared_pred.append(sim * fs)
+            shared_meas.append(m)
             same_seed = [d for d in ded if d.get("seed") == r.get("seed")]
-            if others and same_seed:
+            if same_seed:
                 m_ratio.append(m / float(np.mean([d["measured"]["steps_per_gpu_hour"] for d in same_seed])))
                 sr = sim / float(np.mean([d["replay"]["steps_per_gpu_hour"] for d in same_seed]))
                 sim_ratio.append(sr)
-                scaled_ratio.append(sr * float(np.mean(others)) / fd)
+                scaled_ratio.append(sr * fs / fd)
     if not machines:
         return None
-    keep = [i for i, p in enumerate(by_shared) if p is not None]
     return {"machines": machines,
             "unscaled": error_stats(unscaled, meas),
             "by_dedicated_factor": error_stats(by_ded, meas),
-            "by_other_shared_factor": error_stats([by_shared[i] for i in keep], [meas[i] for i in keep]),
+            "by_other_shared_factor": error_stats(shared_pred, shared_meas),
             "ratio_as_simulated": error_stats(sim_ratio, m_ratio),
             "ratio_by_factor_quotient": error_stats(scaled_ratio, m_ratio)}
 

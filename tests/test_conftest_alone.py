@@ -25,8 +25,8 @@ def _record(tag):
 """
 
 
-def _write(path, body, sleep, log, tests):
-    path.write_text(_TIMED.format(sleep=sleep, log=str(log)) + body + "".join(tests))
+def _write(path, sleep, log, tests):
+    path.write_text(_TIMED.format(sleep=sleep, log=str(log)) + "".join(tests))
 
 
 def _intervals(log, prefix):
@@ -46,10 +46,10 @@ def _suite(tmp_path, alone_tests):
     shutil.copy(Path(__file__).parent / "conftest.py", root / "conftest.py")
     (root / "pytest.ini").write_text("[pytest]\nmarkers =\n    alone: times real work\n")
     if alone_tests:
-        _write(root / "test_a.py", "", 0.5, log,
+        _write(root / "test_a.py", 0.5, log,
                [f"\n@pytest.mark.alone\ndef test_alone_{i}():\n    _record('alone')\n" for i in range(alone_tests)])
     for name in ("b", "c"):
-        _write(root / f"test_{name}.py", "", 0.3, log,
+        _write(root / f"test_{name}.py", 0.3, log,
                [f"\ndef test_{name}_{i}():\n    _record('plain')\n" for i in range(3)])
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
                         str(root)], cwd=root, capture_output=True, text=True, timeout=300)
