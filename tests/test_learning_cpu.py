@@ -25,6 +25,25 @@ def pool():
     p.close()
 
 
+# Four jobs of four tasks, 3 steps each: the equal-learning tests' workload.
+JOBS4 = [{"task": t, "steps": 3, "prompts_per_step": 4, "responses_per_prompt": 4, "max_new_tokens": 24,
+          "learning_rate": 1e-3, "lora_rank": 16, "seed": 10 + i, "prompt_pool": 8}
+         for i, t in enumerate(["sorting", "counting", "modular", "reverse"])]
+DEDICATED = {"policy": "dedicated", "groups": 1, "sharing": "none"}
+
+
+@pytest.fixture(scope="module")
+def dedicated4(tmp_path_factory, pool):
+    """JOBS4 each alone (dedicated), run once for the tests that compare a shared arm with it: the
+    run's folder and each job's (per-step rewards, final eval correct)."""
+    from nodus.config import build_config
+
+    out = tmp_path_factory.mktemp("learning") / "dedicated"
+    s = _run(pool, build_config({"jobs": JOBS4, "arm": DEDICATED, "seed": 1}), out)
+    assert s["stale_rollouts"] == 0
+    return out, {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
+
+
 def _run(pool, cfg, out, **opts):
     """A run (no baseline) on the module's pool, as gpu_arms runs its arms (``run_arm``, then the run
     folder ``write_run`` writes), with RealOptions(model=<the tiny base>, **opts): the summary. A failed
@@ -57,7 +76,7 @@ def test_grpo_raises_the_mean_reward_on_sorting(tmp_path, pool):
     assert last >= first + MARGIN, rewards
 
 
-def test_overlap_learns_exactly_what_dedicated_learns_in_fp32(tmp_path, pool):
+def test_overlap_learns_exactly_what_dedicated_learns_in_fp32(tmp_path, pool, dedicated4):
     """Equal learning by construction: 4 jobs, each alone on its 'own GPU' (dedicated) and two
     groups sharing one engine and one trainer (overlap). In fp32 on the CPU, with seeded
     sampling, every job's per-step rewards and final eval are identical, so the shared batches
@@ -66,18 +85,13 @@ def test_overlap_learns_exactly_what_dedicated_learns_in_fp32(tmp_path, pool):
     from nodus.compare import compare_runs
     from nodus.config import build_config
 
-    jobs = [{"task": t, "steps": 3, "prompts_per_step": 4, "responses_per_prompt": 4, "max_new_tokens": 24,
-             "learning_rate": 1e-3, "lora_rank": 16, "seed": 10 + i, "prompt_pool": 8}
-            for i, t in enumerate(["sorting", "counting", "modular", "reverse"])]
-    out = {}
-    for name, arm in (("dedicated", {"policy": "dedicated", "groups": 1, "sharing": "none"}),
-                      ("overlap", {"policy": "overlap", "groups": 2, "sharing": "none"})):
-        s = _run(pool, build_config({"jobs": jobs, "arm": arm, "seed": 1}), tmp_path / name)
-        out[name] = {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
-        assert s["stale_rollouts"] == 0
-    assert out["overlap"] == out["dedicated"]
-    assert any(sum(r) > 0 for r, _ in out["dedicated"].values())  # something was learned from
-    vs = compare_runs([str(tmp_path / "dedicated"), str(tmp_path / "overlap")], n_boot=200)["arms"][1]["vs_baseline"]
+    ded_dir, dedicated = dedicated4
+    s = _run(pool, build_config({"jobs": JOBS4, "arm": {"policy": "overlap", "groups": 2, "sharing": "none"},
+                                 "seed": 1}), tmp_path / "overlap")
+    assert s["stale_rollouts"] == 0
+    assert {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()} == dedicated
+    assert any(sum(r) > 0 for r, _ in dedicated.values())  # something was learned from
+    vs = compare_runs([str(ded_dir), str(tmp_path / "overlap")], n_boot=200)["arms"][1]["vs_baseline"]
     assert vs["acc_diff"]["lo"] == vs["acc_diff"]["hi"] == 0.0
 
 
@@ -138,7 +152,7 @@ def test_shared_prompts_learn_what_plain_rows_learn(tmp_path, pool):
     assert not (tmp_path / "refused").exists()
 
 
-def test_two_stacks_learn_exactly_what_dedicated_learns_in_fp32(tmp_path, pool):
+def test_two_stacks_learn_exactly_what_dedicated_learns_in_fp32(tmp_path, pool, dedicated4):
     """Equal learning with two stacks (arm.stacks = 2: two engines and two trainers, each serving
     two of the 4 jobs; session 30-31's fastest arm on the H200): in fp32 on the CPU, with seeded
     sampling, every job's per-step rewards and final eval are those of the job alone (dedicated).
@@ -146,21 +160,16 @@ def test_two_stacks_learn_exactly_what_dedicated_learns_in_fp32(tmp_path, pool):
     from nodus.compare import compare_runs
     from nodus.config import build_config
 
-    jobs = [{"task": t, "steps": 3, "prompts_per_step": 4, "responses_per_prompt": 4, "max_new_tokens": 24,
-             "learning_rate": 1e-3, "lora_rank": 16, "seed": 20 + i, "prompt_pool": 8}
-            for i, t in enumerate(["sorting", "counting", "modular", "reverse"])]
-    out = {}
-    for name, arm in (("dedicated", {"policy": "dedicated", "groups": 1, "sharing": "none"}),
-                      ("stacks", {"policy": "shared-sync", "groups": 1, "sharing": "none", "stacks": 2})):
-        s = _run(pool, build_config({"jobs": jobs, "arm": arm, "seed": 1}), tmp_path / name)
-        out[name] = {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()}
-        assert s["stale_rollouts"] == 0
+    ded_dir, dedicated = dedicated4
+    s = _run(pool, build_config({"jobs": JOBS4, "arm": {"policy": "shared-sync", "groups": 1, "sharing": "none",
+                                                         "stacks": 2}, "seed": 1}), tmp_path / "stacks")
+    assert s["stale_rollouts"] == 0
     assert s["arm"]["stacks"] == 2 and len(s["diagnostics"][0]["workers"]) == 4  # two engines, two trainers
     # Each stack's engine sampled from each new adapter: its logprobs agree with its trainer's
     # forward of that version, versions after the first included (a stale engine would not agree).
     agree = s["diagnostics"][0]["logprob_agreement"]
     assert {a["version"] for a in agree} == {0, 1, 2} and max(a["max_abs"] for a in agree) < 1e-3
-    assert out["stacks"] == out["dedicated"]
-    assert any(sum(r) > 0 for r, _ in out["dedicated"].values())  # something was learned from
-    vs = compare_runs([str(tmp_path / "dedicated"), str(tmp_path / "stacks")], n_boot=200)["arms"][1]["vs_baseline"]
+    assert {j: (d["rewards"], d["eval"]["correct"]) for j, d in s["per_job"].items()} == dedicated
+    assert any(sum(r) > 0 for r, _ in dedicated.values())  # something was learned from
+    vs = compare_runs([str(ded_dir), str(tmp_path / "stacks")], n_boot=200)["arms"][1]["vs_baseline"]
     assert vs["acc_diff"]["lo"] == vs["acc_diff"]["hi"] == 0.0
