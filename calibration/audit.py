@@ -9,7 +9,7 @@ token), so a run that audits fewer responses (``audit.responses``), fewer steps 
 none runs faster. On the H200, auditing one response a prompt instead of every one made two stacks
 +14.6% at 16 jobs and +13.3% at 8 (session 32), with the simulator at +0% for want of this term.
 
-The fit replays each run's own response lengths and bisects the term until the pairs' simulated
+The fit replays each run's own response lengths and finds the term at which the pairs' simulated
 throughput ratio (lighter audit over full audit) matches the measured one on average, in logs. Only
 the ratio within a pair counts, so the day's offset (a base profile pricing both runs of a pair 15%
 high, say) cancels: a pair is two runs of one configuration and seed, back to back on one machine.
@@ -25,14 +25,15 @@ import math
 import tempfile
 from pathlib import Path
 
+from calibration.stacks import crossing
 from calibration.validate import _simulate, load_recorded, recorded_configs, spans_digest
 from calibration.run_health import unique_names
 from calibration.run_settings import run_controls
 from nodus.config import AuditSpec, ConfigError
 from sim.profile import add_source, profile_dict, refuse_existing, set_assumption, write_fit_report, write_profile
 
-TERM_MAX = 1e-3  # the bisection's upper end: a millisecond per sequence and step (measured: ~10 us)
-TOLERANCE = 1e-8  # the bisection stops when the term's bracket is this narrow (seconds)
+TERM_MAX = 1e-3  # the search's upper end: a millisecond per sequence and step (measured: ~10 us)
+TOLERANCE = 1e-8  # the search stops when the term's bracket is this narrow (seconds)
 
 
 def _key(cfg: dict, controls: dict) -> str:
@@ -115,7 +116,7 @@ def fit_term(pairs: list[dict], prof: dict, tmp: Path, which: str = "",
     """The term at which the pairs' simulated ratios match the measured ones on average (in logs),
     and the full- and light-audit predictions there (``full``: the full-audit ones, when already
     simulated). A full-audit run does not depend on the term; the lighter one's prediction rises
-    with it, so bisection. A pair whose lighter audit measured no faster gives 0."""
+    with it, so a bracketed root (``calibration.stacks.crossing``). A pair whose lighter audit measured no faster gives 0."""
     if full is None:
         full = predict([p["full"] for p in pairs], prof, 0.0, tmp)
     def light(term: float) -> list[float]:
@@ -130,13 +131,8 @@ def fit_term(pairs: list[dict], prof: dict, tmp: Path, which: str = "",
         raise ConfigError(f"nodus fit-audit: even at decode.logprob_s_per_seq={hi} s the pairs{which} are simulated "
                           "closer than measured: the lighter audit's measured gain is more than the decode steps can "
                           "give (does something else differ between the runs of a pair?)")
-    while hi - lo > TOLERANCE:
-        mid = (lo + hi) / 2
-        if _log_gap(pairs, full, light(mid)) < 0:
-            lo = mid
-        else:
-            hi = mid
-    term = (lo + hi) / 2
+    term = crossing(lambda t: _log_gap(pairs, full, light(t)), lo, hi, _log_gap(pairs, full, at0),
+                    _log_gap(pairs, full, at_hi), TOLERANCE)
     return term, full, light(term)
 
 

@@ -10,7 +10,7 @@ on session 16's profile.
 This module fits one number, ``sharing.mps_engines``: each engine's rate, in alone-without-MPS work
 per second, while both engines generate and nothing else runs. ``sim.gpu.sharing_rates`` uses it, and
 beside a trainer it scales it by the pair's engine rate over the engine's alone rate. The fit replays
-each run's own response lengths in the simulator. It bisects the rate until the mean signed error of
+each run's own response lengths in the simulator. It searches for the rate at which the mean signed error of
 the runs' steps per GPU-hour is zero, every other term kept from the base profile. The runs must
 agree in policy, packing, engine and trainer thread caps and MPS settings; the profile records
 them (``sharing.engines_controls``), and the simulator and `nodus validate` flag a run that differs. The rate therefore
@@ -40,8 +40,8 @@ from sim.profile import (RATE_MAX, add_source, profile_adapter_format, profile_d
 # The rates fit-stacks fits (--rate), each a field of the profile's sharing terms, and what each is.
 RATES = {"engines": "mps_engines", "trainer": "mps_stacks_trainer"}
 WHAT = {"mps_engines": "two engines' rate", "mps_stacks_trainer": "a lone trainer's rate beside engines"}
-RATE_MIN = 0.05  # the bisection's lower end: an engine at a twentieth of its alone speed
-TOLERANCE = 1e-4  # the bisection stops when the rate's bracket is this narrow
+RATE_MIN = 0.05  # the search's lower end: an engine at a twentieth of its alone speed
+TOLERANCE = 1e-4  # the search stops when the rate's bracket is this narrow
 # A rate the runs do not identify: from RATE_MIN to RATE_MAX no run's prediction moves this much (of
 # its measured steps/GPU-h): lockstep stacks, say, never run a lone trainer beside engines. (Session
 # 35's free-running two-stack runs of 2 and 4 jobs do: 3506-4312 steps/GPU-h over that range.)
