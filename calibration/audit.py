@@ -116,7 +116,8 @@ def fit_term(pairs: list[dict], prof: dict, tmp: Path, which: str = "",
     """The term at which the pairs' simulated ratios match the measured ones on average (in logs),
     and the full- and light-audit predictions there (``full``: the full-audit ones, when already
     simulated). A full-audit run does not depend on the term; the lighter one's prediction rises
-    with it, so a bracketed root (``calibration.stacks.crossing``). A pair whose lighter audit measured no faster gives 0."""
+    with it, so a bracketed root (``calibration.stacks.crossing``). A pair whose lighter audit
+    measured no faster gives 0."""
     if full is None:
         full = predict([p["full"] for p in pairs], prof, 0.0, tmp)
     def light(term: float) -> list[float]:

@@ -10,8 +10,8 @@ on session 16's profile.
 This module fits one number, ``sharing.mps_engines``: each engine's rate, in alone-without-MPS work
 per second, while both engines generate and nothing else runs. ``sim.gpu.sharing_rates`` uses it, and
 beside a trainer it scales it by the pair's engine rate over the engine's alone rate. The fit replays
-each run's own response lengths in the simulator. It searches for the rate at which the mean signed error of
-the runs' steps per GPU-hour is zero, every other term kept from the base profile. The runs must
+each run's own response lengths in the simulator. It searches for the rate at which the mean signed
+error of the runs' steps per GPU-hour is zero, every other term kept from the base profile. The runs must
 agree in policy, packing, engine and trainer thread caps and MPS settings; the profile records
 them (``sharing.engines_controls``), and the simulator and `nodus validate` flag a run that differs. The rate therefore
 also absorbs whatever the base misprices on the runs' day (its engine's day scale, its train terms):
@@ -170,8 +170,8 @@ def crossing(f, lo: float, hi: float, f_lo: float, f_hi: float, tol: float) -> f
     bracket, a bisection whenever they would not shrink it fast enough, and a step of at least half
     ``tol`` so the bracket closes), as in scipy's brentq; then a bisection wherever two steps did not
     halve the bracket, and only bisections after eight steps (Brent alone takes about 40 where ``f``
-    is flat at its root; this 20-21 there against bisection's 15). Each value of ``f`` here replays every
-    run, a whole simulation each: bisection took 15 a rate from 0.05 to 2 to a tolerance of 1e-4,
+    is flat at its root; this 20-21 there against bisection's 15). Each value of ``f`` here replays
+    every run, a whole simulation each: bisection took 15 a rate from 0.05 to 2 to a tolerance of 1e-4,
     this 5-8 where ``f`` has a slope at its root (tests/test_stacks_fit.py)."""
     if f_lo == 0 or f_hi == 0:
         return lo if f_lo == 0 else hi
