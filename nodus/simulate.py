@@ -234,11 +234,15 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
         which = (f"its {own['runs']} {m['kind']} run(s)'" if own else
                  f"its runs' (none {m.get('kind', 'of this kind')}: a dedicated run's host-bound speed and a shared "
                  "arm's GPU-bound one differ by machine, so this factor is the weaker one)")
+        if m.get("ratio_factor"):
+            ratios = ("the ratios vs dedicated times the shared over the dedicated runs' factor, "
+                      f"{m['ratio_factor']:.3f}.")
+        else:
+            why = "a dedicated arm" if m.get("kind") == "dedicated" else "no runs of both kinds"
+            ratios = f"the ratios vs dedicated are unscaled ({why})."
         out += (f"\n\nScaled to the machine of {m['runs']} measured run(s) ({m['machine']}): {which} measured over "
                 f"simulated steps/GPU-h, {m['factor']:.3f}, times the steps/GPU-h and the pace above (unscaled "
-                f"{m['unscaled_steps_per_gpu_hour']:.1f}); "
-                + (f"the ratios vs dedicated times the shared over the dedicated runs' factor, {m['ratio_factor']:.3f}."
-                   if m.get("ratio_factor") else "the ratios vs dedicated are unscaled (no runs of both kinds)."))
+                f"{m['unscaled_steps_per_gpu_hour']:.1f}); {ratios}")
     if s.get("assumptions"):
         out += "\n\nProfile: " + s["profile"]["source"] + ". Assumptions used (not yet measured):\n"
         out += "\n".join(f"- {a['id']}: {a['what']}" for a in s["assumptions"])
