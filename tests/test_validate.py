@@ -1053,6 +1053,8 @@ def test_sim_scaled_to_a_machine_scales_each_kind_by_its_own_runs(capsys):
     plain_d = json.loads(capsys.readouterr().out)
     assert main(dedicated + ["--machine-runs", ded, shared]) == 0
     assert json.loads(capsys.readouterr().out)["steps_per_gpu_hour"] == pytest.approx(plain_d["steps_per_gpu_hour"] * fd)
+    assert main(dedicated[:-1] + ["--machine-runs", ded, shared]) == 0  # the table: why its ratios stay as simulated
+    assert "the ratios vs dedicated are unscaled (a dedicated arm)" in capsys.readouterr().out
     assert main(argv[:-1] + ["--machine-runs", ded]) == 0  # no shared run: the dedicated factor, said so
     text = capsys.readouterr().out
     assert "none shared" in text and "the weaker one" in text and f"{fd:.3f}" in text
