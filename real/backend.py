@@ -35,6 +35,7 @@ from nodus.lengths import prompt_tokens as prompt_tokens_of
 from nodus.outdir import gpu, host, host_probe, machine
 from real.flat_adapter import ADAPTER_FORMATS
 from real.mps import MPSDaemon
+from real.profiling import trainer_profile_setting
 from real.rollouts import StepPrompts, rewards, step_prompts, step_seed
 from real.stepstats import summarise_generations
 
@@ -280,6 +281,10 @@ def check_run_settings(cfg: RunConfig, opts: RealOptions | None) -> None:
             f"trainer.share_prompts={cfg.trainer.share_prompts} packs each prompt's responses into one row, which "
             "the fixed-shape trainer step does: run with the graphed trainer (--trainer-graphs; on a CPU its "
             "uncaptured program), or set share_prompts to 0")
+    try:
+        trainer_profile_setting()  # the environment's trainer profile, read again by each trainer worker
+    except ValueError as err:
+        raise BackendConfigError(str(err)) from None
     if (opts or RealOptions()).mode == "tasks":  # a job's own problems, read before any process starts
         from nodus.tasks.datasets import check_datasets
 

@@ -15,6 +15,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
+from real.profiling import trainer_profile_setting
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -229,11 +231,7 @@ def trainer_main(spec: TrainerSpec, inbox, outbox, name: str) -> None:
             info["compiled"] = fuse_elementwise(model)
         # NODUS_TRAINER_PROFILE=FILE: the NODUS_TRAINER_PROFILE_AT-th train command (default 3) runs
         # under torch.profiler and its summary goes to FILE (one JSON line per worker, appended).
-        profile_to = os.environ.get("NODUS_TRAINER_PROFILE")
-        at = os.environ.get("NODUS_TRAINER_PROFILE_AT", "3")
-        if not (at.isdigit() and int(at) >= 1):
-            raise ValueError(f"NODUS_TRAINER_PROFILE_AT={at!r}: the train command to profile, an integer >= 1")
-        profile_at = int(at)
+        profile_to, profile_at = trainer_profile_setting()
         outbox.put(("ready", name, time.monotonic() - t0, info))
     except Exception:  # noqa: BLE001
         outbox.put(("error", name, traceback.format_exc()))

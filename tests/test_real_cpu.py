@@ -601,13 +601,27 @@ def test_trainer_compile_and_cpu_thread_options_reach_the_trainer_process(pool):
     assert run_controls(s)["engine_cpu_threads"] == n
 
 
-def test_a_bad_trainer_profile_setting_is_a_clear_error(monkeypatch):
+def test_a_bad_trainer_profile_setting_is_a_clear_error_before_any_process(monkeypatch, tmp_path, capsys):
+    """NODUS_TRAINER_PROFILE_AT is read before an output folder or a process (the engine's start
+    would otherwise come first): refused by the run and by the CLI, naming the variable."""
+    import real.backend
     from nodus.realrun import run
-    from real.backend import RealOptions
+    from real.backend import BackendConfigError, RealOptions
 
+    def no_cluster(*a, **k):
+        raise AssertionError("a process started before the setting was read")
+
+    monkeypatch.setattr(real.backend.Cluster, "__init__", no_cluster)
     monkeypatch.setenv("NODUS_TRAINER_PROFILE", "/tmp/never-written.jsonl")
     monkeypatch.setenv("NODUS_TRAINER_PROFILE_AT", "third")
-    with pytest.raises(RuntimeError, match="NODUS_TRAINER_PROFILE_AT='third'"):
+    with pytest.raises(BackendConfigError, match="NODUS_TRAINER_PROFILE_AT='third'"):
+        run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False), baseline=False)
+    out = tmp_path / "run"
+    assert main(["run", "--backend", "real", "--model", "tiny", "--jobs", "1", "--steps", "1", "--no-baseline",
+                 "--out", str(out)]) == 2
+    assert "NODUS_TRAINER_PROFILE_AT='third'" in capsys.readouterr().err and not out.exists()
+    monkeypatch.setenv("NODUS_TRAINER_PROFILE_AT", "0")
+    with pytest.raises(BackendConfigError, match="an integer >= 1"):
         run(_small_cfg(1, 1), opts=RealOptions(model="tiny", evaluate=False), baseline=False)
 
 
