@@ -9,8 +9,9 @@ runs of 2 and 4 jobs priced held-out trains 15-98% long and generations 7-18% sh
 steps/GPU-h by errors that cancel, and wrong wherever the mix of phases moves (offset stacks 4-16%
 low). Here the three rates are fitted together to the runs' mean generation and train-step times
 (replayed lengths; relative least squares), the other terms of the base kept: Nelder-Mead on the
-rates' logarithms, each between ``RATE_MIN`` and ``RATE_MAX``. A rate no run's phases move
-(runs that never ran what it prices) is refused, not fitted.
+rates' logarithms, each between ``RATE_MIN`` and its kind's rate alone under MPS
+(``sharing.mps_alone``: a client beside others goes no faster than alone in its share; ``upper``).
+A rate no run's phases move (runs that never ran what it prices) is refused, not fitted.
 
     nodus fit-stacks RUN... --rate phases --base PROFILE --out PROFILE.json [--report PREFIX]
 """
@@ -58,12 +59,27 @@ def phase_rows(runs: list[str | Path], prof: dict) -> list[dict]:
     return rows
 
 
+KIND = {"mps_engines": "engine", "mps_stacks_trainer": "trainer", "mps_stacks_engine": "engine"}
+
+
+def upper(prof: dict) -> dict[str, float]:
+    """Each rate's bound: its kind's rate alone under MPS (``sharing.mps_alone``, at most ``RATE_MAX``).
+    Beside other clients a kernel runs no faster than alone, so a fit past it would be the rate
+    making up for another term's error (session 55: on H100 runs of 2 and 4 jobs, unbounded, an
+    engine beside a lone trainer came out at 1.57, 1.49x its rate alone, with the two engines' rate
+    at 0.38)."""
+    alone = prof["sharing"]["mps_alone"]
+    return {f: min(RATE_MAX, alone[KIND[f]]) for f in FIELDS}
+
+
 def _start(prof: dict) -> dict[str, float]:
-    """Where the search starts: the base's rates where it has them, else the pair's (one stack's)."""
-    sh = prof["sharing"]
-    return {"mps_engines": sh.get("mps_engines") or sh["mps_corun"]["engine"],
-            "mps_stacks_trainer": sh.get("mps_stacks_trainer") or sh["mps_corun"]["trainer"],
-            "mps_stacks_engine": sh.get("mps_stacks_engine") or sh["mps_corun"]["engine"]}
+    """Where the search starts: the base's rates where it has them, else the pair's (one stack's),
+    within ``upper``."""
+    sh, top = prof["sharing"], upper(prof)
+    start = {"mps_engines": sh.get("mps_engines") or sh["mps_corun"]["engine"],
+             "mps_stacks_trainer": sh.get("mps_stacks_trainer") or sh["mps_corun"]["trainer"],
+             "mps_stacks_engine": sh.get("mps_stacks_engine") or sh["mps_corun"]["engine"]}
+    return {f: min(v, top[f]) for f, v in start.items()}
 
 
 def predict(rows: list[dict], prof: dict, rates: dict[str, float | None], tmp: Path) -> list[dict]:
@@ -85,14 +101,15 @@ def loss(pred: list[dict], rows: list[dict]) -> float:
 
 def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp: Path) -> None:
     """Refuse a rate that moves no run's phase times by ``IDENTIFIED_MIN`` over its whole range."""
+    top = upper(prof)
     for f in FIELDS:
         lo = predict(rows, prof, dict(rates, **{f: RATE_MIN}), tmp)
-        hi = predict(rows, prof, dict(rates, **{f: RATE_MAX}), tmp)
+        hi = predict(rows, prof, dict(rates, **{f: top[f]}), tmp)
         moved = max(abs(a["phase_s"].get(ph, 0.0) - b["phase_s"].get(ph, 0.0)) / r["phase_s"][ph]
                     for a, b, r in zip(lo, hi, rows) for ph in PHASES)
         if moved < IDENTIFIED_MIN:
             raise ConfigError(f"nodus fit-stacks --rate phases: the runs' phase times are the same whatever "
-                              f"sharing.{f} is (at most {moved:.2%} apart from {RATE_MIN} to {RATE_MAX}): they never "
+                              f"sharing.{f} is (at most {moved:.2%} apart from {RATE_MIN} to {top[f]:.3f}): they never "
                               f"ran what it prices ({WHAT[f]}); fit runs that do (free-running stacks drift into "
                               "each case; offset stacks, --offset-stacks, put a lone trainer beside an engine)")
 
@@ -100,16 +117,17 @@ def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp:
 def search(rows: list[dict], prof: dict, tmp: Path,
            progress: bool = False) -> tuple[dict[str, float], list[dict], int]:
     """The rates of least ``loss``: Nelder-Mead on their logarithms (each clamped to
-    [``RATE_MIN``, ``RATE_MAX``]) from ``_start``, its first simplex ``FIRST_STEP`` apart on each rate,
+    [``RATE_MIN``, ``upper``]) from ``_start``, its first simplex ``FIRST_STEP`` apart on each rate,
     until the simplex is ``LAST_STEP`` across or ``MAX_REPLAYS`` rounds have run. The loss is
     piecewise in the rates (a simulation's events reorder), which stalls a search along one rate at a
     time on a ridge; the simplex moves along it. Returns the rates, the runs' predictions there and
     the replays it took (of all the runs). ``progress``: a line on stderr every ``PROGRESS_EVERY``."""
-    lo, hi = math.log(RATE_MIN), math.log(RATE_MAX)
+    lo, top = math.log(RATE_MIN), upper(prof)
+    hi = {f: math.log(top[f]) for f in FIELDS}
     cache: dict[tuple, float] = {}
 
     def rates_of(x: np.ndarray) -> dict[str, float]:
-        return {f: float(math.exp(min(hi, max(lo, v)))) for f, v in zip(FIELDS, x)}
+        return {f: float(math.exp(min(hi[f], max(lo, v)))) for f, v in zip(FIELDS, x)}
 
     def f(x: np.ndarray) -> float:
         key = tuple(round(v, 9) for v in rates_of(x).values())
@@ -175,7 +193,8 @@ def fit(runs: list[str | Path], base: str, progress: bool = False) -> dict:
     settings = {k: v for k, v in rows[0]["settings"].items() if k not in ALIGNMENT}
     return {"base": base, "field": "phases", **rates, "settings": settings, "rows": out_rows,
             "replays": evals * n, "loss": loss(pred, rows),
-            "base_rates": {f: prof["sharing"].get(f) for f in FIELDS},
+            "base_rates": {f: prof["sharing"].get(f) for f in FIELDS}, "upper": upper(prof),
+            "at_bound": [f for f in FIELDS if rates[f] >= upper(prof)[f] * (1 - 1e-9)],
             "mape": sum(abs(x["error"]) for x in out_rows) / n,
             "phase_mape": {ph: sum(abs(x["phase_error"][ph]) for x in out_rows) / n for ph in PHASES},
             "base_mape": sum(abs(x["base_error"]) for x in out_rows) / n,
@@ -193,8 +212,15 @@ def report_markdown(r: dict) -> str:
              f"Fitted together on {len(r['rows'])} two-stack run(s)' mean generation and train-step times "
              f"(replayed lengths; relative least squares, {r['replays']} replays); their settings: {settings}. "
              "Alone-without-MPS work per second:", "",
-             "| rate | fitted | the base's |", "|---|---|---|"]
-    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}** | {was(f)} |" for f in FIELDS]
+             "| rate | fitted | the base's | bound (its kind alone under MPS) |", "|---|---|---|---|"]
+    top = r.get("upper") or {}
+    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}**{' (at its bound)' if f in r.get('at_bound', []) else ''}"
+              f" | {was(f)} | {top[f]:.3f} |" if f in top else f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}** | {was(f)} | - |"
+              for f in FIELDS]
+    if r.get("at_bound"):
+        lines += ["", f"At its bound: {', '.join('`sharing.' + f + '`' for f in r['at_bound'])}. A client beside "
+                  "others runs no faster than alone; the runs asked for more, so another term of the base misprices "
+                  "them (the train or decode terms on this machine): the bound keeps that error out of the rate."]
     pm, bm = r["phase_mape"], r["base_phase_mape"]
     lines += ["", f"On these runs: generation {pm['generate']:.1%} and train step {pm['train']:.1%} mean absolute "
               f"error (the base's rates: {bm['generate']:.1%} and {bm['train']:.1%}); steps per GPU-hour "

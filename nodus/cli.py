@@ -804,8 +804,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with a two-engine rate, held (fit it on runs whose trains ran beside generations: offset "
                         "stacks, --offset-stacks); each to zero mean error in steps/GPU-h. phases: those two and the "
                         "engines' rate beside the lone trainer (sharing.mps_stacks_engine) together, to the runs' "
-                        "mean generation and train-step times (no left-out fits; the runs may mix free, offset, held and "
-                        "lockstep stacks)")
+                        "mean generation and train-step times, each at most its kind's rate alone under MPS "
+                        "(sharing.mps_alone; no left-out fits; the runs may mix free, offset, held and lockstep stacks)")
     p.add_argument("--no-left-out", action="store_true",
                    help="fit on every run only, without leaving each run and each day out (those fits replay "
                         "the runs about 20,000 times for thirty runs: hours on two cores); validate the profile on "

@@ -65,7 +65,7 @@ def _runs(tmp_path, truth):
 
 
 def test_fit_stacks_phases_recovers_the_three_rates_the_runs_were_simulated_with(tmp_path, capsys):
-    truth_rates = {"mps_engines": 0.7, "mps_stacks_trainer": 1.1, "mps_stacks_engine": 0.5}
+    truth_rates = {"mps_engines": 0.7, "mps_stacks_trainer": 0.9, "mps_stacks_engine": 0.5}
     runs = _runs(tmp_path, _profile(tmp_path, "truth.json", **truth_rates))
     out = tmp_path / "fitted.json"
     assert main(["fit-stacks", *map(str, runs), "--rate", "phases", "--base", DEFAULT_PROFILE, "--out", str(out),
@@ -94,6 +94,24 @@ def test_fit_stacks_phases_recovers_the_three_rates_the_runs_were_simulated_with
     assert prof["measurements"]["stacks"]["fitted_on"] == "phases"
     assert main(["fit-stacks", *map(str, runs), "--rate", "phases", "--base", DEFAULT_PROFILE, "--out", str(out)]) == 2
     assert "never overwrites" in capsys.readouterr().err
+
+
+def test_fit_stacks_phases_keeps_each_rate_within_its_kind_alone_under_mps(tmp_path):
+    """A client beside others runs no faster than alone in its MPS share: runs recorded with an
+    engine beside a lone trainer faster than that (another term mispriced, as on session 55's H100
+    runs) fit that rate at its bound, which the report names, and the other two rates as before."""
+    from calibration.stacks_phases import report_markdown, upper
+
+    base = profile_dict(DEFAULT_PROFILE)
+    top = upper(base)
+    assert top == {"mps_engines": base["sharing"]["mps_alone"]["engine"],
+                   "mps_stacks_trainer": base["sharing"]["mps_alone"]["trainer"],
+                   "mps_stacks_engine": base["sharing"]["mps_alone"]["engine"]}
+    truth = {"mps_engines": 0.7, "mps_stacks_trainer": 0.9, "mps_stacks_engine": 1.5 * top["mps_stacks_engine"]}
+    r = fit(_runs(tmp_path, _profile(tmp_path, "truth.json", **truth)), DEFAULT_PROFILE)
+    assert r["mps_stacks_engine"] == pytest.approx(top["mps_stacks_engine"]) and r["at_bound"] == ["mps_stacks_engine"]
+    assert all(r[f] <= top[f] for f in FIELDS) and r["upper"] == top
+    assert "(at its bound)" in report_markdown(r) and "At its bound: `sharing.mps_stacks_engine`" in report_markdown(r)
 
 
 def test_fit_stacks_phases_refuses_runs_without_what_a_rate_prices(monkeypatch, tmp_path):
