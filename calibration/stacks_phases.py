@@ -213,11 +213,9 @@ def report_markdown(r: dict) -> str:
              f"(replayed lengths; relative least squares, {r['replays']} replays); their settings: {settings}. "
              "Alone-without-MPS work per second:", "",
              "| rate | fitted | the base's | bound (its kind alone under MPS) |", "|---|---|---|---|"]
-    top = r.get("upper") or {}
-    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}**{' (at its bound)' if f in r.get('at_bound', []) else ''}"
-              f" | {was(f)} | {top[f]:.3f} |" if f in top else f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}** | {was(f)} | - |"
-              for f in FIELDS]
-    if r.get("at_bound"):
+    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}**{' (at its bound)' if f in r['at_bound'] else ''} | "
+              f"{was(f)} | {r['upper'][f]:.3f} |" for f in FIELDS]
+    if r["at_bound"]:
         lines += ["", f"At its bound: {', '.join('`sharing.' + f + '`' for f in r['at_bound'])}. A client beside "
                   "others runs no faster than alone; the runs asked for more, so another term of the base misprices "
                   "them (the train or decode terms on this machine): the bound keeps that error out of the rate."]
