@@ -191,10 +191,11 @@ def fit(runs: list[str | Path], base: str, progress: bool = False) -> dict:
     # The settings the rates hold for: the runs' own, but for how their stacks lined up (the runs may
     # mix free, offset, held and lockstep stacks: each case is priced by its rate, not averaged).
     settings = {k: v for k, v in rows[0]["settings"].items() if k not in ALIGNMENT}
+    top = upper(prof)
     return {"base": base, "field": "phases", **rates, "settings": settings, "rows": out_rows,
             "replays": evals * n, "loss": loss(pred, rows),
-            "base_rates": {f: prof["sharing"].get(f) for f in FIELDS}, "upper": upper(prof),
-            "at_bound": [f for f in FIELDS if rates[f] >= upper(prof)[f] * (1 - 1e-9)],
+            "base_rates": {f: prof["sharing"].get(f) for f in FIELDS}, "upper": top,
+            "at_bound": [f for f in FIELDS if rates[f] >= top[f] * (1 - 1e-9)],
             "mape": sum(abs(x["error"]) for x in out_rows) / n,
             "phase_mape": {ph: sum(abs(x["phase_error"][ph]) for x in out_rows) / n for ph in PHASES},
             "base_mape": sum(abs(x["base_error"]) for x in out_rows) / n,

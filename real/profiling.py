@@ -13,16 +13,15 @@ import time
 from typing import Callable
 
 
-def trainer_profile_setting(environ=None) -> tuple[str | None, int]:
+def trainer_profile_setting() -> tuple[str | None, int]:
     """``NODUS_TRAINER_PROFILE`` (the file a trainer worker appends its profiled train command's
     summary to; None: no profile) and ``NODUS_TRAINER_PROFILE_AT`` (which train command, default the
     3rd). A run reads it before any process starts (``real.backend.check_run_settings``), so a bad
     value is refused at once, not after the engine's start; each trainer worker reads it again."""
-    environ = os.environ if environ is None else environ
-    at = environ.get("NODUS_TRAINER_PROFILE_AT", "3")
+    at = os.environ.get("NODUS_TRAINER_PROFILE_AT", "3")
     if not (at.isdigit() and int(at) >= 1):
         raise ValueError(f"NODUS_TRAINER_PROFILE_AT={at!r}: the train command to profile, an integer >= 1")
-    return environ.get("NODUS_TRAINER_PROFILE") or None, int(at)
+    return os.environ.get("NODUS_TRAINER_PROFILE") or None, int(at)
 
 
 def profile_call(fn: Callable[[], object], device, label: str) -> dict:
