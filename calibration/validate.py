@@ -116,6 +116,12 @@ def _phase_means(spans: list[dict]) -> dict[str, float]:
     return out
 
 
+def action_seconds(spans: list[dict]) -> dict[str, dict[tuple, float]]:
+    """Each generate and train action's seconds, by ``_phase_actions``' key (gpu, group, step): a
+    recorded run's and its replay's actions pair by that key (the replay runs the run's own steps)."""
+    return {ph: {k: a[1] - a[0] for k, a in acts.items()} for ph, acts in _phase_actions(spans).items()}
+
+
 def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
     """A run's generate and train actions: a group's spans of one step (their start, where a span
     has no step) as one action, ``{phase: {(gpu, group, step): [first start, last end, sequences]}}``
@@ -165,6 +171,64 @@ def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
                    "beside": float(np.mean(beside)) if beside else None,
                    "n_alone": len(alone), "n_beside": len(beside)}
     return out
+
+
+ENGINES_BESIDE = ("throughout", "partly", "not")  # another stack's generation beside one: >= 90%, between, <= 10%
+
+
+def generations_beside_engines(spans: list[dict], cover: float = 0.9) -> dict[tuple, tuple[float, str]]:
+    """A run of several stacks' generate actions (``_phase_actions``' keys), each with its seconds and
+    how much of it another stack's generation ran beside it on its GPU: "throughout" (at least
+    ``cover``), "not" (at most 1 - ``cover``) or "partly". Two engines generating together and an
+    engine beside another stack's lone trainer have rates of their own (``sharing.mps_engines``,
+    ``sharing.mps_stacks_engine``); a free run's generations mix both, step by step."""
+    from nodus.accounting import union_length
+
+    gens = _phase_actions(spans)["generate"]
+    out = {}
+    for key, (start, end, _) in gens.items():
+        if end - start <= 0:
+            continue
+        gpu, group, _ = key
+        covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e, _) in gens.items()
+                   if g2 == gpu and grp2 != group and s < end and e > start]
+        frac = union_length(covered) / (end - start)
+        out[key] = (end - start, "throughout" if frac >= cover else "not" if frac <= 1 - cover else "partly")
+    return out
+
+
+def beside_engines_errors(measured: dict[tuple, tuple[float, str]], replayed: dict[tuple, float]) -> dict:
+    """A run's generations by ``generations_beside_engines``' class (of the measured action), each
+    paired with the replay's action of the same key: ``{class: {"n", "measured_s", "simulated_s"}}``
+    (sums of seconds over the paired actions; an action the replay did not run is left out)."""
+    out: dict = {}
+    for key, (secs, side) in measured.items():
+        if key in replayed:
+            a = out.setdefault(side, {"n": 0, "measured_s": 0.0, "simulated_s": 0.0})
+            a["n"] += 1
+            a["measured_s"] += secs
+            a["simulated_s"] += replayed[key]
+    return out
+
+
+def beside_engines_table(rows: list[dict]) -> list[dict]:
+    """``beside_engines_errors`` over the validated runs of several stacks, by sharing and class: runs,
+    paired actions, the measured and simulated mean seconds and the simulated total's error against
+    the measured; sorted by sharing, then throughout / partly / not."""
+    acc: dict[tuple, dict] = {}
+    for r in rows:
+        sharing = (r.get("arm") or {}).get("sharing") or "none"
+        for side, a in (r.get("beside_engines") or {}).items():
+            t = acc.setdefault((sharing, side), {"runs": 0, "heldout_runs": 0, "n": 0, "m": 0.0, "s": 0.0})
+            t["runs"] += 1
+            t["heldout_runs"] += bool(r.get("heldout"))
+            t["n"] += a["n"]
+            t["m"] += a["measured_s"]
+            t["s"] += a["simulated_s"]
+    return [{"sharing": sh, "beside": side, "runs": t["runs"], "heldout_runs": t["heldout_runs"], "actions": t["n"],
+             "measured_s": t["m"] / t["n"], "simulated_s": t["s"] / t["n"], "error": t["s"] / t["m"] - 1}
+            for (sh, side), t in sorted(acc.items(), key=lambda kv: (kv[0][0], ENGINES_BESIDE.index(kv[0][1])))
+            if t["n"] and t["m"] > 0]
 
 
 def load_recorded(run_dir: Path) -> tuple[dict, dict, list[dict]]:
@@ -250,6 +314,7 @@ def _simulate(cfg: dict, source: str) -> dict:
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
             "pace": summary.get("pace") or {}, "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans),
+            "actions": action_seconds(spans),
             "outside_profile": sorted(make.cost.flags),
             "per_job": {j: {"steps": d["steps"], "finish_s": d["finish_s"]}
                         for j, d in summary.get("per_job", {}).items()}}
@@ -371,6 +436,9 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  {"policy": cfg["arm"].get("policy"),
                                                                   "share_prompts": packing},
                                                                  profile_adapter_format(prof))))}
+        if stacks_of(cfg["arm"]) > 1:
+            row["beside_engines"] = beside_engines_errors(generations_beside_engines(spans),
+                                                          rep["actions"]["generate"])
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -393,6 +461,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
             report[f"{split}_{mode}_components"] = per
     report["noise"] = measurement_noise(rows)
     report["generation_sizes"] = generation_size_errors(rows)
+    report["generations_beside_engines"] = beside_engines_table(rows)
     report["host"] = host_flags(rows)
     report["gpu"] = gpu_flags(rows)
     report["host_monitor"] = host_monitor_flags(rows)
@@ -960,6 +1029,19 @@ def render_markdown(rep: dict) -> str:
                          f"{g['measured_s']:.3f} | {sim} | {err} |")
         lines += ["", "(The error compares the runs whose simulation has actions of that size and side; each "
                   "run weighs by its measured actions.)"]
+    beside = rep.get("generations_beside_engines")
+    if beside:
+        lines += ["", "Generations of runs of several stacks by how much of each another stack's generation ran "
+                  "beside (measured: throughout, at least 90% of it; partly; not, at most 10%), each paired with "
+                  "the replay's generation of the same stack and step (replayed lengths). Two engines together "
+                  "and an engine beside another stack's lone trainer are priced by rates of their own "
+                  "(`sharing.mps_engines`, `sharing.mps_stacks_engine`); errors of opposite sign here, right on "
+                  "average, are those two rates' split mispriced:", "",
+                  "| sharing | another stack generating beside | runs (held out) | actions | measured s | simulated s "
+                  "| error |", "|---|---|---|---|---|---|---|"]
+        for g in beside:
+            lines.append(f"| {g['sharing']} | {g['beside']} | {g['runs']} ({g['heldout_runs']}) | {g['actions']} | "
+                         f"{g['measured_s']:.3f} | {g['simulated_s']:.3f} | {g['error']:+.1%} |")
     return "\n".join(lines)
 
 

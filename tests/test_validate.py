@@ -708,6 +708,74 @@ def test_a_size_the_profile_prices_short_shows_in_the_size_table(tmp_path):
     assert "Generations by size" in render_markdown(rep)
 
 
+def test_generations_of_stacks_by_how_much_another_stacks_generation_ran_beside():
+    from calibration.validate import beside_engines_errors, beside_engines_table, generations_beside_engines
+
+    def gen(stack, start, end, step, job="j"):
+        return {"phase": "generate", "group": stack, "stack": stack, "gpu": 0, "start_s": start, "end_s": end,
+                "job": job, "attrs": {"n_sequences": 64, "step": step}}
+
+    spans = [gen(0, 0.0, 2.0, 0), gen(0, 0.0, 1.9, 0, "k"), gen(1, 0.0, 2.0, 0),  # together throughout
+             {"phase": "train", "group": 0, "stack": 0, "gpu": 0, "start_s": 2.0, "end_s": 3.0, "job": "j",
+              "attrs": {"step": 0}},
+             gen(1, 2.0, 4.0, 1), gen(0, 3.0, 5.0, 1),  # half of each beside the other: partly
+             gen(1, 5.0, 6.0, 2),  # beside no other stack's generation
+             {**gen(1, 6.0, 7.0, 3), "gpu": 1}, gen(0, 6.0, 7.0, 2)]  # another GPU's generation is not beside
+    g = generations_beside_engines(spans)
+    assert g == {(0, 0, ("step", 0)): (2.0, "throughout"), (0, 1, ("step", 0)): (2.0, "throughout"),
+                 (0, 1, ("step", 1)): (2.0, "partly"), (0, 0, ("step", 1)): (2.0, "partly"),
+                 (0, 1, ("step", 2)): (1.0, "not"), (1, 1, ("step", 3)): (1.0, "not"),
+                 (0, 0, ("step", 2)): (1.0, "not")}
+    # Paired with a replay's actions by key; one the replay did not run is left out.
+    replayed = {(0, 0, ("step", 0)): 3.0, (0, 1, ("step", 0)): 2.6, (0, 1, ("step", 1)): 2.0,
+                (0, 1, ("step", 2)): 0.5}
+    e = beside_engines_errors(g, replayed)
+    assert e == {"throughout": {"n": 2, "measured_s": 4.0, "simulated_s": pytest.approx(5.6)},
+                 "partly": {"n": 1, "measured_s": 2.0, "simulated_s": 2.0},
+                 "not": {"n": 1, "measured_s": 1.0, "simulated_s": 0.5}}
+    rows = [{"arm": {"sharing": "mps"}, "heldout": True, "beside_engines": e},
+            {"arm": {"sharing": "mps"}, "heldout": False, "beside_engines": {"partly": e["partly"]}}, {"arm": {}}]
+    t = beside_engines_table(rows)
+    assert [(x["beside"], x["runs"], x["heldout_runs"], x["actions"]) for x in t] == [
+        ("throughout", 1, 1, 2), ("partly", 2, 1, 2), ("not", 1, 1, 1)]
+    assert [x["error"] for x in t] == pytest.approx([0.4, 0.0, -0.5])
+
+
+def test_two_engines_rate_mispriced_shows_in_the_generations_beside_engines(tmp_path):
+    """Two-stack runs simulated on one profile, validated on one whose two engines together are
+    slower: the generations beside another stack's throughout come out long, those beside it in part
+    less so, those beside none hardly."""
+    import json
+
+    from calibration.validate import render_markdown
+    from nodus.config import DEFAULT_PROFILE
+    from sim.profile import profile_dict, write_profile
+
+    truth = profile_dict(DEFAULT_PROFILE)
+    truth["sharing"].update(mps_engines=0.8, mps_stacks_trainer=0.9, mps_stacks_engine=0.6)
+    slow = json.loads(json.dumps(truth))
+    slow["sharing"]["mps_engines"] = 0.5
+    for name, prof in (("truth.json", truth), ("slow.json", slow)):
+        write_profile(prof, tmp_path / name, "test")
+    runs = []
+    for seed, offset in ((1, False), (2, True)):
+        out = tmp_path / f"k2-s{seed}"
+        simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, seed=seed,
+                                  offset_stacks=offset, share_prompts=0, profile=str(tmp_path / "truth.json")), out)
+        runs.append(out)
+    same = {x["beside"]: x["error"] for x in validate(runs, str(tmp_path / "truth.json"))["generations_beside_engines"]}
+    assert same and all(abs(e) < 0.01 for e in same.values())
+    rep = validate(runs, str(tmp_path / "slow.json"))
+    err = {x["beside"]: x["error"] for x in rep["generations_beside_engines"]}
+    # (a generation "not" beside one may have up to a tenth of it beside one)
+    assert err["throughout"] > 0.3 and err["throughout"] > err["partly"] > err["not"] and abs(err["not"]) < 0.1
+    assert "another stack generating beside" in render_markdown(rep)
+    # A run of one stack has no such table.
+    one = tmp_path / "one"
+    simulate(config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="mps", profile=str(tmp_path / "truth.json")), one)
+    assert validate([one], str(tmp_path / "truth.json"))["generations_beside_engines"] == []
+
+
 def _host_monitor(steal=0.0, other=0.2, mhz=2100.0, throttled=0.0, run_cores=1.5, hot=0.6) -> dict:
     """A host monitor's summary (nodus.hostmon) with the given figures."""
     return {"available": True, "seconds": 30.0, "samples": 60, "cpus": 16, "cores_busy": run_cores + other,
