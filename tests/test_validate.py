@@ -479,7 +479,6 @@ def test_runs_at_other_mps_settings_are_another_configuration():
 
 
 def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
-    from calibration.validate import render_markdown
     from calibration.run_health import HOST_SLOW, host_flags, run_host_probe
     from nodus.outdir import host_probe
 
