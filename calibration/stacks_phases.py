@@ -13,6 +13,16 @@ rates' logarithms, each between ``RATE_MIN`` and its kind's rate alone under MPS
 (``sharing.mps_alone``: a client beside others goes no faster than alone in its share; ``upper``).
 A rate no run's phases move (runs that never ran what it prices) is refused, not fitted.
 
+``tie_engines`` (``--tie-engines``) fits two rates: an engine goes at one rate beside another
+stack's engine or beside its lone trainer. Free-running fit runs mix the two cases in about the same
+proportion (on the H100, 72-87% of each generation beside the other stack's), so the runs' means are
+met along a ridge of the two engine rates and the split is not pinned: the H100's five fit runs gave
+0.452 for two engines and the bound beside the trainer, which priced a held-out 8-job run whose
+stacks generated in lockstep 14.5% slow and another 8.1% fast; tied, 0.559, and -0.9% / +4.7%
+(session 56, ``experiments/results/h100/session56/README.md``). A three-rate fit that puts the
+engine's rate beside the trainer at its bound is the sign to tie them. On the H200 the three rates
+are interior and keep the better held-out figures (5.0% against 5.6% tied, on the 81 runs).
+
     nodus fit-stacks RUN... --rate phases --base PROFILE --out PROFILE.json [--report PREFIX]
 """
 
@@ -99,10 +109,12 @@ def loss(pred: list[dict], rows: list[dict]) -> float:
     return sum(e * e for e in errs) / len(errs)
 
 
-def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp: Path) -> None:
-    """Refuse a rate that moves no run's phase times by ``IDENTIFIED_MIN`` over its whole range."""
+def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp: Path,
+                     fields: tuple[str, ...] = FIELDS) -> None:
+    """Refuse a rate of ``fields`` that moves no run's phase times by ``IDENTIFIED_MIN`` over its
+    whole range."""
     top = upper(prof)
-    for f in FIELDS:
+    for f in fields:
         lo = predict(rows, prof, dict(rates, **{f: RATE_MIN}), tmp)
         hi = predict(rows, prof, dict(rates, **{f: top[f]}), tmp)
         moved = max(abs(a["phase_s"].get(ph, 0.0) - b["phase_s"].get(ph, 0.0)) / r["phase_s"][ph]
@@ -114,8 +126,14 @@ def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp:
                               "each case; offset stacks, --offset-stacks, put a lone trainer beside an engine)")
 
 
-def search(rows: list[dict], prof: dict, tmp: Path,
-           progress: bool = False) -> tuple[dict[str, float], list[dict], int]:
+def searched(tie_engines: bool) -> tuple[str, ...]:
+    """The rates the search moves: all three, or tied, the two-engine rate (the engine's beside a
+    lone trainer follows it) and the lone trainer's."""
+    return ("mps_engines", "mps_stacks_trainer") if tie_engines else FIELDS
+
+
+def search(rows: list[dict], prof: dict, tmp: Path, progress: bool = False,
+           tie_engines: bool = False) -> tuple[dict[str, float], list[dict], int]:
     """The rates of least ``loss``: Nelder-Mead on their logarithms (each clamped to
     [``RATE_MIN``, ``upper``]) from ``_start``, its first simplex ``FIRST_STEP`` apart on each rate,
     until the simplex is ``LAST_STEP`` across or ``MAX_REPLAYS`` rounds have run. The loss is
@@ -124,10 +142,14 @@ def search(rows: list[dict], prof: dict, tmp: Path,
     the replays it took (of all the runs). ``progress``: a line on stderr every ``PROGRESS_EVERY``."""
     lo, top = math.log(RATE_MIN), upper(prof)
     hi = {f: math.log(top[f]) for f in FIELDS}
+    free = searched(tie_engines)
     cache: dict[tuple, float] = {}
 
     def rates_of(x: np.ndarray) -> dict[str, float]:
-        return {f: float(math.exp(min(hi[f], max(lo, v)))) for f, v in zip(FIELDS, x)}
+        rates = {f: float(math.exp(min(hi[f], max(lo, v)))) for f, v in zip(free, x)}
+        if tie_engines:  # an engine goes at one rate beside another engine or a lone trainer
+            rates["mps_stacks_engine"] = min(rates["mps_engines"], top["mps_stacks_engine"])
+        return rates
 
     def f(x: np.ndarray) -> float:
         key = tuple(round(v, 9) for v in rates_of(x).values())
@@ -138,8 +160,8 @@ def search(rows: list[dict], prof: dict, tmp: Path,
                       f"least loss {min(cache.values()):.5f}", file=sys.stderr, flush=True)
         return cache[key]
 
-    x0 = np.log([_start(prof)[k] for k in FIELDS])
-    simplex = [x0] + [x0 + FIRST_STEP * np.eye(len(FIELDS))[i] for i in range(len(FIELDS))]
+    x0 = np.log([_start(prof)[k] for k in free])
+    simplex = [x0] + [x0 + FIRST_STEP * np.eye(len(free))[i] for i in range(len(free))]
     vals = [f(x) for x in simplex]
     while len(cache) < MAX_REPLAYS:
         order = np.argsort(vals)
@@ -169,14 +191,14 @@ def search(rows: list[dict], prof: dict, tmp: Path,
     return rates, predict(rows, prof, rates, tmp), len(cache) + 1
 
 
-def fit(runs: list[str | Path], base: str, progress: bool = False) -> dict:
+def fit(runs: list[str | Path], base: str, progress: bool = False, tie_engines: bool = False) -> dict:
     """Fit the three rates on ``runs`` (two-stack runs under MPS of one setting) over ``base``."""
     prof = profile_dict(base)
     rows = phase_rows(runs, prof)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        check_identified(rows, prof, _start(prof), tmp)
-        rates, pred, evals = search(rows, prof, tmp, progress)
+        check_identified(rows, prof, _start(prof), tmp, searched(tie_engines))
+        rates, pred, evals = search(rows, prof, tmp, progress, tie_engines)
         before = predict(rows, prof, {f: prof["sharing"].get(f) for f in FIELDS}, tmp)
     out_rows = []
     for r, p, b, e, eb in zip(rows, pred, before, phase_errors(pred, rows), phase_errors(before, rows)):
@@ -192,10 +214,10 @@ def fit(runs: list[str | Path], base: str, progress: bool = False) -> dict:
     # mix free, offset, held and lockstep stacks: each case is priced by its rate, not averaged).
     settings = {k: v for k, v in rows[0]["settings"].items() if k not in ALIGNMENT}
     top = upper(prof)
-    return {"base": base, "field": "phases", **rates, "settings": settings, "rows": out_rows,
+    return {"base": base, "field": "phases", **rates, "tie_engines": tie_engines, "settings": settings, "rows": out_rows,
             "replays": evals * n, "loss": loss(pred, rows),
             "base_rates": {f: prof["sharing"].get(f) for f in FIELDS}, "upper": top,
-            "at_bound": [f for f in FIELDS if rates[f] >= top[f] * (1 - 1e-9)],
+            "at_bound": [f for f in searched(tie_engines) if rates[f] >= top[f] * (1 - 1e-9)],
             "mape": sum(abs(x["error"]) for x in out_rows) / n,
             "phase_mape": {ph: sum(abs(x["phase_error"][ph]) for x in out_rows) / n for ph in PHASES},
             "base_mape": sum(abs(x["base_error"]) for x in out_rows) / n,
@@ -212,14 +234,24 @@ def report_markdown(r: dict) -> str:
     lines = [f"# Two stacks' rates fitted on their phase times, on `{r['base']}`", "",
              f"Fitted together on {len(r['rows'])} two-stack run(s)' mean generation and train-step times "
              f"(replayed lengths; relative least squares, {r['replays']} replays); their settings: {settings}. "
-             "Alone-without-MPS work per second:", "",
+             + ("The engine's rate beside a lone trainer is tied to the two-engine rate (--tie-engines). "
+                if r.get("tie_engines") else "") + "Alone-without-MPS work per second:", "",
              "| rate | fitted | the base's | bound (its kind alone under MPS) |", "|---|---|---|---|"]
-    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}**{' (at its bound)' if f in r['at_bound'] else ''} | "
-              f"{was(f)} | {r['upper'][f]:.3f} |" for f in FIELDS]
+    def note(f: str) -> str:
+        if r.get("tie_engines") and f not in searched(True):
+            return " (tied to the two-engine rate)"
+        return " (at its bound)" if f in r["at_bound"] else ""
+
+    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}**{note(f)} | {was(f)} | {r['upper'][f]:.3f} |" for f in FIELDS]
     if r["at_bound"]:
         lines += ["", f"At its bound: {', '.join('`sharing.' + f + '`' for f in r['at_bound'])}. A client beside "
                   "others runs no faster than alone; the runs asked for more, so another term of the base misprices "
                   "them (the train or decode terms on this machine): the bound keeps that error out of the rate."]
+        if "mps_stacks_engine" in r["at_bound"]:
+            lines += ["", "The engine's rate beside the lone trainer at its bound is the sign that these runs do not "
+                      "pin it apart from the two-engine rate (free-running runs mix both cases alike): fit again with "
+                      "--tie-engines (one rate for an engine beside either), and compare the two profiles on "
+                      "held-out runs (`nodus validate`)."]
     pm, bm = r["phase_mape"], r["base_phase_mape"]
     lines += ["", f"On these runs: generation {pm['generate']:.1%} and train step {pm['train']:.1%} mean absolute "
               f"error (the base's rates: {bm['generate']:.1%} and {bm['train']:.1%}); steps per GPU-hour "
@@ -238,11 +270,11 @@ def report_markdown(r: dict) -> str:
 
 
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None,
-                progress: bool = False) -> dict:
+                progress: bool = False, tie_engines: bool = False) -> dict:
     """Fit, write ``base`` with the three rates to ``out`` (never overwritten), and the report to
     ``report``.{md,json} when given."""
     refuse_existing(out, "nodus fit-stacks", report)  # before the fit's replays
-    result = fit(runs, base, progress)
+    result = fit(runs, base, progress, tie_engines)
     prof = profile_dict(base)
     for f in FIELDS:
         prof["sharing"][f] = result[f]
@@ -250,7 +282,8 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof["sharing"]["stacks_trainer_controls"] = dict(result["settings"])
     # Both rates' fit records (which `nodus validate` reads to keep the fit runs out of its held-out
     # figures, and the error bar quotes) are this fit's: no left-out fits here.
-    fitted = {k: v for k, v in result.items() if k in (*FIELDS, "settings", "rows", "loss", "mape", "phase_mape")}
+    fitted = {k: v for k, v in result.items()
+              if k in (*FIELDS, "tie_engines", "settings", "rows", "loss", "mape", "phase_mape")}
     fitted.update(fitted_on="phases", left_out_mape=None, left_out_worst=None, left_out_days=None)
     prof.setdefault("measurements", {}).update(stacks=fitted, stacks_trainer=fitted)
     n = len(result["rows"])
@@ -265,8 +298,9 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
         "id": "sharing-stacks-trainer",
         "what": "in an arm of several stacks under MPS, a trainer running alone beside engines goes at "
                 f"sharing.mps_stacks_trainer and each engine beside it at sharing.mps_stacks_engine, fitted on {n} "
-                "two-stack run(s)' phase times with the two-engine rate (nodus fit-stacks --rate phases); two "
-                "trainers or more keep the many-clients rule",
+                "two-stack run(s)' phase times with the two-engine rate (nodus fit-stacks --rate phases"
+                + (" --tie-engines: the engine's rate tied to the two-engine rate" if tie_engines else "")
+                + "); two trainers or more keep the many-clients rule",
         "value": result["mps_stacks_trainer"]})
     add_source(prof, "nodus fit-stacks --rate phases " + " ".join(str(p) for p in runs))
     write_profile(prof, out, "nodus fit-stacks")

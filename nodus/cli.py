@@ -445,6 +445,9 @@ def cmd_fit_stacks(a: argparse.Namespace) -> int:
 
     if a.rate == "phases":
         return _fit_stacks_phases(a)
+    if a.tie_engines:
+        raise ConfigError(f"nodus fit-stacks: --tie-engines ties the engine's rate beside a lone trainer to the "
+                          f"two-engine rate in the three-rate fit: use it with --rate phases, not --rate {a.rate}")
     r = fit_to_file(a.runs, a.base, a.out, report=a.report, rate_name=a.rate, left_out=not a.no_left_out)
     what = (f"each of two stacks' engines generating together; one engine alone under MPS {r['mps_alone_engine']:.3f}"
             if r["field"] == "mps_engines" else
@@ -463,9 +466,10 @@ def cmd_fit_stacks(a: argparse.Namespace) -> int:
 def _fit_stacks_phases(a: argparse.Namespace) -> int:
     from calibration.stacks_phases import FIELDS, PHASES, WHAT, fit_to_file
 
-    r = fit_to_file(a.runs, a.base, a.out, report=a.report, progress=True)
+    r = fit_to_file(a.runs, a.base, a.out, report=a.report, progress=True, tie_engines=a.tie_engines)
     for f in FIELDS:
-        print(f"sharing.{f} = {r[f]:.3f} ({WHAT[f]})")
+        tied = a.tie_engines and f == "mps_stacks_engine"
+        print(f"sharing.{f} = {r[f]:.3f} ({WHAT[f]}{': tied to the two-engine rate' if tied else ''})")
     print(f"from {len(r['rows'])} run(s)' phase times: " + ", ".join(f"{ph} {r['phase_mape'][ph]:.1%}" for ph in PHASES)
           + f" mean absolute error, steps/GPU-h {r['mape']:.1%} (the base's rates: "
           + ", ".join(f"{ph} {r['base_phase_mape'][ph]:.1%}" for ph in PHASES) + f", {r['base_mape']:.1%})")
@@ -806,6 +810,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "engines' rate beside the lone trainer (sharing.mps_stacks_engine) together, to the runs' "
                         "mean generation and train-step times, each at most its kind's rate alone under MPS "
                         "(sharing.mps_alone; no left-out fits; the runs may mix free, offset, held and lockstep stacks)")
+    p.add_argument("--tie-engines", action="store_true",
+                   help="--rate phases: one rate for an engine beside another stack's engine and beside its lone "
+                        "trainer (sharing.mps_stacks_engine = sharing.mps_engines), two rates fitted: where the "
+                        "three-rate fit puts the engine beside the lone trainer at its bound, the runs do not pin the "
+                        "two apart (free-running runs mix both cases alike)")
     p.add_argument("--no-left-out", action="store_true",
                    help="fit on every run only, without leaving each run and each day out (those fits replay "
                         "the runs about 20,000 times for thirty runs: hours on two cores); validate the profile on "

@@ -129,3 +129,37 @@ def test_fit_stacks_phases_refuses_runs_without_what_a_rate_prices(monkeypatch, 
     simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps"), one)
     with pytest.raises(ConfigError, match="arm.stacks=2"):
         fit([one], DEFAULT_PROFILE)
+
+
+def test_fit_stacks_phases_tie_engines_fits_one_rate_for_an_engine_beside_either(tmp_path, capsys):
+    """--tie-engines: runs recorded with an engine at one rate beside another stack's engine or its
+    lone trainer give that rate back for both, and the lone trainer's; the report and the profile say
+    the two are tied. Where the three-rate fit puts the engine beside the trainer at its bound, its
+    report points to the tie; with another --rate the flag is refused."""
+    from calibration.stacks_phases import report_markdown
+
+    truth = {"mps_engines": 0.6, "mps_stacks_trainer": 0.9, "mps_stacks_engine": 0.6}
+    runs = _runs(tmp_path, _profile(tmp_path, "truth.json", **truth))
+    out = tmp_path / "tied.json"
+    assert main(["fit-stacks", *map(str, runs), "--rate", "phases", "--tie-engines", "--base", DEFAULT_PROFILE,
+                 "--out", str(out), "--report", str(tmp_path / "rep")]) == 0
+    printed = capsys.readouterr().out
+    assert "sharing.mps_stacks_engine = " in printed and "tied to the two-engine rate" in printed
+    prof = json.loads(out.read_text())
+    assert prof["sharing"]["mps_engines"] == pytest.approx(0.6, rel=0.03)
+    assert prof["sharing"]["mps_stacks_trainer"] == pytest.approx(0.9, rel=0.03)
+    assert prof["sharing"]["mps_stacks_engine"] == prof["sharing"]["mps_engines"]
+    assert prof["measurements"]["stacks"]["tie_engines"] is True
+    assert "--tie-engines" in next(a["what"] for a in prof["assumptions"] if a["id"] == "sharing-stacks-trainer")
+    assert "(tied to the two-engine rate)" in (tmp_path / "rep.md").read_text()
+    # The three-rate fit's report at the engine's bound points to the tie.
+    r = {"base": "b", "settings": {}, "base_rates": {f: None for f in FIELDS}, "tie_engines": False,
+         "mps_engines": 0.45, "mps_stacks_trainer": 0.7, "mps_stacks_engine": 1.05, "at_bound": ["mps_stacks_engine"],
+         "upper": {f: 1.05 for f in FIELDS}, "replays": 1, "rows": [], "phase_mape": {"generate": 0, "train": 0},
+         "base_phase_mape": {"generate": 0, "train": 0}, "mape": 0, "base_mape": 0}
+    assert "fit again with --tie-engines" in report_markdown(r)
+    assert "--tie-engines" not in report_markdown(dict(r, at_bound=["mps_stacks_trainer"]))
+    assert main(["fit-stacks", *map(str, runs), "--rate", "engines", "--tie-engines", "--base", DEFAULT_PROFILE,
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert "use it with --rate phases" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
