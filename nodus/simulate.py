@@ -449,7 +449,10 @@ def error_bar_line(validation: dict | None) -> str:
         stacks += (f" A lone trainer beside engines of stacks (sharing.mps_stacks_trainer {tr['rate']:.3f}): fitted on "
                    f"{tr['runs']} run(s)" + (f", each predicted from the others {tr['left_out_mape']:.1%} off (worst "
                                              f"{tr['left_out_worst']:.1%})" if tr.get("left_out_mape") is not None else "")
-                   + " (nodus fit-stacks --rate trainer).")
+                   + (" with the two engine rates (nodus fit-stacks --rate phases"
+                      + (" --tie-engines: an engine goes at one rate beside another engine or this trainer"
+                         if tr.get("tie_engines") else "") + ")."
+                      if tr.get("fitted_on") == "phases" else " (nodus fit-stacks --rate trainer)."))
     if v.get("heldout_mape") is None:
         return "This profile carries no validation against real runs (nodus validate --annotate)." + stacks
     line = (f"This profile against {v.get('heldout_runs', 0)} held-out real runs: steps per GPU-hour "

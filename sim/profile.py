@@ -620,5 +620,7 @@ class CostModel:
         if self.profile.sharing.mps_stacks_trainer is not None and tfit.get("rows"):
             out = dict(out or {}, stacks_trainer={"runs": len(tfit["rows"]), "rate": self.profile.sharing.mps_stacks_trainer,
                                                   "left_out_mape": tfit.get("left_out_mape"),
-                                                  "left_out_worst": tfit.get("left_out_worst")})
+                                                  "left_out_worst": tfit.get("left_out_worst"),
+                                                  "fitted_on": tfit.get("fitted_on"),
+                                                  "tie_engines": bool(tfit.get("tie_engines"))})
         return out

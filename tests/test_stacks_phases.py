@@ -152,6 +152,9 @@ def test_fit_stacks_phases_tie_engines_fits_one_rate_for_an_engine_beside_either
     assert prof["measurements"]["stacks"]["tie_engines"] is True
     assert "--tie-engines" in next(a["what"] for a in prof["assumptions"] if a["id"] == "sharing-stacks-trainer")
     assert "(tied to the two-engine rate)" in (tmp_path / "rep.md").read_text()
+    from nodus.simulate import error_bar_line  # what every sim report on the profile says of its rates
+
+    assert "--rate phases --tie-engines" in error_bar_line(load_profile(str(out)).validation())
     # The three-rate fit's report at the engine's bound points to the tie.
     r = {"base": "b", "settings": {}, "base_rates": {f: None for f in FIELDS}, "tie_engines": False,
          "mps_engines": 0.45, "mps_stacks_trainer": 0.7, "mps_stacks_engine": 1.05, "at_bound": ["mps_stacks_engine"],
