@@ -214,7 +214,8 @@ def fit(runs: list[str | Path], base: str, progress: bool = False, tie_engines: 
     # mix free, offset, held and lockstep stacks: each case is priced by its rate, not averaged).
     settings = {k: v for k, v in rows[0]["settings"].items() if k not in ALIGNMENT}
     top = upper(prof)
-    return {"base": base, "field": "phases", **rates, "tie_engines": tie_engines, "settings": settings, "rows": out_rows,
+    return {"base": base, "field": "phases", **rates, "tie_engines": tie_engines, "settings": settings,
+            "rows": out_rows,
             "replays": evals * n, "loss": loss(pred, rows),
             "base_rates": {f: prof["sharing"].get(f) for f in FIELDS}, "upper": top,
             "at_bound": [f for f in searched(tie_engines) if rates[f] >= top[f] * (1 - 1e-9)],
@@ -237,12 +238,14 @@ def report_markdown(r: dict) -> str:
              + ("The engine's rate beside a lone trainer is tied to the two-engine rate (--tie-engines). "
                 if r.get("tie_engines") else "") + "Alone-without-MPS work per second:", "",
              "| rate | fitted | the base's | bound (its kind alone under MPS) |", "|---|---|---|---|"]
+
     def note(f: str) -> str:
         if r.get("tie_engines") and f not in searched(True):
             return " (tied to the two-engine rate)"
         return " (at its bound)" if f in r["at_bound"] else ""
 
-    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}**{note(f)} | {was(f)} | {r['upper'][f]:.3f} |" for f in FIELDS]
+    lines += [f"| `sharing.{f}`: {WHAT[f]} | **{r[f]:.3f}**{note(f)} | {was(f)} | {r['upper'][f]:.3f} |"
+              for f in FIELDS]
     if r["at_bound"]:
         lines += ["", f"At its bound: {', '.join('`sharing.' + f + '`' for f in r['at_bound'])}. A client beside "
                   "others runs no faster than alone; the runs asked for more, so another term of the base misprices "

@@ -771,7 +771,8 @@ def test_two_engines_rate_mispriced_shows_in_the_generations_beside_engines(tmp_
     assert "another stack generating beside" in render_markdown(rep)
     # A run of one stack has no such table.
     one = tmp_path / "one"
-    simulate(config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="mps", profile=str(tmp_path / "truth.json")), one)
+    simulate(config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="mps",
+                              profile=str(tmp_path / "truth.json")), one)
     assert validate([one], str(tmp_path / "truth.json"))["generations_beside_engines"] == []
 
 
