@@ -8,7 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, POLICIES, SHARINGS, STACKS_PROFILE, ConfigError, RunConfig,
+from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, H100_STACKS_PROFILE, POLICIES, SHARINGS, STACKS_PROFILE,
+                          ConfigError, RunConfig,
                           load_config)
 from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
 from calibration.fit_runs import TERM_SELECTIONS
@@ -580,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stacks", default="1", metavar="N,...",
                    help="engine + trainer stack counts (arm.stacks) for shared-sync, overlap and continuous, where "
                         "the jobs fill them (default 1); two stacks are priced by the profile's two-engine rate "
-                        f"(sharing.mps_engines, nodus fit-stacks; shipped: {STACKS_PROFILE}) or flagged without one")
+                        f"(sharing.mps_engines, nodus fit-stacks; shipped: {STACKS_PROFILE}; on an H100 80GB: "
+                        f"{H100_STACKS_PROFILE}) or flagged without one")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--arrive-every", type=float, metavar="S", default=None, help=ARRIVE_EVERY_HELP)
     p.add_argument("--profile", default=DEFAULT_PROFILE)

@@ -435,6 +435,10 @@ STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phas
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
 # normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen.
 STACKS_PROFILE = STACKS_DECODE_PROFILE
+# The H100 80GB's two-stack profile (session 56): session 53's H100 fit on two dedicated runs, with the
+# stacks rates of `nodus fit-stacks --rate phases --tie-engines` on five 2-4-job runs; held out: two
+# 8-job runs and a 4-job offset run, MAPE 3.4%, worst 4.7% (calibration/reports/validation-h100-stacks-tied.md).
+H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-session56-qwen3-0.6b"
 
 
 class RunConfig(_Model):

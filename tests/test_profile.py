@@ -115,3 +115,16 @@ def test_a_profile_dict_keeps_booleans_in_its_fitted_settings():
     prof = profile_dict(STACKS_TRAINER_PROFILE)
     assert prof["sharing"]["stacks_trainer_controls"]["offset_stacks"] is True
     assert load_profile(STACKS_TRAINER_PROFILE).profile.sharing.stacks_trainer_controls["offset_stacks"] is True
+
+
+def test_the_shipped_h100_stacks_profile_carries_its_gpu_tied_rates_and_error_bar():
+    from nodus.config import H100_STACKS_PROFILE
+
+    assert H100_STACKS_PROFILE in shipped_profiles()
+    cm = load_profile(H100_STACKS_PROFILE)
+    assert cm.profile.environment.gpu.startswith("NVIDIA H100")
+    sh = cm.profile.sharing
+    assert sh.mps_stacks_engine == sh.mps_engines and sh.mps_stacks_trainer is not None
+    assert cm.profile.measurements["stacks"]["tie_engines"] is True
+    v = cm.validation()
+    assert v["heldout_runs"] >= 3 and v["heldout_mape"] < 0.05 and v["report"].endswith("validation-h100-stacks-tied.md")
