@@ -37,7 +37,7 @@ import numpy as np
 
 from calibration.run_health import unique_names
 from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, replay, stack_runs
-from calibration.validate import _phase_means, load_recorded
+from calibration.validate import _phase_means, beside_engines_share, load_recorded
 from nodus.config import ConfigError
 from sim.profile import (RATE_MAX, add_source, profile_adapter_format, profile_dict, profile_lora_kernels,
                          profile_step_mode, refuse_existing, set_assumption, write_fit_report, write_profile)
@@ -66,6 +66,7 @@ def phase_rows(runs: list[str | Path], prof: dict) -> list[dict]:
             raise ConfigError(f"nodus fit-stacks --rate phases: {r['run']} recorded no {' or '.join(missing)} phase "
                               "(spans.jsonl): the rates are fitted to the runs' phase times")
         r["phase_s"] = {ph: means[ph] for ph in PHASES}
+        r["beside_engines"] = beside_engines_share(spans)
     return rows
 
 
@@ -205,7 +206,7 @@ def fit(runs: list[str | Path], base: str, progress: bool = False, tie_engines: 
         out_rows.append({"run": r["run"], "spans_sha256": r["spans_sha256"], "measured": r["measured"],
                          "predicted": p["steps_per_gpu_hour"],
                          "error": p["steps_per_gpu_hour"] / r["measured"] - 1,
-                         "measured_phase_s": r["phase_s"],
+                         "measured_phase_s": r["phase_s"], "beside_engines": r["beside_engines"],
                          "predicted_phase_s": {ph: p["phase_s"].get(ph) for ph in PHASES},
                          "phase_error": e, "base_predicted": b["steps_per_gpu_hour"],
                          "base_error": b["steps_per_gpu_hour"] / r["measured"] - 1, "base_phase_error": eb})
@@ -255,18 +256,26 @@ def report_markdown(r: dict) -> str:
                       "pin it apart from the two-engine rate (free-running runs mix both cases alike): fit again with "
                       "--tie-engines (one rate for an engine beside either), and compare the two profiles on "
                       "held-out runs (`nodus validate`)."]
+    shares = [x["beside_engines"] for x in r["rows"] if x.get("beside_engines") is not None]
+    if shares:
+        lines += ["", f"The runs' generations ran beside the other stack's generation for {min(shares):.0%} to "
+                  f"{max(shares):.0%} of their time (1 in lockstep): the two engine rates are told apart by how "
+                  "that share differs between runs and within them. Where it hardly differs, the split between them "
+                  "is loosely pinned: add runs that line up otherwise (lockstep `lock`, offset) or tie the two "
+                  "(--tie-engines), and check the generations by what ran beside them in `nodus validate`."]
     pm, bm = r["phase_mape"], r["base_phase_mape"]
     lines += ["", f"On these runs: generation {pm['generate']:.1%} and train step {pm['train']:.1%} mean absolute "
               f"error (the base's rates: {bm['generate']:.1%} and {bm['train']:.1%}); steps per GPU-hour "
               f"{r['mape']:.1%} (the base's: {r['base_mape']:.1%}).", "",
               "| run | measured steps/GPU-h | predicted | error | generation s measured / error | train s measured "
-              "/ error | the base's rates: steps/GPU-h / generation / train error |",
-              "|---|---|---|---|---|---|---|"]
+              "/ error | generation beside the other stack's | the base's rates: steps/GPU-h / generation / train "
+              "error |", "|---|---|---|---|---|---|---|---|"]
     for x, name in zip(r["rows"], unique_names([x["run"] for x in r["rows"]])):
         m, e, b = x["measured_phase_s"], x["phase_error"], x["base_phase_error"]
         lines.append(f"| {name} | {x['measured']:.0f} | {x['predicted']:.0f} | {x['error']:+.1%} | "
                      f"{m['generate']:.3f} / {e['generate']:+.1%} | {m['train']:.3f} / {e['train']:+.1%} | "
-                     f"{x['base_error']:+.1%} / {b['generate']:+.1%} / {b['train']:+.1%} |")
+                     + ("-" if x.get("beside_engines") is None else f"{x['beside_engines']:.0%}")
+                     + f" | {x['base_error']:+.1%} / {b['generate']:+.1%} / {b['train']:+.1%} |")
     lines += ["", "The rates absorb whatever else the base misprices on these runs' day (README, `nodus fit-stacks`); "
               "validate the profile on runs it was not fitted on (`nodus validate`)."]
     return "\n".join(lines) + "\n"

@@ -182,6 +182,13 @@ def generations_beside_engines(spans: list[dict], cover: float = 0.9) -> dict[tu
     ``cover``), "not" (at most 1 - ``cover``) or "partly". Two engines generating together and an
     engine beside another stack's lone trainer have rates of their own (``sharing.mps_engines``,
     ``sharing.mps_stacks_engine``); a free run's generations mix both, step by step."""
+    return {key: (secs, "throughout" if frac >= cover else "not" if frac <= 1 - cover else "partly")
+            for key, (secs, frac) in _engine_overlaps(spans).items()}
+
+
+def _engine_overlaps(spans: list[dict]) -> dict[tuple, tuple[float, float]]:
+    """Each generate action's seconds and the fraction of them another group's (stack's) generation
+    ran beside it on its GPU."""
     from nodus.accounting import union_length
 
     gens = _phase_actions(spans)["generate"]
@@ -192,9 +199,16 @@ def generations_beside_engines(spans: list[dict], cover: float = 0.9) -> dict[tu
         gpu, group, _ = key
         covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e, _) in gens.items()
                    if g2 == gpu and grp2 != group and s < end and e > start]
-        frac = union_length(covered) / (end - start)
-        out[key] = (end - start, "throughout" if frac >= cover else "not" if frac <= 1 - cover else "partly")
+        out[key] = (end - start, union_length(covered) / (end - start))
     return out
+
+
+def beside_engines_share(spans: list[dict]) -> float | None:
+    """The share of a run's generation seconds that another stack's generation ran beside (None
+    without generations): how its stacks lined up, 1 in lockstep."""
+    acts = _engine_overlaps(spans).values()
+    total = sum(secs for secs, _ in acts)
+    return sum(secs * frac for secs, frac in acts) / total if total > 0 else None
 
 
 def beside_engines_errors(measured: dict[tuple, tuple[float, str]], replayed: dict[tuple, float]) -> dict:

@@ -476,8 +476,10 @@ def _fit_stacks_phases(a: argparse.Namespace) -> int:
           + ", ".join(f"{ph} {r['base_phase_mape'][ph]:.1%}" for ph in PHASES) + f", {r['base_mape']:.1%})")
     for x in r["rows"]:
         e = x["phase_error"]
+        beside = (f"; {x['beside_engines']:.0%} of its generation beside the other stack's"
+                  if x.get("beside_engines") is not None else "")
         print(f"  {x['run']}: measured {x['measured']:.0f}, predicted {x['predicted']:.0f} ({x['error']:+.1%}); "
-              f"generation {e['generate']:+.1%}, train {e['train']:+.1%}")
+              f"generation {e['generate']:+.1%}, train {e['train']:+.1%}{beside}")
     print(f"wrote {a.out}" + (f", {a.report}.md and {a.report}.json" if a.report else ""))
     return 0
 

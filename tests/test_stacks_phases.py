@@ -81,6 +81,11 @@ def test_fit_stacks_phases_recovers_the_three_rates_the_runs_were_simulated_with
     assert rep["loss"] < 1e-4 and all(abs(r["error"]) < 0.01 for r in rep["rows"])
     assert rep["base_rates"] == {f: None for f in FIELDS}  # the default profile has none of them
     assert "sharing.mps_stacks_engine" in (tmp_path / "rep.md").read_text()
+    # How each run's stacks lined up: the offset run's generations ran beside the other's least.
+    shares = [r["beside_engines"] for r in rep["rows"]]
+    assert all(0 <= x <= 1 for x in shares) and shares[2] < min(shares[:2])
+    assert "ran beside the other stack's generation for" in (tmp_path / "rep.md").read_text()
+    assert "of its generation beside the other stack's" in printed
     ids = {a["id"] for a in prof["assumptions"]}
     assert {"sharing-two-engines", "sharing-stacks-trainer"} <= ids
     # The runs mixed free and offset stacks: the rates hold for either (no alignment recorded), and a

@@ -708,7 +708,8 @@ def test_a_size_the_profile_prices_short_shows_in_the_size_table(tmp_path):
 
 
 def test_generations_of_stacks_by_how_much_another_stacks_generation_ran_beside():
-    from calibration.validate import beside_engines_errors, beside_engines_table, generations_beside_engines
+    from calibration.validate import (beside_engines_errors, beside_engines_share, beside_engines_table,
+                                      generations_beside_engines)
 
     def gen(stack, start, end, step, job="j"):
         return {"phase": "generate", "group": stack, "stack": stack, "gpu": 0, "start_s": start, "end_s": end,
@@ -725,6 +726,8 @@ def test_generations_of_stacks_by_how_much_another_stacks_generation_ran_beside(
                  (0, 1, ("step", 1)): (2.0, "partly"), (0, 0, ("step", 1)): (2.0, "partly"),
                  (0, 1, ("step", 2)): (1.0, "not"), (1, 1, ("step", 3)): (1.0, "not"),
                  (0, 0, ("step", 2)): (1.0, "not")}
+    # Of the 11 generation seconds, 6 ran beside another stack's generation.
+    assert beside_engines_share(spans) == pytest.approx(6 / 11) and beside_engines_share([]) is None
     # Paired with a replay's actions by key; one the replay did not run is left out.
     replayed = {(0, 0, ("step", 0)): 3.0, (0, 1, ("step", 0)): 2.6, (0, 1, ("step", 1)): 2.0,
                 (0, 1, ("step", 2)): 0.5}
