@@ -149,7 +149,7 @@ def search(rows: list[dict], prof: dict, tmp: Path, progress: bool = False,
     def rates_of(x: np.ndarray) -> dict[str, float]:
         rates = {f: float(math.exp(min(hi[f], max(lo, v)))) for f, v in zip(free, x)}
         if tie_engines:  # an engine goes at one rate beside another engine or a lone trainer
-            rates["mps_stacks_engine"] = min(rates["mps_engines"], top["mps_stacks_engine"])
+            rates["mps_stacks_engine"] = rates["mps_engines"]  # both bounded by the engine's alone rate
         return rates
 
     def f(x: np.ndarray) -> float:

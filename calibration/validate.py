@@ -116,10 +116,10 @@ def _phase_means(spans: list[dict]) -> dict[str, float]:
     return out
 
 
-def action_seconds(spans: list[dict]) -> dict[str, dict[tuple, float]]:
-    """Each generate and train action's seconds, by ``_phase_actions``' key (gpu, group, step): a
-    recorded run's and its replay's actions pair by that key (the replay runs the run's own steps)."""
-    return {ph: {k: a[1] - a[0] for k, a in acts.items()} for ph, acts in _phase_actions(spans).items()}
+def generation_seconds(spans: list[dict]) -> dict[tuple, float]:
+    """Each generate action's seconds, by ``_phase_actions``' key (gpu, group, step): a recorded
+    run's and its replay's generations pair by that key (the replay runs the run's own steps)."""
+    return {k: a[1] - a[0] for k, a in _phase_actions(spans)["generate"].items()}
 
 
 def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
@@ -139,16 +139,22 @@ def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
     return acts
 
 
-def _corun_side(key: tuple, start: float, end: float, others: dict[tuple, list], cover: float) -> str | None:
-    """Whether the action ``key`` (``start``-``end``) ran "alone" (other groups' actions of the
-    other phase, ``others``, beside it for at most 1 - ``cover`` of it on its GPU) or "beside"
-    them (for at least ``cover``); None in between."""
+def _beside_fraction(key: tuple, start: float, end: float, others: dict[tuple, list]) -> float:
+    """The fraction of the action ``key`` (``start``-``end``) that other groups' actions ``others``
+    (``_phase_actions``' of one phase) ran beside on its GPU."""
     from nodus.accounting import union_length
 
     gpu, group, _ = key
     covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e, _) in others.items()
                if g2 == gpu and grp2 != group and s < end and e > start]
-    frac = union_length(covered) / (end - start)
+    return union_length(covered) / (end - start)
+
+
+def _corun_side(key: tuple, start: float, end: float, others: dict[tuple, list], cover: float) -> str | None:
+    """Whether the action ``key`` (``start``-``end``) ran "alone" (other groups' actions of the
+    other phase, ``others``, beside it for at most 1 - ``cover`` of it on its GPU) or "beside"
+    them (for at least ``cover``); None in between."""
+    frac = _beside_fraction(key, start, end, others)
     return "alone" if frac <= 1 - cover else "beside" if frac >= cover else None
 
 
@@ -189,18 +195,9 @@ def generations_beside_engines(spans: list[dict], cover: float = 0.9) -> dict[tu
 def _engine_overlaps(spans: list[dict]) -> dict[tuple, tuple[float, float]]:
     """Each generate action's seconds and the fraction of them another group's (stack's) generation
     ran beside it on its GPU."""
-    from nodus.accounting import union_length
-
     gens = _phase_actions(spans)["generate"]
-    out = {}
-    for key, (start, end, _) in gens.items():
-        if end - start <= 0:
-            continue
-        gpu, group, _ = key
-        covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e, _) in gens.items()
-                   if g2 == gpu and grp2 != group and s < end and e > start]
-        out[key] = (end - start, union_length(covered) / (end - start))
-    return out
+    return {key: (end - start, _beside_fraction(key, start, end, gens))
+            for key, (start, end, _) in gens.items() if end - start > 0}
 
 
 def beside_engines_share(spans: list[dict]) -> float | None:
@@ -328,7 +325,7 @@ def _simulate(cfg: dict, source: str) -> dict:
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
             "pace": summary.get("pace") or {}, "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans),
-            "actions": action_seconds(spans),
+            "gen_seconds": generation_seconds(spans),
             "outside_profile": sorted(make.cost.flags),
             "per_job": {j: {"steps": d["steps"], "finish_s": d["finish_s"]}
                         for j, d in summary.get("per_job", {}).items()}}
@@ -452,7 +449,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  profile_adapter_format(prof))))}
         if stacks_of(cfg["arm"]) > 1:
             row["beside_engines"] = beside_engines_errors(generations_beside_engines(spans),
-                                                          rep["actions"]["generate"])
+                                                          rep["gen_seconds"])
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
