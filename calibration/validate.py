@@ -116,10 +116,10 @@ def _phase_means(spans: list[dict]) -> dict[str, float]:
     return out
 
 
-def generation_seconds(spans: list[dict]) -> dict[tuple, float]:
-    """Each generate action's seconds, by ``_phase_actions``' key (gpu, group, step): a recorded
-    run's and its replay's generations pair by that key (the replay runs the run's own steps)."""
-    return {k: a[1] - a[0] for k, a in _phase_actions(spans)["generate"].items()}
+def action_seconds(spans: list[dict], phase: str = "generate") -> dict[tuple, float]:
+    """Each generate (or train) action's seconds, by ``_phase_actions``' key (gpu, group, step): a
+    recorded run's and its replay's actions pair by that key (the replay runs the run's own steps)."""
+    return {k: a[1] - a[0] for k, a in _phase_actions(spans)[phase].items()}
 
 
 def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
@@ -179,31 +179,44 @@ def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
     return out
 
 
-ENGINES_BESIDE = ("throughout", "partly", "not")  # another stack's generation beside one: >= 90%, between, <= 10%
+BESIDE_CLASSES = ("throughout", "partly", "not")  # another stack's action of the phase beside one: >= 90%, between, <= 10%
+ENGINES_BESIDE = BESIDE_CLASSES
+
+
+def beside_same_phase(spans: list[dict], phase: str, cover: float = 0.9) -> dict[tuple, tuple[float, str]]:
+    """A run of several stacks' actions of ``phase`` (``_phase_actions``' keys), each with its seconds
+    and how much of it another stack's action of the same phase ran beside it on its GPU:
+    "throughout" (at least ``cover``), "not" (at most 1 - ``cover``) or "partly"."""
+    return {key: (secs, "throughout" if frac >= cover else "not" if frac <= 1 - cover else "partly")
+            for key, (secs, frac) in _same_phase_overlaps(spans, phase).items()}
 
 
 def generations_beside_engines(spans: list[dict], cover: float = 0.9) -> dict[tuple, tuple[float, str]]:
-    """A run of several stacks' generate actions (``_phase_actions``' keys), each with its seconds and
-    how much of it another stack's generation ran beside it on its GPU: "throughout" (at least
-    ``cover``), "not" (at most 1 - ``cover``) or "partly". Two engines generating together and an
-    engine beside another stack's lone trainer have rates of their own (``sharing.mps_engines``,
+    """``beside_same_phase`` of generations: two engines generating together and an engine beside
+    another stack's lone trainer have rates of their own (``sharing.mps_engines``,
     ``sharing.mps_stacks_engine``); a free run's generations mix both, step by step."""
-    return {key: (secs, "throughout" if frac >= cover else "not" if frac <= 1 - cover else "partly")
-            for key, (secs, frac) in _engine_overlaps(spans).items()}
+    return beside_same_phase(spans, "generate", cover)
 
 
-def _engine_overlaps(spans: list[dict]) -> dict[tuple, tuple[float, float]]:
-    """Each generate action's seconds and the fraction of them another group's (stack's) generation
-    ran beside it on its GPU."""
-    gens = _phase_actions(spans)["generate"]
-    return {key: (end - start, _beside_fraction(key, start, end, gens))
-            for key, (start, end, _) in gens.items() if end - start > 0}
+def trains_beside_trainers(spans: list[dict], cover: float = 0.9) -> dict[tuple, tuple[float, str]]:
+    """``beside_same_phase`` of train steps: two stacks' trainers together (lockstep stacks train at
+    once) have a rate of their own (``sharing.mps_trainers``) apart from a lone trainer beside engines
+    (``sharing.mps_stacks_trainer``)."""
+    return beside_same_phase(spans, "train", cover)
 
 
-def beside_engines_share(spans: list[dict]) -> float | None:
-    """The share of a run's generation seconds that another stack's generation ran beside (None
-    without generations): how its stacks lined up, 1 in lockstep."""
-    acts = _engine_overlaps(spans).values()
+def _same_phase_overlaps(spans: list[dict], phase: str = "generate") -> dict[tuple, tuple[float, float]]:
+    """Each action of ``phase``: its seconds and the fraction of them another group's (stack's) action
+    of the same phase ran beside it on its GPU."""
+    acts = _phase_actions(spans)[phase]
+    return {key: (end - start, _beside_fraction(key, start, end, acts))
+            for key, (start, end, _) in acts.items() if end - start > 0}
+
+
+def beside_engines_share(spans: list[dict], phase: str = "generate") -> float | None:
+    """The share of a run's generation (or train) seconds that another stack's action of the same
+    phase ran beside (None without any): how its stacks lined up, 1 in lockstep."""
+    acts = _same_phase_overlaps(spans, phase).values()
     total = sum(secs for secs, _ in acts)
     return sum(secs * frac for secs, frac in acts) / total if total > 0 else None
 
@@ -222,14 +235,15 @@ def beside_engines_errors(measured: dict[tuple, tuple[float, str]], replayed: di
     return out
 
 
-def beside_engines_table(rows: list[dict]) -> list[dict]:
-    """``beside_engines_errors`` over the validated runs of several stacks, by sharing and class: runs,
-    paired actions, the measured and simulated mean seconds and the simulated total's error against
-    the measured; sorted by sharing, then throughout / partly / not."""
+def beside_engines_table(rows: list[dict], key: str = "beside_engines") -> list[dict]:
+    """``beside_engines_errors`` over the validated runs of several stacks (each row's ``key``:
+    generations, or "beside_trainers", train steps), by sharing and class: runs, paired actions, the
+    measured and simulated mean seconds and the simulated total's error against the measured; sorted
+    by sharing, then throughout / partly / not."""
     acc: dict[tuple, dict] = {}
     for r in rows:
         sharing = (r.get("arm") or {}).get("sharing") or "none"
-        for side, a in (r.get("beside_engines") or {}).items():
+        for side, a in (r.get(key) or {}).items():
             t = acc.setdefault((sharing, side), {"runs": 0, "heldout_runs": 0, "n": 0, "m": 0.0, "s": 0.0})
             t["runs"] += 1
             t["heldout_runs"] += bool(r.get("heldout"))
@@ -238,7 +252,7 @@ def beside_engines_table(rows: list[dict]) -> list[dict]:
             t["s"] += a["simulated_s"]
     return [{"sharing": sh, "beside": side, "runs": t["runs"], "heldout_runs": t["heldout_runs"], "actions": t["n"],
              "measured_s": t["m"] / t["n"], "simulated_s": t["s"] / t["n"], "error": t["s"] / t["m"] - 1}
-            for (sh, side), t in sorted(acc.items(), key=lambda kv: (kv[0][0], ENGINES_BESIDE.index(kv[0][1])))
+            for (sh, side), t in sorted(acc.items(), key=lambda kv: (kv[0][0], BESIDE_CLASSES.index(kv[0][1])))
             if t["n"] and t["m"] > 0]
 
 
@@ -325,7 +339,8 @@ def _simulate(cfg: dict, source: str) -> dict:
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
             "pace": summary.get("pace") or {}, "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans),
-            "gen_seconds": generation_seconds(spans),
+            "gen_seconds": action_seconds(spans, "generate"),
+            "train_seconds": action_seconds(spans, "train"),
             "outside_profile": sorted(make.cost.flags),
             "per_job": {j: {"steps": d["steps"], "finish_s": d["finish_s"]}
                         for j, d in summary.get("per_job", {}).items()}}
@@ -450,6 +465,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         if stacks_of(cfg["arm"]) > 1:
             row["beside_engines"] = beside_engines_errors(generations_beside_engines(spans),
                                                           rep["gen_seconds"])
+            row["beside_trainers"] = beside_engines_errors(trains_beside_trainers(spans), rep["train_seconds"])
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
@@ -473,6 +489,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
     report["noise"] = measurement_noise(rows)
     report["generation_sizes"] = generation_size_errors(rows)
     report["generations_beside_engines"] = beside_engines_table(rows)
+    report["trains_beside_trainers"] = beside_engines_table(rows, "beside_trainers")
     report["host"] = host_flags(rows)
     report["gpu"] = gpu_flags(rows)
     report["host_monitor"] = host_monitor_flags(rows)
@@ -1051,6 +1068,19 @@ def render_markdown(rep: dict) -> str:
                   "| sharing | another stack generating beside | runs (held out) | actions | measured s | simulated s "
                   "| error |", "|---|---|---|---|---|---|---|"]
         for g in beside:
+            lines.append(f"| {g['sharing']} | {g['beside']} | {g['runs']} ({g['heldout_runs']}) | {g['actions']} | "
+                         f"{g['measured_s']:.3f} | {g['simulated_s']:.3f} | {g['error']:+.1%} |")
+    trains = rep.get("trains_beside_trainers")
+    if trains:
+        lines += ["", "Train steps of runs of several stacks by how much of each another stack's train step ran "
+                  "beside (throughout, partly, not, as above), each paired with the replay's train step of the "
+                  "same stack and step (replayed lengths). Two trainers together (lockstep stacks train at once) "
+                  "are priced by `sharing.mps_trainers` where the profile has it, else by the many-clients rule "
+                  "(the engine-and-trainer pair's combined rate split over them: an assumption); a lone trainer "
+                  "beside engines by `sharing.mps_stacks_trainer`:", "",
+                  "| sharing | another stack training beside | runs (held out) | actions | measured s | simulated s "
+                  "| error |", "|---|---|---|---|---|---|---|"]
+        for g in trains:
             lines.append(f"| {g['sharing']} | {g['beside']} | {g['runs']} ({g['heldout_runs']}) | {g['actions']} | "
                          f"{g['measured_s']:.3f} | {g['simulated_s']:.3f} | {g['error']:+.1%} |")
     return "\n".join(lines)

@@ -446,6 +446,10 @@ def cmd_fit_stacks(a: argparse.Namespace) -> int:
 
     if a.rate == "phases":
         return _fit_stacks_phases(a)
+    if a.trainers is not None:
+        raise ConfigError(f"nodus fit-stacks: --{'fit' if a.trainers else 'no-fit'}-trainers is the phases fit's "
+                          f"(the two-trainer rate fitted with the other stacks rates): use it with --rate phases, "
+                          f"not --rate {a.rate}")
     if a.tie_engines:
         raise ConfigError(f"nodus fit-stacks: --tie-engines ties the engine's rate beside a lone trainer to the "
                           f"two-engine rate in the three-rate fit: use it with --rate phases, not --rate {a.rate}")
@@ -467,9 +471,16 @@ def cmd_fit_stacks(a: argparse.Namespace) -> int:
 def _fit_stacks_phases(a: argparse.Namespace) -> int:
     from calibration.stacks_phases import FIELDS, PHASES, WHAT, fit_to_file
 
-    r = fit_to_file(a.runs, a.base, a.out, report=a.report, progress=True, tie_engines=a.tie_engines)
+    r = fit_to_file(a.runs, a.base, a.out, report=a.report, progress=True, tie_engines=a.tie_engines,
+                    trainers=a.trainers)
     for f in FIELDS:
         tied = a.tie_engines and f == "mps_stacks_engine"
+        if f == "mps_trainers" and not r["trainers_fitted"]:
+            why = (f"the runs' trains hardly ran together: it moves their phase times {r['trainers_moved']:.2%}"
+                   if r["trainers_moved"] is not None else "--no-fit-trainers")
+            print(f"sharing.{f} not fitted ({why}); the base's: "
+                  + ("none, the many-clients rule" if r[f] is None else f"{r[f]:.3f}"))
+            continue
         print(f"sharing.{f} = {r[f]:.3f} ({WHAT[f]}{': tied to the two-engine rate' if tied else ''})")
     print(f"from {len(r['rows'])} run(s)' phase times: " + ", ".join(f"{ph} {r['phase_mape'][ph]:.1%}" for ph in PHASES)
           + f" mean absolute error, steps/GPU-h {r['mape']:.1%} (the base's rates: "
@@ -819,6 +830,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainer (sharing.mps_stacks_engine = sharing.mps_engines), two rates fitted: where the "
                         "three-rate fit puts the engine beside the lone trainer at its bound, the runs do not pin the "
                         "two apart (free-running runs mix both cases alike)")
+    p.add_argument("--fit-trainers", dest="trainers", action="store_const", const=True, default=None,
+                   help="--rate phases: fit the two-trainer rate (sharing.mps_trainers: each trainer while two stacks' "
+                        "trainers train together) with the others, refused where the runs' trains never ran together. "
+                        "By default it is fitted where they did enough to move a run's phase times 0.5%% (lockstep "
+                        "runs, `lock`, train together throughout; free ones in part)")
+    p.add_argument("--no-fit-trainers", dest="trainers", action="store_const", const=False,
+                   help="--rate phases: keep the base's two-trainer rate (none: the many-clients rule, the pair's "
+                        "combined rate split over the trainers)")
     p.add_argument("--no-left-out", action="store_true",
                    help="fit on every run only, without leaving each run and each day out (those fits replay "
                         "the runs about 20,000 times for thirty runs: hours on two cores); validate the profile on "

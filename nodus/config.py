@@ -431,7 +431,17 @@ STACKS_DECODE_PROFILE = "h200-xeon16-graphed-stacks-audit-trainer-decode31-38-se
 # generations -7.8%: right in steps/GPU-h by errors that cancel, and 4-16% low on offset stacks.
 # calibration/reports/stacks-h200-session35-j2j4-phases-decode31-38.md and
 # validation-h200-stacks-protocol.md; the earlier profile: experiments/results/h200/session43/README.md.
-STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases-session35-qwen3-0.6b"
+STACKS_PROTOCOL3_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases-session35-qwen3-0.6b"
+# Since session 57, #5's protocol profile: the same base and runs, with a fourth rate fitted with the
+# three (nodus fit-stacks --rate phases, the two-trainer rate started where the three fit without
+# it): two engines 0.855, a lone trainer beside engines 0.946, an engine beside it 0.480, each of two
+# trainers training together 0.680 (the many-clients rule before it: 0.727). On the same 81 held-out
+# runs: 4.7% / 4.6% MAPE, worst 12.2%, bias -0.2%, tau 0.15; per configuration 3.6%, worst 9.3%,
+# bias +1.5%, tau 0.47 (1.00 over the 15 pairs measured apart); the machine's speed known 3.3%; train
+# steps beside the other stack's throughout -6.6% (the three-rate profile: -7.4%), beside none +0.8%
+# (+3.3%). calibration/reports/stacks-h200-session35-j2j4-phases4-decode31-38.md and
+# validation-h200-stacks-protocol-trainers.md.
+STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-session35-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
 # normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen.
 STACKS_PROFILE = STACKS_DECODE_PROFILE

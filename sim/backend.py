@@ -47,10 +47,12 @@ class SimBackend:
         if cfg.arm.policy == "timeslice" and sharing.mps_engines is not None:
             # timeslice's stacks are its groups: the two-engine rate was fitted on arm.stacks arms only.
             sharing = sharing.model_copy(update={"mps_engines": None})
-        if (n_stacks < 2 or cfg.arm.policy == "timeslice") and sharing.mps_stacks_trainer is not None:
-            # The lone trainer's rate beside engines was fitted on arm.stacks arms only: one stack
-            # keeps the pair's rates its own runs were fitted on.
-            sharing = sharing.model_copy(update={"mps_stacks_trainer": None, "mps_stacks_engine": None})
+        if (n_stacks < 2 or cfg.arm.policy == "timeslice") and (sharing.mps_stacks_trainer is not None
+                                                                 or sharing.mps_trainers is not None):
+            # The lone trainer's rate beside engines and the trainers' together were fitted on
+            # arm.stacks arms only: one stack keeps the pair's rates its own runs were fitted on.
+            sharing = sharing.model_copy(update={"mps_stacks_trainer": None, "mps_stacks_engine": None,
+                                                 "mps_trainers": None})
         self.gpu = SharedGPU(self.env, cfg.arm.sharing, sharing)
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs

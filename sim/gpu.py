@@ -45,7 +45,8 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     fitted a lone trainer's rate beside engines of several stacks (``sharing.mps_stacks_trainer``,
     kept by ``sim.backend`` for arm.stacks arms only), that trainer goes at it, and the engines
     beside it at theirs where fitted too (``sharing.mps_stacks_engine``, in the pair's engine rate's
-    place).
+    place). Where it fitted the trainers of several stacks training at once (``sharing.mps_trainers``,
+    also kept for arm.stacks arms only), each trainer goes at that, slowed beside an engine as one is.
     """
     if not kinds:
         return []
@@ -75,6 +76,14 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
             if "trainer" in kinds:
                 each *= pair.engine / cost.mps_alone.engine
             rates = [each if k == "engine" else r for k, r in zip(kinds, rates)]
+        trainers = kinds.count("trainer")
+        if sharing == "mps" and trainers >= 2 and cost.mps_trainers is not None:
+            # Trainers of several stacks at once: each at the fitted two-trainer rate, slowed beside
+            # an engine as one trainer is (the pair's trainer rate over its alone rate; an assumption).
+            each = cost.mps_trainers
+            if "engine" in kinds:
+                each *= pair.trainer / cost.mps_alone.trainer
+            rates = [each if k == "trainer" else r for k, r in zip(kinds, rates)]
     # Several stacks: the one trainer beside engines at its own fitted rate (a backend of one
     # stack has none: sim.backend drops it).
     if stacks_trainer is not None:

@@ -223,6 +223,14 @@ class SharingCost(_M):
     mps_stacks_engine: float | None = Field(default=None, gt=0, le=RATE_MAX)
     # The settings mps_stacks_trainer was fitted under (as engines_controls).
     stacks_trainer_controls: dict[str, bool | str | int | float | None] = {}
+    # Each trainer's rate (alone-without-MPS work per second) while the trainers of two stacks or more
+    # train at once under MPS (lockstep stacks train together; free ones drift into it); beside an
+    # engine as well, times the pair's trainer rate over its alone rate (an engine slows two trainers
+    # as it slows one). None: the many-clients rule (the pair's combined rate split over the clients),
+    # which priced the H100's lockstep trains 20% short (session 57: 0.889 s measured, 0.710 s
+    # simulated) and the H200's 7% short. `nodus fit-stacks --rate phases` fits it with the other
+    # stacks rates where the runs' trains ran together. Applies to arm.stacks arms only.
+    mps_trainers: float | None = Field(default=None, gt=0, le=RATE_MAX)
 
 
 class Assumption(_M):

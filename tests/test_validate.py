@@ -779,6 +779,48 @@ def test_two_engines_rate_mispriced_shows_in_the_generations_beside_engines(tmp_
     assert validate([one], str(tmp_path / "truth.json"))["generations_beside_engines"] == []
 
 
+def test_train_steps_of_stacks_by_how_much_another_stacks_train_step_ran_beside(tmp_path):
+    """Lockstep two-stack runs simulated on a profile whose two trainers together are slow
+    (sharing.mps_trainers), validated on one with the many-clients rule: their train steps beside the
+    other stack's throughout come out short, in their own table; validated on the truth, right."""
+    import json
+
+    from calibration.validate import beside_engines_share, render_markdown, trains_beside_trainers
+    from nodus.config import DEFAULT_PROFILE
+    from sim.profile import profile_dict, write_profile
+
+    def step(phase, stack, start, end, n):
+        return {"phase": phase, "group": stack, "gpu": 0, "start_s": start, "end_s": end, "job": "j",
+                "attrs": {"step": n}}
+
+    spans = [step("train", 0, 0.0, 1.0, 0), step("train", 1, 0.0, 1.0, 0),  # together throughout
+             step("train", 0, 2.0, 3.0, 1), step("train", 1, 2.5, 3.5, 1),  # half beside: partly
+             step("generate", 1, 4.0, 5.0, 2), step("train", 0, 4.0, 5.0, 2)]  # beside a generation only
+    assert trains_beside_trainers(spans) == {
+        (0, 0, ("step", 0)): (1.0, "throughout"), (0, 1, ("step", 0)): (1.0, "throughout"),
+        (0, 0, ("step", 1)): (1.0, "partly"), (0, 1, ("step", 1)): (1.0, "partly"), (0, 0, ("step", 2)): (1.0, "not")}
+    assert beside_engines_share(spans, "train") == pytest.approx(3 / 5)
+
+    truth = profile_dict(DEFAULT_PROFILE)
+    truth["sharing"].update(mps_engines=0.7, mps_stacks_trainer=0.9, mps_stacks_engine=0.7, mps_trainers=0.3)
+    rule = json.loads(json.dumps(truth))
+    rule["sharing"]["mps_trainers"] = None
+    for name, prof in (("truth.json", truth), ("rule.json", rule)):
+        write_profile(prof, tmp_path / name, "test")
+    runs = []
+    for seed in (1, 2):
+        out = tmp_path / f"k2-lock-s{seed}"
+        simulate(config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", stacks=2, seed=seed,
+                                  lockstep=True, share_prompts=0, profile=str(tmp_path / "truth.json")), out)
+        runs.append(out)
+    same = validate(runs, str(tmp_path / "truth.json"))["trains_beside_trainers"]
+    assert [x["beside"] for x in same] == ["throughout"] and abs(same[0]["error"]) < 0.01
+    rep = validate(runs, str(tmp_path / "rule.json"))
+    err = {x["beside"]: x["error"] for x in rep["trains_beside_trainers"]}
+    assert err["throughout"] < -0.2
+    assert "another stack training beside" in render_markdown(rep)
+
+
 def _host_monitor(steal=0.0, other=0.2, mhz=2100.0, throttled=0.0, run_cores=1.5, hot=0.6) -> dict:
     """A host monitor's summary (nodus.hostmon) with the given figures."""
     return {"available": True, "seconds": 30.0, "samples": 60, "cpus": 16, "cores_busy": run_cores + other,
