@@ -60,6 +60,7 @@ WHAT = {"mps_engines": "each engine while two stacks' engines generate",
 FIRST_STEP = math.log(1.25)  # the search's first simplex: the start and each rate 25% above it
 LAST_STEP = math.log(1.002)  # it stops once the simplex is this narrow on every rate (0.2%)
 MAX_REPLAYS = 300  # ... or after this many distinct sets of rates (each a replay of every run)
+MAX_RESTARTS = 2  # ... then restarted from its best point at most this often (each a fresh simplex)
 PROGRESS_EVERY = 25  # sets of rates between progress lines (three runs: about 20 s on two cores)
 
 
@@ -134,10 +135,7 @@ def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp:
     whole range."""
     top = upper(prof)
     for f in fields:
-        lo = predict(rows, prof, dict(rates, **{f: RATE_MIN}), tmp)
-        hi = predict(rows, prof, dict(rates, **{f: top[f]}), tmp)
-        moved = max(abs(a["phase_s"].get(ph, 0.0) - b["phase_s"].get(ph, 0.0)) / r["phase_s"][ph]
-                    for a, b, r in zip(lo, hi, rows) for ph in PHASES)
+        moved = rate_moves(rows, prof, rates, tmp, f)
         if moved < IDENTIFIED_MIN:
             raise ConfigError(f"nodus fit-stacks --rate phases: the runs' phase times are the same whatever "
                               f"sharing.{f} is (at most {moved:.2%} apart from {RATE_MIN} to {top[f]:.3f}): they never "
@@ -155,15 +153,19 @@ def searched(tie_engines: bool, trainers: bool = False) -> tuple[str, ...]:
     return three + ((TRAINERS_FIELD,) if trainers else ())
 
 
-def trainers_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp: Path) -> float:
-    """How much the two-trainer rate moves the runs' phase times over its range (the largest
-    relative move of a run's mean phase time): at least ``IDENTIFIED_MIN`` where their trains ran
-    together."""
-    top = upper(prof)
-    lo = predict(rows, prof, dict(rates, **{TRAINERS_FIELD: RATE_MIN}), tmp)
-    hi = predict(rows, prof, dict(rates, **{TRAINERS_FIELD: top[TRAINERS_FIELD]}), tmp)
+def rate_moves(rows: list[dict], prof: dict, rates: dict[str, float], tmp: Path, field: str) -> float:
+    """How much ``sharing.<field>`` moves the runs' phase times over its range, [``RATE_MIN``,
+    ``upper``], the other rates at ``rates``: the largest relative move of a run's mean phase time."""
+    lo = predict(rows, prof, dict(rates, **{field: RATE_MIN}), tmp)
+    hi = predict(rows, prof, dict(rates, **{field: upper(prof)[field]}), tmp)
     return max(abs(a["phase_s"].get(ph, 0.0) - b["phase_s"].get(ph, 0.0)) / r["phase_s"][ph]
                for a, b, r in zip(lo, hi, rows) for ph in PHASES)
+
+
+def trainers_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp: Path) -> float:
+    """``rate_moves`` of the two-trainer rate: at least ``IDENTIFIED_MIN`` where the runs' trains ran
+    together."""
+    return rate_moves(rows, prof, rates, tmp, TRAINERS_FIELD)
 
 
 def search(rows: list[dict], prof: dict, tmp: Path, progress: bool = False,
@@ -174,9 +176,9 @@ def search(rows: list[dict], prof: dict, tmp: Path, progress: bool = False,
     until the simplex is ``LAST_STEP`` across or ``MAX_REPLAYS`` rounds have run. The loss is
     piecewise in the rates (a simulation's events reorder), which stalls a search along one rate at a
     time on a ridge; the simplex moves along it. Its vertices stay within the bounds, and it restarts
-    from its best point until a restart finds nothing better. Returns the rates, the runs' predictions
-    there and the replays it took (of all the runs). ``progress``: a line on stderr every
-    ``PROGRESS_EVERY``."""
+    from its best point until a restart finds nothing better (``MAX_RESTARTS`` at most); ``start``:
+    rates to start from over ``_start``'s. Returns the rates, the runs' predictions there and the
+    replays it took (of all the runs). ``progress``: a line on stderr every ``PROGRESS_EVERY``."""
     lo, top = math.log(RATE_MIN), upper(prof)
     hi = {f: math.log(top[f]) for f in FIELDS}
     free = searched(tie_engines, trainers)
@@ -239,10 +241,12 @@ def search(rows: list[dict], prof: dict, tmp: Path, progress: bool = False,
         return simplex[i], vals[i]
 
     # Restarted from its best point with a fresh simplex until a restart finds nothing better (a
-    # simplex shrunk across a ridge stops short of the minimum) or the replays run out.
+    # simplex shrunk across a ridge stops short of the minimum), MAX_RESTARTS times at most.
     first = dict(_start(prof), **(start or {}))
     best, val = nelder_mead(inside(np.log([first[k] for k in free])))
-    while len(cache) < MAX_REPLAYS:
+    for _ in range(MAX_RESTARTS):
+        if len(cache) >= MAX_REPLAYS:
+            break
         again, v = nelder_mead(best)
         if v >= val * (1 - 1e-6):
             break

@@ -180,7 +180,6 @@ def corun_phase_means(spans: list[dict], cover: float = 0.9) -> dict:
 
 
 BESIDE_CLASSES = ("throughout", "partly", "not")  # another stack's action of the phase beside one: >= 90%, between, <= 10%
-ENGINES_BESIDE = BESIDE_CLASSES
 
 
 def beside_same_phase(spans: list[dict], phase: str, cover: float = 0.9) -> dict[tuple, tuple[float, str]]:

@@ -65,25 +65,17 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
         weights = [getattr(pair, k) for k in kinds]
         total = sum(weights)
         rates = [combined * w / total for w in weights]
-        engines = kinds.count("engine")
-        if sharing == "mps" and engines >= 2 and cost.mps_engines is not None:
-            # Engines of several stacks at once: each at the fitted two-engine rate, past two engines
-            # too, slowed beside a trainer as one engine is (pair over alone). Past two it is an
-            # assumption: on the H200 three stacks of 8 jobs (session 37) came out 6-8% low this way,
-            # as the same hour's two-stack runs did (9%); the rule before it, two engines' combined
-            # rate split over all of them, priced them 19-21% low.
-            each = cost.mps_engines
-            if "trainer" in kinds:
-                each *= pair.engine / cost.mps_alone.engine
-            rates = [each if k == "engine" else r for k, r in zip(kinds, rates)]
-        trainers = kinds.count("trainer")
-        if sharing == "mps" and trainers >= 2 and cost.mps_trainers is not None:
-            # Trainers of several stacks at once: each at the fitted two-trainer rate, slowed beside
-            # an engine as one trainer is (the pair's trainer rate over its alone rate; an assumption).
-            each = cost.mps_trainers
-            if "engine" in kinds:
-                each *= pair.trainer / cost.mps_alone.trainer
-            rates = [each if k == "trainer" else r for k, r in zip(kinds, rates)]
+        # Engines of several stacks at once: each at the fitted two-engine rate, past two engines
+        # too, slowed beside a trainer as one engine is (pair over alone). Past two it is an
+        # assumption: on the H200 three stacks of 8 jobs (session 37) came out 6-8% low this way, as
+        # the same hour's two-stack runs did (9%); the rule before it, two engines' combined rate
+        # split over all of them, priced them 19-21% low. Trainers of several stacks at once, the
+        # same way: each at the fitted two-trainer rate, slowed beside an engine as one trainer is
+        # (an assumption).
+        for kind, other, fitted in (("engine", "trainer", cost.mps_engines), ("trainer", "engine", cost.mps_trainers)):
+            if sharing == "mps" and kinds.count(kind) >= 2 and fitted is not None:
+                each = fitted * (getattr(pair, kind) / getattr(cost.mps_alone, kind) if other in kinds else 1.0)
+                rates = [each if k == kind else r for k, r in zip(kinds, rates)]
     # Several stacks: the one trainer beside engines at its own fitted rate (a backend of one
     # stack has none: sim.backend drops it).
     if stacks_trainer is not None:
