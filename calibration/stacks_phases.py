@@ -130,12 +130,14 @@ def loss(pred: list[dict], rows: list[dict]) -> float:
 
 
 def check_identified(rows: list[dict], prof: dict, rates: dict[str, float], tmp: Path,
-                     fields: tuple[str, ...] = FIELDS) -> None:
+                     fields: tuple[str, ...] = FIELDS, known: dict[str, float] | None = None) -> None:
     """Refuse a rate of ``fields`` that moves no run's phase times by ``IDENTIFIED_MIN`` over its
-    whole range."""
+    whole range (``rate_moves``; ``known``: moves already measured, by rate)."""
     top = upper(prof)
     for f in fields:
-        moved = rate_moves(rows, prof, rates, tmp, f)
+        moved = (known or {}).get(f)
+        if moved is None:
+            moved = rate_moves(rows, prof, rates, tmp, f)
         if moved < IDENTIFIED_MIN:
             raise ConfigError(f"nodus fit-stacks --rate phases: the runs' phase times are the same whatever "
                               f"sharing.{f} is (at most {moved:.2%} apart from {RATE_MIN} to {top[f]:.3f}): they never "
@@ -267,7 +269,8 @@ def fit(runs: list[str | Path], base: str, progress: bool = False, tie_engines: 
         moved = None if trainers is False else trainers_identified(rows, prof, _start(prof), tmp)
         if trainers is None:
             trainers = moved >= IDENTIFIED_MIN
-        check_identified(rows, prof, _start(prof), tmp, searched(tie_engines, trainers))
+        check_identified(rows, prof, _start(prof), tmp, searched(tie_engines, trainers),
+                         None if moved is None else {TRAINERS_FIELD: moved})
         rates, pred, evals = search(rows, prof, tmp, progress, tie_engines)
         if trainers:
             # The two-trainer rate from where the others fit without it (it starts at the many-clients
