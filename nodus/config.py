@@ -443,8 +443,13 @@ STACKS_PROTOCOL3_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4pha
 # validation-h200-stacks-protocol-trainers.md.
 STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-session35-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
-# normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen.
-STACKS_PROFILE = STACKS_DECODE_PROFILE
+# normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen. Since
+# session 58 the protocol profile: on the 22 two-stack runs of 8 and 16 jobs held out from both it
+# and the decode profile above (sessions 40-49, seven machines) 4.6% MAPE, worst 12.1%, bias -0.3%
+# against 7.2%, 18.8%, +4.3%; the ratio over the same machine's dedicated runs (7 pairs) 5.6% off
+# against 10.3%; the machine's speed known 3.7% against 6.0%
+# (calibration/reports/validation-h200-stacks-sessions40-49-*.md).
+STACKS_PROFILE = STACKS_PROTOCOL_PROFILE
 # The H100 80GB's two-stack profile (session 56): session 53's H100 fit on two dedicated runs, with the
 # stacks rates of `nodus fit-stacks --rate phases --tie-engines` on five 2-4-job runs; held out: two
 # 8-job runs and a 4-job offset run, MAPE 3.4%, worst 4.7% (calibration/reports/validation-h100-stacks-tied.md).

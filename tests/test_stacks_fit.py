@@ -374,10 +374,12 @@ def test_fit_stacks_refuses_a_rate_that_moves_no_prediction(monkeypatch, tmp_pat
 def test_the_shipped_profiles_flag_offset_stacks_and_overlap_unless_they_carry_the_trainer_rate(tmp_path):
     from nodus.config import STACKS_PAIR_PROFILE, STACKS_TRAINER_PROFILE
 
-    from nodus.config import STACKS_DECODE_PROFILE
+    from nodus.config import STACKS_DECODE_PROFILE, STACKS_PROTOCOL_PROFILE
 
-    assert STACKS_PROFILE == STACKS_DECODE_PROFILE  # the default for stacks since session 42
+    # The default for stacks: the decode profile in sessions 42-57, #5's protocol profile since 58.
+    assert STACKS_PROFILE == STACKS_PROTOCOL_PROFILE
     assert load_profile(STACKS_DECODE_PROFILE).profile.sharing.mps_stacks_trainer > 0
+    assert load_profile(STACKS_PROFILE).profile.sharing.mps_stacks_trainer > 0
 
     assert load_profile(STACKS_PAIR_PROFILE).profile.sharing.mps_stacks_trainer is None
     assert load_profile(STACKS_TRAINER_PROFILE).profile.sharing.mps_stacks_trainer > 0
