@@ -177,6 +177,9 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
                    steps=a.steps, profile=a.profile, workers=a.workers, out=a.out, share_prompts=a.share_prompts,
                    stacks=a.stacks, audit=audit_spec_from_args(a), arrive_every=a.arrive_every)
+    if a.profile is None and result["profile"] == STACKS_PROFILE:
+        print(f"nodus: stacks under MPS: every run on profile {STACKS_PROFILE}, the shipped one with the "
+              "stacks' rates (--profile to choose)", file=sys.stderr)
     print(json.dumps(result, default=str) if a.json
           else sweep_table(result["rows"], result.get("profile_validation") or {}, result.get("best"),
                            result.get("outside_profile")))
@@ -598,7 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{H100_STACKS_PROFILE}) or flagged without one")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--arrive-every", type=float, metavar="S", default=None, help=ARRIVE_EVERY_HELP)
-    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--profile", help=f"shipped profile name or profile JSON path (default {DEFAULT_PROFILE}; with "
+                                     f"--stacks past 1 under MPS, {STACKS_PROFILE} for every run, as nodus sim and "
+                                     "nodus plan pick it)")
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")
     p.add_argument("--out", help="write sweep.csv, sweep.json, sweep.png into this new folder")
     p.add_argument("--json", action="store_true")

@@ -241,6 +241,32 @@ def test_packing_default_follows_the_trainer_and_yields_to_the_config(tmp_path, 
     assert json.loads(capsys.readouterr().out)["share_prompts"] == [0]
 
 
+def test_a_sweep_over_stacks_under_mps_takes_the_shipped_stacks_profile_as_sim_and_plan_do(capsys):
+    """`nodus sweep --stacks 1,2` with no profile chosen prices every run on STACKS_PROFILE (the one
+    with the stacks' rates; the default profile has none and would flag every two-stack run) and
+    says so; one stack, no MPS or --profile keep the default or the profile chosen."""
+    import json
+
+    from nodus.cli import main
+    from nodus.config import DEFAULT_PROFILE, STACKS_PROFILE
+
+    def sweep(*extra):
+        assert main(["sweep", "--jobs", "4", "--groups", "1", "--policies", "shared-sync", "--seeds", "1",
+                     "--steps", "1", "--workers", "1", "--json", *extra]) == 0
+        out = capsys.readouterr()
+        res = json.loads(out.out)
+        flags = " ".join(res.get("outside_profile") or [])
+        return res["profile"], out.err, flags
+
+    profile, err, flags = sweep("--sharing", "mps", "--stacks", "1,2")
+    assert profile == STACKS_PROFILE and f"profile {STACKS_PROFILE}" in err and "no two-engine rate" not in flags
+    profile, err, flags = sweep("--sharing", "mps", "--stacks", "1,2", "--profile", DEFAULT_PROFILE)
+    assert profile == DEFAULT_PROFILE and STACKS_PROFILE not in err and "no two-engine rate" in flags
+    for extra in (("--sharing", "mps"), ("--sharing", "none", "--stacks", "2")):
+        profile, err, _ = sweep(*extra)
+        assert profile == DEFAULT_PROFILE and STACKS_PROFILE not in err
+
+
 def test_sim_of_stacks_under_mps_takes_the_shipped_stacks_profile_unless_told(tmp_path, capsys):
     """`nodus sim --stacks 2` with no profile chosen prices the engines by the shipped profile that
     has a two-engine rate (nodus.config.STACKS_PROFILE) and says so; --profile and one stack keep
