@@ -30,7 +30,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from calibration.validate import _simulate, load_recorded, recorded_configs, spans_digest
+from calibration.validate import _simulate, engine_sequences, load_recorded, recorded_configs, spans_digest
 from calibration.run_health import unique_names
 from calibration.run_settings import run_controls, stacks_run_settings
 from nodus.config import ConfigError, build_config, stacks_of
@@ -105,6 +105,7 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_al
         replay, _ = recorded_configs(rd, cfg, spans, "unset")
         packing = build_config(replay, f"{rd}/config.json").trainer_packing()
         out.append({"run": str(rd), "spans_sha256": digest, "cfg": replay, "measured": meas["steps_per_gpu_hour"],
+                    "engine_sequences": engine_sequences(spans),
                     "settings": stacks_run_settings(arm.get("policy"), stacks_of(arm), packing, controls,
                                                     bool(arm.get("lockstep")), bool(arm.get("offset_stacks")),
                                                     arm.get("hold_apart") or 0.0)})
@@ -115,6 +116,17 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_al
                           + "; ".join(f"{r['run']}: " + ", ".join(f"{k}={r['settings'].get(k)}" for k in mixed)
                                       for r in out) + "); fit runs of one setting")
     return out
+
+
+def record_engine_sequences(prof: dict, rows: list[dict]) -> None:
+    """``sharing.stacks_engine_sequences``: the most sequences an engine of the fit runs (``rows``,
+    ``stack_runs``') generated at once, the smaller of it and the profile's where a fit of another
+    stacks rate recorded one (past it, at least one rate is priced where it was not fitted); the
+    simulator flags an engine of stacks generating more."""
+    seqs = max((r.get("engine_sequences") or 0 for r in rows), default=0)
+    if seqs:
+        prev = prof["sharing"].get("stacks_engine_sequences")
+        prof["sharing"]["stacks_engine_sequences"] = seqs if prev is None else min(prev, seqs)
 
 
 def replay(rows: list[dict], prof: dict, rates: dict[str, float | None], tmp: Path) -> list[dict]:
@@ -272,6 +284,7 @@ def fit(runs: list[str | Path], base: str, rate_name: str = "engines", left_out:
                  "left_out": lo_} for r, p, u, lo_ in zip(rows, pred, unfitted, loo)]
     errs = [abs(x["left_out"]["error"]) for x in out_rows if x["left_out"]]
     return {"base": base, "field": field, field: rate, "settings": rows[0]["settings"],
+            "engine_sequences": max(r["engine_sequences"] for r in rows),
             "mps_alone_engine": prof["sharing"]["mps_alone"]["engine"],
             "mps_corun_trainer": prof["sharing"]["mps_corun"]["trainer"], "rows": out_rows,
             "left_out_mape": sum(errs) / len(errs) if errs else None, "left_out_worst": max(errs) if errs else None,
@@ -330,6 +343,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     field = result["field"]
     prof = profile_dict(base)
     prof["sharing"][field] = result[field]
+    record_engine_sequences(prof, [result])
     kept = ("settings", "rows", "left_out_mape", "left_out_worst", "without_rate_mape", "left_out_days")
     if field == "mps_engines":
         prof["sharing"]["engines_controls"] = dict(result["settings"])

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.run_health import unique_names
-from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, replay, stack_runs
+from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, record_engine_sequences, replay, stack_runs
 from calibration.validate import _phase_means, beside_engines_share, load_recorded
 from nodus.config import ConfigError
 from sim.profile import (RATE_MAX, add_source, profile_adapter_format, profile_dict, profile_lora_kernels,
@@ -297,6 +297,7 @@ def fit(runs: list[str | Path], base: str, progress: bool = False, tie_engines: 
     top = upper(prof)
     return {"base": base, "field": "phases", **rates, "tie_engines": tie_engines, "trainers_fitted": trainers,
             "trainers_moved": moved, "settings": settings,
+            "engine_sequences": max(r["engine_sequences"] for r in rows),
             "rows": out_rows,
             "replays": evals * n, "loss": loss(pred, rows),
             "base_rates": {f: prof["sharing"].get(f) for f in FIELDS}, "upper": top,
@@ -389,6 +390,8 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
         prof["sharing"][f] = result[f]
     prof["sharing"]["engines_controls"] = dict(result["settings"])
     prof["sharing"]["stacks_trainer_controls"] = dict(result["settings"])
+    prof["sharing"]["stacks_engine_sequences"] = None  # every stacks rate is this fit's
+    record_engine_sequences(prof, [result])
     # Both rates' fit records (which `nodus validate` reads to keep the fit runs out of its held-out
     # figures, and the error bar quotes) are this fit's: no left-out fits here.
     fitted = {k: v for k, v in result.items()

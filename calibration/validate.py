@@ -212,6 +212,12 @@ def _same_phase_overlaps(spans: list[dict], phase: str = "generate") -> dict[tup
             for key, (start, end, _) in acts.items() if end - start > 0}
 
 
+def engine_sequences(spans: list[dict]) -> int:
+    """The most sequences one generate action of a run held (a group's generations of one step: on
+    a stack of shared-sync, everything its engine generated at once); 0 without generations."""
+    return max((seqs for _, _, seqs in _phase_actions(spans)["generate"].values()), default=0)
+
+
 def beside_engines_share(spans: list[dict], phase: str = "generate") -> float | None:
     """The share of a run's generation (or train) seconds that another stack's action of the same
     phase ran beside (None without any): how its stacks lined up, 1 in lockstep."""

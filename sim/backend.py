@@ -54,6 +54,11 @@ class SimBackend:
             sharing = sharing.model_copy(update={"mps_stacks_trainer": None, "mps_stacks_engine": None,
                                                  "mps_trainers": None})
         self.gpu = SharedGPU(self.env, cfg.arm.sharing, sharing)
+        # Engines of stacks priced by the stacks' fitted rates: the most sequences an engine of their
+        # fit runs generated at once, past which a generation is flagged (None: no such rate in use).
+        stacks_rated = n_stacks > 1 and cfg.arm.sharing == "mps" and (
+            sharing.mps_engines is not None or sharing.mps_stacks_trainer is not None or sharing.mps_trainers is not None)
+        self._stacks_fit_seqs = sharing.stacks_engine_sequences if stacks_rated else None
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
         if share:
@@ -154,6 +159,10 @@ class SimBackend:
             lengths = sample_response_tokens(job, r.step, rng)
             batch.append((r.job_id, r.step, r.adapter_version, job.prompts_per_step,
                           prompt_tokens(job), lengths))
+        seqs = sum(len(b[-1]) for b in batch)
+        if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
+            self.cost.note_beyond("sequences one engine of stacks generates at once, its stacks rates fitted on "
+                                  "smaller engines (sharing.stacks_engine_sequences)", seqs, self._stacks_fit_seqs)
         self.engines[a.stack].submit(a.action_id, batch)
 
     def train(self, a: Train) -> None:

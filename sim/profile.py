@@ -231,6 +231,12 @@ class SharingCost(_M):
     # simulated) and the H200's 7% short. `nodus fit-stacks --rate phases` fits it with the other
     # stacks rates where the runs' trains ran together. Applies to arm.stacks arms only.
     mps_trainers: float | None = Field(default=None, gt=0, le=RATE_MAX)
+    # The most sequences one engine generated at once in the runs the stacks rates above were fitted
+    # on (nodus fit-stacks). The rates are constants: an engine generating more (8 or 16 jobs on a
+    # stack against the fit runs' 1-2) is priced at rates measured at those sizes, and a prediction
+    # of it is flagged (on the H200, session 58: engines of 512 sequences beside each other generated
+    # 5-14% longer than priced, where the rates were fitted at 64-128). None: not recorded.
+    stacks_engine_sequences: int | None = Field(default=None, ge=1)
 
 
 class Assumption(_M):
@@ -594,6 +600,11 @@ class CostModel:
     def _note(self, what: str, value: float, limit: float) -> None:
         key = f"{what}|{limit}"
         self._beyond[key] = max(self._beyond.get(key, value), value)
+
+    def note_beyond(self, what: str, value: float, limit: float) -> None:
+        """A quantity past the region the profile's terms were measured or fitted in (reports list
+        the largest value seen: "WHAT up to VALUE > profiled LIMIT")."""
+        self._note(what, value, limit)
 
     def note_unmodelled(self, what: str) -> None:
         """A setting the prediction prices with terms measured without it (reports list it)."""

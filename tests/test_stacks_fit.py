@@ -94,6 +94,7 @@ def test_fit_stacks_recovers_the_rate_the_runs_were_simulated_with(tmp_path, cap
     assert float(printed.split("sharing.mps_engines = ")[1].split()[0]) == pytest.approx(0.7, rel=0.02)
     prof = json.loads(out.read_text())
     assert prof["sharing"]["mps_engines"] == pytest.approx(0.7, rel=0.02)
+    assert prof["sharing"]["stacks_engine_sequences"] == 128  # the fit runs' engines: 2 jobs x 64 sequences
     assert any(a["id"] == "sharing-two-engines" for a in prof["assumptions"])
     assert (tmp_path / "rep.md").is_file()
     # --no-left-out: the same rate from every run, without the left-out fits (none recorded).
@@ -331,6 +332,7 @@ def test_fit_stacks_rate_trainer_recovers_the_lone_trainer_rate(tmp_path, capsys
     prof = json.loads(out.read_text())
     assert prof["sharing"]["mps_stacks_trainer"] == pytest.approx(0.9, rel=0.02)
     assert prof["sharing"]["mps_engines"] == 0.8  # held
+    assert prof["sharing"]["stacks_engine_sequences"] == 128  # the base recorded none: this fit's runs'
     assert prof["sharing"]["stacks_trainer_controls"]["offset_stacks"] is True
     assert any(a["id"] == "sharing-stacks-trainer" for a in prof["assumptions"])
     assert "lone trainer" in (tmp_path / "rep.md").read_text()
@@ -444,3 +446,23 @@ def test_the_rates_crossing_is_found_within_the_tolerance_in_fewer_replays_than_
         assert len(seen) <= (21 if name == "flat" else 8), (name, len(seen))
         assert all(0.05 < v < 2.0 for v in seen), name  # never outside the bracket
     assert crossing(lambda v: 1 / 0, 0.05, 2.0, 0.0, 1.0, 1e-4) == 0.05  # an end that is the root: no value asked
+
+
+def test_a_stacks_prediction_past_the_engine_sizes_of_its_rates_fit_is_flagged():
+    """The shipped protocol profile's stacks rates were fitted on runs of 2 and 4 jobs (engines of at
+    most 128 sequences, sharing.stacks_engine_sequences): a two-stack arm of 16 jobs (512 a stack's
+    engine) is flagged with the largest size it priced; one stack, and a profile fitted on 16-job
+    runs, are not."""
+    from nodus.config import STACKS_PAIR_PROFILE, STACKS_PROTOCOL_PROFILE
+
+    assert load_profile(STACKS_PROTOCOL_PROFILE).profile.sharing.stacks_engine_sequences == 128
+    assert load_profile(STACKS_PAIR_PROFILE).profile.sharing.stacks_engine_sequences == 512
+
+    def flags(profile, jobs, stacks):
+        res = simulate(config_from_args(jobs=jobs, steps=1, policy="shared-sync", sharing="mps", stacks=stacks,
+                                        seed=1, share_prompts=4, profile=profile))
+        return [f for f in res["outside_profile"] if "stacks_engine_sequences" in f]
+
+    assert any("up to 512 > profiled 128" in f for f in flags(STACKS_PROTOCOL_PROFILE, 16, 2))
+    assert not flags(STACKS_PROTOCOL_PROFILE, 4, 2) and not flags(STACKS_PROTOCOL_PROFILE, 8, 1)
+    assert not flags(STACKS_PAIR_PROFILE, 16, 2)

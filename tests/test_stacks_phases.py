@@ -96,6 +96,13 @@ def test_fit_stacks_phases_recovers_the_three_rates_the_runs_were_simulated_with
     lock = simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2, seed=1,
                                      lockstep=True, share_prompts=0, profile=str(out)))
     assert not any("arm.lockstep" in f for f in lock["outside_profile"])
+    # The fit runs' engines generated 128 sequences at once (2 jobs of 64 a stack): recorded, and an
+    # arm whose engines generate more is flagged as priced past the fit (8 jobs: 256), that one not.
+    assert prof["sharing"]["stacks_engine_sequences"] == 128
+    assert not any("stacks_engine_sequences" in f for f in lock["outside_profile"])
+    eight = simulate(config_from_args(jobs=8, steps=1, policy="shared-sync", sharing="mps", stacks=2, seed=1,
+                                      share_prompts=0, profile=str(out)))
+    assert any("stacks_engine_sequences" in f and "up to 256 > profiled 128" in f for f in eight["outside_profile"])
     # Its runs count as fitted in nodus validate (both rates' fit records are this fit's).
     assert all(stacks_fit_run(prof, r) for r in runs)
     assert prof["measurements"]["stacks"]["fitted_on"] == "phases"
