@@ -30,7 +30,8 @@ from calibration.validate import _simulate, load_recorded, recorded_configs, spa
 from calibration.run_health import unique_names
 from calibration.run_settings import run_controls
 from nodus.config import AuditSpec, ConfigError
-from sim.profile import add_source, profile_dict, refuse_existing, set_assumption, write_fit_report, write_profile
+from sim.profile import (add_source, drop_base_validation, profile_dict, refuse_existing, set_assumption, write_fit_report,
+                         write_profile)
 
 TERM_MAX = 1e-3  # the search's upper end: a millisecond per sequence and step (measured: ~10 us)
 TOLERANCE = 1e-8  # the search stops when the term's bracket is this narrow (seconds)
@@ -200,6 +201,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     result = fit(runs, base)
     prof = profile_dict(base)
     prof["decode"]["logprob_s_per_seq"] = result["logprob_s_per_seq"]
+    drop_base_validation(prof)
     prof.setdefault("measurements", {})["audit"] = {
         k: v for k, v in result.items() if k in ("logprob_s_per_seq", "rows", "left_out_mape", "left_out_worst")}
     set_assumption(prof, {

@@ -354,7 +354,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     ``term_selection``: how the train terms the runs support are chosen (``_select_train_terms``):
     "runs" leaves one run out, "extrapolate" scores each subset on the larger steps fitted on the
     smaller ones."""
-    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, drop_two_engine_rate,
+    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, drop_base_validation, drop_two_engine_rate,
                              profile_adapter_format, profile_dict, profile_lora_kernels, profile_step_mode)
     from calibration.run_settings import run_controls, settings_text, sharing_controls
 
@@ -653,9 +653,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         prof["environment"]["host"] = hosts[0]
     elif hosts:
         prof["environment"]["host"] = {"hosts": hosts, "note": "the fitted runs came from several hosts"}
-    # The base's error bar measured the base, not this fit: every sim report prints a profile's
-    # validation, so a refitted profile has none until `nodus validate --annotate` gives it one.
-    prof.pop("validation", None)
+    drop_base_validation(prof)
     prof.setdefault("measurements", {})["fit_runs"] = {
         "runs": used, "held_out": skipped, "fit_max_jobs": fit_max_jobs, "train_steps": len(samples),
         "train_fit": {"a_s_per_microbatch": float(a), "b_s_per_padded_token": float(b),

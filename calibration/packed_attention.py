@@ -28,8 +28,8 @@ from calibration.fit_runs import nonneg_rel_lstsq
 from nodus.config import ConfigError
 from nodus.lengths import recorded_step_lengths
 from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
-from sim.profile import (add_source, drop_two_engine_rate, profile_dict, refuse_existing, write_fit_report,
-                         write_profile)
+from sim.profile import (add_source, drop_base_validation, drop_two_engine_rate, profile_dict, refuse_existing,
+                         write_fit_report, write_profile)
 
 FEATURES = ("microbatches", "padded_tokens", "packed_pairs")
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +207,7 @@ def fit_to_file(paths: list[str | Path], base: str, out: str | Path, report: str
         raise ConfigError(f"--base {base}: its train terms describe the eager trainer, and packed rows run on the "
                           "graphed one only (train.step_mode)")
     prof["train"]["packed_pair_per_token"] = result["packed_pair_per_token"]
+    drop_base_validation(prof)
     prof["train"]["max_profiled_packed_pairs"] = result["max_profiled_packed_pairs"]
     meas = prof.setdefault("measurements", {})
     meas["packed_attention"] = {

@@ -34,8 +34,8 @@ from calibration.validate import _simulate, engine_sequences, load_recorded, rec
 from calibration.run_health import unique_names
 from calibration.run_settings import run_controls, stacks_run_settings
 from nodus.config import ConfigError, build_config, stacks_of
-from sim.profile import (RATE_MAX, add_source, profile_adapter_format, profile_dict, profile_lora_kernels,
-                         profile_step_mode, refuse_existing, set_assumption, write_fit_report, write_profile)
+from sim.profile import (RATE_MAX, add_source, drop_base_validation, profile_adapter_format, profile_dict,
+                         profile_lora_kernels, profile_step_mode, refuse_existing, set_assumption, write_fit_report, write_profile)
 
 # The rates fit-stacks fits (--rate), each a field of the profile's sharing terms, and what each is.
 RATES = {"engines": "mps_engines", "trainer": "mps_stacks_trainer"}
@@ -344,6 +344,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof = profile_dict(base)
     prof["sharing"][field] = result[field]
     record_engine_sequences(prof, [result])
+    drop_base_validation(prof)
     kept = ("settings", "rows", "left_out_mape", "left_out_worst", "without_rate_mape", "left_out_days")
     if field == "mps_engines":
         prof["sharing"]["engines_controls"] = dict(result["settings"])

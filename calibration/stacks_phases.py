@@ -48,8 +48,8 @@ from calibration.run_health import unique_names
 from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, record_engine_sequences, replay, stack_runs
 from calibration.validate import _phase_means, beside_engines_share, load_recorded
 from nodus.config import ConfigError
-from sim.profile import (RATE_MAX, add_source, profile_adapter_format, profile_dict, profile_lora_kernels,
-                         profile_step_mode, refuse_existing, set_assumption, write_fit_report, write_profile)
+from sim.profile import (RATE_MAX, add_source, drop_base_validation, profile_adapter_format, profile_dict,
+                         profile_lora_kernels, profile_step_mode, refuse_existing, set_assumption, write_fit_report, write_profile)
 
 FIELDS = ("mps_engines", "mps_stacks_trainer", "mps_stacks_engine", "mps_trainers")
 PHASES = ("generate", "train")  # the phase times fitted (publish has terms of its own)
@@ -392,6 +392,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof["sharing"]["stacks_trainer_controls"] = dict(result["settings"])
     prof["sharing"]["stacks_engine_sequences"] = None  # every stacks rate is this fit's
     record_engine_sequences(prof, [result])
+    drop_base_validation(prof)
     # Both rates' fit records (which `nodus validate` reads to keep the fit runs out of its held-out
     # figures, and the error bar quotes) are this fit's: no left-out fits here.
     fitted = {k: v for k, v in result.items()

@@ -391,6 +391,15 @@ def profile_dict(name_or_path: str) -> dict:
     return json.loads(load_profile(name_or_path).profile.model_dump_json(by_alias=True))
 
 
+def drop_base_validation(prof: dict) -> None:
+    """Remove a profile dict's error bar (``validation``) before a fit writes it as a new profile: it
+    measured the base, not the fit (every sim report prints a profile's validation), so the fitted
+    profile has none until `nodus validate --annotate` gives it one. Session 58 found 13 shipped
+    two-stack profiles printing session 16's graphed profile's held-out error, and every stacks
+    profile its error on other days, carried over by fit-stacks and fit-audit."""
+    prof.pop("validation", None)
+
+
 def drop_two_engine_rate(prof: dict) -> bool:
     """Remove a profile dict's two-engine rate (``sharing.mps_engines``, its settings, its fit and
     its assumption), noting it in the profile's sources: a refit of the terms it was fitted beside

@@ -95,6 +95,7 @@ def test_fit_stacks_recovers_the_rate_the_runs_were_simulated_with(tmp_path, cap
     prof = json.loads(out.read_text())
     assert prof["sharing"]["mps_engines"] == pytest.approx(0.7, rel=0.02)
     assert prof["sharing"]["stacks_engine_sequences"] == 128  # the fit runs' engines: 2 jobs x 64 sequences
+    assert "validation" not in prof  # the base's error bar measured the base, not the fit
     assert any(a["id"] == "sharing-two-engines" for a in prof["assumptions"])
     assert (tmp_path / "rep.md").is_file()
     # --no-left-out: the same rate from every run, without the left-out fits (none recorded).

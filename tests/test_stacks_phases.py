@@ -100,6 +100,8 @@ def test_fit_stacks_phases_recovers_the_three_rates_the_runs_were_simulated_with
     # arm whose engines generate more is flagged as priced past the fit (8 jobs: 256), that one not.
     assert prof["sharing"]["stacks_engine_sequences"] == 128
     assert not any("stacks_engine_sequences" in f for f in lock["outside_profile"])
+    # The base's error bar measured the base: the fitted profile carries none until validated.
+    assert load_profile(DEFAULT_PROFILE).validation() and "validation" not in prof
     eight = simulate(config_from_args(jobs=8, steps=1, policy="shared-sync", sharing="mps", stacks=2, seed=1,
                                       share_prompts=0, profile=str(out)))
     assert any("stacks_engine_sequences" in f and "up to 256 > profiled 128" in f for f in eight["outside_profile"])
