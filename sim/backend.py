@@ -12,7 +12,8 @@ from collections import deque
 import numpy as np
 import simpy
 
-from nodus.config import STACKS_PROFILE, STACKS_TRAINER_PROFILE, ConfigError, JobSpec, RunConfig, engine_graph_max_tokens
+from nodus.config import (STACKS_PROFILE, STACKS_PROTOCOL_PROFILE, STACKS_TRAINER_PROFILE, ConfigError, JobSpec, RunConfig,
+                          engine_graph_max_tokens)
 from nodus.lengths import prompt_tokens, sample_response_tokens
 from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
 from nodus.messages import (
@@ -115,6 +116,14 @@ class SimBackend:
                         f"{STACKS_TRAINER_PROFILE} has the rate)")
                 _note_fitted_elsewhere(cost, n_stacks, mine, fitted, "the two-engine rate (sharing.mps_engines)",
                                        "sharing.engines_controls")
+                if cost.profile.sharing.mps_trainers is None and not cfg.arm.hold_apart:
+                    # Stacks held apart never train at once; any other arrangement may (lockstep: every step).
+                    cost.note_unmodelled(
+                        f"arm.stacks={n_stacks}: trainers of stacks training at once are priced by the many-clients "
+                        "rule (the engine-and-trainer pair's combined rate split over them): the profile has no "
+                        "two-trainer rate (sharing.mps_trainers; nodus fit-stacks --rate phases fits it, "
+                        f"{STACKS_PROTOCOL_PROFILE} has one); the rule priced lockstep train steps 20% short on "
+                        "the H100 and 7% on the H200 (session 57)")
         kl = [j.id or j.task for j in cfg.jobs if j.beta]
         if kl and cost.profile.train.kl_share is None:
             cost.note_unmodelled(

@@ -55,7 +55,8 @@ def test_a_faster_two_engine_rate_predicts_more_and_the_flag_names_what_is_price
         out[rate] = simulate(cfg, tmp_path / f"r{rate}")
     assert out[1.0]["steps_per_gpu_hour"] > out[0.5]["steps_per_gpu_hour"]
     flags = " ".join(out[1.0]["diagnostics"][0]["outside_profile"])
-    assert "arm.stacks" not in flags  # two engines under MPS: priced by the fitted rate
+    assert "sharing.mps_engines" not in flags  # two engines under MPS: priced by the fitted rate
+    assert "no two-trainer rate" in flags  # its trainers together: the many-clients rule, said so
     cfg = config_from_args(jobs=8, steps=3, policy="shared-sync", sharing="mps", stacks=2)
     flags = " ".join(simulate(cfg, tmp_path / "nofit")["diagnostics"][0]["outside_profile"])
     assert "no two-engine rate" in flags and "nodus fit-stacks" in flags and STACKS_PROFILE in flags
@@ -467,3 +468,21 @@ def test_a_stacks_prediction_past_the_engine_sizes_of_its_rates_fit_is_flagged()
     assert any("up to 512 > profiled 128" in f for f in flags(STACKS_PROTOCOL_PROFILE, 16, 2))
     assert not flags(STACKS_PROTOCOL_PROFILE, 4, 2) and not flags(STACKS_PROTOCOL_PROFILE, 8, 1)
     assert not flags(STACKS_PAIR_PROFILE, 16, 2)
+
+
+def test_a_stacks_prediction_on_a_profile_without_a_two_trainer_rate_says_so():
+    """Two stacks' trainers training at once are priced by the many-clients rule where the profile
+    has no sharing.mps_trainers (session 57: lockstep trains 20% short on the H100, 7% on the H200):
+    the prediction says so, unless the stacks are held apart (they never train at once); a profile
+    with the rate (the protocol profile) is not flagged."""
+    from nodus.config import STACKS_DECODE_PROFILE, STACKS_PROTOCOL_PROFILE
+
+    def flagged(profile, **arm):
+        res = simulate(config_from_args(jobs=4, steps=1, policy="shared-sync", sharing="mps", stacks=2, seed=1,
+                                        share_prompts=4, profile=profile, **arm))
+        return any("no two-trainer rate (sharing.mps_trainers" in f for f in res["outside_profile"])
+
+    assert load_profile(STACKS_DECODE_PROFILE).profile.sharing.mps_trainers is None
+    assert flagged(STACKS_DECODE_PROFILE, lockstep=True) and flagged(STACKS_DECODE_PROFILE)
+    assert not flagged(STACKS_DECODE_PROFILE, hold_apart=0.5)
+    assert not flagged(STACKS_PROTOCOL_PROFILE, lockstep=True)
