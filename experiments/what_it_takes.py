@@ -20,7 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from nodus.config import DEFAULT_PROFILE, ConfigError
+from nodus.config import DEFAULT_PROFILE, STACKS_PROFILE, ConfigError
 
 TRAIN = (1.0, 0.75, 0.5, 0.35)
 DECODE = (1.0, 0.75, 0.5)
@@ -112,7 +112,8 @@ def render(rows: list[dict], profile: str, validation: dict | None, *, arm: dict
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--profile", help=f"profile to scale (default {DEFAULT_PROFILE}; with --stacks past 1, "
+                                      f"{STACKS_PROFILE}, as nodus sim picks it under MPS)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results"))
     ap.add_argument("--policy", choices=("overlap", "shared-sync"), default=ARM["policy"])
     ap.add_argument("--groups", type=int, default=None, help="overlap's phase-offset groups (default 2)")
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--stacks {a.stacks} --jobs {a.jobs} --steps {a.steps}: each must be >= 1")
     if a.groups is not None and a.policy != "overlap":
         raise SystemExit(f"--groups {a.groups}: phase-offset groups are overlap's; {a.policy} runs one group")
+    if a.profile is None:
+        a.profile = STACKS_PROFILE if a.stacks > 1 else DEFAULT_PROFILE
     arm = {"policy": a.policy, "stacks": a.stacks,
            "groups": (a.groups or ARM["groups"]) if a.policy == "overlap" else 1}
     train, decode = factors(a.train, "--train"), factors(a.decode, "--decode")

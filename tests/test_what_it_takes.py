@@ -41,8 +41,10 @@ def test_two_stack_grid_matches_nodus_sim_and_speeds_up_with_cheaper_phases():
 
 def test_main_writes_the_grid_with_its_arm_and_target(tmp_path):
     out = tmp_path / "w"
-    res = wit.main(["--policy", "shared-sync", "--stacks", "2", "--steps", "2", "--profile", STACKS_PROFILE,
+    # Two stacks and no --profile: the shipped stacks profile, as nodus sim picks it.
+    res = wit.main(["--policy", "shared-sync", "--stacks", "2", "--steps", "2",
                     "--train", "1,0.5", "--decode", "1,0.5", "--target", "9000", "--out", str(out)])
+    assert res["profile"] == STACKS_PROFILE
     saved = json.loads((out / "what_it_takes_sim.json").read_text())
     assert saved["arm"] == {"policy": "shared-sync", "stacks": 2, "groups": 1} == res["arm"]
     assert len(saved["rows"]) == 4 and saved["target"] == 9000
