@@ -118,12 +118,11 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_al
     return out
 
 
-def record_engine_sequences(prof: dict, rows: list[dict]) -> None:
-    """``sharing.stacks_engine_sequences``: the most sequences an engine of the fit runs (``rows``,
-    ``stack_runs``') generated at once, the smaller of it and the profile's where a fit of another
-    stacks rate recorded one (past it, at least one rate is priced where it was not fitted); the
-    simulator flags an engine of stacks generating more."""
-    seqs = max((r.get("engine_sequences") or 0 for r in rows), default=0)
+def record_engine_sequences(prof: dict, seqs: int) -> None:
+    """``sharing.stacks_engine_sequences``: ``seqs``, the most sequences an engine of a fit's runs
+    generated at once (``stack_runs``' rows), or the smaller of it and the profile's where a fit of
+    another stacks rate recorded one (past it, at least one rate is priced where it was not
+    fitted); the simulator flags an engine of stacks generating more."""
     if seqs:
         prev = prof["sharing"].get("stacks_engine_sequences")
         prof["sharing"]["stacks_engine_sequences"] = seqs if prev is None else min(prev, seqs)
@@ -343,7 +342,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     field = result["field"]
     prof = profile_dict(base)
     prof["sharing"][field] = result[field]
-    record_engine_sequences(prof, [result])
+    record_engine_sequences(prof, result["engine_sequences"])
     drop_base_validation(prof)
     kept = ("settings", "rows", "left_out_mape", "left_out_worst", "without_rate_mape", "left_out_days")
     if field == "mps_engines":

@@ -391,7 +391,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof["sharing"]["engines_controls"] = dict(result["settings"])
     prof["sharing"]["stacks_trainer_controls"] = dict(result["settings"])
     prof["sharing"]["stacks_engine_sequences"] = None  # every stacks rate is this fit's
-    record_engine_sequences(prof, [result])
+    record_engine_sequences(prof, result["engine_sequences"])
     drop_base_validation(prof)
     # Both rates' fit records (which `nodus validate` reads to keep the fit runs out of its held-out
     # figures, and the error bar quotes) are this fit's: no left-out fits here.

@@ -116,10 +116,11 @@ def _phase_means(spans: list[dict]) -> dict[str, float]:
     return out
 
 
-def action_seconds(spans: list[dict], phase: str = "generate") -> dict[tuple, float]:
-    """Each generate (or train) action's seconds, by ``_phase_actions``' key (gpu, group, step): a
-    recorded run's and its replay's actions pair by that key (the replay runs the run's own steps)."""
-    return {k: a[1] - a[0] for k, a in _phase_actions(spans)[phase].items()}
+def action_seconds(spans: list[dict]) -> dict[str, dict[tuple, float]]:
+    """Each generate and train action's seconds, by phase and ``_phase_actions``' key (gpu, group,
+    step): a recorded run's and its replay's actions pair by that key (the replay runs the run's own
+    steps)."""
+    return {phase: {k: a[1] - a[0] for k, a in acts.items()} for phase, acts in _phase_actions(spans).items()}
 
 
 def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
@@ -344,8 +345,7 @@ def _simulate(cfg: dict, source: str) -> dict:
     spans = [{**s.to_dict(), "gpu": gpu} for gpu, run in enumerate(runs) for s in run]
     return {"steps_per_gpu_hour": summary["steps_per_gpu_hour"], "busy": summary["busy"],
             "pace": summary.get("pace") or {}, "phase_s": _phase_means(spans), "gen_by_size": generations_by_size(spans),
-            "gen_seconds": action_seconds(spans, "generate"),
-            "train_seconds": action_seconds(spans, "train"),
+            "action_seconds": action_seconds(spans),
             "outside_profile": sorted(make.cost.flags),
             "per_job": {j: {"steps": d["steps"], "finish_s": d["finish_s"]}
                         for j, d in summary.get("per_job", {}).items()}}
@@ -469,8 +469,9 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
                                                                  profile_adapter_format(prof))))}
         if stacks_of(cfg["arm"]) > 1:
             row["beside_engines"] = beside_engines_errors(generations_beside_engines(spans),
-                                                          rep["gen_seconds"])
-            row["beside_trainers"] = beside_engines_errors(trains_beside_trainers(spans), rep["train_seconds"])
+                                                          rep["action_seconds"]["generate"])
+            row["beside_trainers"] = beside_engines_errors(trains_beside_trainers(spans),
+                                                           rep["action_seconds"]["train"])
         rows.append(row)
     report: dict = {"profile": profile, "fit_max_jobs": fit_max_jobs, "rows": rows}
     for split, keep in (("heldout", lambda r: r["heldout"]), ("all", lambda r: True)):
