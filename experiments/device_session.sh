@@ -1,7 +1,7 @@
 #!/bin/bash
 # One H200 call after the vLLM bundle is staged (see ../shared/device/README.md):
 #   bash experiments/device_session.sh MODE
-#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engine|engine-profile|publish|handoff|arrivals|learn|
+#   (MODE: trainer|graphs|tune-lora|arms|calibrate|sharing|engines|engine|engine-profile|publish|handoff|arrivals|learn|
 #    small-base|trainer-memory)
 # trainer-memory needs no bundle (torch, transformers and numpy are in the device image); every other
 # mode stops at once, exit 3, on a machine where the bundle is not installed (a fresh machine: the
@@ -135,6 +135,17 @@ case "${1:-arms}" in
     timeout "${SHARING_TIMEOUT:-480}" python -m nodus.cli calibrate-sharing --model /tmp/nodus-qwen3-0.6b-random \
       --base "${SHARING_BASE:-h200-xeon16-qwen3-0.6b}" --out "$OUT/h200-sharing.json" ${SHARING_EXTRA:-} > "$OUT/sharing.log" 2>&1
     echo "calibrate-sharing rc=$?" ;;
+  engines)
+    # Two stacks' engines generating at once by engine size (nodus calibrate-engines: each engine alone
+    # and beside the other, 64-512 sequences over one adapter per 64) on ENGINES_BASE (default #5's
+    # protocol profile: its LoRA kernels and CUDA-graph size, and its fitted two-engine rate kept at the
+    # fit's engine size). The raw timings reach $OUT/h200-engines.json.raw.json after every bucket
+    # (nodus calibrate-engines --from-raw builds the profile from them).
+    random_model
+    timeout "${ENGINES_TIMEOUT:-420}" python -m nodus.cli calibrate-engines --model /tmp/nodus-qwen3-0.6b-random \
+      --base "${ENGINES_BASE:-calibration/profiles/h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-session35-qwen3-0.6b.json}" \
+      --out "$OUT/h200-engines.json" ${ENGINES_EXTRA:-} > "$OUT/engines.log" 2>&1
+    echo "calibrate-engines rc=$?"; tail -8 "$OUT/engines.log" ;;
   engine)
     random_model
     timeout 400 python experiments/bench_engine_loop.py --model /tmp/nodus-qwen3-0.6b-random --batch 512 --adapters 8 \

@@ -336,6 +336,28 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate_engines(a: argparse.Namespace) -> int:
+    from calibration.engines import MODES, calibrate_engines
+
+    prof = calibrate_engines(a.model, a.base, a.out, modes=tuple(m for m in a.modes.split(",") if m),
+                             from_raw=a.from_raw, batches=_ints(a.batches), prompt=a.prompt_tokens, length=a.length,
+                             repeats=a.repeats, device=a.device, engine_memory=a.engine_memory,
+                             enforce_eager=a.enforce_eager, log=lambda m: print(m, file=sys.stderr, flush=True))
+    m = prof["measurements"]["engines"]
+    for e in prof["sharing"]["engines_by_batch"]:
+        print(f"batch {e['batch']}: " + ", ".join(f"{mode} slowdown {e[mode]:.3f}" for mode in MODES if e.get(mode)))
+    fast = [(e["batch"], mode) for e in prof["sharing"]["engines_by_batch"] for mode in MODES
+            if e.get(mode) is not None and e[mode] < 1.0]
+    if fast:
+        print("faster beside the other engine than alone (disturbed timings? measure again): "
+              + ", ".join(f"{mode} {b}" for b, mode in fast))
+    if m["missing"]:
+        print(f"incomplete: {len(m['missing'])} bucket(s) not measured: "
+              + ", ".join(f"{b['mode']} {b['batch']}" for b in m["missing"]))
+    print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
+    return 0
+
+
 def _fit_decode_scale_only(a: argparse.Namespace) -> int:
     from calibration.fit_runs import fit_decode_scale
     from sim.profile import refuse_existing, write_profile
@@ -769,6 +791,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true")
     p.set_defaults(fn=cmd_calibrate_sharing)
+
+    p = sub.add_parser("calibrate-engines",
+                       help="measure two stacks' engines generating at once, by engine size, into a profile "
+                            "(sharing.engines_by_batch)")
+    p.add_argument("--model", help="local model folder (weights saved, e.g. random); needed unless --from-raw")
+    p.add_argument("--base", default="h200-qwen3-0.6b",
+                   help="profile whose other sections are kept (its LoRA kernels and CUDA-graph size are measured); "
+                        "a stacks profile keeps its fitted two-engine rate at the fit's engine size")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten); the raw timings "
+                                                "go beside it as they come (OUT.raw.json)")
+    p.add_argument("--from-raw", metavar="FILE", help="build the profile from a run's raw timings, without measuring")
+    p.add_argument("--modes", default="mps", help="sharing modes to measure: mps (a GPU), none (time-sliced)")
+    p.add_argument("--batches", default="64,128,256,512",
+                   help="engine sizes in sequences, each engine over one adapter per 64 sequences")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--length", type=int, default=256, help="forced response length")
+    p.add_argument("--repeats", type=int, default=2, help="timings per engine and bucket, of each kind")
+    p.add_argument("--engine-memory", type=float, default=0.35, help="GPU memory share of both engines together")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--enforce-eager", action="store_true")
+    p.set_defaults(fn=cmd_calibrate_engines)
 
     p = sub.add_parser("fit", help="refit a profile's trainer and publish costs from recorded real runs")
     p.add_argument("runs", nargs="+", help="run folders written by nodus run --out")

@@ -45,9 +45,10 @@ class SimBackend:
         self.cfg, self.cost = cfg, cost
         self.env = simpy.Environment()
         sharing = cost.profile.sharing
-        if cfg.arm.policy == "timeslice" and sharing.mps_engines is not None:
-            # timeslice's stacks are its groups: the two-engine rate was fitted on arm.stacks arms only.
-            sharing = sharing.model_copy(update={"mps_engines": None})
+        if cfg.arm.policy == "timeslice" and (sharing.mps_engines is not None or sharing.engines_by_batch):
+            # timeslice's stacks are its groups: the two-engine rate was fitted (and its shape measured)
+            # for arm.stacks arms only.
+            sharing = sharing.model_copy(update={"mps_engines": None, "engines_by_batch": []})
         if (n_stacks < 2 or cfg.arm.policy == "timeslice") and (sharing.mps_stacks_trainer is not None
                                                                  or sharing.mps_trainers is not None):
             # The lone trainer's rate beside engines and the trainers' together were fitted on
@@ -60,6 +61,10 @@ class SimBackend:
         stacks_rated = n_stacks > 1 and cfg.arm.sharing == "mps" and (
             sharing.mps_engines is not None or sharing.mps_stacks_trainer is not None or sharing.mps_trainers is not None)
         self._stacks_fit_seqs = sharing.stacks_engine_sequences if stacks_rated else None
+        # The two-engine bench's largest engine for this mode, where the bench prices the engines of
+        # these stacks (sim.gpu.engines_rate): the two-engine rate follows engine size up to it.
+        bench = [e.batch for e in sharing.engines_by_batch if getattr(e, cfg.arm.sharing, None) is not None]
+        self._bench_seqs = max(bench) if bench and n_stacks > 1 and cfg.arm.policy != "timeslice" else None
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
         if share:
@@ -71,12 +76,20 @@ class SimBackend:
                 f"trainer.share_prompts={share}: packed rows priced at the plain rows' per-token train cost, "
                 "their masked attention unmodelled (no train.packed_pair_per_token in the profile): train steps "
                 "predicted short (README, trainer.share_prompts)")
-        engines_rate = cost.profile.sharing.mps_engines
+        # A two-engine rate: fitted (MPS), or the bench's for the arm's mode (sim.gpu.engines_rate).
+        engines_rate = cost.profile.sharing.mps_engines if cfg.arm.sharing == "mps" else None
+        if engines_rate is None and self._bench_seqs is not None:
+            engines_rate = "bench"
         if n_stacks > 1 and cfg.arm.policy != "timeslice":
             shared = ("engines of several stacks generating at once are priced as more clients of one GPU, sharing "
                       "the engine-trainer pair's combined rate (sim.gpu.sharing_rates), and each engine's own host "
                       "thread is not modelled")
-            if cfg.arm.sharing != "mps":
+            if cfg.arm.sharing != "mps" and self._bench_seqs is not None:
+                cost.note_unmodelled(f"arm.stacks={n_stacks} without MPS: each engine generating beside another "
+                                     "priced by the two-engine bench's time-sliced slowdown (sharing.engines_by_batch); "
+                                     "beside a trainer too, slowed as one engine is; the trainers share the pair's "
+                                     "combined rate (sim.gpu.sharing_rates)")
+            elif cfg.arm.sharing != "mps":
                 cost.note_unmodelled(f"arm.stacks={n_stacks} without MPS: {shared}")
             elif engines_rate is None:
                 cost.note_unmodelled(f"arm.stacks={n_stacks}: {shared}; the profile has no two-engine rate "
@@ -93,7 +106,8 @@ class SimBackend:
                 # A rate fitted to phase times (fit-stacks --rate phases) is not an average over the
                 # runs' alignment, and its runs may mix alignments.
                 by_phases = ((cost.profile.measurements or {}).get("stacks") or {}).get("fitted_on") == "phases"
-                if cfg.arm.lockstep != bool(fitted.get("lockstep")) and not by_phases:
+                if (cfg.arm.lockstep != bool(fitted.get("lockstep")) and not by_phases
+                        and cost.profile.sharing.mps_engines is not None):
                     cost.note_unmodelled(
                         f"arm.lockstep={cfg.arm.lockstep}: the two-engine rate (sharing.mps_engines) was fitted on "
                         + ("stacks in lockstep" if fitted.get("lockstep") else "free-running stacks")
@@ -169,7 +183,15 @@ class SimBackend:
             batch.append((r.job_id, r.step, r.adapter_version, job.prompts_per_step,
                           prompt_tokens(job), lengths))
         seqs = sum(len(b[-1]) for b in batch)
-        if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
+        if self._bench_seqs is not None:
+            if seqs > self._bench_seqs:
+                self.cost.note_beyond("sequences one engine of stacks generates at once, past the two-engine "
+                                      "bench's largest engine (sharing.engines_by_batch)", seqs, self._bench_seqs)
+            if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
+                self.cost.note_beyond("sequences one engine of stacks generates at once: the two-engine rate follows "
+                                      "the bench; the rates beside a lone trainer and two trainers' keep the fit's "
+                                      "engine size (sharing.stacks_engine_sequences)", seqs, self._stacks_fit_seqs)
+        elif self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
             self.cost.note_beyond("sequences one engine of stacks generates at once, its stacks rates fitted on "
                                   "smaller engines (sharing.stacks_engine_sequences)", seqs, self._stacks_fit_seqs)
         self.engines[a.stack].submit(a.action_id, batch)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import simpy
 
-from sim.profile import Rates, SharingCost
+from sim.profile import RATE_MAX, Rates, SharingCost
 
 
 def pair_rates(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> Rates:
@@ -32,6 +32,38 @@ def pair_rates(sharing: str, cost: SharingCost, engine_batch: int | None = None)
     (b0, r0), (b1, r1) = pts[i - 1], pts[i]
     w = (engine_batch - b0) / (b1 - b0)
     return Rates(engine=r0.engine + w * (r1.engine - r0.engine), trainer=r0.trainer + w * (r1.trainer - r0.trainer))
+
+
+def _interp(pts: list[tuple[int, float]], x: int) -> float:
+    """Linear between points (sorted by x), the end points' values beyond them."""
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    i = next(k for k, (b, _) in enumerate(pts) if b >= x)
+    (b0, y0), (b1, y1) = pts[i - 1], pts[i]
+    return y0 + (x - b0) / (b1 - b0) * (y1 - y0)
+
+
+def engines_rate(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> float | None:
+    """Each engine's rate while engines of several stacks generate at once, nothing else running
+    (None: the profile has none for this mode, and the many-clients rule prices them).
+
+    Without the two-engine bench (``sharing.engines_by_batch``) for the mode: the fitted rate
+    (``sharing.mps_engines``, MPS only). With it: under MPS with a fitted rate and the fit's engine
+    size (``sharing.stacks_engine_sequences``), the fitted rate times the bench's slowdown at that size
+    over its slowdown at the running batch (the fit gives the level, the bench the shape over engine
+    size); else the mode's alone rate over the bench's slowdown (no-MPS alone is the unit)."""
+    fitted = cost.mps_engines if sharing == "mps" else None
+    pts = [(e.batch, getattr(e, sharing)) for e in sorted(cost.engines_by_batch, key=lambda e: e.batch)
+           if getattr(e, sharing, None) is not None]
+    if not pts or engine_batch is None:
+        return fitted
+    slow = _interp(pts, engine_batch)
+    if fitted is not None and cost.stacks_engine_sequences is not None:
+        return min(fitted * _interp(pts, cost.stacks_engine_sequences) / slow, RATE_MAX)
+    alone = 1.0 if sharing == "none" else cost.mps_alone.engine
+    return min(alone / slow, RATE_MAX)
 
 
 def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batch: int | None = None) -> list[float]:
@@ -72,9 +104,11 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
         # split over all of them, priced them 19-21% low. Trainers of several stacks at once, the
         # same way: each at the fitted two-trainer rate, slowed beside an engine as one trainer is
         # (an assumption).
-        for kind, other, fitted in (("engine", "trainer", cost.mps_engines), ("trainer", "engine", cost.mps_trainers)):
-            if sharing == "mps" and kinds.count(kind) >= 2 and fitted is not None:
-                each = fitted * (getattr(pair, kind) / getattr(cost.mps_alone, kind) if other in kinds else 1.0)
+        two_engines = engines_rate(sharing, cost, engine_batch)
+        for kind, other, fitted in (("engine", "trainer", two_engines), ("trainer", "engine", cost.mps_trainers)):
+            if kinds.count(kind) >= 2 and fitted is not None and (sharing == "mps" or kind == "engine"):
+                alone = 1.0 if sharing == "none" else getattr(cost.mps_alone, kind)
+                each = fitted * (getattr(pair, kind) / alone if other in kinds else 1.0)
                 rates = [each if k == kind else r for k, r in zip(kinds, rates)]
     # Several stacks: the one trainer beside engines at its own fitted rate (a backend of one
     # stack has none: sim.backend drops it).

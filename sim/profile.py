@@ -178,6 +178,15 @@ class BatchRates(_M):
     mps_corun: Rates | None = None
 
 
+class EnginesBatch(_M):
+    """Two engines of `batch` sequences each generating at once (`nodus calibrate-engines`): each
+    one's time beside the other over its time alone, per sharing mode measured."""
+
+    batch: int = Field(ge=1)
+    none: float | None = Field(default=None, gt=0)
+    mps: float | None = Field(default=None, gt=0)
+
+
 class SharingCost(_M):
     none_corun: Rates  # engine and trainer time-slicing the GPU
     mps_alone: Rates  # one side running alone inside its MPS share
@@ -237,6 +246,14 @@ class SharingCost(_M):
     # of it is flagged (on the H200, session 58: engines of 512 sequences beside each other generated
     # 5-14% longer than priced, where the rates were fitted at 64-128). None: not recorded.
     stacks_engine_sequences: int | None = Field(default=None, ge=1)
+    # Two engines' slowdown beside each other by engine size, from the two-engine bench (`nodus
+    # calibrate-engines`; each engine of `batch` sequences over one adapter per 64). Where given for
+    # the arm's sharing mode, the two-engine rate follows it over engine size (sim.gpu.engines_rate):
+    # under MPS with a fitted mps_engines, that rate at the fit's engine size (stacks_engine_sequences)
+    # times the bench's slowdown there over its slowdown at the running size; else alone's rate over
+    # the slowdown. On the H200 the rate fitted on each size's own runs fell from 0.86 (256 sequences)
+    # to 0.71 (512), which a constant fitted at 64-128 cannot say (session 58).
+    engines_by_batch: list[EnginesBatch] = []
 
 
 class Assumption(_M):

