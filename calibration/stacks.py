@@ -132,6 +132,10 @@ def replay(rows: list[dict], prof: dict, rates: dict[str, float | None], tmp: Pa
     """Each run replayed (``_simulate``'s summary) on ``prof`` with ``sharing`` updated by ``rates``."""
     p = json.loads(json.dumps(prof))
     p["sharing"].update(rates)
+    if "mps_engines" in rates and p["sharing"].get("engines_by_batch"):
+        # Beside the two-engine bench's shape the fitted rate holds at the engine size of the runs it
+        # is fitted on (sim.gpu.engines_rate): anchor it there, as the written profile will.
+        p["sharing"]["stacks_engine_sequences"] = max(r["engine_sequences"] for r in rows)
     path = tmp / ("profile-" + "-".join(f"{k}-{v}" for k, v in sorted(rates.items())) + ".json")
     write_profile(p, path, "nodus fit-stacks", overwrite=True)
     return [_simulate(dict(r["cfg"], profile=str(path)), f"{r['run']}/config.json") for r in rows]
@@ -342,6 +346,9 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     field = result["field"]
     prof = profile_dict(base)
     prof["sharing"][field] = result[field]
+    if field == "mps_engines" and prof["sharing"].get("engines_by_batch"):
+        # The rate's anchor on the bench's shape: this fit's engine size, as its replays had it.
+        prof["sharing"]["stacks_engine_sequences"] = None
     record_engine_sequences(prof, result["engine_sequences"])
     drop_base_validation(prof)
     kept = ("settings", "rows", "left_out_mape", "left_out_worst", "without_rate_mape", "left_out_days")

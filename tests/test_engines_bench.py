@@ -137,3 +137,25 @@ def test_bad_input_to_calibrate_engines_is_named(tmp_path, capsys):
     assert main(["calibrate-engines", "--model", "m", "--out", str(tmp_path / "o.json")]) == 2
     assert "never overwrites" in capsys.readouterr().err
     assert not (tmp_path / "o.json.raw.json").exists()
+
+
+def test_fit_stacks_on_a_base_with_the_bench_anchors_the_rate_at_its_runs_engine_size(tmp_path):
+    """A flat bench up to the runs' engines changes nothing the fit sees: the same two-engine rate as
+    without it, anchored at the runs' engine size; and a base without a recorded engine size (the
+    bench alone would price the engines) still fits the rate it is given."""
+    import glob
+
+    runs = sorted(glob.glob("experiments/results/h200/session35/arms/*-ls4-*-j4-s?"))
+    assert len(runs) == 2
+    base = json.loads(open(P).read())
+    base["sharing"]["stacks_engine_sequences"] = None
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(base))
+    bench = _profile_with_bench(tmp_path, {64: 1.1, 128: 1.1, 512: 2.0}, base=str(plain))
+    fits = {}
+    for name, b in (("plain", plain), ("bench", bench)):
+        out = tmp_path / f"fit-{name}.json"
+        assert main(["fit-stacks", "--rate", "engines", "--no-left-out", "--base", str(b), "--out", str(out), *runs]) == 0
+        fits[name] = json.loads(out.read_text())["sharing"]
+    assert fits["bench"]["mps_engines"] == pytest.approx(fits["plain"]["mps_engines"], rel=1e-3)
+    assert fits["bench"]["stacks_engine_sequences"] == fits["plain"]["stacks_engine_sequences"] == 128
