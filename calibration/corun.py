@@ -207,6 +207,17 @@ def write_raw(path: str | Path, raw: dict, settings: dict) -> None:
     os.replace(tmp, path)
 
 
+def fresh_raw_path(out: str | Path, tool: str, log=print) -> Path:
+    """The raw-timings file a measuring run of ``tool`` writes beside ``out``, refused where one is
+    there already (an earlier run's timings, which ``--from-raw`` can still build a profile from)."""
+    raw_path = raw_path_for(out)
+    if raw_path.exists():
+        raise FileExistsError(f"{str(raw_path)!r} exists (the raw timings of an earlier run with this --out?): "
+                              f"build its profile with --from-raw {raw_path}, or move it away")
+    log(f"raw timings go to {raw_path} after every bucket (a stopped run: nodus {tool} --from-raw {raw_path})")
+    return raw_path
+
+
 def parse_sharing_log(text: str) -> dict:
     """The bucket lines of a calibrate-sharing log as `raw` (per mode, rows in log order); every
     other line (vLLM's, progress bars, warnings) is ignored. A bucket twice is an error: two runs'
@@ -446,12 +457,7 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
         measured = measured_from_raw(raw, got, source={"file": str(from_raw), "format": fmt})
         source = f"nodus calibrate-sharing --from-raw {Path(from_raw).name} ({','.join(got['modes'])})"
     else:
-        raw_path = raw_path_for(out)
-        if raw_path.exists():
-            raise FileExistsError(f"{str(raw_path)!r} exists (the raw timings of an earlier run with this --out?): "
-                                  f"build its profile with --from-raw {raw_path}, or move it away")
-        log(f"raw timings go to {raw_path} after every bucket (a stopped run: nodus calibrate-sharing "
-            f"--from-raw {raw_path})")
+        raw_path = fresh_raw_path(out, "calibrate-sharing", log)
         # The co-run rates of the trainer the base profile's train terms describe, beside the engine
         # its engine terms describe (its LoRA kernels).
         cap = (prof.get("environment") or {}).get("trainer_cpu_threads")

@@ -17,20 +17,21 @@ A bucket's slowdown is beside over alone (each engine in turn in the foreground,
 profile keeps them as ``sharing.engines_by_batch`` (one value per sharing mode measured); the
 simulator takes the two-engine rate's shape over engine size from them (sim.gpu.engines_rate).
 
-Raw timings go to ``<out>.raw.json`` after every bucket, so a device call's time limit keeps what it
-measured; ``--from-raw FILE`` builds the profile from such a file without measuring.
+Raw timings go beside the profile (``x.json``: ``x.raw.json``) after every bucket, so a device call's
+time limit keeps what it measured; ``--from-raw FILE`` builds the profile from such a file without
+measuring.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from calibration.corun import fresh_raw_path, write_raw
 from calibration.measure import _requests
 
 BATCHES = (64, 128, 256, 512)  # engine sizes: 1, 2, 4 and 8 jobs of 64 sequences
@@ -113,18 +114,6 @@ class _Engines:
 
     def close(self) -> None:
         self.c.close()
-
-
-def raw_path_for(out: str | Path) -> Path:
-    return Path(str(out) + ".raw.json")
-
-
-def write_raw(path: str | Path, raw: dict, settings: dict) -> None:
-    """The timings so far, atomically (a stopped run keeps every finished bucket)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"settings": settings, "raw": raw}, indent=1))
-    os.replace(tmp, path)
 
 
 def bucket_line(mode: str, row: dict) -> str:
@@ -244,12 +233,7 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
         if not model:
             raise ConfigError("calibrate-engines: --model is required to measure (or --from-raw FILE builds the "
                               "profile from a run's raw timings, without measuring)")
-        raw_path = raw_path_for(out)
-        if raw_path.exists():
-            raise FileExistsError(f"{str(raw_path)!r} exists (the raw timings of an earlier run with this --out?): "
-                                  f"build its profile with --from-raw {raw_path}, or move it away")
-        log(f"raw timings go to {raw_path} after every bucket (a stopped run: nodus calibrate-engines "
-            f"--from-raw {raw_path})")
+        raw_path = fresh_raw_path(out, "calibrate-engines", log)
         graphs = (prof.get("decode") or {}).get("graph_max_tokens")
         raw, got = measure_engines(model, modes=modes, raw_path=raw_path, log=log, cuda_graph_max_tokens=graphs,
                                    tuned_lora_kernels=profile_lora_kernels(prof) == "tuned", **settings)

@@ -139,7 +139,7 @@ case "${1:-arms}" in
     # Two stacks' engines generating at once by engine size (nodus calibrate-engines: each engine alone
     # and beside the other, 64-512 sequences over one adapter per 64) on ENGINES_BASE (default #5's
     # protocol profile: its LoRA kernels and CUDA-graph size, and its fitted two-engine rate kept at the
-    # fit's engine size). The raw timings reach $OUT/h200-engines.json.raw.json after every bucket
+    # fit's engine size). The raw timings reach $OUT/h200-engines.raw.json after every bucket
     # (nodus calibrate-engines --from-raw builds the profile from them).
     random_model
     timeout "${ENGINES_TIMEOUT:-420}" python -m nodus.cli calibrate-engines --model /tmp/nodus-qwen3-0.6b-random \

@@ -24,14 +24,8 @@ def pair_rates(sharing: str, cost: SharingCost, engine_batch: int | None = None)
            if getattr(b, name) is not None]
     if not pts or engine_batch is None:
         return getattr(cost, name)
-    if engine_batch <= pts[0][0]:
-        return pts[0][1]
-    if engine_batch >= pts[-1][0]:
-        return pts[-1][1]
-    i = next(k for k, (b, _) in enumerate(pts) if b >= engine_batch)
-    (b0, r0), (b1, r1) = pts[i - 1], pts[i]
-    w = (engine_batch - b0) / (b1 - b0)
-    return Rates(engine=r0.engine + w * (r1.engine - r0.engine), trainer=r0.trainer + w * (r1.trainer - r0.trainer))
+    return Rates(**{side: _interp([(b, getattr(r, side)) for b, r in pts], engine_batch)
+                    for side in ("engine", "trainer")})
 
 
 def _interp(pts: list[tuple[int, float]], x: int) -> float:

@@ -158,7 +158,7 @@ def test_calibrate_engines_measures_two_engine_processes_on_the_cpu(tmp_path, ca
     # Two engine processes on two cores: beside the other, an engine waits for the cores.
     assert all(r["beside_s"] > r["alone_s"] > 0 for r in rows)
     assert [e["batch"] for e in prof["sharing"]["engines_by_batch"]] == [4, 8]
-    assert json.loads((tmp_path / "engines.json.raw.json").read_text())["raw"]["none"] == rows
+    assert json.loads((tmp_path / "engines.raw.json").read_text())["raw"]["none"] == rows
     assert "batch 4: none slowdown" in capsys.readouterr().out
     cfg = config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="none", stacks=2, profile=str(out))
     flags = simulate(cfg)["diagnostics"][0]["outside_profile"]

@@ -136,7 +136,7 @@ def test_bad_input_to_calibrate_engines_is_named(tmp_path, capsys):
     (tmp_path / "o.json").write_text("{}")
     assert main(["calibrate-engines", "--model", "m", "--out", str(tmp_path / "o.json")]) == 2
     assert "never overwrites" in capsys.readouterr().err
-    assert not (tmp_path / "o.json.raw.json").exists()
+    assert not (tmp_path / "o.raw.json").exists()
 
 
 def test_fit_stacks_on_a_base_with_the_bench_anchors_the_rate_at_its_runs_engine_size(tmp_path):
