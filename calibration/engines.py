@@ -183,6 +183,40 @@ def read_raw(path: str | Path) -> tuple[dict, dict]:
     return raw, settings
 
 
+POOLED_SETTINGS = ("prompt", "length", "seqs_per_adapter", "cuda_graph_max_tokens", "tuned_lora_kernels")
+
+
+def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
+    """Several bench runs' raw timings as one: each (mode, batch) bucket's timings of every run
+    together, its medians over all of them (one run's alone times at 512 sequences on the H100 moved
+    15% between two runs while the beside times held to 1%). Runs of other prompt or response lengths,
+    adapters per sequence, graphs or kernels are refused by name."""
+    from nodus.config import ConfigError
+
+    pooled: dict[str, dict[int, dict]] = {}
+    settings = None
+    for f in files:
+        raw, got = read_raw(f)
+        if settings is None:
+            settings = dict(got, runs=[str(f) for f in files])
+        differ = [k for k in POOLED_SETTINGS if got.get(k) != settings.get(k)]
+        if differ:
+            raise ConfigError(f"calibrate-engines --from-raw: {str(f)!r} ran other settings than {str(files[0])!r} "
+                              f"({', '.join(f'{k} {got.get(k)!r} against {settings.get(k)!r}' for k in differ)}): "
+                              "pool runs of one bench only")
+        for mode, rows in raw.items():
+            for r in rows:
+                b = pooled.setdefault(mode, {}).setdefault(int(r["batch"]), {"adapters": r.get("adapters"),
+                                                                              "alone": [], "beside": []})
+                b["alone"] += r.get("alone_each_s") or [r["alone_s"]]
+                b["beside"] += r.get("beside_each_s") or [r["beside_s"]]
+    raw = {mode: [_row(batch, b["adapters"], b["alone"], b["beside"]) for batch, b in sorted(by.items())]
+           for mode, by in pooled.items()}
+    settings["modes"] = sorted(raw)
+    settings["batches"] = sorted({int(r["batch"]) for rows in raw.values() for r in rows})
+    return raw, settings
+
+
 def engines_by_batch(raw: dict) -> list[dict]:
     """``sharing.engines_by_batch``: per batch, each mode's slowdown (beside over alone)."""
     by: dict[int, dict] = {}
@@ -212,10 +246,11 @@ def apply_engines(prof: dict, raw: dict, settings: dict, source: dict | None = N
     return prof
 
 
-def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps",), from_raw: str | Path | None = None,
-                      log=print, **settings) -> dict:
+def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps",),
+                      from_raw: str | Path | list | None = None, log=print, **settings) -> dict:
     """`nodus calibrate-engines`: measure (raw timings beside ``out`` as they come) or read
-    ``from_raw``, then write the base profile with ``sharing.engines_by_batch``."""
+    ``from_raw`` (one raw-timings file, or several: pooled), then write the base profile with
+    ``sharing.engines_by_batch``."""
     from nodus.config import ConfigError
     from sim.profile import (add_source, drop_base_validation, profile_dict, profile_lora_kernels, refuse_existing,
                              write_profile)
@@ -226,9 +261,11 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
         raise ConfigError(f"--modes {','.join(modes)!r}: choose from {','.join(MODES)}")
     prof = profile_dict(base)
     if from_raw is not None:
-        raw, got = read_raw(from_raw)
-        apply_engines(prof, raw, got, source={"file": str(from_raw)})
-        add_source(prof, f"nodus calibrate-engines --from-raw {Path(from_raw).name} ({','.join(raw)})")
+        files = [from_raw] if isinstance(from_raw, (str, Path)) else list(from_raw)
+        raw, got = read_raw(files[0]) if len(files) == 1 else pool_raw(files)
+        apply_engines(prof, raw, got, source={"files": [str(f) for f in files]})
+        add_source(prof, f"nodus calibrate-engines --from-raw {' '.join(Path(f).name for f in files)} "
+                         f"({','.join(raw)})")
     else:
         if not model:
             raise ConfigError("calibrate-engines: --model is required to measure (or --from-raw FILE builds the "

@@ -801,7 +801,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a stacks profile keeps its fitted two-engine rate at the fit's engine size")
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten); the raw timings "
                                                 "go beside it as they come (OUT.raw.json)")
-    p.add_argument("--from-raw", metavar="FILE", help="build the profile from a run's raw timings, without measuring")
+    p.add_argument("--from-raw", metavar="FILE", nargs="+",
+                   help="build the profile from a run's raw timings, without measuring (several runs' files: each "
+                        "bucket's timings pooled, medians over all)")
     p.add_argument("--modes", default="mps", help="sharing modes to measure: mps (a GPU), none (time-sliced)")
     p.add_argument("--batches", default="64,128,256,512",
                    help="engine sizes in sequences, each engine over one adapter per 64 sequences")

@@ -159,3 +159,27 @@ def test_fit_stacks_on_a_base_with_the_bench_anchors_the_rate_at_its_runs_engine
         fits[name] = json.loads(out.read_text())["sharing"]
     assert fits["bench"]["mps_engines"] == pytest.approx(fits["plain"]["mps_engines"], rel=1e-3)
     assert fits["bench"]["stacks_engine_sequences"] == fits["plain"]["stacks_engine_sequences"] == 128
+
+
+def test_several_raw_files_pool_each_buckets_timings(tmp_path, capsys):
+    a = {"raw": {"mps": [{"batch": 64, "adapters": 1, "alone_s": 1.0, "beside_s": 1.5, "alone_each_s": [1.0, 1.0],
+                          "beside_each_s": [1.5, 1.5]}]},
+         "settings": {"prompt": 128, "length": 256, "seqs_per_adapter": 64}}
+    b = json.loads(json.dumps(a))
+    b["raw"]["mps"][0].update(alone_each_s=[2.0, 2.0, 2.0], beside_each_s=[1.5, 1.5, 1.5], alone_s=2.0)
+    (tmp_path / "a.raw.json").write_text(json.dumps(a))
+    (tmp_path / "b.raw.json").write_text(json.dumps(b))
+    out = tmp_path / "p.json"
+    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
+                 "--base", P, "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    row = prof["measurements"]["engines"]["rows"]["mps"][0]
+    assert row["alone_each_s"] == [1.0, 1.0, 2.0, 2.0, 2.0] and row["alone_s"] == 2.0  # the median of all five
+    assert prof["sharing"]["engines_by_batch"] == [{"batch": 64, "mps": pytest.approx(0.75)}]
+    assert "faster beside the other engine than alone (disturbed timings? measure again): mps 64" in capsys.readouterr().out
+    assert "a.raw.json b.raw.json" in prof["environment"]["sources"][-1]
+    b["settings"]["length"] = 128
+    (tmp_path / "b.raw.json").write_text(json.dumps(b))
+    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
+                 "--base", P, "--out", str(tmp_path / "q.json")]) == 2
+    assert "length 128 against 256" in capsys.readouterr().err
