@@ -241,7 +241,8 @@ class SharingCost(_M):
     # stacks rates where the runs' trains ran together. Applies to arm.stacks arms only.
     mps_trainers: float | None = Field(default=None, gt=0, le=RATE_MAX)
     # The most sequences one engine generated at once in the runs the stacks rates above were fitted
-    # on (nodus fit-stacks). The rates are constants: an engine generating more (8 or 16 jobs on a
+    # on (nodus fit-stacks); with engines_by_batch below, also where the two-engine rate holds as fitted
+    # (its anchor). The rates are constants: an engine generating more (8 or 16 jobs on a
     # stack against the fit runs' 1-2) is priced at rates measured at those sizes, and a prediction
     # of it is flagged (on the H200, session 58: engines of 512 sequences beside each other generated
     # 5-14% longer than priced, where the rates were fitted at 64-128). None: not recorded.
@@ -252,7 +253,8 @@ class SharingCost(_M):
     # under MPS with a fitted mps_engines, that rate at the fit's engine size (stacks_engine_sequences)
     # times the bench's slowdown there over its slowdown at the running size; else alone's rate over
     # the slowdown. On the H200 the rate fitted on each size's own runs fell from 0.86 (256 sequences)
-    # to 0.71 (512), which a constant fitted at 64-128 cannot say (session 58).
+    # to 0.71 (512), which a constant fitted at 64-128 cannot say (session 59; the H100's bench is
+    # flat from 64 to 512 sequences).
     engines_by_batch: list[EnginesBatch] = []
 
 
