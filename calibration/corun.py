@@ -440,7 +440,8 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
     `from_raw` (a raw-timings JSON or a calibrate-sharing log), then write the base profile with
     the measured rates."""
     from nodus.config import ConfigError
-    from sim.profile import add_source, profile_dict, profile_lora_kernels, profile_step_mode, refuse_existing, write_profile
+    from sim.profile import (add_source, drop_base_validation, profile_dict, profile_lora_kernels, profile_step_mode,
+                             refuse_existing, write_profile)
 
     refuse_existing(out, "calibrate")
     if any(m not in ("none", "mps") for m in modes) or "none" not in modes:
@@ -470,9 +471,8 @@ def calibrate_sharing(model: str | None, base: str, out: str | Path, modes=("non
                                    tuned_lora_kernels=profile_lora_kernels(prof) == "tuned", **settings)
         source = f"nodus calibrate-sharing ({','.join(modes)}{', graphed trainer' if graphs else ''})"
     apply_sharing(prof, measured)
-    # The base's validation error bar was measured with other sharing rates: this profile has none until
-    # `nodus validate --annotate` gives it one (as `nodus fit` does).
-    prof.pop("validation", None)
+    # The base's validation error bar was measured with other sharing rates (as every fit drops it).
+    drop_base_validation(prof)
     add_source(prof, source)
     write_profile(prof, out, "calibrate")
     return prof

@@ -64,7 +64,7 @@ class SimBackend:
         # The two-engine bench's largest engine for this mode, where the bench prices the engines of
         # these stacks (sim.gpu.engines_rate): the two-engine rate follows engine size up to it.
         bench = [e.batch for e in sharing.engines_by_batch if getattr(e, cfg.arm.sharing, None) is not None]
-        self._bench_seqs = max(bench) if bench and n_stacks > 1 and cfg.arm.policy != "timeslice" else None
+        self._bench_seqs = max(bench) if bench and n_stacks > 1 else None  # timeslice's dropped above
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
         if share:
@@ -77,9 +77,8 @@ class SimBackend:
                 "their masked attention unmodelled (no train.packed_pair_per_token in the profile): train steps "
                 "predicted short (README, trainer.share_prompts)")
         # A two-engine rate: fitted (MPS), or the bench's for the arm's mode (sim.gpu.engines_rate).
-        engines_rate = cost.profile.sharing.mps_engines if cfg.arm.sharing == "mps" else None
-        if engines_rate is None and self._bench_seqs is not None:
-            engines_rate = "bench"
+        has_engines_rate = ((cfg.arm.sharing == "mps" and cost.profile.sharing.mps_engines is not None)
+                            or self._bench_seqs is not None)
         if n_stacks > 1 and cfg.arm.policy != "timeslice":
             shared = ("engines of several stacks generating at once are priced as more clients of one GPU, sharing "
                       "the engine-trainer pair's combined rate (sim.gpu.sharing_rates), and each engine's own host "
@@ -91,7 +90,7 @@ class SimBackend:
                                      "combined rate (sim.gpu.sharing_rates)")
             elif cfg.arm.sharing != "mps":
                 cost.note_unmodelled(f"arm.stacks={n_stacks} without MPS: {shared}")
-            elif engines_rate is None:
+            elif not has_engines_rate:
                 cost.note_unmodelled(f"arm.stacks={n_stacks}: {shared}; the profile has no two-engine rate "
                                      "(sharing.mps_engines: nodus fit-stacks on two-stack runs under MPS; the "
                                      f"shipped {STACKS_PROFILE} has one)")
@@ -183,17 +182,16 @@ class SimBackend:
             batch.append((r.job_id, r.step, r.adapter_version, job.prompts_per_step,
                           prompt_tokens(job), lengths))
         seqs = sum(len(b[-1]) for b in batch)
-        if self._bench_seqs is not None:
-            if seqs > self._bench_seqs:
-                self.cost.note_beyond("sequences one engine of stacks generates at once, past the two-engine "
-                                      "bench's largest engine (sharing.engines_by_batch)", seqs, self._bench_seqs)
-            if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
-                self.cost.note_beyond("sequences one engine of stacks generates at once: the two-engine rate follows "
-                                      "the bench; the rates beside a lone trainer and two trainers' keep the fit's "
-                                      "engine size (sharing.stacks_engine_sequences)", seqs, self._stacks_fit_seqs)
-        elif self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
-            self.cost.note_beyond("sequences one engine of stacks generates at once, its stacks rates fitted on "
-                                  "smaller engines (sharing.stacks_engine_sequences)", seqs, self._stacks_fit_seqs)
+        if self._bench_seqs is not None and seqs > self._bench_seqs:
+            self.cost.note_beyond("sequences one engine of stacks generates at once, past the two-engine "
+                                  "bench's largest engine (sharing.engines_by_batch)", seqs, self._bench_seqs)
+        if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
+            self.cost.note_beyond(
+                "sequences one engine of stacks generates at once"
+                + (": the two-engine rate follows the bench; the rates beside a lone trainer and two trainers' keep "
+                   "the fit's engine size" if self._bench_seqs is not None else
+                   ", its stacks rates fitted on smaller engines") + " (sharing.stacks_engine_sequences)",
+                seqs, self._stacks_fit_seqs)
         self.engines[a.stack].submit(a.action_id, batch)
 
     def train(self, a: Train) -> None:

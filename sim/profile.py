@@ -485,7 +485,7 @@ def what_if(prof: dict, factors: dict[str, float]) -> dict:
             for k in ("save_s_per_adapter", "save_s_per_publish", "engine_load_s"):
                 prof["publish"][k] = prof["publish"].get(k, 0.0) * f
     text = ", ".join(f"{k} x{v:g}" for k, v in sorted(factors.items()))
-    prof.pop("validation", None)
+    drop_base_validation(prof)
     (prof.get("measurements") or {}).pop("stacks", None)  # nor its two-engine fit's error bar
     prof["assumptions"] = list(prof.get("assumptions") or []) + [
         {"id": "what-if", "value": None, "what": f"hypothetical: {text} (not measured)"}]
