@@ -11,11 +11,19 @@ mode's daemon), each generating ``batch`` sequences of forced length over ``batc
 (a job's 64 sequences each, as the runs' engines hold them), timed
 
 - alone: one engine generating, the other idle;
-- beside the other: one engine generating while the other generates the same batch back to back.
+- beside the other: one engine generating while the other generates the same batch back to back;
+- beside the other stack's trainer: one engine generating while the other stack's trainer steps back
+  to back over as many sequences of as many adapters (prompt plus response tokens each, saves
+  included), as a stack's trainer steps beside the other's generation in a run of that many jobs.
 
 A bucket's slowdown is beside over alone (each engine in turn in the foreground, the median). The
-profile keeps them as ``sharing.engines_by_batch`` (one value per sharing mode measured); the
-simulator takes the two-engine rate's shape over engine size from them (sim.gpu.engines_rate).
+profile keeps them as ``sharing.engines_by_batch`` (per sharing mode measured: ``mps`` beside the
+other engine, ``mps_trainer`` beside the other stack's trainer); the simulator takes the two-engine
+rate's shape over engine size from the first (sim.gpu.engines_rate), and under MPS the rate of an
+engine beside the other stack's lone trainer from the second (sim.gpu.stacks_engine_rate). On the
+H200, the protocol profile priced 16 jobs' generations 5% short where the other engine generated
+throughout and 14% short where it partly trained (session 58): both rates were fitted at 128
+sequences.
 
 Raw timings go beside the profile (``x.json``: ``x.raw.json``) after every bucket, so a device call's
 time limit keeps what it measured; ``--from-raw FILE`` builds the profile from such a file without
@@ -32,11 +40,12 @@ from pathlib import Path
 import numpy as np
 
 from calibration.corun import fresh_raw_path, write_raw
-from calibration.measure import _requests
+from calibration.measure import _requests, _train_batches
 
 BATCHES = (64, 128, 256, 512)  # engine sizes: 1, 2, 4 and 8 jobs of 64 sequences
 SEQS_PER_ADAPTER = 64  # a job's sequences a step (8 prompts x 8 responses), one adapter each
 MODES = ("none", "mps")
+BESIDE = ("engine", "trainer")  # what runs beside the timed engine: the other engine, the other stack's trainer
 
 
 def adapters_for(batch: int, seqs_per_adapter: int = SEQS_PER_ADAPTER) -> int:
@@ -50,12 +59,13 @@ class _Engines:
 
     def __init__(self, model: str, sharing: str, device: str, max_batch: int, adapters: int,
                  engine_memory: float, enforce_eager: bool, rank: int = 16, tuned_lora_kernels: bool = True,
-                 cuda_graph_max_tokens: int | None = None):
+                 cuda_graph_max_tokens: int | None = None, trainer_graphs: bool = False):
         from real.backend import Cluster, RealOptions
         from real.trainer import JobConfig
 
         opts = RealOptions(model=model, mode="synthetic", device=device, engine_memory=engine_memory,
-                           enforce_eager=enforce_eager, warmup=False, tuned_lora_kernels=tuned_lora_kernels)
+                           enforce_eager=enforce_eager, warmup=False, tuned_lora_kernels=tuned_lora_kernels,
+                           trainer_graphs=trainer_graphs)
         self.c = Cluster(opts, sharing, 2, max_loras=adapters, max_rank=rank, max_num_seqs=max_batch,
                          max_tokens_per_microbatch=8192, cuda_graph_max_tokens=cuda_graph_max_tokens)
         self.vocab = self.c.vocab_size
@@ -85,10 +95,28 @@ class _Engines:
     def gen_request(self, batch: int, prompt: int, length: int, seqs_per_adapter: int = SEQS_PER_ADAPTER):
         return _requests(adapters_for(batch, seqs_per_adapter), batch, prompt, length, self.vocab, self.rng)
 
+    def train_request(self, batch: int, prompt: int, length: int, seqs_per_adapter: int = SEQS_PER_ADAPTER):
+        """A trainer step over ``batch`` sequences of ``prompt + length`` tokens, one adapter per
+        ``seqs_per_adapter`` of them (the jobs an engine of ``batch`` sequences generates for)."""
+        n = adapters_for(batch, seqs_per_adapter)
+        seq = prompt + length
+        batches = _train_batches(n, batch * seq, self.vocab, self.rng, seq=seq)
+        return batches, {j: str(self.dir / "scratch" / j) for j in batches}
+
     def _send(self, engine: int, work) -> str:
         tag = self._tag()
         self.c.engines[engine].put(("gen", tag, work))
         return tag
+
+    def _send_train(self, stack: int, train) -> str:
+        tag = self._tag()
+        self.c.trainers[stack].put(("train", tag, train[0], train[1], None, None))
+        return tag
+
+    def train_alone(self, stack: int, train) -> float:
+        t0 = time.monotonic()
+        self._wait("trained", self._send_train(stack, train))
+        return time.monotonic() - t0
 
     def alone(self, engine: int, work) -> float:
         t0 = time.monotonic()
@@ -112,49 +140,97 @@ class _Engines:
         self._wait("generated", bg)  # drain the other engine's last generation
         return end - t0
 
+    def beside_trainer(self, engine: int, work, train) -> float:
+        """Seconds of one generation of ``engine`` while the other stack's trainer steps ``train`` back
+        to back."""
+        other = 1 - engine
+        bg = self._send_train(other, train)
+        time.sleep(0.05)  # the other stack's trainer is stepping before the engine starts
+        t0 = time.monotonic()
+        fg = self._send(engine, work)
+        end = None
+        while end is None:
+            msg = self.c.get(timeout=1800)
+            if msg[0] == "generated" and msg[1] == fg:
+                end = time.monotonic()
+            elif msg[0] == "trained" and msg[1] == bg:
+                bg = self._send_train(other, train)
+        self._wait("trained", bg)  # drain the trainer's last step
+        return end - t0
+
     def close(self) -> None:
         self.c.close()
 
 
 def bucket_line(mode: str, row: dict) -> str:
-    return (f"{mode} batch {row['batch']} ({row['adapters']} adapters): alone {row['alone_s']:.3f} s, beside the "
-            f"other engine {row['beside_s']:.3f} s, slowdown {row['slowdown']:.3f}")
+    parts = [f"{mode} batch {row['batch']} ({row['adapters']} adapters): alone {row['alone_s']:.3f} s"]
+    if "beside_s" in row:
+        parts.append(f"beside the other engine {row['beside_s']:.3f} s, slowdown {row['slowdown']:.3f}")
+    if "beside_trainer_s" in row:
+        parts.append(f"beside the other stack's trainer {row['beside_trainer_s']:.3f} s (its step alone "
+                     f"{row['train_alone_s']:.3f} s), slowdown {row['trainer_slowdown']:.3f}")
+    return ", ".join(parts)
 
 
-def _row(batch: int, adapters: int, alone: list[float], beside: list[float]) -> dict:
-    a, b = float(np.median(alone)), float(np.median(beside))
-    return {"batch": batch, "adapters": adapters, "alone_s": a, "beside_s": b, "slowdown": b / a,
-            "alone_each_s": alone, "beside_each_s": beside}
+def _row(batch: int, adapters: int, alone: list[float], beside: list[float] | None = None,
+         beside_trainer: list[float] | None = None, train_alone: list[float] | None = None) -> dict:
+    """A bucket's row: medians of each kind of timing (every timing kept), slowdowns over alone."""
+    a = float(np.median(alone))
+    row = {"batch": batch, "adapters": adapters, "alone_s": a, "alone_each_s": alone}
+    if beside:
+        row.update(beside_s=float(np.median(beside)), beside_each_s=beside)
+        row["slowdown"] = row["beside_s"] / a
+    if beside_trainer:
+        row.update(beside_trainer_s=float(np.median(beside_trainer)), beside_trainer_each_s=beside_trainer)
+        row["trainer_slowdown"] = row["beside_trainer_s"] / a
+        if train_alone:
+            row.update(train_alone_s=float(np.median(train_alone)), train_alone_each_s=train_alone)
+    return row
 
 
 def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 128, length: int = 256,
                     repeats: int = 2, device: str = "auto", engine_memory: float = 0.35, enforce_eager: bool = False,
                     seqs_per_adapter: int = SEQS_PER_ADAPTER, cuda_graph_max_tokens: int | None = None,
-                    tuned_lora_kernels: bool = True, raw_path: str | Path | None = None, log=print,
-                    make_engines=_Engines) -> tuple[dict, dict]:
-    """Raw rows per mode (each: batch, adapters, alone and beside seconds, slowdown) and the
-    settings. Each engine is the foreground ``repeats`` times per bucket (2 x repeats timings of
-    each kind); every shape is generated once first, untimed (graphs, kernels, allocator).
+                    tuned_lora_kernels: bool = True, trainer_graphs: bool = False, beside=BESIDE,
+                    raw_path: str | Path | None = None, log=print, make_engines=_Engines) -> tuple[dict, dict]:
+    """Raw rows per mode (each: batch, adapters, alone seconds; beside the other engine and beside
+    the other stack's trainer, as ``beside`` names, with their slowdowns) and the settings. Each
+    engine is the foreground ``repeats`` times per bucket and kind (2 x repeats timings of each);
+    every shape is generated (and trained) once first, untimed (graphs, kernels, allocator).
     ``make_engines`` builds each mode's engines (tests pass a timed stand-in)."""
     batches = sorted(set(batches))
+    beside = tuple(beside)
     settings = {"modes": list(modes), "batches": batches, "prompt": prompt, "length": length,
                 "repeats": repeats, "engine_memory": engine_memory, "seqs_per_adapter": seqs_per_adapter,
-                "cuda_graph_max_tokens": cuda_graph_max_tokens, "tuned_lora_kernels": tuned_lora_kernels}
+                "cuda_graph_max_tokens": cuda_graph_max_tokens, "tuned_lora_kernels": tuned_lora_kernels,
+                "beside": list(beside)}
+    if "trainer" in beside:
+        settings["trainer_graphs"] = trainer_graphs
     raw: dict = {}
     for mode in modes:
         eng = make_engines(model, mode, device, max(batches), adapters_for(max(batches), seqs_per_adapter),
                            engine_memory, enforce_eager, tuned_lora_kernels=tuned_lora_kernels,
-                           cuda_graph_max_tokens=cuda_graph_max_tokens)
+                           cuda_graph_max_tokens=cuda_graph_max_tokens, trainer_graphs=trainer_graphs)
         try:
             work = {b: eng.gen_request(b, prompt, length, seqs_per_adapter) for b in batches}
+            train = ({b: eng.train_request(b, prompt, length, seqs_per_adapter) for b in batches}
+                     if "trainer" in beside else {})
             for w in work.values():  # warm-up, both engines, untimed
                 eng.alone(0, w)
                 eng.alone(1, w)
+            for t in train.values():  # and both trainers
+                eng.train_alone(0, t)
+                eng.train_alone(1, t)
             rows = raw[mode] = []
             for b in batches:
                 alone = [eng.alone(e, work[b]) for _ in range(repeats) for e in (0, 1)]
-                beside = [eng.beside(e, work[b]) for _ in range(repeats) for e in (0, 1)]
-                rows.append(_row(b, adapters_for(b, seqs_per_adapter), alone, beside))
+                by_engine = ([eng.beside(e, work[b]) for _ in range(repeats) for e in (0, 1)]
+                             if "engine" in beside else None)
+                by_trainer = train_alone = None
+                if "trainer" in beside:
+                    train_alone = [eng.train_alone(s, train[b]) for _ in range(repeats) for s in (0, 1)]
+                    by_trainer = [eng.beside_trainer(e, work[b], train[b]) for _ in range(repeats) for e in (0, 1)]
+                rows.append(_row(b, adapters_for(b, seqs_per_adapter), alone, by_engine, by_trainer, train_alone))
                 if raw_path is not None:
                     write_raw(raw_path, raw, settings)
                 log(bucket_line(mode, rows[-1]))
@@ -177,10 +253,19 @@ def read_raw(path: str | Path) -> tuple[dict, dict]:
         if mode not in MODES:
             raise ConfigError(f"calibrate-engines --from-raw {str(path)!r}: mode {mode!r} is not one of {MODES}")
         for r in rows:
-            if not all(isinstance(r.get(k), (int, float)) and r[k] > 0 for k in ("batch", "alone_s", "beside_s")):
+            if not all(_positive(r.get(k)) for k in ("batch", "alone_s")) or not any(
+                    _positive(r.get(k)) for k in ("beside_s", "beside_trainer_s")):
                 raise ConfigError(f"calibrate-engines --from-raw {str(path)!r}: {mode} row {r!r} lacks a positive "
-                                  "batch, alone_s or beside_s")
+                                  "batch, alone_s or beside_s (or beside_trainer_s)")
+            bad = [k for k in ("beside_s", "beside_trainer_s") if k in r and not _positive(r[k])]
+            if bad:
+                raise ConfigError(f"calibrate-engines --from-raw {str(path)!r}: {mode} row {r!r}: {bad[0]} is not "
+                                  "a positive number of seconds")
     return raw, settings
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
 POOLED_SETTINGS = ("prompt", "length", "seqs_per_adapter", "cuda_graph_max_tokens", "tuned_lora_kernels")
@@ -200,29 +285,43 @@ def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
         if settings is None:
             settings = dict(got, runs=[str(f) for f in files])
         differ = [k for k in POOLED_SETTINGS if got.get(k) != settings.get(k)]
+        if got.get("trainer_graphs") is not None:  # a run without trainer rows has none to pool
+            if settings.get("trainer_graphs") is None:
+                settings["trainer_graphs"] = got["trainer_graphs"]
+            elif got["trainer_graphs"] != settings["trainer_graphs"]:
+                differ.append("trainer_graphs")
         if differ:
             raise ConfigError(f"calibrate-engines --from-raw: {str(f)!r} ran other settings than {str(files[0])!r} "
                               f"({', '.join(f'{k} {got.get(k)!r} against {settings.get(k)!r}' for k in differ)}): "
                               "pool runs of one bench only")
         for mode, rows in raw.items():
             for r in rows:
-                b = pooled.setdefault(mode, {}).setdefault(int(r["batch"]), {"adapters": r.get("adapters"),
-                                                                              "alone": [], "beside": []})
-                b["alone"] += r.get("alone_each_s") or [r["alone_s"]]
-                b["beside"] += r.get("beside_each_s") or [r["beside_s"]]
-    raw = {mode: [_row(batch, b["adapters"], b["alone"], b["beside"]) for batch, b in sorted(by.items())]
+                b = pooled.setdefault(mode, {}).setdefault(int(r["batch"]), {
+                    "adapters": r.get("adapters"), "alone": [], "beside": [], "beside_trainer": [], "train_alone": []})
+                for kind in ("alone", "beside", "beside_trainer", "train_alone"):
+                    if f"{kind}_s" in r:
+                        b[kind] += r.get(f"{kind}_each_s") or [r[f"{kind}_s"]]
+    raw = {mode: [_row(batch, b["adapters"], b["alone"], b["beside"], b["beside_trainer"], b["train_alone"])
+                  for batch, b in sorted(by.items())]
            for mode, by in pooled.items()}
     settings["modes"] = sorted(raw)
     settings["batches"] = sorted({int(r["batch"]) for rows in raw.values() for r in rows})
+    settings["beside"] = [k for k, f in (("engine", "beside_s"), ("trainer", "beside_trainer_s"))
+                          if any(f in r for rows in raw.values() for r in rows)]
     return raw, settings
 
 
 def engines_by_batch(raw: dict) -> list[dict]:
-    """``sharing.engines_by_batch``: per batch, each mode's slowdown (beside over alone)."""
+    """``sharing.engines_by_batch``: per batch, each mode's slowdown (beside the other engine over
+    alone: ``<mode>``; beside the other stack's trainer over alone: ``<mode>_trainer``)."""
     by: dict[int, dict] = {}
     for mode, rows in raw.items():
         for r in rows:
-            by.setdefault(int(r["batch"]), {"batch": int(r["batch"])})[mode] = r["beside_s"] / r["alone_s"]
+            e = by.setdefault(int(r["batch"]), {"batch": int(r["batch"])})
+            if "beside_s" in r:
+                e[mode] = r["beside_s"] / r["alone_s"]
+            if "beside_trainer_s" in r:
+                e[f"{mode}_trainer"] = r["beside_trainer_s"] / r["alone_s"]
     return [by[b] for b in sorted(by)]
 
 
@@ -242,7 +341,18 @@ def apply_engines(prof: dict, raw: dict, settings: dict, source: dict | None = N
                  "(sharing.mps_engines) it keeps that rate at the fit runs' engine size "
                  "(sharing.stacks_engine_sequences) and takes the bench's ratio elsewhere"),
         "value": ", ".join(f"{e['batch']}: " + "/".join(f"{m} {e[m]:.3f}" for m in MODES if m in e)
-                           for e in prof["sharing"]["engines_by_batch"])})
+                           for e in prof["sharing"]["engines_by_batch"] if any(m in e for m in MODES))})
+    if any(f"{m}_trainer" in e for e in prof["sharing"]["engines_by_batch"] for m in MODES):
+        prof["assumptions"] = [a for a in prof["assumptions"] if a.get("id") != "sharing-engine-beside-trainer-by-batch"]
+        prof["assumptions"].append({
+            "id": "sharing-engine-beside-trainer-by-batch",
+            "what": ("an engine's rate beside the other stack's lone trainer by engine size from the same bench (the "
+                     "trainer stepping over as many sequences and adapters as the engine generates); under MPS, where "
+                     "the profile has a fitted rate (sharing.mps_stacks_engine) it keeps that rate at the fit runs' "
+                     "engine size and takes the bench's ratio elsewhere; time-sliced stacks keep the pair's rates"),
+            "value": ", ".join(f"{e['batch']}: " + "/".join(f"{m} {e[m + '_trainer']:.3f}" for m in MODES
+                                                             if f"{m}_trainer" in e)
+                               for e in prof["sharing"]["engines_by_batch"] if any(f"{m}_trainer" in e for m in MODES))})
     return prof
 
 
@@ -273,7 +383,8 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
         raw_path = fresh_raw_path(out, "calibrate-engines", log)
         graphs = (prof.get("decode") or {}).get("graph_max_tokens")
         raw, got = measure_engines(model, modes=modes, raw_path=raw_path, log=log, cuda_graph_max_tokens=graphs,
-                                   tuned_lora_kernels=profile_lora_kernels(prof) == "tuned", **settings)
+                                   tuned_lora_kernels=profile_lora_kernels(prof) == "tuned",
+                                   trainer_graphs=(prof.get("train") or {}).get("step_mode") == "graphed", **settings)
         apply_engines(prof, raw, got)
         add_source(prof, f"nodus calibrate-engines ({','.join(modes)})")
     drop_base_validation(prof)  # it measured the base: none until nodus validate --annotate

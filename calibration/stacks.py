@@ -132,9 +132,9 @@ def replay(rows: list[dict], prof: dict, rates: dict[str, float | None], tmp: Pa
     """Each run replayed (``_simulate``'s summary) on ``prof`` with ``sharing`` updated by ``rates``."""
     p = json.loads(json.dumps(prof))
     p["sharing"].update(rates)
-    if "mps_engines" in rates and p["sharing"].get("engines_by_batch"):
-        # Beside the two-engine bench's shape the fitted rate holds at the engine size of the runs it
-        # is fitted on (sim.gpu.engines_rate): anchor it there, as the written profile will.
+    if ({"mps_engines", "mps_stacks_engine"} & set(rates)) and p["sharing"].get("engines_by_batch"):
+        # Beside the bench's shape a fitted rate holds at the engine size of the runs it is fitted on
+        # (sim.gpu.engines_rate, stacks_engine_rate): anchor it there, as the written profile will.
         p["sharing"]["stacks_engine_sequences"] = max(r["engine_sequences"] for r in rows)
     path = tmp / ("profile-" + "-".join(f"{k}-{v}" for k, v in sorted(rates.items())) + ".json")
     write_profile(p, path, "nodus fit-stacks", overwrite=True)

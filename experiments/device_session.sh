@@ -136,13 +136,14 @@ case "${1:-arms}" in
       --base "${SHARING_BASE:-h200-xeon16-qwen3-0.6b}" --out "$OUT/h200-sharing.json" ${SHARING_EXTRA:-} > "$OUT/sharing.log" 2>&1
     echo "calibrate-sharing rc=$?" ;;
   engines)
-    # Two stacks' engines generating at once by engine size (nodus calibrate-engines: each engine alone
-    # and beside the other, 64-512 sequences over one adapter per 64) on ENGINES_BASE (default #5's
-    # protocol profile: its LoRA kernels and CUDA-graph size, and its fitted two-engine rate kept at the
-    # fit's engine size). The raw timings reach $OUT/engines.raw.json after every bucket
-    # (nodus calibrate-engines --from-raw builds the profile from them).
+    # Two stacks' engines generating at once by engine size (nodus calibrate-engines: each engine alone,
+    # beside the other and beside the other stack's trainer, 64-512 sequences over one adapter per 64)
+    # on ENGINES_BASE (default #5's protocol profile: its LoRA kernels, CUDA-graph size and trainer mode,
+    # and its fitted rates kept at the fit's engine size). The raw timings reach $OUT/engines.raw.json
+    # after every bucket (nodus calibrate-engines --from-raw builds the profile from them).
+    # ENGINES_EXTRA="--batches 128,256,512" skips the smallest size (the protocol fit's is 128).
     random_model
-    timeout "${ENGINES_TIMEOUT:-420}" python -m nodus.cli calibrate-engines --model /tmp/nodus-qwen3-0.6b-random \
+    timeout "${ENGINES_TIMEOUT:-520}" python -m nodus.cli calibrate-engines --model /tmp/nodus-qwen3-0.6b-random \
       --base "${ENGINES_BASE:-calibration/profiles/h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-session35-qwen3-0.6b.json}" \
       --out "$OUT/engines.json" ${ENGINES_EXTRA:-} > "$OUT/engines.log" 2>&1
     echo "calibrate-engines rc=$?"; tail -8 "$OUT/engines.log" ;;

@@ -337,20 +337,26 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_engines(a: argparse.Namespace) -> int:
-    from calibration.engines import MODES, calibrate_engines
+    from calibration.engines import BESIDE, MODES, calibrate_engines
 
+    beside = tuple(b for b in a.beside.split(",") if b)
+    if not beside or any(b not in BESIDE for b in beside):
+        raise ConfigError(f"--beside {a.beside!r}: choose one or more of {','.join(BESIDE)}")
     prof = calibrate_engines(a.model, a.base, a.out, modes=tuple(m for m in a.modes.split(",") if m),
                              from_raw=a.from_raw, batches=_ints(a.batches), prompt=a.prompt_tokens, length=a.length,
                              repeats=a.repeats, device=a.device, engine_memory=a.engine_memory,
-                             enforce_eager=a.enforce_eager, log=lambda m: print(m, file=sys.stderr, flush=True))
+                             enforce_eager=a.enforce_eager, beside=beside,
+                             log=lambda m: print(m, file=sys.stderr, flush=True))
     m = prof["measurements"]["engines"]
+    cols = [(k, what) for mode in MODES for k, what in ((mode, f"{mode} slowdown beside the other engine"),
+                                                        (f"{mode}_trainer", f"{mode} beside the other stack's trainer"))]
     for e in prof["sharing"]["engines_by_batch"]:
-        print(f"batch {e['batch']}: " + ", ".join(f"{mode} slowdown {e[mode]:.3f}" for mode in MODES if e.get(mode)))
-    fast = [(e["batch"], mode) for e in prof["sharing"]["engines_by_batch"] for mode in MODES
-            if e.get(mode) is not None and e[mode] < 1.0]
+        print(f"batch {e['batch']}: " + ", ".join(f"{what} {e[k]:.3f}" for k, what in cols if e.get(k)))
+    fast = [(e["batch"], what) for e in prof["sharing"]["engines_by_batch"] for k, what in cols
+            if e.get(k) is not None and e[k] < 1.0]
     if fast:
-        print("faster beside the other engine than alone (disturbed timings? measure again): "
-              + ", ".join(f"{mode} {b}" for b, mode in fast))
+        print("faster beside than alone (disturbed timings? measure again): "
+              + ", ".join(f"{what} at {b}" for b, what in fast))
     if m["missing"]:
         print(f"incomplete: {len(m['missing'])} bucket(s) not measured: "
               + ", ".join(f"{b['mode']} {b['batch']}" for b in m["missing"]))
@@ -810,6 +816,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--length", type=int, default=256, help="forced response length")
     p.add_argument("--repeats", type=int, default=2, help="timings per engine and bucket, of each kind")
+    p.add_argument("--beside", default="engine,trainer",
+                   help="what runs beside the timed engine: the other engine, the other stack's trainer (stepping "
+                        "over as many sequences and adapters; graphed where the base's train.step_mode is), or both")
     p.add_argument("--engine-memory", type=float, default=0.35, help="GPU memory share of both engines together")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true")

