@@ -59,13 +59,16 @@ class _Engines:
 
     def __init__(self, model: str, sharing: str, device: str, max_batch: int, adapters: int,
                  engine_memory: float, enforce_eager: bool, rank: int = 16, tuned_lora_kernels: bool = True,
-                 cuda_graph_max_tokens: int | None = None, trainer_graphs: bool = False):
+                 cuda_graph_max_tokens: int | None = None, trainer_graphs: bool = False, controls: dict | None = None):
         from real.backend import Cluster, RealOptions
         from real.trainer import JobConfig
 
+        c = controls or {}
         opts = RealOptions(model=model, mode="synthetic", device=device, engine_memory=engine_memory,
                            enforce_eager=enforce_eager, warmup=False, tuned_lora_kernels=tuned_lora_kernels,
-                           trainer_graphs=trainer_graphs)
+                           trainer_graphs=trainer_graphs, trainer_priority=c.get("trainer_priority") or "normal",
+                           engine_cpu_threads=c.get("engine_cpu_threads"),
+                           trainer_cpu_threads=c.get("trainer_cpu_threads"))
         self.c = Cluster(opts, sharing, 2, max_loras=adapters, max_rank=rank, max_num_seqs=max_batch,
                          max_tokens_per_microbatch=8192, cuda_graph_max_tokens=cuda_graph_max_tokens)
         self.vocab = self.c.vocab_size
@@ -192,11 +195,14 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                     repeats: int = 2, device: str = "auto", engine_memory: float = 0.35, enforce_eager: bool = False,
                     seqs_per_adapter: int = SEQS_PER_ADAPTER, cuda_graph_max_tokens: int | None = None,
                     tuned_lora_kernels: bool = True, trainer_graphs: bool = False, beside=BESIDE,
-                    raw_path: str | Path | None = None, log=print, make_engines=_Engines) -> tuple[dict, dict]:
+                    controls: dict | None = None, raw_path: str | Path | None = None, log=print,
+                    make_engines=_Engines) -> tuple[dict, dict]:
     """Raw rows per mode (each: batch, adapters, alone seconds; beside the other engine and beside
     the other stack's trainer, as ``beside`` names, with their slowdowns) and the settings. Each
     engine is the foreground ``repeats`` times per bucket and kind (2 x repeats timings of each);
     every shape is generated (and trained) once first, untimed (graphs, kernels, allocator).
+    ``controls``: the runs' settings the processes take (``trainer_priority``, ``engine_cpu_threads``,
+    ``trainer_cpu_threads``; the stacks fit's, as ``stacks_controls`` reads them off a profile).
     ``make_engines`` builds each mode's engines (tests pass a timed stand-in)."""
     batches = sorted(set(batches))
     beside = tuple(beside)
@@ -206,11 +212,13 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                 "beside": list(beside)}
     if "trainer" in beside:
         settings["trainer_graphs"] = trainer_graphs
+    settings["controls"] = dict(controls or {})
     raw: dict = {}
     for mode in modes:
         eng = make_engines(model, mode, device, max(batches), adapters_for(max(batches), seqs_per_adapter),
                            engine_memory, enforce_eager, tuned_lora_kernels=tuned_lora_kernels,
-                           cuda_graph_max_tokens=cuda_graph_max_tokens, trainer_graphs=trainer_graphs)
+                           cuda_graph_max_tokens=cuda_graph_max_tokens, trainer_graphs=trainer_graphs,
+                           controls=controls)
         try:
             work = {b: eng.gen_request(b, prompt, length, seqs_per_adapter) for b in batches}
             train = ({b: eng.train_request(b, prompt, length, seqs_per_adapter) for b in batches}
@@ -237,6 +245,18 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
         finally:
             eng.close()
     return raw, settings
+
+
+def stacks_controls(prof: dict) -> dict:
+    """The settings the profile's stacks rates were fitted under (``sharing.stacks_trainer_controls``,
+    else ``sharing.engines_controls``) that the bench's processes take: the trainer's MPS priority and
+    both sides' CPU threads, so its slowdowns are the fitted runs' (their trainers ran below normal
+    priority on 2 threads, the engines on 4)."""
+    sh = prof.get("sharing") or {}
+    got = sh.get("stacks_trainer_controls") or sh.get("engines_controls") or {}
+    out = {"trainer_priority": got.get("mps.trainer_priority"), "engine_cpu_threads": got.get("engine_cpu_threads"),
+           "trainer_cpu_threads": got.get("trainer_cpu_threads")}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def read_raw(path: str | Path) -> tuple[dict, dict]:
@@ -268,7 +288,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
-POOLED_SETTINGS = ("prompt", "length", "seqs_per_adapter", "cuda_graph_max_tokens", "tuned_lora_kernels")
+POOLED_SETTINGS = ("prompt", "length", "seqs_per_adapter", "cuda_graph_max_tokens", "tuned_lora_kernels", "controls")
 
 
 def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
@@ -284,7 +304,7 @@ def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
         raw, got = read_raw(f)
         if settings is None:
             settings = dict(got, runs=[str(f) for f in files])
-        differ = [k for k in POOLED_SETTINGS if got.get(k) != settings.get(k)]
+        differ = [k for k in POOLED_SETTINGS if (got.get(k) or None) != (settings.get(k) or None)]
         if got.get("trainer_graphs") is not None:  # a run without trainer rows has none to pool
             if settings.get("trainer_graphs") is None:
                 settings["trainer_graphs"] = got["trainer_graphs"]
@@ -362,8 +382,8 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
     ``from_raw`` (one raw-timings file, or several: pooled), then write the base profile with
     ``sharing.engines_by_batch``."""
     from nodus.config import ConfigError
-    from sim.profile import (add_source, drop_base_validation, profile_dict, profile_lora_kernels, refuse_existing,
-                             write_profile)
+    from sim.profile import (add_source, drop_base_validation, profile_dict, profile_lora_kernels, profile_step_mode,
+                             refuse_existing, write_profile)
 
     refuse_existing(out, "calibrate-engines")
     bad = [m for m in modes if m not in MODES]
@@ -384,7 +404,8 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
         graphs = (prof.get("decode") or {}).get("graph_max_tokens")
         raw, got = measure_engines(model, modes=modes, raw_path=raw_path, log=log, cuda_graph_max_tokens=graphs,
                                    tuned_lora_kernels=profile_lora_kernels(prof) == "tuned",
-                                   trainer_graphs=(prof.get("train") or {}).get("step_mode") == "graphed", **settings)
+                                   trainer_graphs=profile_step_mode(prof) != "eager",
+                                   controls=stacks_controls(prof), **settings)
         apply_engines(prof, raw, got)
         add_source(prof, f"nodus calibrate-engines ({','.join(modes)})")
     drop_base_validation(prof)  # it measured the base: none until nodus validate --annotate

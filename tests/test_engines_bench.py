@@ -295,3 +295,23 @@ def test_trainer_rows_pool_and_bad_ones_are_named(tmp_path, capsys):
     assert "lacks a positive batch, alone_s or beside_s (or beside_trainer_s)" in capsys.readouterr().err
     assert main(["calibrate-engines", "--beside", "engine,gpu", "--model", "m", "--out", str(tmp_path / "s.json")]) == 2
     assert "--beside 'engine,gpu': choose one or more of engine,trainer" in capsys.readouterr().err
+
+
+def test_the_bench_runs_its_processes_under_the_stacks_fits_controls():
+    from calibration.engines import stacks_controls
+
+    # The protocol fit's runs: the trainer below normal MPS priority on 2 CPU threads, the engines on 4.
+    assert stacks_controls(json.loads(open(P).read())) == {"trainer_priority": "below-normal",
+                                                          "engine_cpu_threads": 4, "trainer_cpu_threads": 2}
+    assert stacks_controls({"sharing": {}}) == {}
+    made = []
+    got = {}
+
+    def make(*a, **k):
+        got.update(k)
+        return _StandIn({64: 1.1}, made)
+
+    raw, settings = measure_engines("m", make_engines=make, log=lambda m: None, batches=[64],
+                                    controls={"trainer_priority": "below-normal"}, trainer_graphs=True)
+    assert got["controls"] == {"trainer_priority": "below-normal"} and got["trainer_graphs"] is True
+    assert settings["controls"] == {"trainer_priority": "below-normal"} and settings["trainer_graphs"] is True
