@@ -14,13 +14,15 @@ mode's daemon), each generating ``batch`` sequences of forced length over ``batc
 - beside the other: one engine generating while the other generates the same batch back to back;
 - beside the other stack's trainer: one engine generating while the other stack's trainer steps back
   to back over as many sequences of as many adapters (prompt plus response tokens each, saves
-  included), as a stack's trainer steps beside the other's generation in a run of that many jobs.
+  included), as a stack's trainer steps beside the other's generation in a run of that many jobs;
+  and that trainer's step, alone and while the engine generates back to back.
 
 A bucket's slowdown is beside over alone (each engine in turn in the foreground, the median). The
 profile keeps them as ``sharing.engines_by_batch`` (per sharing mode measured: ``mps`` beside the
-other engine, ``mps_trainer`` beside the other stack's trainer); the simulator takes the two-engine
-rate's shape over engine size from the first (sim.gpu.engines_rate), and under MPS the rate of an
-engine beside the other stack's lone trainer from the second (sim.gpu.stacks_engine_rate). On the
+other engine, ``mps_beside_trainer`` beside the other stack's trainer, ``mps_trainer_beside`` that
+trainer's step beside the engine); the simulator takes the two-engine rate's shape over engine size
+from the first (sim.gpu.engines_rate), and under MPS the rates of an engine and the other stack's
+lone trainer beside each other from the others (sim.gpu.stacks_engine_rate, stacks_trainer_rate). On the
 H200, the protocol profile priced 16 jobs' generations 5% short where the other engine generated
 throughout and 14% short where it partly trained (session 58): both rates were fitted at 128
 sequences.
@@ -59,7 +61,8 @@ class _Engines:
 
     def __init__(self, model: str, sharing: str, device: str, max_batch: int, adapters: int,
                  engine_memory: float, enforce_eager: bool, rank: int = 16, tuned_lora_kernels: bool = True,
-                 cuda_graph_max_tokens: int | None = None, trainer_graphs: bool = False, controls: dict | None = None):
+                 cuda_graph_max_tokens: int | None = None, trainer_graphs: bool = False, controls: dict | None = None,
+                 microbatch_tokens: int = 8192):
         from real.backend import Cluster, RealOptions
         from real.trainer import JobConfig
 
@@ -70,7 +73,7 @@ class _Engines:
                            engine_cpu_threads=c.get("engine_cpu_threads"),
                            trainer_cpu_threads=c.get("trainer_cpu_threads"))
         self.c = Cluster(opts, sharing, 2, max_loras=adapters, max_rank=rank, max_num_seqs=max_batch,
-                         max_tokens_per_microbatch=8192, cuda_graph_max_tokens=cuda_graph_max_tokens)
+                         max_tokens_per_microbatch=microbatch_tokens, cuda_graph_max_tokens=cuda_graph_max_tokens)
         self.vocab = self.c.vocab_size
         self.dir = Path(tempfile.mkdtemp(prefix="nodus-engines-"))
         self._n = 0
@@ -161,6 +164,24 @@ class _Engines:
         self._wait("trained", bg)  # drain the trainer's last step
         return end - t0
 
+    def trainer_beside(self, stack: int, train, work) -> float:
+        """Seconds of one step of ``stack``'s trainer while the other stack's engine generates ``work``
+        back to back."""
+        other = 1 - stack
+        bg = self._send(other, work)
+        time.sleep(0.05)  # the other stack's engine is generating before the step starts
+        t0 = time.monotonic()
+        fg = self._send_train(stack, train)
+        end = None
+        while end is None:
+            msg = self.c.get(timeout=1800)
+            if msg[0] == "trained" and msg[1] == fg:
+                end = time.monotonic()
+            elif msg[0] == "generated" and msg[1] == bg:
+                bg = self._send(other, work)
+        self._wait("generated", bg)  # drain the engine's last generation
+        return end - t0
+
     def close(self) -> None:
         self.c.close()
 
@@ -170,14 +191,22 @@ def bucket_line(mode: str, row: dict) -> str:
     if "beside_s" in row:
         parts.append(f"beside the other engine {row['beside_s']:.3f} s, slowdown {row['slowdown']:.3f}")
     if "beside_trainer_s" in row:
-        parts.append(f"beside the other stack's trainer {row['beside_trainer_s']:.3f} s (its step alone "
-                     f"{row['train_alone_s']:.3f} s), slowdown {row['trainer_slowdown']:.3f}")
+        parts.append(f"beside the other stack's trainer {row['beside_trainer_s']:.3f} s, slowdown "
+                     f"{row['trainer_slowdown']:.3f}")
+    if "train_beside_s" in row:
+        parts.append(f"that trainer's step alone {row['train_alone_s']:.3f} s, beside this engine "
+                     f"{row['train_beside_s']:.3f} s, slowdown {row['train_slowdown']:.3f}")
     return ", ".join(parts)
 
 
+KINDS = ("alone", "beside", "beside_trainer", "train_alone", "train_beside")  # a row's timings
+
+
 def _row(batch: int, adapters: int, alone: list[float], beside: list[float] | None = None,
-         beside_trainer: list[float] | None = None, train_alone: list[float] | None = None) -> dict:
-    """A bucket's row: medians of each kind of timing (every timing kept), slowdowns over alone."""
+         beside_trainer: list[float] | None = None, train_alone: list[float] | None = None,
+         train_beside: list[float] | None = None) -> dict:
+    """A bucket's row: medians of each kind of timing (every timing kept), slowdowns over alone (the
+    engine's over its generation alone, the trainer's over its step alone)."""
     a = float(np.median(alone))
     row = {"batch": batch, "adapters": adapters, "alone_s": a, "alone_each_s": alone}
     if beside:
@@ -186,8 +215,11 @@ def _row(batch: int, adapters: int, alone: list[float], beside: list[float] | No
     if beside_trainer:
         row.update(beside_trainer_s=float(np.median(beside_trainer)), beside_trainer_each_s=beside_trainer)
         row["trainer_slowdown"] = row["beside_trainer_s"] / a
-        if train_alone:
-            row.update(train_alone_s=float(np.median(train_alone)), train_alone_each_s=train_alone)
+    if train_alone:
+        row.update(train_alone_s=float(np.median(train_alone)), train_alone_each_s=train_alone)
+        if train_beside:
+            row.update(train_beside_s=float(np.median(train_beside)), train_beside_each_s=train_beside)
+            row["train_slowdown"] = row["train_beside_s"] / row["train_alone_s"]
     return row
 
 
@@ -195,7 +227,8 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                     repeats: int = 2, device: str = "auto", engine_memory: float = 0.35, enforce_eager: bool = False,
                     seqs_per_adapter: int = SEQS_PER_ADAPTER, cuda_graph_max_tokens: int | None = None,
                     tuned_lora_kernels: bool = True, trainer_graphs: bool = False, beside=BESIDE,
-                    controls: dict | None = None, raw_path: str | Path | None = None, log=print,
+                    controls: dict | None = None, microbatch_tokens: int = 8192,
+                    raw_path: str | Path | None = None, log=print,
                     make_engines=_Engines) -> tuple[dict, dict]:
     """Raw rows per mode (each: batch, adapters, alone seconds; beside the other engine and beside
     the other stack's trainer, as ``beside`` names, with their slowdowns) and the settings. Each
@@ -211,14 +244,14 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                 "cuda_graph_max_tokens": cuda_graph_max_tokens, "tuned_lora_kernels": tuned_lora_kernels,
                 "beside": list(beside)}
     if "trainer" in beside:
-        settings["trainer_graphs"] = trainer_graphs
+        settings.update(trainer_graphs=trainer_graphs, microbatch_tokens=microbatch_tokens)
     settings["controls"] = dict(controls or {})
     raw: dict = {}
     for mode in modes:
         eng = make_engines(model, mode, device, max(batches), adapters_for(max(batches), seqs_per_adapter),
                            engine_memory, enforce_eager, tuned_lora_kernels=tuned_lora_kernels,
                            cuda_graph_max_tokens=cuda_graph_max_tokens, trainer_graphs=trainer_graphs,
-                           controls=controls)
+                           controls=controls, microbatch_tokens=microbatch_tokens)
         try:
             work = {b: eng.gen_request(b, prompt, length, seqs_per_adapter) for b in batches}
             train = ({b: eng.train_request(b, prompt, length, seqs_per_adapter) for b in batches}
@@ -234,11 +267,13 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                 alone = [eng.alone(e, work[b]) for _ in range(repeats) for e in (0, 1)]
                 by_engine = ([eng.beside(e, work[b]) for _ in range(repeats) for e in (0, 1)]
                              if "engine" in beside else None)
-                by_trainer = train_alone = None
+                by_trainer = train_alone = train_beside = None
                 if "trainer" in beside:
                     train_alone = [eng.train_alone(s, train[b]) for _ in range(repeats) for s in (0, 1)]
                     by_trainer = [eng.beside_trainer(e, work[b], train[b]) for _ in range(repeats) for e in (0, 1)]
-                rows.append(_row(b, adapters_for(b, seqs_per_adapter), alone, by_engine, by_trainer, train_alone))
+                    train_beside = [eng.trainer_beside(s, train[b], work[b]) for _ in range(repeats) for s in (0, 1)]
+                rows.append(_row(b, adapters_for(b, seqs_per_adapter), alone, by_engine, by_trainer, train_alone,
+                                 train_beside))
                 if raw_path is not None:
                     write_raw(raw_path, raw, settings)
                 log(bucket_line(mode, rows[-1]))
@@ -277,7 +312,10 @@ def read_raw(path: str | Path) -> tuple[dict, dict]:
                     _positive(r.get(k)) for k in ("beside_s", "beside_trainer_s")):
                 raise ConfigError(f"calibrate-engines --from-raw {str(path)!r}: {mode} row {r!r} lacks a positive "
                                   "batch, alone_s or beside_s (or beside_trainer_s)")
-            bad = [k for k in ("beside_s", "beside_trainer_s") if k in r and not _positive(r[k])]
+            bad = [k for k in ("beside_s", "beside_trainer_s", "train_alone_s", "train_beside_s")
+                   if k in r and not _positive(r[k])]
+            if "train_beside_s" in r and "train_alone_s" not in r:
+                bad = ["train_alone_s"]
             if bad:
                 raise ConfigError(f"calibrate-engines --from-raw {str(path)!r}: {mode} row {r!r}: {bad[0]} is not "
                                   "a positive number of seconds")
@@ -316,13 +354,12 @@ def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
                               "pool runs of one bench only")
         for mode, rows in raw.items():
             for r in rows:
-                b = pooled.setdefault(mode, {}).setdefault(int(r["batch"]), {
-                    "adapters": r.get("adapters"), "alone": [], "beside": [], "beside_trainer": [], "train_alone": []})
-                for kind in ("alone", "beside", "beside_trainer", "train_alone"):
+                b = pooled.setdefault(mode, {}).setdefault(int(r["batch"]), {"adapters": r.get("adapters"),
+                                                                              **{k: [] for k in KINDS}})
+                for kind in KINDS:
                     if f"{kind}_s" in r:
                         b[kind] += r.get(f"{kind}_each_s") or [r[f"{kind}_s"]]
-    raw = {mode: [_row(batch, b["adapters"], b["alone"], b["beside"], b["beside_trainer"], b["train_alone"])
-                  for batch, b in sorted(by.items())]
+    raw = {mode: [_row(batch, b["adapters"], *(b[k] for k in KINDS)) for batch, b in sorted(by.items())]
            for mode, by in pooled.items()}
     settings["modes"] = sorted(raw)
     settings["batches"] = sorted({int(r["batch"]) for rows in raw.values() for r in rows})
@@ -332,8 +369,9 @@ def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
 
 
 def engines_by_batch(raw: dict) -> list[dict]:
-    """``sharing.engines_by_batch``: per batch, each mode's slowdown (beside the other engine over
-    alone: ``<mode>``; beside the other stack's trainer over alone: ``<mode>_trainer``)."""
+    """``sharing.engines_by_batch``: per batch and mode, the engine's slowdown beside the other engine
+    (``<mode>``) and beside the other stack's trainer (``<mode>_beside_trainer``), and that trainer's
+    step's slowdown beside the engine (``<mode>_trainer_beside``), each over its time alone."""
     by: dict[int, dict] = {}
     for mode, rows in raw.items():
         for r in rows:
@@ -341,7 +379,9 @@ def engines_by_batch(raw: dict) -> list[dict]:
             if "beside_s" in r:
                 e[mode] = r["beside_s"] / r["alone_s"]
             if "beside_trainer_s" in r:
-                e[f"{mode}_trainer"] = r["beside_trainer_s"] / r["alone_s"]
+                e[f"{mode}_beside_trainer"] = r["beside_trainer_s"] / r["alone_s"]
+            if "train_beside_s" in r:
+                e[f"{mode}_trainer_beside"] = r["train_beside_s"] / r["train_alone_s"]
     return [by[b] for b in sorted(by)]
 
 
@@ -362,17 +402,20 @@ def apply_engines(prof: dict, raw: dict, settings: dict, source: dict | None = N
                  "(sharing.stacks_engine_sequences) and takes the bench's ratio elsewhere"),
         "value": ", ".join(f"{e['batch']}: " + "/".join(f"{m} {e[m]:.3f}" for m in MODES if m in e)
                            for e in prof["sharing"]["engines_by_batch"] if any(m in e for m in MODES))})
-    if any(f"{m}_trainer" in e for e in prof["sharing"]["engines_by_batch"] for m in MODES):
+    if any(f"{m}_beside_trainer" in e for e in prof["sharing"]["engines_by_batch"] for m in MODES):
         prof["assumptions"] = [a for a in prof["assumptions"] if a.get("id") != "sharing-engine-beside-trainer-by-batch"]
         prof["assumptions"].append({
             "id": "sharing-engine-beside-trainer-by-batch",
-            "what": ("an engine's rate beside the other stack's lone trainer by engine size from the same bench (the "
-                     "trainer stepping over as many sequences and adapters as the engine generates); under MPS, where "
-                     "the profile has a fitted rate (sharing.mps_stacks_engine) it keeps that rate at the fit runs' "
-                     "engine size and takes the bench's ratio elsewhere; time-sliced stacks keep the pair's rates"),
-            "value": ", ".join(f"{e['batch']}: " + "/".join(f"{m} {e[m + '_trainer']:.3f}" for m in MODES
-                                                             if f"{m}_trainer" in e)
-                               for e in prof["sharing"]["engines_by_batch"] if any(f"{m}_trainer" in e for m in MODES))})
+            "what": ("an engine's rate beside the other stack's lone trainer, and that trainer's beside it, by engine "
+                     "size from the same bench (the trainer stepping over as many sequences and adapters as the engine "
+                     "generates); under MPS, where the profile has fitted rates (sharing.mps_stacks_engine, "
+                     "mps_stacks_trainer) it keeps them at the fit runs' engine size and takes the bench's ratio "
+                     "elsewhere; time-sliced stacks keep the pair's rates"),
+            "value": ", ".join(f"{e['batch']}: " + "/".join(
+                f"{m} engine {e[m + '_beside_trainer']:.3f}" + (f", trainer {e[m + '_trainer_beside']:.3f}"
+                                                                if f"{m}_trainer_beside" in e else "")
+                for m in MODES if f"{m}_beside_trainer" in e)
+                for e in prof["sharing"]["engines_by_batch"] if any(f"{m}_beside_trainer" in e for m in MODES))})
     return prof
 
 

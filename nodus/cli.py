@@ -345,11 +345,11 @@ def cmd_calibrate_engines(a: argparse.Namespace) -> int:
     prof = calibrate_engines(a.model, a.base, a.out, modes=tuple(m for m in a.modes.split(",") if m),
                              from_raw=a.from_raw, batches=_ints(a.batches), prompt=a.prompt_tokens, length=a.length,
                              repeats=a.repeats, device=a.device, engine_memory=a.engine_memory,
-                             enforce_eager=a.enforce_eager, beside=beside,
+                             enforce_eager=a.enforce_eager, beside=beside, microbatch_tokens=a.train_microbatch_tokens,
                              log=lambda m: print(m, file=sys.stderr, flush=True))
     m = prof["measurements"]["engines"]
     cols = [(k, what) for mode in MODES for k, what in ((mode, f"{mode} slowdown beside the other engine"),
-                                                        (f"{mode}_trainer", f"{mode} beside the other stack's trainer"))]
+                                                        (f"{mode}_beside_trainer", f"{mode} beside the other stack's trainer"))]
     for e in prof["sharing"]["engines_by_batch"]:
         print(f"batch {e['batch']}: " + ", ".join(f"{what} {e[k]:.3f}" for k, what in cols if e.get(k)))
     fast = [(e["batch"], what) for e in prof["sharing"]["engines_by_batch"] for k, what in cols
@@ -819,6 +819,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beside", default="engine,trainer",
                    help="what runs beside the timed engine: the other engine, the other stack's trainer (stepping "
                         "over as many sequences and adapters; graphed where the base's train.step_mode is), or both")
+    p.add_argument("--train-microbatch-tokens", type=int, default=8192,
+                   help="the trainers' micro-batch tokens (the runs': 8192 on the H200, 4096 on an 80 GB H100)")
     p.add_argument("--engine-memory", type=float, default=0.35, help="GPU memory share of both engines together")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--enforce-eager", action="store_true")

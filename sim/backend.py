@@ -67,7 +67,7 @@ class SimBackend:
         self._bench_seqs = max(bench) if bench and n_stacks > 1 else None  # timeslice's dropped above
         # ... and its largest engine beside the other stack's trainer, where an engine beside a lone trainer
         # follows it (sim.gpu.stacks_engine_rate: MPS, with that trainer's rate fitted).
-        by_trainer = [e.batch for e in sharing.engines_by_batch if e.mps_trainer is not None]
+        by_trainer = [e.batch for e in sharing.engines_by_batch if e.mps_beside_trainer is not None]
         self._bench_trainer_seqs = (max(by_trainer) if by_trainer and n_stacks > 1 and cfg.arm.sharing == "mps"
                                     and sharing.mps_stacks_trainer is not None else None)
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
@@ -192,12 +192,12 @@ class SimBackend:
                                   "bench's largest engine (sharing.engines_by_batch)", seqs, self._bench_seqs)
         if self._bench_trainer_seqs is not None and seqs > self._bench_trainer_seqs:
             self.cost.note_beyond("sequences one engine of stacks generates at once, past the bench's largest engine "
-                                  "beside the other stack's trainer (sharing.engines_by_batch[].mps_trainer)",
+                                  "beside the other stack's trainer (sharing.engines_by_batch[].mps_beside_trainer)",
                                   seqs, self._bench_trainer_seqs)
         if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
             follows = [what for what, seen in (("the two-engine rate", self._bench_seqs),
-                                               ("the rate beside a lone trainer", self._bench_trainer_seqs)) if seen]
-            keeps = [what for what, seen in (("the rate beside a lone trainer", self._bench_trainer_seqs),
+                                               ("the rates of a lone trainer and an engine beside it", self._bench_trainer_seqs)) if seen]
+            keeps = [what for what, seen in (("the rates of a lone trainer and an engine beside it", self._bench_trainer_seqs),
                                              ("the two trainers' rate", None)) if not seen]
             self.cost.note_beyond(
                 "sequences one engine of stacks generates at once"

@@ -60,23 +60,38 @@ def engines_rate(sharing: str, cost: SharingCost, engine_batch: int | None = Non
     return min(alone / slow, RATE_MAX)
 
 
-def stacks_engine_rate(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> float | None:
-    """An engine's rate beside the lone trainer of another stack under MPS (None: the pair's engine
-    rate prices it). Without the bench's trainer column (``sharing.engines_by_batch[].mps_trainer``):
-    the fitted rate (``sharing.mps_stacks_engine``). With it: the fitted rate at the fit's engine size
-    (``sharing.stacks_engine_sequences``) times the bench's slowdown there over its slowdown at the
-    running batch; without a fitted rate (or its size), the MPS alone rate over the slowdown."""
-    if sharing != "mps":
-        return None
-    fitted = cost.mps_stacks_engine
-    pts = [(e.batch, e.mps_trainer) for e in sorted(cost.engines_by_batch, key=lambda e: e.batch)
-           if e.mps_trainer is not None]
+def _benched(fitted: float | None, column: str, kind: str, cost: SharingCost, engine_batch: int | None) -> float | None:
+    """A stacks rate by engine size under MPS: ``fitted`` without the bench's ``column`` (or a running
+    batch); with it, ``fitted`` at the fit's engine size (``sharing.stacks_engine_sequences``) times the
+    bench's slowdown there over its slowdown at the running batch; without a fitted rate (or its
+    size), ``kind``'s MPS alone rate over the slowdown."""
+    pts = [(e.batch, getattr(e, column)) for e in sorted(cost.engines_by_batch, key=lambda e: e.batch)
+           if getattr(e, column) is not None]
     if not pts or engine_batch is None:
         return fitted
     slow = _interp(pts, engine_batch)
     if fitted is not None and cost.stacks_engine_sequences is not None:
         return min(fitted * _interp(pts, cost.stacks_engine_sequences) / slow, RATE_MAX)
-    return min(cost.mps_alone.engine / slow, RATE_MAX)
+    return min(getattr(cost.mps_alone, kind) / slow, RATE_MAX)
+
+
+def stacks_engine_rate(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> float | None:
+    """An engine's rate beside the lone trainer of another stack under MPS (None: the pair's engine
+    rate prices it): the fitted rate (``sharing.mps_stacks_engine``), following the bench's
+    ``mps_beside_trainer`` over engine size where the profile has it (``_benched``)."""
+    if sharing != "mps":
+        return None
+    return _benched(cost.mps_stacks_engine, "mps_beside_trainer", "engine", cost, engine_batch)
+
+
+def stacks_trainer_rate(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> float | None:
+    """The lone trainer's rate beside engines of other stacks under MPS (None: the pair's trainer rate
+    prices it): the fitted rate (``sharing.mps_stacks_trainer``), following the bench's
+    ``mps_trainer_beside`` over the running engine's size where the profile has it. Only a profile
+    with the fitted rate: sim.backend keeps it for arm.stacks arms alone."""
+    if sharing != "mps" or cost.mps_stacks_trainer is None:
+        return None
+    return _benched(cost.mps_stacks_trainer, "mps_trainer_beside", "trainer", cost, engine_batch)
 
 
 def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batch: int | None = None) -> list[float]:
@@ -98,7 +113,7 @@ def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batc
     if len(kinds) == 1:
         return [1.0 if sharing == "none" else getattr(cost.mps_alone, kinds[0])]
     pair: Rates = pair_rates(sharing, cost, engine_batch)
-    stacks_trainer = (cost.mps_stacks_trainer if sharing == "mps" and kinds.count("trainer") == 1
+    stacks_trainer = (stacks_trainer_rate(sharing, cost, engine_batch) if kinds.count("trainer") == 1
                       and "engine" in kinds else None)
     beside_lone = stacks_engine_rate(sharing, cost, engine_batch) if stacks_trainer is not None else None
     if beside_lone is not None:

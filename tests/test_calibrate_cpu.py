@@ -159,10 +159,12 @@ def test_calibrate_engines_measures_two_engine_processes_on_the_cpu(tmp_path, ca
     # Two engine processes on two cores: beside the other, an engine waits for the cores.
     assert all(r["beside_s"] > r["alone_s"] > 0 for r in rows)
     # ... and beside the other stack's trainer stepping over as many sequences (its step timed alone too).
-    assert all(len(r["beside_trainer_each_s"]) == len(r["train_alone_each_s"]) == 2 for r in rows)
-    assert all(r["beside_trainer_s"] > 0 and r["train_alone_s"] > 0 for r in rows)
+    assert all(len(r["beside_trainer_each_s"]) == len(r["train_alone_each_s"]) == len(r["train_beside_each_s"]) == 2
+               for r in rows)
+    assert all(r["beside_trainer_s"] > 0 and r["train_beside_s"] > 0 and r["train_alone_s"] > 0 for r in rows)
     assert [e["batch"] for e in prof["sharing"]["engines_by_batch"]] == [4, 8]
-    assert all(e["none_trainer"] == pytest.approx(r["beside_trainer_s"] / r["alone_s"])
+    assert all(e["none_beside_trainer"] == pytest.approx(r["beside_trainer_s"] / r["alone_s"])
+               and e["none_trainer_beside"] == pytest.approx(r["train_beside_s"] / r["train_alone_s"])
                for e, r in zip(prof["sharing"]["engines_by_batch"], rows))
     assert json.loads((tmp_path / "engines.raw.json").read_text())["raw"]["none"] == rows
     assert "batch 4: none slowdown" in capsys.readouterr().out

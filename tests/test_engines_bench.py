@@ -47,6 +47,11 @@ class _StandIn:
         self.calls.append(("beside_trainer", engine, work[0]))
         return 0.01 * work[0] * self.by_trainer[work[0]]
 
+    def trainer_beside(self, stack, train, work):
+        assert train[1] == work[0]
+        self.calls.append(("trainer_beside", stack, work[0]))
+        return 0.002 * train[1] * (1 + self.by_trainer[work[0]]) / 2  # the trainer slowed half as much
+
     def close(self):
         self.calls.append("closed")
 
@@ -71,14 +76,19 @@ def test_the_bench_times_each_engine_alone_beside_the_other_and_beside_its_train
     assert eng.calls[:8] == [("alone", 0, 64), ("alone", 1, 64), ("alone", 0, 512), ("alone", 1, 512),
                              ("train", 0, 64), ("train", 1, 64), ("train", 0, 512), ("train", 1, 512)]
     timed = [c for c in eng.calls[8:] if c != "closed"]
-    assert timed[:16] == ([("alone", 0, 64), ("alone", 1, 64)] * 2 + [("beside", 0, 64), ("beside", 1, 64)] * 2
+    assert timed[:20] == ([("alone", 0, 64), ("alone", 1, 64)] * 2 + [("beside", 0, 64), ("beside", 1, 64)] * 2
                           + [("train", 0, 64), ("train", 1, 64)] * 2
-                          + [("beside_trainer", 0, 64), ("beside_trainer", 1, 64)] * 2)
+                          + [("beside_trainer", 0, 64), ("beside_trainer", 1, 64)] * 2
+                          + [("trainer_beside", 0, 64), ("trainer_beside", 1, 64)] * 2)
     assert eng.calls[-1] == "closed"
     assert json.loads(raw_path.read_text())["raw"] == raw
     assert settings["beside"] == ["engine", "trainer"]
-    assert engines_by_batch(raw) == [{"batch": 64, "mps": pytest.approx(1.1), "mps_trainer": pytest.approx(1.3)},
-                                     {"batch": 512, "mps": pytest.approx(1.5), "mps_trainer": pytest.approx(1.8)}]
+    assert [r["train_slowdown"] for r in rows] == pytest.approx([1.15, 1.4])
+    assert engines_by_batch(raw) == [
+        {"batch": 64, "mps": pytest.approx(1.1), "mps_beside_trainer": pytest.approx(1.3),
+         "mps_trainer_beside": pytest.approx(1.15)},
+        {"batch": 512, "mps": pytest.approx(1.5), "mps_beside_trainer": pytest.approx(1.8),
+         "mps_trainer_beside": pytest.approx(1.4)}]
 
 
 def test_the_bench_beside_one_kind_only_times_that_kind(tmp_path):
@@ -87,8 +97,10 @@ def test_the_bench_beside_one_kind_only_times_that_kind(tmp_path):
     assert engines_by_batch(raw) == [{"batch": 64, "mps": pytest.approx(1.1)}, {"batch": 128, "mps": pytest.approx(1.2)}]
     raw, settings, eng = _bench({64: 1.1, 128: 1.2}, {64: 1.4, 128: 1.6}, beside=("trainer",))
     assert not any(c[0] == "beside" for c in eng.calls if c != "closed")
-    assert engines_by_batch(raw) == [{"batch": 64, "mps_trainer": pytest.approx(1.4)},
-                                     {"batch": 128, "mps_trainer": pytest.approx(1.6)}]
+    assert engines_by_batch(raw) == [{"batch": 64, "mps_beside_trainer": pytest.approx(1.4),
+                                      "mps_trainer_beside": pytest.approx(1.2)},
+                                     {"batch": 128, "mps_beside_trainer": pytest.approx(1.6),
+                                      "mps_trainer_beside": pytest.approx(1.3)}]
 
 
 def _profile_with_bench(tmp_path, slow, base=P, name="b", by_trainer=None, beside=("engine",)):
@@ -218,7 +230,7 @@ def test_several_raw_files_pool_each_buckets_timings(tmp_path, capsys):
 
 
 def test_an_engine_beside_the_other_stacks_trainer_follows_the_bench_from_the_fitted_rate(tmp_path):
-    from sim.gpu import sharing_rates, stacks_engine_rate
+    from sim.gpu import sharing_rates, stacks_engine_rate, stacks_trainer_rate
 
     out = _profile_with_bench(tmp_path, {64: 1.2, 128: 1.2, 256: 1.2, 512: 1.2},
                               by_trainer={64: 1.5, 128: 1.5, 256: 1.6, 512: 2.0}, beside=("engine", "trainer"))
@@ -230,8 +242,12 @@ def test_an_engine_beside_the_other_stacks_trainer_follows_the_bench_from_the_fi
     assert stacks_engine_rate("mps", cost, 512) == pytest.approx(fitted * 1.5 / 2.0)
     assert stacks_engine_rate("mps", cost, None) == fitted
     assert stacks_engine_rate("none", cost, 512) is None  # time-sliced stacks keep the pair's rates
+    # The lone trainer beside that engine: the bench's trainer slowdown 1.25 at 128 sequences, 1.5 at 512.
+    lone = cost.mps_stacks_trainer
+    assert stacks_trainer_rate("mps", cost, 128) == pytest.approx(lone)
+    assert stacks_trainer_rate("mps", cost, 512) == pytest.approx(lone * 1.25 / 1.5)
     # In the simulator's clients: one engine beside the other stack's lone trainer, and two engines beside it.
-    assert sharing_rates(["engine", "trainer"], "mps", cost, 512)[0] == pytest.approx(fitted * 0.75)
+    assert sharing_rates(["engine", "trainer"], "mps", cost, 512) == pytest.approx([fitted * 0.75, lone * 1.25 / 1.5])
     two = sharing_rates(["engine", "engine", "trainer"], "mps", cost, 512)
     assert two[0] == pytest.approx(cost.mps_engines * fitted * 0.75 / cost.mps_alone.engine)
     assert any(a["id"] == "sharing-engine-beside-trainer-by-batch" for a in prof["assumptions"])
@@ -259,9 +275,9 @@ def test_a_trainer_bench_that_slows_big_engines_lowers_sixteen_jobs_on_stacks_on
     slow, plain = sim(16, str(out)), sim(16, str(flat))
     assert slow["steps_per_gpu_hour"] < 0.99 * plain["steps_per_gpu_hour"]
     flags = " ".join(slow["diagnostics"][0]["outside_profile"])
-    assert ("the two-engine rate and the rate beside a lone trainer follow the bench; the two trainers' rate keeps "
-            "the fit's engine size") in flags
-    assert "the rate beside a lone trainer and the two trainers' rate keep" in " ".join(
+    assert ("the two-engine rate and the rates of a lone trainer and an engine beside it follow the bench; the two "
+            "trainers' rate keeps the fit's engine size") in flags
+    assert "the rates of a lone trainer and an engine beside it and the two trainers' rate keep" in " ".join(
         plain["diagnostics"][0]["outside_profile"])
     # One stack has no other stack's trainer: its engine beside its own trainer keeps the pair's rates.
     assert sim(16, str(out), stacks=1)["steps_per_gpu_hour"] == pytest.approx(sim(16, str(flat), stacks=1)["steps_per_gpu_hour"])
@@ -269,7 +285,8 @@ def test_a_trainer_bench_that_slows_big_engines_lowers_sixteen_jobs_on_stacks_on
 
 def test_trainer_rows_pool_and_bad_ones_are_named(tmp_path, capsys):
     row = {"batch": 64, "adapters": 1, "alone_s": 1.0, "beside_trainer_s": 1.5, "alone_each_s": [1.0, 1.0],
-           "beside_trainer_each_s": [1.5, 1.5], "train_alone_s": 0.5, "train_alone_each_s": [0.5, 0.5]}
+           "beside_trainer_each_s": [1.5, 1.5], "train_alone_s": 0.5, "train_alone_each_s": [0.5, 0.5],
+           "train_beside_s": 0.6, "train_beside_each_s": [0.6, 0.6]}
     a = {"raw": {"mps": [row]}, "settings": {"prompt": 128, "length": 256, "seqs_per_adapter": 64,
                                              "trainer_graphs": True}}
     b = json.loads(json.dumps(a))
@@ -280,7 +297,8 @@ def test_trainer_rows_pool_and_bad_ones_are_named(tmp_path, capsys):
     assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
                  "--base", P, "--out", str(out)]) == 0
     prof = json.loads(out.read_text())
-    assert prof["sharing"]["engines_by_batch"] == [{"batch": 64, "mps_trainer": pytest.approx(2.5)}]
+    assert prof["sharing"]["engines_by_batch"] == [{"batch": 64, "mps_beside_trainer": pytest.approx(2.5),
+                                                    "mps_trainer_beside": pytest.approx(1.2)}]
     assert prof["measurements"]["engines"]["settings"]["beside"] == ["trainer"]
     assert "batch 64: mps beside the other stack's trainer 2.500" in capsys.readouterr().out
     b["settings"]["trainer_graphs"] = False
