@@ -132,7 +132,7 @@ def replay(rows: list[dict], prof: dict, rates: dict[str, float | None], tmp: Pa
     """Each run replayed (``_simulate``'s summary) on ``prof`` with ``sharing`` updated by ``rates``."""
     p = json.loads(json.dumps(prof))
     p["sharing"].update(rates)
-    if ({"mps_engines", "mps_stacks_engine"} & set(rates)) and p["sharing"].get("engines_by_batch"):
+    if ({"mps_engines", "mps_stacks_engine", "mps_stacks_trainer"} & set(rates)) and p["sharing"].get("engines_by_batch"):
         # Beside the bench's shape a fitted rate holds at the engine size of the runs it is fitted on
         # (sim.gpu.engines_rate, stacks_engine_rate): anchor it there, as the written profile will.
         p["sharing"]["stacks_engine_sequences"] = max(r["engine_sequences"] for r in rows)

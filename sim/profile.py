@@ -181,8 +181,8 @@ class BatchRates(_M):
 class EnginesBatch(_M):
     """Two stacks' engines of `batch` sequences each (`nodus calibrate-engines`): one engine's time
     beside the other generating over its time alone (`none`, `mps`), and beside the other stack's
-    trainer stepping over as many sequences and adapters (`none_beside_trainer`, `mps_beside_trainer`), per sharing
-    mode measured."""
+    trainer stepping over as many sequences and adapters (`none_beside_trainer`,
+    `mps_beside_trainer`), per sharing mode measured."""
 
     batch: int = Field(ge=1)
     none: float | None = Field(default=None, gt=0)
@@ -262,8 +262,8 @@ class SharingCost(_M):
     # the slowdown. On the H200 the rate fitted on each size's own runs fell from 0.86 (256 sequences)
     # to 0.71 (512), which a constant fitted at 64-128 cannot say (session 59; the H100's bench is
     # flat from 64 to 512 sequences). Where the bench also timed an engine beside the other stack's
-    # trainer (`mps_beside_trainer`), an engine of stacks beside a lone trainer under MPS follows it the same
-    # way (sim.gpu.stacks_engine_rate): mps_stacks_engine at the fit's engine size times the bench's
+    # trainer (`mps_beside_trainer`), an engine of stacks beside a lone trainer under MPS follows it
+    # the same way (sim.gpu.stacks_engine_rate): mps_stacks_engine at the fit's engine size times the bench's
     # ratio, or without a fitted one, mps_alone's engine rate over the slowdown; and the lone trainer
     # beside such an engine follows `mps_trainer_beside` (sim.gpu.stacks_trainer_rate), from
     # mps_stacks_trainer. On the H100 the lone trainer's steps beside 256-sequence engines ran
