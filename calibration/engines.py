@@ -327,13 +327,17 @@ def _positive(x) -> bool:
 
 
 POOLED_SETTINGS = ("prompt", "length", "seqs_per_adapter", "cuda_graph_max_tokens", "tuned_lora_kernels", "controls")
+TRAINER_POOLED = ("trainer_graphs", "microbatch_tokens")  # equal where both runs timed the trainer
 
 
 def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
     """Several bench runs' raw timings as one: each (mode, batch) bucket's timings of every run
     together, its medians over all of them (one run's alone times at 512 sequences on the H100 moved
     15% between two runs while the beside times held to 1%). Runs of other prompt or response lengths,
-    adapters per sequence, graphs or kernels are refused by name."""
+    adapters per sequence, graphs or kernels are refused by name. A slowdown is over the alone times
+    of the runs that timed its kind beside (a run of the trainer kind only does not move the
+    two-engine slowdown through its alone times): ``slowdown_alone_s`` and
+    ``trainer_slowdown_alone_s`` where they differ from the bucket's ``alone_s``."""
     from nodus.config import ConfigError
 
     pooled: dict[str, dict[int, dict]] = {}
@@ -343,24 +347,39 @@ def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
         if settings is None:
             settings = dict(got, runs=[str(f) for f in files])
         differ = [k for k in POOLED_SETTINGS if (got.get(k) or None) != (settings.get(k) or None)]
-        if got.get("trainer_graphs") is not None:  # a run without trainer rows has none to pool
-            if settings.get("trainer_graphs") is None:
-                settings["trainer_graphs"] = got["trainer_graphs"]
-            elif got["trainer_graphs"] != settings["trainer_graphs"]:
-                differ.append("trainer_graphs")
+        for k in TRAINER_POOLED:  # a run without trainer rows has none to pool
+            if got.get(k) is not None:
+                if settings.get(k) is None:
+                    settings[k] = got[k]
+                elif got[k] != settings[k]:
+                    differ.append(k)
         if differ:
             raise ConfigError(f"calibrate-engines --from-raw: {str(f)!r} ran other settings than {str(files[0])!r} "
                               f"({', '.join(f'{k} {got.get(k)!r} against {settings.get(k)!r}' for k in differ)}): "
                               "pool runs of one bench only")
         for mode, rows in raw.items():
             for r in rows:
-                b = pooled.setdefault(mode, {}).setdefault(int(r["batch"]), {"adapters": r.get("adapters"),
-                                                                              **{k: [] for k in KINDS}})
+                b = pooled.setdefault(mode, {}).setdefault(int(r["batch"]), {
+                    "adapters": r.get("adapters"), **{k: [] for k in KINDS}, "alone_beside": [],
+                    "alone_beside_trainer": []})
                 for kind in KINDS:
                     if f"{kind}_s" in r:
                         b[kind] += r.get(f"{kind}_each_s") or [r[f"{kind}_s"]]
-    raw = {mode: [_row(batch, b["adapters"], *(b[k] for k in KINDS)) for batch, b in sorted(by.items())]
-           for mode, by in pooled.items()}
+                alone = r.get("alone_each_s") or [r["alone_s"]]
+                for kind in ("beside", "beside_trainer"):
+                    if f"{kind}_s" in r:
+                        b[f"alone_{kind}"] += alone
+    raw = {}
+    for mode, by in pooled.items():
+        raw[mode] = []
+        for batch, b in sorted(by.items()):
+            row = _row(batch, b["adapters"], *(b[k] for k in KINDS))
+            for kind, key in (("beside", "slowdown"), ("beside_trainer", "trainer_slowdown")):
+                if key in row and b[f"alone_{kind}"] != b["alone"]:
+                    a = float(np.median(b[f"alone_{kind}"]))
+                    row[f"{key}_alone_s"] = a
+                    row[key] = row[f"{kind}_s"] / a
+            raw[mode].append(row)
     settings["modes"] = sorted(raw)
     settings["batches"] = sorted({int(r["batch"]) for rows in raw.values() for r in rows})
     settings["beside"] = [k for k, f in (("engine", "beside_s"), ("trainer", "beside_trainer_s"))
@@ -377,9 +396,9 @@ def engines_by_batch(raw: dict) -> list[dict]:
         for r in rows:
             e = by.setdefault(int(r["batch"]), {"batch": int(r["batch"])})
             if "beside_s" in r:
-                e[mode] = r["beside_s"] / r["alone_s"]
+                e[mode] = r["beside_s"] / r.get("slowdown_alone_s", r["alone_s"])
             if "beside_trainer_s" in r:
-                e[f"{mode}_beside_trainer"] = r["beside_trainer_s"] / r["alone_s"]
+                e[f"{mode}_beside_trainer"] = r["beside_trainer_s"] / r.get("trainer_slowdown_alone_s", r["alone_s"])
             if "train_beside_s" in r:
                 e[f"{mode}_trainer_beside"] = r["train_beside_s"] / r["train_alone_s"]
     return [by[b] for b in sorted(by)]

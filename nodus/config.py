@@ -450,10 +450,14 @@ STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phas
 # against 10.3%; the machine's speed known 3.7% against 6.0%
 # (calibration/reports/validation-h200-stacks-sessions40-49-*.md).
 STACKS_PROFILE = STACKS_PROTOCOL_PROFILE
-# The H100 80GB's two-stack profile (session 56): session 53's H100 fit on two dedicated runs, with the
-# stacks rates of `nodus fit-stacks --rate phases --tie-engines` on five 2-4-job runs; held out: two
-# 8-job runs and a 4-job offset run, MAPE 3.4%, worst 4.7% (calibration/reports/validation-h100-stacks-tied.md).
-H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-session56-qwen3-0.6b"
+# The H100 80GB's two-stack profile: session 56's (session 53's H100 fit on two dedicated runs, with
+# the stacks rates of `nodus fit-stacks --rate phases --tie-engines` on five 2-4-job runs) and, since
+# session 60, the engine bench's slowdowns by engine size on an H100 (nodus calibrate-engines, two
+# runs pooled: an engine and the other stack's lone trainer beside each other, and two engines), which
+# its stacks rates follow past the fit runs' 128 sequences. On sessions 53-57's eight held-out runs:
+# MAPE 4.3%, worst 12.7%, bias +3.9%, Kendall tau 0.71, against 5.1%, 14.3%, +4.9%, 0.50 without the
+# bench (calibration/reports/validation-h100-stacks-bench60.md; session 56's profile stays shipped).
+H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-bench60-qwen3-0.6b"
 
 
 class RunConfig(_Model):
