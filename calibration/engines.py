@@ -412,17 +412,19 @@ def apply_engines(prof: dict, raw: dict, settings: dict, source: dict | None = N
     prof.setdefault("sharing", {})["engines_by_batch"] = engines_by_batch(raw)
     prof.setdefault("measurements", {})["engines"] = {"settings": settings, "rows": raw, "missing": missing,
                                                       **({"source": source} if source else {})}
-    prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") != "sharing-engines-by-batch"]
-    prof["assumptions"].append({
-        "id": "sharing-engines-by-batch",
-        "what": ("two engines' rate by engine size from the two-engine bench (nodus calibrate-engines: forced-length "
-                 "generations, one adapter per 64 sequences); where the profile has a fitted two-engine rate "
-                 "(sharing.mps_engines) it keeps that rate at the fit runs' engine size "
-                 "(sharing.stacks_engine_sequences) and takes the bench's ratio elsewhere"),
-        "value": ", ".join(f"{e['batch']}: " + "/".join(f"{m} {e[m]:.3f}" for m in MODES if m in e)
-                           for e in prof["sharing"]["engines_by_batch"] if any(m in e for m in MODES))})
-    if any(f"{m}_beside_trainer" in e for e in prof["sharing"]["engines_by_batch"] for m in MODES):
-        prof["assumptions"] = [a for a in prof["assumptions"] if a.get("id") != "sharing-engine-beside-trainer-by-batch"]
+    prof["assumptions"] = [a for a in prof.get("assumptions", []) if a.get("id") not in (
+        "sharing-engines-by-batch", "sharing-engine-beside-trainer-by-batch")]
+    bench = prof["sharing"]["engines_by_batch"]
+    if any(m in e for e in bench for m in MODES):
+        prof["assumptions"].append({
+            "id": "sharing-engines-by-batch",
+            "what": ("two engines' rate by engine size from the two-engine bench (nodus calibrate-engines: "
+                     "forced-length generations, one adapter per 64 sequences); where the profile has a fitted "
+                     "two-engine rate (sharing.mps_engines) it keeps that rate at the fit runs' engine size "
+                     "(sharing.stacks_engine_sequences) and takes the bench's ratio elsewhere"),
+            "value": ", ".join(f"{e['batch']}: " + "/".join(f"{m} {e[m]:.3f}" for m in MODES if m in e)
+                               for e in bench if any(m in e for m in MODES))})
+    if any(f"{m}_beside_trainer" in e for e in bench for m in MODES):
         prof["assumptions"].append({
             "id": "sharing-engine-beside-trainer-by-batch",
             "what": ("an engine's rate beside the other stack's lone trainer, and that trainer's beside it, by engine "
@@ -434,7 +436,7 @@ def apply_engines(prof: dict, raw: dict, settings: dict, source: dict | None = N
                 f"{m} engine {e[m + '_beside_trainer']:.3f}" + (f", trainer {e[m + '_trainer_beside']:.3f}"
                                                                 if f"{m}_trainer_beside" in e else "")
                 for m in MODES if f"{m}_beside_trainer" in e)
-                for e in prof["sharing"]["engines_by_batch"] if any(f"{m}_beside_trainer" in e for m in MODES))})
+                for e in bench if any(f"{m}_beside_trainer" in e for m in MODES))})
     return prof
 
 

@@ -300,6 +300,8 @@ def test_trainer_rows_pool_and_bad_ones_are_named(tmp_path, capsys):
     assert prof["sharing"]["engines_by_batch"] == [{"batch": 64, "mps_beside_trainer": pytest.approx(2.5),
                                                     "mps_trainer_beside": pytest.approx(1.2)}]
     assert prof["measurements"]["engines"]["settings"]["beside"] == ["trainer"]
+    ids = [a["id"] for a in prof["assumptions"]]  # no two-engine timing, no two-engine assumption
+    assert "sharing-engine-beside-trainer-by-batch" in ids and "sharing-engines-by-batch" not in ids
     assert "batch 64: mps beside the other stack's trainer 2.500" in capsys.readouterr().out
     b["settings"]["trainer_graphs"] = False
     (tmp_path / "b.raw.json").write_text(json.dumps(b))
