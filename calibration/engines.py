@@ -129,58 +129,39 @@ class _Engines:
         self._wait("generated", self._send(engine, work))
         return time.monotonic() - t0
 
-    def beside(self, engine: int, work) -> float:
-        """Seconds of one generation of ``engine`` while the other engine generates ``work`` back to back."""
-        other = 1 - engine
-        bg = self._send(other, work)
-        time.sleep(0.05)  # the other engine is generating before this one starts
+    def _while(self, fg: tuple[str, int, object], bg: tuple[str, int, object]) -> float:
+        """Seconds of one task ``fg`` (side "gen" or "train", stack, work) while ``bg`` (another
+        stack's side) runs back to back: started first, resent as each of its tasks ends, its last one
+        drained afterwards."""
+        send = {"gen": self._send, "train": self._send_train}
+        done = {"gen": "generated", "train": "trained"}
+        bg_tag = send[bg[0]](bg[1], bg[2])
+        time.sleep(0.05)  # the background is running before the timed task starts
         t0 = time.monotonic()
-        fg = self._send(engine, work)
+        fg_tag = send[fg[0]](fg[1], fg[2])
         end = None
         while end is None:
             msg = self.c.get(timeout=1800)
-            if msg[0] == "generated" and msg[1] == fg:
+            if msg[0] == done[fg[0]] and msg[1] == fg_tag:
                 end = time.monotonic()
-            elif msg[0] == "generated" and msg[1] == bg:
-                bg = self._send(other, work)
-        self._wait("generated", bg)  # drain the other engine's last generation
+            elif msg[0] == done[bg[0]] and msg[1] == bg_tag:
+                bg_tag = send[bg[0]](bg[1], bg[2])
+        self._wait(done[bg[0]], bg_tag)
         return end - t0
+
+    def beside(self, engine: int, work) -> float:
+        """Seconds of one generation of ``engine`` while the other engine generates ``work`` back to back."""
+        return self._while(("gen", engine, work), ("gen", 1 - engine, work))
 
     def beside_trainer(self, engine: int, work, train) -> float:
         """Seconds of one generation of ``engine`` while the other stack's trainer steps ``train`` back
         to back."""
-        other = 1 - engine
-        bg = self._send_train(other, train)
-        time.sleep(0.05)  # the other stack's trainer is stepping before the engine starts
-        t0 = time.monotonic()
-        fg = self._send(engine, work)
-        end = None
-        while end is None:
-            msg = self.c.get(timeout=1800)
-            if msg[0] == "generated" and msg[1] == fg:
-                end = time.monotonic()
-            elif msg[0] == "trained" and msg[1] == bg:
-                bg = self._send_train(other, train)
-        self._wait("trained", bg)  # drain the trainer's last step
-        return end - t0
+        return self._while(("gen", engine, work), ("train", 1 - engine, train))
 
     def trainer_beside(self, stack: int, train, work) -> float:
         """Seconds of one step of ``stack``'s trainer while the other stack's engine generates ``work``
         back to back."""
-        other = 1 - stack
-        bg = self._send(other, work)
-        time.sleep(0.05)  # the other stack's engine is generating before the step starts
-        t0 = time.monotonic()
-        fg = self._send_train(stack, train)
-        end = None
-        while end is None:
-            msg = self.c.get(timeout=1800)
-            if msg[0] == "trained" and msg[1] == fg:
-                end = time.monotonic()
-            elif msg[0] == "generated" and msg[1] == bg:
-                bg = self._send(other, work)
-        self._wait("generated", bg)  # drain the engine's last generation
-        return end - t0
+        return self._while(("train", stack, train), ("gen", 1 - stack, work))
 
     def close(self) -> None:
         self.c.close()

@@ -205,27 +205,31 @@ def test_fit_stacks_on_a_base_with_the_bench_anchors_the_rate_at_its_runs_engine
     assert fits["bench"]["stacks_engine_sequences"] == fits["plain"]["stacks_engine_sequences"] == 128
 
 
+def _from_raw(tmp_path, out, *docs) -> int:
+    """`nodus calibrate-engines --from-raw` on raw-timings documents written as r0.raw.json, r1..."""
+    files = []
+    for k, doc in enumerate(docs):
+        files.append(tmp_path / f"r{k}.raw.json")
+        files[-1].write_text(json.dumps(doc))
+    return main(["calibrate-engines", "--from-raw", *map(str, files), "--base", P, "--out", str(out)])
+
+
 def test_several_raw_files_pool_each_buckets_timings(tmp_path, capsys):
     a = {"raw": {"mps": [{"batch": 64, "adapters": 1, "alone_s": 1.0, "beside_s": 1.5, "alone_each_s": [1.0, 1.0],
                           "beside_each_s": [1.5, 1.5]}]},
          "settings": {"prompt": 128, "length": 256, "seqs_per_adapter": 64}}
     b = json.loads(json.dumps(a))
     b["raw"]["mps"][0].update(alone_each_s=[2.0, 2.0, 2.0], beside_each_s=[1.5, 1.5, 1.5], alone_s=2.0)
-    (tmp_path / "a.raw.json").write_text(json.dumps(a))
-    (tmp_path / "b.raw.json").write_text(json.dumps(b))
     out = tmp_path / "p.json"
-    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
-                 "--base", P, "--out", str(out)]) == 0
+    assert _from_raw(tmp_path, out, a, b) == 0
     prof = json.loads(out.read_text())
     row = prof["measurements"]["engines"]["rows"]["mps"][0]
     assert row["alone_each_s"] == [1.0, 1.0, 2.0, 2.0, 2.0] and row["alone_s"] == 2.0  # the median of all five
     assert prof["sharing"]["engines_by_batch"] == [{"batch": 64, "mps": pytest.approx(0.75)}]
     assert "faster beside than alone (disturbed timings? measure again): mps slowdown beside the other engine at 64" in capsys.readouterr().out
-    assert "a.raw.json b.raw.json" in prof["environment"]["sources"][-1]
+    assert "r0.raw.json r1.raw.json" in prof["environment"]["sources"][-1]
     b["settings"]["length"] = 128
-    (tmp_path / "b.raw.json").write_text(json.dumps(b))
-    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
-                 "--base", P, "--out", str(tmp_path / "q.json")]) == 2
+    assert _from_raw(tmp_path, tmp_path / "q.json", a, b) == 2
     assert "length 128 against 256" in capsys.readouterr().err
 
 
@@ -291,11 +295,8 @@ def test_trainer_rows_pool_and_bad_ones_are_named(tmp_path, capsys):
                                              "trainer_graphs": True}}
     b = json.loads(json.dumps(a))
     b["raw"]["mps"][0].update(beside_trainer_each_s=[2.5, 2.5, 2.5], beside_trainer_s=2.5)
-    (tmp_path / "a.raw.json").write_text(json.dumps(a))
-    (tmp_path / "b.raw.json").write_text(json.dumps(b))
     out = tmp_path / "p.json"
-    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
-                 "--base", P, "--out", str(out)]) == 0
+    assert _from_raw(tmp_path, out, a, b) == 0
     prof = json.loads(out.read_text())
     assert prof["sharing"]["engines_by_batch"] == [{"batch": 64, "mps_beside_trainer": pytest.approx(2.5),
                                                     "mps_trainer_beside": pytest.approx(1.2)}]
@@ -304,14 +305,10 @@ def test_trainer_rows_pool_and_bad_ones_are_named(tmp_path, capsys):
     assert "sharing-engine-beside-trainer-by-batch" in ids and "sharing-engines-by-batch" not in ids
     assert "batch 64: mps beside the other stack's trainer 2.500" in capsys.readouterr().out
     b["settings"]["trainer_graphs"] = False
-    (tmp_path / "b.raw.json").write_text(json.dumps(b))
-    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), str(tmp_path / "b.raw.json"),
-                 "--base", P, "--out", str(tmp_path / "q.json")]) == 2
+    assert _from_raw(tmp_path, tmp_path / "q.json", a, b) == 2
     assert "trainer_graphs False against True" in capsys.readouterr().err
     a["raw"]["mps"][0]["beside_trainer_s"] = -1
-    (tmp_path / "a.raw.json").write_text(json.dumps(a))
-    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "a.raw.json"), "--base", P,
-                 "--out", str(tmp_path / "r.json")]) == 2
+    assert _from_raw(tmp_path, tmp_path / "r.json", a) == 2
     assert "lacks a positive batch, alone_s or beside_s (or beside_trainer_s)" in capsys.readouterr().err
     assert main(["calibrate-engines", "--beside", "engine,gpu", "--model", "m", "--out", str(tmp_path / "s.json")]) == 2
     assert "--beside 'engine,gpu': choose one or more of engine,trainer" in capsys.readouterr().err
@@ -335,3 +332,24 @@ def test_the_bench_runs_its_processes_under_the_stacks_fits_controls():
                                     controls={"trainer_priority": "below-normal"}, trainer_graphs=True)
     assert got["controls"] == {"trainer_priority": "below-normal"} and got["trainer_graphs"] is True
     assert settings["controls"] == {"trainer_priority": "below-normal"} and settings["trainer_graphs"] is True
+
+
+def test_a_pooled_slowdown_is_over_the_alone_times_of_the_runs_that_timed_its_kind(tmp_path):
+    """A run that timed only the trainer kind (alone 2.0 s) leaves the two-engine slowdown of a run
+    that timed it (alone 1.0 s, beside 1.5 s) at 1.5, not 1.5 over the pooled alone times."""
+    both = {"raw": {"mps": [{"batch": 64, "adapters": 1, "alone_s": 1.0, "alone_each_s": [1.0, 1.0],
+                             "beside_s": 1.5, "beside_each_s": [1.5, 1.5],
+                             "beside_trainer_s": 1.2, "beside_trainer_each_s": [1.2, 1.2],
+                             "train_alone_s": 0.5, "train_alone_each_s": [0.5, 0.5],
+                             "train_beside_s": 0.6, "train_beside_each_s": [0.6, 0.6]}]},
+            "settings": {"prompt": 128, "length": 256, "seqs_per_adapter": 64}}
+    trainer_only = json.loads(json.dumps(both))
+    r = trainer_only["raw"]["mps"][0]
+    for k in ("beside_s", "beside_each_s"):
+        del r[k]
+    r.update(alone_s=2.0, alone_each_s=[2.0, 2.0, 2.0], beside_trainer_s=2.8, beside_trainer_each_s=[2.8, 2.8, 2.8])
+    out = tmp_path / "p.json"
+    assert _from_raw(tmp_path, out, both, trainer_only) == 0
+    e = json.loads(out.read_text())["sharing"]["engines_by_batch"][0]
+    assert e["mps"] == pytest.approx(1.5)  # over run 1's alone times only
+    assert e["mps_beside_trainer"] == pytest.approx(2.8 / 2.0)  # both runs: medians 2.8 over 2.0
