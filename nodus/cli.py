@@ -348,8 +348,10 @@ def cmd_calibrate_engines(a: argparse.Namespace) -> int:
                              enforce_eager=a.enforce_eager, beside=beside, microbatch_tokens=a.train_microbatch_tokens,
                              log=lambda m: print(m, file=sys.stderr, flush=True))
     m = prof["measurements"]["engines"]
-    cols = [(k, what) for mode in MODES for k, what in ((mode, f"{mode} slowdown beside the other engine"),
-                                                        (f"{mode}_beside_trainer", f"{mode} beside the other stack's trainer"))]
+    cols = [(k, what) for mode in MODES
+            for k, what in ((mode, f"{mode} slowdown beside the other engine"),
+                            (f"{mode}_beside_trainer", f"{mode} beside the other stack's trainer"),
+                            (f"{mode}_trainer_beside", f"{mode} that trainer beside the engine"))]
     for e in prof["sharing"]["engines_by_batch"]:
         print(f"batch {e['batch']}: " + ", ".join(f"{what} {e[k]:.3f}" for k, what in cols if e.get(k)))
     fast = [(e["batch"], what) for e in prof["sharing"]["engines_by_batch"] for k, what in cols

@@ -70,6 +70,7 @@ class SimBackend:
         by_trainer = [e.batch for e in sharing.engines_by_batch if e.mps_beside_trainer is not None]
         self._bench_trainer_seqs = (max(by_trainer) if by_trainer and n_stacks > 1 and cfg.arm.sharing == "mps"
                                     and sharing.mps_stacks_trainer is not None else None)
+        self._two_trainers = cost.profile.sharing.mps_trainers is not None  # a fitted rate at the fit's size
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
         if share:
@@ -195,16 +196,20 @@ class SimBackend:
                                   "beside the other stack's trainer (sharing.engines_by_batch[].mps_beside_trainer)",
                                   seqs, self._bench_trainer_seqs)
         if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
-            follows = [what for what, seen in (("the two-engine rate", self._bench_seqs),
-                                               ("the rates of a lone trainer and an engine beside it", self._bench_trainer_seqs)) if seen]
-            keeps = [what for what, seen in (("the rates of a lone trainer and an engine beside it", self._bench_trainer_seqs),
-                                             ("the two trainers' rate", None)) if not seen]
-            self.cost.note_beyond(
-                "sequences one engine of stacks generates at once"
-                + (f": {' and '.join(follows)} follow{'s' if len(follows) == 1 else ''} the bench; "
-                   f"{' and '.join(keeps)} keep{'s' if len(keeps) == 1 else ''} the fit's engine size"
-                   if follows else ", its stacks rates fitted on smaller engines") + " (sharing.stacks_engine_sequences)",
-                seqs, self._stacks_fit_seqs)
+            lone = "the rates of a lone trainer and an engine beside it"
+            follows = [w for w, seen in (("the two-engine rate", self._bench_seqs), (lone, self._bench_trainer_seqs))
+                       if seen]
+            keeps = [w for w, seen in ((lone, self._bench_trainer_seqs), ("the two trainers' rate", not self._two_trainers))
+                     if not seen]
+
+            def verb(ws: list[str], v: str) -> str:
+                return f"{' and '.join(ws)} {v}{'s' if len(ws) == 1 else ''}"
+
+            said = (f": {verb(follows, 'follow')} the bench" + (f"; {verb(keeps, 'keep')} the fit's engine size"
+                                                                 if keeps else "")
+                    if follows else ", its stacks rates fitted on smaller engines")
+            self.cost.note_beyond(f"sequences one engine of stacks generates at once{said} "
+                                  "(sharing.stacks_engine_sequences)", seqs, self._stacks_fit_seqs)
         self.engines[a.stack].submit(a.action_id, batch)
 
     def train(self, a: Train) -> None:

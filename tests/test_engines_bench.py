@@ -353,3 +353,20 @@ def test_a_pooled_slowdown_is_over_the_alone_times_of_the_runs_that_timed_its_ki
     e = json.loads(out.read_text())["sharing"]["engines_by_batch"][0]
     assert e["mps"] == pytest.approx(1.5)  # over run 1's alone times only
     assert e["mps_beside_trainer"] == pytest.approx(2.8 / 2.0)  # both runs: medians 2.8 over 2.0
+
+
+def test_the_shipped_h100_profile_prices_eight_jobs_lone_trains_from_its_bench():
+    """The H100 stacks profile's bench (session 60): at 256 sequences a lone trainer goes slower than
+    its fitted rate, an engine beside it faster; the flag names what follows the bench (the profile
+    has no two-trainer rate to keep at the fit's size)."""
+    from nodus.config import H100_STACKS_PROFILE
+    from sim.gpu import stacks_engine_rate, stacks_trainer_rate
+
+    cost = load_profile(H100_STACKS_PROFILE).profile.sharing
+    assert stacks_trainer_rate("mps", cost, 256) < 0.85 * cost.mps_stacks_trainer
+    assert stacks_engine_rate("mps", cost, 256) > cost.mps_stacks_engine
+    s = simulate(config_from_args(jobs=8, steps=2, policy="shared-sync", sharing="mps", stacks=2,
+                                  profile=H100_STACKS_PROFILE, share_prompts=4))
+    flags = " ".join(s["diagnostics"][0]["outside_profile"])
+    assert ("the two-engine rate and the rates of a lone trainer and an engine beside it follow the bench "
+            "(sharing.stacks_engine_sequences) up to 256 > profiled 128") in flags
