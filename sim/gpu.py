@@ -41,38 +41,29 @@ def _interp(pts: list[tuple[int, float]], x: int) -> float:
 
 def engines_rate(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> float | None:
     """Each engine's rate while engines of several stacks generate at once, nothing else running
-    (None: the profile has none for this mode, and the many-clients rule prices them).
-
-    Without the two-engine bench (``sharing.engines_by_batch``) for the mode: the fitted rate
-    (``sharing.mps_engines``, MPS only). With it: under MPS with a fitted rate and the fit's engine
-    size (``sharing.stacks_engine_sequences``), the fitted rate times the bench's slowdown at that size
-    over its slowdown at the running batch (the fit gives the level, the bench the shape over engine
-    size); else the mode's alone rate over the bench's slowdown (no-MPS alone is the unit)."""
-    fitted = cost.mps_engines if sharing == "mps" else None
-    pts = [(e.batch, getattr(e, sharing)) for e in sorted(cost.engines_by_batch, key=lambda e: e.batch)
-           if getattr(e, sharing, None) is not None]
-    if not pts or engine_batch is None:
-        return fitted
-    slow = _interp(pts, engine_batch)
-    if fitted is not None and cost.stacks_engine_sequences is not None:
-        return min(fitted * _interp(pts, cost.stacks_engine_sequences) / slow, RATE_MAX)
+    (None: the profile has none for this mode, and the many-clients rule prices them): the fitted
+    rate (``sharing.mps_engines``, MPS only), following the two-engine bench's slowdown for the mode
+    (``sharing.engines_by_batch``) over engine size where the profile has it (``_benched``; the
+    no-MPS alone rate is the unit)."""
     alone = 1.0 if sharing == "none" else cost.mps_alone.engine
-    return min(alone / slow, RATE_MAX)
+    return _benched(cost.mps_engines if sharing == "mps" else None, sharing, alone, cost, engine_batch)
 
 
-def _benched(fitted: float | None, column: str, kind: str, cost: SharingCost, engine_batch: int | None) -> float | None:
-    """A stacks rate by engine size under MPS: ``fitted`` without the bench's ``column`` (or a running
-    batch); with it, ``fitted`` at the fit's engine size (``sharing.stacks_engine_sequences``) times the
-    bench's slowdown there over its slowdown at the running batch; without a fitted rate (or its
-    size), ``kind``'s MPS alone rate over the slowdown."""
+def _benched(fitted: float | None, column: str, alone: float, cost: SharingCost,
+             engine_batch: int | None) -> float | None:
+    """A stacks rate by engine size: ``fitted`` without the bench's ``column`` (or a running batch);
+    with it, ``fitted`` at the fit's engine size (``sharing.stacks_engine_sequences``) times the
+    bench's slowdown there over its slowdown at the running batch (the fit gives the level, the bench
+    the shape over engine size); without a fitted rate (or its size), the ``alone`` rate over the
+    slowdown."""
     pts = [(e.batch, getattr(e, column)) for e in sorted(cost.engines_by_batch, key=lambda e: e.batch)
-           if getattr(e, column) is not None]
+           if getattr(e, column, None) is not None]
     if not pts or engine_batch is None:
         return fitted
     slow = _interp(pts, engine_batch)
     if fitted is not None and cost.stacks_engine_sequences is not None:
         return min(fitted * _interp(pts, cost.stacks_engine_sequences) / slow, RATE_MAX)
-    return min(getattr(cost.mps_alone, kind) / slow, RATE_MAX)
+    return min(alone / slow, RATE_MAX)
 
 
 def stacks_engine_rate(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> float | None:
@@ -81,7 +72,7 @@ def stacks_engine_rate(sharing: str, cost: SharingCost, engine_batch: int | None
     ``mps_beside_trainer`` over engine size where the profile has it (``_benched``)."""
     if sharing != "mps":
         return None
-    return _benched(cost.mps_stacks_engine, "mps_beside_trainer", "engine", cost, engine_batch)
+    return _benched(cost.mps_stacks_engine, "mps_beside_trainer", cost.mps_alone.engine, cost, engine_batch)
 
 
 def stacks_trainer_rate(sharing: str, cost: SharingCost, engine_batch: int | None = None) -> float | None:
@@ -91,7 +82,7 @@ def stacks_trainer_rate(sharing: str, cost: SharingCost, engine_batch: int | Non
     with the fitted rate: sim.backend keeps it for arm.stacks arms alone."""
     if sharing != "mps" or cost.mps_stacks_trainer is None:
         return None
-    return _benched(cost.mps_stacks_trainer, "mps_trainer_beside", "trainer", cost, engine_batch)
+    return _benched(cost.mps_stacks_trainer, "mps_trainer_beside", cost.mps_alone.trainer, cost, engine_batch)
 
 
 def sharing_rates(kinds: list[str], sharing: str, cost: SharingCost, engine_batch: int | None = None) -> list[float]:
