@@ -346,8 +346,9 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     field = result["field"]
     prof = profile_dict(base)
     prof["sharing"][field] = result[field]
-    if field == "mps_engines" and prof["sharing"].get("engines_by_batch"):
-        # The rate's anchor on the bench's shape: this fit's engine size, as its replays had it.
+    if prof["sharing"].get("engines_by_batch"):
+        # The rate's anchor on the bench's shape: this fit's engine size, as its replays had it
+        # (replay anchors every stacks rate it fits, the lone trainer's as the two engines').
         prof["sharing"]["stacks_engine_sequences"] = None
     record_engine_sequences(prof, result["engine_sequences"])
     drop_base_validation(prof)

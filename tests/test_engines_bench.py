@@ -370,3 +370,20 @@ def test_the_shipped_h100_profile_prices_eight_jobs_lone_trains_from_its_bench()
     flags = " ".join(s["diagnostics"][0]["outside_profile"])
     assert ("the two-engine rate and the rates of a lone trainer and an engine beside it follow the bench "
             "(sharing.stacks_engine_sequences) up to 256 > profiled 128") in flags
+
+
+def test_fit_stacks_of_the_lone_trainer_on_a_base_with_the_bench_writes_its_runs_engine_size(tmp_path):
+    """The fit's replays anchor the lone trainer's rate at its runs' engine size (256 sequences,
+    session 39's offset 8-job runs) on a base with the bench; the written profile anchors it there too,
+    not at the base's 128."""
+    import glob
+
+    runs = sorted(glob.glob("experiments/results/h200/session39/arms/*-off-mb8k-s?"))
+    assert len(runs) == 4
+    bench = _profile_with_bench(tmp_path, {64: 1.2, 128: 1.2, 256: 1.2, 512: 1.2},
+                                by_trainer={64: 1.3, 128: 1.3, 256: 1.3, 512: 1.3}, beside=("engine", "trainer"))
+    assert json.loads(bench.read_text())["sharing"]["stacks_engine_sequences"] == 128
+    out = tmp_path / "fit.json"
+    assert main(["fit-stacks", "--rate", "trainer", "--no-left-out", "--base", str(bench), "--out", str(out),
+                 *runs]) == 0
+    assert json.loads(out.read_text())["sharing"]["stacks_engine_sequences"] == 256
