@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calibration.corun import fresh_raw_path, write_raw
+from calibration.corun import DONE, fresh_raw_path, write_raw
 from calibration.measure import _requests, _train_batches
 
 BATCHES = (64, 128, 256, 512)  # engine sizes: 1, 2, 4 and 8 jobs of 64 sequences
@@ -109,59 +109,55 @@ class _Engines:
         batches = _train_batches(n, batch * seq, self.vocab, self.rng, seq=seq)
         return batches, {j: str(self.dir / "scratch" / j) for j in batches}
 
-    def _send(self, engine: int, work) -> str:
+    def _put(self, side: str, stack: int, work) -> str:
+        """Hand ``stack``'s engine a generation or its trainer a step (``side``: "engine" or
+        "trainer", corun.SIDES); the task's tag."""
         tag = self._tag()
-        self.c.engines[engine].put(("gen", tag, work))
+        if side == "engine":
+            self.c.engines[stack].put(("gen", tag, work))
+        else:
+            self.c.trainers[stack].put(("train", tag, work[0], work[1], None, None))
         return tag
 
-    def _send_train(self, stack: int, train) -> str:
-        tag = self._tag()
-        self.c.trainers[stack].put(("train", tag, train[0], train[1], None, None))
-        return tag
-
-    def train_alone(self, stack: int, train) -> float:
-        t0 = time.monotonic()
-        self._wait("trained", self._send_train(stack, train))
-        return time.monotonic() - t0
-
-    def alone(self, engine: int, work) -> float:
-        t0 = time.monotonic()
-        self._wait("generated", self._send(engine, work))
-        return time.monotonic() - t0
-
-    def _while(self, fg: tuple[str, int, object], bg: tuple[str, int, object]) -> float:
-        """Seconds of one task ``fg`` (side "gen" or "train", stack, work) while ``bg`` (another
-        stack's side) runs back to back: started first, resent as each of its tasks ends, its last one
+    def _time(self, fg: tuple[str, int, object], bg: tuple[str, int, object] | None = None) -> float:
+        """Seconds of one task ``fg`` (side, stack, work), alone or while ``bg`` (another stack's side)
+        runs back to back: started first, handed again as each of its tasks ends, its last one
         drained afterwards."""
-        send = {"gen": self._send, "train": self._send_train}
-        done = {"gen": "generated", "train": "trained"}
-        bg_tag = send[bg[0]](bg[1], bg[2])
-        time.sleep(0.05)  # the background is running before the timed task starts
+        if bg is not None:
+            bg_tag = self._put(*bg)
+            time.sleep(0.05)  # the background is running before the timed task starts
         t0 = time.monotonic()
-        fg_tag = send[fg[0]](fg[1], fg[2])
+        fg_tag = self._put(*fg)
         end = None
         while end is None:
             msg = self.c.get(timeout=1800)
-            if msg[0] == done[fg[0]] and msg[1] == fg_tag:
+            if msg[0] == DONE[fg[0]] and msg[1] == fg_tag:
                 end = time.monotonic()
-            elif msg[0] == done[bg[0]] and msg[1] == bg_tag:
-                bg_tag = send[bg[0]](bg[1], bg[2])
-        self._wait(done[bg[0]], bg_tag)
+            elif bg is not None and msg[0] == DONE[bg[0]] and msg[1] == bg_tag:
+                bg_tag = self._put(*bg)
+        if bg is not None:
+            self._wait(DONE[bg[0]], bg_tag)
         return end - t0
+
+    def alone(self, engine: int, work) -> float:
+        return self._time(("engine", engine, work))
+
+    def train_alone(self, stack: int, train) -> float:
+        return self._time(("trainer", stack, train))
 
     def beside(self, engine: int, work) -> float:
         """Seconds of one generation of ``engine`` while the other engine generates ``work`` back to back."""
-        return self._while(("gen", engine, work), ("gen", 1 - engine, work))
+        return self._time(("engine", engine, work), ("engine", 1 - engine, work))
 
     def beside_trainer(self, engine: int, work, train) -> float:
         """Seconds of one generation of ``engine`` while the other stack's trainer steps ``train`` back
         to back."""
-        return self._while(("gen", engine, work), ("train", 1 - engine, train))
+        return self._time(("engine", engine, work), ("trainer", 1 - engine, train))
 
     def trainer_beside(self, stack: int, train, work) -> float:
         """Seconds of one step of ``stack``'s trainer while the other stack's engine generates ``work``
         back to back."""
-        return self._while(("train", stack, train), ("gen", 1 - stack, work))
+        return self._time(("trainer", stack, train), ("engine", 1 - stack, work))
 
     def close(self) -> None:
         self.c.close()
@@ -434,6 +430,9 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ConfigError(f"--modes {','.join(modes)!r}: choose from {','.join(MODES)}")
+    beside = settings.get("beside", BESIDE)
+    if not beside or any(b not in BESIDE for b in beside):
+        raise ConfigError(f"--beside {','.join(beside)!r}: choose one or more of {','.join(BESIDE)}")
     prof = profile_dict(base)
     if from_raw is not None:
         files = [from_raw] if isinstance(from_raw, (str, Path)) else list(from_raw)

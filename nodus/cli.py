@@ -337,15 +337,13 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_engines(a: argparse.Namespace) -> int:
-    from calibration.engines import BESIDE, MODES, calibrate_engines
+    from calibration.engines import MODES, calibrate_engines
 
-    beside = tuple(b for b in a.beside.split(",") if b)
-    if not beside or any(b not in BESIDE for b in beside):
-        raise ConfigError(f"--beside {a.beside!r}: choose one or more of {','.join(BESIDE)}")
     prof = calibrate_engines(a.model, a.base, a.out, modes=tuple(m for m in a.modes.split(",") if m),
                              from_raw=a.from_raw, batches=_ints(a.batches), prompt=a.prompt_tokens, length=a.length,
                              repeats=a.repeats, device=a.device, engine_memory=a.engine_memory,
-                             enforce_eager=a.enforce_eager, beside=beside, microbatch_tokens=a.train_microbatch_tokens,
+                             enforce_eager=a.enforce_eager, beside=tuple(b for b in a.beside.split(",") if b),
+                             microbatch_tokens=a.train_microbatch_tokens,
                              log=lambda m: print(m, file=sys.stderr, flush=True))
     m = prof["measurements"]["engines"]
     cols = [(k, what) for mode in MODES
