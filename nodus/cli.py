@@ -590,6 +590,20 @@ def audit_spec_from_args(a: argparse.Namespace, base=None):
     return AuditSpec(**{**base.model_dump(), **upd}) if upd else base
 
 
+def _bench_profile_args(p: argparse.ArgumentParser, base_help: str) -> None:
+    """--model, --base and --out of the co-run benches (calibrate-sharing, calibrate-engines)."""
+    p.add_argument("--model", help="local model folder (weights saved, e.g. random); needed unless --from-raw")
+    p.add_argument("--base", default="h200-qwen3-0.6b", help=base_help)
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten); the raw timings "
+                                                "go beside it as they come (OUT.raw.json)")
+
+
+def _measuring_device_args(p: argparse.ArgumentParser) -> None:
+    """--device and --enforce-eager of the measuring commands (calibrate and its co-run benches)."""
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--enforce-eager", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nodus", description="Many LoRA GRPO jobs on one GPU: simulate, run, compare.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -753,8 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="16,64", help="two forced response lengths per point")
     p.add_argument("--train-tokens", default="4096,16384")
     p.add_argument("--repeats", type=int, default=3, help="timed pairs per decode point (median)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--enforce-eager", action="store_true")
+    _measuring_device_args(p)
     p.add_argument("--trainer-graphs", action="store_true",
                    help="measure the trainer with its micro-batches as CUDA graphs (the fixed-shape program on a "
                         "CPU): the profile's train terms then model --trainer-graphs runs (train.step_mode), and "
@@ -778,12 +791,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate-sharing",
                        help="measure engine and trainer co-running in two processes (no MPS, MPS) into a profile")
-    p.add_argument("--model", help="local model folder (weights saved, e.g. random); needed unless --from-raw")
-    p.add_argument("--base", default="h200-qwen3-0.6b",
-                   help="profile whose other sections are kept; its train.step_mode picks the trainer measured "
-                        "(graphed: the micro-batches as CUDA graphs)")
-    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten); the raw timings "
-                                                "go beside it as they come (OUT.raw.json)")
+    _bench_profile_args(p, "profile whose other sections are kept; its train.step_mode picks the trainer measured "
+                           "(graphed: the micro-batches as CUDA graphs)")
     p.add_argument("--from-raw", metavar="FILE",
                    help="build the profile without measuring, from a run's raw timings (OUT.raw.json) or its "
                         "log's bucket lines (a log's grid: --modes, --batches, --train-tokens as that run had them)")
@@ -794,19 +803,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=128, help="forced response length")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--engine-memory", type=float, default=0.35)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--enforce-eager", action="store_true")
+    _measuring_device_args(p)
     p.set_defaults(fn=cmd_calibrate_sharing)
 
     p = sub.add_parser("calibrate-engines",
                        help="measure two stacks' engines generating at once, by engine size, into a profile "
                             "(sharing.engines_by_batch)")
-    p.add_argument("--model", help="local model folder (weights saved, e.g. random); needed unless --from-raw")
-    p.add_argument("--base", default="h200-qwen3-0.6b",
-                   help="profile whose other sections are kept (its LoRA kernels and CUDA-graph size are measured); "
-                        "a stacks profile keeps its fitted two-engine rate at the fit's engine size")
-    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten); the raw timings "
-                                                "go beside it as they come (OUT.raw.json)")
+    _bench_profile_args(p, "profile whose other sections are kept (its LoRA kernels, CUDA-graph size, trainer "
+                           "mode and stacks controls are measured); a stacks profile keeps its fitted rates at the "
+                           "fit's engine size")
     p.add_argument("--from-raw", metavar="FILE", nargs="+",
                    help="build the profile from a run's raw timings, without measuring (several runs' files: each "
                         "bucket's timings pooled, medians over all)")
@@ -822,8 +827,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-microbatch-tokens", type=int, default=8192,
                    help="the trainers' micro-batch tokens (the runs': 8192 on the H200, 4096 on an 80 GB H100)")
     p.add_argument("--engine-memory", type=float, default=0.35, help="GPU memory share of both engines together")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--enforce-eager", action="store_true")
+    _measuring_device_args(p)
     p.set_defaults(fn=cmd_calibrate_engines)
 
     p = sub.add_parser("fit", help="refit a profile's trainer and publish costs from recorded real runs")
