@@ -65,12 +65,13 @@ class SimBackend:
         # these stacks (sim.gpu.engines_rate): the two-engine rate follows engine size up to it.
         bench = [e.batch for e in sharing.engines_by_batch if getattr(e, cfg.arm.sharing, None) is not None]
         self._bench_seqs = max(bench) if bench and n_stacks > 1 else None  # timeslice's dropped above
-        # ... and its largest engine beside the other stack's trainer, where an engine beside a lone trainer
-        # follows it (sim.gpu.stacks_engine_rate: MPS, with that trainer's rate fitted).
+        # ... and its largest engine beside the other stack's trainer, where an engine and a lone trainer
+        # beside each other follow it (sim.gpu.stacks_engine_rate, stacks_trainer_rate: MPS, with that
+        # trainer's rate fitted).
         by_trainer = [e.batch for e in sharing.engines_by_batch if e.mps_beside_trainer is not None]
         self._bench_trainer_seqs = (max(by_trainer) if by_trainer and n_stacks > 1 and cfg.arm.sharing == "mps"
                                     and sharing.mps_stacks_trainer is not None else None)
-        self._two_trainers = cost.profile.sharing.mps_trainers is not None  # a fitted rate at the fit's size
+        self._two_trainers = sharing.mps_trainers is not None  # a fitted rate, held at the fit's engine size
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
         if share:
@@ -199,8 +200,8 @@ class SimBackend:
             lone = "the rates of a lone trainer and an engine beside it"
             follows = [w for w, seen in (("the two-engine rate", self._bench_seqs), (lone, self._bench_trainer_seqs))
                        if seen]
-            keeps = [w for w, seen in ((lone, self._bench_trainer_seqs), ("the two trainers' rate", not self._two_trainers))
-                     if not seen]
+            keeps = (([] if self._bench_trainer_seqs else [lone])
+                     + (["the two trainers' rate"] if self._two_trainers else []))
 
             def verb(ws: list[str], v: str) -> str:
                 return f"{' and '.join(ws)} {v}{'s' if len(ws) == 1 else ''}"

@@ -263,9 +263,9 @@ class SharingCost(_M):
     # to 0.71 (512), which a constant fitted at 64-128 cannot say (session 59; the H100's bench is
     # flat from 64 to 512 sequences). Where the bench also timed an engine beside the other stack's
     # trainer (`mps_beside_trainer`), an engine of stacks beside a lone trainer under MPS follows it
-    # the same way (sim.gpu.stacks_engine_rate): mps_stacks_engine at the fit's engine size times the bench's
-    # ratio, or without a fitted one, mps_alone's engine rate over the slowdown; and the lone trainer
-    # beside such an engine follows `mps_trainer_beside` (sim.gpu.stacks_trainer_rate), from
+    # the same way (sim.gpu.stacks_engine_rate): mps_stacks_engine at the fit's engine size times the
+    # bench's ratio, or without a fitted one, mps_alone's engine rate over the slowdown; and the lone
+    # trainer beside such an engine follows `mps_trainer_beside` (sim.gpu.stacks_trainer_rate), from
     # mps_stacks_trainer. On the H100 the lone trainer's steps beside 256-sequence engines ran
     # 1.07-1.08 s against 0.91-0.98 s priced at the 128-sequence fit (session 57).
     engines_by_batch: list[EnginesBatch] = []
