@@ -29,7 +29,14 @@ sequences.
 
 Raw timings go beside the profile (``x.json``: ``x.raw.json``) after every bucket, so a device call's
 time limit keeps what it measured; ``--from-raw FILE`` builds the profile from such a file without
-measuring.
+measuring (``--batches`` then picks the engine sizes to take).
+
+What the bench guards (session 61, two H100 runs): a bucket's kinds of timing are interleaved, since
+an engine's alone times fell through a bucket timed kind by kind while its beside times held to 1%;
+a batch past one engine's KV cache is refused before any engine starts (vLLM would queue the rest and
+time two waves); the raw file records the GPU, and a bench run under other settings than the base's
+(GPU, CUDA-graph size, LoRA kernels, trainer mode, stacks controls) is refused by name unless
+``--transplant`` makes it a what-if the profile names.
 """
 
 from __future__ import annotations
@@ -200,6 +207,58 @@ def _row(batch: int, adapters: int, alone: list[float], beside: list[float] | No
     return row
 
 
+# What a vLLM engine holds of its memory share besides its KV cache, beyond the weights: peak
+# activations, non-torch memory and rounding (H100, session 61: 15.04 GiB share, 1.38 GiB weights,
+# 13.0 GiB of KV cache).
+ENGINE_KV_MARGIN_GIB = 0.7
+
+
+def kv_bytes_per_token(model: str | Path) -> int | None:
+    """KV-cache bytes a token of ``model`` (a local folder's config.json): keys and values of every
+    layer's KV heads, at the weights' dtype; None where the folder has no such config."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        width = 4 if str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16") == "float32" else 2
+        return 2 * int(cfg["num_hidden_layers"]) * int(kv_heads) * int(head_dim) * width
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def kv_room_tokens(model: str | Path, engine_memory: float, total_gib: float) -> int | None:
+    """About how many tokens one engine's KV cache holds: its half of ``engine_memory`` of a GPU of
+    ``total_gib``, less the weights (the folder's safetensors) and ENGINE_KV_MARGIN_GIB, over
+    ``kv_bytes_per_token``; None where the model's shape is unknown."""
+    per_token = kv_bytes_per_token(model)
+    if per_token is None:
+        return None
+    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**30
+    return max(0, int((engine_memory / 2 * total_gib - weights - ENGINE_KV_MARGIN_GIB) * 2**30 / per_token))
+
+
+def check_kv_room(model: str | Path, batches, prompt: int, length: int, engine_memory: float,
+                  total_gib: float | None) -> None:
+    """Refuse a bench whose largest batch does not fit one engine's KV cache: vLLM would queue the
+    sequences past it and time two waves, not one batch (session 61: 512 sequences of 384 tokens
+    beside 121,744 tokens of KV cache on an H100 at --engine-memory 0.38)."""
+    from nodus.config import ConfigError
+
+    if total_gib is None:
+        return
+    room = kv_room_tokens(model, engine_memory, total_gib)
+    need = max(batches) * (prompt + length)
+    if room is None or need <= room:
+        return
+    per_token = kv_bytes_per_token(model)
+    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**30
+    fits = 2 * (need * per_token / 2**30 + weights + ENGINE_KV_MARGIN_GIB) / total_gib
+    raise ConfigError(f"calibrate-engines: {max(batches)} sequences of {prompt} + {length} tokens need {need:,} "
+                      f"tokens of KV cache an engine; --engine-memory {engine_memory} of this {total_gib:.0f} GiB GPU "
+                      f"leaves each of the two engines about {room:,}, so vLLM would queue the rest and time two "
+                      f"waves: raise --engine-memory to {fits:.2f} or more, or leave that batch out of --batches")
+
+
 def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 128, length: int = 256,
                     repeats: int = 2, device: str = "auto", engine_memory: float = 0.35, enforce_eager: bool = False,
                     seqs_per_adapter: int = SEQS_PER_ADAPTER, cuda_graph_max_tokens: int | None = None,
@@ -209,20 +268,27 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                     make_engines=_Engines) -> tuple[dict, dict]:
     """Raw rows per mode (each: batch, adapters, alone seconds; beside the other engine and beside
     the other stack's trainer, as ``beside`` names, with their slowdowns) and the settings. Each
-    engine is the foreground ``repeats`` times per bucket and kind (2 x repeats timings of each);
-    every shape is generated (and trained) once first, untimed (graphs, kernels, allocator).
+    engine is the foreground ``repeats`` times per bucket and kind (2 x repeats timings of each), the
+    kinds interleaved (engine 0 alone, beside, ..., then engine 1's, then the next repeat), so a drift
+    through a bucket falls on every kind alike; every shape is generated (and trained) once first,
+    untimed (graphs, kernels, allocator).
     ``controls``: the runs' settings the processes take (``trainer_priority``, ``engine_cpu_threads``,
     ``trainer_cpu_threads``; the stacks fit's, as ``stacks_controls`` reads them off a profile).
     ``make_engines`` builds each mode's engines (tests pass a timed stand-in)."""
     batches = sorted(set(batches))
     beside = tuple(beside)
-    settings = {"modes": list(modes), "batches": batches, "prompt": prompt, "length": length,
+    settings = {"gpu": bench_gpu(device), "modes": list(modes), "batches": batches, "prompt": prompt, "length": length,
                 "repeats": repeats, "engine_memory": engine_memory, "seqs_per_adapter": seqs_per_adapter,
                 "cuda_graph_max_tokens": cuda_graph_max_tokens, "tuned_lora_kernels": tuned_lora_kernels,
                 "beside": list(beside)}
     if "trainer" in beside:
         settings.update(trainer_graphs=trainer_graphs, microbatch_tokens=microbatch_tokens)
     settings["controls"] = dict(controls or {})
+    if device != "cpu" and make_engines is _Engines:
+        from nodus.gpumemory import query_gpu
+
+        total = query_gpu("memory.total")
+        check_kv_room(model, batches, prompt, length, engine_memory, float(total[0]) / 1024 if total else None)
     raw: dict = {}
     for mode in modes:
         eng = make_engines(model, mode, device, max(batches), adapters_for(max(batches), seqs_per_adapter),
@@ -241,16 +307,21 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                 eng.train_alone(1, t)
             rows = raw[mode] = []
             for b in batches:
-                alone = [eng.alone(e, work[b]) for _ in range(repeats) for e in (0, 1)]
-                by_engine = ([eng.beside(e, work[b]) for _ in range(repeats) for e in (0, 1)]
-                             if "engine" in beside else None)
-                by_trainer = train_alone = train_beside = None
-                if "trainer" in beside:
-                    train_alone = [eng.train_alone(s, train[b]) for _ in range(repeats) for s in (0, 1)]
-                    by_trainer = [eng.beside_trainer(e, work[b], train[b]) for _ in range(repeats) for e in (0, 1)]
-                    train_beside = [eng.trainer_beside(s, train[b], work[b]) for _ in range(repeats) for s in (0, 1)]
-                rows.append(_row(b, adapters_for(b, seqs_per_adapter), alone, by_engine, by_trainer, train_alone,
-                                 train_beside))
+                # Each kind's timings interleaved, one of each per engine in turn: an engine's alone times
+                # fell through a bucket timed kind by kind (H100, sessions 60-61: 1.675, 1.642, 1.605,
+                # 1.588 s then beside 2.55 s to 1%), so a slowdown over the first ones came out low.
+                t = {k: [] for k in ("alone", "beside", "beside_trainer", "train_alone", "train_beside")}
+                for _ in range(repeats):
+                    for e in (0, 1):
+                        t["alone"].append(eng.alone(e, work[b]))
+                        if "engine" in beside:
+                            t["beside"].append(eng.beside(e, work[b]))
+                        if "trainer" in beside:
+                            t["train_alone"].append(eng.train_alone(e, train[b]))
+                            t["beside_trainer"].append(eng.beside_trainer(e, work[b], train[b]))
+                            t["train_beside"].append(eng.trainer_beside(e, train[b], work[b]))
+                rows.append(_row(b, adapters_for(b, seqs_per_adapter), t["alone"], t["beside"] or None,
+                                 t["beside_trainer"] or None, t["train_alone"] or None, t["train_beside"] or None))
                 if raw_path is not None:
                     write_raw(raw_path, raw, settings)
                 log(bucket_line(mode, rows[-1]))
@@ -269,6 +340,44 @@ def stacks_controls(prof: dict) -> dict:
     out = {"trainer_priority": got.get("mps.trainer_priority"), "engine_cpu_threads": got.get("engine_cpu_threads"),
            "trainer_cpu_threads": got.get("trainer_cpu_threads")}
     return {k: v for k, v in out.items() if v is not None}
+
+
+def bench_gpu(device: str) -> str | None:
+    """The GPU a bench runs on (nvidia-smi's name, as a profile's ``environment.gpu`` holds it); None
+    on the CPU or where nvidia-smi cannot tell."""
+    if device == "cpu":
+        return None
+    from nodus.gpumemory import query_gpu
+
+    got = query_gpu("name")
+    return got[0] if got else None
+
+
+def base_settings(prof: dict) -> dict:
+    """What a bench on ``prof`` as its base runs under: the base's GPU, CUDA-graph size, LoRA kernels,
+    trainer mode and stacks controls (calibrate_engines measures with these)."""
+    from sim.profile import profile_lora_kernels, profile_step_mode
+
+    return {"gpu": (prof.get("environment") or {}).get("gpu"),
+            "cuda_graph_max_tokens": (prof.get("decode") or {}).get("graph_max_tokens"),
+            "tuned_lora_kernels": profile_lora_kernels(prof) == "tuned",
+            "trainer_graphs": profile_step_mode(prof) != "eager", "controls": stacks_controls(prof)}
+
+
+def bench_differences(got: dict, prof: dict) -> list[str]:
+    """How a bench's recorded settings ``got`` differ from what a bench on base ``prof`` runs under,
+    one phrase each; a setting the bench did not record is not compared (runs before session 61 have
+    no ``gpu``), nor the trainer's mode where it timed no trainer."""
+    want = base_settings(prof)
+    out = []
+    for k, v in want.items():
+        if k not in got or (k == "gpu" and (got[k] is None or v is None)):
+            continue
+        if k == "trainer_graphs" and (got[k] is None or "trainer" not in got.get("beside", BESIDE)):
+            continue
+        if (got[k] or None) != (v or None):
+            out.append(f"{k} {got[k]!r} against the base's {v!r}")
+    return out
 
 
 def read_raw(path: str | Path) -> tuple[dict, dict]:
@@ -324,6 +433,9 @@ def pool_raw(files: list[str | Path]) -> tuple[dict, dict]:
         if settings is None:
             settings = dict(got, runs=[str(f) for f in files])
         differ = [k for k in POOLED_SETTINGS if (got.get(k) or None) != (settings.get(k) or None)]
+        if got.get("gpu") and settings.get("gpu") and got["gpu"] != settings["gpu"]:
+            differ.append("gpu")  # a run that did not record its GPU (before session 61) pools with any
+        settings["gpu"] = settings.get("gpu") or got.get("gpu")
         for k in TRAINER_POOLED:  # a run without trainer rows has none to pool
             if got.get(k) is not None:
                 if settings.get(k) is None:
@@ -418,10 +530,14 @@ def apply_engines(prof: dict, raw: dict, settings: dict, source: dict | None = N
 
 
 def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps",),
-                      from_raw: str | Path | list | None = None, log=print, **settings) -> dict:
+                      from_raw: str | Path | list | None = None, transplant: bool = False,
+                      only_batches=None, log=print, **settings) -> dict:
     """`nodus calibrate-engines`: measure (raw timings beside ``out`` as they come) or read
     ``from_raw`` (one raw-timings file, or several: pooled), then write the base profile with
-    ``sharing.engines_by_batch``."""
+    ``sharing.engines_by_batch``. A bench run under other settings than the base's (another GPU,
+    CUDA-graph size, LoRA kernels, trainer mode or stacks controls: ``bench_differences``) is refused
+    by name, unless ``transplant``: a what-if whose profile names each difference in an assumption.
+    ``only_batches``: the engine sizes to take of the raw timings (each must be there)."""
     from nodus.config import ConfigError
     from sim.profile import (add_source, drop_base_validation, profile_dict, profile_lora_kernels, profile_step_mode,
                              refuse_existing, write_profile)
@@ -437,7 +553,26 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
     if from_raw is not None:
         files = [from_raw] if isinstance(from_raw, (str, Path)) else list(from_raw)
         raw, got = read_raw(files[0]) if len(files) == 1 else pool_raw(files)
+        if only_batches:
+            have = {int(r["batch"]) for rows in raw.values() for r in rows}
+            if set(only_batches) - have:
+                raise ConfigError(f"calibrate-engines --batches {','.join(map(str, only_batches))}: the raw timings "
+                                  f"have no bucket of {', '.join(map(str, sorted(set(only_batches) - have)))} "
+                                  f"sequences (they have {', '.join(map(str, sorted(have)))})")
+            raw = {m: [r for r in rows if int(r["batch"]) in only_batches] for m, rows in raw.items()}
+            got = dict(got, batches=sorted(set(only_batches)))
+        differ = bench_differences(got, prof)
+        if differ and not transplant:
+            raise ConfigError(f"calibrate-engines --from-raw: the bench ran under other settings than the base "
+                              f"{base!r} ({'; '.join(differ)}): its slowdowns are not the base's; bench on the "
+                              "base's settings, or pass --transplant for a what-if that names the difference")
         apply_engines(prof, raw, got, source={"files": [str(f) for f in files]})
+        if differ:
+            prof["assumptions"].append({
+                "id": "sharing-engines-bench-transplanted",
+                "what": ("the engine bench (sharing.engines_by_batch) ran under other settings than this profile's "
+                         "other terms (nodus calibrate-engines --transplant): a what-if, not a measurement of them"),
+                "value": "; ".join(differ)})
         add_source(prof, f"nodus calibrate-engines --from-raw {' '.join(Path(f).name for f in files)} "
                          f"({','.join(raw)})")
     else:

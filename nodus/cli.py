@@ -337,10 +337,13 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_engines(a: argparse.Namespace) -> int:
-    from calibration.engines import MODES, calibrate_engines
+    from calibration.engines import BATCHES, MODES, calibrate_engines
 
     prof = calibrate_engines(a.model, a.base, a.out, modes=tuple(m for m in a.modes.split(",") if m),
-                             from_raw=a.from_raw, batches=_ints(a.batches), prompt=a.prompt_tokens, length=a.length,
+                             from_raw=a.from_raw, transplant=a.transplant,
+                             batches=_ints(a.batches) if a.batches else BATCHES,
+                             only_batches=_ints(a.batches) if a.batches and a.from_raw else None,
+                             prompt=a.prompt_tokens, length=a.length,
                              repeats=a.repeats, device=a.device, engine_memory=a.engine_memory,
                              enforce_eager=a.enforce_eager, beside=tuple(b for b in a.beside.split(",") if b),
                              microbatch_tokens=a.train_microbatch_tokens,
@@ -815,9 +818,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-raw", metavar="FILE", nargs="+",
                    help="build the profile from a run's raw timings, without measuring (several runs' files: each "
                         "bucket's timings pooled, medians over all)")
+    p.add_argument("--transplant", action="store_true",
+                   help="with --from-raw: take a bench run under other settings than the base's (another GPU, "
+                        "CUDA-graph size, LoRA kernels, trainer mode or stacks controls), as a what-if; the profile "
+                        "names each difference in an assumption (without it such a bench is refused)")
     p.add_argument("--modes", default="mps", help="sharing modes to measure: mps (a GPU), none (time-sliced)")
-    p.add_argument("--batches", default="64,128,256,512",
-                   help="engine sizes in sequences, each engine over one adapter per 64 sequences")
+    p.add_argument("--batches", default=None,
+                   help="engine sizes in sequences, each engine over one adapter per 64 sequences (default "
+                        "64,128,256,512); with --from-raw, the sizes to take of the raw timings (default: all)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--length", type=int, default=256, help="forced response length")
     p.add_argument("--repeats", type=int, default=2, help="timings per engine and bucket, of each kind")

@@ -72,14 +72,14 @@ def test_the_bench_times_each_engine_alone_beside_the_other_and_beside_its_train
     assert [r["trainer_slowdown"] for r in rows] == pytest.approx([1.3, 1.8])
     assert [r["train_alone_s"] for r in rows] == pytest.approx([0.128, 1.024])
     # One untimed generation of each shape on each engine and one step of each on each trainer first;
-    # then each engine in the foreground `repeats` times of each kind.
+    # then each engine in the foreground `repeats` times of each kind, the kinds interleaved (a drift
+    # through the bucket falls on alone and beside times alike).
     assert eng.calls[:8] == [("alone", 0, 64), ("alone", 1, 64), ("alone", 0, 512), ("alone", 1, 512),
                              ("train", 0, 64), ("train", 1, 64), ("train", 0, 512), ("train", 1, 512)]
     timed = [c for c in eng.calls[8:] if c != "closed"]
-    assert timed[:20] == ([("alone", 0, 64), ("alone", 1, 64)] * 2 + [("beside", 0, 64), ("beside", 1, 64)] * 2
-                          + [("train", 0, 64), ("train", 1, 64)] * 2
-                          + [("beside_trainer", 0, 64), ("beside_trainer", 1, 64)] * 2
-                          + [("trainer_beside", 0, 64), ("trainer_beside", 1, 64)] * 2)
+    assert timed[:20] == [(kind, e, 64) for _ in range(2) for e in (0, 1)
+                          for kind in ("alone", "beside", "train", "beside_trainer", "trainer_beside")]
+    assert len(timed) == 40 and {c[2] for c in timed[20:]} == {512}
     assert eng.calls[-1] == "closed"
     assert json.loads(raw_path.read_text())["raw"] == raw
     assert settings["beside"] == ["engine", "trainer"]
@@ -89,6 +89,36 @@ def test_the_bench_times_each_engine_alone_beside_the_other_and_beside_its_train
          "mps_trainer_beside": pytest.approx(1.15)},
         {"batch": 512, "mps": pytest.approx(1.5), "mps_beside_trainer": pytest.approx(1.8),
          "mps_trainer_beside": pytest.approx(1.4)}]
+
+
+class _Drifting(_StandIn):
+    """A stand-in whose every timing in a bucket runs 2% faster than the one before (from 1.2x), as
+    the H100's engines' alone times fell through a bucket (sessions 60-61)."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.i, self.batch = 0, None
+
+    def _drift(self, batch, seconds):
+        if batch != self.batch:
+            self.i, self.batch = 0, batch
+        self.i += 1
+        return seconds * (1.2 - 0.02 * (self.i - 1))
+
+    def alone(self, engine, work):
+        return self._drift(work[0], super().alone(engine, work))
+
+    def beside(self, engine, work):
+        return self._drift(work[0], super().beside(engine, work))
+
+
+def test_a_drift_through_a_bucket_falls_on_alone_and_beside_times_alike():
+    """Timed kind by kind (four alone, then four beside) the drift above makes a 1.5x slowdown 1.40x;
+    interleaved, within 2% of 1.5x."""
+    made = []
+    raw, _ = measure_engines("m", make_engines=lambda *a, **k: _Drifting({64: 1.5}, made), log=lambda m: None,
+                             batches=[64], beside=("engine",))
+    assert raw["mps"][0]["slowdown"] == pytest.approx(1.5, rel=0.02)
 
 
 def test_the_bench_beside_one_kind_only_times_that_kind(tmp_path):
@@ -103,8 +133,17 @@ def test_the_bench_beside_one_kind_only_times_that_kind(tmp_path):
                                       "mps_trainer_beside": pytest.approx(1.3)}]
 
 
+def _on_base(base) -> dict:
+    """measure_engines' settings a bench on ``base`` runs under (what calibrate_engines passes)."""
+    from calibration.engines import base_settings
+    from sim.profile import profile_dict
+
+    want = base_settings(profile_dict(base))
+    return {k: want[k] for k in ("cuda_graph_max_tokens", "tuned_lora_kernels", "trainer_graphs", "controls")}
+
+
 def _profile_with_bench(tmp_path, slow, base=P, name="b", by_trainer=None, beside=("engine",)):
-    raw, settings, _ = _bench(slow, by_trainer, beside=beside)
+    raw, settings, _ = _bench(slow, by_trainer, beside=beside, **_on_base(base))
     write_raw(tmp_path / f"{name}.raw.json", raw, settings)
     out = tmp_path / f"{name}.json"
     calibrate_engines(None, base, out, from_raw=tmp_path / f"{name}.raw.json", log=lambda m: None)
@@ -387,3 +426,76 @@ def test_fit_stacks_of_the_lone_trainer_on_a_base_with_the_bench_writes_its_runs
     assert main(["fit-stacks", "--rate", "trainer", "--no-left-out", "--base", str(bench), "--out", str(out),
                  *runs]) == 0
     assert json.loads(out.read_text())["sharing"]["stacks_engine_sequences"] == 256
+
+
+def test_a_bench_of_another_gpu_or_kernels_than_the_base_is_refused_by_name_unless_transplanted(tmp_path, capsys):
+    """Session 61: two H100 benches (untuned LoRA kernels) went onto the H200 protocol profile without a
+    word; now each difference is named, and --transplant takes it as a what-if the profile says it is."""
+    h100 = {"raw": {"mps": [{"batch": 128, "adapters": 2, "alone_s": 1.0, "beside_s": 1.5}]},
+            "settings": {"gpu": "NVIDIA H100 80GB HBM3", "prompt": 128, "length": 256, "seqs_per_adapter": 64,
+                         "cuda_graph_max_tokens": 512, "tuned_lora_kernels": False, "beside": ["engine"],
+                         "controls": {"trainer_priority": "below-normal", "engine_cpu_threads": 4,
+                                      "trainer_cpu_threads": 2}}}
+    assert _from_raw(tmp_path, tmp_path / "a.json", h100) == 2
+    err = capsys.readouterr().err
+    assert "gpu 'NVIDIA H100 80GB HBM3' against the base's 'NVIDIA H200'" in err
+    assert "tuned_lora_kernels False against the base's True" in err and "--transplant" in err
+    assert not (tmp_path / "a.json").exists()
+    assert main(["calibrate-engines", "--from-raw", str(tmp_path / "r0.raw.json"), "--base", P,
+                 "--out", str(tmp_path / "b.json"), "--transplant"]) == 0
+    prof = json.loads((tmp_path / "b.json").read_text())
+    assert prof["sharing"]["engines_by_batch"] == [{"batch": 128, "mps": pytest.approx(1.5)}]
+    (what,) = [a for a in prof["assumptions"] if a["id"] == "sharing-engines-bench-transplanted"]
+    assert "NVIDIA H100 80GB HBM3" in what["value"] and "tuned_lora_kernels" in what["value"]
+    # The same bench on the base's kernels and GPU goes in without the flag or the assumption.
+    h200 = json.loads(json.dumps(h100))
+    h200["settings"].update(gpu="NVIDIA H200", tuned_lora_kernels=True)
+    assert _from_raw(tmp_path, tmp_path / "c.json", h200) == 0
+    assert "sharing-engines-bench-transplanted" not in {a["id"] for a in json.loads((tmp_path / "c.json").read_text())["assumptions"]}
+    # Two GPUs' runs do not pool; a run from before the GPU was recorded pools with either.
+    assert _from_raw(tmp_path, tmp_path / "d.json", h200, h100) == 2
+    assert "gpu 'NVIDIA H100 80GB HBM3' against 'NVIDIA H200'" in capsys.readouterr().err
+    old = json.loads(json.dumps(h200))
+    del old["settings"]["gpu"]
+    assert _from_raw(tmp_path, tmp_path / "e.json", old, h200) == 0
+
+
+def test_a_batch_past_one_engines_kv_cache_is_refused_before_any_engine_starts(tmp_path):
+    """Session 61's H100 bench: 512 sequences of 384 tokens (196,608 KV tokens an engine) at
+    --engine-memory 0.38 of 79 GiB, where vLLM reported 121,744 tokens of KV cache: refused with the
+    share that fits; 256 sequences (98,304) there, and 512 at 0.4 of the H200's 140 GiB, go ahead."""
+    from calibration.engines import check_kv_room, kv_room_tokens
+    from nodus.config import ConfigError
+
+    qwen = tmp_path / "qwen3-0.6b"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128,
+                                                  "hidden_size": 1024, "num_attention_heads": 16,
+                                                  "torch_dtype": "bfloat16"}))
+    with open(qwen / "model.safetensors", "wb") as f:  # 1.38 GiB of weights, sparse
+        f.truncate(int(1.38 * 2**30))
+    room = kv_room_tokens(qwen, 0.38, 79.18)
+    assert 115_000 < room < 125_000  # vLLM: 121,744
+    with pytest.raises(ConfigError, match=r"512 sequences of 128 \+ 256 tokens need 196,608 tokens of KV cache.*"
+                                          r"raise --engine-memory to 0\.5\d"):
+        check_kv_room(qwen, [128, 256, 512], 128, 256, 0.38, 79.18)
+    check_kv_room(qwen, [128, 256], 128, 256, 0.38, 79.18)
+    check_kv_room(qwen, [128, 256, 512], 128, 256, 0.4, 139.8)
+    check_kv_room(qwen, [512], 128, 256, 0.38, None)  # no GPU to ask: nothing to check
+    assert kv_room_tokens(tmp_path, 0.38, 79.18) is None  # no config.json: unknown
+
+
+def test_from_raw_takes_the_engine_sizes_batches_names_and_refuses_one_it_lacks(tmp_path, capsys):
+    doc = {"raw": {"mps": [{"batch": b, "adapters": b // 64, "alone_s": 1.0, "beside_s": s}
+                           for b, s in ((128, 1.5), (256, 1.6), (512, 1.7))]},
+           "settings": {"prompt": 128, "length": 256, "seqs_per_adapter": 64, "batches": [128, 256, 512]}}
+    (tmp_path / "r.raw.json").write_text(json.dumps(doc))
+    args = ["calibrate-engines", "--from-raw", str(tmp_path / "r.raw.json"), "--base", P]
+    assert main([*args, "--out", str(tmp_path / "a.json"), "--batches", "128,256"]) == 0
+    prof = json.loads((tmp_path / "a.json").read_text())
+    assert [e["batch"] for e in prof["sharing"]["engines_by_batch"]] == [128, 256]
+    assert prof["measurements"]["engines"]["missing"] == []
+    assert main([*args, "--out", str(tmp_path / "b.json")]) == 0  # without it, every bucket
+    assert [e["batch"] for e in json.loads((tmp_path / "b.json").read_text())["sharing"]["engines_by_batch"]] == [128, 256, 512]
+    assert main([*args, "--out", str(tmp_path / "c.json"), "--batches", "64,128"]) == 2
+    assert "no bucket of 64 sequences (they have 128, 256, 512)" in capsys.readouterr().err
