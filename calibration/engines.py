@@ -226,15 +226,20 @@ def kv_bytes_per_token(model: str | Path) -> int | None:
         return None
 
 
+def _held_gib(model: str | Path) -> float:
+    """What an engine holds of its share besides the KV cache: the weights (the folder's safetensors)
+    and ENGINE_KV_MARGIN_GIB."""
+    return sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**30 + ENGINE_KV_MARGIN_GIB
+
+
 def kv_room_tokens(model: str | Path, engine_memory: float, total_gib: float) -> int | None:
     """About how many tokens one engine's KV cache holds: its half of ``engine_memory`` of a GPU of
-    ``total_gib``, less the weights (the folder's safetensors) and ENGINE_KV_MARGIN_GIB, over
-    ``kv_bytes_per_token``; None where the model's shape is unknown."""
+    ``total_gib``, less ``_held_gib``, over ``kv_bytes_per_token``; None where the model's shape is
+    unknown."""
     per_token = kv_bytes_per_token(model)
     if per_token is None:
         return None
-    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**30
-    return max(0, int((engine_memory / 2 * total_gib - weights - ENGINE_KV_MARGIN_GIB) * 2**30 / per_token))
+    return max(0, int((engine_memory / 2 * total_gib - _held_gib(model)) * 2**30 / per_token))
 
 
 def check_kv_room(model: str | Path, batches, prompt: int, length: int, engine_memory: float,
@@ -250,9 +255,7 @@ def check_kv_room(model: str | Path, batches, prompt: int, length: int, engine_m
     need = max(batches) * (prompt + length)
     if room is None or need <= room:
         return
-    per_token = kv_bytes_per_token(model)
-    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**30
-    fits = 2 * (need * per_token / 2**30 + weights + ENGINE_KV_MARGIN_GIB) / total_gib
+    fits = 2 * (need * kv_bytes_per_token(model) / 2**30 + _held_gib(model)) / total_gib
     raise ConfigError(f"calibrate-engines: {max(batches)} sequences of {prompt} + {length} tokens need {need:,} "
                       f"tokens of KV cache an engine; --engine-memory {engine_memory} of this {total_gib:.0f} GiB GPU "
                       f"leaves each of the two engines about {room:,}, so vLLM would queue the rest and time two "
