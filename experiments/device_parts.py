@@ -197,6 +197,21 @@ def bundle_parts(device: Path) -> list[Path]:
     return files
 
 
+def part_fit_hint(root: Path, tree: int, limit: int = LIMIT, margin: int = MARGIN) -> str:
+    """What a light tree of ``tree`` bytes leaves the bundle's largest part (on disk): room to spare,
+    or the command that re-splits it to fit (session 61: the tree grew to 19.0 MiB beside 45 MiB
+    parts, over the 64 MiB a call carries, where the line had always named the re-split)."""
+    parts = sorted((root / ".device").glob("vllm-*/part_*"))
+    if not parts:
+        return "; no bundle parts under .device/vllm-* (build them with ../shared/device/build_vllm_bundle.sh)"
+    big = max(os.lstat(f).st_blocks * 512 for f in parts)
+    spare = limit - tree - margin - big
+    if spare < 0:
+        return (f"; the bundle's largest part ({big / MIB:.1f} MiB) no longer fits beside it: re-split it with "
+                "python experiments/device_parts.py bundle")
+    return f"; the bundle's largest part ({big / MIB:.1f} MiB) fits beside it, {spare / MIB:.1f} MiB to spare"
+
+
 def main(argv: list[str] | None = None) -> list[Path] | int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("bundle", "cache", "headroom", "light", "whole"))
@@ -209,8 +224,8 @@ def main(argv: list[str] | None = None) -> list[Path] | int:
     root = a.root.resolve()
     if a.what in ("light", "whole"):
         (light if a.what == "light" else whole)(root)
-        hint = "; re-split the bundle to fit: python experiments/device_parts.py bundle" if a.what == "light" else ""
-        print(f"tree {tree_bytes_on_disk(root) / MIB:.1f} MiB on disk{hint}")
+        tree = tree_bytes_on_disk(root)
+        print(f"tree {tree / MIB:.1f} MiB on disk{part_fit_hint(root, tree) if a.what == 'light' else ''}")
         return 0
     tree = tree_bytes_on_disk(root)
     size = a.part_mib * MIB if a.part_mib else min(part_bytes(tree), 48 * MIB)

@@ -162,3 +162,17 @@ def test_device_session_stops_at_once_where_the_bundle_is_not_installed(tmp_path
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 3 and "the bundle is not installed on this machine" in done.stderr
     assert "trainer-memory needs no bundle" in done.stderr
+
+
+def test_light_says_whether_the_bundles_largest_part_still_fits_beside_the_tree(tmp_path):
+    """Session 61: the light tree grew from 18.2 to 19.0 MiB beside 45 MiB parts (over the 64 MiB a
+    call carries) while the line printed the same re-split hint as always; now it says which."""
+    from pathlib import Path
+
+    root = Path(tmp_path)
+    part = root / ".device" / "vllm-1" / "part_00"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(os.urandom(40 * dp.MIB))
+    assert "fits beside it" in dp.part_fit_hint(root, 20 * dp.MIB)
+    assert "no longer fits beside it: re-split" in dp.part_fit_hint(root, 24 * dp.MIB)
+    assert "no bundle parts" in dp.part_fit_hint(root / "elsewhere", 0)
