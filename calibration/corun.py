@@ -8,6 +8,10 @@ and each bucket (engine batch, trainer tokens), three timings:
 - each side while the other is kept busy: the trainer steps back to back while the engine
   generates once, and the engine generates back to back while the trainer steps once.
 
+Each timing is repeated (`repeats`, medians), one of each kind a round and every other round in
+reverse, so a drift through a bucket (the engine bench's alone times fell through buckets timed
+kind by kind, session 61) falls on alone and co-run times alike.
+
 Rates are in the simulator's unit, work done per second relative to that side alone with no MPS:
 `none_corun` = alone(none) / corun(none), `mps_alone` = alone(none) / alone(mps), `mps_corun` =
 alone(none) / corun(mps). The profile takes the median over buckets; each bucket's rates stay in
@@ -164,12 +168,21 @@ def measure_sharing(model: str, modes=("none", "mps"), batches=BATCHES, train_to
             rows = raw[mode] = []
             for b in batches:
                 for t in train_tokens:
-                    e_alone = pair.alone("engine", gen[b], repeats)
-                    t_alone = pair.alone("trainer", train[t], repeats)
-                    e_co = pair.corun("engine", gen[b], train[t], repeats)
-                    t_co = pair.corun("trainer", train[t], gen[b], repeats)
-                    rows.append({"batch": b, "tokens": t, "engine_alone_s": e_alone, "trainer_alone_s": t_alone,
-                                 "engine_corun_s": e_co, "trainer_corun_s": t_co})
+                    # One timing of each kind a round, every other round in reverse (ABBA), medians: a
+                    # drift through a bucket falls on alone and co-run times alike (the engine bench's
+                    # alone times fell through buckets timed kind by kind on the H100, session 61).
+                    kinds = [("e_co", lambda: pair.corun("engine", gen[b], train[t], 1)),
+                             ("e_alone", lambda: pair.alone("engine", gen[b], 1)),
+                             ("t_alone", lambda: pair.alone("trainer", train[t], 1)),
+                             ("t_co", lambda: pair.corun("trainer", train[t], gen[b], 1))]
+                    got: dict[str, list[float]] = {k: [] for k, _ in kinds}
+                    for r in range(repeats):
+                        for k, timed in (kinds if r % 2 == 0 else kinds[::-1]):
+                            got[k].append(timed())
+                    med = {k: float(np.median(v)) for k, v in got.items()}
+                    rows.append({"batch": b, "tokens": t, "engine_alone_s": med["e_alone"],
+                                 "trainer_alone_s": med["t_alone"], "engine_corun_s": med["e_co"],
+                                 "trainer_corun_s": med["t_co"]})
                     if raw_path is not None:
                         write_raw(raw_path, raw, settings)
                     log(bucket_line(mode, rows[-1]))

@@ -272,8 +272,8 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
     """Raw rows per mode (each: batch, adapters, alone seconds; beside the other engine and beside
     the other stack's trainer, as ``beside`` names, with their slowdowns) and the settings. Each
     engine is the foreground ``repeats`` times per bucket and kind (2 x repeats timings of each), the
-    kinds interleaved (engine 0 alone, beside, ..., then engine 1's, then the next repeat), so a drift
-    through a bucket falls on every kind alike; every shape is generated (and trained) once first,
+    kinds interleaved (engine 0 alone, beside, ..., then engine 1's in reverse order, then the next
+    repeat), so a drift through a bucket falls on every kind alike; every shape is generated (and trained) once first,
     untimed (graphs, kernels, allocator).
     ``controls``: the runs' settings the processes take (``trainer_priority``, ``engine_cpu_threads``,
     ``trainer_cpu_threads``; the stacks fit's, as ``stacks_controls`` reads them off a profile).
@@ -313,16 +313,19 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                 # Each kind's timings interleaved, one of each per engine in turn: an engine's alone times
                 # fell through a bucket timed kind by kind (H100, sessions 60-61: 1.675, 1.642, 1.605,
                 # 1.588 s then beside 2.55 s to 1%), so a slowdown over the first ones came out low.
+                # Every other pass in reverse (ABBA), so a steady drift cancels between kinds.
                 t = {k: [] for k in ("alone", "beside", "beside_trainer", "train_alone", "train_beside")}
-                for _ in range(repeats):
+                for r in range(repeats):
                     for e in (0, 1):
-                        t["alone"].append(eng.alone(e, work[b]))
+                        kinds = [("alone", lambda: eng.alone(e, work[b]))]
                         if "engine" in beside:
-                            t["beside"].append(eng.beside(e, work[b]))
+                            kinds.append(("beside", lambda: eng.beside(e, work[b])))
                         if "trainer" in beside:
-                            t["train_alone"].append(eng.train_alone(e, train[b]))
-                            t["beside_trainer"].append(eng.beside_trainer(e, work[b], train[b]))
-                            t["train_beside"].append(eng.trainer_beside(e, train[b], work[b]))
+                            kinds += [("train_alone", lambda: eng.train_alone(e, train[b])),
+                                      ("beside_trainer", lambda: eng.beside_trainer(e, work[b], train[b])),
+                                      ("train_beside", lambda: eng.trainer_beside(e, train[b], work[b]))]
+                        for k, timed in (kinds if (2 * r + e) % 2 == 0 else kinds[::-1]):
+                            t[k].append(timed())
                 rows.append(_row(b, adapters_for(b, seqs_per_adapter), t["alone"], t["beside"] or None,
                                  t["beside_trainer"] or None, t["train_alone"] or None, t["train_beside"] or None))
                 if raw_path is not None:

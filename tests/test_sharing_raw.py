@@ -153,3 +153,42 @@ def test_calibrate_sharing_refuses_a_base_measured_with_a_capped_trainer(tmp_pat
         calibrate_sharing("/nonexistent-model", str(tmp_path / "capped.json"), tmp_path / "out.json",
                           log=lambda *_: None)
     assert not (tmp_path / "out.json").exists()
+
+
+class _DriftingPair(TimedPair):
+    """Every timing of a bucket 3% faster than the one before (from 1.2x), as the H100's engines'
+    alone times fell through a bucket (session 61); records the order of timed kinds."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.order, self.k = [], 0
+
+    def alone(self, side, work, repeats):
+        self.order.append(("alone", side))
+        self.k += 1
+        return super().alone(side, work, repeats) * (1.2 - 0.03 * (self.k - 1))
+
+    def corun(self, fg, fg_work, bg_work, repeats):
+        self.order.append(("corun", fg))
+        self.k += 1
+        return super().corun(fg, fg_work, bg_work, repeats) * (1.2 - 0.03 * (self.k - 1))
+
+
+def test_a_buckets_alone_and_corun_timings_are_interleaved_so_a_drift_falls_on_both():
+    """Kind by kind (repeats alone, then repeats co-run) this drift would put the engine's 2x
+    time-sliced slowdown well under 2x; one of each kind a round, every other round reversed (ABBA),
+    keeps it within 1%."""
+    made = []
+
+    def pair(*a, **kw):
+        made.append(_DriftingPair(*a))
+        return made[-1]
+
+    rates = measure_sharing("no-model", modes=("none", "mps"), batches=(64,), train_tokens=(1000,), repeats=4,
+                            make_pair=pair, log=lambda m: None)
+    timed = made[0].order[2:]  # after the warm-up of each shape
+    assert timed[:4] == [("corun", "engine"), ("alone", "engine"), ("alone", "trainer"), ("corun", "trainer")]
+    assert timed[4:8] == timed[:4][::-1] and len(timed) == 16
+    row = rates["raw"]["none"][0]
+    assert row["engine_corun_s"] / row["engine_alone_s"] == pytest.approx(TimedPair.SLOW["none"]["engine"], rel=0.01)
+    assert row["trainer_corun_s"] / row["trainer_alone_s"] == pytest.approx(TimedPair.SLOW["none"]["trainer"], rel=0.01)
