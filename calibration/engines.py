@@ -50,6 +50,7 @@ import numpy as np
 
 from calibration.corun import DONE, fresh_raw_path, write_raw
 from calibration.measure import _requests, _train_batches
+from nodus.gpumemory import query_gpu
 
 BATCHES = (64, 128, 256, 512)  # engine sizes: 1, 2, 4 and 8 jobs of 64 sequences
 SEQS_PER_ADAPTER = 64  # a job's sequences a step (8 prompts x 8 responses), one adapter each
@@ -280,18 +281,16 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
     ``make_engines`` builds each mode's engines (tests pass a timed stand-in)."""
     batches = sorted(set(batches))
     beside = tuple(beside)
-    settings = {"gpu": bench_gpu(device), "modes": list(modes), "batches": batches, "prompt": prompt, "length": length,
+    gpu = query_gpu("name,memory.total") if device != "cpu" else None  # None: no GPU nvidia-smi can tell of
+    settings = {"gpu": gpu[0] if gpu else None, "modes": list(modes), "batches": batches, "prompt": prompt, "length": length,
                 "repeats": repeats, "engine_memory": engine_memory, "seqs_per_adapter": seqs_per_adapter,
                 "cuda_graph_max_tokens": cuda_graph_max_tokens, "tuned_lora_kernels": tuned_lora_kernels,
                 "beside": list(beside)}
     if "trainer" in beside:
         settings.update(trainer_graphs=trainer_graphs, microbatch_tokens=microbatch_tokens)
     settings["controls"] = dict(controls or {})
-    if device != "cpu" and make_engines is _Engines:
-        from nodus.gpumemory import query_gpu
-
-        total = query_gpu("memory.total")
-        check_kv_room(model, batches, prompt, length, engine_memory, float(total[0]) / 1024 if total else None)
+    if make_engines is _Engines:
+        check_kv_room(model, batches, prompt, length, engine_memory, float(gpu[1]) / 1024 if gpu else None)
     raw: dict = {}
     for mode in modes:
         eng = make_engines(model, mode, device, max(batches), adapters_for(max(batches), seqs_per_adapter),
@@ -314,7 +313,7 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                 # fell through a bucket timed kind by kind (H100, sessions 60-61: 1.675, 1.642, 1.605,
                 # 1.588 s then beside 2.55 s to 1%), so a slowdown over the first ones came out low.
                 # Every other pass in reverse (ABBA), so a steady drift cancels between kinds.
-                t = {k: [] for k in ("alone", "beside", "beside_trainer", "train_alone", "train_beside")}
+                t: dict[str, list[float]] = {k: [] for k in KINDS}
                 for r in range(repeats):
                     for e in (0, 1):
                         kinds = [("alone", lambda: eng.alone(e, work[b]))]
@@ -346,17 +345,6 @@ def stacks_controls(prof: dict) -> dict:
     out = {"trainer_priority": got.get("mps.trainer_priority"), "engine_cpu_threads": got.get("engine_cpu_threads"),
            "trainer_cpu_threads": got.get("trainer_cpu_threads")}
     return {k: v for k, v in out.items() if v is not None}
-
-
-def bench_gpu(device: str) -> str | None:
-    """The GPU a bench runs on (nvidia-smi's name, as a profile's ``environment.gpu`` holds it); None
-    on the CPU or where nvidia-smi cannot tell."""
-    if device == "cpu":
-        return None
-    from nodus.gpumemory import query_gpu
-
-    got = query_gpu("name")
-    return got[0] if got else None
 
 
 def base_settings(prof: dict) -> dict:
@@ -545,8 +533,7 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
     by name, unless ``transplant``: a what-if whose profile names each difference in an assumption.
     ``only_batches``: the engine sizes to take of the raw timings (each must be there)."""
     from nodus.config import ConfigError
-    from sim.profile import (add_source, drop_base_validation, profile_dict, profile_lora_kernels, profile_step_mode,
-                             refuse_existing, write_profile)
+    from sim.profile import add_source, drop_base_validation, profile_dict, refuse_existing, write_profile
 
     refuse_existing(out, "calibrate-engines")
     bad = [m for m in modes if m not in MODES]
@@ -586,11 +573,11 @@ def calibrate_engines(model: str | None, base: str, out: str | Path, modes=("mps
             raise ConfigError("calibrate-engines: --model is required to measure (or --from-raw FILE builds the "
                               "profile from a run's raw timings, without measuring)")
         raw_path = fresh_raw_path(out, "calibrate-engines", log)
-        graphs = (prof.get("decode") or {}).get("graph_max_tokens")
-        raw, got = measure_engines(model, modes=modes, raw_path=raw_path, log=log, cuda_graph_max_tokens=graphs,
-                                   tuned_lora_kernels=profile_lora_kernels(prof) == "tuned",
-                                   trainer_graphs=profile_step_mode(prof) != "eager",
-                                   controls=stacks_controls(prof), **settings)
+        on = base_settings(prof)
+        raw, got = measure_engines(model, modes=modes, raw_path=raw_path, log=log,
+                                   cuda_graph_max_tokens=on["cuda_graph_max_tokens"],
+                                   tuned_lora_kernels=on["tuned_lora_kernels"], trainer_graphs=on["trainer_graphs"],
+                                   controls=on["controls"], **settings)
         apply_engines(prof, raw, got)
         add_source(prof, f"nodus calibrate-engines ({','.join(modes)})")
     drop_base_validation(prof)  # it measured the base: none until nodus validate --annotate
