@@ -339,10 +339,10 @@ def cmd_calibrate_sharing(a: argparse.Namespace) -> int:
 def cmd_calibrate_engines(a: argparse.Namespace) -> int:
     from calibration.engines import BATCHES, MODES, calibrate_engines
 
+    batches = _ints(a.batches) if a.batches else None
     prof = calibrate_engines(a.model, a.base, a.out, modes=tuple(m for m in a.modes.split(",") if m),
-                             from_raw=a.from_raw, transplant=a.transplant,
-                             batches=_ints(a.batches) if a.batches else BATCHES,
-                             only_batches=_ints(a.batches) if a.batches and a.from_raw else None,
+                             from_raw=a.from_raw, transplant=a.transplant, batches=batches or BATCHES,
+                             only_batches=batches if a.from_raw else None,
                              prompt=a.prompt_tokens, length=a.length,
                              repeats=a.repeats, device=a.device, engine_memory=a.engine_memory,
                              enforce_eager=a.enforce_eager, beside=tuple(b for b in a.beside.split(",") if b),

@@ -91,6 +91,7 @@ class TimedPair:
     def __init__(self, model, sharing, *_, stop_after: int | None = None, counter: list | None = None):
         self.sharing, self.stop_after = sharing, stop_after
         self.counter = counter if counter is not None else [0]
+        self._bucket = None  # the (engine work, trainer work) of the bucket being timed
 
     def gen_request(self, batch, prompt, length):
         return ("engine", batch)
@@ -107,7 +108,7 @@ class TimedPair:
         return self._alone_s(work)
 
     def corun(self, fg, fg_work, bg_work, repeats):
-        if fg == "engine" and (fg_work, bg_work) != getattr(self, "_bucket", None):  # a bucket's first timing
+        if fg == "engine" and (fg_work, bg_work) != self._bucket:  # a bucket's first timing
             if self.stop_after is not None and self.counter[0] >= self.stop_after:
                 raise RuntimeError("time limit")
             self.counter[0] += 1
