@@ -72,6 +72,7 @@ class SimBackend:
         self._bench_trainer_seqs = (max(by_trainer) if by_trainer and n_stacks > 1 and cfg.arm.sharing == "mps"
                                     and sharing.mps_stacks_trainer is not None else None)
         self._two_trainers = sharing.mps_trainers is not None  # a fitted rate, held at the fit's engine size
+        self._past_fit = self._past_fit_note()  # what a generation past the fit's engine size is priced by
         self.jobs: dict[str, JobSpec] = {j.id: j for j in cfg.jobs}
         self._share = share = cfg.trainer_packing()  # the packing the real trainer runs
         if share:
@@ -169,6 +170,20 @@ class SimBackend:
     def now(self) -> float:
         return self.env.now
 
+    def _past_fit_note(self) -> str:
+        """How the rates of an engine of stacks larger than their fit's are priced: which follow the
+        two-engine bench over engine size, which keep the size they were fitted at."""
+        lone = "the rates of a lone trainer and an engine beside it"
+        follows = [w for w, seen in (("the two-engine rate", self._bench_seqs), (lone, self._bench_trainer_seqs))
+                   if seen]
+        if not follows:
+            return ", its stacks rates fitted on smaller engines"
+        keeps = ([] if self._bench_trainer_seqs else [lone]) + (["the two trainers' rate"] if self._two_trainers else [])
+        note = f": {' and '.join(follows)} follow{'s' if len(follows) == 1 else ''} the bench"
+        if keeps:
+            note += f"; {' and '.join(keeps)} keep{'s' if len(keeps) == 1 else ''} the fit's engine size"
+        return note
+
     def generate(self, a: Generate) -> None:
         delay = (a.not_before_s or 0.0) - self.env.now  # arm.hold_apart: start no earlier than that
         if delay > 0:
@@ -197,19 +212,7 @@ class SimBackend:
                                   "beside the other stack's trainer (sharing.engines_by_batch[].mps_beside_trainer)",
                                   seqs, self._bench_trainer_seqs)
         if self._stacks_fit_seqs is not None and seqs > self._stacks_fit_seqs:
-            lone = "the rates of a lone trainer and an engine beside it"
-            follows = [w for w, seen in (("the two-engine rate", self._bench_seqs), (lone, self._bench_trainer_seqs))
-                       if seen]
-            keeps = (([] if self._bench_trainer_seqs else [lone])
-                     + (["the two trainers' rate"] if self._two_trainers else []))
-
-            def verb(ws: list[str], v: str) -> str:
-                return f"{' and '.join(ws)} {v}{'s' if len(ws) == 1 else ''}"
-
-            said = (f": {verb(follows, 'follow')} the bench" + (f"; {verb(keeps, 'keep')} the fit's engine size"
-                                                                 if keeps else "")
-                    if follows else ", its stacks rates fitted on smaller engines")
-            self.cost.note_beyond(f"sequences one engine of stacks generates at once{said} "
+            self.cost.note_beyond(f"sequences one engine of stacks generates at once{self._past_fit} "
                                   "(sharing.stacks_engine_sequences)", seqs, self._stacks_fit_seqs)
         self.engines[a.stack].submit(a.action_id, batch)
 
