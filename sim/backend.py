@@ -173,16 +173,19 @@ class SimBackend:
     def _past_fit_note(self) -> str:
         """How the rates of an engine of stacks larger than their fit's are priced: which follow the
         two-engine bench over engine size, which keep the size they were fitted at."""
-        lone = "the rates of a lone trainer and an engine beside it"
-        follows = [w for w, seen in (("the two-engine rate", self._bench_seqs), (lone, self._bench_trainer_seqs))
-                   if seen]
+        two_engines, two_trainers = ("the two-engine rate", False), ("the two trainers' rate", False)
+        lone = ("the rates of a lone trainer and an engine beside it", True)  # (subject, plural)
+        follows = [w for w, seen in ((two_engines, self._bench_seqs), (lone, self._bench_trainer_seqs)) if seen]
         if not follows:
             return ", its stacks rates fitted on smaller engines"
-        keeps = ([] if self._bench_trainer_seqs else [lone]) + (["the two trainers' rate"] if self._two_trainers else [])
-        note = f": {' and '.join(follows)} follow{'s' if len(follows) == 1 else ''} the bench"
-        if keeps:
-            note += f"; {' and '.join(keeps)} keep{'s' if len(keeps) == 1 else ''} the fit's engine size"
-        return note
+        keeps = ([] if self._bench_trainer_seqs else [lone]) + ([two_trainers] if self._two_trainers else [])
+
+        def clause(subjects: list[tuple[str, bool]], verb: str) -> str:
+            one = len(subjects) == 1 and not subjects[0][1]
+            return f"{' and '.join(w for w, _ in subjects)} {verb}{'s' if one else ''}"
+
+        note = f": {clause(follows, 'follow')} the bench"
+        return note + (f"; {clause(keeps, 'keep')} the fit's engine size" if keeps else "")
 
     def generate(self, a: Generate) -> None:
         delay = (a.not_before_s or 0.0) - self.env.now  # arm.hold_apart: start no earlier than that

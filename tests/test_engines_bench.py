@@ -167,6 +167,20 @@ def test_the_fitted_two_engine_rate_holds_at_its_fit_size_and_follows_the_bench_
     assert prof["environment"]["sources"][-1].startswith("nodus calibrate-engines --from-raw b.raw.json")
 
 
+def test_the_flag_past_the_fit_size_names_what_keeps_it_in_agreement(tmp_path):
+    """On a base without the two trainers' rate, an engine-only bench leaves the lone trainer's rates
+    (plural) at the fit's size: the flag says they keep it (session 61's wording said 'keeps')."""
+    base = json.loads(open(P).read())
+    base["sharing"]["mps_trainers"] = None
+    (tmp_path / "no2.json").write_text(json.dumps(base))
+    out = _profile_with_bench(tmp_path, {64: 1.2, 128: 1.2, 256: 1.2, 512: 1.5}, base=str(tmp_path / "no2.json"))
+    got = simulate(config_from_args(jobs=16, steps=3, policy="shared-sync", sharing="mps", stacks=2,
+                                    profile=str(out), share_prompts=4))
+    flags = " ".join(got["diagnostics"][0]["outside_profile"])
+    assert ("the two-engine rate follows the bench; the rates of a lone trainer and an engine beside it keep the "
+            "fit's engine size") in flags
+
+
 def test_a_bench_that_slows_big_engines_lowers_sixteen_jobs_and_leaves_four(tmp_path):
     out = _profile_with_bench(tmp_path, {64: 1.2, 128: 1.2, 256: 1.2, 512: 1.5})
 
