@@ -46,6 +46,19 @@ TRAIN_TOKENS = (16384, 49152)  # default trainer step token buckets
 TIMES = ("engine_alone_s", "engine_corun_s", "trainer_alone_s", "trainer_corun_s")  # a bucket's timings
 
 
+def interleaved(passes) -> dict[str, list[float]]:
+    """Time each pass's kinds in turn (``(kind, timed)`` pairs, ``timed()`` returning seconds), every
+    other pass in reverse (ABBA): each kind's timings, in order. A drift through a bucket falls on every
+    kind alike, which a bucket timed kind by kind does not (the engine bench's alone times fell through
+    such buckets on the H100 while its beside times held to 1%, session 61). ``passes`` may be a
+    generator: each pass is built as it comes."""
+    got: dict[str, list[float]] = {}
+    for i, kinds in enumerate(passes):
+        for k, timed in (kinds if i % 2 == 0 else kinds[::-1]):
+            got.setdefault(k, []).append(timed())
+    return got
+
+
 class _Pair:
     """One engine and one trainer process (a one-stack Cluster) with 8 calibration jobs."""
 
@@ -175,11 +188,7 @@ def measure_sharing(model: str, modes=("none", "mps"), batches=BATCHES, train_to
                              ("e_alone", lambda: pair.alone("engine", gen[b], 1)),
                              ("t_alone", lambda: pair.alone("trainer", train[t], 1)),
                              ("t_co", lambda: pair.corun("trainer", train[t], gen[b], 1))]
-                    got: dict[str, list[float]] = {k: [] for k, _ in kinds}
-                    for r in range(repeats):
-                        for k, timed in (kinds if r % 2 == 0 else kinds[::-1]):
-                            got[k].append(timed())
-                    med = {k: float(np.median(v)) for k, v in got.items()}
+                    med = {k: float(np.median(v)) for k, v in interleaved([kinds] * repeats).items()}
                     rows.append({"batch": b, "tokens": t, "engine_alone_s": med["e_alone"],
                                  "trainer_alone_s": med["t_alone"], "engine_corun_s": med["e_co"],
                                  "trainer_corun_s": med["t_co"]})

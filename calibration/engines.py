@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calibration.corun import DONE, fresh_raw_path, write_raw
+from calibration.corun import DONE, fresh_raw_path, interleaved, write_raw
 from calibration.measure import _requests, _train_batches
 from nodus.gpumemory import query_gpu
 
@@ -313,20 +313,18 @@ def measure_engines(model: str, modes=("mps",), batches=BATCHES, prompt: int = 1
                 # fell through a bucket timed kind by kind (H100, sessions 60-61: 1.675, 1.642, 1.605,
                 # 1.588 s then beside 2.55 s to 1%), so a slowdown over the first ones came out low.
                 # Every other pass in reverse (ABBA), so a steady drift cancels between kinds.
-                t: dict[str, list[float]] = {k: [] for k in KINDS}
-                for r in range(repeats):
-                    for e in (0, 1):
-                        kinds = [("alone", lambda: eng.alone(e, work[b]))]
-                        if "engine" in beside:
-                            kinds.append(("beside", lambda: eng.beside(e, work[b])))
-                        if "trainer" in beside:
-                            kinds += [("train_alone", lambda: eng.train_alone(e, train[b])),
-                                      ("beside_trainer", lambda: eng.beside_trainer(e, work[b], train[b])),
-                                      ("train_beside", lambda: eng.trainer_beside(e, train[b], work[b]))]
-                        for k, timed in (kinds if (2 * r + e) % 2 == 0 else kinds[::-1]):
-                            t[k].append(timed())
-                rows.append(_row(b, adapters_for(b, seqs_per_adapter), t["alone"], t["beside"] or None,
-                                 t["beside_trainer"] or None, t["train_alone"] or None, t["train_beside"] or None))
+                def kinds(e: int) -> list:  # engine e in front, one timing of each kind
+                    out = [("alone", lambda: eng.alone(e, work[b]))]
+                    if "engine" in beside:
+                        out.append(("beside", lambda: eng.beside(e, work[b])))
+                    if "trainer" in beside:
+                        out += [("train_alone", lambda: eng.train_alone(e, train[b])),
+                                ("beside_trainer", lambda: eng.beside_trainer(e, work[b], train[b])),
+                                ("train_beside", lambda: eng.trainer_beside(e, train[b], work[b]))]
+                    return out
+
+                t = interleaved(kinds(e) for _ in range(repeats) for e in (0, 1))
+                rows.append(_row(b, adapters_for(b, seqs_per_adapter), *(t.get(k) for k in KINDS)))
                 if raw_path is not None:
                     write_raw(raw_path, raw, settings)
                 log(bucket_line(mode, rows[-1]))
