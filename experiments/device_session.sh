@@ -227,11 +227,11 @@ case "${1:-arms}" in
       mkdir -p ~/.cache/nodus && cp "$ESTIMATES_SEED" "$EST" && echo "estimates seeded from $ESTIMATES_SEED"
     fi
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
-      --seeds "${SEEDS:-1}" --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" \
+      ${SEEDS:+--seeds "$SEEDS"} --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" \
       --deadline $(( ${ARMS_TIMEOUT:-540} > 60 ? ${ARMS_TIMEOUT:-540} - 30 : ${ARMS_TIMEOUT:-540} / 2 )) \
       --estimates "$EST" ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
     echo "gpu_arms$T rc=$?"
-    grep "steps/GPU-h\|skipped\|Error\|error:" "$D/arms/arms.log" | tail -12
+    grep "^note: \|steps/GPU-h\|skipped\|Error\|error:" "$D/arms/arms.log" | tail -12
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;
   trainer-memory)
     # The graphed trainer's memory at each micro-batch size (experiments/trainer_memory.py: the

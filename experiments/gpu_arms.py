@@ -178,6 +178,22 @@ def slots_key(engine_slots: int, jobs: int) -> str:
     return f"-ls{engine_slots}" if engine_slots != jobs else ""
 
 
+def own_seed_notes(arms: list[str], seeds_arg: str | None) -> list[str]:
+    """A line for each arm (its --arms text) whose own seeds (:sN) are not all among an explicit
+    --seeds: the arm runs its own, and --seeds does not reach it (session 63 asked --seeds 2 of an
+    arm named :s1 and ran seed 1 again)."""
+    if seeds_arg is None:
+        return []
+    asked = {int(s) for s in seeds_arg.split(",") if s}
+    notes = []
+    for text in arms:
+        own = parse_arm(text)[3]
+        if own and not set(own) <= asked:
+            notes.append(f"note: arm {text} names its own seed(s) {','.join(map(str, own))} (:sN) and runs "
+                         f"those; --seeds {seeds_arg} applies only to arms without one")
+    return notes
+
+
 def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None, int | None, bool | None, dict]:
     """'overlap+mps:j16:g3:s1:m32768:free:cg:lowpri:t50' -> ('overlap+mps', 16, 3, [1], 32768, False,
     {'trainer_graphs': True, 'trainer_priority': 'below-normal', 'trainer_thread_pct': 50}); a bare
@@ -487,7 +503,9 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--jobs", default="8", help="job count, or a comma list (runs each arm at each count)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--seeds", default="1")
+    ap.add_argument("--seeds", default=None,
+                    help="comma list of seeds for every arm without its own sN (default 1); an arm's :sN "
+                         "runs its own seeds, and a note says so where they are not among --seeds")
     ap.add_argument("--arms", default=",".join(ARMS),
                     help="comma list of arms; NAME:jN:gG:sS runs that arm at N jobs, G groups, on seed S "
                          "only (e.g. shared-sync:j4,overlap+mps:j16:g3:s1)")
@@ -674,7 +692,9 @@ def main() -> None:
     order = sorted(specs, key=lambda sp: (ARMS[sp[0]][0] == "timeslice", arm_stacks(sp), ARMS[sp[0]][2] != "none",
                                           stacked_jobs(sp, min(job_counts)), ARMS[sp[0]][0] != "dedicated"))
     order = interleave_rounds(order, args.rounds, min(job_counts))
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = [int(s) for s in (args.seeds or "1").split(",")]
+    for note in own_seed_notes([a for a in args.arms.split(",") if a], args.seeds):
+        print(note, flush=True)
     results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
                      "job_fields": args.job_fields, "lora_layout": args.lora_layout,

@@ -538,3 +538,18 @@ def test_an_arm_whose_graphed_trainers_would_not_fit_is_skipped_naming_the_micro
         _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "80")
     with pytest.raises(SystemExit, match="free at most total"):
         _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "90,80")
+
+
+def test_an_arm_with_its_own_seed_says_so_when_seeds_asks_another(tmp_path, monkeypatch, capsys):
+    """An arm's :sN is its seed whatever --seeds says; session 63 asked --seeds 2 of an arm named
+    :s1 and ran seed 1 again. The plan (and a run's log) now say so, before any run, naming the arm;
+    an arm whose seeds --seeds includes, or a call without --seeds, gets no note."""
+    arms = "shared-sync+mps:cg:lowpri:sp4:k2:m8192:r1:s1,dedicated:cg:s2"
+    out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--engine-slots", "8", "--seeds", "2", "--arms", arms)
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: arm shared-sync+mps:cg:lowpri:sp4:k2:m8192:r1:s1 names its own seed(s) 1 (:sN) and "
+                     "runs those; --seeds 2 applies only to arms without one"], out
+    assert sorted(r[2] for r in _rows(out)) == ["1", "2"]  # each arm on its own seed, as before
+    for argv in (("--seeds", "1,2"), ()):
+        out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--engine-slots", "8", *argv, "--arms", arms)
+        assert "note: " not in out, out
