@@ -156,23 +156,27 @@ def split(data_files: list[Path], out_root: Path, name: str, size: int, prefix: 
 # What a device call needs of the recorded H200 results: every call's estimates seed, and the runs
 # device_session.sh names (its graphs and ep modes replay them). Found in the script, not listed here.
 RESULTS = "experiments/results/h200"
+# The other GPUs' recorded results (session 63: the H100's 9.3 MiB took the light tree from 18.5 to
+# 20.0 MiB, past what fits beside a 44 MiB part), left out the same way.
+OTHER_RESULTS = ("experiments/results/h100",)
 SESSION_SCRIPT = "experiments/device_session.sh"
 
 
 def light_patterns(root: Path) -> list[str]:
-    """The sparse-checkout patterns of a light tree: everything but ``RESULTS``, less what
-    ``SESSION_SCRIPT`` names under it and every day's ``estimates.json``."""
+    """The sparse-checkout patterns of a light tree: everything but ``RESULTS`` and ``OTHER_RESULTS``,
+    less what ``SESSION_SCRIPT`` names under them and every day's ``estimates.json``."""
     if not (root / SESSION_SCRIPT).is_file():
         raise SystemExit(f"device_parts: no {SESSION_SCRIPT} under {root}: light needs the project's checkout")
     script = (root / SESSION_SCRIPT).read_text()
-    named = sorted({p.rstrip("/") for p in re.findall(re.escape(RESULTS) + r"/[\w./+-]+", script)})
+    dirs = (RESULTS, *OTHER_RESULTS)
+    named = sorted({p.rstrip("/") for d in dirs for p in re.findall(re.escape(d) + r"/[\w./+-]+", script)})
     keep = [f"/{p}/" if (root / p).is_dir() else f"/{p}" for p in named]
-    return ["/*", f"!/{RESULTS}/", f"/{RESULTS}/*/estimates.json", *keep]
+    return ["/*", *(f"!/{d}/" for d in dirs), *(f"/{d}/*/estimates.json" for d in dirs), *keep]
 
 
 def light(root: Path) -> None:
-    """Leave the recorded H200 results (42.7 of the tree's 51.2 MiB in session 44) out of the work
-    tree with a sparse checkout: they stay in git, and a device call carries only the files on disk
+    """Leave the recorded H200 results (42.7 of the tree's 51.2 MiB in session 44), and the other
+    GPUs' (``OTHER_RESULTS``), out of the work tree with a sparse checkout: they stay in git, and a device call carries only the files on disk
     (session 45: a run seeded from an excluded estimates file found none there). Parts of 48 MiB then
     fit, and the vLLM bundle stages in 3 calls, the compile cache riding with the last (session 45:
     two machines, 3 calls of 0.2-12 s each; 12 calls a machine in session 44). ``whole`` puts the

@@ -121,7 +121,7 @@ def test_bad_input_is_named(tmp_path):
 
 
 def test_light_leaves_the_recorded_results_out_but_what_a_call_reads(tmp_path):
-    """``light``: the recorded H200 results leave the work tree (they stay in git), so the tree a call
+    """``light``: the recorded H200 and H100 results leave the work tree (they stay in git), so the tree a call
     carries shrinks and parts grow; every day's estimates seed and the runs device_session.sh names
     stay; ``whole`` puts every file back."""
     root = _repo(tmp_path, tracked_bytes=dp.MIB)
@@ -131,6 +131,9 @@ def test_light_leaves_the_recorded_results_out_but_what_a_call_reads(tmp_path):
     (res / "s1" / "estimates.json").write_text("{}")
     (res / "s2" / "arms" / "named").mkdir(parents=True)
     (res / "s2" / "arms" / "named" / "summary.json").write_text("{}")
+    other = root / dp.OTHER_RESULTS[0]  # another GPU's results (session 63: the H100's 9.3 MiB)
+    (other / "s3" / "arms" / "run").mkdir(parents=True)
+    (other / "s3" / "arms" / "run" / "summary.json").write_bytes(os.urandom(2 * dp.MIB))
     (root / dp.SESSION_SCRIPT).write_text(f'--run "${{EP_RUN:-{dp.RESULTS}/s2/arms/named}}"\n')
     subprocess.run(["git", "-C", str(root), "add", "-A"], check=True)
     subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
@@ -138,11 +141,13 @@ def test_light_leaves_the_recorded_results_out_but_what_a_call_reads(tmp_path):
     before = dp.tree_bytes_on_disk(root)
     dp.main(["light", "--root", str(root)])
     assert not (res / "s1" / "arms" / "run" / "spans.jsonl.gz").exists()
+    assert not (other / "s3" / "arms" / "run" / "summary.json").exists()
     assert (res / "s1" / "estimates.json").exists() and (res / "s2" / "arms" / "named" / "summary.json").exists()
     assert (root / "big.bin").exists() and (root / dp.SESSION_SCRIPT).exists()
-    assert dp.tree_bytes_on_disk(root) <= before - 4 * dp.MIB
+    assert dp.tree_bytes_on_disk(root) <= before - 6 * dp.MIB
     dp.main(["whole", "--root", str(root)])
     assert (res / "s1" / "arms" / "run" / "spans.jsonl.gz").exists()
+    assert (other / "s3" / "arms" / "run" / "summary.json").exists()
     assert dp.tree_bytes_on_disk(root) == before
 
 
