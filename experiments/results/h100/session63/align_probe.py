@@ -1,3 +1,6 @@
+# A probe of the simulator's stack alignment (session 63): re-simulates a run's config with the
+# profile's sharing section updated by each JSON argument and prints steps/GPU-h, the in-step share
+# and stack 1's phase every third step. Run from the repository root.
 import json, subprocess, sys, shutil, re
 src = sys.argv[1]; run = sys.argv[2]
 def probe(**kw):
