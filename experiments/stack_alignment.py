@@ -101,12 +101,16 @@ def run_alignment(run_dir: str | Path) -> dict:
     phases: dict[tuple[int, str], set] = {}
     gen_starts: dict[int, dict[int, float]] = {}  # stack -> step -> its generation's first start
     held: dict[int, dict[int, float]] = {}  # stack -> step -> seconds its generation was held (hold_apart)
+    actions: dict[tuple[int, str, int], list[float]] = {}  # (stack, phase, step) -> [first start, last end]
     for line in read_text(rd / "spans.jsonl").splitlines():  # or spans.jsonl.gz
         d = json.loads(line)
         if d.get("phase") in ("train", "generate") and d.get("stack") is not None:
             phases.setdefault((int(d["stack"]), d["phase"]), set()).add((d["start_s"], d["end_s"]))
             attrs = d.get("attrs") or {}
             step = attrs.get("step")
+            if step is not None:
+                a = actions.setdefault((int(d["stack"]), d["phase"], step), [d["start_s"], d["end_s"]])
+                a[0], a[1] = min(a[0], d["start_s"]), max(a[1], d["end_s"])
             if d["phase"] == "generate" and step is not None:
                 by_step = gen_starts.setdefault(int(d["stack"]), {})
                 by_step[step] = min(by_step.get(step, d["start_s"]), d["start_s"])
@@ -145,12 +149,37 @@ def run_alignment(run_dir: str | Path) -> dict:
     pooled = [p for ph in (phase or {}).values() for p in ph]
     hold = held_cycle(gen_starts, held, summary.get("pace") or {})
     return {"run": str(rd), "jobs": len(summary.get("per_job") or {}), "stacks": len(stacks),
+            **leading_and_trailing(actions, stacks),
             "phase_by_step": phase, "apart_share": sum(p >= APART for p in pooled) / len(pooled) if pooled else None,
             "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
             "train_beside_train": beside_train, "train_beside_generate": beside_gen,
             "train_s": train / n_train, "generate_s": gen / n_gen,
             **hold, **{f"train_{k}_n": len(v) for k, v in sides.items()},
             **{f"train_{k}_s": sum(v) for k, v in sides.items()}}
+
+
+def leading_and_trailing(actions: dict[tuple[int, str, int], list[float]], stacks: list[int]) -> dict:
+    """Two stacks' actions of one step and phase, the one begun first (leading) against the other
+    (trailing): their mean seconds over the steps both ran, per phase (``{phase}_leading_s``,
+    ``{phase}_trailing_s``, ``{phase}_pairs``). A phase the trailing stack takes longer in widens
+    the gap between the stacks and one it takes shorter narrows it: what holds stacks in step or
+    drives them apart (session 63: on the GPU the leading stack's train step ran longer, in the
+    simulator the trailing stack's generation did). Runs of other stack counts, or without steps
+    on their spans: none."""
+    if len(stacks) != 2:
+        return {}
+    out = {}
+    for phase in ("generate", "train"):
+        pairs = []
+        for (st, ph, step), a in actions.items():
+            b = actions.get((stacks[1], ph, step))
+            if st == stacks[0] and ph == phase and b is not None:
+                lead, trail = (a, b) if a[0] <= b[0] else (b, a)
+                pairs.append((lead[1] - lead[0], trail[1] - trail[0]))
+        if pairs:
+            out.update({f"{phase}_pairs": len(pairs), f"{phase}_leading_s": sum(p[0] for p in pairs) / len(pairs),
+                        f"{phase}_trailing_s": sum(p[1] for p in pairs) / len(pairs)})
+    return out
 
 
 def train_by_side(rows: list[dict]) -> dict[tuple[int, int], dict]:
@@ -220,6 +249,18 @@ def render(rows: list[dict], corr: dict[int, dict], sides: dict | None = None) -
         for r in phased:
             for k, ph in r["phase_by_step"].items():
                 lines.append(f"- {r['run']}, stack {k}: " + " ".join(f"{p:.2f}" for p in ph))
+    paired = [r for r in rows if r.get("generate_pairs") and r.get("train_pairs")]
+    if paired:
+        lines += ["", "Leading and trailing: each step's two actions of a phase, the one begun first against the "
+                  "other, mean seconds; the trailing stack's over the leading's above 1 widens the gap between "
+                  "the stacks, below 1 narrows it:", "",
+                  "| run | generate leading / trailing s | trailing over leading | train leading / trailing s | "
+                  "trailing over leading |", "|---|---|---|---|---|"]
+        for r in paired:
+            lines.append(f"| {r['run']} | {r['generate_leading_s']:.3f} / {r['generate_trailing_s']:.3f} | "
+                         f"{r['generate_trailing_s'] / r['generate_leading_s']:.3f} | "
+                         f"{r['train_leading_s']:.3f} / {r['train_trailing_s']:.3f} | "
+                         f"{r['train_trailing_s'] / r['train_leading_s']:.3f} |")
     if corr:
         def fmt(v: float | None) -> str:
             return "-" if v is None else f"{v:+.2f}"

@@ -152,3 +152,33 @@ def test_simulated_offset_stacks_start_half_a_cycle_apart(tmp_path):
                               offset_stacks=True), out=out)
     r = sa.run_alignment(out)
     assert r["phase_by_step"][1][0] >= sa.APART  # the second stack's first generation follows the first's
+
+
+def test_leading_and_trailing_actions_of_each_step(tmp_path):
+    """Two stacks, two steps. Step 0: stack 0 generates 0-2 s and trains 2-3.2 s; stack 1 generates
+    0.1-2.2 s and trains 2.2-3.3 s. Step 1: stack 1 leads its generation (3.3-5.3 against stack 0's
+    3.4-5.3) and stack 0 its train (5.3-6.5 against 5.35-6.45). The leading train ran 1.2 s both
+    steps, the trailing 1.1 s: below 1, the train step narrows the gap; the trailing generation ran
+    2.1 then 1.9 s against 2.0 and 2.0. Spans without a step, and runs of three stacks, give none."""
+    rd = tmp_path / "r"
+    rd.mkdir()
+    acts = [(0, "generate", 0, 0.0, 2.0), (0, "train", 0, 2.0, 3.2), (1, "generate", 0, 0.1, 2.2),
+            (1, "train", 0, 2.2, 3.3), (1, "generate", 1, 3.3, 5.3), (0, "generate", 1, 3.4, 5.3),
+            (0, "train", 1, 5.3, 6.5), (1, "train", 1, 5.35, 6.45)]
+    with open(rd / "spans.jsonl", "w") as f:
+        for stack, phase, step, s, e in acts:
+            for job in ("a", "b"):
+                f.write(json.dumps({"stack": stack, "phase": phase, "start_s": s, "end_s": e, "job": job,
+                                    "attrs": {"step": step}}) + "\n")
+    (rd / "summary.json").write_text(json.dumps({"steps_per_gpu_hour": 1000.0, "per_job": {"a": {}, "b": {}}}))
+    r = sa.run_alignment(rd)
+    assert r["train_pairs"] == r["generate_pairs"] == 2
+    assert r["train_leading_s"] == pytest.approx(1.2) and r["train_trailing_s"] == pytest.approx(1.1)
+    assert r["generate_leading_s"] == pytest.approx(2.0) and r["generate_trailing_s"] == pytest.approx(2.0)
+    text = sa.render([r], {}, {})
+    assert "| 2.000 / 2.000 | 1.000 | 1.200 / 1.100 | 0.917 |" in text
+    assert sa.leading_and_trailing({(0, "train", 0): [0, 1], (1, "train", 0): [0, 1], (2, "train", 0): [0, 1]},
+                                   [0, 1, 2]) == {}
+    plain = sa.run_alignment(_write_run(tmp_path / "p", [(0, "generate", 0, 2), (0, "train", 2, 4),
+                                                         (1, "generate", 0, 3), (1, "train", 3, 5)]))
+    assert "train_pairs" not in plain and "Leading and trailing" not in sa.render([plain], {}, {})
