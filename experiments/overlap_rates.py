@@ -12,8 +12,11 @@ alone under MPS), is then linear in the rates:
     alone_s * r_alone = r_alone * t_alone + r_engines * t_beside_engine + r_beside_trainer * t_beside_train
 
 and the same for train steps (r_trainers beside another stack's train, r_lone_trainer beside
-another stack's generation). The two unknown rates of each kind are fitted by least squares on the
-relative error, over every action of every run given.
+another stack's generation; seconds beside another stack's publish count as alone). The two unknown
+rates of each kind are fitted by least squares on the relative error, over every action of every run
+given. Session 63: on the protocol profile's three fit runs it gives the phases fit's rates back
+(within 0.03-0.06), so that fit is not an artefact of the simulated alignment; with the 8-job runs'
+own rates the simulator's free stacks still drift apart (experiments/results/h100/session63/).
 
     python experiments/overlap_rates.py --profile P RUN_DIR... [--out PREFIX] [--write-profile OUT]
 """
@@ -101,6 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--write-profile", help="the profile with the fitted rates")
     ap.add_argument("runs", nargs="+")
     args = ap.parse_args(argv)
+    if not Path(args.profile).is_file():
+        raise SystemExit(f"overlap_rates: --profile {args.profile}: no such file (a profile JSON path: "
+                         "the shipped ones are under calibration/profiles/)")
     raw = json.loads(Path(args.profile).read_text())
     alone = raw["sharing"]["mps_alone"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,6 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
                 rows[phase] += r
     result = {"profile": args.profile, "runs": args.runs}
     for phase, (same_key, other_key) in RATES.items():
+        if not any(r[2] + r[3] > 0 for r in rows[phase]):
+            raise SystemExit(f"overlap_rates: no {phase} action of these runs ran beside another stack's: "
+                             "give runs of two stacks or more")
         f = fit(rows[phase], alone["engine" if phase == "generate" else "trainer"])
         result[phase] = {**f, same_key: f["same"], other_key: f["other"],
                          "profile_" + same_key: raw["sharing"].get(same_key),

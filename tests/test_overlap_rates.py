@@ -61,3 +61,21 @@ def test_a_recorded_runs_actions_give_rates_that_the_written_profile_carries(tmp
     assert written["mps_engines"] == got["generate"]["same"] and written["mps_stacks_trainer"] == got["train"]["other"]
     assert got["generate"]["rel_err_mean_abs"] < 0.1 and got["train"]["rel_err_mean_abs"] < 0.1
     assert json.loads((tmp_path / "r.json").read_text())["train"]["mps_trainers"] == got["train"]["same"]
+
+
+def test_bad_input_is_named(tmp_path):
+    """A profile that is not a file, and runs of one stack (nothing ran beside another stack's),
+    each stop with what is wrong."""
+    from pathlib import Path
+
+    import pytest
+
+    from experiments.overlap_rates import main
+
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit, match="--profile nope.json: no such file"):
+        main(["--profile", "nope.json", "run"])
+    prof = root / "calibration/profiles/h100-xeon16-graphed-stacks-tied-bench60-qwen3-0.6b.json"
+    one = root / "experiments/results/h100/session63/run/arms/dedicated-cg-gm512-cpu2-audr1-mb8k-n5-s1"
+    with pytest.raises(SystemExit, match="no generate action of these runs ran beside another stack's"):
+        main(["--profile", str(prof), str(one)])
