@@ -176,8 +176,9 @@ def light_patterns(root: Path) -> list[str]:
 
 def light(root: Path) -> None:
     """Leave the recorded H200 results (42.7 of the tree's 51.2 MiB in session 44), and the other
-    GPUs' (``OTHER_RESULTS``), out of the work tree with a sparse checkout: they stay in git, and a device call carries only the files on disk
-    (session 45: a run seeded from an excluded estimates file found none there). Parts of 48 MiB then
+    GPUs' (``OTHER_RESULTS``), out of the work tree with a sparse checkout: they stay in git, and a
+    device call carries only the files on disk (session 45: a run seeded from an excluded estimates
+    file found none there). Parts of 48 MiB then
     fit, and the vLLM bundle stages in 3 calls, the compile cache riding with the last (session 45:
     two machines, 3 calls of 0.2-12 s each; 12 calls a machine in session 44). ``whole`` puts the
     results back; commit with the tree whole."""

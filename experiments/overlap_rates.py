@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{phase}: {f['actions']} actions, {f['share_beside_same']:.0%} of their seconds beside the same "
               f"kind, {f['share_beside_other']:.0%} beside the other; {same_key} {f['same']:.3f} "
               f"(profile {raw['sharing'].get(same_key)}), {other_key} {f['other']:.3f} "
-              f"(profile {raw['sharing'].get(other_key)}); mean |error| of an action's work {f['rel_err_mean_abs']:.1%}")
+              f"(profile {raw['sharing'].get(other_key)}); "
+              f"mean |error| of an action's work {f['rel_err_mean_abs']:.1%}")
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(result, indent=1))
     if args.write_profile:

@@ -51,7 +51,8 @@ def test_a_recorded_runs_actions_give_rates_that_the_written_profile_carries(tmp
     from experiments.overlap_rates import main
 
     root = Path(__file__).resolve().parents[1]
-    run = root / "experiments/results/h100/session63/run/arms/shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-audr1-sp4-k2-mb4k-s1"
+    arms = root / "experiments/results/h100/session63/run/arms"
+    run = arms / "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-audr1-sp4-k2-mb4k-s1"
     prof = root / "calibration/profiles/h100-xeon16-graphed-stacks-tied-bench60-qwen3-0.6b.json"
     out = tmp_path / "p.json"
     got = main(["--profile", str(prof), "--write-profile", str(out), "--out", str(tmp_path / "r"), str(run)])
