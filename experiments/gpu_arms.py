@@ -178,16 +178,15 @@ def slots_key(engine_slots: int, jobs: int) -> str:
     return f"-ls{engine_slots}" if engine_slots != jobs else ""
 
 
-def own_seed_notes(arms: list[str], seeds_arg: str | None) -> list[str]:
-    """A line for each arm (its --arms text) whose own seeds (:sN) are not all among an explicit
-    --seeds: the arm runs its own, and --seeds does not reach it (session 63 asked --seeds 2 of an
-    arm named :s1 and ran seed 1 again)."""
+def own_seed_notes(arms: list[tuple[str, list[int] | None]], seeds_arg: str | None) -> list[str]:
+    """A line for each arm (its --arms text and its own seeds, parse_arm's) whose own seeds (:sN)
+    are not all among an explicit --seeds: the arm runs its own, and --seeds does not reach it
+    (session 63 asked --seeds 2 of an arm named :s1 and ran seed 1 again)."""
     if seeds_arg is None:
         return []
     asked = {int(s) for s in seeds_arg.split(",") if s}
     notes = []
-    for text in arms:
-        own = parse_arm(text)[3]
+    for text, own in arms:
         if own and not set(own) <= asked:
             notes.append(f"note: arm {text} names its own seed(s) {','.join(map(str, own))} (:sN) and runs "
                          f"those; --seeds {seeds_arg} applies only to arms without one")
@@ -653,7 +652,9 @@ def main() -> None:
         opts = dataclasses.replace(opts, device="cuda")
     # An arm may name its own job count and groups (NAME:jN:gG), so that one invocation (one set
     # of processes per sharing mode) runs e.g. the 8-job table and the 2/4/16-job scaling points.
-    specs = [parse_arm(a) for a in args.arms.split(",") if a]
+    arm_texts = [a for a in args.arms.split(",") if a]
+    specs = [parse_arm(a) for a in arm_texts]
+    seed_notes = own_seed_notes([(text, sp[3]) for text, sp in zip(arm_texts, specs)], args.seeds)
     job_counts = [int(x) for x in str(args.jobs).split(",") if x]
     # A stacked arm without its own jN runs every --jobs count: one spec per count, so each count's
     # runs sort with the stacked arms of that count (their engines are sized for it, stacked_jobs).
@@ -693,7 +694,7 @@ def main() -> None:
                                           stacked_jobs(sp, min(job_counts)), ARMS[sp[0]][0] != "dedicated"))
     order = interleave_rounds(order, args.rounds, min(job_counts))
     seeds = [int(s) for s in (args.seeds or "1").split(",")]
-    for note in own_seed_notes([a for a in args.arms.split(",") if a], args.seeds):
+    for note in seed_notes:
         print(note, flush=True)
     results: dict = {"jobs": job_counts if len(job_counts) > 1 else job_counts[0], "steps": args.steps, "model_shape": args.shape, "mode": args.mode,
                      "seeded_sampling": opts.seeded_sampling, "enforce_eager": args.enforce_eager,
