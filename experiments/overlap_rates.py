@@ -33,38 +33,34 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from calibration.validate import _phase_actions, _simulate, load_recorded, recorded_configs  # noqa: E402
-from nodus.accounting import union_length  # noqa: E402
+from calibration.validate import (_beside_fraction, _phase_actions, _simulate, load_recorded,  # noqa: E402
+                                 recorded_configs)
 
 # What each kind's two unknown rates are in the profile (sharing.*): beside the same kind, beside the other.
 RATES = {"generate": ("mps_engines", "mps_stacks_engine"), "train": ("mps_trainers", "mps_stacks_trainer")}
 
 
-def alone_profile(profile: str, path: Path) -> None:
-    """Write the profile JSON ``profile`` to ``path`` with every stacks rate at its kind's MPS-alone
-    rate and no bench shape, so that its replay times each action as if it ran alone."""
-    raw = json.loads(Path(profile).read_text())
-    sh = raw["sharing"]
-    sh.update(mps_engines=sh["mps_alone"]["engine"], mps_stacks_engine=sh["mps_alone"]["engine"],
-              mps_trainers=sh["mps_alone"]["trainer"], mps_stacks_trainer=sh["mps_alone"]["trainer"],
-              engines_by_batch=[])
-    path.write_text(json.dumps(raw))
+def alone_profile(raw: dict, path: Path) -> None:
+    """Write the profile ``raw`` (a profile JSON's contents, left as they are) to ``path`` with every
+    stacks rate at its kind's MPS-alone rate and no bench shape, so that its replay times each action
+    as if it ran alone."""
+    alone = json.loads(json.dumps(raw))
+    sh, solo = alone["sharing"], alone["sharing"]["mps_alone"]
+    sh.update(mps_engines=solo["engine"], mps_stacks_engine=solo["engine"], mps_trainers=solo["trainer"],
+              mps_stacks_trainer=solo["trainer"], engines_by_batch=[])
+    path.write_text(json.dumps(alone))
 
 
 def overlaps(acts: dict, phase: str) -> dict[tuple, tuple[float, float, float]]:
     """Each action of ``phase``: (seconds, seconds beside other stacks' actions of the same phase,
-    beside their actions of the other phase only)."""
+    beside their actions of the other phase only); the fractions are ``_beside_fraction``'s."""
+    # Both phases' actions in one dict of _phase_actions' key shape, the step tagged with its phase.
+    both = {(gpu, group, (ph, step)): a for ph in acts for (gpu, group, step), a in acts[ph].items()}
     out = {}
     for key, (s, e, _) in acts[phase].items():
-        gpu, group, _ = key
-
-        def cover(ph):
-            return [(max(s2, s), min(e2, e)) for (g2, grp2, _), (s2, e2, _) in acts[ph].items()
-                    if g2 == gpu and grp2 != group and s2 < e and e2 > s]
-        same = cover(phase)
-        both = union_length(same + cover("train" if phase == "generate" else "generate"))
-        t_same = union_length(same)
-        out[key] = (e - s, t_same, both - t_same)
+        d = e - s
+        t_same = d * _beside_fraction(key, s, e, acts[phase])
+        out[key] = (d, t_same, d * _beside_fraction(key, s, e, both) - t_same)
     return out
 
 
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     alone = raw["sharing"]["mps_alone"]
     with tempfile.TemporaryDirectory() as tmp:
         alone_path = Path(tmp) / "alone.json"
-        alone_profile(args.profile, alone_path)
+        alone_profile(raw, alone_path)
         rows: dict[str, list] = {"generate": [], "train": []}
         for run in args.runs:
             for phase, r in rows_of(Path(run), str(alone_path)).items():
