@@ -475,6 +475,21 @@ def cmd_fit_audit(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_handoff(a: argparse.Namespace) -> int:
+    from calibration.handoff import fit_to_file
+
+    r = fit_to_file(a.runs, a.base, a.out, report=a.report)
+    print(f"train.handoff_s_per_sequence = {r['handoff_s_per_sequence'] * 1e3:.4f} ms, train.handoff_s_per_audited = "
+          f"{r['handoff_s_per_audited'] * 1e3:.4f} ms (the host's work from a generation's end to its train step's "
+          f"start) from {len(r['rows'])} class(es) of {len(a.runs)} run(s): {r['mape']:.1%} off their median gaps"
+          + (f", each run left out {r['left_out_mape']:.1%} (worst {r['left_out_worst']:.1%})"
+             if r["left_out_mape"] is not None else "")
+          + ("" if r["told_apart"] else "; the runs audit the same share of their sequences, so the whole gap "
+                                        "went per sequence (give runs of another audit to tell the terms apart)"))
+    print(f"wrote {a.out}" + (f", {a.report}.md and {a.report}.json" if a.report else ""))
+    return 0
+
+
 def cmd_fit_stacks(a: argparse.Namespace) -> int:
     from calibration.stacks import fit_to_file
 
@@ -927,6 +942,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
     p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
     p.set_defaults(fn=cmd_fit_audit)
+
+    p = sub.add_parser("fit-handoff", help="fit the host's handoff from a generation to its train step "
+                                           "(train.handoff_s_per_sequence, _per_audited) on recorded runs' gaps, "
+                                           "into a copy of a profile")
+    p.add_argument("runs", nargs="+", help="run folders of the real backend (runs of two audits tell the "
+                                           "logprobs' share apart)")
+    p.add_argument("--base", default=DEFAULT_PROFILES["graphed"],
+                   help="profile to copy (the one you will simulate with)")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
+    p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    p.set_defaults(fn=cmd_fit_handoff)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
     p.add_argument("run_dir")

@@ -146,6 +146,14 @@ class TrainCost(_M):
     # The trainer these terms (and the sharing rates measured with this profile as base) describe:
     # eager, or its micro-batches replayed as CUDA graphs (--trainer-graphs; "static" on a CPU).
     step_mode: Literal[STEP_MODES] = "eager"
+    # The handoff: host work between a group's generation and its train step (the rollouts' advantages
+    # and token lists built, the batch handed to the trainer process; real.backend.train), per sequence
+    # trained and per one of them carrying the engine's logprobs (the audit, RunConfig.audit). It holds
+    # neither the GPU nor the engine. `nodus fit-handoff` fits both on recorded runs' gaps (on the H200:
+    # 11-12 ms for a dedicated job of 64 sequences with the full audit, 5-6 ms auditing one response a
+    # prompt); 0 in profiles from before them (the train step starting at once).
+    handoff_s_per_sequence: float = Field(default=0.0, ge=0)
+    handoff_s_per_audited: float = Field(default=0.0, ge=0)
 
 
 class PublishCost(_M):
@@ -632,6 +640,12 @@ class CostModel:
         mb_s = sum(t.per_microbatch.a_s + t.per_microbatch.b_s_per_unit * n for n in microbatch_tokens)
         kl_s = (t.kl_share or 0.0) * kl_fraction * mb_s
         return mb_s + t.s_per_adapter * adapters + t.s_per_regroup_token * regroup_tokens + pairs_s + kl_s
+
+    def handoff_s(self, sequences: int, audited: int) -> float:
+        """The host's handoff from a generation to its train step (``train.handoff_s_per_*``): ``sequences``
+        trained, ``audited`` of them carrying the engine's logprobs."""
+        t = self.profile.train
+        return t.handoff_s_per_sequence * sequences + t.handoff_s_per_audited * audited
 
     @property
     def has_packed_attention(self) -> bool:

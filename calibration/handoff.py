@@ -1,0 +1,157 @@
+"""The host's handoff from a generation to its train step, fitted on recorded runs (`nodus fit-handoff`).
+
+Between a group's last rollout and its train step's start the real backend works on the host: it builds
+each sequence's token ids, mask and advantages (and the engine's logprobs, where the audit asked for
+them) and hands the batch to the trainer process, whose span starts once the batch is there
+(``real.backend.train``). Neither the GPU nor the engine waits on it, but the group's step does: on the
+H200 11-12 ms for a dedicated job of 64 sequences under the full audit, 5-6 ms auditing one response a
+prompt (session 33), 40-60 ms for a stack of four jobs (session 64), 121 ms for a stack of eight
+jobs. A simulator that starts the train step at once makes each step that much shorter.
+
+Each train action's gap (its start less the end of its group's generation of the same step) is one
+observation, with the sequences it trains and those of them that carry logprobs under the run's audit.
+The model is linear through the origin, ``gap = a * sequences + b * audited``, fitted by least squares
+on the relative error over each run's median gap per (sequences, audited) class, so that one run's many
+steps do not outweigh another's and a slow step does not move it. Where the runs do not tell the two
+terms apart (every sequence audited, or none), the whole gap goes per sequence and the report says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from nodus.config import AuditSpec, ConfigError
+from sim.profile import (add_source, drop_base_validation, profile_dict, refuse_existing, set_assumption,
+                         write_fit_report, write_profile)
+
+
+def handoff_gaps(run_dir: str | Path) -> list[dict]:
+    """Each train action of a recorded run with its group's generation of the same step: ``{"sequences",
+    "audited", "gap_s"}`` (the train's start less the generation's end). Raises ConfigError for a
+    folder that is not a recorded run or holds no such pair."""
+    from calibration.validate import _phase_actions, load_recorded, recorded_audit
+
+    rd = Path(run_dir)
+    cfg, _, spans = load_recorded(rd)
+    audit = AuditSpec(**recorded_audit(rd, cfg))
+    per_prompt = {j["id"]: int(j.get("responses_per_prompt") or 8) for j in cfg["jobs"]}
+    acts = _phase_actions(spans)
+    audited: dict[tuple, int] = {}
+    for sp in spans:
+        if sp["phase"] != "generate":
+            continue
+        attrs = sp.get("attrs") or {}
+        step = attrs.get("step")
+        if step is None:
+            continue
+        n = int(attrs.get("n_sequences") or len(attrs.get("response_tokens") or []))
+        k = per_prompt.get(sp.get("job"), 8)
+        key = (sp["gpu"], sp["group"], ("step", step))
+        audited[key] = audited.get(key, 0) + (n // k) * audit.asking(step, k) + audit.asking(step, n % k)
+    rows = []
+    for key, (start, _, _) in acts["train"].items():
+        gen = acts["generate"].get(key)
+        if gen is None or key not in audited or gen[2] <= 0:
+            continue
+        rows.append({"sequences": gen[2], "audited": audited[key], "gap_s": start - gen[1]})
+    if not rows:
+        raise ConfigError(f"{str(rd)!r}: no train step with its group's generation of the same step in its spans "
+                          "(a run of the real backend recorded since session 8 has them)")
+    return rows
+
+
+def _classes(run: str, rows: list[dict]) -> list[dict]:
+    """One row per (sequences, audited) class of a run: the class's median gap."""
+    by: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        by.setdefault((r["sequences"], r["audited"]), []).append(r["gap_s"])
+    return [{"run": run, "sequences": s, "audited": a, "steps": len(g), "gap_s": float(np.median(g))}
+            for (s, a), g in sorted(by.items())]
+
+
+def _solve(rows: list[dict]) -> tuple[float, float, bool]:
+    """(per sequence, per audited sequence, whether the two were told apart): least squares on the
+    relative error, through the origin, neither term below 0."""
+    y = np.ones(len(rows))
+    X = np.array([[r["sequences"] / r["gap_s"], r["audited"] / r["gap_s"]] for r in rows])
+    ratios = {round(r["audited"] / r["sequences"], 9) for r in rows}
+    if len(ratios) > 1:
+        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        if coef.min() >= 0:
+            return float(coef[0]), float(coef[1]), True
+        # One term would go negative: fit the other alone (the one that describes the rows better).
+        fits = []
+        for i in (0, 1):
+            c = float(np.linalg.lstsq(X[:, [i]], y, rcond=None)[0][0])
+            fits.append((float(np.sum((X[:, i] * c - 1) ** 2)), i, max(c, 0.0)))
+        _, i, c = min(fits)
+        return (c, 0.0, True) if i == 0 else (0.0, c, True)
+    # Every class audits the same share of its sequences: the whole gap per sequence.
+    c = float(np.linalg.lstsq(X[:, [0]], y, rcond=None)[0][0])
+    return max(c, 0.0), 0.0, False
+
+
+def fit(runs: list[str | Path]) -> dict:
+    """Fit the two handoff terms on ``runs``; with each run's classes predicted by a fit on the others."""
+    if not runs:
+        raise ConfigError("nodus fit-handoff: give recorded runs (their folders)")
+    rows = [c for run in runs for c in _classes(str(run), handoff_gaps(run))]
+    per_seq, per_audited, apart = _solve(rows)
+    for r in rows:
+        r["predicted_s"] = per_seq * r["sequences"] + per_audited * r["audited"]
+        r["error"] = r["predicted_s"] / r["gap_s"] - 1
+        others = [x for x in rows if x["run"] != r["run"]]
+        if others:
+            s2, a2, _ = _solve(others)
+            r["left_out_error"] = (s2 * r["sequences"] + a2 * r["audited"]) / r["gap_s"] - 1
+    lo = [abs(r["left_out_error"]) for r in rows if "left_out_error" in r]
+    return {"handoff_s_per_sequence": per_seq, "handoff_s_per_audited": per_audited, "told_apart": apart,
+            "rows": rows, "mape": float(np.mean([abs(r["error"]) for r in rows])),
+            "left_out_mape": float(np.mean(lo)) if lo else None, "left_out_worst": float(max(lo)) if lo else None}
+
+
+def report_markdown(result: dict) -> str:
+    lines = ["# The host's handoff from a generation to its train step (`nodus fit-handoff`)", "",
+             f"train.handoff_s_per_sequence = {result['handoff_s_per_sequence'] * 1e3:.4f} ms, "
+             f"train.handoff_s_per_audited = {result['handoff_s_per_audited'] * 1e3:.4f} ms"
+             + ("" if result["told_apart"] else " (the runs audit the same share of their sequences: the whole "
+                                                "gap per sequence)")
+             + f"; {result['mape']:.1%} off the classes' median gaps"
+             + (f", each run left out {result['left_out_mape']:.1%} (worst {result['left_out_worst']:.1%})"
+                if result["left_out_mape"] is not None else ""), "",
+             "| run | sequences | audited | steps | median gap ms | fitted ms | error | left out |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lo = f"{r['left_out_error']:+.1%}" if "left_out_error" in r else "-"
+        lines.append(f"| {r['run']} | {r['sequences']} | {r['audited']} | {r['steps']} | {r['gap_s'] * 1e3:.1f} | "
+                     f"{r['predicted_s'] * 1e3:.1f} | {r['error']:+.1%} | {lo} |")
+    return "\n".join(lines) + "\n"
+
+
+def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str | Path | None = None) -> dict:
+    """Fit, write ``base`` with ``train.handoff_s_per_*`` to ``out`` (never overwritten), and the report to
+    ``report``.{md,json} when given."""
+    refuse_existing(out, "nodus fit-handoff", report)
+    result = fit(runs)
+    prof = profile_dict(base)
+    prof["train"]["handoff_s_per_sequence"] = result["handoff_s_per_sequence"]
+    prof["train"]["handoff_s_per_audited"] = result["handoff_s_per_audited"]
+    drop_base_validation(prof)
+    prof.setdefault("measurements", {})["handoff"] = {
+        k: v for k, v in result.items() if k in ("handoff_s_per_sequence", "handoff_s_per_audited", "told_apart",
+                                                  "rows", "mape", "left_out_mape", "left_out_worst")}
+    set_assumption(prof, {
+        "id": "handoff-linear",
+        "what": "the host's handoff from a generation to its train step is linear in the sequences trained and "
+                "those carrying the engine's logprobs, through the origin, fitted on "
+                f"{len(result['rows'])} run class(es) of {len(runs)} run(s) (nodus fit-handoff); it holds neither "
+                "the GPU nor the engine, and a host busy with other stacks' work does not slow it"
+                + ("" if result["told_apart"] else "; the runs did not tell the audited term apart (0)"),
+        "value": (f"{result['handoff_s_per_sequence'] * 1e3:.4f} ms a sequence, "
+                  f"{result['handoff_s_per_audited'] * 1e3:.4f} ms an audited one")})
+    add_source(prof, "nodus fit-handoff " + " ".join(str(p) for p in runs))
+    write_profile(prof, out, "nodus fit-handoff")
+    write_fit_report(report, report_markdown(result), result)
+    return result
