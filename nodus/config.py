@@ -441,7 +441,15 @@ STACKS_PROTOCOL3_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4pha
 # steps beside the other stack's throughout -6.6% (the three-rate profile: -7.4%), beside none +0.8%
 # (+3.3%). calibration/reports/stacks-h200-session35-j2j4-phases4-decode31-38.md and
 # validation-h200-stacks-protocol-trainers.md.
-STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-session35-qwen3-0.6b"
+STACKS_PROTOCOL4_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-session35-qwen3-0.6b"
+# Since session 64, #5's protocol profile: the same, with the host's handoff from a generation to its
+# train step (train.handoff_s_per_sequence 0.0688 ms, _per_audited 0.1255 ms; nodus fit-handoff on
+# session 35's three fit runs and the dedicated runs of sessions 33 and 35, all at most 4 jobs a GPU).
+# On the same 81 held-out runs: per configuration 3.7% / 3.5% (replay / sampled), worst 8.0% / 7.4%,
+# bias +0.7%, tau 0.51 / 0.56 (1.00 over the 15 pairs measured apart); per run 4.7% / 4.6%, worst
+# 13.1%, bias -1.0%. calibration/reports/handoff-h200-protocol.md and
+# validation-h200-stacks-protocol-handoff.md.
+STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-handoff-session35-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
 # normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen. Since
 # session 58 the protocol profile: on the 22 two-stack runs of 8 and 16 jobs held out from both it

@@ -418,7 +418,10 @@ def test_the_protocol_stacks_profile_is_fitted_on_runs_of_at_most_four_jobs_a_gp
     assert len(fitted) == 31 and meas["stacks"]["fitted_on"] == "phases"
     assert [r["run"] for r in meas["stacks_trainer"]["rows"]] == [r["run"] for r in meas["stacks"]["rows"]]
     assert all(prof["sharing"][f] for f in ("mps_engines", "mps_stacks_trainer", "mps_stacks_engine"))
-    for run in fitted:
+    # The host's handoff (session 64): fitted on runs of at most 4 jobs a GPU too.
+    handoff = [r["run"] for r in meas["handoff"]["rows"]]
+    assert len(handoff) == 12 and meas["handoff"]["told_apart"]
+    for run in fitted + handoff:
         assert jobs_per_gpu(json.loads((root / run / "config.json").read_text())) <= 4, run
     assert {jobs_per_gpu(json.loads((root / r / "config.json").read_text()))
             for p in meas["audit"]["rows"] for r in (p["full"], p["light"])} == {8, 16}
