@@ -622,6 +622,14 @@ def _measuring_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
 
 
+def _fit_out_args(p: argparse.ArgumentParser) -> None:
+    """A fit's --base, --out and --report (fit-stacks, fit-audit, fit-handoff)."""
+    p.add_argument("--base", default=DEFAULT_PROFILES["graphed"],
+                   help="profile to copy (the one you will simulate with)")
+    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
+    p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nodus", description="Many LoRA GRPO jobs on one GPU: simulate, run, compare.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -901,10 +909,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "runs into a copy of a profile")
     p.add_argument("runs", nargs="+", help="run folders of two-stack runs under MPS (config.json, summary.json, "
                                            "spans.jsonl)")
-    p.add_argument("--base", default=DEFAULT_PROFILES["graphed"],
-                   help="profile to copy (the one you will simulate with)")
-    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
-    p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    _fit_out_args(p)
     p.add_argument("--rate", default="engines", choices=("engines", "trainer", "phases"),
                    help="engines: each of two stacks' engines generating together (sharing.mps_engines); trainer: a "
                         "lone trainer beside engines of several stacks (sharing.mps_stacks_trainer), fitted on a base "
@@ -937,10 +942,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", help="run folders, in pairs: one configuration and seed with the full audit "
                                            "and with a lighter one (--audit-responses / --audit-every / --no-audit), "
                                            "back to back on one machine")
-    p.add_argument("--base", default=DEFAULT_PROFILES["graphed"],
-                   help="profile to copy (the one you will simulate with)")
-    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
-    p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    _fit_out_args(p)
     p.set_defaults(fn=cmd_fit_audit)
 
     p = sub.add_parser("fit-handoff", help="fit the host's handoff from a generation to its train step "
@@ -948,10 +950,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "into a copy of a profile")
     p.add_argument("runs", nargs="+", help="run folders of the real backend (runs of two audits tell the "
                                            "logprobs' share apart)")
-    p.add_argument("--base", default=DEFAULT_PROFILES["graphed"],
-                   help="profile to copy (the one you will simulate with)")
-    p.add_argument("--out", required=True, help="profile JSON to write (never overwritten)")
-    p.add_argument("--report", default=None, metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    _fit_out_args(p)
     p.set_defaults(fn=cmd_fit_handoff)
 
     p = sub.add_parser("report", help="re-render tables and plots of a run or sweep folder")
