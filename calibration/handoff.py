@@ -49,7 +49,7 @@ def handoff_gaps(run_dir: str | Path) -> list[dict]:
         n = int(attrs.get("n_sequences") or len(attrs.get("response_tokens") or []))
         k = per_prompt.get(sp.get("job"), 8)
         key = (sp["gpu"], sp["group"], ("step", step))
-        audited[key] = audited.get(key, 0) + (n // k) * audit.asking(step, k) + audit.asking(step, n % k)
+        audited[key] = audited.get(key, 0) + audit.audited(step, n, k)
     rows = []
     for key, (start, _, _) in acts["train"].items():
         gen = acts["generate"].get(key)

@@ -331,6 +331,11 @@ class AuditSpec(_Model):
             return 0
         return responses if self.responses is None else min(self.responses, responses)
 
+    def audited(self, step: int, sequences: int, responses: int) -> int:
+        """How many of a job's ``sequences`` on its step ``step`` return logprobs, its prompts'
+        ``responses`` each (a last prompt with fewer counts as one)."""
+        return (sequences // responses) * self.asking(step, responses) + self.asking(step, sequences % responses)
+
     def is_full(self) -> bool:
         return self.logprobs and self.every == 1 and self.responses is None
 

@@ -265,8 +265,8 @@ class SimBackend:
     def _train(self, a: Train):
         # The host's handoff first (train.handoff_s_per_*): the real backend's train span starts once
         # the batch reaches the trainer process.
-        handoff = self.cost.handoff_s(sum(b.n_sequences for b in a.batches),
-                                      sum(self._audited(b) for b in a.batches))
+        handoff = self.cost.handoff_s(sum(b.n_sequences for b in a.batches), sum(
+            self.cfg.audit.audited(b.step, b.n_sequences, self.jobs[b.job_id].responses_per_prompt) for b in a.batches))
         if handoff > 0:
             yield self.env.timeout(handoff)
         start = self.env.now
@@ -288,11 +288,6 @@ class SimBackend:
         updates = tuple(JobUpdate(b.job_id, new_version=v + 1, tokens=tokens[b.job_id])
                         for b, v in zip(a.batches, a.expected_versions))
         self._finish(TrainDone(a.action_id, start, self.env.now, updates))
-
-    def _audited(self, b) -> int:
-        """Sequences of the rollouts ``b`` that carry the engine's logprobs under the run's audit."""
-        n, audit = self.jobs[b.job_id].responses_per_prompt, self.cfg.audit
-        return (b.n_sequences // n) * audit.asking(b.step, n) + audit.asking(b.step, b.n_sequences % n)
 
     def _publish(self, a: Publish):
         start = self.env.now

@@ -105,3 +105,11 @@ def test_bad_input_is_named(tmp_path, capsys):
     (tmp_path / "exists.json").write_text("{}")
     assert main(["fit-handoff", str(run), "--base", GRAPHED, "--out", str(tmp_path / "exists.json")]) == 2
     assert "exists; nodus fit-handoff never overwrites a profile" in capsys.readouterr().err
+
+
+def test_the_audit_counts_a_jobs_audited_sequences():
+    full, r1, every2 = AuditSpec(), AuditSpec(responses=1), AuditSpec(every=2)
+    assert full.audited(0, 64, 8) == 64 and r1.audited(0, 64, 8) == 8
+    assert r1.audited(3, 20, 8) == 3  # two prompts of 8 and one of 4: one each
+    assert every2.audited(1, 64, 8) == 0 and every2.audited(2, 64, 8) == 64
+    assert AuditSpec(logprobs=False).audited(0, 64, 8) == 0
