@@ -113,3 +113,14 @@ def test_the_audit_counts_a_jobs_audited_sequences():
     assert r1.audited(3, 20, 8) == 3  # two prompts of 8 and one of 4: one each
     assert every2.audited(1, 64, 8) == 0 and every2.audited(2, 64, 8) == 64
     assert AuditSpec(logprobs=False).audited(0, 64, 8) == 0
+
+
+def test_a_term_the_runs_would_put_below_zero_is_left_out():
+    """Runs where auditing more took less time (noise) would give the audited term a negative value:
+    the fit keeps the sequence term alone, at what fits the rows best."""
+    from calibration.handoff import _solve
+
+    rows = [{"sequences": 64, "audited": 64, "gap_s": 0.010}, {"sequences": 64, "audited": 8, "gap_s": 0.012}]
+    per_seq, per_audited, apart = _solve(rows)
+    assert per_audited == 0 and apart
+    assert 0.010 / 64 < per_seq < 0.012 / 64
