@@ -449,7 +449,8 @@ STACKS_PROTOCOL3_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4pha
 STACKS_PROTOCOL4_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-session35-qwen3-0.6b"
 # Since session 64, #5's protocol profile: the same, with the host's handoff from a generation to its
 # train step (train.handoff_s_per_sequence 0.0688 ms, _per_audited 0.1255 ms; nodus fit-handoff on
-# session 35's three fit runs and the dedicated runs of sessions 33 and 35, all at most 4 jobs a GPU).
+# session 35's three fit runs and its dedicated runs, and session 33's dedicated runs under both
+# audits, all at most 4 jobs a GPU).
 # On the same 81 held-out runs: per configuration 3.7% / 3.5% (replay / sampled), worst 8.0% / 7.4%,
 # bias +0.7%, tau 0.51 / 0.56 (1.00 over the 15 pairs measured apart); per run 4.7% / 4.6%, worst
 # 13.1%, bias -1.0%. calibration/reports/handoff-h200-protocol.md and
