@@ -14,6 +14,10 @@ The model is linear through the origin, ``gap = a * sequences + b * audited``, f
 on the relative error over each run's median gap per (sequences, audited) class, so that one run's many
 steps do not outweigh another's and a slow step does not move it. Where the runs do not tell the two
 terms apart (every sequence audited, or none), the whole gap goes per sequence and the report says so.
+With two stacks or more on a GPU the host serves more processes and the handoff is slower (on the
+H200 18 ms for a stack of one job of 64 sequences, 12 ms for a dedicated one): ``a`` and ``b`` come from
+the runs of one stack where there are some, and a factor on them (``handoff_stacks_factor``, the
+geometric mean of measured over fitted) from the runs of several.
 """
 
 from __future__ import annotations
@@ -22,19 +26,20 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import AuditSpec, ConfigError
+from nodus.config import AuditSpec, ConfigError, stacks_of
 from sim.profile import (add_source, drop_base_validation, profile_dict, refuse_existing, set_assumption,
                          write_fit_report, write_profile)
 
 
 def handoff_gaps(run_dir: str | Path) -> list[dict]:
     """Each train action of a recorded run with its group's generation of the same step: ``{"sequences",
-    "audited", "gap_s"}`` (the train's start less the generation's end). Raises ConfigError for a
-    folder that is not a recorded run or holds no such pair."""
+    "audited", "stacks", "gap_s"}`` (the train's start less the generation's end; the run's stacks).
+    Raises ConfigError for a folder that is not a recorded run or holds no such pair."""
     from calibration.validate import _phase_actions, load_recorded, recorded_audit
 
     rd = Path(run_dir)
     cfg, _, spans = load_recorded(rd)
+    stacks = stacks_of(cfg.get("arm"))
     audit = AuditSpec(**recorded_audit(rd, cfg))
     per_prompt = {j["id"]: int(j.get("responses_per_prompt") or 8) for j in cfg["jobs"]}
     acts = _phase_actions(spans)
@@ -55,7 +60,7 @@ def handoff_gaps(run_dir: str | Path) -> list[dict]:
         gen = acts["generate"].get(key)
         if gen is None or key not in audited or gen[2] <= 0:
             continue
-        rows.append({"sequences": gen[2], "audited": audited[key], "gap_s": start - gen[1]})
+        rows.append({"sequences": gen[2], "audited": audited[key], "stacks": stacks, "gap_s": start - gen[1]})
     if not rows:
         raise ConfigError(f"{str(rd)!r}: no train step with its group's generation of the same step in its spans "
                           "(a run of the real backend recorded since session 8 has them)")
@@ -64,11 +69,11 @@ def handoff_gaps(run_dir: str | Path) -> list[dict]:
 
 def _classes(run: str, rows: list[dict]) -> list[dict]:
     """One row per (sequences, audited) class of a run: the class's median gap."""
-    by: dict[tuple[int, int], list[float]] = {}
+    by: dict[tuple[int, int, int], list[float]] = {}
     for r in rows:
-        by.setdefault((r["sequences"], r["audited"]), []).append(r["gap_s"])
-    return [{"run": run, "sequences": s, "audited": a, "steps": len(g), "gap_s": float(np.median(g))}
-            for (s, a), g in sorted(by.items())]
+        by.setdefault((r["sequences"], r["audited"], r["stacks"]), []).append(r["gap_s"])
+    return [{"run": run, "sequences": s, "audited": a, "stacks": k, "steps": len(g), "gap_s": float(np.median(g))}
+            for (s, a, k), g in sorted(by.items())]
 
 
 def _solve(rows: list[dict]) -> tuple[float, float, bool]:
@@ -93,23 +98,42 @@ def _solve(rows: list[dict]) -> tuple[float, float, bool]:
     return max(c, 0.0), 0.0, False
 
 
+def _fit_rows(rows: list[dict]) -> tuple[float, float, bool, float]:
+    """(per sequence, per audited sequence, told apart, stacks factor) from class rows: the terms on the
+    one-stack rows where there are some (else on all, factor 1), the factor on the others."""
+    one = [r for r in rows if r["stacks"] == 1]
+    per_seq, per_audited, apart = _solve(one or rows)
+    many = [r for r in rows if r["stacks"] > 1]
+    base = [per_seq * r["sequences"] + per_audited * r["audited"] for r in many]
+    factor = (max(float(np.exp(np.mean([np.log(r["gap_s"] / b) for r, b in zip(many, base)]))), 1.0)
+              if one and many and all(b > 0 for b in base) else 1.0)
+    return per_seq, per_audited, apart, factor
+
+
+def _predict(r: dict, per_seq: float, per_audited: float, factor: float) -> float:
+    return (factor if r["stacks"] > 1 else 1.0) * (per_seq * r["sequences"] + per_audited * r["audited"])
+
+
 def fit(runs: list[str | Path]) -> dict:
-    """Fit the two handoff terms on ``runs``; with each run's classes predicted by a fit on the others."""
+    """Fit the handoff's terms on ``runs``; with each run's classes predicted by a fit on the others."""
     if not runs:
         raise ConfigError("nodus fit-handoff: give recorded runs (their folders)")
     rows = [c for run in runs for c in _classes(str(run), handoff_gaps(run))]
-    per_seq, per_audited, apart = _solve(rows)
+    per_seq, per_audited, apart, factor = _fit_rows(rows)
     for r in rows:
-        r["predicted_s"] = per_seq * r["sequences"] + per_audited * r["audited"]
+        r["predicted_s"] = _predict(r, per_seq, per_audited, factor)
         r["error"] = r["predicted_s"] / r["gap_s"] - 1
         others = [x for x in rows if x["run"] != r["run"]]
         if others:
-            s2, a2, _ = _solve(others)
-            r["left_out_error"] = (s2 * r["sequences"] + a2 * r["audited"]) / r["gap_s"] - 1
+            r["left_out_error"] = _predict(r, *_without_apart(_fit_rows(others))) / r["gap_s"] - 1
     lo = [abs(r["left_out_error"]) for r in rows if "left_out_error" in r]
     return {"handoff_s_per_sequence": per_seq, "handoff_s_per_audited": per_audited, "told_apart": apart,
-            "rows": rows, "mape": float(np.mean([abs(r["error"]) for r in rows])),
+            "handoff_stacks_factor": factor, "rows": rows, "mape": float(np.mean([abs(r["error"]) for r in rows])),
             "left_out_mape": float(np.mean(lo)) if lo else None, "left_out_worst": float(max(lo)) if lo else None}
+
+
+def _without_apart(f: tuple[float, float, bool, float]) -> tuple[float, float, float]:
+    return f[0], f[1], f[3]
 
 
 def report_markdown(result: dict) -> str:
@@ -118,14 +142,16 @@ def report_markdown(result: dict) -> str:
              f"train.handoff_s_per_audited = {result['handoff_s_per_audited'] * 1e3:.4f} ms"
              + ("" if result["told_apart"] else " (the runs audit the same share of their sequences: the whole "
                                                 "gap per sequence)")
+             + f", times {result['handoff_stacks_factor']:.3f} with two stacks or more"
              + f"; {result['mape']:.1%} off the classes' median gaps"
              + (f", each run left out {result['left_out_mape']:.1%} (worst {result['left_out_worst']:.1%})"
                 if result["left_out_mape"] is not None else ""), "",
-             "| run | sequences | audited | steps | median gap ms | fitted ms | error | left out |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | sequences | audited | stacks | steps | median gap ms | fitted ms | error | left out |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lo = f"{r['left_out_error']:+.1%}" if "left_out_error" in r else "-"
-        lines.append(f"| {r['run']} | {r['sequences']} | {r['audited']} | {r['steps']} | {r['gap_s'] * 1e3:.1f} | "
+        lines.append(f"| {r['run']} | {r['sequences']} | {r['audited']} | {r['stacks']} | {r['steps']} | "
+                     f"{r['gap_s'] * 1e3:.1f} | "
                      f"{r['predicted_s'] * 1e3:.1f} | {r['error']:+.1%} | {lo} |")
     return "\n".join(lines) + "\n"
 
@@ -138,19 +164,23 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof = profile_dict(base)
     prof["train"]["handoff_s_per_sequence"] = result["handoff_s_per_sequence"]
     prof["train"]["handoff_s_per_audited"] = result["handoff_s_per_audited"]
+    prof["train"]["handoff_stacks_factor"] = result["handoff_stacks_factor"]
     drop_base_validation(prof)
     prof.setdefault("measurements", {})["handoff"] = {
         k: v for k, v in result.items() if k in ("handoff_s_per_sequence", "handoff_s_per_audited", "told_apart",
-                                                  "rows", "mape", "left_out_mape", "left_out_worst")}
+                                                  "handoff_stacks_factor", "rows", "mape", "left_out_mape",
+                                                  "left_out_worst")}
     set_assumption(prof, {
         "id": "handoff-linear",
         "what": "the host's handoff from a generation to its train step is linear in the sequences trained and "
-                "those carrying the engine's logprobs, through the origin, fitted on "
+                "those carrying the engine's logprobs, through the origin (fitted on runs of one stack), times a "
+                "factor with two stacks or more (on runs of several), fitted on "
                 f"{len(result['rows'])} run class(es) of {len(runs)} run(s) (nodus fit-handoff); it holds neither "
                 "the GPU nor the engine, and a host busy with other stacks' work does not slow it"
                 + ("" if result["told_apart"] else "; the runs did not tell the audited term apart (0)"),
         "value": (f"{result['handoff_s_per_sequence'] * 1e3:.4f} ms a sequence, "
-                  f"{result['handoff_s_per_audited'] * 1e3:.4f} ms an audited one")})
+                  f"{result['handoff_s_per_audited'] * 1e3:.4f} ms an audited one, "
+                  f"x{result['handoff_stacks_factor']:.3f} with two stacks or more")})
     add_source(prof, "nodus fit-handoff " + " ".join(str(p) for p in runs))
     write_profile(prof, out, "nodus fit-handoff")
     write_fit_report(report, report_markdown(result), result)

@@ -481,7 +481,8 @@ def cmd_fit_handoff(a: argparse.Namespace) -> int:
     r = fit_to_file(a.runs, a.base, a.out, report=a.report)
     print(f"train.handoff_s_per_sequence = {r['handoff_s_per_sequence'] * 1e3:.4f} ms, train.handoff_s_per_audited = "
           f"{r['handoff_s_per_audited'] * 1e3:.4f} ms (the host's work from a generation's end to its train step's "
-          f"start) from {len(r['rows'])} class(es) of {len(a.runs)} run(s): {r['mape']:.1%} off their median gaps"
+          f"start), times {r['handoff_stacks_factor']:.3f} with two stacks or more (train.handoff_stacks_factor), "
+          f"from {len(r['rows'])} class(es) of {len(a.runs)} run(s): {r['mape']:.1%} off their median gaps"
           + (f", each run left out {r['left_out_mape']:.1%} (worst {r['left_out_worst']:.1%})"
              if r["left_out_mape"] is not None else "")
           + ("" if r["told_apart"] else "; the runs audit the same share of their sequences, so the whole gap "

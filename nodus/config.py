@@ -448,12 +448,12 @@ STACKS_PROTOCOL3_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4pha
 # validation-h200-stacks-protocol-trainers.md.
 STACKS_PROTOCOL4_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-session35-qwen3-0.6b"
 # Since session 64, #5's protocol profile: the same, with the host's handoff from a generation to its
-# train step (train.handoff_s_per_sequence 0.0688 ms, _per_audited 0.1255 ms; nodus fit-handoff on
-# session 35's three fit runs and its dedicated runs, and session 33's dedicated runs under both
-# audits, all at most 4 jobs a GPU).
-# On the same 81 held-out runs: per configuration 3.7% / 3.5% (replay / sampled), worst 8.0% / 7.4%,
-# bias +0.7%, tau 0.51 / 0.56 (1.00 over the 15 pairs measured apart); per run 4.7% / 4.6%, worst
-# 13.1%, bias -1.0%. calibration/reports/handoff-h200-protocol.md and
+# train step (train.handoff_s_per_sequence 0.0707 ms, _per_audited 0.1104 ms, on runs of one stack;
+# handoff_stacks_factor 1.399 with two stacks or more; nodus fit-handoff on session 35's three fit
+# runs and its dedicated runs, and session 33's dedicated runs under both audits, all at most 4 jobs a
+# GPU). On the same 81 held-out runs: per configuration 3.6% / 3.5% (replay / sampled), worst 7.5% /
+# 6.8%, bias +0.5% / +0.3%, tau 0.56 / 0.51 (1.00 over the 15 pairs measured apart); per run 4.7% /
+# 4.7%, worst 13.4%, bias -1.2%. calibration/reports/handoff-h200-protocol.md and
 # validation-h200-stacks-protocol-handoff.md.
 STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-handoff-session35-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below

@@ -266,7 +266,8 @@ class SimBackend:
         # The host's handoff first (train.handoff_s_per_*): the real backend's train span starts once
         # the batch reaches the trainer process.
         handoff = self.cost.handoff_s(sum(b.n_sequences for b in a.batches), sum(
-            self.cfg.audit.audited(b.step, b.n_sequences, self.jobs[b.job_id].responses_per_prompt) for b in a.batches))
+            self.cfg.audit.audited(b.step, b.n_sequences, self.jobs[b.job_id].responses_per_prompt) for b in a.batches),
+            self.cfg.arm.stacks)
         if handoff > 0:
             yield self.env.timeout(handoff)
         start = self.env.now

@@ -154,6 +154,9 @@ class TrainCost(_M):
     # prompt); 0 in profiles from before them (the train step starting at once).
     handoff_s_per_sequence: float = Field(default=0.0, ge=0)
     handoff_s_per_audited: float = Field(default=0.0, ge=0)
+    # With two stacks or more the host serves more processes (an engine and a trainer a stack) and the
+    # handoff takes this many times as long (on the H200 ~1.4x a dedicated job's at as many sequences).
+    handoff_stacks_factor: float = Field(default=1.0, ge=1)
 
 
 class PublishCost(_M):
@@ -641,11 +644,12 @@ class CostModel:
         kl_s = (t.kl_share or 0.0) * kl_fraction * mb_s
         return mb_s + t.s_per_adapter * adapters + t.s_per_regroup_token * regroup_tokens + pairs_s + kl_s
 
-    def handoff_s(self, sequences: int, audited: int) -> float:
+    def handoff_s(self, sequences: int, audited: int, stacks: int = 1) -> float:
         """The host's handoff from a generation to its train step (``train.handoff_s_per_*``): ``sequences``
-        trained, ``audited`` of them carrying the engine's logprobs."""
+        trained, ``audited`` of them carrying the engine's logprobs, on a GPU of ``stacks`` stacks."""
         t = self.profile.train
-        return t.handoff_s_per_sequence * sequences + t.handoff_s_per_audited * audited
+        factor = t.handoff_stacks_factor if stacks > 1 else 1.0
+        return factor * (t.handoff_s_per_sequence * sequences + t.handoff_s_per_audited * audited)
 
     @property
     def has_packed_attention(self) -> bool:

@@ -124,3 +124,23 @@ def test_a_term_the_runs_would_put_below_zero_is_left_out():
     per_seq, per_audited, apart = _solve(rows)
     assert per_audited == 0 and apart
     assert 0.010 / 64 < per_seq < 0.012 / 64
+
+
+def test_two_stacks_hand_off_by_a_factor_fitted_on_their_runs(tmp_path):
+    """Runs recorded with a factor of 1.5 on two stacks: the one-stack runs give the two terms, the
+    two-stack run the factor; the simulator applies it to runs of two stacks only."""
+    prof = profile_dict(GRAPHED)
+    prof["train"].update(handoff_s_per_sequence=PER_SEQ, handoff_s_per_audited=PER_AUDITED, handoff_stacks_factor=1.5)
+    p = tmp_path / "f.json"
+    write_profile(prof, p, "test")
+    cfg = config_from_args(jobs=4, steps=3, policy="shared-sync", sharing="mps", profile=str(p))
+    simulate(cfg.model_copy(update={"arm": cfg.arm.model_copy(update={"stacks": 2})}), tmp_path / "two")
+    two = handoff_gaps(tmp_path / "two")
+    assert {r["stacks"] for r in two} == {2}
+    assert all(r["gap_s"] == pytest.approx(1.5 * r["sequences"] * (PER_SEQ + PER_AUDITED), abs=1e-9) for r in two)
+    runs = [_run(tmp_path, str(p), "ded-full"), _run(tmp_path, str(p), "ded-r1", responses=1), tmp_path / "two"]
+    r = fit(runs)
+    assert r["handoff_stacks_factor"] == pytest.approx(1.5, rel=1e-6)
+    assert r["handoff_s_per_sequence"] == pytest.approx(PER_SEQ, rel=1e-6) and r["mape"] < 1e-6
+    # Without runs of one stack the terms come from all runs and the factor stays 1.
+    assert fit([tmp_path / "two"])["handoff_stacks_factor"] == 1.0
