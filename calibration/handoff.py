@@ -176,7 +176,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
                 "those carrying the engine's logprobs, through the origin (fitted on runs of one stack), times a "
                 "factor with two stacks or more (on runs of several), fitted on "
                 f"{len(result['rows'])} run class(es) of {len(runs)} run(s) (nodus fit-handoff); it holds neither "
-                "the GPU nor the engine, and a host busy with other stacks' work does not slow it"
+                "the GPU nor the engine; a host's load other than its stacks' does not move it"
                 + ("" if result["told_apart"] else "; the runs did not tell the audited term apart (0)"),
         "value": (f"{result['handoff_s_per_sequence'] * 1e3:.4f} ms a sequence, "
                   f"{result['handoff_s_per_audited'] * 1e3:.4f} ms an audited one, "
