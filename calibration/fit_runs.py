@@ -71,7 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.validate import jobs_per_gpu, load_recorded
-from nodus.accounting import union_length
+from nodus.accounting import covered_length, union_length
 # (corun_key as corun_policy: loops below name a profile field corun_key)
 from nodus.config import (NO_CORUN_POLICIES, ConfigError, EngineSpec, corun_key as corun_policy,
                           engine_graph_max_tokens, packed_rows, stacks_of)
@@ -83,11 +83,6 @@ PUBLISH_BESIDE_TRAIN = 0.5  # a publish counts as beside a train step past this 
 # Per sharing mode of a run: its alone rate's key (None: alone without MPS, the work itself) and its
 # co-run rate's key in the profile's sharing section; the trainer's and the engine's fits both use it.
 SHARING_MODES = (("none", None, "none_corun"), ("mps", "mps_alone", "mps_corun"))
-
-
-def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
-    """Seconds of [start, end] that some interval covers (overlaps among them counted once)."""
-    return union_length([(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start])
 
 
 def _actions(spans: list[dict], phases: tuple[str, ...]) -> dict[tuple, list[dict]]:
@@ -155,7 +150,7 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
                                      "prompt_tokens_each": max(1, round(ptoks / len(lengths))) if lengths and ptoks else None,
                                      "lengths": lengths, "offset_s": a_start - start, "action": i})
             dur = end - start
-            corun = _overlap(start, end, train.get(gpu, []))
+            corun = covered_length(start, end, train.get(gpu, []))
             out.append({"step": ep[0][2][0]["attrs"].get("step"), "requests": requests, "actions": len(ep),
                         "s": dur, "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"],
                         "max_num_seqs": max_num_seqs, "graph_max_tokens": graph_max,
@@ -198,7 +193,7 @@ def train_samples(run_dir: Path, recorded: tuple | None = None,
     samples, publish = [], []
     for (phase, gpu, _, start, end), members in sorted(_actions(spans, ("train", "publish")).items()):
         if phase == "publish":
-            beside = _overlap(start, end, trainer.get(gpu, [])) > PUBLISH_BESIDE_TRAIN * (end - start)
+            beside = covered_length(start, end, trainer.get(gpu, [])) > PUBLISH_BESIDE_TRAIN * (end - start)
             publish.append({"s_per_adapter": (end - start) / len(members), "adapters": len(members),
                             "s": end - start, "beside_train": beside})
             continue
@@ -210,7 +205,7 @@ def train_samples(run_dir: Path, recorded: tuple | None = None,
                                   "has no generate span to take its rows from")
             rows.append(step_rows(g["attrs"]["prompt_tokens"], g["attrs"]["n_sequences"], g["attrs"]["response_tokens"]))
         mbs, regroup = microbatch_costs(rows, cap, layout)
-        corun = _overlap(start, end, engine.get(gpu, []))
+        corun = covered_length(start, end, engine.get(gpu, []))
         samples.append({"microbatches": len(mbs), "padded_tokens": sum(mbs), "regroup_tokens": regroup,
                         "adapters": len(members), "s": end - start, "alone_s": end - start - corun,
                         "corun_s": corun, "sharing": cfg["arm"]["sharing"]})

@@ -123,6 +123,13 @@ def action_seconds(spans: list[dict]) -> dict[str, dict[tuple, float]]:
     return {phase: {k: a[1] - a[0] for k, a in acts.items()} for phase, acts in _phase_actions(spans).items()}
 
 
+def action_key(sp: dict) -> tuple:
+    """The action a span belongs to, ``_phase_actions``' key: (gpu, group, ("step", step)), or for a
+    span without a step (gpu, group, ("start", its start))."""
+    step = (sp.get("attrs") or {}).get("step")
+    return sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"])
+
+
 def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
     """A run's generate and train actions: a group's spans of one step (their start, where a span
     has no step) as one action, ``{phase: {(gpu, group, step): [first start, last end, sequences]}}``
@@ -131,9 +138,7 @@ def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
     for sp in spans:
         if sp["phase"] in acts:
             attrs = sp.get("attrs") or {}
-            step = attrs.get("step")
-            key = (sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"]))
-            a = acts[sp["phase"]].setdefault(key, [sp["start_s"], sp["end_s"], 0])
+            a = acts[sp["phase"]].setdefault(action_key(sp), [sp["start_s"], sp["end_s"], 0])
             a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
             if sp["phase"] == "generate":
                 a[2] += int(attrs.get("n_sequences") or len(attrs.get("response_tokens") or []))
@@ -143,12 +148,11 @@ def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
 def _beside_fraction(key: tuple, start: float, end: float, others: dict[tuple, list]) -> float:
     """The fraction of the action ``key`` (``start``-``end``) that other groups' actions ``others``
     (``_phase_actions``' of one phase) ran beside on its GPU."""
-    from nodus.accounting import union_length
+    from nodus.accounting import covered_length
 
     gpu, group, _ = key
-    covered = [(max(s, start), min(e, end)) for (g2, grp2, _), (s, e, _) in others.items()
-               if g2 == gpu and grp2 != group and s < end and e > start]
-    return union_length(covered) / (end - start)
+    return covered_length(start, end, [(s, e) for (g2, grp2, _), (s, e, _) in others.items()
+                                       if g2 == gpu and grp2 != group]) / (end - start)
 
 
 def _corun_side(key: tuple, start: float, end: float, others: dict[tuple, list], cover: float) -> str | None:

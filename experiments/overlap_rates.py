@@ -41,9 +41,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from calibration.validate import (_beside_fraction, _phase_actions, _simulate, load_recorded,  # noqa: E402
-                                 recorded_configs)
-from nodus.accounting import union_length  # noqa: E402
+from calibration.validate import (_beside_fraction, _phase_actions, _simulate, action_key,  # noqa: E402
+                                 load_recorded, recorded_configs)
+from nodus.accounting import covered_length  # noqa: E402
 
 # What each kind's two unknown rates are in the profile (sharing.*): beside the same kind, beside the other.
 RATES = {"generate": ("mps_engines", "mps_stacks_engine"), "train": ("mps_trainers", "mps_stacks_trainer")}
@@ -108,10 +108,8 @@ def batch_segments(spans: list[dict], acts: dict, cost) -> dict[tuple, list[tupl
     for sp in spans:
         if sp["phase"] == "generate":
             attrs = sp.get("attrs") or {}
-            step = attrs.get("step")
-            key = (sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"]))
             rt = list(attrs.get("response_tokens") or [])
-            a = seqs.setdefault(key, [[], [], 0])
+            a = seqs.setdefault(action_key(sp), [[], [], 0])
             a[0] += rt
             a[1] += [sp.get("job")] * len(rt)
             a[2] += attrs.get("prompt_tokens") or 0
@@ -122,10 +120,6 @@ def batch_segments(spans: list[dict], acts: dict, cost) -> dict[tuple, list[tupl
             out[key] = [(s + f0 * (e - s), s + f1 * (e - s), b)
                         for f0, f1, b in batch_fractions(lengths, prompt / len(lengths), jobs, cost)]
     return out
-
-
-def _covered(a0: float, a1: float, intervals) -> float:
-    return union_length([(max(s, a0), min(e, a1)) for s, e in intervals if s < a1 and e > a0])
 
 
 def tail_overlaps(acts: dict, segs: dict, phase: str, tail: int) -> dict[tuple, tuple[float, ...]]:
@@ -139,19 +133,19 @@ def tail_overlaps(acts: dict, segs: dict, phase: str, tail: int) -> dict[tuple, 
         gpu, group, _ = key
         same = [(x[0], x[1]) for (g, grp, _), x in acts[phase].items() if g == gpu and grp != group]
         other = [(x[0], x[1]) for (g, grp, _), x in acts[other_phase].items() if g == gpu and grp != group]
-        t_same = _covered(s, e, same)
+        t_same = covered_length(s, e, same)
         if phase == "generate":
             if key not in segs:
                 continue
             big = tail_s = 0.0
             for a0, a1, b in segs[key]:
-                beside = _covered(a0, a1, same + other) - _covered(a0, a1, same)
+                beside = covered_length(a0, a1, same + other) - covered_length(a0, a1, same)
                 big, tail_s = (big + beside, tail_s) if b > tail else (big, tail_s + beside)
         else:
             engines = [seg for (g, grp, _), ss in segs.items() if g == gpu and grp != group for seg in ss]
             large = [(a0, a1) for a0, a1, b in engines if b > tail]
-            big = _covered(s, e, same + large) - t_same
-            tail_s = _covered(s, e, same + other) - t_same - big
+            big = covered_length(s, e, same + large) - t_same
+            tail_s = covered_length(s, e, same + other) - t_same - big
         out[key] = (e - s, t_same, big, max(tail_s, 0.0))
     return out
 

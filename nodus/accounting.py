@@ -23,6 +23,11 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def covered_length(start: float, end: float, intervals) -> float:
+    """How much of ``start``-``end`` the intervals cover (overlaps counted once)."""
+    return union_length([(max(s, start), min(e, end)) for s, e in intervals if s < end and e > start])
+
+
 def window_s(spans: list[Span]) -> float:
     """A run's billed window: from 0 (its GPU is booked at start) to the last span's end."""
     return max((s.end_s for s in spans), default=0.0)
