@@ -26,35 +26,33 @@ from pathlib import Path
 
 import numpy as np
 
-from nodus.config import AuditSpec, ConfigError, stacks_of
-from sim.profile import (add_source, drop_base_validation, profile_dict, refuse_existing, set_assumption,
-                         write_fit_report, write_profile)
+from nodus.config import AuditSpec, ConfigError, JobSpec, stacks_of
+from sim.profile import (add_source, drop_base_validation, handoff_seconds, profile_dict, refuse_existing,
+                         set_assumption, write_fit_report, write_profile)
 
 
 def handoff_gaps(run_dir: str | Path) -> list[dict]:
     """Each train action of a recorded run with its group's generation of the same step: ``{"sequences",
     "audited", "stacks", "gap_s"}`` (the train's start less the generation's end; the run's stacks).
     Raises ConfigError for a folder that is not a recorded run or holds no such pair."""
-    from calibration.validate import _phase_actions, load_recorded, recorded_audit
+    from calibration.validate import _phase_actions, action_key, load_recorded, recorded_audit
 
     rd = Path(run_dir)
     cfg, _, spans = load_recorded(rd)
     stacks = stacks_of(cfg.get("arm"))
     audit = AuditSpec(**recorded_audit(rd, cfg))
-    per_prompt = {j["id"]: int(j.get("responses_per_prompt") or 8) for j in cfg["jobs"]}
+    default_k = JobSpec.model_fields["responses_per_prompt"].default
+    per_prompt = {j["id"]: int(j.get("responses_per_prompt") or default_k) for j in cfg["jobs"]}
     acts = _phase_actions(spans)
     audited: dict[tuple, int] = {}
     for sp in spans:
-        if sp["phase"] != "generate":
-            continue
         attrs = sp.get("attrs") or {}
         step = attrs.get("step")
-        if step is None:
+        if sp["phase"] != "generate" or step is None:
             continue
         n = int(attrs.get("n_sequences") or len(attrs.get("response_tokens") or []))
-        k = per_prompt.get(sp.get("job"), 8)
-        key = (sp["gpu"], sp["group"], ("step", step))
-        audited[key] = audited.get(key, 0) + audit.audited(step, n, k)
+        key = action_key(sp)
+        audited[key] = audited.get(key, 0) + audit.audited(step, n, per_prompt.get(sp.get("job"), default_k))
     rows = []
     for key, (start, _, _) in acts["train"].items():
         gen = acts["generate"].get(key)
@@ -68,7 +66,7 @@ def handoff_gaps(run_dir: str | Path) -> list[dict]:
 
 
 def _classes(run: str, rows: list[dict]) -> list[dict]:
-    """One row per (sequences, audited) class of a run: the class's median gap."""
+    """One row per (sequences, audited, stacks) class of a run: the class's median gap."""
     by: dict[tuple[int, int, int], list[float]] = {}
     for r in rows:
         by.setdefault((r["sequences"], r["audited"], r["stacks"]), []).append(r["gap_s"])
@@ -98,20 +96,20 @@ def _solve(rows: list[dict]) -> tuple[float, float, bool]:
     return max(c, 0.0), 0.0, False
 
 
-def _fit_rows(rows: list[dict]) -> tuple[float, float, bool, float]:
-    """(per sequence, per audited sequence, told apart, stacks factor) from class rows: the terms on the
+def _fit_rows(rows: list[dict]) -> tuple[float, float, float, bool]:
+    """(per sequence, per audited sequence, stacks factor, told apart) from class rows: the terms on the
     one-stack rows where there are some (else on all, factor 1), the factor on the others."""
     one = [r for r in rows if r["stacks"] == 1]
     per_seq, per_audited, apart = _solve(one or rows)
     many = [r for r in rows if r["stacks"] > 1]
-    base = [per_seq * r["sequences"] + per_audited * r["audited"] for r in many]
+    base = [_predict(r, per_seq, per_audited, 1.0) for r in many]
     factor = (max(float(np.exp(np.mean([np.log(r["gap_s"] / b) for r, b in zip(many, base)]))), 1.0)
               if one and many and all(b > 0 for b in base) else 1.0)
-    return per_seq, per_audited, apart, factor
+    return per_seq, per_audited, factor, apart
 
 
 def _predict(r: dict, per_seq: float, per_audited: float, factor: float) -> float:
-    return (factor if r["stacks"] > 1 else 1.0) * (per_seq * r["sequences"] + per_audited * r["audited"])
+    return handoff_seconds(per_seq, per_audited, factor, r["sequences"], r["audited"], r["stacks"])
 
 
 def fit(runs: list[str | Path]) -> dict:
@@ -119,21 +117,18 @@ def fit(runs: list[str | Path]) -> dict:
     if not runs:
         raise ConfigError("nodus fit-handoff: give recorded runs (their folders)")
     rows = [c for run in runs for c in _classes(str(run), handoff_gaps(run))]
-    per_seq, per_audited, apart, factor = _fit_rows(rows)
+    per_seq, per_audited, factor, apart = _fit_rows(rows)
     for r in rows:
         r["predicted_s"] = _predict(r, per_seq, per_audited, factor)
         r["error"] = r["predicted_s"] / r["gap_s"] - 1
         others = [x for x in rows if x["run"] != r["run"]]
         if others:
-            r["left_out_error"] = _predict(r, *_without_apart(_fit_rows(others))) / r["gap_s"] - 1
+            r["left_out_error"] = _predict(r, *_fit_rows(others)[:3]) / r["gap_s"] - 1
     lo = [abs(r["left_out_error"]) for r in rows if "left_out_error" in r]
     return {"handoff_s_per_sequence": per_seq, "handoff_s_per_audited": per_audited, "told_apart": apart,
             "handoff_stacks_factor": factor, "rows": rows, "mape": float(np.mean([abs(r["error"]) for r in rows])),
             "left_out_mape": float(np.mean(lo)) if lo else None, "left_out_worst": float(max(lo)) if lo else None}
 
-
-def _without_apart(f: tuple[float, float, bool, float]) -> tuple[float, float, float]:
-    return f[0], f[1], f[3]
 
 
 def report_markdown(result: dict) -> str:

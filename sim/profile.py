@@ -547,6 +547,14 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
+def handoff_seconds(per_sequence: float, per_audited: float, stacks_factor: float, sequences: int, audited: int,
+                    stacks: int) -> float:
+    """The handoff's model (``TrainCost.handoff_*``): linear in the sequences trained and the audited ones
+    among them, times ``stacks_factor`` on a GPU of two stacks or more. ``CostModel.handoff_s`` prices a
+    profile's; ``calibration.handoff`` fits it."""
+    return (stacks_factor if stacks > 1 else 1.0) * (per_sequence * sequences + per_audited * audited)
+
+
 class CostModel:
     """Seconds of GPU work for each phase, from a Profile. Records where it was asked to
     extrapolate beyond the profiled region (reports list those flags)."""
@@ -648,8 +656,8 @@ class CostModel:
         """The host's handoff from a generation to its train step (``train.handoff_s_per_*``): ``sequences``
         trained, ``audited`` of them carrying the engine's logprobs, on a GPU of ``stacks`` stacks."""
         t = self.profile.train
-        factor = t.handoff_stacks_factor if stacks > 1 else 1.0
-        return factor * (t.handoff_s_per_sequence * sequences + t.handoff_s_per_audited * audited)
+        return handoff_seconds(t.handoff_s_per_sequence, t.handoff_s_per_audited, t.handoff_stacks_factor,
+                               sequences, audited, stacks)
 
     @property
     def has_packed_attention(self) -> bool:
