@@ -1,0 +1,143 @@
+"""A paired A/B of one run-loop setting: runs that differ by that setting alone, each paired with its
+twin of the same invocation (one folder of gpu_arms runs: one cluster, one machine) and seed.
+
+    python experiments/ab_pairs.py RUN_DIR... --variant flat [--out PREFIX]
+
+gpu_arms names a run by its settings (``...-audr1-flat-sp4-k2-mb4k-s1``); a setting of the run loop
+(``:flat``, ``:rK``, ``:aN``, ``:np``) keeps every process, so an invocation can run both sides on
+one cluster, back to back. A run whose name holds ``-VARIANT-`` is side B; its twin is the run of
+the same folder whose name is the same without it (side A). Runs without a twin are listed, not
+paired. Per run: steps per GPU-hour and the pace (``summary.json``), the mean generate, train and
+publish action (a stack's spans of one step merged: ``spans.jsonl``), the engines' mean step
+(``diagnostics.engine_steps``) and the host's steal. Per pair, B over A; over the pairs, the mean of
+B over A with a paired bootstrap 95% CI (``nodus.stats.paired_bootstrap_ci``, on the log ratios:
+with a handful of pairs the percentile bootstrap runs narrow, so the sign count is given too).
+Writes PREFIX.json and PREFIX.md when --out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from nodus.stats import paired_bootstrap_ci
+from nodus.timeline import read_text
+
+PHASES = ("generate", "train", "publish")
+FIGURES = ("steps_per_gpu_hour", "pace", "generate_s", "train_s", "publish_s", "engine_step_ms")
+
+
+def run_figures(run_dir: str | Path) -> dict:
+    """One run's figures (see the module's doc); a phase the run never recorded is None."""
+    d = Path(run_dir)
+    try:
+        summary = json.loads(read_text(d / "summary.json"))
+        spans = [json.loads(line) for line in read_text(d / "spans.jsonl").splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{d}: not a run folder with summary.json and spans.jsonl ({err})") from None
+    actions: dict[tuple, list[float]] = {}
+    for sp in spans:
+        if sp.get("phase") in PHASES:
+            step = (sp.get("attrs") or {}).get("step")
+            key = (sp["phase"], sp.get("gpu", 0), sp.get("stack", sp.get("group")),
+                   step if step is not None else sp["start_s"])
+            a = actions.setdefault(key, [sp["start_s"], sp["end_s"]])
+            a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
+    out = {"run": d.name, "folder": d.parent.name, "seed": summary.get("seed"),
+           "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
+           "pace": (summary.get("pace") or {}).get("pace_steps_per_gpu_hour")}
+    for phase in PHASES:
+        secs = [e - s for (p, *_), (s, e) in actions.items() if p == phase]
+        out[f"{phase}_s"] = sum(secs) / len(secs) if secs else None
+    diag = (summary.get("diagnostics") or [{}])[0]
+    gens = (diag.get("engine_steps") or {}).get("generations") or []
+    steps = sum(g.get("steps", 0) for g in gens)
+    out["engine_step_ms"] = 1000 * sum(g.get("step_s", 0.0) for g in gens) / steps if steps else None
+    out["steal"] = (diag.get("host_monitor") or {}).get("steal_frac")
+    return out
+
+
+def pair_runs(run_dirs: list[str | Path], variant: str) -> tuple[list[tuple[Path, Path]], list[Path]]:
+    """(pairs of (A, B) folders, runs left without a twin): B's name holds ``-variant-``, A's is the
+    same name without it, in the same parent folder."""
+    if not variant or "-" in variant:
+        raise ValueError(f"--variant {variant!r}: one name part of a run key, e.g. flat (no dashes)")
+    dirs = [Path(d) for d in run_dirs]
+    tag = f"-{variant}-"
+    by_name = {(d.parent.resolve(), d.name): d for d in dirs}
+    pairs, used = [], set()
+    for b in dirs:
+        if tag in b.name:
+            a = by_name.get((b.parent.resolve(), b.name.replace(tag, "-", 1)))
+            if a is not None:
+                pairs.append((a, b))
+                used.update({a, b})
+    return pairs, [d for d in dirs if d not in used]
+
+
+def compare(run_dirs: list[str | Path], variant: str, seed: int = 0) -> dict:
+    pairs, alone = pair_runs(run_dirs, variant)
+    if not pairs:
+        raise ValueError(f"no pair: no run named with -{variant}- beside its twin without it in one folder "
+                         f"({len(alone)} run(s) given)")
+    rows = []
+    for a, b in pairs:
+        fa, fb = run_figures(a), run_figures(b)
+        ratio = {k: (fb[k] / fa[k] if fa[k] and fb[k] is not None else None) for k in FIGURES}
+        rows.append({"folder": fa["folder"], "seed": fa["seed"], "a": fa, "b": fb, "b_over_a": ratio})
+    summary = {}
+    for k in FIGURES:
+        logs = [math.log(r["b_over_a"][k]) for r in rows if r["b_over_a"][k]]
+        if logs:
+            m, lo, hi = paired_bootstrap_ci(logs, seed=seed)
+            summary[k] = {"b_over_a": math.exp(m), "ci95": [math.exp(lo), math.exp(hi)], "pairs": len(logs),
+                          "b_higher": sum(x > 0 for x in logs)}
+    return {"variant": variant, "pairs": rows, "summary": summary, "unpaired": [str(d) for d in alone]}
+
+
+def _fmt(v, k) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if k in ("steps_per_gpu_hour", "pace") else f"{v:.3f}" if k.endswith("_s") else f"{v:.2f}"
+
+
+def markdown(res: dict) -> str:
+    v = res["variant"]
+    lines = [f"Paired A/B of `{v}`: side B the runs with it, side A their twins without it (same invocation "
+             "folder, same seed).", "",
+             "| folder | seed | " + " | ".join(f"{k} A / B" for k in FIGURES) + " |",
+             "|---|---|" + "---|" * len(FIGURES)]
+    for r in res["pairs"]:
+        lines.append(f"| {r['folder']} | {r['seed']} | " + " | ".join(
+            f"{_fmt(r['a'][k], k)} / {_fmt(r['b'][k], k)}" for k in FIGURES) + " |")
+    lines += ["", "| figure | B over A (mean of pairs) | 95% CI (paired bootstrap) | pairs B higher |", "|---|---|---|---|"]
+    for k, s in res["summary"].items():
+        lines.append(f"| {k} | {s['b_over_a']:.3f} | [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}] | "
+                     f"{s['b_higher']} of {s['pairs']} |")
+    if res["unpaired"]:
+        lines += ["", "Runs without a twin (not paired): " + ", ".join(f"`{u}`" for u in res["unpaired"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="run folders of gpu_arms invocations")
+    ap.add_argument("--variant", required=True, help="the run key's part that marks side B, e.g. flat")
+    ap.add_argument("--out", help="PREFIX: write PREFIX.json and PREFIX.md")
+    a = ap.parse_args(argv)
+    try:
+        res = compare(a.runs, a.variant)
+    except ValueError as err:
+        raise SystemExit(f"ab_pairs: {err}")
+    md = markdown(res)
+    print(md)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
+        Path(a.out + ".md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()
