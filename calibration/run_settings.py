@@ -59,7 +59,8 @@ def run_controls(summary: dict) -> dict:
     (``--engine-core-process``), ``trainer_cpu_threads`` for torch's CPU threads in the trainers
     where capped (``trainer_cpu_cap``), ``publish_pinned`` False for adapters the engine loaded into pageable
     host memory (``RealOptions.publish_pinned``), ``adapter_format`` "flat" for adapters the trainer handed
-    over as flat files (``RealOptions.adapter_format``), ``cuda_graph_max_tokens`` for the engine's
+    over as flat files (``RealOptions.adapter_format``; the default since session 65, but every shipped
+    profile describes PEFT folders), ``cuda_graph_max_tokens`` for the engine's
     CUDA-graph size set in the config (``engine.cuda_graph_max_tokens``), ``engine_max_loras`` for an
     engine started with more or fewer adapter slots than the run has jobs (recorded since session 21),
     ``engine_env`` for the engine's extra environment variables (their names), ``audit`` for a logprob

@@ -204,9 +204,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     trainer's MPS active thread percentage; `cpuN`: torch's CPU threads in the trainer, cpu0 torch's default): arms that
     differ only in these share the engines, and only the trainer processes restart between them; and
     `aN`, the logprob audit every N-th step of
-    each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, and `np`, the
-    engine's adapter loads into pageable host memory (settings of the run loop only: no process
-    restarts). `kN` (arm.stacks), `lock` (arm.lockstep: a shared-sync kN arm's stacks in lockstep), `off`
+    each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, `np`, the
+    engine's adapter loads into pageable host memory, and `flat` / `peft`, the adapter handoff (flat
+    files, the default, or PEFT folders) (settings of the run loop only: no process restarts). `kN` (arm.stacks), `lock` (arm.lockstep: a shared-sync kN arm's stacks in lockstep), `off`
     (arm.offset_stacks: a shared-sync kN arm's stacks started out of step), `holdF` (arm.hold_apart:
     offset stacks held apart, F in hundredths of a cycle, hold50: exactly out of step; sets off) and
     `spK` (trainer.share_prompts) are the run config's, carried in the same dict, as are `nN` (this
@@ -270,10 +270,11 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
         elif o == "np":
             # A run-loop setting too: the engine loads published adapters into pageable host memory.
             trainer["publish_pinned"] = False
-        elif o == "flat":
+        elif o in ("flat", "peft"):
             # A run-loop setting too (every process kept): new adapter versions reach the engines as
-            # flat files (real/flat_adapter.py: one write, one read), not PEFT safetensors folders.
-            trainer["adapter_format"] = "flat"
+            # flat files (real/flat_adapter.py: one write, one read; RealOptions' default since session
+            # 65) or as PEFT safetensors folders (every run before it that did not ask for :flat).
+            trainer["adapter_format"] = "flat" if o == "flat" else "safetensors"
         elif len(o) > 1 and o[0] == "r" and o[1:].isdigit() and int(o[1:]) >= 1:
             # A run-loop setting too: the first K responses of each prompt audited (an audit, also
             # under --no-audit).
@@ -295,7 +296,7 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "at below-normal MPS priority), cpuN (torch's CPU threads in the trainer), tN (trainer "
                              "MPS thread percentage, 1-100), aN (the engine's logprobs audited every N-th step; a0: "
                              "never), rK (the first K responses of each prompt audited), np (published adapters "
-                             "loaded unpinned), flat (adapters handed over as flat files), "
+                             "loaded unpinned), flat or peft (adapters handed over as flat files, the default, or as PEFT folders), "
                              "kN (N engine + trainer stacks splitting the jobs), lock (a kN "
                              "shared-sync arm's stacks in lockstep), off (a kN shared-sync arm's stacks started out "
                              "of step), holdF (off, the stacks then held F hundredths of a cycle apart, 1-50), "

@@ -750,10 +750,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=False,
                    help="vLLM's engine core (scheduler, model runner) in a process of its own: its next decode step "
                         "runs while the engine worker handles the last one's outputs; default: one process")
-    p.add_argument("--adapter-format", choices=("safetensors", "flat"), default="safetensors",
-                   help="how each new adapter version goes from trainer to engine: PEFT safetensors folders "
-                        "(default) or one flat file each (one write, one read; the engine core in the engine's "
-                        "process)")
+    p.add_argument("--adapter-format", choices=("safetensors", "flat"), default=None,
+                   help="how each new adapter version goes from trainer to engine: one flat file each (one write, "
+                        "one read; needs the engine core in the engine's process) or PEFT safetensors folders; "
+                        "default: flat, safetensors under --engine-core-process")
     p.add_argument("--checkpoint-dir", help="checkpoint every job after every step")
     p.add_argument("--adapters-out", help="where each job's final adapter goes as a PEFT folder "
                                           "(<DIR>/<policy>/<job>; default: the --out folder's adapters/)")

@@ -87,10 +87,13 @@ class RealOptions:
     # step copies it to the GPU slots (its default); False leaves them in pageable memory.
     publish_pinned: bool = True
     # How each new adapter version goes from trainer to engines: "safetensors" (PEFT's folder, what
-    # every run up to session 45 used) or "flat" (real/flat_adapter.py: one file written in one call,
-    # read in one call into one page-locked buffer; needs engine_core_process=False). A run-loop
-    # setting: each command to the trainer names it, so an A/B keeps every process.
-    adapter_format: str = "safetensors"
+    # every run up to session 64 used unless it asked) or "flat" (real/flat_adapter.py: one file written
+    # in one call, read in one call into one page-locked buffer; needs engine_core_process=False). A
+    # run-loop setting: each command to the trainer names it, so an A/B keeps every process. None (the
+    # default): flat where the engine core runs in the engine worker's process, else safetensors
+    # (session 65, H100, two stacks of 8 jobs, five pairs on one cluster: flat +2.6% steps/GPU-h, its
+    # train steps 5% and publishes 30% shorter; experiments/results/h100/session65/).
+    adapter_format: str | None = None
     checkpoint_dir: str | None = None  # per-job checkpoints after every step
     # Where each job's final adapter goes when a run ends, as a PEFT folder (<adapters_out>/<arm
     # policy>/<job>: PeftModel.from_pretrained and vLLM load it, whatever adapter_format ran); None:
@@ -122,6 +125,8 @@ class RealOptions:
     start_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
+        if self.adapter_format is None:
+            object.__setattr__(self, "adapter_format", "safetensors" if self.engine_core_process else "flat")
         if self.trainer_priority not in MPS_PRIORITIES:
             raise ValueError(f"trainer_priority={self.trainer_priority!r}: choose one of {sorted(MPS_PRIORITIES)}")
         for key, _ in self.engine_env:

@@ -271,12 +271,12 @@ def test_a_plan_lists_each_run_with_the_processes_it_needs_and_its_estimate(tmp_
     rows = _rows(out)
     got = [(r[1], r[2], r[5]) for r in rows]
     assert got == [
-        ("dedicated-cg-gm512-cpu2", "1", "start"),  # no MPS: the baseline first
-        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k", "1", "start"),
-        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k", "2", "reuse"),
+        ("dedicated-cg-gm512-cpu2-flat", "1", "start"),  # no MPS: the baseline first
+        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-flat-sp4-k2-mb8k", "1", "start"),
+        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-flat-sp4-k2-mb8k", "2", "reuse"),
         # another trainer setting: the engines kept, the trainers restarted and primed
-        ("shared-sync+mps-cg-gm512-lowpri-cpu4-ecpu4-sp4-k2-mb8k", "1", "restart trainers, priming"),
-        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k-j16", "1", "start"),
+        ("shared-sync+mps-cg-gm512-lowpri-cpu4-ecpu4-flat-sp4-k2-mb8k", "1", "restart trainers, priming"),
+        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-flat-sp4-k2-mb8k-j16", "1", "start"),
     ], out
     prime = [float(r[6]) for r in rows]
     assert prime[0] == START_S[0] + START_S[1] and prime[1] == START_S[0] + 2 * START_S[1] and prime[2] == 0
@@ -296,8 +296,8 @@ def test_a_deadline_skips_the_runs_that_would_not_end_before_it(tmp_path, monkey
             "--arms", "dedicated:cg:s2,dedicated:cg:j16:s1,dedicated:cg:s3")
     out = _plan(monkeypatch, capsys, tmp_path, *argv)
     rows = _rows(out)
-    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2"), ("dedicated-cg-gm512-ls8-cpu2-j16", "1"),
-                                           ("dedicated-cg-gm512-cpu2", "3")]
+    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2-flat", "2"), ("dedicated-cg-gm512-ls8-cpu2-flat-j16", "1"),
+                                           ("dedicated-cg-gm512-cpu2-flat", "3")]
     ends = [float(r[8].rstrip(" |")) for r in rows]
     run16, run8 = ends[1] - ends[0], ends[2] - ends[1]
     assert run16 > run8 + 20  # 16 jobs one at a time take about twice 8
@@ -305,12 +305,12 @@ def test_a_deadline_skips_the_runs_that_would_not_end_before_it(tmp_path, monkey
     deadline = ends[0] + (run8 + run16) / 2
     out = _plan(monkeypatch, capsys, tmp_path, *argv, "--deadline", str(deadline))
     rows = _rows(out)
-    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2"), ("dedicated-cg-gm512-cpu2", "3")], out
-    assert "skipped by --deadline: dedicated-cg-gm512-ls8-cpu2-j16 seed 1" in out
+    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2-flat", "2"), ("dedicated-cg-gm512-cpu2-flat", "3")], out
+    assert "skipped by --deadline: dedicated-cg-gm512-ls8-cpu2-flat-j16 seed 1" in out
     # The first run begins whatever its estimate (nothing measured yet; the call is for it).
     out = _plan(monkeypatch, capsys, tmp_path, *argv, "--deadline", "10")
     rows = _rows(out)
-    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2", "2")] and out.count("skipped by") == 2
+    assert [(r[1], r[2]) for r in rows] == [("dedicated-cg-gm512-cpu2-flat", "2")] and out.count("skipped by") == 2
 
 
 def test_estimates_take_the_invocations_own_measurements_over_the_h200_defaults():
@@ -361,7 +361,7 @@ def test_estimates_file_carries_a_machines_starts_and_factors_to_the_next_call(t
                                 "factor": {"dedicated": 1.0, "shared-sync+mps": 1.0}}))
     out = _plan(monkeypatch, capsys, tmp_path, *arms, "--estimates", str(path))
     assert "skipped" not in out and [r[1] for r in _rows(out)] == [
-        "dedicated-cg-gm512-cpu2-n5", "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k"], out
+        "dedicated-cg-gm512-cpu2-flat-n5", "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-flat-sp4-k2-mb8k"], out
     # The figures session 43's machine measured (experiments/device_session.sh's ESTIMATES_SEED): a
     # dedicated and a two-stack run of one seed, 5 steps a job each, fit one call.
     seed = Path(__file__).resolve().parents[1] / "experiments/results/h200/session43/estimates.json"
@@ -444,11 +444,11 @@ def test_a_real_invocation_skips_a_run_past_its_deadline_and_records_it(tmp_path
     import json
 
     res = json.loads((out / "arms.json").read_text())
-    assert list(res["arms"]) == ["dedicated"] and res["deadline_s"] == 100
+    assert list(res["arms"]) == ["dedicated-flat"] and res["deadline_s"] == 100
     [skip] = res["skipped"]
     assert skip["arm"].startswith("shared-sync+mps") and skip["arm"].endswith("-k2") and skip["processes"] == "start"
     assert skip["prime_s"] == gpu_arms.START_S[0] + 2 * gpu_arms.START_S[1] and skip["elapsed_s"] < 100
-    assert res["primed"][0]["processes"] == "start" and (out / "dedicated-s1" / "summary.json").exists()
+    assert res["primed"][0]["processes"] == "start" and (out / "dedicated-flat-s1" / "summary.json").exists()
 
 
 def test_an_ls_arm_runs_its_job_counts_on_one_two_stack_engine_each_primed(tmp_path, monkeypatch, capsys):
@@ -462,11 +462,11 @@ def test_an_ls_arm_runs_its_job_counts_on_one_two_stack_engine_each_primed(tmp_p
                 "--arms", f"{a}:ls4:j2:s1,{a}:ls4:j4:s1,{a}:ls4:j4:s2,{a}:ls4:s1")
     rows = _rows(out)
     assert [(r[1], r[2], r[5]) for r in rows] == [
-        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-sp4-k2-mb8k-j2", "1", "start"),
-        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-sp4-k2-mb8k-j4", "1", "reuse, priming"),
-        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-sp4-k2-mb8k-j4", "2", "reuse"),
+        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-flat-sp4-k2-mb8k-j2", "1", "start"),
+        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-flat-sp4-k2-mb8k-j4", "1", "reuse, priming"),
+        ("shared-sync+mps-cg-gm512-ls4-lowpri-cpu2-ecpu4-flat-sp4-k2-mb8k-j4", "2", "reuse"),
         # 4 slots are an 8-job stack's own: the run key of every earlier 8-job two-stack run
-        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb8k", "1", "reuse, priming"),
+        ("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-flat-sp4-k2-mb8k", "1", "reuse, priming"),
     ], out
     out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--arms", f"{a}:j2:s1,{a}:j4:s1")
     assert [r[5] for r in _rows(out)] == ["start", "start"]
@@ -502,7 +502,7 @@ def test_an_arm_may_run_its_own_step_count(tmp_path, monkeypatch, capsys):
     out = _plan(monkeypatch, capsys, tmp_path, "--cpus", "16", "--steps", "20", "--engine-slots", "8",
                 "--cuda-graph-max-tokens", "512", "--arms", "dedicated:cg:n5:s1,dedicated:cg:s2")
     rows = _rows(out)
-    assert [r[1] for r in rows] == ["dedicated-cg-gm512-cpu2-n5", "dedicated-cg-gm512-cpu2"], out
+    assert [r[1] for r in rows] == ["dedicated-cg-gm512-cpu2-flat-n5", "dedicated-cg-gm512-cpu2-flat"], out
     five, twenty = (float(r[7]) for r in rows)
     assert 3 * five < twenty < 5 * five, out  # the run's own steps, and its fixed costs once
 
@@ -527,11 +527,11 @@ def test_an_arm_whose_graphed_trainers_would_not_fit_is_skipped_naming_the_micro
             "--arms", f"{a}:m8192:s1,{a}:m4096:s1,dedicated:cg:n5:s1,dedicated:cg:n5:m8192:s1")
     out = _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "77.2,79.2")
     runs = [r[1] for r in _rows(out)]
-    assert sorted(runs) == ["dedicated-cg-gm512-cpu2-mb8k-n5", "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-sp4-k2-mb4k"], out
+    assert sorted(runs) == ["dedicated-cg-gm512-cpu2-flat-mb8k-n5", "shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-flat-sp4-k2-mb4k"], out
     skips = [line for line in out.splitlines() if line.startswith("skipped by the memory check:")]
     assert len(skips) == 2, out
     assert any("k2-mb8k seed 1" in x and ":m4096 fits" in x for x in skips), out
-    assert any("dedicated-cg-gm512-cpu2-n5 seed 1" in x and ":m8192 fits" in x for x in skips), out
+    assert any("dedicated-cg-gm512-cpu2-flat-n5 seed 1" in x and ":m8192 fits" in x for x in skips), out
     assert len(_rows(_plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "139.8,140.4"))) == 4
     assert len(_rows(_plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "77.2,79.2", "--allow-eager"))) == 4
     with pytest.raises(SystemExit, match="--gpu-memory '80': give FREE,TOTAL"):

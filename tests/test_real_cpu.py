@@ -791,12 +791,15 @@ def test_each_run_on_a_pooled_cluster_trains_with_its_own_micro_batch_size(pool)
     assert small["diagnostics"][0]["trainer_microbatches"][0] >= 3
     assert {a["job"] for a in big["diagnostics"][0]["logprob_agreement"]} == {"job0", "job1"}
     assert small["diagnostics"][0]["logprob_agreement"] == []  # the engine returned no logprobs
-    assert run_controls(small) == {"audit": "off"} and run_controls(big) == {}
+    # The flat adapter handoff (the default since session 65) is a control: every shipped profile
+    # describes PEFT folders.
+    flat = {"adapter_format": "flat"}
+    assert run_controls(small) == {"audit": "off", **flat} and run_controls(big) == flat
     # The sampled audit still checks every job's every step, on 1 of its 8 responses a prompt.
     agree = sampled["diagnostics"][0]["logprob_agreement"]
     assert len(agree) == len(big["diagnostics"][0]["logprob_agreement"]) and {a["job"] for a in agree} == {"job0", "job1"}
     assert max(a["max_abs"] for a in agree) < 1e-3  # fp32 on the CPU: engine and trainer agree
-    assert run_controls(sampled) == {"audit": "1 response a prompt"}
+    assert run_controls(sampled) == {"audit": "1 response a prompt", **flat}
 
 
 def test_the_engines_cuda_graph_size_reaches_vllm_and_conflicts_are_clear_errors():
