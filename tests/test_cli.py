@@ -291,3 +291,16 @@ def test_sim_of_stacks_under_mps_takes_the_shipped_stacks_profile_unless_told(tm
     out = tmp_path / "wi"
     sim("--stacks", "2", "--what-if", "train=0.5", "--out", str(out))
     assert json.loads((out / "what_if_profile.json").read_text())["sharing"]["mps_engines"] is not None
+
+
+def test_run_hands_the_flat_adapter_format_by_default_and_peft_folders_beside_a_core_process(monkeypatch, capsys):
+    """nodus run --backend real without --adapter-format: flat files (session 65's default), PEFT
+    folders where vLLM's core runs in a process of its own (no flat loader there), either when asked."""
+    import nodus.realrun
+
+    seen = []
+    monkeypatch.setattr(nodus.realrun, "run", lambda cfg, backend, opts, out, baseline: seen.append(opts) or {})
+    base = ["run", "--backend", "real", "--jobs", "1", "--json"]
+    for extra in ([], ["--engine-core-process"], ["--adapter-format", "safetensors"]):
+        assert main(base + extra) == 0
+    assert [o.adapter_format for o in seen] == ["flat", "safetensors", "safetensors"]

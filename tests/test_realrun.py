@@ -124,8 +124,13 @@ def test_the_adapter_handoff_is_a_run_loop_setting_and_a_bad_one_is_refused():
     from real.backend import RUN_SETTINGS, RealOptions, engine_settings, trainer_settings
 
     opts = RealOptions(model="tiny")
-    flat = dataclasses.replace(opts, adapter_format="flat")
-    assert engine_settings(flat) == engine_settings(opts) and trainer_settings(flat) == trainer_settings(opts)
+    # The default: flat files where the engine core runs in the engine worker's process (session 65),
+    # PEFT folders where it runs in a process of vLLM's own; either asked for explicitly.
+    assert opts.adapter_format == "flat"
+    assert RealOptions(engine_core_process=True).adapter_format == "safetensors"
+    peft = dataclasses.replace(opts, adapter_format="safetensors")
+    assert peft.adapter_format == "safetensors" and RealOptions(adapter_format="flat").adapter_format == "flat"
+    assert engine_settings(peft) == engine_settings(opts) and trainer_settings(peft) == trainer_settings(opts)
     assert "adapter_format" in RUN_SETTINGS
     with pytest.raises(ValueError, match="adapter_format='npz': choose one of"):
         RealOptions(adapter_format="npz")
