@@ -112,7 +112,8 @@ def markdown(res: dict) -> str:
     for r in res["pairs"]:
         lines.append(f"| {r['folder']} | {r['seed']} | " + " | ".join(
             f"{_fmt(r['a'][k], k)} / {_fmt(r['b'][k], k)}" for k in FIGURES) + " |")
-    lines += ["", "| figure | B over A (mean of pairs) | 95% CI (paired bootstrap) | pairs B higher |", "|---|---|---|---|"]
+    lines += ["", "| figure | B over A (mean of pairs) | 95% CI (paired bootstrap) | pairs B higher |",
+              "|---|---|---|---|"]
     for k, s in res["summary"].items():
         lines.append(f"| {k} | {s['b_over_a']:.3f} | [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}] | "
                      f"{s['b_higher']} of {s['pairs']} |")

@@ -206,7 +206,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     `aN`, the logprob audit every N-th step of
     each job (`a0`: none), `rK`, the audit of the first K responses of each prompt, `np`, the
     engine's adapter loads into pageable host memory, and `flat` / `peft`, the adapter handoff (flat
-    files, the default, or PEFT folders) (settings of the run loop only: no process restarts). `kN` (arm.stacks), `lock` (arm.lockstep: a shared-sync kN arm's stacks in lockstep), `off`
+    files, the default, or PEFT folders) (settings of the run loop only: no process restarts). `kN`
+    (arm.stacks), `lock` (arm.lockstep: a shared-sync kN arm's stacks in lockstep), `off`
     (arm.offset_stacks: a shared-sync kN arm's stacks started out of step), `holdF` (arm.hold_apart:
     offset stacks held apart, F in hundredths of a cycle, hold50: exactly out of step; sets off) and
     `spK` (trainer.share_prompts) are the run config's, carried in the same dict, as are `nN` (this
@@ -296,7 +297,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "at below-normal MPS priority), cpuN (torch's CPU threads in the trainer), tN (trainer "
                              "MPS thread percentage, 1-100), aN (the engine's logprobs audited every N-th step; a0: "
                              "never), rK (the first K responses of each prompt audited), np (published adapters "
-                             "loaded unpinned), flat or peft (adapters handed over as flat files, the default, or as PEFT folders), "
+                             "loaded unpinned), flat or peft (adapters handed over as flat files, the default, "
+                             "or as PEFT folders), "
                              "kN (N engine + trainer stacks splitting the jobs), lock (a kN "
                              "shared-sync arm's stacks in lockstep), off (a kN shared-sync arm's stacks started out "
                              "of step), holdF (off, the stacks then held F hundredths of a cycle apart, 1-50), "
