@@ -81,11 +81,14 @@ def _timed_no_lora(eng, reqs) -> float:
 def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_tokens: tuple[int, int],
             lengths: tuple[int, int], train_tokens: list[int], device: str, dtype: str, rank: int = 16,
             engine_memory: float = 0.4, enforce_eager: bool = False, repeats: int = 3, log=print,
-            trainer_graphs: bool = False, tuned_lora_kernels: bool = True, engine_slots: int | None = None) -> dict:
+            trainer_graphs: bool = False, tuned_lora_kernels: bool = True, engine_slots: int | None = None,
+            adapter_format: str = "safetensors") -> dict:
     """Raw timings (seconds) from one engine and one trainer in this process (``trainer_graphs``:
     the trainer's micro-batches as CUDA graphs, the fixed-shape program uncaptured on a CPU).
     ``engine_slots``: the engine's adapter slots (vLLM max_loras; default the largest adapter count), as
-    the runs it should describe start theirs (one per job of the invocation's largest arm)."""
+    the runs it should describe start theirs (one per job of the invocation's largest arm).
+    ``adapter_format``: the handoff whose save and publish are timed (``RealOptions.adapter_format``)."""
+    check_adapter_format(adapter_format)
     import torch
 
     from real.engine import MultiLoRAEngine
@@ -112,7 +115,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     for a in range(n_ad):
         trainer.add_job(f"cal{a}", rank=rank, alpha=2 * rank, lr=1e-5, seed=a)
         t0 = time.perf_counter()
-        trainer.save_adapter(f"cal{a}", str(ad_dir / f"cal{a}" / "v0"))
+        trainer.save_adapter(f"cal{a}", str(ad_dir / f"cal{a}" / "v0"), adapter_format=adapter_format)
         save_s.append(time.perf_counter() - t0)
     # On a GPU, room for a batch past vLLM's default graphs (at most 512 tokens; the larger max_num_seqs
     # changes no measured point: each is graphed either way, each prefill past the graphs either way).
@@ -216,7 +219,8 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         f"(without: {times['plain_s']:.3f} s)")
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
             "train_kl": train_kl, "graph_max_tokens": graph_max, "graphless": graphless,
-            "save_s": save_s, "load_s": load_s, "rank": rank, "train_mb_tokens": max(train_tokens),
+            "save_s": save_s, "load_s": load_s, "adapter_format": adapter_format, "rank": rank,
+            "train_mb_tokens": max(train_tokens),
             "engine_max_loras": slots,
             # The engine's LoRA kernel configs (None: vLLM's defaults): the engine terms describe them.
             "lora_kernel_configs": eng.lora_kernel_configs,
@@ -320,12 +324,38 @@ def kl_share(kl: dict, b_s_per_token: float) -> float:
 CALIBRATE_SOURCE = "nodus calibrate"
 
 
+def _core_here() -> bool:
+    """Whether vLLM's engine core runs in this process (where nodus teaches its loader the flat file)."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def calibration_adapter_format(asked: str | None) -> str:
+    """The adapter handoff a calibration times: ``asked``, else the runs' default
+    (``RealOptions.adapter_format``): flat files where vLLM's engine core runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as the device recipe and the runs' engine workers run it),
+    PEFT folders where it does not."""
+    fmt = asked or ("flat" if _core_here() else "safetensors")
+    check_adapter_format(fmt)
+    return fmt
+
+
+def check_adapter_format(fmt: str) -> None:
+    from real.flat_adapter import ADAPTER_FORMATS
+
+    if fmt not in ADAPTER_FORMATS:
+        raise ValueError(f"--adapter-format {fmt!r}: choose one of {', '.join(ADAPTER_FORMATS)}")
+    if fmt == "flat" and not _core_here():
+        raise ValueError("--adapter-format flat: the engine reads flat files only with vLLM's engine core in this "
+                         "process (VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment); set it, or time PEFT "
+                         "folders (--adapter-format safetensors)")
+
+
 def calibrate(model: str | None, out: str | Path, base: str | None = None, batches=(8, 64, 256, 512),
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
               train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
               repeats: int = 3, log=print, trainer_graphs: bool = False, tuned_lora_kernels: bool = True,
               engine_slots: int | None = None, decode_model: str = "surface",
-              from_raw: str | Path | None = None) -> dict:
+              from_raw: str | Path | None = None, adapter_format: str | None = None) -> dict:
     """Measure and write a profile (``base``: the profile whose sharing section is kept, default
     h200-qwen3-0.6b). ``from_raw``: refit the measurements of a profile ``nodus calibrate`` wrote
     (``measurements.calibrate``; its environment and sharing section kept, the refit named in its
@@ -337,8 +367,8 @@ def calibrate(model: str | None, out: str | Path, base: str | None = None, batch
     if decode_model not in DECODE_MODELS:
         raise ValueError(f"--decode-model {decode_model!r}: choose one of {', '.join(DECODE_MODELS)}")
     if from_raw is not None:
-        given = [flag for flag, v in (("--model", model), ("--base", base), ("--engine-slots", engine_slots))
-                 if v is not None]
+        given = [flag for flag, v in (("--model", model), ("--base", base), ("--engine-slots", engine_slots),
+                                      ("--adapter-format", adapter_format)) if v is not None]
         if given:
             raise ValueError(f"--from-raw refits measurements already taken: {', '.join(given)} would not be used "
                              "(the profile's own sharing section and engine are kept)")
@@ -348,6 +378,7 @@ def calibrate(model: str | None, out: str | Path, base: str | None = None, batch
     if model is None:
         raise ValueError("nodus calibrate: --model (a local model folder to measure) or --from-raw PROFILE")
     base = base or "h200-qwen3-0.6b"
+    adapter_format = calibration_adapter_format(adapter_format)  # before anything loads
     if engine_slots is not None and engine_slots < max(adapter_counts):
         raise ValueError(f"--engine-slots {engine_slots}: fewer than the {max(adapter_counts)} adapters a point "
                          f"measures (--adapters); give at least {max(adapter_counts)}")
@@ -363,8 +394,11 @@ def calibrate(model: str | None, out: str | Path, base: str | None = None, batch
     memory = gpu_memory_gib() if device.startswith("cuda") else None
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
                   list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log,
-                  trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels, engine_slots=engine_slots)
-    env = {**environment(device), "model": os.path.basename(os.path.normpath(model)), "sources": [CALIBRATE_SOURCE],
+                  trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels, engine_slots=engine_slots,
+                  adapter_format=adapter_format)
+    # The handoff the publish terms (and the train terms' save) describe (sim.profile.profile_adapter_format).
+    env = {**environment(device), "adapter_format": adapter_format,
+           "model": os.path.basename(os.path.normpath(model)), "sources": [CALIBRATE_SOURCE],
            "lora_kernel_configs": raw.get("lora_kernel_configs"), "engine_max_loras": raw["engine_max_loras"],
            "gpu_memory_gib": None if memory is None else [round(memory[0], 2), round(memory[1], 2)]}
     prof = _log_decode_fit(fit_profile(raw, base_prof, env, decode_model), log)

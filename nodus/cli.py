@@ -309,7 +309,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
               prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
               device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats, trainer_graphs=a.trainer_graphs,
               tuned_lora_kernels=a.tuned_lora_kernels, engine_slots=a.engine_slots, decode_model=a.decode_model,
-              from_raw=a.from_raw, log=lambda m: print(m, file=sys.stderr, flush=True))
+              from_raw=a.from_raw, adapter_format=a.adapter_format,
+              log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"wrote {a.out}; check it with: nodus validate RUN_DIR... --profile {a.out}")
     return 0
 
@@ -806,6 +807,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's adapter slots (vLLM max_loras; default: the largest of --adapters), as the "
                         "runs the profile should describe start theirs: one per job of a run, or of the largest arm "
                         "in a gpu_arms call (recorded in the profile's environment.engine_max_loras)")
+    p.add_argument("--adapter-format", choices=("safetensors", "flat"), default=None,
+                   help="the adapter handoff whose save and publish are timed (environment.adapter_format); "
+                        "default: the runs' own, flat files where vLLM's engine core runs in this process "
+                        "(VLLM_ENABLE_V1_MULTIPROCESSING=0), else PEFT safetensors folders")
     p.add_argument("--decode-model", choices=DECODE_MODELS, default="surface",
                    help="surface: the decode curves are a + b*batch + c*adapters + d*batch*adapters (each >= 0) "
                         "fitted to the measured points by relative least squares, points more than "

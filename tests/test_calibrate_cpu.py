@@ -29,6 +29,8 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     raw = prof["measurements"]["calibrate"]
     assert [d["batch"] for d in raw["decode_no_lora"]] == [4, 16] and all(d["step_s"] > 0 for d in raw["decode_no_lora"])
     assert prof["environment"]["sources"] == ["nodus calibrate"]
+    # vLLM's core in a process of its own here (no VLLM_ENABLE_V1_MULTIPROCESSING=0): PEFT folders timed.
+    assert prof["environment"]["adapter_format"] == raw["adapter_format"] == "safetensors"
     assert prof["environment"]["gpu_memory_gib"] is None  # off a GPU; on one, free and total GiB before the start
     # The trainer measured is the runs' trainer: default layout; compiled only on a GPU.
     assert raw["trainer"] == {"lora_layout": "masked", "compiled": [], "step_mode": "eager", "graph_error": None}
@@ -67,6 +69,31 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     assert "decode_fit" not in refit["measurements"] and refit["sharing"] == prof["sharing"]
     assert [c["step_s"] for c in refit["decode"]["curves"]] == [
         [d["step_s"] for d in sorted(raw["decode"], key=lambda d: d["batch"]) if d["adapters"] == a] for a in (1, 2)]
+
+
+def test_calibrate_times_the_runs_adapter_handoff(tmp_path, tiny_model, monkeypatch, capsys):
+    """The handoff timed is the runs' default where the engine core runs in this process (flat files),
+    or the one asked; flat without the core here, or beside --from-raw, is refused by name."""
+    from calibration.measure import calibration_adapter_format
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert calibration_adapter_format(None) == "safetensors"
+    out = tmp_path / "flat.json"
+    args = ["calibrate", "--model", str(tiny_model), "--out", str(out), "--batches", "4,8", "--adapters", "1",
+            "--prompt-tokens", "16,32", "--lengths", "4,8", "--train-tokens", "512", "--device", "cpu",
+            "--repeats", "1"]
+    assert main(args + ["--adapter-format", "flat"]) == 2 and not out.exists()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in capsys.readouterr().err
+    assert main(["calibrate", "--from-raw", str(out), "--out", str(tmp_path / "x.json"),
+                 "--adapter-format", "flat"]) == 2
+    assert "--adapter-format would not be used" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert calibration_adapter_format(None) == "flat" and calibration_adapter_format("safetensors") == "safetensors"
+    assert main(args) == 0
+    prof = json.loads(out.read_text())
+    raw = prof["measurements"]["calibrate"]
+    assert prof["environment"]["adapter_format"] == raw["adapter_format"] == "flat"
+    assert all(s > 0 for s in raw["save_s"] + raw["load_s"]) and prof["publish"]["engine_load_s"] > 0
 
 
 def test_sharing_rates_and_profile_update_from_known_timings(tmp_path):
