@@ -324,27 +324,25 @@ def kl_share(kl: dict, b_s_per_token: float) -> float:
 CALIBRATE_SOURCE = "nodus calibrate"
 
 
-def _core_here() -> bool:
-    """Whether vLLM's engine core runs in this process (where nodus teaches its loader the flat file)."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-
-
 def calibration_adapter_format(asked: str | None) -> str:
     """The adapter handoff a calibration times: ``asked``, else the runs' default
     (``RealOptions.adapter_format``): flat files where vLLM's engine core runs in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as the device recipe and the runs' engine workers run it),
-    PEFT folders where it does not."""
-    fmt = asked or ("flat" if _core_here() else "safetensors")
+    (``real.engine.core_in_this_process``: nodus's default, as the runs' engine workers run it), PEFT
+    folders where it does not (``VLLM_ENABLE_V1_MULTIPROCESSING=1``)."""
+    from real.engine import core_in_this_process
+
+    fmt = asked or ("flat" if core_in_this_process() else "safetensors")
     check_adapter_format(fmt)
     return fmt
 
 
 def check_adapter_format(fmt: str) -> None:
+    from real.engine import core_in_this_process
     from real.flat_adapter import ADAPTER_FORMATS
 
     if fmt not in ADAPTER_FORMATS:
         raise ValueError(f"--adapter-format {fmt!r}: choose one of {', '.join(ADAPTER_FORMATS)}")
-    if fmt == "flat" and not _core_here():
+    if fmt == "flat" and not core_in_this_process():
         raise ValueError("--adapter-format flat: the engine reads flat files only with vLLM's engine core in this "
                          "process (VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment); set it, or time PEFT "
                          "folders (--adapter-format safetensors)")

@@ -810,7 +810,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-format", choices=("safetensors", "flat"), default=None,
                    help="the adapter handoff whose save and publish are timed (environment.adapter_format); "
                         "default: the runs' own, flat files where vLLM's engine core runs in this process "
-                        "(VLLM_ENABLE_V1_MULTIPROCESSING=0), else PEFT safetensors folders")
+                        "(nodus's default), PEFT safetensors folders under VLLM_ENABLE_V1_MULTIPROCESSING=1")
     p.add_argument("--decode-model", choices=DECODE_MODELS, default="surface",
                    help="surface: the decode curves are a + b*batch + c*adapters + d*batch*adapters (each >= 0) "
                         "fitted to the measured points by relative least squares, points more than "

@@ -42,6 +42,12 @@ from real.flat_adapter import FLAT_WEIGHTS, install_vllm_loader
 # it to 1 in the engine worker; session 1 saw a spawned core hang, from a daemonic parent).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+
+def core_in_this_process() -> bool:
+    """Whether an engine made here runs vLLM's engine core in this process (nodus's default, set
+    above), where nodus records its JIT compiles and teaches its loader the flat adapter file."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
 HotloadMethod = Literal["fresh_id", "inplace"]
 HOTLOAD_METHODS: tuple[str, ...] = ("fresh_id", "inplace")
 # vLLM modules that read a PIN_MEMORY global when they load an adapter (each of its tensors is
@@ -270,7 +276,7 @@ class MultiLoRAEngine:
                        dtype=dtype, seed=seed, logprobs_mode=logprobs_mode, **llm_kwargs)
         # After the engine's start: building it reconfigures vLLM's loggers, dropping their handlers
         # (its JIT monitor starts after its own warm-up, so no compile is missed).
-        self.jit_recorded = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.jit_recorded = core_in_this_process()
         logging.getLogger(JIT_LOGGER).addHandler(self._jit)
 
     def cuda_graphs(self) -> dict:
