@@ -337,6 +337,7 @@ def calibration_adapter_format(asked: str | None) -> str:
 
 
 def check_adapter_format(fmt: str) -> None:
+    """Refuse, by name, a handoff nodus does not know or one this process's engine cannot load."""
     from real.engine import core_in_this_process
     from real.flat_adapter import ADAPTER_FORMATS
 
