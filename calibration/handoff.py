@@ -118,17 +118,19 @@ def fit(runs: list[str | Path]) -> dict:
         raise ConfigError("nodus fit-handoff: give recorded runs (their folders)")
     rows = [c for run in runs for c in _classes(str(run), handoff_gaps(run))]
     per_seq, per_audited, factor, apart = _fit_rows(rows)
+    left_out: dict[str, tuple] = {}  # run -> the terms fitted on the other runs' classes (one fit a run)
     for r in rows:
         r["predicted_s"] = _predict(r, per_seq, per_audited, factor)
         r["error"] = r["predicted_s"] / r["gap_s"] - 1
-        others = [x for x in rows if x["run"] != r["run"]]
-        if others:
-            r["left_out_error"] = _predict(r, *_fit_rows(others)[:3]) / r["gap_s"] - 1
+        if r["run"] not in left_out:
+            others = [x for x in rows if x["run"] != r["run"]]
+            left_out[r["run"]] = _fit_rows(others)[:3] if others else None
+        if left_out[r["run"]] is not None:
+            r["left_out_error"] = _predict(r, *left_out[r["run"]]) / r["gap_s"] - 1
     lo = [abs(r["left_out_error"]) for r in rows if "left_out_error" in r]
     return {"handoff_s_per_sequence": per_seq, "handoff_s_per_audited": per_audited, "told_apart": apart,
             "handoff_stacks_factor": factor, "rows": rows, "mape": float(np.mean([abs(r["error"]) for r in rows])),
             "left_out_mape": float(np.mean(lo)) if lo else None, "left_out_worst": float(max(lo)) if lo else None}
-
 
 
 def report_markdown(result: dict) -> str:
@@ -161,10 +163,7 @@ def fit_to_file(runs: list[str | Path], base: str, out: str | Path, report: str 
     prof["train"]["handoff_s_per_audited"] = result["handoff_s_per_audited"]
     prof["train"]["handoff_stacks_factor"] = result["handoff_stacks_factor"]
     drop_base_validation(prof)
-    prof.setdefault("measurements", {})["handoff"] = {
-        k: v for k, v in result.items() if k in ("handoff_s_per_sequence", "handoff_s_per_audited", "told_apart",
-                                                  "handoff_stacks_factor", "rows", "mape", "left_out_mape",
-                                                  "left_out_worst")}
+    prof.setdefault("measurements", {})["handoff"] = dict(result)  # the fit and its rows, as the report has them
     set_assumption(prof, {
         "id": "handoff-linear",
         "what": "the host's handoff from a generation to its train step is linear in the sequences trained and "
