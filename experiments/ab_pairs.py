@@ -8,7 +8,8 @@ gpu_arms names a run by its settings (``...-audr1-flat-sp4-k2-mb4k-s1``); a sett
 one cluster, back to back. A run whose name holds ``-VARIANT-`` is side B; its twin is the run of
 the same folder whose name is the same without it (side A). Runs without a twin are listed, not
 paired. Per run: steps per GPU-hour and the pace (``summary.json``), the mean generate, train and
-publish action (a stack's spans of one step merged: ``spans.jsonl``), the engines' mean step
+publish action (a group's spans of one step merged, ``calibration.validate.action_key``; gpu_arms'
+``phase_seconds`` counts each job's generation apart), the engines' mean step
 (``diagnostics.engine_steps``) and the host's steal. Per pair, B over A; over the pairs, the mean of
 B over A with a paired bootstrap 95% CI (``nodus.stats.paired_bootstrap_ci``, on the log ratios:
 with a handful of pairs the percentile bootstrap runs narrow, so the sign count is given too).
@@ -22,6 +23,7 @@ import json
 import math
 from pathlib import Path
 
+from calibration.validate import action_key
 from nodus.stats import paired_bootstrap_ci
 from nodus.timeline import read_text
 
@@ -37,13 +39,10 @@ def run_figures(run_dir: str | Path) -> dict:
         spans = [json.loads(line) for line in read_text(d / "spans.jsonl").splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{d}: not a run folder with summary.json and spans.jsonl ({err})") from None
-    actions: dict[tuple, list[float]] = {}
+    actions: dict[tuple, list[float]] = {}  # a group's spans of one step merged, as nodus validate's actions
     for sp in spans:
         if sp.get("phase") in PHASES:
-            step = (sp.get("attrs") or {}).get("step")
-            key = (sp["phase"], sp.get("gpu", 0), sp.get("stack", sp.get("group")),
-                   step if step is not None else sp["start_s"])
-            a = actions.setdefault(key, [sp["start_s"], sp["end_s"]])
+            a = actions.setdefault((sp["phase"], *action_key(sp)), [sp["start_s"], sp["end_s"]])
             a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
     out = {"run": d.name, "folder": d.parent.name, "seed": summary.get("seed"),
            "steps_per_gpu_hour": summary["steps_per_gpu_hour"],

@@ -15,11 +15,11 @@ def _run(folder, name, sph, train_s, publish_s=0.1, seed=1, step_ms=9.0):
     for step in range(3):
         t = 10.0 * step
         for job in ("job0", "job1"):  # a stack's jobs record one action each: merged, not counted twice
-            spans += [{"phase": "generate", "stack": 0, "gpu": 0, "job": job, "start_s": t, "end_s": t + 2.0,
+            spans += [{"phase": "generate", "stack": 0, "group": 0, "gpu": 0, "job": job, "start_s": t, "end_s": t + 2.0,
                        "attrs": {"step": step}},
-                      {"phase": "train", "stack": 0, "gpu": 0, "job": job, "start_s": t + 2.0,
+                      {"phase": "train", "stack": 0, "group": 0, "gpu": 0, "job": job, "start_s": t + 2.0,
                        "end_s": t + 2.0 + train_s, "attrs": {"step": step}},
-                      {"phase": "publish", "stack": 0, "gpu": 0, "job": job, "start_s": t + 5.0,
+                      {"phase": "publish", "stack": 0, "group": 0, "gpu": 0, "job": job, "start_s": t + 5.0,
                        "end_s": t + 5.0 + publish_s, "attrs": {"step": step}}]
     (d / "spans.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
     gens = [{"steps": 100, "step_s": step_ms / 10.0}, {"steps": 300, "step_s": 3 * step_ms / 10.0}]
