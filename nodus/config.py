@@ -375,7 +375,7 @@ AUTO_SHARE_PROMPTS = 4
 
 # The shipped profile a simulation uses unless told: the H200 profile with the smallest held-out
 # error against real runs (fitted on one day's 1-4-job runs on a 16-core Xeon H200 host,
-# validated on that day's 8- and 16-job runs: calibration/reports/validation-h200.md).
+# validated on that day's 8- and 16-job runs: calibration/reports/validation-h200-session8.md).
 DEFAULT_PROFILE = "h200-xeon16-20261130-qwen3-0.6b"
 # The shipped profile of each trainer step mode (train.step_mode) that real runs use: the graphed
 # trainer's (--trainer-graphs, with the tuned LoRA kernels and the overlap trainer at below-normal
@@ -454,7 +454,7 @@ STACKS_PROTOCOL4_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4pha
 # GPU). On the same 81 held-out runs: per configuration 3.6% / 3.5% (replay / sampled), worst 7.5% /
 # 6.8%, bias +0.5% / +0.3%, tau 0.56 / 0.51 (1.00 over the 15 pairs measured apart); per run 4.7% /
 # 4.7%, worst 13.4%, bias -1.2%. calibration/reports/handoff-h200-protocol.md and
-# validation-h200-stacks-protocol-handoff.md.
+# validation-h200.md.
 STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-handoff-session35-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
 # normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen. Since

@@ -1195,3 +1195,43 @@ def test_machine_kinds_compares_a_machines_dedicated_factor_with_its_shared_one(
         ((100 / 100) / (110 / 120) - 1 + (90 / 100) / (99 / 120) - 1) / 2)
     assert mk["ratio_by_factor_quotient"]["mape"] == pytest.approx(0, abs=1e-12)
     assert machine_kinds([r for r in rows if r["machine"] == "m2"]) is None
+
+
+def test_targets_are_met_only_where_both_length_modes_meet_them():
+    from calibration.validate import TARGETS, render_markdown, target_check
+
+    def e(mape, worst, bias, tau, n=5):
+        return {"mape": mape, "worst": worst, "bias": bias, "kendall_tau": tau, "n": n}
+
+    rep = {"profile": "p", "fit_max_jobs": 4, "rows": [],
+           "heldout_per_config": {"replay": {**e(0.036, 0.075, 0.005, 0.95), "kendall_tau_resolved": 1.0,
+                                             "pairs_resolved": 15, "pairs": 45},
+                                  "sampled": e(0.035, 0.081, -0.021, 0.89)},
+           "heldout_replay": e(0.047, 0.134, -0.012, 0.17, n=81), "heldout_sampled": e(0.047, 0.137, -0.012, 0.16, n=81)}
+    rep.update(all_replay=rep["heldout_replay"], all_sampled=rep["heldout_sampled"],
+               all_per_config=rep["heldout_per_config"])
+    check = target_check(rep)
+    assert check["targets"] == TARGETS
+    pc = check["per_configuration"]
+    # The sampled worst case (8.1%) and bias (-2.1%) and tau (0.89) miss, so none of the three is met.
+    assert pc["met"] == {"mape_replay": True, "mape_sampled": True, "worst": False, "bias": False,
+                         "kendall_tau": False}
+    assert pc["worst"] == 0.081 and pc["pairs_resolved"] == 15 and pc["kendall_tau_resolved"] == 1.0
+    assert check["per_run"]["met"]["mape_replay"] is False and check["per_run"]["n"] == 81
+    rep["targets"] = check
+    md = render_markdown(rep)
+    assert "| per configuration | 5 | 3.6% ✓ | 3.5% ✓ | 8.1% ✗ |" in md
+    assert "1.00 (15 of 45 pairs)" in md and "| per run | 81 | 4.7% ✗ |" in md
+    # A report without held-out runs has no target table; an older report without the key renders.
+    assert target_check({"rows": []}) == {"targets": TARGETS}
+    rep.pop("targets")
+    assert "against the targets" not in render_markdown(rep)
+
+
+def test_validate_reports_its_targets_on_recorded_runs(tmp_path):
+    out = tmp_path / "run"
+    simulate(config_from_args(jobs=8, steps=2), out)
+    rep = validate([out], profile=DEFAULT_PROFILE)
+    pr = rep["targets"]["per_run"]
+    assert pr["n"] == 1 and pr["mape_replay"] == pytest.approx(0, abs=1e-6) and pr["met"]["mape_replay"] is True
+    assert pr["met"]["kendall_tau"] is None  # one run: no pair to rank
