@@ -373,9 +373,9 @@ class AuditSpec(_Model):
 AUTO_SHARE_PROMPTS = 4
 
 
-# The shipped profile a simulation uses unless told: the H200 profile with the smallest held-out
-# error against real runs (fitted on one day's 1-4-job runs on a 16-core Xeon H200 host,
-# validated on that day's 8- and 16-job runs: calibration/reports/validation-h200-session8.md).
+# The shipped profile a simulation uses unless told, the eager trainer's (the default configuration's;
+# graphed arms take the profiles below): fitted on one day's 1-4-job runs on a 16-core Xeon H200 host,
+# validated on that day's 8- and 16-job runs: calibration/reports/validation-h200-session8.md.
 DEFAULT_PROFILE = "h200-xeon16-20261130-qwen3-0.6b"
 # The shipped profile of each trainer step mode (train.step_mode) that real runs use: the graphed
 # trainer's (--trainer-graphs, with the tuned LoRA kernels and the overlap trainer at below-normal
