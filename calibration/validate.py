@@ -1174,38 +1174,97 @@ def render_markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
+PLOT_RUN_LABELS = 12  # runs a plot names point by point; past this the labels only hide the points
+
+
+def short_config_labels(labels: list[str]) -> list[str]:
+    """Configuration labels without the words every one of them shares ('8 jobs shared-sync g=1 mps
+    stacks=2 offset ...' -> '8 jobs offset' where the rest is common): what tells them apart."""
+    words = [lab.split() for lab in labels]
+    common = set.intersection(*(set(w) for w in words)) if words else set()
+    out = []
+    for w, lab in zip(words, labels):
+        kept = [x for x in w if x not in common or x == "jobs" or x.isdigit()]
+        text = " ".join(kept).replace("cuda_graph_max_tokens", "gm")
+        out.append(text if kept else lab)
+    return out
+
+
 def plot_validation(rep: dict, path: Path) -> None:
-    """Predicted (replayed and sampled lengths) against measured steps per GPU-hour, one point per
-    run, held-out runs filled; the diagonal is a perfect prediction, the band +-8%."""
+    """Predicted (replayed and sampled lengths) against measured steps per GPU-hour: one point per
+    run, held-out runs filled (named where there are at most ``PLOT_RUN_LABELS``), and beside it the
+    held-out configurations' means, each with its runs' measured range; the diagonal is a perfect
+    prediction, the band +-8%."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     label = run_labels(rep)
-    fig, ax = plt.subplots(figsize=(5.5, 5))
+    pc = rep.get("heldout_per_config") or {}
+    by = _by_config([r for r in rep["rows"] if r["heldout"]])
+    panels = 2 if pc.get("replay", {}).get("n") and len(by) == len(pc.get("configs", [])) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 5.6 + (0.16 * len(by) if panels == 2 else 0)),
+                             squeeze=False)
+    ax = axes[0][0]
     meas = [r["measured"]["steps_per_gpu_hour"] for r in rep["rows"]]
     top = max(meas + [r[m]["steps_per_gpu_hour"] for r in rep["rows"] for m in ("replay", "sampled")]) * 1.1
-    ax.plot([0, top], [0, top], color="grey", lw=1)
-    ax.fill_between([0, top], [0, top * 0.92], [0, top * 1.08], color="grey", alpha=0.15, label="+-8%")
+
+    def diagonal(a, lo: float, hi: float) -> None:
+        a.plot([lo, hi], [lo, hi], color="grey", lw=1)
+        a.fill_between([lo, hi], [lo * 0.92, hi * 0.92], [lo * 1.08, hi * 1.08], color="grey", alpha=0.15,
+                       label="+-8%")
+        a.set_xlim(lo, hi)
+        a.set_ylim(lo, hi)
+        a.set_xlabel("measured steps per GPU-hour")
+        a.set_ylabel("simulated steps per GPU-hour")
+
+    diagonal(ax, 0, top)
+    named = len(rep["rows"]) <= PLOT_RUN_LABELS
     for mode, marker in (("replay", "o"), ("sampled", "^")):
         for i, r in enumerate(rep["rows"]):
             ax.scatter(r["measured"]["steps_per_gpu_hour"], r[mode]["steps_per_gpu_hour"], marker=marker,
-                       facecolors="C0" if r["heldout"] else "none", edgecolors="C0")
-            if mode == "replay":
+                       facecolors="C0" if r["heldout"] else "none", edgecolors="C0", alpha=0.8)
+            if mode == "replay" and named:
                 ax.annotate(label[r["run"]], (r["measured"]["steps_per_gpu_hour"], r[mode]["steps_per_gpu_hour"]),
                             fontsize=7, xytext=(4, -10 if i % 2 == 0 else 4), textcoords="offset points")
     ax.scatter([], [], marker="o", color="C0", label="replayed lengths (filled: held out)")
     ax.scatter([], [], marker="^", color="C0", label="sampled lengths")
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
-    ax.set_xlabel("measured steps per GPU-hour")
-    ax.set_ylabel("simulated steps per GPU-hour")
     h = rep.get("heldout_replay") or {}
     mape = "-" if h.get("mape") is None else f"{h['mape']:.1%}"
-    name = Path(str(rep["profile"])).name.removesuffix(".json")
-    ax.set_title(f"{name}: held-out MAPE {mape}", fontsize=10)
+    held = sum(1 for r in rep["rows"] if r["heldout"])
+    ax.set_title(f"per run ({len(rep['rows'])}, {held} held out): held-out MAPE {mape}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
+    if panels == 2:
+        ax = axes[0][1]
+        groups = list(by.values())
+        m_mean = [float(np.mean([r["measured"]["steps_per_gpu_hour"] for r in g])) for g in groups]
+        lo_hi = [(min(r["measured"]["steps_per_gpu_hour"] for r in g), max(r["measured"]["steps_per_gpu_hour"] for r in g))
+                 for g in groups]
+        sims = {mode: [float(np.mean([r[mode]["steps_per_gpu_hour"] for r in g])) for g in groups]
+                for mode in ("replay", "sampled")}
+        vals = [v for lh in lo_hi for v in lh] + sims["replay"] + sims["sampled"]
+        lo, hi = min(vals) * 0.9, max(vals) * 1.06
+        diagonal(ax, lo, hi)
+        for mode, marker in (("replay", "o"), ("sampled", "^")):
+            ax.errorbar(m_mean, sims[mode], xerr=[[m - a for m, (a, _) in zip(m_mean, lo_hi)],
+                                                  [b - m for m, (_, b) in zip(m_mean, lo_hi)]],
+                        fmt=marker, color="C1", ecolor="C1", elinewidth=0.8, capsize=2, alpha=0.9,
+                        label=f"{'replayed' if mode == 'replay' else 'sampled'} lengths"
+                              + (" (bar: the runs' measured range)" if mode == "replay" else ""))
+        key = []
+        for i, (x, y, text) in enumerate(zip(m_mean, sims["replay"], short_config_labels(pc["configs"]))):
+            ax.annotate(str(i + 1), (x, y), fontsize=7, xytext=(5 if i % 2 == 0 else -10, 3),
+                        textcoords="offset points")
+            key.append(f"{i + 1}: {text} ({len(groups[i])} run{'s' if len(groups[i]) > 1 else ''})")
+        ax.text(0.0, -0.13, "\n".join(key), transform=ax.transAxes, fontsize=7, va="top", ha="left")
+        e = pc["replay"]
+        tau = "-" if e.get("kendall_tau") is None else f"{e['kendall_tau']:.2f}"
+        ax.set_title(f"held-out configurations ({e['n']}): MAPE {e['mape']:.1%}, worst {e['worst']:.1%}, "
+                     f"tau {tau}", fontsize=10)
+        ax.legend(fontsize=7, loc="upper left")
+    name = Path(str(rep["profile"])).name.removesuffix(".json")
+    fig.suptitle(f"simulator against recorded runs, profile {name}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

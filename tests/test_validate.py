@@ -1235,3 +1235,23 @@ def test_validate_reports_its_targets_on_recorded_runs(tmp_path):
     pr = rep["targets"]["per_run"]
     assert pr["n"] == 1 and pr["mape_replay"] == pytest.approx(0, abs=1e-6) and pr["met"]["mape_replay"] is True
     assert pr["met"]["kendall_tau"] is None  # one run: no pair to rank
+
+
+def test_the_plot_keys_configurations_by_the_words_that_tell_them_apart(tmp_path):
+    from calibration.validate import plot_validation, short_config_labels
+
+    assert short_config_labels(["8 jobs overlap g=2 mps", "8 jobs overlap g=2 mps stacks=2 offset",
+                                "16 jobs overlap g=2 mps"]) == ["8 jobs", "8 jobs stacks=2 offset", "16 jobs"]
+    runs = []
+    for jobs, seed in ((8, 1), (8, 2), (16, 1)):
+        out = tmp_path / f"ovl-j{jobs}-s{seed}"
+        simulate(config_from_args(jobs=jobs, steps=2, policy="overlap", sharing="mps", seed=seed), out)
+        runs.append(out)
+    rep = validate(runs, profile=DEFAULT_PROFILE)
+    assert rep["heldout_per_config"]["replay"]["n"] == 2
+    plot_validation(rep, tmp_path / "v.png")
+    import matplotlib.image as mpimg
+
+    # Two panels (runs, and the held-out configurations' means with their key) make a wide figure.
+    h, w = mpimg.imread(tmp_path / "v.png").shape[:2]
+    assert w > 1.5 * h
