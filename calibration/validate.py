@@ -1190,6 +1190,43 @@ def short_config_labels(labels: list[str]) -> list[str]:
     return out
 
 
+def _diagonal(ax, lo: float, hi: float) -> None:
+    """A predicted-against-measured panel's axes from ``lo`` to ``hi``: the diagonal and its +-8% band."""
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
+    ax.fill_between([lo, hi], [lo * 0.92, hi * 0.92], [lo * 1.08, hi * 1.08], color="grey", alpha=0.15, label="+-8%")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured steps per GPU-hour")
+    ax.set_ylabel("simulated steps per GPU-hour")
+
+
+def _plot_configurations(ax, groups: list[list[dict]], pc: dict) -> None:
+    """The held-out configurations' panel: each configuration's simulated mean (replayed and sampled
+    lengths) against its measured mean, the bar its runs' measured range, numbered, with a key of the
+    words that tell the configurations apart (``short_config_labels``) under the axes."""
+    runs = [[r["measured"]["steps_per_gpu_hour"] for r in g] for g in groups]
+    m_mean = [float(np.mean(v)) for v in runs]
+    sims = {mode: [float(np.mean([r[mode]["steps_per_gpu_hour"] for r in g])) for g in groups]
+            for mode in ("replay", "sampled")}
+    vals = [v for vs in runs for v in vs] + sims["replay"] + sims["sampled"]
+    _diagonal(ax, min(vals) * 0.9, max(vals) * 1.06)
+    xerr = [[m - min(v) for m, v in zip(m_mean, runs)], [max(v) - m for m, v in zip(m_mean, runs)]]
+    for mode, marker in (("replay", "o"), ("sampled", "^")):
+        ax.errorbar(m_mean, sims[mode], xerr=xerr, fmt=marker, color="C1", ecolor="C1", elinewidth=0.8,
+                    capsize=2, alpha=0.9, label=("replayed lengths (bar: the runs' measured range)"
+                                                 if mode == "replay" else "sampled lengths"))
+    key = []
+    for i, (x, y, text) in enumerate(zip(m_mean, sims["replay"], short_config_labels(pc["configs"]))):
+        ax.annotate(str(i + 1), (x, y), fontsize=7, xytext=(5 if i % 2 == 0 else -10, 3), textcoords="offset points")
+        key.append(f"{i + 1}: {text} ({len(runs[i])} run{'s' if len(runs[i]) > 1 else ''})")
+    ax.text(0.0, -0.13, "\n".join(key), transform=ax.transAxes, fontsize=7, va="top", ha="left")
+    e = pc["replay"]
+    tau = "-" if e.get("kendall_tau") is None else f"{e['kendall_tau']:.2f}"
+    ax.set_title(f"held-out configurations ({e['n']}): MAPE {e['mape']:.1%}, worst {e['worst']:.1%}, tau {tau}",
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+
+
 def plot_validation(rep: dict, path: Path) -> None:
     """Predicted (replayed and sampled lengths) against measured steps per GPU-hour: one point per
     run, held-out runs filled (named where there are at most ``PLOT_RUN_LABELS``), and beside it the
@@ -1210,16 +1247,7 @@ def plot_validation(rep: dict, path: Path) -> None:
     meas = [r["measured"]["steps_per_gpu_hour"] for r in rep["rows"]]
     top = max(meas + [r[m]["steps_per_gpu_hour"] for r in rep["rows"] for m in ("replay", "sampled")]) * 1.1
 
-    def diagonal(a, lo: float, hi: float) -> None:
-        a.plot([lo, hi], [lo, hi], color="grey", lw=1)
-        a.fill_between([lo, hi], [lo * 0.92, hi * 0.92], [lo * 1.08, hi * 1.08], color="grey", alpha=0.15,
-                       label="+-8%")
-        a.set_xlim(lo, hi)
-        a.set_ylim(lo, hi)
-        a.set_xlabel("measured steps per GPU-hour")
-        a.set_ylabel("simulated steps per GPU-hour")
-
-    diagonal(ax, 0, top)
+    _diagonal(ax, 0, top)
     named = len(rep["rows"]) <= PLOT_RUN_LABELS
     for mode, marker in (("replay", "o"), ("sampled", "^")):
         for i, r in enumerate(rep["rows"]):
@@ -1236,33 +1264,7 @@ def plot_validation(rep: dict, path: Path) -> None:
     ax.set_title(f"per run ({len(rep['rows'])}, {held} held out): held-out MAPE {mape}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     if panels == 2:
-        ax = axes[0][1]
-        groups = list(by.values())
-        m_mean = [float(np.mean([r["measured"]["steps_per_gpu_hour"] for r in g])) for g in groups]
-        lo_hi = [(min(r["measured"]["steps_per_gpu_hour"] for r in g), max(r["measured"]["steps_per_gpu_hour"] for r in g))
-                 for g in groups]
-        sims = {mode: [float(np.mean([r[mode]["steps_per_gpu_hour"] for r in g])) for g in groups]
-                for mode in ("replay", "sampled")}
-        vals = [v for lh in lo_hi for v in lh] + sims["replay"] + sims["sampled"]
-        lo, hi = min(vals) * 0.9, max(vals) * 1.06
-        diagonal(ax, lo, hi)
-        for mode, marker in (("replay", "o"), ("sampled", "^")):
-            ax.errorbar(m_mean, sims[mode], xerr=[[m - a for m, (a, _) in zip(m_mean, lo_hi)],
-                                                  [b - m for m, (_, b) in zip(m_mean, lo_hi)]],
-                        fmt=marker, color="C1", ecolor="C1", elinewidth=0.8, capsize=2, alpha=0.9,
-                        label=f"{'replayed' if mode == 'replay' else 'sampled'} lengths"
-                              + (" (bar: the runs' measured range)" if mode == "replay" else ""))
-        key = []
-        for i, (x, y, text) in enumerate(zip(m_mean, sims["replay"], short_config_labels(pc["configs"]))):
-            ax.annotate(str(i + 1), (x, y), fontsize=7, xytext=(5 if i % 2 == 0 else -10, 3),
-                        textcoords="offset points")
-            key.append(f"{i + 1}: {text} ({len(groups[i])} run{'s' if len(groups[i]) > 1 else ''})")
-        ax.text(0.0, -0.13, "\n".join(key), transform=ax.transAxes, fontsize=7, va="top", ha="left")
-        e = pc["replay"]
-        tau = "-" if e.get("kendall_tau") is None else f"{e['kendall_tau']:.2f}"
-        ax.set_title(f"held-out configurations ({e['n']}): MAPE {e['mape']:.1%}, worst {e['worst']:.1%}, "
-                     f"tau {tau}", fontsize=10)
-        ax.legend(fontsize=7, loc="upper left")
+        _plot_configurations(axes[0][1], list(by.values()), pc)
     name = Path(str(rep["profile"])).name.removesuffix(".json")
     fig.suptitle(f"simulator against recorded runs, profile {name}", fontsize=8)
     fig.tight_layout()

@@ -1207,7 +1207,8 @@ def test_targets_are_met_only_where_both_length_modes_meet_them():
            "heldout_per_config": {"replay": {**e(0.036, 0.075, 0.005, 0.95), "kendall_tau_resolved": 1.0,
                                              "pairs_resolved": 15, "pairs": 45},
                                   "sampled": e(0.035, 0.081, -0.021, 0.89)},
-           "heldout_replay": e(0.047, 0.134, -0.012, 0.17, n=81), "heldout_sampled": e(0.047, 0.137, -0.012, 0.16, n=81)}
+           "heldout_replay": e(0.047, 0.134, -0.012, 0.17, n=81),
+           "heldout_sampled": e(0.047, 0.137, -0.012, 0.16, n=81)}
     rep.update(all_replay=rep["heldout_replay"], all_sampled=rep["heldout_sampled"],
                all_per_config=rep["heldout_per_config"])
     check = target_check(rep)
