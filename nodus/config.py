@@ -471,6 +471,9 @@ STACKS_PROFILE = STACKS_PROTOCOL_PROFILE
 # its stacks rates follow past the fit runs' 128 sequences. On sessions 53-57's eight held-out runs:
 # MAPE 4.3%, worst 12.7%, bias +3.9%, Kendall tau 0.71, against 5.1%, 14.3%, +4.9%, 0.50 without the
 # bench (calibration/reports/validation-h100-stacks-bench60.md; session 56's profile stays shipped).
+# Its error bar since session 66: the 31 runs of sessions 51-66 held out from its fit, on five
+# machines, 10.8% MAPE per run (bias +10.7%), 2.3% with each machine's speed known
+# (calibration/reports/validation-h100-stacks-bench60-sessions51-66.md): anchor it on the day's runs.
 H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-bench60-qwen3-0.6b"
 
 

@@ -127,7 +127,10 @@ def test_the_shipped_h100_stacks_profile_carries_its_gpu_tied_rates_and_error_ba
     assert sh.mps_stacks_engine == sh.mps_engines and sh.mps_stacks_trainer is not None
     assert cm.profile.measurements["stacks"]["tie_engines"] is True
     v = cm.validation()
-    assert v["heldout_runs"] >= 8 and v["heldout_mape"] < 0.05 and v["report"].endswith("validation-h100-stacks-bench60.md")
+    # Its error bar: every H100 run held out from its fit (sessions 51-66, several machines), and with
+    # each machine's speed known, the part of that error that is the machine.
+    assert v["heldout_runs"] >= 30 and v["machines"] >= 5 and v["machine_mape"] < v["heldout_mape"] / 2
+    assert v["report"].endswith("validation-h100-stacks-bench60-sessions51-66.md")
     # The H100 bench's slowdowns by engine size: the lone trainer beside a 256-sequence engine slower
     # than beside the fit runs' 128 (session 60: 1.79 against 1.47 over its step alone).
     bench = {e.batch: e for e in sh.engines_by_batch}
