@@ -116,11 +116,11 @@ def _phase_means(spans: list[dict]) -> dict[str, float]:
     return out
 
 
-def action_seconds(spans: list[dict]) -> dict[str, dict[tuple, float]]:
-    """Each generate and train action's seconds, by phase and ``_phase_actions``' key (gpu, group,
-    step): a recorded run's and its replay's actions pair by that key (the replay runs the run's own
-    steps)."""
-    return {phase: {k: a[1] - a[0] for k, a in acts.items()} for phase, acts in _phase_actions(spans).items()}
+def action_seconds(spans: list[dict], phases: tuple[str, ...] = ("generate", "train")) -> dict[str, dict[tuple, float]]:
+    """Each action's seconds in ``phases`` (generate and train unless told), by phase and
+    ``_phase_actions``' key (gpu, group, step): a recorded run's and its replay's actions pair by that
+    key (the replay runs the run's own steps)."""
+    return {phase: {k: a[1] - a[0] for k, a in acts.items()} for phase, acts in _phase_actions(spans, phases).items()}
 
 
 def action_key(sp: dict) -> tuple:
@@ -130,11 +130,11 @@ def action_key(sp: dict) -> tuple:
     return sp["gpu"], sp["group"], ("step", step) if step is not None else ("start", sp["start_s"])
 
 
-def _phase_actions(spans: list[dict]) -> dict[str, dict[tuple, list]]:
-    """A run's generate and train actions: a group's spans of one step (their start, where a span
-    has no step) as one action, ``{phase: {(gpu, group, step): [first start, last end, sequences]}}``
-    (sequences: its spans' ``n_sequences``, 0 for a train step)."""
-    acts: dict[str, dict[tuple, list]] = {"generate": {}, "train": {}}
+def _phase_actions(spans: list[dict], phases: tuple[str, ...] = ("generate", "train")) -> dict[str, dict[tuple, list]]:
+    """A run's actions in ``phases`` (generate and train unless told): a group's spans of one step
+    (their start, where a span has no step) as one action, ``{phase: {(gpu, group, step): [first
+    start, last end, sequences]}}`` (sequences: its spans' ``n_sequences``, 0 for another phase)."""
+    acts: dict[str, dict[tuple, list]] = {ph: {} for ph in phases}
     for sp in spans:
         if sp["phase"] in acts:
             attrs = sp.get("attrs") or {}

@@ -8,7 +8,7 @@ gpu_arms names a run by its settings (``...-audr1-flat-sp4-k2-mb4k-s1``); a sett
 one cluster, back to back. A run whose name holds ``-VARIANT-`` is side B; its twin is the run of
 the same folder whose name is the same without it (side A). Runs without a twin are listed, not
 paired. Per run: steps per GPU-hour and the pace (``summary.json``), the mean generate, train and
-publish action (a group's spans of one step merged, ``calibration.validate.action_key``; gpu_arms'
+publish action (a group's spans of one step merged, ``calibration.validate.action_seconds``; gpu_arms'
 ``phase_seconds`` counts each job's generation apart), the engines' mean step
 (``diagnostics.engine_steps``) and the host's steal. Per pair, B over A; over the pairs, the mean of
 B over A with a paired bootstrap 95% CI (``nodus.stats.paired_bootstrap_ci``, on the log ratios:
@@ -23,7 +23,7 @@ import json
 import math
 from pathlib import Path
 
-from calibration.validate import action_key
+from calibration.validate import action_seconds
 from nodus.stats import paired_bootstrap_ci
 from nodus.timeline import read_text
 
@@ -39,16 +39,12 @@ def run_figures(run_dir: str | Path) -> dict:
         spans = [json.loads(line) for line in read_text(d / "spans.jsonl").splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{d}: not a run folder with summary.json and spans.jsonl ({err})") from None
-    actions: dict[tuple, list[float]] = {}  # a group's spans of one step merged, as nodus validate's actions
-    for sp in spans:
-        if sp.get("phase") in PHASES:
-            a = actions.setdefault((sp["phase"], *action_key(sp)), [sp["start_s"], sp["end_s"]])
-            a[0], a[1] = min(a[0], sp["start_s"]), max(a[1], sp["end_s"])
+    actions = action_seconds(spans, PHASES)  # a group's spans of one step merged, as nodus validate's actions
     out = {"run": d.name, "folder": d.parent.name, "seed": summary.get("seed"),
            "steps_per_gpu_hour": summary["steps_per_gpu_hour"],
            "pace": (summary.get("pace") or {}).get("pace_steps_per_gpu_hour")}
     for phase in PHASES:
-        secs = [e - s for (p, *_), (s, e) in actions.items() if p == phase]
+        secs = list(actions[phase].values())
         out[f"{phase}_s"] = sum(secs) / len(secs) if secs else None
     diag = (summary.get("diagnostics") or [{}])[0]
     gens = (diag.get("engine_steps") or {}).get("generations") or []

@@ -13,7 +13,7 @@ from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, H100_STACKS_PROFILE
                           load_config)
 from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
 from calibration.fit_runs import TERM_SELECTIONS
-from sim.profile import LORA_KERNELS, RATE_MAX, STEP_MODES
+from sim.profile import ADAPTER_FORMATS, LORA_KERNELS, RATE_MAX, STEP_MODES
 
 
 ARRIVE_EVERY_HELP = ("job i arrives i x S seconds after the start (jobs[].arrive_s) and joins its group's next "
@@ -751,7 +751,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=False,
                    help="vLLM's engine core (scheduler, model runner) in a process of its own: its next decode step "
                         "runs while the engine worker handles the last one's outputs; default: one process")
-    p.add_argument("--adapter-format", choices=("safetensors", "flat"), default=None,
+    p.add_argument("--adapter-format", choices=ADAPTER_FORMATS, default=None,
                    help="how each new adapter version goes from trainer to engine: one flat file each (one write, "
                         "one read; needs the engine core in the engine's process) or PEFT safetensors folders; "
                         "default: flat, safetensors under --engine-core-process")
@@ -807,7 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's adapter slots (vLLM max_loras; default: the largest of --adapters), as the "
                         "runs the profile should describe start theirs: one per job of a run, or of the largest arm "
                         "in a gpu_arms call (recorded in the profile's environment.engine_max_loras)")
-    p.add_argument("--adapter-format", choices=("safetensors", "flat"), default=None,
+    p.add_argument("--adapter-format", choices=ADAPTER_FORMATS, default=None,
                    help="the adapter handoff whose save and publish are timed (environment.adapter_format); "
                         "default: the runs' own, flat files where vLLM's engine core runs in this process "
                         "(nodus's default), PEFT safetensors folders under VLLM_ENABLE_V1_MULTIPROCESSING=1")

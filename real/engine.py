@@ -48,6 +48,7 @@ def core_in_this_process() -> bool:
     above), where nodus records its JIT compiles and teaches its loader the flat adapter file."""
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
+
 HotloadMethod = Literal["fresh_id", "inplace"]
 HOTLOAD_METHODS: tuple[str, ...] = ("fresh_id", "inplace")
 # vLLM modules that read a PIN_MEMORY global when they load an adapter (each of its tensors is
