@@ -154,7 +154,8 @@ def generate_samples(run_dir: Path, recorded: tuple | None = None) -> list[dict]
             out.append({"step": ep[0][2][0]["attrs"].get("step"), "requests": requests, "actions": len(ep),
                         "s": dur, "alone_s": dur - corun, "corun_s": corun, "sharing": cfg["arm"]["sharing"],
                         "max_num_seqs": max_num_seqs, "graph_max_tokens": graph_max,
-                        "max_loras": engine.get("max_loras") or len({r["job"] for r in requests})})
+                        "max_loras": engine.get("max_loras") or len({r["job"] for r in requests}),
+                        "audit": cfg.get("audit")})
     return out
 
 
@@ -265,15 +266,17 @@ def graphless_points(path: str | Path, graph_max_tokens: int | None = None) -> t
     return graph_max_tokens, [best[a] for a in sorted(best)]
 
 
-def _refuse_other_engine(rd: Path, controls: dict, command: str) -> None:
+def _refuse_other_engine(rd: Path, controls: dict, command: str, audit_ok: bool = False) -> None:
     """Refuse (ConfigError, naming ``command``) a run whose engine is not the one a profile describes:
-    logprobs returned on fewer steps or responses than every response of every step, or vLLM's core
-    in a process of its own."""
-    if controls.get("audit"):
+    logprobs returned on fewer steps or responses than every response of every step (unless
+    ``audit_ok``: the base prices the audit, ``sim.profile.audit_priced``, and the fit replays each
+    run with its own), or vLLM's core in a process of its own."""
+    if controls.get("audit") and not audit_ok:
         raise ConfigError(f"{command}: {rd}'s engine returned logprobs on fewer steps or responses (audit "
                           f"{controls['audit']}; --audit-every / --audit-responses / --no-audit) than the runs a "
-                          "profile describes (every response of every step): its generations would fit a cheaper "
-                          "engine; fit runs at the default audit")
+                          "profile describes (every response of every step), and the base profile does not price "
+                          "a lighter audit (decode.logprob_s_per_seq 0): its generations would fit a cheaper "
+                          "engine; fit runs at the default audit, or on a base fitted by nodus fit-audit")
     if controls.get("engine_core_process"):
         raise ConfigError(f"{command}: {rd}'s engine ran its core in a process of its own (--engine-core-process); "
                           "a profile describes an engine in one process: fit runs without it")
@@ -349,8 +352,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     ``term_selection``: how the train terms the runs support are chosen (``_select_train_terms``):
     "runs" leaves one run out, "extrapolate" scores each subset on the larger steps fitted on the
     smaller ones."""
-    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, drop_base_validation, drop_two_engine_rate,
-                             profile_adapter_format, profile_dict, profile_lora_kernels, profile_step_mode)
+    from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, audit_priced, drop_base_validation,
+                             drop_two_engine_rate, profile_adapter_format, profile_dict, profile_lora_kernels,
+                             profile_step_mode)
     from calibration.run_settings import run_controls, settings_text, sharing_controls
 
     if term_selection not in TERM_SELECTIONS:
@@ -386,7 +390,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
                               f"({'--trainer-mode' if trainer_mode else 'the base profile, train.step_mode'}): fit "
                               "runs of one trainer (a graphed trainer's base: nodus calibrate --trainer-graphs; or "
                               "--trainer-mode graphed to fit its terms onto another base)")
-        _refuse_other_engine(rd, controls, "nodus fit")
+        _refuse_other_engine(rd, controls, "nodus fit", audit_priced(prof))
         if controls.get("engine_cpu_threads"):
             raise ConfigError(f"nodus fit: {rd}'s engine ran {controls['engine_cpu_threads']} torch CPU threads "
                               "(--engine-cpu-threads); a profile records no engine thread cap: fit runs on torch's "
@@ -939,11 +943,13 @@ def _alone_generation_s(prof: dict, gen: dict, scale: float) -> float:
     ``gen`` (a ``generate_samples`` episode) has its ``requests`` (every job's prompts, prompt tokens
     each and response lengths) submitted to an idle engine, each action's ``offset_s`` after the
     first (0 when not given), with the run's ``max_num_seqs``, ``max_loras`` and
-    ``graph_max_tokens``, every decode step at ``scale`` times the profile's curves. An idle gap
-    between actions (the alone engine done before the next one came) is not counted: the work is
-    the union of the actions' submit-to-done intervals."""
+    ``graph_max_tokens``, every decode step at ``scale`` times the profile's curves, and the run's
+    audit (``audit``: the sequences not returning logprobs priced less, where the profile prices it,
+    ``decode.logprob_s_per_seq``). An idle gap between actions (the alone engine done before the next
+    one came) is not counted: the work is the union of the actions' submit-to-done intervals."""
     import simpy
 
+    from nodus.config import AuditSpec
     from sim.engine import SimEngine
     from sim.gpu import SharedGPU
     from sim.profile import CostModel, Profile
@@ -955,7 +961,8 @@ def _alone_generation_s(prof: dict, gen: dict, scale: float) -> float:
     eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"),
                     max_num_seqs=gen["max_num_seqs"], max_loras=gen["max_loras"],
                     graph_max_tokens=gen["graph_max_tokens"],
-                    on_done=lambda action: done.__setitem__(action.action_id, env.now))
+                    on_done=lambda action: done.__setitem__(action.action_id, env.now),
+                    audit=AuditSpec(**gen["audit"]) if gen.get("audit") else None)
     actions: dict[int, list[dict]] = {}
     for r in gen["requests"]:
         # Version 1 of each job's adapter: the engine loads it before the job's first request, as a
@@ -969,7 +976,8 @@ def _alone_generation_s(prof: dict, gen: dict, scale: float) -> float:
         for i in sorted(actions, key=lambda i: offsets[i]):
             if offsets[i] > env.now:
                 yield env.timeout(offsets[i] - env.now)
-            eng.submit(f"gen{i}", [(r["job"], 0, 1, r["prompts"], r["prompt_tokens_each"], list(r["lengths"]))
+            eng.submit(f"gen{i}", [(r["job"], gen.get("step") or 0, 1, r["prompts"], r["prompt_tokens_each"],
+                                    list(r["lengths"]))
                                    for r in actions[i]])
     env.process(submit())
     env.run()
@@ -1096,7 +1104,7 @@ def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
     that were fitted at the old scale (``nodus fit-stacks``'s two-engine and lone-trainer rates) move
     with it: fit them again on the new profile. Refused: a run that is not dedicated without MPS, ran
     a cheaper audit, its engine core in a process of its own, or other LoRA kernels than the base's."""
-    from sim.profile import add_source, profile_dict, profile_lora_kernels, set_assumption
+    from sim.profile import add_source, audit_priced, profile_dict, profile_lora_kernels, set_assumption
     from calibration.run_settings import run_controls
 
     prof = profile_dict(base)
@@ -1111,7 +1119,7 @@ def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
                               f"{arm.get('sharing')} sharing; decode.scale is fitted on dedicated runs without MPS "
                               "(one job alone on the engine)")
         controls = run_controls(summary)
-        _refuse_other_engine(rd, controls, "nodus fit --decode-scale-only")
+        _refuse_other_engine(rd, controls, "nodus fit --decode-scale-only", audit_priced(prof))
         kernels = controls.get("lora_kernels", "default")
         if kernels != base_kernels:
             raise ConfigError(f"nodus fit --decode-scale-only: {rd}'s engine ran {kernels} LoRA kernel configs, the "

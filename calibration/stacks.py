@@ -34,8 +34,9 @@ from calibration.validate import _simulate, engine_sequences, load_recorded, rec
 from calibration.run_health import unique_names
 from calibration.run_settings import run_controls, stacks_run_settings
 from nodus.config import ConfigError, build_config, stacks_of
-from sim.profile import (RATE_MAX, add_source, drop_base_validation, profile_adapter_format, profile_dict,
-                         profile_lora_kernels, profile_step_mode, refuse_existing, set_assumption, write_fit_report, write_profile)
+from sim.profile import (RATE_MAX, add_source, audit_priced, drop_base_validation, profile_adapter_format,
+                         profile_dict, profile_lora_kernels, profile_step_mode, refuse_existing, set_assumption,
+                         write_fit_report, write_profile)
 
 # The rates fit-stacks fits (--rate), each a field of the profile's sharing terms, and what each is.
 RATES = {"engines": "mps_engines", "trainer": "mps_stacks_trainer"}
@@ -58,13 +59,14 @@ ALIGNMENT = ("lockstep", "offset_stacks", "hold_apart")
 
 
 def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_alignment: bool = False,
-               adapter_format: str = "safetensors") -> list[dict]:
+               adapter_format: str = "safetensors", audit_ok: bool = False) -> list[dict]:
     """Each run's replay configuration (on no profile yet), measured steps per GPU-hour and
     settings (``stacks_run_settings``). Refuses a run that is not a two-stack run under MPS; one whose
     trainers did not all run ``step_mode`` or whose engine ran other LoRA kernels than
     ``lora_kernels`` (the base profile's terms), or that handed adapters over otherwise than
-    ``adapter_format`` (the base's handoff); one with settings no profile describes (audit,
-    engine core process, pageable publishes, extra engine arguments or environment beside the
+    ``adapter_format`` (the base's handoff); one with settings no profile describes (audit, unless
+    ``audit_ok``: the base prices it, ``sim.profile.audit_priced``, and each run is replayed with its
+    own; engine core process, pageable publishes, extra engine arguments or environment beside the
     shipped kernel configs); the same run twice; and runs of mixed settings (``any_alignment``: but
     for how their stacks lined up, ``ALIGNMENT``)."""
     out, seen = [], {}
@@ -91,7 +93,8 @@ def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_al
         if kernels != lora_kernels:
             raise ConfigError(f"nodus fit-stacks: {rd}'s engines ran the {kernels} LoRA kernel configs, and the base "
                               f"profile's engine terms are the {lora_kernels} ones': fit on a base of that engine")
-        odd = [k for k in ("audit", "engine_core_process", "engine_args", "engine_env") if controls.get(k)]
+        odd = [k for k in ("audit", "engine_core_process", "engine_args", "engine_env")
+               if controls.get(k) and not (k == "audit" and audit_ok)]
         odd += ["publish_pinned"] if controls.get("publish_pinned") is False else []
         handoff = controls.get("adapter_format", "safetensors")
         if handoff != adapter_format:
@@ -266,7 +269,7 @@ def fit(runs: list[str | Path], base: str, rate_name: str = "engines", left_out:
         raise ConfigError(f"nodus fit-stacks --rate trainer: {base} has no two-engine rate (sharing.mps_engines); "
                           "the lone trainer's rate is fitted with it held: fit-stacks --rate engines first")
     rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof),
-                      adapter_format=profile_adapter_format(prof))
+                      adapter_format=profile_adapter_format(prof), audit_ok=audit_priced(prof))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         rate, pred = fit_rate(rows, prof, tmp, field=field)

@@ -416,7 +416,8 @@ def stacks_fit_run(prof: dict, run: str | Path) -> bool:
 
 
 def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dict:
-    from sim.profile import profile_adapter_format, profile_dict, profile_lora_kernels, profile_step_mode
+    from sim.profile import (audit_priced, profile_adapter_format, profile_dict, profile_lora_kernels,
+                             profile_step_mode)
 
     prof = profile_dict(profile)
     step_mode, lora_kernels = profile_step_mode(prof), profile_lora_kernels(prof)
@@ -432,7 +433,7 @@ def validate(runs: list[str | Path], profile: str, fit_max_jobs: int = 4) -> dic
         if arm is not None and "trainer_waits_for_publish" in cfg["arm"]:  # the summary's arm omits it
             arm = dict(arm, trainer_waits_for_publish=cfg["arm"]["trainer_waits_for_publish"])
         controls = run_controls(meas)
-        if ((prof.get("decode") or {}).get("logprob_s_per_seq") or 0) > 0:
+        if audit_priced(prof):
             # The profile prices the audit (decode.logprob_s_per_seq, `nodus fit-audit`): the run's
             # own audit, from its config (recorded_configs), is simulated, not outside the profile.
             controls = {k: v for k, v in controls.items() if k != "audit"}

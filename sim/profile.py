@@ -363,6 +363,13 @@ def profile_adapter_format(prof: dict) -> str:
     return (prof.get("environment") or {}).get("adapter_format") or "safetensors"
 
 
+def audit_priced(prof: dict) -> bool:
+    """Whether a profile dict prices a lighter audit (``decode.logprob_s_per_seq`` > 0, fitted by
+    ``nodus fit-audit``): a run returning logprobs on fewer responses is then simulated with its own
+    audit, so ``nodus validate`` counts it inside the profile and the fits may take it."""
+    return ((prof.get("decode") or {}).get("logprob_s_per_seq") or 0) > 0
+
+
 def profile_lora_kernels(prof: dict) -> str:
     """The engine LoRA kernels a profile dict's engine terms describe: "tuned" when its
     environment records tuned configs (``environment.lora_kernel_configs``), else "default"

@@ -923,6 +923,43 @@ def test_decode_scale_only_refits_the_engine_scale_and_keeps_every_other_term(tm
     assert "drop --scales-only" in capsys.readouterr().err
 
 
+def test_decode_scale_only_fits_runs_of_a_lighter_audit_on_a_base_that_prices_it(tmp_path):
+    """Dedicated runs auditing one response a prompt (the reference protocol's audit) fit the engine
+    scale on a base that prices the audit (decode.logprob_s_per_seq, nodus fit-audit): their
+    generations are replayed with their own audit, so the scale they were recorded at comes back
+    exactly (replayed as the full audit it would come back low). A base without the term refuses
+    them by name."""
+    def with_logprob(path, per_seq):
+        prof = json.loads(open(path).read())
+        prof["decode"]["logprob_s_per_seq"] = per_seq
+        open(path, "w").write(json.dumps(prof))
+        return path
+
+    base = with_logprob(_profile_with(tmp_path, "base", a=0.15, b=2e-5, c=0.04, save=0.05, decode_scale=1.25), 4e-5)
+    day = with_logprob(_profile_with(tmp_path, "day", a=0.15, b=2e-5, c=0.04, save=0.05, decode_scale=0.85), 4e-5)
+    unpriced = _profile_with(tmp_path, "unpriced", a=0.15, b=2e-5, c=0.04, save=0.05, decode_scale=1.25)
+    ded = tmp_path / "ded"
+    simulate(config_from_args({"audit": {"responses": 1}}, jobs=4, steps=3, policy="dedicated", sharing="none",
+                              profile=day), ded)
+    summary = json.loads((ded / "summary.json").read_text())
+    summary["diagnostics"] = [{"audit": {"logprobs": True, "every": 1, "responses": 1}}]
+    (ded / "summary.json").write_text(json.dumps(summary))
+    from calibration.fit_runs import fit_decode_scale
+
+    prof = fit_decode_scale([ded], base)
+    assert prof["decode"]["scale"] == pytest.approx(0.85, rel=1e-6)
+    # The same generations priced as the full audit need a smaller scale: the audit was priced.
+    full = json.loads((ded / "config.json").read_text())
+    full["audit"] = None
+    (tmp_path / "full").mkdir()
+    for f in ("summary.json", "spans.jsonl"):
+        (tmp_path / "full" / f).write_text((ded / f).read_text())
+    (tmp_path / "full" / "config.json").write_text(json.dumps(full))
+    assert fit_decode_scale([tmp_path / "full"], base)["decode"]["scale"] < 0.84
+    with pytest.raises(ConfigError, match="fewer steps or responses .audit 1 response a prompt.*does not price"):
+        fit_decode_scale([ded], unpriced)
+
+
 def _mark_handoff(run_dir, fmt):
     s = json.loads((run_dir / "summary.json").read_text())
     s["diagnostics"] = [dict((s.get("diagnostics") or [{}])[0], adapter_format=fmt)]

@@ -152,6 +152,12 @@ def test_fit_stacks_refuses_runs_it_cannot_fit(tmp_path):
                                           "the safetensors handoff"):
         fit([k2], DEFAULT_PROFILE)
     assert [r["run"] for r in stack_runs([k2], "eager", "default", adapter_format="flat")] == [str(k2)]
+    # A lighter audit: only where the base prices it (decode.logprob_s_per_seq, sim.profile.audit_priced).
+    s["diagnostics"][0]["audit"] = {"logprobs": True, "every": 1, "responses": 1}
+    (k2 / "summary.json").write_text(json.dumps(s))
+    with pytest.raises(ConfigError, match=r"ran settings no profile describes \(audit;"):
+        stack_runs([k2], "eager", "default", adapter_format="flat")
+    assert [r["run"] for r in stack_runs([k2], "eager", "default", adapter_format="flat", audit_ok=True)] == [str(k2)]
 
 
 def test_validate_prices_capped_engines_of_stacks_by_the_fitted_setting():
