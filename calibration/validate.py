@@ -994,7 +994,8 @@ def _resolved_text(e: dict) -> str:
 def render_markdown(rep: dict) -> str:
     label = run_labels(rep)
     lines = [f"Simulator (profile `{rep['profile']}`) against recorded runs; held out: more than "
-             f"{rep['fit_max_jobs']} jobs per GPU.", "",
+             f"{rep['fit_max_jobs']} jobs per GPU, and runs of several stacks at any size that the profile's "
+             "stacks rates were not fitted on (nodus fit-stacks).", "",
              "| run | jobs | arm | measured steps/GPU-h | replay | sampled | held out |", "|---|---|---|---|---|---|---|"]
     if rep.get("targets") and (rep["targets"].get("per_configuration") or rep["targets"].get("per_run")):
         lines[2:2] = targets_markdown(rep["targets"]) + [""]
@@ -1201,7 +1202,7 @@ def _diagonal(ax, lo: float, hi: float) -> None:
     ax.set_ylabel("simulated steps per GPU-hour")
 
 
-def _plot_configurations(ax, groups: list[list[dict]], pc: dict) -> None:
+def _plot_configurations(ax, groups: list[list[dict]], pc: dict) -> list[str]:
     """The held-out configurations' panel: each configuration's simulated mean (replayed and sampled
     lengths) against its measured mean, the bar its runs' measured range, numbered, with a key of the
     words that tell the configurations apart (``short_config_labels``) under the axes."""
@@ -1220,12 +1221,12 @@ def _plot_configurations(ax, groups: list[list[dict]], pc: dict) -> None:
     for i, (x, y, text) in enumerate(zip(m_mean, sims["replay"], short_config_labels(pc["configs"]))):
         ax.annotate(str(i + 1), (x, y), fontsize=7, xytext=(5 if i % 2 == 0 else -10, 3), textcoords="offset points")
         key.append(f"{i + 1}: {text} ({len(runs[i])} run{'s' if len(runs[i]) > 1 else ''})")
-    ax.text(0.0, -0.13, "\n".join(key), transform=ax.transAxes, fontsize=7, va="top", ha="left")
     e = pc["replay"]
     tau = "-" if e.get("kendall_tau") is None else f"{e['kendall_tau']:.2f}"
     ax.set_title(f"held-out configurations ({e['n']}): MAPE {e['mape']:.1%}, worst {e['worst']:.1%}, tau {tau}",
                  fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
+    return key
 
 
 def plot_validation(rep: dict, path: Path) -> None:
@@ -1264,11 +1265,14 @@ def plot_validation(rep: dict, path: Path) -> None:
     held = sum(1 for r in rep["rows"] if r["heldout"])
     ax.set_title(f"per run ({len(rep['rows'])}, {held} held out): held-out MAPE {mape}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
-    if panels == 2:
-        _plot_configurations(axes[0][1], list(by.values()), pc)
+    key = _plot_configurations(axes[0][1], list(by.values()), pc) if panels == 2 else []
     name = Path(str(rep["profile"])).name.removesuffix(".json")
     fig.suptitle(f"simulator against recorded runs, profile {name}", fontsize=8)
     fig.tight_layout()
+    if key:  # the configurations' key under both panels, the figure's width (a panel's cut long labels off)
+        height, lines = fig.get_size_inches()[1], 0.16 * len(key)
+        fig.subplots_adjust(bottom=(lines + 0.75) / height)
+        fig.text(0.01, (lines + 0.1) / height, "\n".join(key), fontsize=7, va="top", ha="left")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
