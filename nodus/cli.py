@@ -54,6 +54,11 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
+# The shipped profiles a planner picks by the question, marked so in `nodus profiles`.
+SHIPPED_ROLES = (("default", DEFAULT_PROFILE), ("stacks on an H200", STACKS_PROFILE),
+                 ("stacks on an H100 80GB", H100_STACKS_PROFILE))
+
+
 def cmd_profiles(a: argparse.Namespace) -> int:
     from sim.profile import profile_summaries
 
@@ -66,7 +71,7 @@ def cmd_profiles(a: argparse.Namespace) -> int:
           "(pairs) | other days: MAPE (runs) | two stacks: left out (runs) | assumptions | report |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        name = r["name"] + (" (default)" if r["name"] == DEFAULT_PROFILE else "")
+        name = r["name"] + "".join(f" ({role})" for role, prof in SHIPPED_ROLES if r["name"] == prof)
         days = f"{pct(r['across_days_mape'])} ({r['across_days_runs']})" if r["across_days_runs"] else "-"
         st = r.get("stacks") or {}
         stacks = (f"{pct(st.get('left_out_mape'))} ({st['runs']})"

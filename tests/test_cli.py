@@ -143,6 +143,11 @@ def test_profiles_lists_each_shipped_profile_with_its_error_bar(capsys):
     assert main(["profiles"]) == 0
     out = capsys.readouterr().out
     assert "| h200-qwen3-0.6b |" in out and f"{stacks['ratio_mape']:.1%}, {stacks['ratio_bias']:+.1%} (" in out
+    # Each shipped profile a planner picks by the question is marked with it.
+    from nodus.config import DEFAULT_PROFILE, H100_STACKS_PROFILE
+
+    assert f"| {DEFAULT_PROFILE} (default) |" in out and f"| {STACKS_PROFILE} (stacks on an H200) |" in out
+    assert f"| {H100_STACKS_PROFILE} (stacks on an H100 80GB) |" in out
 
 
 def test_sim_what_if_reports_the_hypothesis_and_bad_factors_are_clear_errors(capsys):
