@@ -471,10 +471,19 @@ STACKS_PROFILE = STACKS_PROTOCOL_PROFILE
 # its stacks rates follow past the fit runs' 128 sequences. On sessions 53-57's eight held-out runs:
 # MAPE 4.3%, worst 12.7%, bias +3.9%, Kendall tau 0.71, against 5.1%, 14.3%, +4.9%, 0.50 without the
 # bench (calibration/reports/validation-h100-stacks-bench60.md; session 56's profile stays shipped).
-# Its error bar since session 66: the 31 runs of sessions 51-66 held out from its fit, on five
+# Its error bar in session 66: the 31 runs of sessions 51-66 held out from its fit, on five
 # machines, 10.8% MAPE per run (bias +10.7%), 2.3% with each machine's speed known
-# (calibration/reports/validation-h100-stacks-bench60-sessions51-66.md): anchor it on the day's runs.
-H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-bench60-qwen3-0.6b"
+# (calibration/reports/validation-h100-stacks-bench60-sessions51-66.md).
+# Since session 67 the shipped H100 profile is that one refitted by #5's protocol on one H100 day
+# (session 67: `nodus fit --decode-scale-only` on its two dedicated runs, `nodus fit-stacks --rate
+# phases --tie-engines` on its 2- and 4-job two-stack runs, `nodus fit-handoff` on the five; the
+# flat handoff and one response a prompt audited, the reference workload's settings), the bench's
+# slowdowns by engine size kept. On the 40 runs of sessions 51-67 it was not fitted on (ten days,
+# nine machines): 5.4% MAPE per run, bias +2.7%, worst 13.9%; per configuration 5.3%, tau 0.68
+# (0.95 over the pairs the runs tell apart); 3.4% with each machine's speed known. On the 32 runs
+# of more than 4 jobs held out from both it is 5.6% where session 60's profile is 12.0% (bias +4.4%
+# against +11.9%) (calibration/reports/validation-h100-stacks-session67.md).
+H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-session67-qwen3-0.6b"
 
 
 class RunConfig(_Model):

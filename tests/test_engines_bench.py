@@ -408,13 +408,13 @@ def test_a_pooled_slowdown_is_over_the_alone_times_of_the_runs_that_timed_its_ki
     assert e["mps_beside_trainer"] == pytest.approx(2.8 / 2.0)  # both runs: medians 2.8 over 2.0
 
 
-def test_the_shipped_h100_profile_prices_eight_jobs_lone_trains_from_its_bench():
+def test_the_h100_bench_profile_prices_eight_jobs_lone_trains_from_its_bench():
     """The H100 stacks profile's bench (session 60): at 256 sequences a lone trainer goes slower than
     its fitted rate, an engine beside it faster; the flag names what follows the bench (the profile
     has no two-trainer rate to keep at the fit's size)."""
-    from nodus.config import H100_STACKS_PROFILE
     from sim.gpu import stacks_engine_rate, stacks_trainer_rate
 
+    H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-bench60-qwen3-0.6b"  # session 60's, shipped to 66
     cost = load_profile(H100_STACKS_PROFILE).profile.sharing
     assert stacks_trainer_rate("mps", cost, 256) < 0.85 * cost.mps_stacks_trainer
     assert stacks_engine_rate("mps", cost, 256) > cost.mps_stacks_engine
