@@ -1103,7 +1103,9 @@ def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
     graphs, 2 trainer threads) 10-19% slow, so a plan's ratio over dedicated came out high. The rates
     that were fitted at the old scale (``nodus fit-stacks``'s two-engine and lone-trainer rates) move
     with it: fit them again on the new profile. Refused: a run that is not dedicated without MPS, ran
-    a cheaper audit, its engine core in a process of its own, or other LoRA kernels than the base's."""
+    its engine core in a process of its own or other LoRA kernels than the base's, or a cheaper audit
+    on a base that does not price it (``sim.profile.audit_priced``; on one that does, each generation
+    is replayed with its run's audit)."""
     from sim.profile import add_source, audit_priced, profile_dict, profile_lora_kernels, set_assumption
     from calibration.run_settings import run_controls
 
