@@ -230,7 +230,7 @@ case "${1:-arms}" in
       ${SEEDS:+--seeds "$SEEDS"} --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" \
       --deadline $(( ${ARMS_TIMEOUT:-540} > 60 ? ${ARMS_TIMEOUT:-540} - 30 : ${ARMS_TIMEOUT:-540} / 2 )) \
       --estimates "$EST" ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
-    echo "gpu_arms$T rc=$?"
+    MODE_RC=$?; echo "gpu_arms$T rc=$MODE_RC"
     grep "^note: \|steps/GPU-h\|skipped\|Error\|error:" "$D/arms/arms.log" | tail -12
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;
   trainer-memory)
@@ -259,10 +259,16 @@ case "${1:-arms}" in
       --model-dir "${LEARN_MODEL:-.device/tiny-base}" --enforce-eager --jobs 8 --steps "${STEPS:-20}" \
       --seeds "${SEEDS:-1,2}" --arms dedicated,overlap+mps ${LEARN_AA---aa} --max-new-tokens 80 --no-prime \
       --job-fields '{"learning_rate": 1e-3, "prompt_pool": 8}' ${ARMS_EXTRA:-} > "$D/learn.log" 2>&1
-    echo "learn$T rc=$?"
+    MODE_RC=$?; echo "learn$T rc=$MODE_RC"
     grep "steps/GPU-h\|Error\|error:" "$D/learn.log" | tail -8
     mv "$D/learn.log" "$D/learn/" 2>/dev/null
     tar czf "$OUT/learn_runs$T.tgz" -C "$D" learn 2>/dev/null
     if [ "${SMALL_BASE_TIMEOUT:-240}" -gt 0 ]; then small_base; fi ;;
 esac
-grep -v " INFO \| WARNING \|it/s\]" "$OUT"/*.log 2>/dev/null | tail -25
+# The tail of the logs a mode left in $OUT (arms and learn pack theirs into their tarball). The call
+# exits with its mode's main command's status (MODE_RC: gpu_arms' in arms, the learning runs' in
+# learn; 0 in the modes that record none), not this grep's: with no log here it exited 2, the code
+# of a missing ESTIMATES_SEED, after every arms call of sessions 66-67 that ran to the end.
+shopt -s nullglob; logs=("$OUT"/*.log); shopt -u nullglob
+[ ${#logs[@]} -eq 0 ] || { grep -v " INFO \| WARNING \|it/s\]" "${logs[@]}" | tail -25; } || true
+exit "${MODE_RC:-0}"

@@ -169,6 +169,31 @@ def test_device_session_stops_at_once_where_the_bundle_is_not_installed(tmp_path
     assert "trainer-memory needs no bundle" in done.stderr
 
 
+def test_an_arms_call_exits_with_its_runs_status(tmp_path):
+    """Sessions 66-67: every arms call that ran to the end exited 2 (the closing grep of logs found
+    none in $OUT, and 2 is also a missing ESTIMATES_SEED's code). It now exits with gpu_arms'
+    status: 0 when its runs ran, theirs when not."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    # python: imports succeed, gpu_arms.py exits $FAKE_ARMS_RC; nvidia-smi prints a GPU.
+    (shim / "python").write_text('#!/bin/sh\ncase "$*" in *gpu_arms.py*) exit "$FAKE_ARMS_RC";; esac\nexit 0\n')
+    (shim / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580'\n")
+    for f in shim.iterdir():
+        f.chmod(0o755)
+    for rc in (0, 5):
+        out = tmp_path / f"out{rc}"
+        env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(out), "FAKE_ARMS_RC": str(rc),
+               "HOME": str(tmp_path / "home"), "ARMS_TIMEOUT": "30"}
+        env.pop("ESTIMATES_SEED", None)
+        done = subprocess.run(["bash", "experiments/device_session.sh", "arms"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == rc, done.stdout + done.stderr
+        assert f"gpu_arms rc={rc}" in done.stdout and (out / "arms_runs.tgz").exists()
+
+
 def test_light_says_whether_the_bundles_largest_part_still_fits_beside_the_tree(tmp_path):
     """Session 61: the light tree grew from 18.2 to 19.0 MiB beside 45 MiB parts (over the 64 MiB a
     call carries) while the line printed the same re-split hint as always; now it says which."""
