@@ -478,8 +478,8 @@ STACKS_PROFILE = STACKS_PROTOCOL_PROFILE
 # (session 67: `nodus fit --decode-scale-only` on its two dedicated runs, `nodus fit-stacks --rate
 # phases --tie-engines` on its 2- and 4-job two-stack runs, `nodus fit-handoff` on the five; the
 # flat handoff and one response a prompt audited, the reference workload's settings), the bench's
-# slowdowns by engine size kept. On the 40 runs of sessions 51-67 it was not fitted on (ten days,
-# nine machines): 5.4% MAPE per run, bias +2.7%, worst 13.9%; per configuration 5.3%, tau 0.68
+# slowdowns by engine size kept. On the 40 runs of sessions 51-67 it was not fitted on (twelve
+# days, 13 machines): 5.4% MAPE per run, bias +2.7%, worst 13.9%; per configuration 5.3%, tau 0.68
 # (0.95 over the pairs the runs tell apart); 3.4% with each machine's speed known. On the 32 runs
 # of more than 4 jobs held out from both it is 5.6% where session 60's profile is 12.0% (bias +4.4%
 # against +11.9%) (calibration/reports/validation-h100-stacks-session67.md).
