@@ -1093,6 +1093,10 @@ def _drop_refitted_batch_rates(sharing: dict, rates: dict[str, float]) -> list[s
     return dropped
 
 
+# How the assumption ``host-day`` names a later refit of the engine's scale on another day's runs.
+DECODE_SCALE_DAY = "; the engine's scale (decode.scale) refitted since on "
+
+
 def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
     """A copy of ``base`` with ``decode.scale`` alone refitted on dedicated runs' generations (one
     job alone, no MPS: ``_decode_scale``); every other term and rate kept.
@@ -1139,6 +1143,11 @@ def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
     carried = next((x for x in prof.get("assumptions", []) if x["id"] == "engine-curves-from-base"), None)
     if carried:  # its text names the scale: the new one
         set_assumption(prof, _engine_curves_assumption(base_kernels, carried["value"], fitted["scale"], True))
+    day = next((x for x in prof.get("assumptions", []) if x["id"] == "host-day"), None)
+    if day:  # the base's day describes its other terms; the engine's scale is now these runs' day
+        what = day["what"].split(DECODE_SCALE_DAY)[0]
+        set_assumption(prof, dict(day, what=f"{what}{DECODE_SCALE_DAY}{len(used)} dedicated run(s) of "
+                                            f"{datetime.date.today().isoformat()} (nodus fit --decode-scale-only)"))
     add_source(prof, f"nodus fit --decode-scale-only on {len(used)} run(s): decode.scale {fitted['base_scale']:.3f} "
                      f"-> {fitted['scale']:.3f}")
     return prof

@@ -911,6 +911,17 @@ def test_decode_scale_only_refits_the_engine_scale_and_keeps_every_other_term(tm
     d = prof["measurements"]["decode_scale_fit"]
     assert d["base_scale"] == 1.25 and d["bias_base"] > 0.1 and abs(d["bias_after"]) < 1e-6
     assert prof["environment"]["sources"][-1].endswith("decode.scale 1.250 -> 0.850")
+    # A base fitted on another day says so; the refit adds the day of the engine's new scale, once.
+    assert not [a for a in prof["assumptions"] if a["id"] == "host-day"]
+    dated = json.loads(open(base).read())
+    dated["assumptions"].append({"id": "host-day", "value": None, "what": "fitted on 2 run(s) of one host on one day"})
+    (tmp_path / "dated.json").write_text(json.dumps(dated))
+    again = fit_decode_scale([ded], str(tmp_path / "dated.json"))
+    (tmp_path / "again.json").write_text(json.dumps(again))
+    twice = fit_decode_scale([ded], str(tmp_path / "again.json"))
+    day = [a["what"] for a in twice["assumptions"] if a["id"] == "host-day"]
+    assert len(day) == 1 and day[0].startswith("fitted on 2 run(s) of one host on one day; the engine's scale")
+    assert day[0].count("refitted since on 1 dedicated run(s) of ") == 1 and "--decode-scale-only" in day[0]
     out = tmp_path / "fitted.json"
     assert main(["fit", "--decode-scale-only", str(ded), "--base", base, "--out", str(out)]) == 0
     assert "decode steps x 0.850 (was 1.250" in capsys.readouterr().out
