@@ -993,9 +993,9 @@ def _resolved_text(e: dict) -> str:
 
 def render_markdown(rep: dict) -> str:
     label = run_labels(rep)
-    lines = [f"Simulator (profile `{rep['profile']}`) against recorded runs; held out: more than "
-             f"{rep['fit_max_jobs']} jobs per GPU, and runs of several stacks at any size that the profile's "
-             "stacks rates were not fitted on (nodus fit-stacks).", "",
+    lines = [f"Simulator (profile `{rep['profile']}`) against recorded runs; held out: runs of more than "
+             f"{rep['fit_max_jobs']} jobs per GPU or of several stacks, unless the profile's stacks rates were "
+             "fitted on them (nodus fit-stacks).", "",
              "| run | jobs | arm | measured steps/GPU-h | replay | sampled | held out |", "|---|---|---|---|---|---|---|"]
     if rep.get("targets") and (rep["targets"].get("per_configuration") or rep["targets"].get("per_run")):
         lines[2:2] = targets_markdown(rep["targets"]) + [""]
