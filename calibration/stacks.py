@@ -58,6 +58,13 @@ RUNS_THAT_SHOW = {"mps_engines": ": both stacks generating at once",
 ALIGNMENT = ("lockstep", "offset_stacks", "hold_apart")
 
 
+def runs_for_base(runs: list[str | Path], prof: dict, any_alignment: bool = False) -> list[dict]:
+    """``stack_runs`` checked against what the base profile dict ``prof`` describes: its trainer's
+    step mode, its engine's LoRA kernels, its adapter handoff, and whether it prices a lighter audit."""
+    return stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof), any_alignment=any_alignment,
+                      adapter_format=profile_adapter_format(prof), audit_ok=audit_priced(prof))
+
+
 def stack_runs(runs: list[str | Path], step_mode: str, lora_kernels: str, any_alignment: bool = False,
                adapter_format: str = "safetensors", audit_ok: bool = False) -> list[dict]:
     """Each run's replay configuration (on no profile yet), measured steps per GPU-hour and
@@ -268,8 +275,7 @@ def fit(runs: list[str | Path], base: str, rate_name: str = "engines", left_out:
     if field == "mps_stacks_trainer" and prof["sharing"].get("mps_engines") is None:
         raise ConfigError(f"nodus fit-stacks --rate trainer: {base} has no two-engine rate (sharing.mps_engines); "
                           "the lone trainer's rate is fitted with it held: fit-stacks --rate engines first")
-    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof),
-                      adapter_format=profile_adapter_format(prof), audit_ok=audit_priced(prof))
+    rows = runs_for_base(runs, prof)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         rate, pred = fit_rate(rows, prof, tmp, field=field)

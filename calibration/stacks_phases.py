@@ -45,11 +45,10 @@ from pathlib import Path
 import numpy as np
 
 from calibration.run_health import unique_names
-from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, record_engine_sequences, replay, stack_runs
+from calibration.stacks import ALIGNMENT, IDENTIFIED_MIN, RATE_MIN, record_engine_sequences, replay, runs_for_base
 from calibration.validate import _phase_means, beside_engines_share, load_recorded
 from nodus.config import ConfigError
-from sim.profile import (RATE_MAX, add_source, audit_priced, drop_base_validation, profile_adapter_format,
-                         profile_dict, profile_lora_kernels, profile_step_mode, refuse_existing, set_assumption,
+from sim.profile import (RATE_MAX, add_source, drop_base_validation, profile_dict, refuse_existing, set_assumption,
                          write_fit_report, write_profile)
 
 FIELDS = ("mps_engines", "mps_stacks_trainer", "mps_stacks_engine", "mps_trainers")
@@ -68,8 +67,7 @@ PROGRESS_EVERY = 25  # sets of rates between progress lines (three runs: about 2
 def phase_rows(runs: list[str | Path], prof: dict) -> list[dict]:
     """``stack_runs``' rows (settings checked alike, but the runs may differ in how their stacks lined
     up: free, offset, held or lockstep), each with its measured mean phase times."""
-    rows = stack_runs(runs, profile_step_mode(prof), profile_lora_kernels(prof), any_alignment=True,
-                      adapter_format=profile_adapter_format(prof), audit_ok=audit_priced(prof))
+    rows = runs_for_base(runs, prof, any_alignment=True)
     for r in rows:
         _, _, spans = load_recorded(Path(r["run"]))
         means = _phase_means(spans)
