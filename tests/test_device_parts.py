@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -155,8 +156,6 @@ def test_device_session_stops_at_once_where_the_bundle_is_not_installed(tmp_path
     """Session 49: a call on a machine the device had swapped for a fresh one failed in gpu_arms on
     "No module named 'pydantic'". Every mode but trainer-memory now stops first, exit 3, naming the
     cause (here a python on which vllm does not import)."""
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     shim = tmp_path / "bin"
     shim.mkdir()
@@ -173,8 +172,6 @@ def test_an_arms_call_exits_with_its_runs_status(tmp_path):
     """Sessions 66-67: every arms call that ran to the end exited 2 (the closing grep of logs found
     none in $OUT, and 2 is also a missing ESTIMATES_SEED's code). It now exits with gpu_arms'
     status: 0 when its runs ran, theirs when not."""
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     shim = tmp_path / "bin"
     shim.mkdir()
@@ -197,8 +194,6 @@ def test_an_arms_call_exits_with_its_runs_status(tmp_path):
 def test_light_says_whether_the_bundles_largest_part_still_fits_beside_the_tree(tmp_path):
     """Session 61: the light tree grew from 18.2 to 19.0 MiB beside 45 MiB parts (over the 64 MiB a
     call carries) while the line printed the same re-split hint as always; now it says which."""
-    from pathlib import Path
-
     root = Path(tmp_path)
     part = root / ".device" / "vllm-1" / "part_00"
     part.parent.mkdir(parents=True)
