@@ -287,7 +287,11 @@ def cmd_validate(a: argparse.Namespace) -> int:
     from calibration.validate import plot_validation, render_markdown, validate
     from nodus.outdir import make_out_dir, write_json
 
-    rep = validate(a.runs, profile=a.profile, fit_max_jobs=a.fit_max_jobs)
+    runs = [*a.runs, *a.more_runs]
+    if not runs:
+        raise ValueError("validate needs at least one run folder (written by nodus run --out), named before the "
+                         "options or after --runs")
+    rep = validate(runs, profile=a.profile, fit_max_jobs=a.fit_max_jobs)
     if a.out:
         out = make_out_dir(a.out)
         write_json(out / "validation.json", rep)
@@ -780,7 +784,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("validate", help="simulate recorded runs' configurations and report the prediction error")
-    p.add_argument("runs", nargs="+", help="run folders written by nodus run --out")
+    p.add_argument("runs", nargs="*", help="run folders written by nodus run --out")
+    p.add_argument("--runs", dest="more_runs", nargs="+", action="extend", default=[], metavar="RUN",
+                   help="run folders too (the same as naming them before the options)")
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--fit-max-jobs", type=int, default=4, help="runs with more jobs per GPU are held out")
     p.add_argument("--annotate", metavar="PROFILE_OUT",

@@ -1,6 +1,7 @@
 """nodus validate: the simulator scored against recorded runs (here: runs the simulator recorded,
 so replaying their lengths must reproduce them)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,11 +81,15 @@ def test_validate_cli_and_bad_folder(tmp_path, capsys):
     assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "validation.png").is_file()
     with pytest.raises(ConfigError, match="not a recorded run"):
         validate([tmp_path], profile="h200-qwen3-0.6b")
+    # The issue's spelling, `--runs DIR...`, names the same folders; naming none is a clear error.
+    capsys.readouterr()
+    assert main(["validate", "--runs", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["all_replay"]["n"] == 1
+    assert main(["validate", "--profile", DEFAULT_PROFILE]) == 2
+    assert "validate needs at least one run folder" in capsys.readouterr().err
 
 
 def test_extrapolated_predictions_are_flagged_in_the_report(tmp_path):
-    import json
-
     from calibration.validate import render_markdown
     from sim.profile import load_profile
 
@@ -128,7 +133,7 @@ def test_annotated_profile_carries_its_error_bar_into_every_report(tmp_path, cap
         runs.append(str(out))
     annotated = tmp_path / "annotated.json"
     assert main(["validate", *runs, "--annotate", str(annotated), "--report-path", "reports/v.md"]) == 0
-    v = __import__("json").loads(annotated.read_text())["validation"]
+    v = json.loads(annotated.read_text())["validation"]
     assert v["heldout_runs"] == 1 and v["heldout_mape"] == pytest.approx(0, abs=1e-9)
     assert v["configurations"] == ["8 jobs overlap g=2 mps"] and v["report"] == "reports/v.md"
     capsys.readouterr()
@@ -222,7 +227,6 @@ def test_runs_that_packed_prompts_are_another_configuration(tmp_path):
     """trainer.share_prompts changes the trainer's work: such a run is not a repeat of the plain
     arm in the per-configuration errors or the noise floor, and the report names it; validate
     simulates it packed."""
-    import json
 
     from calibration.validate import config_key, config_label, validate
     from nodus.config import DEFAULT_PROFILES
@@ -248,7 +252,6 @@ def test_runs_that_packed_prompts_are_another_configuration(tmp_path):
 def test_runs_recorded_before_the_trainer_stopped_waiting_for_publish_replay_that_scheduler(tmp_path):
     """A run folder whose config has no arm.trainer_waits_for_publish came from the scheduler that
     held the trainer until each publish ended: validate simulates it that way, newer runs as recorded."""
-    import json
 
     from calibration.validate import load_recorded, recorded_configs
     from nodus.simulate import config_from_args, simulate
@@ -269,7 +272,6 @@ def test_annotate_a_shipped_profile_named_by_name_writes_its_own_file(tmp_path, 
     """`nodus validate --profile NAME --annotate <that profile's file>` annotates it in place; any
     other existing file is refused."""
     import importlib.resources
-    import json
     import shutil
 
     import pytest
@@ -501,7 +503,6 @@ def test_host_probe_times_fixed_work_and_slow_hosts_are_flagged(tmp_path):
 def test_validate_report_names_runs_on_a_slowed_host(tmp_path):
     """Recorded runs whose summaries carry host probes: the report gives the median and names the
     run whose probe was slower than the threshold; the simulator's errors are unchanged by it."""
-    import json
 
     from calibration.validate import render_markdown
 
@@ -525,7 +526,6 @@ def test_validate_and_the_gpu_table_name_runs_whose_engine_compiled_while_measur
     warm-up's come before 0) is named with its compiles, in the validation report and the GPU
     table; a run that recorded none is not, and one recorded without the record (None) counts
     neither way."""
-    import json
 
     from calibration.validate import render_markdown
     from calibration.run_health import run_jit_compiles
@@ -583,7 +583,6 @@ def test_each_phase_alone_and_beside_the_other():
 def _monitored_runs(tmp_path, key: str, monitors: dict) -> list:
     """8-job overlap + MPS runs simulated per seed, each summary's diagnostics holding ``key``:
     that seed's monitor summary (none where it is None)."""
-    import json
 
     runs = []
     for seed, mon in monitors.items():
@@ -680,7 +679,6 @@ def test_generations_by_size_and_what_ran_beside_them():
 def test_a_size_the_profile_prices_short_shows_in_the_size_table(tmp_path):
     """Runs simulated on one profile, validated on another whose large decode steps are cheaper:
     the large generations come out short in the table, the small ones not."""
-    import json
 
     from calibration.validate import render_markdown
     from sim.profile import load_profile
@@ -747,7 +745,6 @@ def test_two_engines_rate_mispriced_shows_in_the_generations_beside_engines(tmp_
     """Two-stack runs simulated on one profile, validated on one whose two engines together are
     slower: the generations beside another stack's throughout come out long, those beside it in part
     less so, those beside none hardly."""
-    import json
 
     from calibration.validate import render_markdown
     from nodus.config import DEFAULT_PROFILE
@@ -783,7 +780,6 @@ def test_train_steps_of_stacks_by_how_much_another_stacks_train_step_ran_beside(
     """Lockstep two-stack runs simulated on a profile whose two trainers together are slow
     (sharing.mps_trainers), validated on one with the many-clients rule: their train steps beside the
     other stack's throughout come out short, in their own table; validated on the truth, right."""
-    import json
 
     from calibration.validate import beside_engines_share, render_markdown, trains_beside_trainers
     from nodus.config import DEFAULT_PROFILE
@@ -1039,7 +1035,6 @@ def test_sim_scaled_to_a_machine_by_its_recorded_runs(tmp_path, capsys, monkeypa
     steps/GPU-h on runs recorded there (session 41's second H200, two of its runs), simulating each
     run once (its replayed lengths); runs of two machines, or of none recorded, are refused by name
     before any simulation."""
-    import json
 
     import calibration.validate as cv
     from calibration.validate import machine_factor
@@ -1139,7 +1134,6 @@ def test_sim_scaled_to_a_machine_scales_each_kind_by_its_own_runs(capsys):
     arm's steps/GPU-h times the shared runs' factor, its dedicated baseline times the dedicated runs',
     so its ratio times their quotient; a dedicated plan times the dedicated runs' factor; with
     dedicated runs only, a shared plan takes their factor and the table says it is the weaker one."""
-    import json
 
     from calibration.validate import machine_factor
     from nodus.config import STACKS_PROFILE
