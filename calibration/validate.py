@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -917,6 +918,23 @@ def _stacks_text(arm: dict) -> str:
             + (f" hold={arm['hold_apart']:g}" if arm.get("hold_apart") else ""))
 
 
+def arm_key(arm: dict) -> str:
+    """A configuration's arm alone, as its label begins after the job count: 'overlap g=2 mps',
+    'shared-sync g=1 mps stacks=2 offset' (policy, groups, sharing and how the stacks run): what a
+    profile's error bar is told apart by (``annotate_profile``'s ``arms``; ``nodus sim`` says whether
+    the arm it simulated is among them)."""
+    return f"{arm['policy']} g={arm.get('groups') or 1} {arm['sharing']}" + _stacks_text(arm)
+
+
+_ARM_OF_LABEL = re.compile(r"^\d+ jobs (\S+ g=\d+ \S+(?: stacks=\d+)?(?: lockstep| offset(?: hold=\S+)?)?)")
+
+
+def arm_of_label(label: str) -> str | None:
+    """``arm_key`` of a configuration's ``config_label`` (None for a label of another form)."""
+    m = _ARM_OF_LABEL.match(label)
+    return m.group(1) if m else None
+
+
 def config_label(row: dict) -> str:
     """'8 jobs overlap g=2 mps', plus ' stacks=2' for engine + trainer stacks splitting the jobs
     (arm.stacks; ' lockstep' where they were held in step, arm.lockstep; ' offset' where they started
@@ -1277,6 +1295,24 @@ def plot_validation(rep: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def arm_errors(rows: list[dict]) -> dict[str, dict]:
+    """Each arm's share of an error bar (``arm_key``: policy, groups, sharing, stacks), over ``rows``
+    (validate's rows; the held-out ones for a profile's annotation): its runs, configurations, and the
+    per-run steps per GPU-hour MAPE, bias and worst case replaying lengths. A profile's one MAPE is
+    of the arms its held-out runs ran; another arm's prediction is not covered by it."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("arm"):
+            by.setdefault(arm_key(r["arm"]), []).append(r)
+    out = {}
+    for key, rs in sorted(by.items()):
+        e = error_stats([r["replay"]["steps_per_gpu_hour"] for r in rs],
+                        [r["measured"]["steps_per_gpu_hour"] for r in rs])
+        out[key] = {"runs": e["n"], "configurations": len({config_key(r) for r in rs}), "mape": e["mape"],
+                    "bias": e["bias"], "worst": e["worst"]}
+    return out
+
+
 def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | None = None) -> dict:
     """The profile with `rep`'s held-out errors as its `validation`, written to `out` (a new file,
     or the same path as a profile file being annotated in place)."""
@@ -1299,7 +1335,7 @@ def annotate_profile(profile: str, rep: dict, out: str | Path, report: str | Non
         "heldout_mape": h["mape"], "heldout_bias": h["bias"], "heldout_worst": h["worst"],
         "kendall_tau": h["kendall_tau"], "heldout_runs": len(held),
         "configurations": sorted({config_label(r) for r in held if r.get("arm")}),
-        "report": report, **days}
+        "arms": arm_errors(held), "report": report, **days}
     mc = rep.get("heldout_machine_calibrated")
     if mc:
         e = mc["replay"]

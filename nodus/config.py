@@ -482,7 +482,11 @@ STACKS_PROFILE = STACKS_PROTOCOL_PROFILE
 # days, 13 machines): 5.4% MAPE per run, bias +2.7%, worst 13.9%; per configuration 5.3%, tau 0.68
 # (0.95 over the pairs the runs tell apart); 3.4% with each machine's speed known. On the 32 runs
 # of more than 4 jobs held out from both it is 5.6% where session 60's profile is 12.0% (bias +4.4%
-# against +11.9%) (calibration/reports/validation-h100-stacks-session67.md).
+# against +11.9%) (calibration/reports/validation-h100-stacks-session67.md). Those were all stack
+# runs: session 69's one-stack arms of 8 jobs it prices +13.7% to +30.2% (its one-engine-one-trainer
+# rates and decode shape are the H200's). Annotated since on the 46 runs of sessions 51-69 it was
+# not fitted on: 7.1% per run, bias +4.8%, two stacks 5.2% (32 runs), one stack +18.9% (6), arm by
+# arm in validation.arms (calibration/reports/validation-h100-stacks-session67-sessions51-69.md).
 H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-session67-qwen3-0.6b"
 
 

@@ -365,7 +365,7 @@ def plan_table(result: dict) -> str:
         if b.get("outside_profile"):
             line += "; it lies outside the profiled region (below), so its error may be larger"
         lines.append(line + ".")
-    lines += ["", error_bar_line(result.get("profile_validation"))]
+    lines += ["", error_bar_line(result.get("profile_validation"), result["rows"])]
     fitted = result.get("trainer_microbatch_fitted")
     if fitted:
         lines += ["", "Trainer micro-batch fitted to the profile's GPU, as the real backend fits it (the default's "

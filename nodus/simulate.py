@@ -248,7 +248,7 @@ def render_table(s: dict, share_prompts: int = 0) -> str:
         out += "\n".join(f"- {a['id']}: {a['what']}" for a in s["assumptions"])
     v = s.get("profile_validation")
     if (v and v.get("heldout_mape") is not None) or s.get("backend") == "sim":
-        out += "\n\n" + error_bar_line(v)
+        out += "\n\n" + error_bar_line(v, [s["arm"]] if s.get("arm") else None)
     if s.get("outside_profile"):
         out += "\n\nOutside the profiled region: " + "; ".join(s["outside_profile"])
     fitted = s.get("trainer_microbatch_fitted")
@@ -436,8 +436,48 @@ def arm_label(r: dict) -> str:
     return (f"{r['policy']}{g} {r['sharing']}{k}" if r["policy"] != "dedicated" else "dedicated") + sp
 
 
-def error_bar_line(validation: dict | None) -> str:
-    """What a prediction on this profile is worth: its held-out error against real runs."""
+def validated_arms(validation: dict | None) -> set[str]:
+    """The arms (``calibration.validate.arm_key``) of a profile's held-out runs: from its per-arm
+    errors, or, in an annotation written before them, its configurations' labels."""
+    from calibration.validate import arm_of_label
+
+    v = validation or {}
+    return set(v.get("arms") or {}) | {a for a in map(arm_of_label, v.get("configurations") or []) if a}
+
+
+def arm_error_text(validation: dict | None, arms: list[dict]) -> str:
+    """Whether a profile's error bar covers the shared arms simulated (``arms``: summaries' ``arm``
+    dicts): each arm's own held-out error where the annotation has it, and the arms none of its
+    held-out runs ran, whose predictions it does not vouch for ('' without a validation, or where
+    every arm is a dedicated one)."""
+    from calibration.validate import arm_key
+
+    v = validation or {}
+    if v.get("heldout_mape") is None:
+        return ""
+    keys = sorted({arm_key(a) for a in arms if a.get("policy") != "dedicated"})
+    have = validated_arms(v)
+    per = v.get("arms") or {}
+    parts = []
+    for k in keys:
+        e = per.get(k)
+        if e and e.get("mape") is not None:
+            parts.append(f"{k}: {e['runs']} run(s), MAPE {e['mape']:.1%}, bias {e['bias']:+.1%}, worst "
+                         f"{e['worst']:.1%}")
+    missing = [k for k in keys if k not in have]
+    text = (("Of the held-out runs, this arm's: " if len(keys) == 1 else "Of the held-out runs, by arm: ")
+            + "; ".join(parts) + ".") if parts else ""
+    if missing:
+        text += ((" " if text else "") + f"No held-out run of {', '.join(missing)} is behind that error bar (its "
+                 f"arms: {', '.join(sorted(have)) or 'none recorded'}): the prediction for "
+                 + ("that arm" if len(missing) == 1 else "those arms") + " has no error bar on this profile.")
+    return text
+
+
+def error_bar_line(validation: dict | None, arms: list[dict] | None = None) -> str:
+    """What a prediction on this profile is worth: its held-out error against real runs, and, given
+    the arms simulated (summaries' ``arm`` dicts), whether that error covers them
+    (``arm_error_text``)."""
     v = validation or {}
     st = v.get("stacks") or {}
     stacks = ""
@@ -483,7 +523,8 @@ def error_bar_line(validation: dict | None) -> str:
         line += (f" On {v.get('across_days_runs', 0)} runs of other days: MAPE {v['across_days_mape']:.1%}, "
                  f"bias {v['across_days_bias']:+.1%}, worst {v['across_days_worst']:.1%}"
                  + (f" ({v['across_days_report']})" if v.get("across_days_report") else "") + ".")
-    return line + stacks
+    cover = arm_error_text(v, arms or [])
+    return line + (" " + cover if cover else "") + stacks
 
 
 def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dict] | None = None,
@@ -504,7 +545,7 @@ def sweep_table(rows: list[dict], validation: dict | None = None, best: list[dic
             + (f", next {b['next']} {b['next_gap']:+.1%}" if b["next"] else "")
             + (", within the profile's error" if b["within_error"] else "") + ")" for b in best) + "."]
     if validation is not None:
-        lines += ["", error_bar_line(validation)]
+        lines += ["", error_bar_line(validation, rows)]
         if any(packed_rows(r.get("share_prompts")) for r in rows):
             lines.append("That error is of runs with plain rows, not of packed rows (+spK): on the H200 (session 20) "
                          "their train step beside a generation took longer than the profile prices it.")

@@ -298,6 +298,10 @@ class Validation(_M):
     kendall_tau: float | None = None
     heldout_runs: int = 0
     configurations: list[str] = []  # the held-out runs' arms, e.g. "8 jobs overlap g=2 mps"
+    # The same error arm by arm (calibration.validate.arm_errors; keyed by arm_key, e.g. "overlap g=2
+    # mps", "shared-sync g=1 mps stacks=2"): runs, configurations, mape, bias, worst. A profile
+    # validated on some arms prices the others without an error bar of their own.
+    arms: dict[str, dict[str, float | int | None]] = {}
     report: str | None = None  # where the full report is
     # The same error on other days' held-out runs under the MPS settings its rates were fitted under
     # (experiments/crossday.py --annotate): what a plan for a day no profile was fitted on meets.

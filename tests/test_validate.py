@@ -136,9 +136,19 @@ def test_annotated_profile_carries_its_error_bar_into_every_report(tmp_path, cap
     v = json.loads(annotated.read_text())["validation"]
     assert v["heldout_runs"] == 1 and v["heldout_mape"] == pytest.approx(0, abs=1e-9)
     assert v["configurations"] == ["8 jobs overlap g=2 mps"] and v["report"] == "reports/v.md"
+    assert v["arms"] == {"overlap g=2 mps": {"runs": 1, "configurations": 1, "mape": pytest.approx(0, abs=1e-9),
+                                             "bias": pytest.approx(0, abs=1e-9), "worst": pytest.approx(0, abs=1e-9)}}
     capsys.readouterr()
     assert main(["sim", "--jobs", "2", "--steps", "2", "--profile", str(annotated)]) == 0
-    assert "against 1 held-out real runs: steps per GPU-hour MAPE 0.0%" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "against 1 held-out real runs: steps per GPU-hour MAPE 0.0%" in out
+    assert "Of the held-out runs, this arm's: overlap g=2 mps: 1 run(s), MAPE 0.0%, bias +0.0%, worst 0.0%." in out
+    # An arm no held-out run ran: the one MAPE is not its error bar, and the report says so.
+    assert main(["sim", "--jobs", "2", "--steps", "2", "--policy", "shared-sync", "--sharing", "none",
+                 "--profile", str(annotated)]) == 0
+    out = capsys.readouterr().out
+    assert ("No held-out run of shared-sync g=1 none is behind that error bar (its arms: overlap g=2 mps): the "
+            "prediction for that arm has no error bar on this profile.") in out and "this arm's" not in out
     # Another existing file is never overwritten; the annotated profile itself may be.
     other = tmp_path / "other.json"
     other.write_text("{}")
@@ -1250,3 +1260,23 @@ def test_the_plot_keys_configurations_by_the_words_that_tell_them_apart(tmp_path
     # Two panels (runs, and the held-out configurations' means with their key) make a wide figure.
     h, w = mpimg.imread(tmp_path / "v.png").shape[:2]
     assert w > 1.5 * h
+
+
+def test_a_configurations_arm_is_read_back_from_its_label():
+    from calibration.validate import arm_key, arm_of_label, config_label
+    from nodus.simulate import validated_arms
+
+    arms = [{"policy": "overlap", "groups": 2, "sharing": "mps"},
+            {"policy": "shared-sync", "groups": 1, "sharing": "mps", "stacks": 2, "offset_stacks": True,
+             "hold_apart": 0.5},
+            {"policy": "shared-sync", "groups": 1, "sharing": "mps", "stacks": 2, "lockstep": True},
+            {"policy": "timeslice", "groups": 2, "sharing": "none", "stacks": 1}]
+    for arm in arms:
+        row = {"arm": arm, "jobs": 8, "mb_tokens": 4096, "audit": "r1", "controls": {"trainer_priority": "below-normal"}}
+        assert arm_of_label(config_label(row)) == arm_key(arm)
+    assert [arm_key(a) for a in arms] == ["overlap g=2 mps", "shared-sync g=1 mps stacks=2 offset hold=0.5",
+                                          "shared-sync g=1 mps stacks=2 lockstep", "timeslice g=2 none"]
+    assert arm_of_label("an old label") is None
+    # An annotation written before per-arm errors: its arms come from its configurations' labels.
+    assert validated_arms({"configurations": ["16 jobs shared-sync g=1 mps stacks=2 mb=4096 sp4"]}) == {
+        "shared-sync g=1 mps stacks=2"}
