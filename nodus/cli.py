@@ -67,9 +67,9 @@ def cmd_profiles(a: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     pct = (lambda x: "-" if x is None else f"{x:.1%}")
-    print("| profile | GPU | host | date | held-out MAPE | bias | held-out runs | ratio over dedicated: MAPE, bias "
-          "(pairs) | other days: MAPE (runs) | two stacks: left out (runs) | assumptions | report |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| profile | GPU | host | date | held-out MAPE | bias | held-out runs | held-out arms (runs) | ratio over "
+          "dedicated: MAPE, bias (pairs) | other days: MAPE (runs) | two stacks: left out (runs) | assumptions | report |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         name = r["name"] + "".join(f" ({role})" for role, prof in SHIPPED_ROLES if r["name"] == prof)
         days = f"{pct(r['across_days_mape'])} ({r['across_days_runs']})" if r["across_days_runs"] else "-"
@@ -79,15 +79,18 @@ def cmd_profiles(a: argparse.Namespace) -> int:
                   if st else "-")
         ratio = (f"{pct(r['ratio_mape'])}, {r['ratio_bias']:+.1%} ({r['ratio_pairs']})"
                  if r.get("ratio_mape") is not None else "-")
+        arms = ", ".join(k + ("" if n is None else f" ({n})") for k, n in r["heldout_arms"].items()) or "-"
         print(f"| {name} | {r['gpu']} | {r['host'] or 'not recorded'} | {r['date']} | {pct(r['heldout_mape'])} | "
-              f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {ratio} | {days} | {stacks} | {r['assumptions']} | "
-              f"{r['report'] or '-'} |")
+              f"{pct(r['heldout_bias'])} | {r['heldout_runs']} | {arms} | {ratio} | {days} | {stacks} | "
+              f"{r['assumptions']} | {r['report'] or '-'} |")
     print("\nA profile describes the host it was measured on, not only its GPU model: pick the one "
           "measured where the jobs will run (nodus sim --profile NAME). Held-out MAPE: on the runs of more jobs "
           "than it was fitted on that its report names; other days: on such runs of the days it was not fitted "
           "on, under the MPS settings its rates were fitted under (experiments/crossday.py). Ratio over "
           "dedicated: each held-out run over its day's and machine's dedicated run of its seed, simulated against "
-          "measured (nodus validate; the figure a plan is booked on). Two stacks: the "
+          "measured (nodus validate; the figure a plan is booked on). Held-out arms: the arms those runs ran "
+          "(runs where the annotation counts them): the held-out MAPE is theirs, and nodus sim prints a simulated "
+          "arm's own or says it has none. Two stacks: the "
           "two-engine rate's fit (nodus fit-stacks), each run predicted from the others, where the profile has one, "
           "and each day's runs from the other days' (days); "
           "the other columns are the one-stack terms' (a fitted copy keeps its base's).")

@@ -404,9 +404,27 @@ def profile_summaries() -> list[dict]:
             "ratio_mape": v.ratio_mape if v else None, "ratio_bias": v.ratio_bias if v else None,
             "ratio_pairs": v.ratio_pairs if v else 0,
             "assumptions": len(p.assumptions),
+            # The arms its held-out runs ran, with their runs where the annotation has them
+            # (calibration.validate.arm_errors; older annotations: read from their configurations).
+            "heldout_arms": _heldout_arms(v),
             # Its two-engine rate's fit (nodus fit-stacks), where it has one: runs and leave-one-out error.
             "stacks": (cost.validation() or {}).get("stacks")})
     return out
+
+
+def _heldout_arms(v: Validation | None) -> dict[str, int | None]:
+    """Arm (``calibration.validate.arm_key``) -> its held-out runs (None where the annotation
+    predates per-arm errors and only its configurations' labels name the arm)."""
+    if v is None:
+        return {}
+    from calibration.validate import arm_of_label
+
+    out: dict[str, int | None] = {k: int(e.get("runs") or 0) for k, e in v.arms.items()}
+    for label in v.configurations:
+        a = arm_of_label(label)
+        if a and a not in out:
+            out[a] = None
+    return dict(sorted(out.items()))
 
 
 def shipped_profile_path(name: str):

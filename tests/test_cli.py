@@ -148,6 +148,12 @@ def test_profiles_lists_each_shipped_profile_with_its_error_bar(capsys):
 
     assert f"| {DEFAULT_PROFILE} (default) |" in out and f"| {STACKS_PROFILE} (stacks on an H200) |" in out
     assert f"| {H100_STACKS_PROFILE} (stacks on an H100 80GB) |" in out
+    # The arms behind each error bar: counted where the annotation has them, named from its
+    # configurations where it predates that.
+    assert rows[H100_STACKS_PROFILE]["heldout_arms"]["overlap g=2 mps"] == 2
+    assert rows[H100_STACKS_PROFILE]["heldout_arms"]["shared-sync g=1 mps stacks=2"] >= 30
+    assert rows["h200-qwen3-0.6b"]["heldout_arms"]["timeslice g=2 none"] is None
+    assert "overlap g=2 mps (2), overlap g=2 none (2)," in out
 
 
 def test_sim_what_if_reports_the_hypothesis_and_bad_factors_are_clear_errors(capsys):
