@@ -935,6 +935,18 @@ def arm_of_label(label: str) -> str | None:
     return m.group(1) if m else None
 
 
+def heldout_arms(validation: dict | None) -> dict[str, int | None]:
+    """A profile's ``validation`` (a dict) -> each arm of its held-out runs (``arm_key``) and their
+    count: from its per-arm errors (``arm_errors``), and None for an arm only its configurations'
+    labels name (an annotation written before per-arm errors)."""
+    v = validation or {}
+    out: dict[str, int | None] = {k: int(e.get("runs") or 0) for k, e in (v.get("arms") or {}).items()}
+    for a in map(arm_of_label, v.get("configurations") or []):
+        if a and a not in out:
+            out[a] = None
+    return dict(sorted(out.items()))
+
+
 def config_label(row: dict) -> str:
     """'8 jobs overlap g=2 mps', plus ' stacks=2' for engine + trainer stacks splitting the jobs
     (arm.stacks; ' lockstep' where they were held in step, arm.lockstep; ' offset' where they started
@@ -946,8 +958,7 @@ def config_label(row: dict) -> str:
     arm = row["arm"]
     mb = row.get("mb_tokens")
     controls = "".join(f" {k}={v}" for k, v in sorted(_config_controls(row).items()))
-    return (f"{row['jobs']} jobs {arm['policy']} g={arm['groups']} {arm['sharing']}"
-            + _stacks_text(arm)
+    return (f"{row['jobs']} jobs " + arm_key(arm)
             + (f" mb={mb}" if mb and mb != DEFAULT_MICROBATCH_TOKENS else "")
             + (f" sp{_packed(row)}" if _packed(row) else "") + (" freed" if trainer_freed(arm) else "")
             + (f" audit {row['audit']}" if row.get("audit") and "audit" not in (row.get("controls") or {}) else "")

@@ -436,27 +436,18 @@ def arm_label(r: dict) -> str:
     return (f"{r['policy']}{g} {r['sharing']}{k}" if r["policy"] != "dedicated" else "dedicated") + sp
 
 
-def validated_arms(validation: dict | None) -> set[str]:
-    """The arms (``calibration.validate.arm_key``) of a profile's held-out runs: from its per-arm
-    errors, or, in an annotation written before them, its configurations' labels."""
-    from calibration.validate import arm_of_label
-
-    v = validation or {}
-    return set(v.get("arms") or {}) | {a for a in map(arm_of_label, v.get("configurations") or []) if a}
-
-
 def arm_error_text(validation: dict | None, arms: list[dict]) -> str:
     """Whether a profile's error bar covers the shared arms simulated (``arms``: summaries' ``arm``
     dicts): each arm's own held-out error where the annotation has it, and the arms none of its
     held-out runs ran, whose predictions it does not vouch for ('' without a validation, or where
     every arm is a dedicated one)."""
-    from calibration.validate import arm_key
+    from calibration.validate import arm_key, heldout_arms
 
     v = validation or {}
     if v.get("heldout_mape") is None:
         return ""
     keys = sorted({arm_key(a) for a in arms if a.get("policy") != "dedicated"})
-    have = validated_arms(v)
+    have = set(heldout_arms(v))
     per = v.get("arms") or {}
     parts = []
     for k in keys:

@@ -388,6 +388,8 @@ def shipped_profiles() -> list[str]:
 
 def profile_summaries() -> list[dict]:
     """One line of facts per shipped profile: what it was measured on, and its error bar."""
+    from calibration.validate import heldout_arms
+
     out = []
     for name in shipped_profiles():
         cost = load_profile(name)
@@ -406,25 +408,10 @@ def profile_summaries() -> list[dict]:
             "assumptions": len(p.assumptions),
             # The arms its held-out runs ran, with their runs where the annotation has them
             # (calibration.validate.arm_errors; older annotations: read from their configurations).
-            "heldout_arms": _heldout_arms(v),
+            "heldout_arms": heldout_arms(v.model_dump() if v else None),
             # Its two-engine rate's fit (nodus fit-stacks), where it has one: runs and leave-one-out error.
             "stacks": (cost.validation() or {}).get("stacks")})
     return out
-
-
-def _heldout_arms(v: Validation | None) -> dict[str, int | None]:
-    """Arm (``calibration.validate.arm_key``) -> its held-out runs (None where the annotation
-    predates per-arm errors and only its configurations' labels name the arm)."""
-    if v is None:
-        return {}
-    from calibration.validate import arm_of_label
-
-    out: dict[str, int | None] = {k: int(e.get("runs") or 0) for k, e in v.arms.items()}
-    for label in v.configurations:
-        a = arm_of_label(label)
-        if a and a not in out:
-            out[a] = None
-    return dict(sorted(out.items()))
 
 
 def shipped_profile_path(name: str):

@@ -1264,7 +1264,7 @@ def test_the_plot_keys_configurations_by_the_words_that_tell_them_apart(tmp_path
 
 def test_a_configurations_arm_is_read_back_from_its_label():
     from calibration.validate import arm_key, arm_of_label, config_label
-    from nodus.simulate import validated_arms
+    from calibration.validate import heldout_arms
 
     arms = [{"policy": "overlap", "groups": 2, "sharing": "mps"},
             {"policy": "shared-sync", "groups": 1, "sharing": "mps", "stacks": 2, "offset_stacks": True,
@@ -1278,5 +1278,5 @@ def test_a_configurations_arm_is_read_back_from_its_label():
                                           "shared-sync g=1 mps stacks=2 lockstep", "timeslice g=2 none"]
     assert arm_of_label("an old label") is None
     # An annotation written before per-arm errors: its arms come from its configurations' labels.
-    assert validated_arms({"configurations": ["16 jobs shared-sync g=1 mps stacks=2 mb=4096 sp4"]}) == {
+    assert set(heldout_arms({"configurations": ["16 jobs shared-sync g=1 mps stacks=2 mb=4096 sp4"]})) == {
         "shared-sync g=1 mps stacks=2"}
