@@ -157,8 +157,10 @@ def split(data_files: list[Path], out_root: Path, name: str, size: int, prefix: 
 # device_session.sh names (its graphs and ep modes replay them). Found in the script, not listed here.
 RESULTS = "experiments/results/h200"
 # The other GPUs' recorded results (session 63: the H100's 9.3 MiB took the light tree from 18.5 to
-# 20.0 MiB, past what fits beside a 44 MiB part), left out the same way.
-OTHER_RESULTS = ("experiments/results/h100",)
+# 20.0 MiB, past what fits beside a 44 MiB part), left out the same way, and the simulator's
+# validation reports (9.4 MiB in session 69, the light tree's largest part: 15.0 MiB left 0.7 MiB
+# beside the 48 MiB part; no device call reads them, a profile names its report as text only).
+OTHER_RESULTS = ("experiments/results/h100", "calibration/reports")
 SESSION_SCRIPT = "experiments/device_session.sh"
 
 

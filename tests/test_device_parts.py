@@ -135,6 +135,9 @@ def test_light_leaves_the_recorded_results_out_but_what_a_call_reads(tmp_path):
     other = root / dp.OTHER_RESULTS[0]  # another GPU's results (session 63: the H100's 9.3 MiB)
     (other / "s3" / "arms" / "run").mkdir(parents=True)
     (other / "s3" / "arms" / "run" / "summary.json").write_bytes(os.urandom(2 * dp.MIB))
+    reports = root / "calibration" / "reports"  # the simulator's validation reports (session 69: 9.4 MiB)
+    reports.mkdir(parents=True)
+    (reports / "validation-x.json").write_bytes(os.urandom(dp.MIB))
     (root / dp.SESSION_SCRIPT).write_text(f'--run "${{EP_RUN:-{dp.RESULTS}/s2/arms/named}}"\n')
     subprocess.run(["git", "-C", str(root), "add", "-A"], check=True)
     subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
@@ -143,11 +146,12 @@ def test_light_leaves_the_recorded_results_out_but_what_a_call_reads(tmp_path):
     dp.main(["light", "--root", str(root)])
     assert not (res / "s1" / "arms" / "run" / "spans.jsonl.gz").exists()
     assert not (other / "s3" / "arms" / "run" / "summary.json").exists()
+    assert not (reports / "validation-x.json").exists()
     assert (res / "s1" / "estimates.json").exists() and (res / "s2" / "arms" / "named" / "summary.json").exists()
     assert (root / "big.bin").exists() and (root / dp.SESSION_SCRIPT).exists()
-    assert dp.tree_bytes_on_disk(root) <= before - 6 * dp.MIB
+    assert dp.tree_bytes_on_disk(root) <= before - 7 * dp.MIB
     dp.main(["whole", "--root", str(root)])
-    assert (res / "s1" / "arms" / "run" / "spans.jsonl.gz").exists()
+    assert (res / "s1" / "arms" / "run" / "spans.jsonl.gz").exists() and (reports / "validation-x.json").exists()
     assert (other / "s3" / "arms" / "run" / "summary.json").exists()
     assert dp.tree_bytes_on_disk(root) == before
 
