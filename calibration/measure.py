@@ -107,6 +107,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     from real.fuse import compile_wanted, fuse_elementwise
 
     compiled = fuse_elementwise(base) if compile_wanted(None, device) else []
+    asked_mode = trainer.step_mode
     vocab = trainer.vocab_size
     ad_dir = Path(tempfile.mkdtemp(prefix="nodus-cal-"))
     n_ad = max(adapter_counts)
@@ -203,7 +204,10 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
         for tokens in train_tokens:
             batches_ = _train_batches(a, tokens, vocab, rng)
             s = timed_step(batches_)
-            train.append({"tokens": sum(len(r) for b in batches_.values() for r in b.input_ids), "adapters": a, "s": s})
+            # The mode this point was timed in: a graph capture that fails (out of memory beside the
+            # engine, say) leaves the trainer eager from then on (fit_profile keeps the asked mode's points).
+            train.append({"tokens": sum(len(r) for b in batches_.values() for r in b.input_ids), "adapters": a, "s": s,
+                          "step_mode": trainer.step_mode})
             log(f"train {train[-1]['tokens']:6d} tokens, {a} adapters: {s:.3f} s")
     # The KL term (jobs[].beta > 0): the same step with every job's beta on adds a forward pass of
     # the base model over the job's tokens (its reference logprobs); train.kl_share prices it.
@@ -214,7 +218,7 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
     with_kl = {f"kl{k[3:]}": b for k, b in plain.items()}
     times = {"plain_s": timed_step(plain), "s": timed_step(with_kl)}
     train_kl = {"tokens": sum(len(r) for b in plain.values() for r in b.input_ids), "adapters": a, "beta": KL_BETA,
-                **times}
+                **times, "step_mode": trainer.step_mode}
     log(f"train {train_kl['tokens']:6d} tokens, {a} adapters, beta {KL_BETA}: {times['s']:.3f} s "
         f"(without: {times['plain_s']:.3f} s)")
     return {"decode": decode, "decode_no_lora": no_lora, "context": context, "prefill": prefill, "train": train,
@@ -226,7 +230,8 @@ def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_to
             "lora_kernel_configs": eng.lora_kernel_configs,
             # step_mode as trained (a graph capture that failed left it eager).
             "trainer": {"lora_layout": trainer.routing.layout_mode, "compiled": compiled,
-                        "step_mode": trainer.step_mode, "graph_error": trainer.graph_error}}
+                        "step_mode": trainer.step_mode, "step_mode_asked": asked_mode,
+                        "graph_error": trainer.graph_error}}
 
 
 DECODE_MODELS = ("surface", "points")
@@ -280,12 +285,13 @@ def fit_profile(raw: dict, base: dict, env: dict, decode_model: str = "surface")
     pre = raw["prefill"]
     pa, pb = fit_linear_rel([p["tokens"] for p in pre], [max(p["s"], 1e-6) for p in pre])
     # Trainer: seconds = b * tokens + c * adapters, relative-error least squares.
-    tr = raw["train"]
+    tr, step_mode, train_kl, dropped = train_points(raw)
     A = np.array([[t["tokens"] / t["s"], t["adapters"] / t["s"]] for t in tr])
     (tb, tc), *_ = np.linalg.lstsq(A, np.ones(len(tr)), rcond=None)
     tb, tc = max(float(tb), 1e-12), max(float(tc), 0.0)
     ctx = float(np.median([c["s_per_context_token"] for c in raw["context"]])) if raw["context"] else 0.0
     kept = [a for a in base.get("assumptions", []) if a["id"] in ("sharing-constant", "sharing-many-clients")]
+    kept += [dropped] if dropped else []
     return {
         "schema": "nodus.profile/1",
         "environment": env,
@@ -295,8 +301,8 @@ def fit_profile(raw: dict, base: dict, env: dict, decode_model: str = "surface")
         "prefill": {"no_lora": {"a_s": pa, "b_s_per_unit": pb}, "lora": {"a_s": pa, "b_s_per_unit": pb}},
         "train": {"per_microbatch": {"a_s": 0.0, "b_s_per_unit": tb}, "s_per_adapter": tc,
                   "max_profiled_tokens": raw["train_mb_tokens"],
-                  "step_mode": raw.get("trainer", {}).get("step_mode", "eager"),
-                  **({"kl_share": kl_share(raw["train_kl"], tb)} if raw.get("train_kl") else {})},
+                  "step_mode": step_mode,
+                  **({"kl_share": kl_share(train_kl, tb)} if train_kl else {})},
         "publish": {"save_s_per_adapter": float(np.median(raw["save_s"])),
                     "engine_load_s": float(np.median(raw["load_s"]))},
         "sharing": base["sharing"],
@@ -311,6 +317,45 @@ def fit_profile(raw: dict, base: dict, env: dict, decode_model: str = "surface")
                          if surface else []),
         "measurements": {"calibrate": raw, **({"decode_fit": surface} if surface else {})},
     }
+
+
+def _fits_train(points: list[dict]) -> bool:
+    """Whether `points` determine the train terms (a per-token and a per-adapter cost)."""
+    return len(points) >= 2 and np.linalg.matrix_rank(np.array([[t["tokens"], t["adapters"]] for t in points],
+                                                                dtype=float)) == 2
+
+
+def train_points(raw: dict) -> tuple[list[dict], str, dict | None, dict | None]:
+    """The train points a calibration's train terms are fitted on, the trainer step mode they
+    describe, its KL point (None: not of that mode) and an assumption naming the points left out.
+
+    A graph capture that fails mid-calibration (out of memory beside the engine on an 80 GB card,
+    session 70) leaves the trainer eager for the points after it: fitting every point would mix two
+    trainers. The points timed in the asked mode are kept where they determine the terms, else those
+    of the mode it ended in; only where neither does are all kept, the mixture named."""
+    trainer = raw.get("trainer") or {}
+    final = trainer.get("step_mode", "eager")
+    asked = trainer.get("step_mode_asked", final)
+    tr = raw["train"]
+    kl = raw.get("train_kl")
+    if asked == final or not all("step_mode" in t for t in tr):
+        return tr, final, kl, None
+    for mode in (asked, final):
+        points = [t for t in tr if t["step_mode"] == mode]
+        if _fits_train(points):
+            left = [t for t in tr if t["step_mode"] != mode]
+            what = (f"the trainer was asked for {asked} steps and its graph capture failed mid-calibration "
+                    f"({trainer.get('graph_error') or 'no error recorded'}); the train terms are fitted on the "
+                    f"{len(points)} point(s) timed {mode}, leaving out "
+                    + ", ".join(f"{t['tokens']} tokens x {t['adapters']} adapters ({t['step_mode']})" for t in left)
+                    + ("" if kl is None or kl.get("step_mode") == mode else "; the KL term, timed "
+                       f"{kl.get('step_mode')}, is not priced"))
+            return (points, mode, kl if kl is not None and kl.get("step_mode") == mode else None,
+                    {"id": "train-mode-mixed", "value": len(left), "what": what})
+    return tr, final, kl, {"id": "train-mode-mixed", "value": 0,
+                           "what": f"the trainer was asked for {asked} steps and its graph capture failed "
+                                   f"mid-calibration; too few points of one mode to fit, so the train terms mix "
+                                   f"{asked} and {final} steps (step_mode {final})"}
 
 
 def kl_share(kl: dict, b_s_per_token: float) -> float:

@@ -2,7 +2,9 @@
 measured decode, prefill, trainer and publish timings."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -33,7 +35,9 @@ def test_calibrate_writes_a_profile_the_simulator_uses(tmp_path, tiny_model):
     assert prof["environment"]["adapter_format"] == raw["adapter_format"] == "flat"
     assert prof["environment"]["gpu_memory_gib"] is None  # off a GPU; on one, free and total GiB before the start
     # The trainer measured is the runs' trainer: default layout; compiled only on a GPU.
-    assert raw["trainer"] == {"lora_layout": "masked", "compiled": [], "step_mode": "eager", "graph_error": None}
+    assert raw["trainer"] == {"lora_layout": "masked", "compiled": [], "step_mode": "eager", "step_mode_asked": "eager",
+                              "graph_error": None}
+    assert {t["step_mode"] for t in raw["train"]} == {raw["train_kl"]["step_mode"]} == {"eager"}
     assert prof["train"]["step_mode"] == "eager"
     # The KL step (every job's beta on) against the same step without: its share of the micro-batch cost.
     kl = raw["train_kl"]
@@ -199,3 +203,57 @@ def test_calibrate_engines_measures_two_engine_processes_on_the_cpu(tmp_path, ca
     cfg = config_from_args(jobs=2, steps=2, policy="shared-sync", sharing="none", stacks=2, profile=str(out))
     flags = simulate(cfg)["diagnostics"][0]["outside_profile"]
     assert any("two-engine bench's time-sliced slowdown" in f for f in flags)
+
+
+SESSION70 = Path(__file__).resolve().parents[1] / "experiments/results/h100/session70/calibrate/h100-calibrated.json"
+
+
+def _session70_tagged(tmp_path, modes: list[str], kl_mode: str) -> Path:
+    """Session 70's H100 calibration with each train point's step mode as its log shows (the graph
+    capture ran out of memory at the fourth point, 16384 tokens x 8 adapters; eager from there)."""
+    prof = json.loads(SESSION70.read_text())
+    raw = prof["measurements"]["calibrate"]
+    for t, m in zip(raw["train"], modes):
+        t["step_mode"] = m
+    raw["train_kl"]["step_mode"] = kl_mode
+    raw["trainer"]["step_mode_asked"] = "graphed"
+    out = tmp_path / "tagged.json"
+    out.write_text(json.dumps(prof))
+    return out
+
+
+def test_a_failed_graph_capture_leaves_its_eager_points_out_of_the_train_terms(tmp_path, capsys):
+    """Session 70's calibration asked for graphed steps; the capture failed at the last point and
+    the profile said eager, its terms mixing both trainers. Refitted with each point's mode, the
+    terms come from the graphed points alone, the profile says graphed, names the point left out,
+    and leaves the KL term (timed eager) unpriced."""
+    src = _session70_tagged(tmp_path, ["graphed", "graphed", "graphed", "eager"], "eager")
+    out = tmp_path / "refit.json"
+    assert main(["calibrate", "--from-raw", str(src), "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["train"]["step_mode"] == "graphed"
+    assert "kl_share" not in prof["train"]
+    note = next(a for a in prof["assumptions"] if a["id"] == "train-mode-mixed")
+    assert note["value"] == 1 and "16384 tokens x 8 adapters (eager)" in note["what"]
+    # The terms are the documented model's (seconds = b * tokens + c * adapters, relative least
+    # squares) over the three graphed points, not over all four as before.
+    raw = prof["measurements"]["calibrate"]["train"]
+    for points, expect_same in ((raw[:3], True), (raw, False)):
+        A = np.array([[t["tokens"] / t["s"], t["adapters"] / t["s"]] for t in points])
+        (b, c), *_ = np.linalg.lstsq(A, np.ones(len(points)), rcond=None)
+        same = (b == pytest.approx(prof["train"]["per_microbatch"]["b_s_per_unit"], rel=1e-9)
+                and c == pytest.approx(prof["train"]["s_per_adapter"], rel=1e-9))
+        assert bool(same) is expect_same
+    # Without the tags (the file as written) the profile stays as it was: eager, all four points.
+    old = tmp_path / "old.json"
+    assert main(["calibrate", "--from-raw", str(SESSION70), "--out", str(old)]) == 0
+    assert json.loads(old.read_text())["train"]["step_mode"] == "eager"
+
+
+def test_too_few_graphed_points_fall_back_to_the_mode_the_trainer_ended_in(tmp_path):
+    src = _session70_tagged(tmp_path, ["graphed", "eager", "eager", "eager"], "eager")
+    out = tmp_path / "refit.json"
+    assert main(["calibrate", "--from-raw", str(src), "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["train"]["step_mode"] == "eager" and "kl_share" in prof["train"]
+    assert next(a for a in prof["assumptions"] if a["id"] == "train-mode-mixed")["value"] == 1
