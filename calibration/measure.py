@@ -344,8 +344,9 @@ def train_points(raw: dict) -> tuple[list[dict], str, dict | None, dict | None]:
         points = [t for t in tr if t["step_mode"] == mode]
         if _fits_train(points):
             left = [t for t in tr if t["step_mode"] != mode]
+            error = (trainer.get("graph_error") or "no error recorded").split(". ")[0]
             what = (f"the trainer was asked for {asked} steps and its graph capture failed mid-calibration "
-                    f"({trainer.get('graph_error') or 'no error recorded'}); the train terms are fitted on the "
+                    f"({error}); the train terms are fitted on the "
                     f"{len(points)} point(s) timed {mode}, leaving out "
                     + ", ".join(f"{t['tokens']} tokens x {t['adapters']} adapters ({t['step_mode']})" for t in left)
                     + ("" if kl is None or kl.get("step_mode") == mode else "; the KL term, timed "

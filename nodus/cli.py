@@ -8,8 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, H100_STACKS_PROFILE, POLICIES, SHARINGS, STACKS_PROFILE,
-                          ConfigError, RunConfig,
+from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, H100_ONESTACK_PROFILE, H100_STACKS_PROFILE, POLICIES,
+                          SHARINGS, STACKS_PROFILE, ConfigError, RunConfig,
                           load_config)
 from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
 from calibration.fit_runs import TERM_SELECTIONS
@@ -56,7 +56,7 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
 
 # The shipped profiles a planner picks by the question, marked so in `nodus profiles`.
 SHIPPED_ROLES = (("default", DEFAULT_PROFILE), ("stacks on an H200", STACKS_PROFILE),
-                 ("stacks on an H100 80GB", H100_STACKS_PROFILE))
+                 ("stacks on an H100 80GB", H100_STACKS_PROFILE), ("one stack on an H100 80GB", H100_ONESTACK_PROFILE))
 
 
 def cmd_profiles(a: argparse.Namespace) -> int:

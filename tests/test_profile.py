@@ -148,3 +148,27 @@ def test_the_shipped_h100_stacks_profile_carries_its_gpu_tied_rates_and_error_ba
     bench = {e.batch: e for e in sh.engines_by_batch}
     assert sh.stacks_engine_sequences == 128 and bench[256].mps_trainer_beside > bench[128].mps_trainer_beside
     assert cm.profile.measurements["engines"]["settings"]["controls"]["trainer_priority"] == "below-normal"
+
+
+def test_the_h100_one_stack_profile_prices_another_days_one_stack_runs():
+    """Session 70's one-stack H100 profile (calibrated on an H100, fitted on that day's 1-4-job runs)
+    against session 69's six 8-job one-stack runs, replayed now: within 5% per run where the stacks
+    profile, whose one-stack rates and decode shape are the H200's, is 19% high on the same runs."""
+    from pathlib import Path
+
+    from calibration.validate import validate
+    from nodus.config import H100_ONESTACK_PROFILE, H100_STACKS_PROFILE
+
+    assert H100_ONESTACK_PROFILE in shipped_profiles()
+    cm = load_profile(H100_ONESTACK_PROFILE)
+    assert cm.profile.environment.gpu.startswith("NVIDIA H100") and cm.profile.train.step_mode == "graphed"
+    assert cm.profile.sharing.mps_engines is None  # no two-stack rate: nodus fit-stacks has not run on it
+    root = Path(__file__).resolve().parents[1] / "experiments/results/h100/session69/h100/arms"
+    runs = sorted(p for p in root.iterdir() if p.is_dir())
+    held = {name: validate(runs, name, fit_max_jobs=4)["heldout_replay"] for name in (H100_ONESTACK_PROFILE,
+                                                                                     H100_STACKS_PROFILE)}
+    one, stacks = held[H100_ONESTACK_PROFILE], held[H100_STACKS_PROFILE]
+    assert one["n"] == stacks["n"] == 6
+    assert one["mape"] < 0.06 and abs(one["bias"]) < 0.06 and stacks["bias"] > 0.15
+    # The annotation a sim prints is that figure.
+    assert cm.validation()["heldout_mape"] == pytest.approx(one["mape"], rel=1e-6)
