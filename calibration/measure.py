@@ -40,11 +40,14 @@ def _train_batches(adapters: int, tokens: int, vocab: int, rng, seq: int = 256) 
 
 
 def environment(device: str) -> dict:
-    """The header of a measurement: GPU (or CPU), torch and vLLM versions, date, git commit."""
+    """The header of a measurement: GPU (or CPU) and its driver, torch and vLLM versions, date, git commit."""
     import torch
 
-    env = {"gpu": torch.cuda.get_device_name(0) if device.startswith("cuda")
-           else f"cpu ({platform.processor() or 'unknown'})",
+    from nodus.gpumemory import gpu_driver
+
+    on_gpu = device.startswith("cuda")
+    env = {"gpu": torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.processor() or 'unknown'})",
+           "driver": gpu_driver() if on_gpu else None,
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit(),
            "host": host()}
     try:

@@ -75,6 +75,12 @@ def query_gpu(fields: str) -> list[str] | None:
     return [v.strip() for v in out.stdout.splitlines()[0].rsplit(",", fields.count(","))]
 
 
+def gpu_driver() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), or None where it cannot be read."""
+    got = query_gpu("driver_version")
+    return got[0] if got and got[0] else None
+
+
 def gpu_memory_gib() -> tuple[float, float] | None:
     """The first GPU's free and total memory in GiB (nvidia-smi), or None where it cannot be read."""
     got = query_gpu("memory.free,memory.total")

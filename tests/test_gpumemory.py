@@ -94,3 +94,28 @@ def test_a_calibrated_profile_carries_its_gpus_memory_and_the_simulator_fits_to_
     (tmp_path / "bad.json").write_text(json.dumps(prof))
     with pytest.raises(Exception, match="gpu_memory_gib"):
         load_profile(str(tmp_path / "bad.json"))
+
+
+def test_the_driver_version_is_read_from_nvidia_smi(monkeypatch):
+    """nodus calibrate's environment header names the driver (#5: GPU, driver, vLLM and torch
+    versions); None where nvidia-smi cannot tell (no GPU, or it fails)."""
+    import subprocess
+    import shutil
+
+    from nodus import gpumemory
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="580.159.04\n", stderr="")
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert gpumemory.gpu_driver() == "580.159.04"
+    assert calls == [["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader,nounits"]]
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9, "", "no GPU"))
+    assert gpumemory.gpu_driver() is None
+    from calibration.measure import environment
+
+    assert environment("cpu")["driver"] is None  # off a GPU nothing asks nvidia-smi

@@ -162,6 +162,7 @@ def test_the_h100_one_stack_profile_prices_another_days_one_stack_runs():
     assert H100_ONESTACK_PROFILE in shipped_profiles()
     cm = load_profile(H100_ONESTACK_PROFILE)
     assert cm.profile.environment.gpu.startswith("NVIDIA H100") and cm.profile.train.step_mode == "graphed"
+    assert cm.profile.environment.driver == "580.159.04"  # the header #5 asks for: GPU, driver, versions, date
     assert cm.profile.sharing.mps_engines is None  # no two-stack rate: nodus fit-stacks has not run on it
     root = Path(__file__).resolve().parents[1] / "experiments/results/h100/session69/h100/arms"
     runs = sorted(p for p in root.iterdir() if p.is_dir())

@@ -8,9 +8,14 @@ D=experiments/results/h100/session70; S=$D/h100/arms; R=experiments/results/h200
 N=h100-xeon16-graphed-calibrated-onestack-session70-qwen3-0.6b
 # 1. The calibration's train points with the mode each was timed in, as calibrate.log shows them
 #    (the capture failed between the 4096 x 8 and 16384 x 8 points; calibrate records this itself since b4fc9c0).
-python - "$D/calibrate/h100-calibrated.json" "$W/h100-calibrated-tagged.json" <<'P'
+#    Its header's driver, which nodus calibrate did not record before this session, from the same
+#    machine's nvidia-smi (h100/gpu.txt).
+python - "$D/calibrate/h100-calibrated.json" "$W/h100-calibrated-tagged.json" "$D/h100/gpu.txt" <<'P'
 import json, sys
 prof = json.load(open(sys.argv[1]))
+gpu, driver = open(sys.argv[3]).read().strip().rsplit(", ", 1)
+assert gpu == prof["environment"]["gpu"]
+prof["environment"]["driver"] = driver
 raw = prof["measurements"]["calibrate"]
 assert [(t["tokens"], t["adapters"]) for t in raw["train"]] == [(4096, 1), (16384, 1), (4096, 8), (16384, 8)]
 for t, mode in zip(raw["train"], ["graphed", "graphed", "graphed", "eager"]):
