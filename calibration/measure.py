@@ -81,9 +81,46 @@ def _timed_no_lora(eng, reqs) -> float:
     return time.perf_counter() - t0
 
 
+# The engine's share of the GPU while a calibration measures (vLLM gpu_memory_utilization): its KV
+# cache stays allocated while the trainer is timed after it.
+CAL_ENGINE_MEMORY = 0.4
+# The train points' token counts unless told; the larger is the trainer's micro-batch.
+CAL_TRAIN_TOKENS = (4096, 16384)
+
+
+def calibration_train_tokens(asked: tuple[int, ...] | None, memory: tuple[float, float] | None, graphed: bool,
+                             log=print) -> tuple[int, ...]:
+    """The train points' token counts: ``asked``, else CAL_TRAIN_TOKENS with its larger count the
+    largest halving of it whose graphed trainer fits beside the calibration's engine in ``memory``
+    (free, total GiB; ``nodus.gpumemory``, as a run's default micro-batch is fitted) and the smaller
+    under it. On an H100 80GB that is 4096 and 8192: session 70's capture of 16384 tokens there ran
+    out of memory and left the trainer eager. A graphed ``asked`` size that is not expected to fit
+    is kept, with a warning (its capture may fail: the points after it are then left out of the
+    train terms, ``train_points``)."""
+    from nodus.gpumemory import microbatch_that_fits
+
+    if not graphed or memory is None:
+        return tuple(asked) if asked else CAL_TRAIN_TOKENS
+    if asked:
+        fits = microbatch_that_fits(memory[0], memory[1], CAL_ENGINE_MEMORY, 1, max(asked))
+        if fits != max(asked):
+            log(f"--train-tokens {','.join(map(str, asked))}: a graphed trainer of {max(asked)}-token micro-batches "
+                f"is not expected to fit beside the engine in {memory[0]:.0f} GiB free "
+                f"({'none fits' if fits is None else f'{fits} tokens would'}); if its capture fails, the points "
+                "timed eager after it are left out of the train terms")
+        return tuple(asked)
+    mb = microbatch_that_fits(memory[0], memory[1], CAL_ENGINE_MEMORY, 1, max(CAL_TRAIN_TOKENS))
+    if mb is None or mb == max(CAL_TRAIN_TOKENS):
+        return CAL_TRAIN_TOKENS
+    tokens = (min(min(CAL_TRAIN_TOKENS), mb // 2), mb)
+    log(f"train points at {tokens[0]} and {tokens[1]} tokens: the largest micro-batch a graphed trainer is expected "
+        f"to fit beside the engine in {memory[0]:.0f} GiB free (nodus.gpumemory)")
+    return tokens
+
+
 def measure(model: str, batches: list[int], adapter_counts: list[int], prompt_tokens: tuple[int, int],
             lengths: tuple[int, int], train_tokens: list[int], device: str, dtype: str, rank: int = 16,
-            engine_memory: float = 0.4, enforce_eager: bool = False, repeats: int = 3, log=print,
+            engine_memory: float = CAL_ENGINE_MEMORY, enforce_eager: bool = False, repeats: int = 3, log=print,
             trainer_graphs: bool = False, tuned_lora_kernels: bool = True, engine_slots: int | None = None,
             adapter_format: str = "safetensors") -> dict:
     """Raw timings (seconds) from one engine and one trainer in this process (``trainer_graphs``:
@@ -400,7 +437,7 @@ def check_adapter_format(fmt: str) -> None:
 
 def calibrate(model: str | None, out: str | Path, base: str | None = None, batches=(8, 64, 256, 512),
               adapter_counts=(1, 8), prompt_tokens=(64, 256), lengths=(16, 64),
-              train_tokens=(4096, 16384), device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
+              train_tokens=None, device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
               repeats: int = 3, log=print, trainer_graphs: bool = False, tuned_lora_kernels: bool = True,
               engine_slots: int | None = None, decode_model: str = "surface",
               from_raw: str | Path | None = None, adapter_format: str | None = None) -> dict:
@@ -440,6 +477,7 @@ def calibrate(model: str | None, out: str | Path, base: str | None = None, batch
     from nodus.gpumemory import gpu_memory_gib
 
     memory = gpu_memory_gib() if device.startswith("cuda") else None
+    train_tokens = calibration_train_tokens(train_tokens, memory, trainer_graphs and device.startswith("cuda"), log)
     raw = measure(model, list(batches), list(adapter_counts), tuple(prompt_tokens), tuple(lengths),
                   list(train_tokens), device, dtype, enforce_eager=enforce_eager, repeats=repeats, log=log,
                   trainer_graphs=trainer_graphs, tuned_lora_kernels=tuned_lora_kernels, engine_slots=engine_slots,

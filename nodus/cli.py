@@ -318,8 +318,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from calibration.measure import calibrate
 
     calibrate(a.model, a.out, base=a.base, batches=_ints(a.batches), adapter_counts=_ints(a.adapters),
-              prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths), train_tokens=_ints(a.train_tokens),
-              device=a.device, enforce_eager=a.enforce_eager, repeats=a.repeats, trainer_graphs=a.trainer_graphs,
+              prompt_tokens=_ints(a.prompt_tokens), lengths=_ints(a.lengths),
+              train_tokens=_ints(a.train_tokens) if a.train_tokens else None, device=a.device,
+              enforce_eager=a.enforce_eager, repeats=a.repeats, trainer_graphs=a.trainer_graphs,
               tuned_lora_kernels=a.tuned_lora_kernels, engine_slots=a.engine_slots, decode_model=a.decode_model,
               from_raw=a.from_raw, adapter_format=a.adapter_format,
               log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -807,7 +808,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapters", default="1,8")
     p.add_argument("--prompt-tokens", default="64,256", help="two prompt lengths (KV context cost)")
     p.add_argument("--lengths", default="16,64", help="two forced response lengths per point")
-    p.add_argument("--train-tokens", default="4096,16384")
+    p.add_argument("--train-tokens", default=None,
+                   help="train points' token counts, the larger the trainer's micro-batch (default 4096,16384; with "
+                        "--trainer-graphs on a GPU the larger is the largest halving of 16384 whose graphed trainer "
+                        "is expected to fit beside the engine, 8192 on an H100 80GB)")
     p.add_argument("--repeats", type=int, default=3, help="timed pairs per decode point (median)")
     _measuring_device_args(p)
     p.add_argument("--trainer-graphs", action="store_true",

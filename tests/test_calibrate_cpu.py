@@ -257,3 +257,26 @@ def test_too_few_graphed_points_fall_back_to_the_mode_the_trainer_ended_in(tmp_p
     prof = json.loads(out.read_text())
     assert prof["train"]["step_mode"] == "eager" and "kl_share" in prof["train"]
     assert next(a for a in prof["assumptions"] if a["id"] == "train-mode-mixed")["value"] == 1
+
+
+def test_a_graphed_calibration_times_the_trainer_at_a_micro_batch_that_fits_its_gpu():
+    """nodus calibrate --trainer-graphs on a GPU picks its train points as a run picks its default
+    micro-batch: on an H100 80GB (session 70: 16384 tokens ran out of memory in capture beside the
+    engine) 4096 and 8192; on an H200 the 16384 that fits; off a GPU, or eager, 4096 and 16384. Sizes
+    asked for are kept, a graphed one not expected to fit named."""
+    from calibration.measure import CAL_TRAIN_TOKENS, calibration_train_tokens
+    from nodus.gpumemory import GPU_MEMORY_GIB
+
+    said = []
+    h100, h200 = GPU_MEMORY_GIB["NVIDIA H100 80GB HBM3"], GPU_MEMORY_GIB["NVIDIA H200"]
+    assert calibration_train_tokens(None, h100, True, said.append) == (4096, 8192)
+    assert "4096 and 8192 tokens" in said[-1]
+    assert calibration_train_tokens(None, h200, True, said.append) == CAL_TRAIN_TOKENS == (4096, 16384)
+    assert calibration_train_tokens(None, None, True, said.append) == CAL_TRAIN_TOKENS
+    assert calibration_train_tokens(None, h100, False, said.append) == CAL_TRAIN_TOKENS  # eager: no capture
+    assert calibration_train_tokens((2048, 4096), h100, True, said.append) == (2048, 4096)
+    n = len(said)
+    assert calibration_train_tokens((4096, 16384), h100, True, said.append) == (4096, 16384)
+    assert len(said) == n + 1 and "8192 tokens would" in said[-1]
+    # A small GPU: the larger count halves until it fits, the smaller stays under it.
+    assert calibration_train_tokens(None, (40.0, 40.0), True, said.append) == (2048, 4096)
