@@ -97,7 +97,7 @@ def calibration_train_tokens(asked: tuple[int, ...] | None, memory: tuple[float,
     out of memory and left the trainer eager. A graphed ``asked`` size that is not expected to fit
     is kept, with a warning (its capture may fail: the points after it are then left out of the
     train terms, ``train_points``)."""
-    from nodus.gpumemory import microbatch_that_fits
+    from nodus.gpumemory import fitted_microbatch, microbatch_that_fits
 
     if not graphed or memory is None:
         return tuple(asked) if asked else CAL_TRAIN_TOKENS
@@ -109,8 +109,8 @@ def calibration_train_tokens(asked: tuple[int, ...] | None, memory: tuple[float,
                 f"({'none fits' if fits is None else f'{fits} tokens would'}); if its capture fails, the points "
                 "timed eager after it are left out of the train terms")
         return tuple(asked)
-    mb = microbatch_that_fits(memory[0], memory[1], CAL_ENGINE_MEMORY, 1, max(CAL_TRAIN_TOKENS))
-    if mb is None or mb == max(CAL_TRAIN_TOKENS):
+    mb = fitted_microbatch(max(CAL_TRAIN_TOKENS), 1, memory, CAL_ENGINE_MEMORY)
+    if mb == max(CAL_TRAIN_TOKENS):
         return CAL_TRAIN_TOKENS
     tokens = (min(min(CAL_TRAIN_TOKENS), mb // 2), mb)
     log(f"train points at {tokens[0]} and {tokens[1]} tokens: the largest micro-batch a graphed trainer is expected "
