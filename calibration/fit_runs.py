@@ -66,6 +66,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -315,7 +316,7 @@ def _note_carried(prof: dict, key: str, now: str | None, what, base_value: str |
 def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: str | None = None,
         lora_kernels: str | None = None, graphless_from: str | Path | None = None,
         graph_max_tokens: int | None = None, scales_only: bool = False,
-        term_selection: str = "runs") -> dict:
+        term_selection: str = "runs", step_floor: bool = False) -> dict:
     """A profile: the base's, with trainer and publish costs fitted on the eligible runs.
 
     ``trainer_mode`` (default: the base's ``train.step_mode``): the trainer the runs used and the
@@ -335,6 +336,10 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     engine's CUDA graphs that a run queueing past max_num_seqs pays (``decode.graphless``; assumption
     ``graphless-flat``), set before the engine's scale and rates are fitted; ``graph_max_tokens``:
     the graph size of the engine that measured them, when the file does not record it.
+
+    ``step_floor``: fit the engine's per-step host floor (``decode.step_floor_s``) together with
+    ``decode.scale`` on the runs' lone generations of several batch sizes (``_decode_scale_floor``)
+    instead of the scale alone on the dedicated runs'.
 
     The runs' adapter handoff (``RealOptions.adapter_format``, one per fit) is the one the fitted
     train and publish terms describe (``environment.adapter_format``).
@@ -511,7 +516,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
         # queue more sequences than max_num_seqs) run without graphs: set before the engine's fits.
         prof["decode"]["graph_max_tokens"], prof["decode"]["graphless"] = graphless_points(graphless_from,
                                                                                          graph_max_tokens)
-    decode_fit = _decode_scale(gens, prof)
+    decode_fit = _decode_scale_floor(gens, prof) if step_floor else _decode_scale(gens, prof)
     if want_kernels != base_kernels and decode_fit is None:
         raise ConfigError(f"nodus fit: --lora-kernels {want_kernels} fits that engine onto a base of the {base_kernels} "
                           "kernels through decode.scale, which only dedicated runs' generations fit (>= 3 of one job "
@@ -938,15 +943,32 @@ def _publish_fit(publish: list[dict], pub: dict) -> dict:
             "save_s_per_adapter": save, "save_s_per_publish": fixed, "corun_factor": factor}
 
 
-def _alone_generation_s(prof: dict, gen: dict, scale: float) -> float:
+class _AloneEngine:
+    """A profile validated once for ``_alone_generation_s`` at many (scale, floor) pairs: the joint
+    fit of ``decode.scale`` and ``decode.step_floor_s`` replays each lone generation tens of times."""
+
+    def __init__(self, prof: dict):
+        from sim.profile import Profile
+
+        self.model = Profile.model_validate(prof)
+
+    def seconds(self, gen: dict, scale: float, floor: float | None = None) -> float:
+        upd = {"scale": scale} if floor is None else {"scale": scale, "step_floor_s": floor}
+        model = self.model.model_copy(update={"decode": self.model.decode.model_copy(update=upd)})
+        return _alone_generation_s(None, gen, scale, model=model)
+
+
+def _alone_generation_s(prof: dict | None, gen: dict, scale: float, model=None) -> float:
     """Seconds the simulator's engine is busy on one generation episode alone on the GPU (no MPS):
     ``gen`` (a ``generate_samples`` episode) has its ``requests`` (every job's prompts, prompt tokens
     each and response lengths) submitted to an idle engine, each action's ``offset_s`` after the
     first (0 when not given), with the run's ``max_num_seqs``, ``max_loras`` and
     ``graph_max_tokens``, every decode step at ``scale`` times the profile's curves, and the run's
     audit (``audit``: the sequences not returning logprobs priced less, where the profile prices it,
-    ``decode.logprob_s_per_seq``). An idle gap between actions (the alone engine done before the next
-    one came) is not counted: the work is the union of the actions' submit-to-done intervals."""
+    ``decode.logprob_s_per_seq``), each step at least the profile's ``decode.step_floor_s``. An idle
+    gap between actions (the alone engine done before the next one came) is not counted: the work is
+    the union of the actions' submit-to-done intervals. ``model``: the validated profile to use as it
+    is (``_AloneEngine``), instead of ``prof`` at ``scale``."""
     import simpy
 
     from nodus.config import AuditSpec
@@ -954,8 +976,8 @@ def _alone_generation_s(prof: dict, gen: dict, scale: float) -> float:
     from sim.gpu import SharedGPU
     from sim.profile import CostModel, Profile
 
-    p = dict(prof, decode=dict(prof["decode"], scale=scale))
-    model = Profile.model_validate(p)
+    if model is None:
+        model = Profile.model_validate(dict(prof, decode=dict(prof["decode"], scale=scale)))
     env = simpy.Environment()
     done: dict[str, float] = {}
     eng = SimEngine(env, SharedGPU(env, "none", model.sharing), CostModel(model, "nodus fit"),
@@ -989,38 +1011,192 @@ def _complete(g: dict) -> bool:
     return all(r["lengths"] and r["prompt_tokens_each"] for r in g["requests"])
 
 
+# A generation is "lone" (the engine alone on the GPU, as a dedicated run's) where a train step
+# overlapped at most this share of it: a shared-sync run's, or an offset run's first.
+LONE_CORUN_SHARE = 0.01
+
+
+def _lone_generations(gens: list[dict]) -> list[dict]:
+    """The complete generations that ran with the engine alone on the GPU and no MPS."""
+    return [g for g in gens if g["sharing"] == "none" and _complete(g) and g["corun_s"] <= LONE_CORUN_SHARE * g["s"]]
+
+
+def _sequences(g: dict) -> int:
+    return sum(len(r["lengths"]) for r in g["requests"])
+
+
+def _scale_at(engine: _AloneEngine, rows: list[dict], weights: np.ndarray, floor: float, s0: float,
+              tol: float = 1e-4) -> tuple[float, np.ndarray] | None:
+    """The decode.scale at which the rows' weighted relative error sums to 0 with the per-step
+    floor ``floor`` (the error grows with the scale: a bracket from ``s0``, then false position),
+    and the rows' predicted seconds at it; None where no scale in [s0/2^12, s0*2^12] gets there (a
+    floor so high that the rows are priced long with every step at it)."""
+    y = np.array([g["s"] for g in rows])
+
+    def bias(scale: float) -> tuple[float, np.ndarray]:
+        pred = np.array([engine.seconds(g, scale, floor) for g in rows])
+        return float(np.sum(weights * (pred / y - 1))), pred
+
+    lo, hi = s0 / 1.25, s0 * 1.25
+    (b_lo, p_lo), (b_hi, p_hi) = bias(lo), bias(hi)
+    for _ in range(12):  # move the bracket until it holds the root
+        if b_lo <= 0 <= b_hi:
+            break
+        if b_lo > 0:
+            lo, hi, b_hi, p_hi = lo / 2, lo, b_lo, p_lo
+            b_lo, p_lo = bias(lo)
+        else:
+            lo, hi, b_lo, p_lo = hi, hi * 2, b_hi, p_hi
+            b_hi, p_hi = bias(hi)
+    if not b_lo <= 0 <= b_hi:
+        return None
+    for _ in range(40):  # Illinois false position
+        if abs(b_lo) < tol:
+            return lo, p_lo
+        if abs(b_hi) < tol or hi - lo < tol * hi:
+            return hi, p_hi
+        m = hi - b_hi * (hi - lo) / (b_hi - b_lo)
+        b_m, p_m = bias(m)
+        if b_m < 0:
+            lo, b_lo, p_lo = m, b_m, p_m
+            b_hi /= 2
+        else:
+            hi, b_hi, p_hi = m, b_m, p_m
+            b_lo /= 2
+    return (lo, p_lo) if abs(b_lo) < abs(b_hi) else (hi, p_hi)
+
+
 def _decode_scale(gens: list[dict], prof: dict) -> dict | None:
     """decode.scale from the dedicated runs' generations (one job alone, no MPS): seconds =
     fixed (prefill, adapter load) + scale * decode, the scale that gives the generations' total
     seconds (their sum over the sum of the simulated ones): steps per GPU-hour sees that total. A
     relative-error fit weighs a short generation as a long one and, where long generations run
     slower per step (session 52's H100: -2% per generation came out -4.8% on the total), prices the
-    total short. Sets it in ``prof`` and returns the fit's summary, with the total's error before and
-    after; None (scale kept) without such generations."""
+    total short. A base with a per-step floor (``decode.step_floor_s``, kept) has its scale solved
+    with the floor in place. Sets it in ``prof`` and returns the fit's summary, with the total's error
+    before and after; None (scale kept) without such generations."""
     rows = [g for g in gens if g["dedicated"] and g["sharing"] == "none" and _complete(g)]
     if len(rows) < 3:
         return None
-    fixed, dec, y = [], [], []
-    for g in rows:
-        t1 = _alone_generation_s(prof, g, 1.0)
-        t2 = _alone_generation_s(prof, g, 2.0)
-        dec.append(t2 - t1)
-        fixed.append(t1 - (t2 - t1))
-        y.append(g["s"])
-    fixed_a, dec_a, y_a = np.array(fixed), np.array(dec), np.array(y)
+    y_a = np.array([g["s"] for g in rows])
     base_scale = prof["decode"].get("scale", 1.0)
-    scale = float((y_a - fixed_a).sum() / dec_a.sum()) if dec_a.sum() > 0 else 0.0
-    scale = scale if scale > 0 else base_scale
-    before = (fixed_a + dec_a) / y_a - 1  # the curves unscaled (decode.scale 1)
-    at_base = (fixed_a + base_scale * dec_a) / y_a - 1  # the base's scale
-    after = (fixed_a + scale * dec_a) / y_a - 1
+    floor = prof["decode"].get("step_floor_s") or 0.0
+    if floor > 0:
+        engine = _AloneEngine(prof)
+        plain = np.array([engine.seconds(g, 1.0) for g in rows])
+        at_base_s = np.array([engine.seconds(g, base_scale) for g in rows])
+        solved = _scale_at(engine, rows, y_a / y_a.sum(), floor, base_scale)
+        if solved is None:
+            raise ConfigError(f"nodus fit: the dedicated generations run faster than the base's step floor "
+                              f"(decode.step_floor_s {floor * 1e3:.2f} ms) allows at any decode.scale: fit the "
+                              "floor on this host's runs (nodus fit --step-floor)")
+        scale, after_s = solved
+    else:
+        fixed, dec = [], []
+        for g in rows:
+            t1 = _alone_generation_s(prof, g, 1.0)
+            t2 = _alone_generation_s(prof, g, 2.0)
+            dec.append(t2 - t1)
+            fixed.append(t1 - (t2 - t1))
+        fixed_a, dec_a = np.array(fixed), np.array(dec)
+        scale = float((y_a - fixed_a).sum() / dec_a.sum()) if dec_a.sum() > 0 else 0.0
+        scale = scale if scale > 0 else base_scale
+        plain, at_base_s, after_s = fixed_a + dec_a, fixed_a + base_scale * dec_a, fixed_a + scale * dec_a
+    before = plain / y_a - 1  # the curves unscaled (decode.scale 1)
+    at_base = at_base_s / y_a - 1  # the base's scale
+    after = after_s / y_a - 1
     prof["decode"]["scale"] = scale
-    return {"scale": scale, "generations": len(rows), "base_scale": base_scale,
+    return {"scale": scale, "generations": len(rows), "base_scale": base_scale, "step_floor_s": floor,
             "mape_before": float(np.mean(np.abs(before))), "mape_after": float(np.mean(np.abs(after))),
             "bias_before": float(np.mean(before)), "bias_after": float(np.mean(after)),
             "mape_base": float(np.mean(np.abs(at_base))), "bias_base": float(np.mean(at_base)),
-            "total_before": float((fixed_a + dec_a).sum() / y_a.sum() - 1),
-            "total_after": float((fixed_a + scale * dec_a).sum() / y_a.sum() - 1)}
+            "total_before": float(plain.sum() / y_a.sum() - 1),
+            "total_after": float(after_s.sum() / y_a.sum() - 1)}
+
+
+FLOOR_GRID = 16  # step floors tried from 0 to the lone generations' slowest mean step, then refined around the best
+FLOOR_TOL_S = 2e-6  # to this many seconds
+
+
+def _decode_scale_floor(gens: list[dict], prof: dict) -> dict:
+    """decode.scale and the per-step host floor ``decode.step_floor_s`` together, from the lone
+    generations (the engine alone, no MPS: dedicated runs', shared-sync runs', an offset run's
+    first) of at least two batch sizes: a step costs max(curves x scale, floor), so a batch whose
+    GPU step is under the host's work pays the floor and a larger one the curves. One scale alone,
+    fitted on a small batch's host-bound steps, prices a large batch long by the ratio of the
+    curves (session 70's H100: 256-sequence generations +27%).
+
+    Each batch size (sequences in the generation) weighs the same; for each floor on a grid the
+    scale is the one of zero weighted bias, and the floor kept is the one of least weighted squared
+    relative error. Sets both in ``prof``; returns the fit's summary with each size's error at the
+    base's (scale, floor) and at the fitted ones. Raises ConfigError where the generations do not
+    tell a floor from a scale (one batch size, or sizes within 2x of each other)."""
+    rows = _lone_generations(gens)
+    sizes: dict[int, list[dict]] = {}
+    for g in rows:
+        sizes.setdefault(_sequences(g), []).append(g)
+    sizes = {n: v for n, v in sizes.items() if len(v) >= 2}
+    if len(sizes) < 2 or max(sizes) < 2 * min(sizes):
+        raise ConfigError("nodus fit --step-floor: the floor and the scale are told apart by lone generations (the "
+                          "engine alone, no MPS: dedicated or shared-sync runs) of batch sizes at least 2x apart, "
+                          f"two or more of each; these runs have {', '.join(f'{len(v)} of {n} sequences' for n, v in sorted(sizes.items())) or 'none'}")
+    rows = [g for n in sorted(sizes) for g in sizes[n]]
+    w = np.array([1.0 / (len(sizes) * len(sizes[_sequences(g)])) for g in rows])
+    y = np.array([g["s"] for g in rows])
+    engine = _AloneEngine(prof)
+    base_scale = prof["decode"].get("scale", 1.0)
+    base_floor = prof["decode"].get("step_floor_s") or 0.0
+    base_pred = np.array([engine.seconds(g, base_scale, base_floor) for g in rows])
+    # No step is slower than its generation's seconds over its longest response.
+    top = max(g["s"] / max(max(r["lengths"]) for r in g["requests"]) for g in rows)
+    tried: dict[float, tuple[float, float, np.ndarray]] = {}
+
+    def trial(floor: float) -> float:
+        if floor not in tried:
+            near = [f for f in tried if tried[f][2] is not None]
+            solved = _scale_at(engine, rows, w, floor,
+                               tried[min(near, key=lambda f: abs(f - floor))][1] if near else base_scale)
+            tried[floor] = ((math.inf, math.nan, None) if solved is None
+                            else (float(np.sum(w * (solved[1] / y - 1) ** 2)), solved[0], solved[1]))
+        return tried[floor][0]
+
+    grid = np.linspace(0.0, top, FLOOR_GRID + 1)
+    for f in grid:
+        trial(float(f))
+    step = grid[1] - grid[0]
+    best = min(tried, key=trial)
+    # Golden section within the grid's neighbours of the best (the error is smooth in the floor there).
+    a, b = max(best - step, 0.0), best + step
+    g = (math.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    while b - a > FLOOR_TOL_S:
+        if trial(c) < trial(d):
+            b, d = d, c
+            c = b - g * (b - a)
+        else:
+            a, c = c, d
+            d = a + g * (b - a)
+    floor = min(tried, key=trial)
+    _, scale, pred = tried[floor]
+    prof["decode"]["scale"] = scale
+    prof["decode"]["step_floor_s"] = floor
+
+    def err(p: np.ndarray, sel: np.ndarray) -> dict:
+        e = p[sel] / y[sel] - 1
+        return {"mape": float(np.mean(np.abs(e))), "bias": float(np.mean(e))}
+
+    by_size = []
+    for n, v in sorted(sizes.items()):
+        sel = np.array([_sequences(g) == n for g in rows])
+        by_size.append({"sequences": n, "generations": len(v), "adapters": sorted({len(g["requests"]) for g in v}),
+                        "dedicated": sum(g["dedicated"] for g in v), "measured_s": float(y[sel].mean()),
+                        "base": err(base_pred, sel), "fitted": err(pred, sel)})
+    e_base, e_fit = base_pred / y - 1, pred / y - 1
+    return {"scale": scale, "step_floor_s": floor, "generations": len(rows), "base_scale": base_scale,
+            "base_step_floor_s": base_floor, "sizes": by_size,
+            "floors_tried": [[f, tried[f][1], tried[f][0]] for f in sorted(tried) if tried[f][2] is not None],
+            "mape_base": float(np.average(np.abs(e_base), weights=w)), "bias_base": float(np.average(e_base, weights=w)),
+            "mape_after": float(np.average(np.abs(e_fit), weights=w)), "bias_after": float(np.average(e_fit, weights=w))}
 
 
 def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]:
@@ -1156,11 +1332,11 @@ def fit_decode_scale(runs: list[str | Path], base: str) -> dict:
 def fit_to_file(runs: list[str | Path], base: str, out: str | Path, fit_max_jobs: int = 4,
                 trainer_mode: str | None = None, lora_kernels: str | None = None,
                 graphless_from: str | Path | None = None, graph_max_tokens: int | None = None,
-                scales_only: bool = False, term_selection: str = "runs") -> dict:
+                scales_only: bool = False, term_selection: str = "runs", step_floor: bool = False) -> dict:
     from sim.profile import refuse_existing, write_profile
 
     refuse_existing(out, "nodus fit")
     prof = fit(runs, base, fit_max_jobs, trainer_mode, lora_kernels, graphless_from, graph_max_tokens, scales_only,
-               term_selection)
+               term_selection, step_floor)
     write_profile(prof, out, "nodus fit")
     return prof

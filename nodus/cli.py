@@ -386,7 +386,7 @@ def _fit_decode_scale_only(a: argparse.Namespace) -> int:
     from sim.profile import refuse_existing, write_profile
 
     others = [flag for flag, on in (("--trainer-mode", a.trainer_mode), ("--lora-kernels", a.lora_kernels),
-                                    ("--graphless-from", a.graphless_from), ("--scales-only", a.scales_only))
+                                    ("--graphless-from", a.graphless_from), ("--scales-only", a.scales_only), ("--step-floor", a.step_floor))
               if on]
     if others:
         raise ConfigError(f"--decode-scale-only fits decode.scale alone: drop {', '.join(others)}")
@@ -415,7 +415,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     prof = fit_to_file(a.runs, a.base, a.out, fit_max_jobs=a.fit_max_jobs, trainer_mode=a.trainer_mode,
                        lora_kernels=a.lora_kernels, graphless_from=a.graphless_from,
                        graph_max_tokens=a.graph_max_tokens, scales_only=a.scales_only,
-                       term_selection=a.term_selection)
+                       term_selection=a.term_selection, step_floor=a.step_floor)
     f = prof["measurements"]["fit_runs"]
     t = f["train_fit"]
     if t.get("scale") is not None:
@@ -445,10 +445,17 @@ def cmd_fit(a: argparse.Namespace) -> int:
         print(f"note: fitted at 0: {', '.join(t['at_zero'])} — these runs do not vary that term apart from the "
               "others; runs of other sizes would pin it")
     d = f.get("decode_fit")
-    print(f"decode steps x {d['scale']:.3f} (dedicated generations: {d['generations']}; their error "
-          f"{d['mape_before']:.1%} -> {d['mape_after']:.1%}, bias {d['bias_before']:+.1%} -> {d['bias_after']:+.1%}; "
-          f"their total seconds {d['total_before']:+.1%} -> {d['total_after']:+.1%})"
-          if d else "decode: kept from the base (no dedicated generations to fit it on)")
+    if d and d.get("sizes"):  # --step-floor
+        print(f"decode steps max(curves x {d['scale']:.3f}, {d['step_floor_s'] * 1e3:.2f} ms) (was x {d['base_scale']:.3f}, "
+              f"floor {d['base_step_floor_s'] * 1e3:.2f} ms) on {d['generations']} lone generations, bias by size: "
+              + "; ".join(f"{z['sequences']} sequences ({z['generations']}) {z['base']['bias']:+.1%} -> "
+                          f"{z['fitted']['bias']:+.1%} (MAPE {z['fitted']['mape']:.1%})" for z in d["sizes"]))
+    elif d:
+        print(f"decode steps x {d['scale']:.3f} (dedicated generations: {d['generations']}; their error "
+              f"{d['mape_before']:.1%} -> {d['mape_after']:.1%}, bias {d['bias_before']:+.1%} -> {d['bias_after']:+.1%}; "
+              f"their total seconds {d['total_before']:+.1%} -> {d['total_after']:+.1%})")
+    else:
+        print("decode: kept from the base (no dedicated generations to fit it on)")
     rates = f.get("sharing_fit") or {}
     print("sharing rates fitted: " + (", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items()))
                                       if rates else "none (the runs leave every rate to the base profile)"))
@@ -915,6 +922,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refit decode.scale alone on dedicated runs' generations (one job alone, no MPS), every "
                         "other term and rate of the base kept: for a profile whose engine scale came from runs of "
                         "other engine settings; refit its stacks rates after it (nodus fit-stacks)")
+    p.add_argument("--step-floor", action="store_true",
+                   help="fit the engine's per-step host floor (decode.step_floor_s: a step costs max(curves x "
+                        "scale, floor)) together with decode.scale, on the runs' lone generations (the engine alone, "
+                        "no MPS: dedicated and shared-sync runs) of batch sizes at least 2x apart")
     p.add_argument("--term-selection", choices=TERM_SELECTIONS, default="runs",
                    help="how the train terms the runs support are chosen by cross-validation: runs (leave one run "
                         "out) or extrapolate (the largest steps predicted from the smaller ones, as the profile is "

@@ -114,6 +114,12 @@ class Decode(_M):
     # do not ask. Fitted on pairs of runs that differ in their audit alone (`nodus fit-audit`); 0:
     # not measured (a run auditing less is priced as the full audit, and flagged).
     logprob_s_per_seq: float = Field(default=0.0, ge=0)
+    # The engine's per-step host floor, in seconds (not scaled): with vLLM's async scheduling the host
+    # prepares step n+1 while the GPU runs step n, so a step takes max(host, GPU), and a small batch's
+    # GPU step, shorter than the host's work, costs the host's. A step is priced max(curves x scale,
+    # step_floor_s). Fitted with the scale on one host's lone generations of several batch sizes
+    # (`nodus fit --step-floor`); 0: none (the scale alone carries the host, as fitted before).
+    step_floor_s: float = Field(default=0.0, ge=0)
 
 
 class Prefill(_M):
@@ -518,6 +524,8 @@ def what_if(prof: dict, factors: dict[str, float]) -> dict:
             # packed_pair_per_token is in per-token units: it follows b_s_per_unit
         elif phase == "decode":
             prof["decode"]["scale"] = prof["decode"].get("scale", 1.0) * f
+            if prof["decode"].get("step_floor_s"):  # the host's floor under every step too
+                prof["decode"]["step_floor_s"] *= f
         elif phase == "prefill":
             for k in ("no_lora", "lora"):
                 prof["prefill"][k] = {kk: v * f for kk, v in prof["prefill"][k].items()}
@@ -596,10 +604,10 @@ class CostModel:
         sampled tokens' logprobs (None: every one, as the curves were measured)."""
         step = self._decode_full_s(batch, context_tokens, adapters)
         d = self.profile.decode
-        if logprob_seqs is None or logprob_seqs >= batch or not d.logprob_s_per_seq:
-            return step
-        # Never below half the step: the term was fitted where the host work was a few tenths of it.
-        return max(step - d.logprob_s_per_seq * (batch - logprob_seqs) * d.scale, 0.5 * step)
+        if logprob_seqs is not None and logprob_seqs < batch and d.logprob_s_per_seq:
+            # Never below half the step: the term was fitted where the host work was a few tenths of it.
+            step = max(step - d.logprob_s_per_seq * (batch - logprob_seqs) * d.scale, 0.5 * step)
+        return max(step, d.step_floor_s)
 
     def _decode_full_s(self, batch: int, context_tokens: float, adapters: int) -> float:
         key = (batch, adapters)

@@ -1120,3 +1120,56 @@ def test_fitted_scales_give_the_runs_total_seconds_not_a_typical_action(tmp_path
     measured, replay = rep["measured"]["phase_s"], rep["replay"]["phase_s"]
     assert replay["publish"] == pytest.approx(measured["publish"], rel=0.01)
     assert replay["generate"] == pytest.approx(measured["generate"], rel=0.02)
+
+
+def test_step_floor_prices_small_batches_at_the_hosts_floor_and_large_ones_by_the_curves(tmp_path):
+    """decode.step_floor_s: a step costs max(curves x scale, floor), so the floor moves a small
+    batch's step and leaves a large one's; a what-if on decode moves both."""
+    from sim.profile import CostModel, Profile, what_if
+
+    prof = json.loads(open(_profile_with(tmp_path, "p", a=0.1, b=0.0, c=0.0, save=0.01, decode_scale=0.9)).read())
+    plain = CostModel(Profile.model_validate(prof), "t")
+    floored = CostModel(Profile.model_validate(dict(prof, decode=dict(prof["decode"], step_floor_s=0.006))), "t")
+    assert plain.decode_step_s(64, 0.0, 1) < 0.006
+    assert floored.decode_step_s(64, 0.0, 1) == pytest.approx(0.006)
+    assert floored.decode_step_s(256, 0.0, 4) == plain.decode_step_s(256, 0.0, 4) > 0.006
+    half = what_if(dict(prof, decode=dict(prof["decode"], step_floor_s=0.006)), {"decode": 0.5})
+    assert half["decode"]["step_floor_s"] == pytest.approx(0.003)
+
+
+def test_step_floor_fit_recovers_the_floor_and_scale_a_single_scale_cannot(tmp_path, capsys):
+    """Runs recorded on a profile whose small batches sit on a host floor (6 ms, curves x 0.9): a
+    dedicated run's 64-sequence generations pay the floor, a shared-sync run's 256-sequence ones the
+    curves. The scale alone, fitted on the dedicated generations, prices the large ones long; `nodus
+    fit --step-floor` gives both numbers back from the lone generations of the two sizes, and
+    refuses runs of one size."""
+    truth = _profile_with(tmp_path, "truth", a=0.1, b=1.5e-5, c=0.01, save=0.02, decode_scale=0.9)
+    t = json.loads(open(truth).read())
+    t["decode"]["step_floor_s"] = 0.006
+    open(truth, "w").write(json.dumps(t))
+    base = _profile_with(tmp_path, "base", a=0.1, b=1.5e-5, c=0.01, save=0.02)
+    ded, sync = tmp_path / "ded", tmp_path / "sync"
+    simulate(config_from_args(jobs=2, steps=4, policy="dedicated", sharing="none", profile=truth), ded)
+    simulate(config_from_args(jobs=4, steps=4, policy="shared-sync", sharing="none", profile=truth), sync)
+    scale_only = fit([ded, sync], base=base)
+    assert scale_only["decode"]["scale"] > 1.0 and scale_only["decode"].get("step_floor_s", 0.0) == 0.0
+    fitted = fit([ded, sync], base=base, step_floor=True)
+    assert fitted["decode"]["step_floor_s"] == pytest.approx(0.006, rel=0.02)
+    assert fitted["decode"]["scale"] == pytest.approx(0.9, rel=0.02)
+    d = fitted["measurements"]["fit_runs"]["decode_fit"]
+    assert [z["sequences"] for z in d["sizes"]] == [64, 256]
+    assert abs(d["sizes"][1]["base"]["bias"]) > 0.03 and all(abs(z["fitted"]["bias"]) < 0.01 for z in d["sizes"])
+    # The generations replay within a percent at the fitted floor, where the scale alone did not.
+    for prof, worst in ((scale_only, 0.05), (fitted, 0.01)):
+        out = tmp_path / f"p{worst}.json"
+        out.write_text(json.dumps(prof))
+        rep = validate([sync], profile=str(out))["rows"][0]
+        err = rep["replay"]["phase_s"]["generate"] / rep["measured"]["phase_s"]["generate"] - 1
+        assert (abs(err) < worst) == (prof is fitted)
+    assert main(["fit", str(ded), str(sync), "--base", base, "--out", str(tmp_path / "cli.json"), "--step-floor"]) == 0
+    assert "6.00 ms" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="batch sizes at least 2x apart"):
+        fit([ded], base=base, step_floor=True)
+    assert main(["fit", str(ded), "--base", base, "--out", str(tmp_path / "x.json"), "--decode-scale-only",
+                 "--step-floor"]) != 0
+    assert "drop --step-floor" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
