@@ -17,7 +17,7 @@ PYTHONPATH=. python experiments/gpu_table.py $R/session3{3,4,5,6,7,8,9}/arms/*/ 
   $R/session39/session39-m2/arms/*/ $R/session40/arms/*/ $R/session40/session40-m2/arms/*/ $R/session41/arms/*/ \
   $R/session41/session41-m2/arms/*/ $R/session42/arms/*/ $R/session42/session42-m2/arms/*/ $R/session43/arms/*/ $R/session43/session43-late/arms/*/ \
   $R/session44/arms/*/ $R/session44/session44-m1/arms/*/ $R/session44/session44-m3/arms/*/ \
-  $R/session45/arms/*/ $R/session45/session45-m2/arms/*/ $R/session49/arms/*/ \
+  $R/session45/arms/*/ $R/session45/session45-m2/arms/*/ $R/session49/arms/*/ $R/session71/arms/*/ \
   --out experiments/results/paper_table_gpu --profile calibration/profiles/h200-xeon16-graphed-qwen3-0.6b.json \
   --run-profile "$R/session33/arms/shared-sync+mps=$P3" --run-profile "$R/session34/arms/shared-sync+mps=$P3" \
   --run-profile "$R/session35/arms/shared-sync+mps=$P4" --run-profile "$R/session36/arms/shared-sync+mps=$P5" \
@@ -28,7 +28,7 @@ PYTHONPATH=. python experiments/gpu_table.py $R/session3{3,4,5,6,7,8,9}/arms/*/ 
   --run-profile "$R/session41/arms/shared-sync+mps=$P8" --run-profile "$R/session41/session41-m2/arms/=$P8" \
   --run-profile "$R/session42/arms/shared-sync+mps=$P8" --run-profile "$R/session43/arms/shared-sync+mps=$P8" \
   --run-profile "$R/session44/arms/shared-sync+mps=$P8" --run-profile "$R/session45/arms/shared-sync+mps=$P8" \
-  --run-profile "$R/session49/arms/shared-sync+mps=$P8" \
+  --run-profile "$R/session49/arms/shared-sync+mps=$P8" --run-profile "$R/session71/arms/shared-sync+mps=$P8" \
   --learning $R/session34/learning-gate/compare-3seeds-aa.json \
   --timelines "1=shared-sync/mps/g1/k2+mb8k+sp4+lowpri+cg+cpu2+ecpu4+gm512+lk+@session39,shared-sync/mps/g1/k2+off+mb8k+sp4+lowpri+cg+cpu2+ecpu4+gm512+lk+@session39" \
   "${ARGS[@]}"
