@@ -453,8 +453,9 @@ STACKS_PROTOCOL4_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4pha
 # runs and its dedicated runs, and session 33's dedicated runs under both audits, all at most 4 jobs a
 # GPU). On the same 81 held-out runs: per configuration 3.6% / 3.5% (replay / sampled), worst 7.5% /
 # 6.8%, bias +0.5% / +0.3%, tau 0.56 / 0.51 (1.00 over the 15 pairs measured apart); per run 4.7% /
-# 4.7%, worst 13.4%, bias -1.2%. calibration/reports/handoff-h200-protocol.md and
-# validation-h200.md.
+# 4.7%, worst 13.4%, bias -1.2%. With session 71's three runs (84 runs, 11 configurations): 3.5% /
+# 3.4%, worst 7.5%, bias +0.7% / +0.5%, tau 0.64 / 0.56 (1.00 over 16). calibration/reports/
+# handoff-h200-protocol.md and validation-h200.md.
 STACKS_PROTOCOL_PROFILE = "h200-xeon16-graphed-stacks-audit-decode31-38-j2j4phases4-handoff-session35-qwen3-0.6b"
 # The shipped profile for two stacks (arm.stacks 2, shared-sync + MPS, the graphed trainer below
 # normal, packed rows): `nodus sim --stacks N` takes it under MPS when no profile is chosen. Since
