@@ -650,7 +650,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     prof["environment"]["adapter_format"] = handoff
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
-    add_source(prof, f"nodus fit on {len(used)} run(s)")
+    add_source(prof, f"nodus fit on {len(used)} run(s)" + (
+        f" (--step-floor: each decode step max(curves x {decode_fit['scale']:.3f}, {decode_fit['step_floor_s'] * 1e3:.2f} ms))"
+        if step_floor else ""))
     drop_two_engine_rate(prof)  # fitted beside the terms just refitted: stale now
     # The fitted costs are the runs' host's (launch-bound train steps, per-step engine work).
     if len(hosts) == 1:

@@ -490,16 +490,20 @@ STACKS_PROFILE = STACKS_PROTOCOL_PROFILE
 # arm in validation.arms (calibration/reports/validation-h100-stacks-session67-sessions51-69.md).
 H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-session67-qwen3-0.6b"
 # The H100 80GB's one-stack profile (one engine and one trainer: shared-sync, overlap, with and
-# without MPS), since session 70 by #5's protocol on one H100 day: `nodus calibrate --trainer-graphs`
-# on the H100 (decode 8-512 sequences, 1 and 8 adapters; the trainer's terms from the three points
-# timed graphed, its capture out of memory at the fourth), the audit term of nodus fit-audit as the
-# stacks profile above has it, and `nodus fit` on that day's seven runs of 1-4 jobs (a dedicated
-# pair, overlap and shared-sync with and without MPS, a row per response). On session 69's six
-# one-stack runs of 8 jobs (another day's machine) it was not fitted on: 4.8% per run, bias -4.4%,
-# worst -13.6% (shared-sync without MPS), per configuration 5.5%, tau 0.67; the stacks profile
-# above priced the same runs +18.9% (calibration/reports/validation-h100-onestack-session70.md).
+# without MPS), by #5's protocol on session 70's H100 day: `nodus calibrate --trainer-graphs` on the
+# H100 (decode 8-512 sequences, 1 and 8 adapters; the trainer's terms from the three points timed
+# graphed, its capture out of memory at the fourth), the audit term of nodus fit-audit as the stacks
+# profile above has it, and `nodus fit --step-floor` on that day's seven runs of 1-4 jobs (a dedicated
+# pair, overlap and shared-sync with and without MPS, a row per response): since session 71 each decode
+# step costs max(curves x 0.920, 3.77 ms), the engine's per-step host floor fitted with the scale on
+# the lone 64- and 256-sequence generations. On session 69's six one-stack runs of 8 jobs (another
+# day's machine) it was not fitted on: 3.5% per run, bias +3.1%, worst +10.4% (overlap without MPS),
+# per configuration 2.8%, tau 0.67. Session 70's profile without the floor (one scale, x1.275, from the
+# dedicated runs' 64-sequence generations) priced lone large generations 27-33% long and the same runs
+# at 4.8%, bias -4.4%, worst -13.6% (shared-sync without MPS); the stacks profile above +18.9%
+# (calibration/reports/validation-h100-onestack-floor-session70.md, validation-h100-onestack-session70.md).
 # It has no two-stack rates (nodus fit-stacks) and no packed-row attention term: sp4 runs are flagged.
-H100_ONESTACK_PROFILE = "h100-xeon16-graphed-calibrated-onestack-session70-qwen3-0.6b"
+H100_ONESTACK_PROFILE = "h100-xeon16-graphed-calibrated-onestack-floor-session70-qwen3-0.6b"
 
 
 class RunConfig(_Model):

@@ -1168,6 +1168,7 @@ def test_step_floor_fit_recovers_the_floor_and_scale_a_single_scale_cannot(tmp_p
         assert (abs(err) < worst) == (prof is fitted)
     assert main(["fit", str(ded), str(sync), "--base", base, "--out", str(tmp_path / "cli.json"), "--step-floor"]) == 0
     assert "6.00 ms" in capsys.readouterr().out
+    assert "--step-floor: each decode step max(curves x 0.900, 6.00 ms)" in fitted["environment"]["sources"][-1]
     with pytest.raises(ConfigError, match="batch sizes at least 2x apart"):
         fit([ded], base=base, step_floor=True)
     assert main(["fit", str(ded), "--base", base, "--out", str(tmp_path / "x.json"), "--decode-scale-only",
