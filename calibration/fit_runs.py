@@ -1031,17 +1031,23 @@ def _scale_at(engine: _AloneEngine, rows: list[dict], weights: np.ndarray, floor
               tol: float = 1e-4) -> tuple[float, np.ndarray] | None:
     """The decode.scale at which the rows' weighted relative error sums to 0 with the per-step
     floor ``floor`` (the error grows with the scale: a bracket from ``s0``, then false position),
-    and the rows' predicted seconds at it; None where no scale in [s0/2^12, s0*2^12] gets there (a
-    floor so high that the rows are priced long with every step at it)."""
+    and the rows' predicted seconds at it; ``s0`` itself where it is such a scale (also when the
+    rows' steps all sit on the floor there, so no scale is told); None where no scale in
+    [s0/2^12, s0*2^12] gets there (a floor so high that the rows are priced long with every step at it)."""
     y = np.array([g["s"] for g in rows])
 
     def bias(scale: float) -> tuple[float, np.ndarray]:
         pred = np.array([engine.seconds(g, scale, floor) for g in rows])
         return float(np.sum(weights * (pred / y - 1))), pred
 
+    b0, p0 = bias(s0)
+    if abs(b0) < tol:  # also where every step sits on the floor around s0: the scale is not told, s0 kept
+        return s0, p0
     lo, hi = s0 / 1.25, s0 * 1.25
     (b_lo, p_lo), (b_hi, p_hi) = bias(lo), bias(hi)
     for _ in range(12):  # move the bracket until it holds the root
+        if abs(b_lo) < tol or abs(b_hi) < tol:
+            return (lo, p_lo) if abs(b_lo) < abs(b_hi) else (hi, p_hi)
         if b_lo <= 0 <= b_hi:
             break
         if b_lo > 0:

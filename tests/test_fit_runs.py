@@ -1171,6 +1171,15 @@ def test_step_floor_fit_recovers_the_floor_and_scale_a_single_scale_cannot(tmp_p
     assert "--step-floor: each decode step max(curves x 0.900, 6.00 ms)" in fitted["environment"]["sources"][-1]
     with pytest.raises(ConfigError, match="batch sizes at least 2x apart"):
         fit([ded], base=base, step_floor=True)
+    # A plain fit keeps a base's floor and solves the scale with it in place; a floor the runs'
+    # generations are faster than at any scale is refused, naming the fit that sets one.
+    kept = fit([ded, sync], base=truth)
+    assert kept["decode"]["step_floor_s"] == 0.006 and kept["decode"]["scale"] == pytest.approx(0.9, rel=0.02)
+    t["decode"]["step_floor_s"] = 0.05
+    high = tmp_path / "high.json"
+    high.write_text(json.dumps(t))
+    with pytest.raises(ConfigError, match="step floor .* --step-floor"):
+        fit([ded], base=str(high))
     assert main(["fit", str(ded), "--base", base, "--out", str(tmp_path / "x.json"), "--decode-scale-only",
                  "--step-floor"]) != 0
     assert "drop --step-floor" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
