@@ -650,9 +650,9 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     prof["environment"]["adapter_format"] = handoff
     # The profile is dated by its newest change, the fit (its sources keep what the base was).
     prof["environment"]["date"] = datetime.date.today().isoformat()
-    add_source(prof, f"nodus fit on {len(used)} run(s)" + (
-        f" (--step-floor: each decode step max(curves x {decode_fit['scale']:.3f}, {decode_fit['step_floor_s'] * 1e3:.2f} ms))"
-        if step_floor else ""))
+    floored = (f" (--step-floor: each decode step max(curves x {decode_fit['scale']:.3f}, "
+               f"{decode_fit['step_floor_s'] * 1e3:.2f} ms))" if step_floor else "")
+    add_source(prof, f"nodus fit on {len(used)} run(s){floored}")
     drop_two_engine_rate(prof)  # fitted beside the terms just refitted: stale now
     # The fitted costs are the runs' host's (launch-bound train steps, per-step engine work).
     if len(hosts) == 1:
@@ -1147,7 +1147,8 @@ def _decode_scale_floor(gens: list[dict], prof: dict) -> dict:
     if len(sizes) < 2 or max(sizes) < 2 * min(sizes):
         raise ConfigError("nodus fit --step-floor: the floor and the scale are told apart by lone generations (the "
                           "engine alone, no MPS: dedicated or shared-sync runs) of batch sizes at least 2x apart, "
-                          f"two or more of each; these runs have {', '.join(f'{len(v)} of {n} sequences' for n, v in sorted(sizes.items())) or 'none'}")
+                          "two or more of each; these runs have "
+                          + (", ".join(f"{len(v)} of {n} sequences" for n, v in sorted(sizes.items())) or "none"))
     rows = [g for n in sorted(sizes) for g in sizes[n]]
     w = np.array([1.0 / (len(sizes) * len(sizes[_sequences(g)])) for g in rows])
     y = np.array([g["s"] for g in rows])
@@ -1175,15 +1176,15 @@ def _decode_scale_floor(gens: list[dict], prof: dict) -> dict:
     best = min(tried, key=trial)
     # Golden section within the grid's neighbours of the best (the error is smooth in the floor there).
     a, b = max(best - step, 0.0), best + step
-    g = (math.sqrt(5) - 1) / 2
-    c, d = b - g * (b - a), a + g * (b - a)
+    phi = (math.sqrt(5) - 1) / 2
+    c, d = b - phi * (b - a), a + phi * (b - a)
     while b - a > FLOOR_TOL_S:
         if trial(c) < trial(d):
             b, d = d, c
-            c = b - g * (b - a)
+            c = b - phi * (b - a)
         else:
             a, c = c, d
-            d = a + g * (b - a)
+            d = a + phi * (b - a)
     floor = min(tried, key=trial)
     _, scale, pred = tried[floor]
     prof["decode"]["scale"] = scale
@@ -1203,8 +1204,10 @@ def _decode_scale_floor(gens: list[dict], prof: dict) -> dict:
     return {"scale": scale, "step_floor_s": floor, "generations": len(rows), "base_scale": base_scale,
             "base_step_floor_s": base_floor, "sizes": by_size,
             "floors_tried": [[f, tried[f][1], tried[f][0]] for f in sorted(tried) if tried[f][2] is not None],
-            "mape_base": float(np.average(np.abs(e_base), weights=w)), "bias_base": float(np.average(e_base, weights=w)),
-            "mape_after": float(np.average(np.abs(e_fit), weights=w)), "bias_after": float(np.average(e_fit, weights=w))}
+            "mape_base": float(np.average(np.abs(e_base), weights=w)),
+            "bias_base": float(np.average(e_base, weights=w)),
+            "mape_after": float(np.average(np.abs(e_fit), weights=w)),
+            "bias_after": float(np.average(e_fit, weights=w))}
 
 
 def _engine_rates(gens: list[dict], prof: dict) -> tuple[dict[str, float], dict]:

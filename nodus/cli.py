@@ -386,7 +386,8 @@ def _fit_decode_scale_only(a: argparse.Namespace) -> int:
     from sim.profile import refuse_existing, write_profile
 
     others = [flag for flag, on in (("--trainer-mode", a.trainer_mode), ("--lora-kernels", a.lora_kernels),
-                                    ("--graphless-from", a.graphless_from), ("--scales-only", a.scales_only), ("--step-floor", a.step_floor))
+                                    ("--graphless-from", a.graphless_from), ("--scales-only", a.scales_only),
+                                    ("--step-floor", a.step_floor))
               if on]
     if others:
         raise ConfigError(f"--decode-scale-only fits decode.scale alone: drop {', '.join(others)}")
