@@ -175,6 +175,7 @@ def test_the_h100_one_stack_profile_prices_another_days_one_stack_runs():
     assert one["mape"] < 0.04 and abs(one["bias"]) < 0.04 and stacks["bias"] > 0.15
     assert cm.profile.decode.step_floor_s > 0.003
     rows = validate([r for r in runs if r.name.startswith("shared-sync-")], H100_ONESTACK_PROFILE)["rows"]
-    assert len(rows) == 1 and abs(rows[0]["replay"]["steps_per_gpu_hour"] / rows[0]["measured"]["steps_per_gpu_hour"] - 1) < 0.02
+    (row,) = rows
+    assert abs(row["replay"]["steps_per_gpu_hour"] / row["measured"]["steps_per_gpu_hour"] - 1) < 0.02
     # The annotation a sim prints is that figure.
     assert cm.validation()["heldout_mape"] == pytest.approx(one["mape"], rel=1e-6)
