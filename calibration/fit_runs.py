@@ -653,6 +653,14 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     floored = (f" (--step-floor: each decode step max(curves x {decode_fit['scale']:.3f}, "
                f"{decode_fit['step_floor_s'] * 1e3:.2f} ms))" if step_floor else "")
     add_source(prof, f"nodus fit on {len(used)} run(s){floored}")
+    if step_floor:
+        sizes = ", ".join(str(z["sequences"]) for z in decode_fit["sizes"])
+        prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "decode-step-floor"] + [
+            {"id": "decode-step-floor", "value": decode_fit["step_floor_s"],
+             "what": f"every decode step takes at least {decode_fit['step_floor_s'] * 1e3:.2f} ms (decode.step_floor_s, "
+                     "the engine's host loop), whatever its batch, adapters and context, fitted with decode.scale "
+                     f"on lone generations of {sizes} sequences (nodus fit --step-floor); beside a train step the "
+                     "floor is slowed by the engine's sharing rate as the rest of the step"}]
     drop_two_engine_rate(prof)  # fitted beside the terms just refitted: stale now
     # The fitted costs are the runs' host's (launch-bound train steps, per-step engine work).
     if len(hosts) == 1:

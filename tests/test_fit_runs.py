@@ -1169,6 +1169,9 @@ def test_step_floor_fit_recovers_the_floor_and_scale_a_single_scale_cannot(tmp_p
     assert main(["fit", str(ded), str(sync), "--base", base, "--out", str(tmp_path / "cli.json"), "--step-floor"]) == 0
     assert "6.00 ms" in capsys.readouterr().out
     assert "--step-floor: each decode step max(curves x 0.900, 6.00 ms)" in fitted["environment"]["sources"][-1]
+    (floor_note,) = [x for x in fitted["assumptions"] if x["id"] == "decode-step-floor"]
+    assert "6.00 ms" in floor_note["what"] and "64, 256 sequences" in floor_note["what"]
+    assert not any(x["id"] == "decode-step-floor" for x in scale_only["assumptions"])
     with pytest.raises(ConfigError, match="batch sizes at least 2x apart"):
         fit([ded], base=base, step_floor=True)
     # A plain fit keeps a base's floor and solves the scale with it in place; a floor the runs'
