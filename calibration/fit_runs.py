@@ -359,7 +359,7 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     smaller ones."""
     from sim.profile import (LORA_KERNELS, STEP_MODES, Profile, add_source, audit_priced, drop_base_validation,
                              drop_two_engine_rate, profile_adapter_format, profile_dict, profile_lora_kernels,
-                             profile_step_mode)
+                             profile_step_mode, set_assumption)
     from calibration.run_settings import run_controls, settings_text, sharing_controls
 
     if term_selection not in TERM_SELECTIONS:
@@ -655,12 +655,12 @@ def fit(runs: list[str | Path], base: str, fit_max_jobs: int = 4, trainer_mode: 
     add_source(prof, f"nodus fit on {len(used)} run(s){floored}")
     if step_floor:
         sizes = ", ".join(str(z["sequences"]) for z in decode_fit["sizes"])
-        prof["assumptions"] = [x for x in prof["assumptions"] if x["id"] != "decode-step-floor"] + [
-            {"id": "decode-step-floor", "value": decode_fit["step_floor_s"],
-             "what": f"every decode step takes at least {decode_fit['step_floor_s'] * 1e3:.2f} ms (decode.step_floor_s, "
-                     "the engine's host loop), whatever its batch, adapters and context, fitted with decode.scale "
-                     f"on lone generations of {sizes} sequences (nodus fit --step-floor); beside a train step the "
-                     "floor is slowed by the engine's sharing rate as the rest of the step"}]
+        set_assumption(prof, {
+            "id": "decode-step-floor", "value": decode_fit["step_floor_s"],
+            "what": f"every decode step takes at least {decode_fit['step_floor_s'] * 1e3:.2f} ms "
+                    "(decode.step_floor_s, the engine's host loop), whatever its batch, adapters and context, fitted "
+                    f"with decode.scale on lone generations of {sizes} sequences (nodus fit --step-floor); beside a "
+                    "train step the floor is slowed by the engine's sharing rate as the rest of the step"})
     drop_two_engine_rate(prof)  # fitted beside the terms just refitted: stale now
     # The fitted costs are the runs' host's (launch-bound train steps, per-step engine work).
     if len(hosts) == 1:

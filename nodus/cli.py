@@ -447,13 +447,15 @@ def cmd_fit(a: argparse.Namespace) -> int:
               "others; runs of other sizes would pin it")
     d = f.get("decode_fit")
     if d and d.get("sizes"):  # --step-floor
-        print(f"decode steps max(curves x {d['scale']:.3f}, {d['step_floor_s'] * 1e3:.2f} ms) (was x {d['base_scale']:.3f}, "
-              f"floor {d['base_step_floor_s'] * 1e3:.2f} ms) on {d['generations']} lone generations, bias by size: "
+        print(f"decode steps max(curves x {d['scale']:.3f}, {d['step_floor_s'] * 1e3:.2f} ms) "
+              f"(was x {d['base_scale']:.3f}, floor {d['base_step_floor_s'] * 1e3:.2f} ms) "
+              f"on {d['generations']} lone generations, bias by size: "
               + "; ".join(f"{z['sequences']} sequences ({z['generations']}) {z['base']['bias']:+.1%} -> "
                           f"{z['fitted']['bias']:+.1%} (MAPE {z['fitted']['mape']:.1%})" for z in d["sizes"]))
     elif d:
         print(f"decode steps x {d['scale']:.3f} (dedicated generations: {d['generations']}; their error "
-              f"{d['mape_before']:.1%} -> {d['mape_after']:.1%}, bias {d['bias_before']:+.1%} -> {d['bias_after']:+.1%}; "
+              f"{d['mape_before']:.1%} -> {d['mape_after']:.1%}, "
+              f"bias {d['bias_before']:+.1%} -> {d['bias_after']:+.1%}; "
               f"their total seconds {d['total_before']:+.1%} -> {d['total_after']:+.1%})")
     else:
         print("decode: kept from the base (no dedicated generations to fit it on)")
