@@ -210,7 +210,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     (arm.stacks), `lock` (arm.lockstep: a shared-sync kN arm's stacks in lockstep), `off`
     (arm.offset_stacks: a shared-sync kN arm's stacks started out of step), `holdF` (arm.hold_apart:
     offset stacks held apart, F in hundredths of a cycle, hold50: exactly out of step; sets off) and
-    `spK` (trainer.share_prompts) are the run config's, carried in the same dict, as are `nN` (this
+    `spK` (trainer.share_prompts) and `leadK` (arm.max_lead: a continuous or overlap arm's jobs or
+    groups at most K steps ahead) are the run config's, carried in the same dict, as are `nN` (this
     arm's steps a job, over --steps) and `lsN`: a kN
     arm's engine adapter slots (each stack's engine), in place of one per job of a stack, so that
     arms of several job counts run on one engine (one cluster start)."""
@@ -251,6 +252,13 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
             # The run config's arm.hold_apart (in hundredths of a cycle), with the offset start it needs.
             trainer["hold_apart"] = int(o[4:]) / 100
             trainer["offset_stacks"] = True
+        elif re.fullmatch(r"lead[0-9]+", o):
+            # The run config's arm.max_lead: a continuous (or overlap) arm's jobs (groups) at most K
+            # steps ahead of the least advanced of their stack. A schedule of the run, not a process setting.
+            if ARMS[name][0] not in ("continuous", "overlap"):
+                raise SystemExit(f"--arms {text!r}: {o!r} bounds how far a job runs ahead of the others in its "
+                                 "stack: a continuous or overlap arm only")
+            trainer["max_lead"] = int(o[4:])
         elif re.fullmatch(r"n[1-9][0-9]*", o):
             # This arm's steps a job, over --steps: one call runs dedicated runs of 5 steps beside
             # two-stack runs of 20 (session 42's --steps 20 gave its dedicated run 20 too: 220 s, and
@@ -302,6 +310,8 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
                              "kN (N engine + trainer stacks splitting the jobs), lock (a kN "
                              "shared-sync arm's stacks in lockstep), off (a kN shared-sync arm's stacks started out "
                              "of step), holdF (off, the stacks then held F hundredths of a cycle apart, 1-50), "
+                             "leadK (a continuous or overlap arm's jobs at most K steps ahead of their stack's "
+                             "least advanced: arm.max_lead), "
                              "nN (this arm's steps a job, over --steps), lsN (a kN "
                              "arm's engine adapter slots, in place of one per job of a stack) or spK "
                              "(each prompt's responses trained K to a row, the prompt once)")
@@ -735,9 +745,10 @@ def main() -> None:
             arm_off = arm_trainer.get("offset_stacks")  # off: the run config's arm.offset_stacks
             arm_hold = arm_trainer.get("hold_apart")  # holdF: the run config's arm.hold_apart
             arm_steps = arm_trainer.get("steps", args.steps)  # nN: this arm's steps a job
+            arm_lead = arm_trainer.get("max_lead")  # leadK: the run config's arm.max_lead
             arm_trainer = {k: v for k, v in arm_trainer.items()
                            if k not in ("share_prompts", "stacks", "engine_slots", "lockstep", "offset_stacks",
-                                        "hold_apart", "steps")}
+                                        "hold_apart", "steps", "max_lead")}
             try:
                 # This arm's trainer settings (cg, lowpri, tN): the pool restarts only the trainers.
                 arm_opts = dataclasses.replace(opts, **arm_trainer)
@@ -765,7 +776,8 @@ def main() -> None:
                 mb = args.aa_mb_tokens if rep else arm_mb
                 cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                                        steps=arm_steps, seed=seed, stacks=stacks if stacks > 1 else None,
-                                       lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold)
+                                       lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold,
+                                       max_lead=arm_lead)
                 cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
                 cfg, _ = with_audit(cfg, arm_opts)  # the arm's audit (:aN, :rK, --audit-*) in its recorded config
                 own_jobs = n
@@ -812,6 +824,7 @@ def main() -> None:
                 variant += "-lock" if arm_lock else ""  # the stacks in lockstep (arm.lockstep)
                 variant += "-off" if arm_off else ""  # the stacks started out of step (arm.offset_stacks)
                 variant += f"-hold{round(arm_hold * 100)}" if arm_hold else ""  # then held apart (arm.hold_apart)
+                variant += f"-lead{arm_lead}" if arm_lead is not None else ""  # jobs' lead bound (arm.max_lead)
                 named_g = policy == "overlap" and (len(gs) > 1 or (arm_groups is not None and g != 2))
                 mb_key = f"-{mb_tag(arm_mb)}" if arm_mb and arm_mb != args.mb_tokens else ""
                 key = f"{name}{variant}{rep}{f'-g{g}' if named_g else ''}{mb_key}{'' if arm_wait is None else ('-waitpub' if arm_wait else '-freed')}{suffix(n)}"
@@ -852,7 +865,7 @@ def main() -> None:
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                     steps=arm_steps, stacks=stacks if stacks > 1 else None,
-                    lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold,
+                    lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold, max_lead=arm_lead,
                     seed=seed, profile=profile).model_copy(update={"audit": cfg.audit}), engine_args))
                 # Without a priming step (--no-prime) new processes still cost their start, inside the run.
                 prime_s = est.prime_s(action, sharing, n_stacks(cfg)) if prime or action != "reuse" else 0.0

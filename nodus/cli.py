@@ -45,6 +45,10 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-active", type=int, metavar="N", default=None,
                    help="at most N jobs under way at once (arm.max_active, a service's slots): later jobs queue, "
                         "by arrival, and start as running jobs end")
+    p.add_argument("--max-lead", type=int, metavar="K", default=None,
+                   help="continuous / overlap: a job (group) generates its next step only while it is at most K "
+                        "steps ahead of the least advanced job under way in its stack (arm.max_lead; 0: each step "
+                        "waits for every job's previous training step)")
     p.add_argument("--seed", type=int, help="run seed (default 1)")
     p.add_argument("--share-prompts", type=int, metavar="K",
                    help="trainer.share_prompts: each prompt's responses trained K to a row, the prompt once "
@@ -144,7 +148,8 @@ def cmd_sim(a: argparse.Namespace) -> int:
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
                            offset_stacks=a.offset_stacks, hold_apart=a.hold_apart,
-                           arrive_every=a.arrive_every, max_active=a.max_active)
+                           arrive_every=a.arrive_every, max_active=a.max_active,
+                           max_lead=a.max_lead)
     if a.profile is None and "profile" not in (data or {}) and (cfg.arm.stacks or 1) > 1 \
             and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice":
         # No profile chosen: stacks under MPS get the shipped profile with a two-engine rate.
@@ -222,7 +227,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
                            offset_stacks=a.offset_stacks, hold_apart=a.hold_apart,
-                           arrive_every=a.arrive_every, max_active=a.max_active)
+                           arrive_every=a.arrive_every, max_active=a.max_active,
+                           max_lead=a.max_lead)
     cfg = default_packing(cfg, a.trainer_graphs if a.backend == "real" else profile_graphed(cfg.profile))
     cfg = audit_from_args(cfg, a)
     opts = None

@@ -195,6 +195,12 @@ class ArmSpec(_Model):
     # beyond it (arrived, not yet started) queues, by arrival then job order, and joins its group's
     # first generation after a running job ends. The engine then has that many adapter slots.
     max_active: int | None = Field(default=None, ge=1)
+    # The most steps a job may run ahead of the least advanced job under way in its stack
+    # (continuous and overlap, whose jobs or groups each go at their own pace); None: unbounded. A
+    # job at the bound waits to generate until that job's training step lands. Under continuous,
+    # jobs with short responses otherwise finish early, and the run's last seconds hold fewer jobs.
+    # 0: every job generates step s only once each job of its stack has trained step s - 1.
+    max_lead: int | None = Field(default=None, ge=0)
 
 
 def trainer_freed(arm: dict) -> bool:
@@ -579,6 +585,10 @@ class RunConfig(_Model):
         if self.arm.max_active is not None and self.arm.lockstep:
             raise ValueError("arm.max_active with arm.lockstep: every stack would wait for a job yet to get a "
                              "slot; run the stacks free (no lockstep)")
+        if self.arm.max_lead is not None and self.arm.policy not in ("continuous", "overlap"):
+            raise ValueError(f"arm.max_lead={self.arm.max_lead} with policy={self.arm.policy!r}: it bounds how far "
+                             "a job or group runs ahead of the others in its stack, which only 'continuous' and "
+                             "'overlap' let them do; drop it or choose one of those")
         arrivals = [j.arrive_s or 0.0 for j in self.jobs]
         if max(arrivals) > 0:
             if min(arrivals) > 0:

@@ -39,7 +39,8 @@ def plan(cfg: RunConfig, start_versions: dict[str, int] | None = None) -> Schedu
 
     # Every policy's scheduler: resumed jobs' versions, late jobs' arrivals, the trainer's wait, the
     # cap on jobs under way.
-    common = dict(start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits, max_active=cfg.arm.max_active)
+    common = dict(start_versions=sv, arrivals=arr, trainer_waits_for_publish=waits, max_active=cfg.arm.max_active,
+                  max_lead=cfg.arm.max_lead)
     if cfg.arm.stacks > 1:
         # Each stack runs the policy over its own jobs: its groups on its engine and trainer.
         per_stack = stack_groups(cfg)
@@ -215,7 +216,8 @@ def run_arm(cfg: RunConfig, make_backend: BackendFactory, baseline: bool = True,
                       **({"lockstep": True} if cfg.arm.lockstep else {}),
                       **({"offset_stacks": True} if cfg.arm.offset_stacks else {}),
                       **({"hold_apart": cfg.arm.hold_apart} if cfg.arm.hold_apart else {}),
-                      **({"max_active": cfg.arm.max_active} if cfg.arm.max_active else {})}
+                      **({"max_active": cfg.arm.max_active} if cfg.arm.max_active else {}),
+                      **({"max_lead": cfg.arm.max_lead} if cfg.arm.max_lead is not None else {})}
     # Flat copies of the arm, the layout `nodus compare` reads.
     summary.update(policy=cfg.arm.policy, groups=cfg.arm.groups, sharing=cfg.arm.sharing)
     summary["jobs"] = len(cfg.jobs)

@@ -61,7 +61,8 @@ class _Group:
     index: int
     stack: int
     jobs: list[str]
-    # pending | generating | queued | training | publishing | holding | waiting (for a slot) | done
+    # pending | generating | queued | training | publishing | holding | leading (max_lead) | waiting
+    # (for a slot) | done
     state: str = "pending"
     rollouts: tuple[Rollouts, ...] = ()
     generations: int = 0
@@ -94,6 +95,13 @@ class Scheduler:
     # The most jobs under way at once (RunConfig arm.max_active; None: no cap): a job arrived beyond
     # it queues (by arrival, then job order) and joins its group's first generation after a slot frees.
     max_active: int | None = None
+    # A group's lead bound (RunConfig arm.max_lead; None: unbounded): its next Generate waits while
+    # its jobs would be more than this many steps ahead of the least advanced job under way in its
+    # stack, and goes once that job's training step lands. With the continuous policy, jobs whose
+    # responses are short would otherwise run ahead and finish early, leaving the run's last
+    # seconds to fewer jobs. 0: every job of a stack generates step s only once each has trained
+    # step s - 1 (each still trains as soon as its own rollouts are in).
+    max_lead: int | None = None
     spans: list[Span] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -104,6 +112,8 @@ class Scheduler:
             self.jobs[j].started = v > 0
         if self.max_active is not None and self.max_active < 1:
             raise ValueError(f"max_active={self.max_active}: at least one job must be able to run")
+        if self.max_lead is not None and self.max_lead < 0:
+            raise ValueError(f"max_lead={self.max_lead}: a lead bound is a number of steps >= 0")
         self._order = {j: i for i, (_, ids) in enumerate(self.groups) for j in ids}
         self._groups = [_Group(i, stack, list(ids)) for i, (stack, ids) in enumerate(self.groups)]
         seen = [j for _, ids in self.groups for j in ids]
@@ -228,7 +238,7 @@ class Scheduler:
             actions = self._on_published(groups, action, result)
         else:
             raise SchedulerError(f"unknown result type {type(result).__name__}")
-        return actions + self._wake()
+        return actions + self._release_leaders() + self._wake()
 
     def done(self) -> bool:
         return not self._inflight and all(g.state == "done" for g in self._groups)
@@ -385,7 +395,13 @@ class Scheduler:
         """The groups' next Generate; in lockstep, held until no group of any stack is mid-step,
         then every held group's at once."""
         if not self.lockstep:
-            return [x for g in groups for x in self._generate(g, self._hold_until(g.stack))]
+            actions = []
+            for g in groups:
+                if self._too_far_ahead(g):
+                    g.state = "leading"  # released by _release_leaders once the laggard trains
+                else:
+                    actions += self._generate(g, self._hold_until(g.stack))
+            return actions
         for g in groups:
             g.state = "holding"
         self._holding += groups
@@ -393,6 +409,21 @@ class Scheduler:
             return []
         held, self._holding = self._holding, []
         return [x for g in held for x in self._generate(g)]
+
+    def _too_far_ahead(self, g: _Group) -> bool:
+        """max_lead: whether the group's next step is more than max_lead steps past the least
+        advanced job under way (started, neither finished nor failed) in its stack, outside it."""
+        if self.max_lead is None:
+            return False
+        own = [self.jobs[j].version for j in g.jobs if self.jobs[j].active]
+        others = [self.jobs[j].version for o in self._groups if o.stack == g.stack and o is not g
+                  for j in o.jobs if self.jobs[j].active and self.jobs[j].started]
+        return bool(own and others) and min(own) - min(others) > self.max_lead
+
+    def _release_leaders(self) -> list[Action]:
+        """max_lead: the held groups that are no longer too far ahead generate."""
+        return [x for g in self._groups if g.state == "leading" and not self._too_far_ahead(g)
+                for x in self._generate(g, self._hold_until(g.stack))]
 
     def _hold_until(self, stack: int) -> float | None:
         """hold_apart: when the stack's next generation may start, or None for now. Its cycle is the

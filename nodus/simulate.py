@@ -27,7 +27,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
                      share_prompts: int | None = None, stacks: int | None = None,
                      lockstep: bool | None = None, offset_stacks: bool | None = None,
                      hold_apart: float | None = None, arrive_every: float | None = None,
-                     max_active: int | None = None) -> RunConfig:
+                     max_active: int | None = None, max_lead: int | None = None) -> RunConfig:
     """A config file's dict (or the embedded default) with command-line overrides applied; a new
     run's adapter slots sized to its largest group, for overlap (``nodus.runner.size_engine_slots``),
     and its engine graphs to the sequences those slots can hold (``size_engine_graphs``)."""
@@ -52,7 +52,7 @@ def config_from_args(config: dict | None = None, *, jobs: int | None = None, pol
     arm = dict(data.get("arm", {}))
     for key, val in (("policy", policy), ("groups", groups), ("sharing", sharing), ("stacks", stacks),
                      ("lockstep", lockstep), ("offset_stacks", offset_stacks), ("hold_apart", hold_apart),
-                     ("max_active", max_active)):
+                     ("max_active", max_active), ("max_lead", max_lead)):
         if val is not None:
             arm[key] = val
     if hold_apart:  # stacks held apart start apart
