@@ -200,6 +200,8 @@ class ArmSpec(_Model):
     # job at the bound waits to generate until that job's training step lands. Under continuous,
     # jobs with short responses otherwise finish early, and the run's last seconds hold fewer jobs.
     # 0: every job generates step s only once each job of its stack has trained step s - 1.
+    # Measured on an H100 (session 72, one stack, 8 jobs): 0 made 8.4% less than unbounded, the
+    # engine idle while each step waited for its slowest job's train and publish.
     max_lead: int | None = Field(default=None, ge=0)
 
 
