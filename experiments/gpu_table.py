@@ -142,7 +142,8 @@ def baseline_flags(present: set, flags: frozenset, jobs: int, stacks: int = 1) -
 def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = None) -> str:
     """policy/sharing/groups (/k<N>: N engine + trainer stacks, arm.stacks; +lock: in lockstep,
     arm.lockstep; +off: started out of step, arm.offset_stacks; +hold<F>: then held F hundredths of a
-    cycle apart, arm.hold_apart), plus the settings a run
+    cycle apart, arm.hold_apart; +lead<K>: jobs or groups at most K steps ahead of their stack's
+    least advanced, arm.max_lead), plus the settings a run
     changed from the defaults (+lowpri: the
     trainer at below-normal MPS client priority; +e<pct>/+t<pct>: active thread percentages;
     +mb<k>k: the trainer's micro-batch tokens; +eager: the trainer's element-wise ops not compiled; +cg: the
@@ -171,6 +172,8 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
             label += "+off"  # the stacks started out of step (arm.offset_stacks)
         if arm.get("hold_apart"):
             label += f"+hold{round(arm['hold_apart'] * 100)}"  # then held apart (arm.hold_apart)
+    if arm.get("max_lead") is not None:
+        label += f"+lead{arm['max_lead']}"  # jobs (groups) at most K steps ahead in their stack (arm.max_lead)
     run = run_controls(summary or {})
     if trainer_freed(arm):
         label += "+freed"

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from experiments.gpu_arms import parse_arm
+from experiments.gpu_table import arm_label
 from factories import ScriptedBackend
 from nodus.accounting import audit_on_policy, job_overlaps
 from nodus.config import ConfigError
@@ -140,3 +141,9 @@ def test_gpu_arm_spec_lead():
     assert parse_arm("continuous+mps:cg:lead0")[6] == {"trainer_graphs": True, "max_lead": 0}
     with pytest.raises(SystemExit, match="continuous or overlap arm only"):
         parse_arm("shared-sync+mps:lead1")
+
+
+def test_table_label_names_the_lead_bound():
+    base = {"policy": "continuous", "sharing": "mps", "groups": 1}
+    assert arm_label({**base, "max_lead": 0}) == arm_label(base) + "+lead0"
+    assert "+lead" not in arm_label(base)
