@@ -350,6 +350,20 @@ def memory_skip(mem: tuple[float, float] | None, engine_memory: float, stacks: i
             + " (--allow-eager runs it anyway)")
 
 
+def microbatch_to_fit(mem: tuple[float, float] | None, engine_memory: float, stacks: int, mb_tokens: int,
+                      graphed: bool) -> int | None:
+    """--shrink-to-fit: the largest micro-batch (tokens) at which an arm's graphed trainers fit
+    beside its engines, where ``mb_tokens`` would not and a smaller size does; None otherwise (it
+    fits, the trainer is eager, the memory is unknown, or nothing fits). Session 72's H100 skipped
+    two calls' runs at the 16k default that 8k would have run."""
+    from real.backend import microbatch_that_fits
+
+    if mem is None or not graphed:
+        return None
+    fits = microbatch_that_fits(mem[0], mem[1], engine_memory, stacks, mb_tokens)
+    return fits if fits and fits < mb_tokens else None
+
+
 def check_share_prompts(specs: list, share: int, trainer_graphs: bool) -> None:
     """Before any work: --share-prompts >= 0, and every arm that packs prompts (its spK, else
     --share-prompts) runs the graphed trainer (its :cg, else --trainer-graphs), as the real backend
@@ -624,6 +638,10 @@ def main() -> None:
     ap.add_argument("--allow-eager", action="store_true",
                     help="run an arm whose graphed trainers the memory check says would not fit (they train eager); "
                          "by default such an arm is skipped and listed in arms.json's 'skipped' with why")
+    ap.add_argument("--shrink-to-fit", action="store_true",
+                    help="run an arm whose graphed trainers the memory check says would not fit at the largest "
+                         "micro-batch that does (the run key names it, e.g. -mb8k), instead of skipping it: "
+                         "one call's arms for whichever GPU comes (an H100 or an H200)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=None,
                     help="a sampling seed per response (default: on in tasks mode, off for timing)")
     args = ap.parse_args()
@@ -774,12 +792,27 @@ def main() -> None:
                 # An A/A repeat may pack its micro-batches differently (--aa-mb-tokens): the same
                 # rollouts and updates up to bf16 rounding, so its learning difference is the noise floor.
                 mb = args.aa_mb_tokens if rep else arm_mb
-                cfg = config_from_args(workload(n, mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
-                                       steps=arm_steps, seed=seed, stacks=stacks if stacks > 1 else None,
-                                       lockstep=arm_lock, offset_stacks=arm_off, hold_apart=arm_hold,
-                                       max_lead=arm_lead)
-                cfg = engine_args_size_graphs(cfg, engine_args)  # graph sizes the engine args set stay theirs
-                cfg, _ = with_audit(cfg, arm_opts)  # the arm's audit (:aN, :rK, --audit-*) in its recorded config
+
+                def arm_config(mb_tokens: int | None):
+                    c = config_from_args(workload(n, mb_tokens, arm_wait, arm_share), policy=policy, groups=g,
+                                         sharing=sharing, steps=arm_steps, seed=seed,
+                                         stacks=stacks if stacks > 1 else None, lockstep=arm_lock,
+                                         offset_stacks=arm_off, hold_apart=arm_hold, max_lead=arm_lead)
+                    c = engine_args_size_graphs(c, engine_args)  # graph sizes the engine args set stay theirs
+                    return with_audit(c, arm_opts)[0]  # the arm's audit (:aN, :rK, --audit-*) in its recorded config
+
+                cfg = arm_config(mb)
+                smaller = (microbatch_to_fit(gpu_mem, arm_opts.engine_memory, n_stacks(cfg),
+                                             cfg.trainer.max_tokens_per_microbatch, arm_opts.trainer_graphs)
+                           if args.shrink_to_fit and not args.allow_eager else None)
+                if smaller:
+                    # The run key then names the size (-mb8k), as an arm asking :m8192 would.
+                    print(f"note: {name} seed {seed}: graphed trainers at {cfg.trainer.max_tokens_per_microbatch}-token "
+                          f"micro-batches would not fit beside the engines; run at {smaller} (--shrink-to-fit)",
+                          flush=True)
+                    mb = smaller
+                    arm_mb = arm_mb if rep else smaller
+                    cfg = arm_config(mb)
                 own_jobs = n
                 if stacks > 1:
                     # Each engine of a kN arm serves its own stack's jobs: slots for those

@@ -534,6 +534,16 @@ def test_an_arm_whose_graphed_trainers_would_not_fit_is_skipped_naming_the_micro
     assert any("dedicated-cg-gm512-cpu2-flat-n5 seed 1" in x and ":m8192 fits" in x for x in skips), out
     assert len(_rows(_plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "139.8,140.4"))) == 4
     assert len(_rows(_plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "77.2,79.2", "--allow-eager"))) == 4
+    # --shrink-to-fit runs each at the size that fits, named in its key, with a note; on an H200
+    # nothing changes.
+    out = _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "77.2,79.2", "--shrink-to-fit")
+    runs = [r[1] for r in _rows(out)]
+    assert runs.count("shared-sync+mps-cg-gm512-lowpri-cpu2-ecpu4-flat-sp4-k2-mb4k") == 2, out
+    assert runs.count("dedicated-cg-gm512-cpu2-flat-mb8k-n5") == 2 and len(runs) == 4, out
+    assert sum("(--shrink-to-fit)" in line for line in out.splitlines()) == 2, out
+    assert "skipped by the memory check" not in out
+    out = _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "139.8,140.4", "--shrink-to-fit")
+    assert "--shrink-to-fit)" not in out and len(_rows(out)) == 4
     with pytest.raises(SystemExit, match="--gpu-memory '80': give FREE,TOTAL"):
         _plan(monkeypatch, capsys, tmp_path, *argv, "--gpu-memory", "80")
     with pytest.raises(SystemExit, match="free at most total"):
