@@ -12,7 +12,7 @@ from factories import ScriptedBackend
 from nodus.accounting import audit_on_policy, job_overlaps
 from nodus.config import ConfigError
 from nodus.messages import Generate, Train
-from nodus.scheduler import Scheduler
+from nodus.scheduler import Scheduler, drive
 from nodus.simulate import config_from_args, simulate
 
 
@@ -75,15 +75,9 @@ def test_a_finished_job_holds_no_one_back():
     """The least advanced job counts only while it is under way: once b has run its steps, a is
     released however far ahead of b's last version it would be."""
     s = Scheduler({"a": 4, "b": 1}, [(0, ["a"]), (0, ["b"])], stagger=False, merge_trains=True, max_lead=0)
-    spans = drive_all(s)
+    spans = drive(s, ScriptedBackend())
     assert s.done()
     assert max(sp.attrs["new_version"] for sp in spans if sp.phase == "train" and sp.job == "a") == 4
-
-
-def drive_all(s):
-    from nodus.scheduler import drive
-
-    return drive(s, ScriptedBackend())
 
 
 def test_negative_lead_is_refused():
