@@ -18,7 +18,7 @@ workloads = st.fixed_dictionaries({
     "prompts": st.integers(1, 3),
     "responses": st.integers(1, 4),
     "max_new": st.integers(1, 64),
-    "policy": st.sampled_from(["shared-sync", "overlap", "timeslice", "dedicated"]),
+    "policy": st.sampled_from(["shared-sync", "overlap", "timeslice", "dedicated", "continuous"]),
     "groups": st.integers(1, 4),
     "sharing": st.sampled_from(["none", "mps"]),
     "max_num_seqs": st.integers(1, 16),
@@ -29,6 +29,7 @@ workloads = st.fixed_dictionaries({
     # jobs[].arrive_s of jobs 1..5 (job 0 arrives at the start), or all at the start
     "arrivals": st.one_of(st.none(), st.lists(st.floats(0.0, 8.0), min_size=5, max_size=5)),
     "max_active": st.one_of(st.none(), st.integers(1, 4)),  # arm.max_active (shared policies)
+    "max_lead": st.one_of(st.none(), st.integers(0, 2)),  # arm.max_lead (continuous, overlap)
 })
 
 
@@ -43,6 +44,8 @@ def _cfg(w):
     late = [0.0] + w["arrivals"] if w["arrivals"] and not arm.get("lockstep") else [0.0] * 6
     if w["max_active"] and policy != "dedicated" and not arm.get("lockstep"):
         arm["max_active"] = w["max_active"]
+    if w["max_lead"] is not None and policy in ("continuous", "overlap"):
+        arm["max_lead"] = w["max_lead"]
     return build_config({
         "jobs": [{"task": w["tasks"][i], "steps": w["steps"][i], "prompts_per_step": w["prompts"],
                   "responses_per_prompt": w["responses"], "max_new_tokens": w["max_new"],
@@ -84,6 +87,17 @@ def test_invariants(w):
         for _, d in events:
             under_way += d
             assert under_way <= cfg.arm.max_active
+    # arm.max_lead: a job (continuous: its own group) generates step s only once every other job
+    # under way in its stack (started, with steps left) has trained step s - max_lead - 1.
+    if cfg.arm.max_lead is not None and cfg.arm.policy == "continuous":
+        gens = {(s.job, s.attrs["step"]): s.start_s for s in spans if s.phase == "generate"}
+        trained = {(s.job, s.attrs["step"]): s.end_s for s in spans if s.phase == "train"}
+        first = {j.id: gens[(j.id, 0)] for j in cfg.jobs}
+        for (job, step), t in gens.items():
+            need = step - cfg.arm.max_lead - 1
+            for k in cfg.jobs:
+                if k.id != job and need >= 0 and k.steps > need and first[k.id] <= t - 1e-9:
+                    assert trained[(k.id, need)] <= t + 1e-9, (job, step, k.id)
     # A job sharing the GPU starts no earlier than it arrives (a dedicated one has its GPU from then).
     if cfg.arm.policy != "dedicated":
         for j in cfg.jobs:
