@@ -226,10 +226,14 @@ case "${1:-arms}" in
     if [ ! -f "$EST" ] && [ -n "${ESTIMATES_SEED:-}" ]; then
       mkdir -p ~/.cache/nodus && cp "$ESTIMATES_SEED" "$EST" && echo "estimates seeded from $ESTIMATES_SEED"
     fi
+    # --shrink-to-fit unless SHRINK_TO_FIT=0: the device lends an H100 or an H200 for the same call,
+    # and an arm whose graphed trainers would not fit runs at the micro-batch that does (its run key
+    # names it) instead of being skipped (session 72: two calls' runs skipped on an H100, ~100 s).
+    SHRINK=$([ "${SHRINK_TO_FIT:-1}" = 0 ] || echo --shrink-to-fit)
     timeout "${ARMS_TIMEOUT:-540}" python experiments/gpu_arms.py --out "$D/arms" --jobs "${JOBS:-8}" --steps "${STEPS:-5}" \
       ${SEEDS:+--seeds "$SEEDS"} --arms "${ARMS:-dedicated,shared-sync,overlap,overlap+mps}" \
       --deadline $(( ${ARMS_TIMEOUT:-540} > 60 ? ${ARMS_TIMEOUT:-540} - 30 : ${ARMS_TIMEOUT:-540} / 2 )) \
-      --estimates "$EST" ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
+      --estimates "$EST" $SHRINK ${ARMS_EXTRA:-} > "$D/arms/arms.log" 2>&1
     MODE_RC=$?; echo "gpu_arms$T rc=$MODE_RC"
     grep "^note: \|steps/GPU-h\|skipped\|Error\|error:" "$D/arms/arms.log" | tail -12
     tar czf "$OUT/arms_runs$T.tgz" -C "$D" arms 2>/dev/null ;;

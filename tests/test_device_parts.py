@@ -195,6 +195,32 @@ def test_an_arms_call_exits_with_its_runs_status(tmp_path):
         assert f"gpu_arms rc={rc}" in done.stdout and (out / "arms_runs.tgz").exists()
 
 
+def test_an_arms_call_shrinks_micro_batches_to_fit_unless_asked_not_to(tmp_path):
+    """Session 72: an H100 came for arms planned at the H200's 16k micro-batches, and two calls'
+    runs were skipped by the memory check. gpu_arms gets --shrink-to-fit by default; SHRINK_TO_FIT=0
+    keeps the skip."""
+    root = Path(__file__).resolve().parents[1]
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    # python: imports succeed; gpu_arms.py writes its arguments where the test reads them.
+    (shim / "python").write_text('#!/bin/sh\ncase "$*" in *gpu_arms.py*) echo "$*" > "$ARGS_FILE";; esac\nexit 0\n')
+    (shim / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580'\n")
+    for f in shim.iterdir():
+        f.chmod(0o755)
+    for shrink, want in ((None, True), ("0", False), ("1", True)):
+        args = tmp_path / f"args-{shrink}"
+        env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(tmp_path / f"out-{shrink}"),
+               "HOME": str(tmp_path / "home"), "ARMS_TIMEOUT": "30", "ARGS_FILE": str(args)}
+        env.pop("ESTIMATES_SEED", None)
+        env.pop("SHRINK_TO_FIT", None)
+        if shrink is not None:
+            env["SHRINK_TO_FIT"] = shrink
+        done = subprocess.run(["bash", "experiments/device_session.sh", "arms"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert ("--shrink-to-fit" in args.read_text()) == want, (shrink, args.read_text())
+
+
 def test_light_says_whether_the_bundles_largest_part_still_fits_beside_the_tree(tmp_path):
     """Session 61: the light tree grew from 18.2 to 19.0 MiB beside 45 MiB parts (over the 64 MiB a
     call carries) while the line printed the same re-split hint as always; now it says which."""
