@@ -172,25 +172,33 @@ def test_device_session_stops_at_once_where_the_bundle_is_not_installed(tmp_path
     assert "trainer-memory needs no bundle" in done.stderr
 
 
+def _arms_call(tmp_path, on_gpu_arms: str, out, **env_vars):
+    """``device_session.sh arms`` with a shim python whose imports succeed and which runs
+    ``on_gpu_arms`` (sh) in place of gpu_arms.py, and an nvidia-smi that prints an H100."""
+    root = Path(__file__).resolve().parents[1]
+    shim = tmp_path / "bin"
+    if not shim.exists():
+        shim.mkdir()
+    (shim / "python").write_text(f'#!/bin/sh\ncase "$*" in *gpu_arms.py*) {on_gpu_arms};; esac\nexit 0\n')
+    (shim / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580'\n")
+    for f in shim.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(out), "HOME": str(tmp_path / "home"),
+           "ARMS_TIMEOUT": "30", **env_vars}
+    for name in ("ESTIMATES_SEED", "SHRINK_TO_FIT"):
+        if name not in env_vars:
+            env.pop(name, None)
+    return subprocess.run(["bash", "experiments/device_session.sh", "arms"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_an_arms_call_exits_with_its_runs_status(tmp_path):
     """Sessions 66-67: every arms call that ran to the end exited 2 (the closing grep of logs found
     none in $OUT, and 2 is also a missing ESTIMATES_SEED's code). It now exits with gpu_arms'
     status: 0 when its runs ran, theirs when not."""
-    root = Path(__file__).resolve().parents[1]
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    # python: imports succeed, gpu_arms.py exits $FAKE_ARMS_RC; nvidia-smi prints a GPU.
-    (shim / "python").write_text('#!/bin/sh\ncase "$*" in *gpu_arms.py*) exit "$FAKE_ARMS_RC";; esac\nexit 0\n')
-    (shim / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580'\n")
-    for f in shim.iterdir():
-        f.chmod(0o755)
     for rc in (0, 5):
         out = tmp_path / f"out{rc}"
-        env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(out), "FAKE_ARMS_RC": str(rc),
-               "HOME": str(tmp_path / "home"), "ARMS_TIMEOUT": "30"}
-        env.pop("ESTIMATES_SEED", None)
-        done = subprocess.run(["bash", "experiments/device_session.sh", "arms"], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = _arms_call(tmp_path, 'exit "$FAKE_ARMS_RC"', out, FAKE_ARMS_RC=str(rc))
         assert done.returncode == rc, done.stdout + done.stderr
         assert f"gpu_arms rc={rc}" in done.stdout and (out / "arms_runs.tgz").exists()
 
@@ -199,24 +207,10 @@ def test_an_arms_call_shrinks_micro_batches_to_fit_unless_asked_not_to(tmp_path)
     """Session 72: an H100 came for arms planned at the H200's 16k micro-batches, and two calls'
     runs were skipped by the memory check. gpu_arms gets --shrink-to-fit by default; SHRINK_TO_FIT=0
     keeps the skip."""
-    root = Path(__file__).resolve().parents[1]
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    # python: imports succeed; gpu_arms.py writes its arguments where the test reads them.
-    (shim / "python").write_text('#!/bin/sh\ncase "$*" in *gpu_arms.py*) echo "$*" > "$ARGS_FILE";; esac\nexit 0\n')
-    (shim / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580'\n")
-    for f in shim.iterdir():
-        f.chmod(0o755)
     for shrink, want in ((None, True), ("0", False), ("1", True)):
         args = tmp_path / f"args-{shrink}"
-        env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(tmp_path / f"out-{shrink}"),
-               "HOME": str(tmp_path / "home"), "ARMS_TIMEOUT": "30", "ARGS_FILE": str(args)}
-        env.pop("ESTIMATES_SEED", None)
-        env.pop("SHRINK_TO_FIT", None)
-        if shrink is not None:
-            env["SHRINK_TO_FIT"] = shrink
-        done = subprocess.run(["bash", "experiments/device_session.sh", "arms"], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = _arms_call(tmp_path, 'echo "$*" > "$ARGS_FILE"', tmp_path / f"out-{shrink}", ARGS_FILE=str(args),
+                          **({} if shrink is None else {"SHRINK_TO_FIT": shrink}))
         assert done.returncode == 0, done.stdout + done.stderr
         assert ("--shrink-to-fit" in args.read_text()) == want, (shrink, args.read_text())
 
