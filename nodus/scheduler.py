@@ -196,10 +196,11 @@ class Scheduler:
 
     def _wake(self) -> list[Action]:
         """max_active: every group waiting for a slot tries again (a job may have ended, or the job
-        queued before its own may have started)."""
-        if self.max_active is None:
+        queued before its own may have started); max_lead: so does every group held at its lead bound
+        (the least advanced job of its stack may have trained)."""
+        if self.max_active is None and self.max_lead is None:
             return []
-        return [x for g in self._groups if g.state == "waiting" for x in self._generate(g)]
+        return [x for g in self._groups if g.state in ("waiting", "leading") for x in self._generate(g)]
 
     def _arrival(self, job_id: str) -> float:
         """When the job arrives; a job resumed from a checkpoint was under way before: at once."""
@@ -238,7 +239,7 @@ class Scheduler:
             actions = self._on_published(groups, action, result)
         else:
             raise SchedulerError(f"unknown result type {type(result).__name__}")
-        return actions + self._release_leaders() + self._wake()
+        return actions + self._wake()
 
     def done(self) -> bool:
         return not self._inflight and all(g.state == "done" for g in self._groups)
@@ -253,6 +254,9 @@ class Scheduler:
         if not active:
             g.state = "done"
             return self._after_group_done(g)
+        if self._too_far_ahead(g):
+            g.state = "leading"  # tried again after each result (_wake), as a group waiting for a slot
+            return []
         # Jobs yet to arrive (or, under max_active, yet to get a slot) wait for a later generation.
         # A group with none to run waits for the first arrival, or, all slots taken, for a slot.
         t = max(self._now, not_before if not_before is not None else self._now)
@@ -395,13 +399,7 @@ class Scheduler:
         """The groups' next Generate; in lockstep, held until no group of any stack is mid-step,
         then every held group's at once."""
         if not self.lockstep:
-            actions = []
-            for g in groups:
-                if self._too_far_ahead(g):
-                    g.state = "leading"  # released by _release_leaders once the laggard trains
-                else:
-                    actions += self._generate(g, self._hold_until(g.stack))
-            return actions
+            return [x for g in groups for x in self._generate(g, self._hold_until(g.stack))]
         for g in groups:
             g.state = "holding"
         self._holding += groups
@@ -419,11 +417,6 @@ class Scheduler:
         others = [self.jobs[j].version for o in self._groups if o.stack == g.stack and o is not g
                   for j in o.jobs if self.jobs[j].active and self.jobs[j].started]
         return bool(own and others) and min(own) - min(others) > self.max_lead
-
-    def _release_leaders(self) -> list[Action]:
-        """max_lead: the held groups that are no longer too far ahead generate."""
-        return [x for g in self._groups if g.state == "leading" and not self._too_far_ahead(g)
-                for x in self._generate(g, self._hold_until(g.stack))]
 
     def _hold_until(self, stack: int) -> float | None:
         """hold_apart: when the stack's next generation may start, or None for now. Its cycle is the
