@@ -329,20 +329,30 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None, list[int] | None,
     return name, jobs, groups, seeds, mb, wait, trainer
 
 
+def _microbatch_fit(mem: tuple[float, float] | None, engine_memory: float, stacks: int, mb_tokens: int,
+                    graphed: bool) -> int | None:
+    """The largest micro-batch (tokens, at most ``mb_tokens``) at which an arm's graphed trainers fit
+    beside its engines on a GPU with ``mem`` (free, total GiB), None where none does; ``mb_tokens``
+    itself where there is nothing to check (the memory unknown, the trainer eager)."""
+    from real.backend import microbatch_that_fits
+
+    if mem is None or not graphed:
+        return mb_tokens
+    return microbatch_that_fits(mem[0], mem[1], engine_memory, stacks, mb_tokens)
+
+
 def memory_skip(mem: tuple[float, float] | None, engine_memory: float, stacks: int, mb_tokens: int,
                 graphed: bool) -> str | None:
     """Why an arm's graphed trainers would not fit beside its engines on a GPU with ``mem`` (free,
     total GiB at the invocation's start), naming the micro-batch (``:mN``) that would; None when they
     fit, the trainer is eager, or the memory is unknown. Session 49's H100: two stacks at 0.35 with
     8k-token trainers ran 414 s of device time to train eager (real.backend.microbatch_that_fits)."""
-    from real.backend import gpu_memory_need_gib, microbatch_that_fits, trainer_gib_estimate
+    from real.backend import gpu_memory_need_gib, trainer_gib_estimate
 
-    if mem is None or not graphed:
-        return None
-    free, total = mem
-    fits = microbatch_that_fits(free, total, engine_memory, stacks, mb_tokens)
+    fits = _microbatch_fit(mem, engine_memory, stacks, mb_tokens, graphed)
     if fits == mb_tokens:
         return None
+    free, total = mem
     need = gpu_memory_need_gib(total, engine_memory, stacks, trainer_gib_estimate(mb_tokens))
     return (f"{stacks} graphed trainer(s) at {mb_tokens}-token micro-batches beside {engine_memory:g} of the GPU for "
             f"engines ask ~{need:.0f} GiB of {free:.1f} GiB free: they would train eager; "
@@ -352,15 +362,10 @@ def memory_skip(mem: tuple[float, float] | None, engine_memory: float, stacks: i
 
 def microbatch_to_fit(mem: tuple[float, float] | None, engine_memory: float, stacks: int, mb_tokens: int,
                       graphed: bool) -> int | None:
-    """--shrink-to-fit: the largest micro-batch (tokens) at which an arm's graphed trainers fit
-    beside its engines, where ``mb_tokens`` would not and a smaller size does; None otherwise (it
-    fits, the trainer is eager, the memory is unknown, or nothing fits). Session 72's H100 skipped
-    two calls' runs at the 16k default that 8k would have run."""
-    from real.backend import microbatch_that_fits
-
-    if mem is None or not graphed:
-        return None
-    fits = microbatch_that_fits(mem[0], mem[1], engine_memory, stacks, mb_tokens)
+    """--shrink-to-fit: the smaller micro-batch that fits where ``mb_tokens`` would not (the one
+    ``memory_skip`` names); None otherwise (it fits, nothing to check, or nothing fits). Session 72's
+    H100 skipped two calls' runs at the 16k default that 8k would have run."""
+    fits = _microbatch_fit(mem, engine_memory, stacks, mb_tokens, graphed)
     return fits if fits and fits < mb_tokens else None
 
 
