@@ -189,6 +189,27 @@ def test_each_arm_is_simulated_on_the_shipped_profile_of_its_trainer():
     assert sim_profile("mine.json", True, "below-normal", stacks_mps=True) == "mine.json"
 
 
+def test_an_arm_on_an_h100_is_simulated_on_the_h100s_profiles():
+    """On an 80 GB card (by its total memory, as --gpu-memory or nvidia-smi give it) a graphed arm
+    is priced by the H100's shipped profiles; an H200, an eager arm or a profile asked for keep the
+    choice above. Session 73's H100 runs: the H100 stacks profile replays two-stack continuous over
+    shared-sync, as measured; the H200 stacks profile the other way round."""
+    from experiments.gpu_arms import sim_profile
+    from nodus.config import DEFAULT_PROFILES, H100_ONESTACK_PROFILE, H100_STACKS_PROFILE, STACKS_PROFILE
+    from sim.profile import profile_dict
+
+    h100, h200 = 79.6, 140.4
+    assert sim_profile(None, True, "below-normal", stacks_mps=True, gpu_total_gib=h100) == H100_STACKS_PROFILE
+    assert sim_profile(None, True, "below-normal", gpu_total_gib=h100) == H100_ONESTACK_PROFILE
+    assert sim_profile(None, True, gpu_total_gib=h100) == H100_ONESTACK_PROFILE  # dedicated, no MPS
+    assert sim_profile(None, True, "below-normal", stacks_mps=True, gpu_total_gib=h200) == STACKS_PROFILE
+    assert sim_profile(None, True, gpu_total_gib=h200) == DEFAULT_PROFILES["graphed"]
+    assert sim_profile(None, False, gpu_total_gib=h100) == DEFAULT_PROFILES["eager"]
+    assert sim_profile("mine.json", True, stacks_mps=True, gpu_total_gib=h100) == "mine.json"
+    for name in (H100_STACKS_PROFILE, H100_ONESTACK_PROFILE):
+        assert "h100" in profile_dict(name)["environment"]["gpu"].lower()
+
+
 def test_an_arms_ratio_is_over_the_dedicated_run_of_its_own_trainer():
     """arms.json's ratio_vs_dedicated: an arm with the graphed trainer (-cg) is measured over the
     graphed dedicated run, not the plain one; an MPS-only setting (-lowpri) needs no counterpart;
