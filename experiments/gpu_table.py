@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
                           corun_key, packed_rows, stacks_of, trainer_freed)
-from nodus.accounting import projected_steps_per_gpu_hour, recorded_pace
+from nodus.accounting import projected_steps_per_gpu_hour, recorded_own_pace, recorded_pace
 from nodus.microbatch import mb_tag
 from calibration.run_settings import audit_label, run_audit, run_controls, trainer_step_modes
 
@@ -281,6 +281,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
         corun[str(rd)] = corun_phase_means(spans)
         paces[str(rd)] = recorded_pace(spans)
+        if paces[str(rd)]:  # the same jobs at PROJECT_STEPS, each at its own pace (their ends drift apart)
+            paces[str(rd)]["own_pace_projected"] = recorded_own_pace(spans, PROJECT_STEPS)
         if plain == "dedicated/none/g1" or plain.startswith("dedicated/none/g1+"):
             key = (jobs, seed, label_flags(plain))
             ded_sph.setdefault(key, []).append(summary["steps_per_gpu_hour"])
@@ -330,8 +332,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                     prev[kind] = sum(runs_of) / len(runs_of)
                 pace = paces[str(rd)]
                 if prev.get("pace") and pace:  # the pace and ramp: the mean over the runs too
-                    prev["pace"] = {k: (prev["pace"][k] * (n - 1) + pace[k]) / n
-                                    for k in ("pace_steps_per_gpu_hour", "ramp_gpu_s")} | {"jobs": pace["jobs"]}
+                    keys = ["pace_steps_per_gpu_hour", "ramp_gpu_s"] + [
+                        k for k in ("own_pace_projected",) if prev["pace"].get(k) and pace.get(k)]
+                    prev["pace"] = {k: (prev["pace"][k] * (n - 1) + pace[k]) / n for k in keys} | {"jobs": pace["jobs"]}
                 else:
                     prev["pace"] = {}
                 b, sb = prev["baseline_steps_per_gpu_hour"], prev["sim_baseline_steps_per_gpu_hour"]
@@ -675,16 +678,20 @@ def render(table: dict) -> str:
                   f"under way (its jobs' steps between their first and last generation's start), the GPU-seconds "
                   f"of the window not at that pace (the start and the drain, paid once a run: offset stacks "
                   f"start a generation apart), the steps per GPU-hour of the same jobs run for "
-                  f"{PROJECT_STEPS} steps each (that start and drain plus every step at the pace), and the "
-                  f"pace over the dedicated runs' pace:", "",
+                  f"{PROJECT_STEPS} steps each (that start and drain plus every step at the pace; after the "
+                  f"slash, each job going on at its own pace and the GPU billed until the last one ends: where "
+                  f"the jobs' paces differ, as under the continuous policy, their ends drift apart with every "
+                  f"step; simulated continuous runs of 20 and 40 steps fell between the two), and the pace over the "
+                  f"dedicated runs' pace:", "",
                   f"| arm | seed | steps/GPU-h (window) | pace steps/GPU-h | start and drain GPU-s | "
                   f"at {PROJECT_STEPS} steps a job | pace over dedicated's | sim pace |", "|---|---|---|---|---|---|---|---|"]
         for label, seed, d in paced:
             p, b = d["pace"], d.get("baseline_pace_steps_per_gpu_hour")
             at = projected_steps_per_gpu_hour(d, PROJECT_STEPS)
+            own = p.get("own_pace_projected")
             ratio = p["pace_steps_per_gpu_hour"] / b if b else None
             lines.append(f"| {label} | {seed} | {d['steps_per_gpu_hour']:.0f} | {p['pace_steps_per_gpu_hour']:.0f} | "
-                         f"{p['ramp_gpu_s']:.2f} | {f(at, 0)} | {f(ratio, 2)} | "
+                         f"{p['ramp_gpu_s']:.2f} | {f(at, 0)}{f' / {own:.0f}' if own else ''} | {f(ratio, 2)} | "
                          f"{f((d.get('sim_pace') or {}).get('pace_steps_per_gpu_hour'), 0)} |")
     other_audit = [f"{label} seed {seed} ({d['baseline_audit']['arm']} over a dedicated run with "
                    f"{d['baseline_audit']['dedicated']})" for label, per in table["arms"].items()

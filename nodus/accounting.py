@@ -186,6 +186,34 @@ def projected_steps_per_gpu_hour(summary: dict, steps_per_job: int) -> float | N
     return steps / gpu_s * 3600 if gpu_s > 0 else None
 
 
+def own_pace_steps_per_gpu_hour(runs: list[list[Span]], steps_per_job: int) -> float | None:
+    """Steps per GPU-hour of the same jobs run for ``steps_per_job`` steps each, every job going on
+    at its own steady pace (``job_pace``) from where it ended, and each GPU billed until its last job
+    ends. ``projected_steps_per_gpu_hour`` pays the start and drain once at the jobs' summed pace;
+    where the jobs' paces differ (the continuous policy: jobs of short responses run ahead and end
+    first) their ends drift apart with every step, which this counts and that does not. It counts no
+    speed-up of the jobs left once others end, so it reads low where that one reads high (simulated
+    continuous runs of 20 and 40 steps fell between the two). None where a job has no pace."""
+    if steps_per_job < 1:
+        raise ValueError(f"steps_per_job must be at least 1, got {steps_per_job}")
+    gpu_s, steps = 0.0, 0
+    for r in runs:
+        rates, jobs = job_pace(r), per_job(r)
+        if not jobs or set(rates) != set(jobs):
+            return None
+        gpu_s += max(d["finish_s"] + (steps_per_job - d["steps"]) / rates[j] for j, d in jobs.items())
+        steps += steps_per_job * len(jobs)
+    return steps / gpu_s * 3600 if gpu_s > 0 else None
+
+
+def recorded_own_pace(spans: list[dict], steps_per_job: int) -> float | None:
+    """``own_pace_steps_per_gpu_hour`` for a recorded run's spans (rows grouped by ``gpu``)."""
+    runs: dict[int, list[Span]] = defaultdict(list)
+    for d in spans:
+        runs[int(d.get("gpu", 0))].append(Span.from_dict(d))
+    return own_pace_steps_per_gpu_hour([runs[g] for g in sorted(runs)], steps_per_job)
+
+
 def summarize(runs: list[list[Span]], late_arrivals: bool = False) -> dict:
     """Metrics over one or more runs, each on its own GPU (dedicated: one run per job).
     ``late_arrivals``: some job arrived after the start (``jobs[].arrive_s``), so the jobs were

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from nodus.accounting import pace_of, projected_steps_per_gpu_hour, recorded_pace, summarize
+from nodus.accounting import (own_pace_steps_per_gpu_hour, pace_of, projected_steps_per_gpu_hour, recorded_own_pace,
+                              recorded_pace, summarize)
 from nodus.messages import Span
 from nodus.simulate import config_from_args, simulate
 
@@ -80,3 +81,42 @@ def test_simulated_offset_stacks_ramp_is_their_start():
     assert off["pace"]["pace_steps_per_gpu_hour"] == pytest.approx(free["pace"]["pace_steps_per_gpu_hour"], rel=0.05)
     assert off["steps_per_gpu_hour"] < 0.97 * free["steps_per_gpu_hour"]
     assert "pace_ratio_vs_dedicated" in off
+
+
+def test_jobs_of_different_paces_end_further_apart_with_every_step():
+    """Two jobs on one GPU, one stepping every second and one every two: at 10 steps each the fast
+    one ends at 10 s and the slow one at 20 s, so the GPU is billed 20 s for 20 steps (own pace).
+    The start-and-drain-once projection bills 16.7 s (its 3.3 s of drain at the 5-step size); both
+    give the window back at the measured steps, and agree where the jobs go in step."""
+    run = _cycle("a", 5, 1.0) + _cycle("b", 5, 2.0, stack=1)
+    s = summarize([run])
+    assert own_pace_steps_per_gpu_hour([run], 10) == pytest.approx(20 / 20 * 3600)
+    assert projected_steps_per_gpu_hour(s, 10) == pytest.approx(20 / (10 - 10 / 1.5 + 20 / 1.5) * 3600)
+    assert own_pace_steps_per_gpu_hour([run], 5) == pytest.approx(s["steps_per_gpu_hour"])
+    assert recorded_own_pace([sp.to_dict() for sp in run], 10) == pytest.approx(3600)
+    even = _cycle("a", 5, 1.0) + _cycle("b", 5, 1.0, stack=1)
+    assert own_pace_steps_per_gpu_hour([even], 20) == pytest.approx(projected_steps_per_gpu_hour(summarize([even]), 20))
+    with pytest.raises(ValueError, match="at least 1"):
+        own_pace_steps_per_gpu_hour([run], 0)
+    assert own_pace_steps_per_gpu_hour([_cycle("a", 1, 1.0)], 5) is None  # one generation: no pace
+
+
+def test_continuous_runs_of_more_steps_fall_between_the_two_projections(tmp_path):
+    """The simulator's continuous arm on two stacks (jobs of short responses run ahead): its own
+    20-step run lies between the own-pace projection from 6 steps (no speed-up for the jobs left at
+    the end) and the start-and-drain-once one (no drift of the ends); shared-sync's stacks go in
+    step, and its two projections agree."""
+    from nodus.config import STACKS_PROFILE
+
+    def run(policy, steps):
+        out = tmp_path / f"{policy}-{steps}"
+        s = simulate(config_from_args(None, policy=policy, sharing="mps", steps=steps, stacks=2, seed=1,
+                                      profile=STACKS_PROFILE), out=out)
+        return s, [json.loads(x) for x in (out / "spans.jsonl").read_text().splitlines()]
+
+    (short, spans), (long, _) = run("continuous", 6), run("continuous", 20)
+    own, drain_once = recorded_own_pace(spans, 20), projected_steps_per_gpu_hour(short, 20)
+    assert own < long["steps_per_gpu_hour"] < drain_once
+    assert drain_once > 1.02 * own  # the ends drift apart: the two differ
+    sync, sync_spans = run("shared-sync", 6)
+    assert recorded_own_pace(sync_spans, 20) == pytest.approx(projected_steps_per_gpu_hour(sync, 20), rel=0.01)
