@@ -493,9 +493,13 @@ STACKS_PROFILE = STACKS_PROTOCOL_PROFILE
 # of more than 4 jobs held out from both it is 5.6% where session 60's profile is 12.0% (bias +4.4%
 # against +11.9%) (calibration/reports/validation-h100-stacks-session67.md). Those were all stack
 # runs: session 69's one-stack arms of 8 jobs it prices +13.7% to +30.2% (its one-engine-one-trainer
-# rates and decode shape are the H200's). Annotated since on the 46 runs of sessions 51-69 it was
-# not fitted on: 7.1% per run, bias +4.8%, two stacks 5.2% (32 runs), one stack +18.9% (6), arm by
-# arm in validation.arms (calibration/reports/validation-h100-stacks-session67-sessions51-69.md).
+# rates and decode shape are the H200's). Annotated since session 73 on the 59 runs of sessions
+# 51-73 it was not fitted on (12 machines): 9.0% per run, bias +7.2%; runs of several stacks 5.8%
+# (49 runs, bias +3.6%; session 73's two-stack continuous runs on a contended host 7.2%), one stack
+# +13.7% to +45.6% (10 runs: sessions 69 and 72, 72's on a contended host); with each machine's speed
+# known 3.5%; arm by arm in validation.arms
+# (calibration/reports/validation-h100-stacks-session67-sessions51-73.md; before session 72's and
+# 73's runs, 46 runs, 7.1%: validation-h100-stacks-session67-sessions51-69.md).
 H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-session67-qwen3-0.6b"
 # The H100 80GB's one-stack profile (one engine and one trainer: shared-sync, overlap, with and
 # without MPS), by #5's protocol on session 70's H100 day: `nodus calibrate --trainer-graphs` on the
