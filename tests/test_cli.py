@@ -150,10 +150,12 @@ def test_profiles_lists_each_shipped_profile_with_its_error_bar(capsys):
     assert f"| {H100_STACKS_PROFILE} (stacks on an H100 80GB) |" in out
     # The arms behind each error bar: counted where the annotation has them, named from its
     # configurations where it predates that.
-    assert rows[H100_STACKS_PROFILE]["heldout_arms"]["overlap g=2 mps"] == 2
+    # (Sessions 51-73: sessions 69 and 72 ran overlap + MPS on one stack, 2 runs and 1.)
+    assert rows[H100_STACKS_PROFILE]["heldout_arms"]["overlap g=2 mps"] == 3
     assert rows[H100_STACKS_PROFILE]["heldout_arms"]["shared-sync g=1 mps stacks=2"] >= 30
+    assert rows[H100_STACKS_PROFILE]["heldout_arms"]["continuous g=1 mps stacks=2"] == 4
     assert rows["h200-qwen3-0.6b"]["heldout_arms"]["timeslice g=2 none"] is None
-    assert "overlap g=2 mps (2), overlap g=2 none (2)," in out
+    assert "overlap g=2 mps (3), overlap g=2 none (2)," in out
 
 
 def test_sim_what_if_reports_the_hypothesis_and_bad_factors_are_clear_errors(capsys):
