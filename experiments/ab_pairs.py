@@ -2,12 +2,16 @@
 twin of the same invocation (one folder of gpu_arms runs: one cluster, one machine) and seed.
 
     python experiments/ab_pairs.py RUN_DIR... --variant flat [--out PREFIX]
+    python experiments/ab_pairs.py RUN_DIR... --policies shared-sync,continuous [--out PREFIX]
 
 gpu_arms names a run by its settings (``...-audr1-flat-sp4-k2-mb4k-s1``); a setting of the run loop
 (``:flat``, ``:rK``, ``:aN``, ``:np``) keeps every process, so an invocation can run both sides on
 one cluster, back to back. A run whose name holds ``-VARIANT-`` is side B; its twin is the run of
 the same folder whose name is the same without it (side A). Runs without a twin are listed, not
-paired. Per run: steps per GPU-hour and the pace (``summary.json``), the mean generate, train and
+paired. ``--policies A,B`` pairs by the arm's policy instead: side B the runs whose name starts with
+policy B (``continuous+mps-...``), each with the run of the same folder named the same with policy A
+(``shared-sync+mps-...``): an A/B of two policies run back to back on one machine (session 73).
+Per run: steps per GPU-hour and the pace (``summary.json``), the mean generate, train and
 publish action (a group's spans of one step merged, ``calibration.validate.action_seconds``; gpu_arms'
 ``phase_seconds`` counts each job's generation apart), the engines' mean step
 (``diagnostics.engine_steps``) and the host's steal. Per pair, B over A; over the pairs, the mean of
@@ -54,29 +58,56 @@ def run_figures(run_dir: str | Path) -> dict:
     return out
 
 
-def pair_runs(run_dirs: list[str | Path], variant: str) -> tuple[list[tuple[Path, Path]], list[Path]]:
-    """(pairs of (A, B) folders, runs left without a twin): B's name holds ``-variant-``, A's is the
-    same name without it, in the same parent folder."""
-    if not variant or "-" in variant:
+def policy_pair(text: str) -> tuple[str, str]:
+    """``A,B`` (two policies, e.g. shared-sync,continuous) as (A, B); refused by name otherwise."""
+    from nodus.config import POLICIES
+
+    parts = [p.strip() for p in text.split(",")]
+    bad = [p for p in parts if p not in POLICIES]
+    if len(parts) != 2 or bad or parts[0] == parts[1]:
+        raise ValueError(f"--policies {text!r}: two different policies A,B of {', '.join(POLICIES)} "
+                         f"(side A first), e.g. shared-sync,continuous")
+    return parts[0], parts[1]
+
+
+def _twin_name(name: str, variant: str | None, policies: tuple[str, str] | None) -> str | None:
+    """Side A's run name for side B's ``name``; None where ``name`` is no side-B run."""
+    if policies is not None:
+        a, b = policies
+        head = name[:len(b) + 1]
+        return a + name[len(b):] if head in (b + "+", b + "-") else None
+    tag = f"-{variant}-"
+    return name.replace(tag, "-", 1) if tag in name else None
+
+
+def pair_runs(run_dirs: list[str | Path], variant: str | None,
+              policies: tuple[str, str] | None = None) -> tuple[list[tuple[Path, Path]], list[Path]]:
+    """(pairs of (A, B) folders, runs left without a twin), in one parent folder: B's name holds
+    ``-variant-`` and A's is the same name without it; or, with ``policies`` (A, B), B's name starts
+    with policy B and A's is the same name with policy A."""
+    if policies is None and (not variant or "-" in variant):
         raise ValueError(f"--variant {variant!r}: one name part of a run key, e.g. flat (no dashes)")
     dirs = [Path(d) for d in run_dirs]
-    tag = f"-{variant}-"
     by_name = {(d.parent.resolve(), d.name): d for d in dirs}
     pairs, used = [], set()
     for b in dirs:
-        if tag in b.name:
-            a = by_name.get((b.parent.resolve(), b.name.replace(tag, "-", 1)))
-            if a is not None:
-                pairs.append((a, b))
-                used.update({a, b})
+        twin = _twin_name(b.name, variant, policies)
+        a = by_name.get((b.parent.resolve(), twin)) if twin else None
+        if a is not None:
+            pairs.append((a, b))
+            used.update({a, b})
     return pairs, [d for d in dirs if d not in used]
 
 
-def compare(run_dirs: list[str | Path], variant: str, seed: int = 0) -> dict:
-    pairs, alone = pair_runs(run_dirs, variant)
+def compare(run_dirs: list[str | Path], variant: str | None, seed: int = 0,
+            policies: tuple[str, str] | None = None) -> dict:
+    pairs, alone = pair_runs(run_dirs, variant, policies)
     if not pairs:
-        raise ValueError(f"no pair: no run named with -{variant}- beside its twin without it in one folder "
-                         f"({len(alone)} run(s) given)")
+        what = (f"no run of policy {policies[1]} beside its twin of policy {policies[0]}" if policies
+                else f"no run named with -{variant}- beside its twin without it")
+        raise ValueError(f"no pair: {what} in one folder ({len(alone)} run(s) given)")
+    if policies is not None:
+        variant = f"{policies[1]} over {policies[0]}"
     rows = []
     for a, b in pairs:
         fa, fb = run_figures(a), run_figures(b)
@@ -100,8 +131,9 @@ def _fmt(v, k) -> str:
 
 def markdown(res: dict) -> str:
     v = res["variant"]
-    lines = [f"Paired A/B of `{v}`: side B the runs with it, side A their twins without it (same invocation "
-             "folder, same seed).", "",
+    side = (f"side B the runs of `{v.split(' over ')[0]}`, side A their twins of `{v.split(' over ')[1]}`"
+            if " over " in v else "side B the runs with it, side A their twins without it")
+    lines = [f"Paired A/B of `{v}`: {side} (same invocation folder, same seed).", "",
              "| folder | seed | " + " | ".join(f"{k} A / B" for k in FIGURES) + " |",
              "|---|---|" + "---|" * len(FIGURES)]
     for r in res["pairs"]:
@@ -120,11 +152,14 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="run folders of gpu_arms invocations")
-    ap.add_argument("--variant", required=True, help="the run key's part that marks side B, e.g. flat")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--variant", help="the run key's part that marks side B, e.g. flat")
+    which.add_argument("--policies", metavar="A,B",
+                       help="pair by the arm's policy: side A's, side B's (e.g. shared-sync,continuous)")
     ap.add_argument("--out", help="PREFIX: write PREFIX.json and PREFIX.md")
     a = ap.parse_args(argv)
     try:
-        res = compare(a.runs, a.variant)
+        res = compare(a.runs, a.variant, policies=policy_pair(a.policies) if a.policies else None)
     except ValueError as err:
         raise SystemExit(f"ab_pairs: {err}")
     md = markdown(res)

@@ -69,3 +69,27 @@ def test_writes_json_and_markdown(tmp_path):
     res = json.loads((tmp_path / "rep" / "flat-ab.json").read_text())
     assert res["summary"]["steps_per_gpu_hour"]["b_over_a"] == pytest.approx(1.05)
     assert (tmp_path / "rep" / "flat-ab.md").read_text().startswith("Paired A/B of `flat`")
+
+
+def test_pairs_two_policies_by_name_and_refuses_a_bad_pair(tmp_path):
+    """--policies A,B: side B the runs of policy B, each with the run of policy A named the same in
+    its folder (session 73's continuous against shared-sync on two stacks); a run of a third policy
+    or without a twin stays unpaired; a policy that is none, or the same twice, is refused by name."""
+    a = tmp_path / "arms"
+    runs = [_run(a, "continuous+mps-cg-k2-s1", 1024, 0.5), _run(a, "shared-sync+mps-cg-k2-s1", 1000, 1.0),
+            _run(a, "continuous+mps-cg-k2-aa-s1", 1030, 0.5), _run(a, "shared-sync+mps-cg-k2-aa-s1", 1000, 1.1),
+            _run(a, "shared-sync+mps-cg-k2-s4", 1000, 1.0, seed=4), _run(a, "overlap+mps-cg-k2-s1", 990, 0.7)]
+    res = ab_pairs.compare(runs, None, policies=ab_pairs.policy_pair("shared-sync,continuous"))
+    assert [(p["a"]["run"], p["b"]["run"]) for p in res["pairs"]] == [
+        ("shared-sync+mps-cg-k2-s1", "continuous+mps-cg-k2-s1"),
+        ("shared-sync+mps-cg-k2-aa-s1", "continuous+mps-cg-k2-aa-s1")]
+    assert res["summary"]["steps_per_gpu_hour"]["b_over_a"] == pytest.approx(math.sqrt(1.024 * 1.03))
+    assert res["summary"]["steps_per_gpu_hour"]["b_higher"] == 2
+    assert sorted(res["unpaired"]) == sorted(str(r) for r in runs[4:])
+    assert ab_pairs.markdown(res).startswith("Paired A/B of `continuous over shared-sync`: side B the runs of "
+                                             "`continuous`, side A their twins of `shared-sync`")
+    for bad in ("shared-sync", "shared-sync,continous", "continuous,continuous"):
+        with pytest.raises(ValueError, match="two different policies"):
+            ab_pairs.policy_pair(bad)
+    with pytest.raises(SystemExit, match="no pair: no run of policy overlap beside its twin of policy dedicated"):
+        ab_pairs.main([str(r) for r in runs] + ["--policies", "dedicated,overlap"])
