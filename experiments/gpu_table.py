@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
                           corun_key, packed_rows, stacks_of, trainer_freed)
-from nodus.accounting import projected_steps_per_gpu_hour, recorded_own_pace, recorded_pace
+from nodus.accounting import own_pace_steps_per_gpu_hour, pace_of, projected_steps_per_gpu_hour, runs_by_gpu
 from nodus.microbatch import mb_tag
 from calibration.run_settings import audit_label, run_audit, run_controls, trainer_step_modes
 
@@ -280,9 +280,10 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                                                                        if by_day and days[str(rd)] else "")
         rows.append((rd, cfg, summary, jobs, seed, sim, _phase_means(spans), plain))
         corun[str(rd)] = corun_phase_means(spans)
-        paces[str(rd)] = recorded_pace(spans)
+        by_gpu = runs_by_gpu(spans)
+        paces[str(rd)] = pace_of(by_gpu)
         if paces[str(rd)]:  # the same jobs at PROJECT_STEPS, each at its own pace (their ends drift apart)
-            paces[str(rd)]["own_pace_projected"] = recorded_own_pace(spans, PROJECT_STEPS)
+            paces[str(rd)]["own_pace_projected"] = own_pace_steps_per_gpu_hour(by_gpu, PROJECT_STEPS)
         if plain == "dedicated/none/g1" or plain.startswith("dedicated/none/g1+"):
             key = (jobs, seed, label_flags(plain))
             ded_sph.setdefault(key, []).append(summary["steps_per_gpu_hour"])

@@ -164,7 +164,7 @@ def pace_of(runs: list[list[Span]]) -> dict:
     return {"pace_steps_per_gpu_hour": jobs / pace_gpu_s * 3600, "ramp_gpu_s": ramp_s, "jobs": jobs}
 
 
-def _runs_by_gpu(spans: list[dict]) -> list[list[Span]]:
+def runs_by_gpu(spans: list[dict]) -> list[list[Span]]:
     """A recorded run's spans (spans.jsonl rows) as one list a GPU, by each row's ``gpu``."""
     runs: dict[int, list[Span]] = defaultdict(list)
     for d in spans:
@@ -175,7 +175,7 @@ def _runs_by_gpu(spans: list[dict]) -> list[list[Span]]:
 def recorded_pace(spans: list[dict]) -> dict:
     """``pace_of`` for a recorded run's spans (spans.jsonl rows; each row's ``gpu`` is its run's:
     a dedicated run holds one GPU a job)."""
-    return pace_of(_runs_by_gpu(spans))
+    return pace_of(runs_by_gpu(spans))
 
 
 def projected_steps_per_gpu_hour(summary: dict, steps_per_job: int) -> float | None:
@@ -209,11 +209,6 @@ def own_pace_steps_per_gpu_hour(runs: list[list[Span]], steps_per_job: int) -> f
         gpu_s += max(d["finish_s"] + (steps_per_job - d["steps"]) / rates[j] for j, d in jobs.items())
         steps += steps_per_job * len(jobs)
     return steps / gpu_s * 3600 if gpu_s > 0 else None
-
-
-def recorded_own_pace(spans: list[dict], steps_per_job: int) -> float | None:
-    """``own_pace_steps_per_gpu_hour`` for a recorded run's spans (rows grouped by ``gpu``)."""
-    return own_pace_steps_per_gpu_hour(_runs_by_gpu(spans), steps_per_job)
 
 
 def summarize(runs: list[list[Span]], late_arrivals: bool = False) -> dict:

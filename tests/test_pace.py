@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from nodus.accounting import (own_pace_steps_per_gpu_hour, pace_of, projected_steps_per_gpu_hour, recorded_own_pace,
-                              recorded_pace, summarize)
+from nodus.accounting import (own_pace_steps_per_gpu_hour, pace_of, projected_steps_per_gpu_hour, recorded_pace,
+                              runs_by_gpu, summarize)
 from nodus.messages import Span
 from nodus.simulate import config_from_args, simulate
 
@@ -93,7 +93,7 @@ def test_jobs_of_different_paces_end_further_apart_with_every_step():
     assert own_pace_steps_per_gpu_hour([run], 10) == pytest.approx(20 / 20 * 3600)
     assert projected_steps_per_gpu_hour(s, 10) == pytest.approx(20 / (10 - 10 / 1.5 + 20 / 1.5) * 3600)
     assert own_pace_steps_per_gpu_hour([run], 5) == pytest.approx(s["steps_per_gpu_hour"])
-    assert recorded_own_pace([sp.to_dict() for sp in run], 10) == pytest.approx(3600)
+    assert own_pace_steps_per_gpu_hour(runs_by_gpu([sp.to_dict() for sp in run]), 10) == pytest.approx(3600)
     even = _cycle("a", 5, 1.0) + _cycle("b", 5, 1.0, stack=1)
     assert own_pace_steps_per_gpu_hour([even], 20) == pytest.approx(projected_steps_per_gpu_hour(summarize([even]), 20))
     with pytest.raises(ValueError, match="at least 1"):
@@ -115,8 +115,9 @@ def test_continuous_runs_of_more_steps_fall_between_the_two_projections(tmp_path
         return s, [json.loads(x) for x in (out / "spans.jsonl").read_text().splitlines()]
 
     (short, spans), (long, _) = run("continuous", 6), run("continuous", 20)
-    own, drain_once = recorded_own_pace(spans, 20), projected_steps_per_gpu_hour(short, 20)
+    own, drain_once = own_pace_steps_per_gpu_hour(runs_by_gpu(spans), 20), projected_steps_per_gpu_hour(short, 20)
     assert own < long["steps_per_gpu_hour"] < drain_once
     assert drain_once > 1.02 * own  # the ends drift apart: the two differ
     sync, sync_spans = run("shared-sync", 6)
-    assert recorded_own_pace(sync_spans, 20) == pytest.approx(projected_steps_per_gpu_hour(sync, 20), rel=0.01)
+    assert own_pace_steps_per_gpu_hour(runs_by_gpu(sync_spans), 20) == pytest.approx(
+        projected_steps_per_gpu_hour(sync, 20), rel=0.01)
