@@ -333,8 +333,9 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
                     prev[kind] = sum(runs_of) / len(runs_of)
                 pace = paces[str(rd)]
                 if prev.get("pace") and pace:  # the pace and ramp: the mean over the runs too
-                    keys = ["pace_steps_per_gpu_hour", "ramp_gpu_s"] + [
-                        k for k in ("own_pace_projected",) if prev["pace"].get(k) and pace.get(k)]
+                    keys = ["pace_steps_per_gpu_hour", "ramp_gpu_s"]
+                    if prev["pace"].get("own_pace_projected") and pace.get("own_pace_projected"):
+                        keys.append("own_pace_projected")
                     prev["pace"] = {k: (prev["pace"][k] * (n - 1) + pace[k]) / n for k in keys} | {"jobs": pace["jobs"]}
                 else:
                     prev["pace"] = {}
