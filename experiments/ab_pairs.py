@@ -106,8 +106,7 @@ def compare(run_dirs: list[str | Path], variant: str | None, seed: int = 0,
         what = (f"no run of policy {policies[1]} beside its twin of policy {policies[0]}" if policies
                 else f"no run named with -{variant}- beside its twin without it")
         raise ValueError(f"no pair: {what} in one folder ({len(alone)} run(s) given)")
-    if policies is not None:
-        variant = f"{policies[1]} over {policies[0]}"
+    label = f"{policies[1]} over {policies[0]}" if policies is not None else variant
     rows = []
     for a, b in pairs:
         fa, fb = run_figures(a), run_figures(b)
@@ -120,7 +119,8 @@ def compare(run_dirs: list[str | Path], variant: str | None, seed: int = 0,
             m, lo, hi = paired_bootstrap_ci(logs, seed=seed)
             summary[k] = {"b_over_a": math.exp(m), "ci95": [math.exp(lo), math.exp(hi)], "pairs": len(logs),
                           "b_higher": sum(x > 0 for x in logs)}
-    return {"variant": variant, "pairs": rows, "summary": summary, "unpaired": [str(d) for d in alone]}
+    return {"variant": label, "policies": list(policies) if policies is not None else None, "pairs": rows,
+            "summary": summary, "unpaired": [str(d) for d in alone]}
 
 
 def _fmt(v, k) -> str:
@@ -131,8 +131,9 @@ def _fmt(v, k) -> str:
 
 def markdown(res: dict) -> str:
     v = res["variant"]
-    side = (f"side B the runs of `{v.split(' over ')[0]}`, side A their twins of `{v.split(' over ')[1]}`"
-            if " over " in v else "side B the runs with it, side A their twins without it")
+    pol = res.get("policies")
+    side = (f"side B the runs of `{pol[1]}`, side A their twins of `{pol[0]}`" if pol
+            else "side B the runs with it, side A their twins without it")
     lines = [f"Paired A/B of `{v}`: {side} (same invocation folder, same seed).", "",
              "| folder | seed | " + " | ".join(f"{k} A / B" for k in FIGURES) + " |",
              "|---|---|" + "---|" * len(FIGURES)]
