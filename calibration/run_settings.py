@@ -7,7 +7,8 @@ and the GPU table can name what a run's error may come from.
 
 from __future__ import annotations
 
-from nodus.config import AuditSpec, corun_key, drop_idle_priority
+from nodus.config import (NO_CORUN_POLICIES, AuditSpec, corun_key, drop_idle_priority, shipped_profile,
+                          stacks_of)
 
 
 def run_audit(summary: dict) -> dict:
@@ -120,6 +121,30 @@ def run_controls(summary: dict) -> dict:
     if audit:
         out["audit"] = audit
     return out
+
+
+def run_gpu_total_gib(summary: dict) -> float | None:
+    """The total memory (GiB) of the GPU a run recorded (diagnostics ``gpu.total_gib``), None for a
+    run that recorded none."""
+    return next((d["gpu"]["total_gib"] for d in summary.get("diagnostics", [])
+                 if (d.get("gpu") or {}).get("total_gib")), None)
+
+
+def run_profile(config: dict, summary: dict) -> str:
+    """The shipped profile that describes a recorded run (``nodus.config.shipped_profile``): its
+    trainers' step mode (graphed where any replayed CUDA graphs), its trainer's MPS priority where
+    its arm co-runs engine and trainer under MPS (the recorded one, else the backend's default,
+    normal), its stacks under MPS, and its GPU's total memory (an H100 80GB has profiles of its
+    own; a run that recorded no GPU is priced as the H200's)."""
+    arm = config.get("arm") or {}
+    policy, sharing, stacks = arm.get("policy"), arm.get("sharing"), stacks_of(arm)
+    graphed = any(m != "eager" for m in trainer_step_modes(summary))
+    priority = None
+    if sharing == "mps" and corun_key(policy, stacks) not in NO_CORUN_POLICIES:
+        priority = next((d["sharing_controls"]["trainer_priority"] for d in summary.get("diagnostics", [])
+                         if (d.get("sharing_controls") or {}).get("trainer_priority")), "normal")
+    return shipped_profile(graphed, priority, stacks > 1 and sharing == "mps" and policy != "timeslice",
+                           run_gpu_total_gib(summary))
 
 
 # Run settings the profile's terms were not measured with: such a run is simulated with them

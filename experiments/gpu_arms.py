@@ -382,36 +382,15 @@ def check_share_prompts(specs: list, share: int, trainer_graphs: bool) -> None:
                              "add :cg to the arm or --trainer-graphs")
 
 
-# A GPU of at most this much memory (GiB) is priced as the H100 80GB (79.2-79.6 GiB total; an H200
-# reads 140.4): the device lends both, and each has its own shipped profiles.
-H100_MAX_TOTAL_GIB = 100.0
-
-
 def sim_profile(given: str | None, trainer_graphs: bool, corun_priority: str | None = None,
                 stacks_mps: bool = False, gpu_total_gib: float | None = None) -> str:
-    """The profile an arm's simulated figure uses: the one asked for, else the shipped profile of
-    the arm's trainer (a graphed trainer's run against the eager trainer's profile read 4672 for a
-    measured 6459 in session 15's log), and for a graphed arm that co-runs engine and trainer under
-    MPS, the one fitted at its trainer's priority (``corun_priority``; None: nothing co-runs). A
-    graphed arm of several stacks under MPS (``stacks_mps``, not timeslice) takes the shipped stacks
-    profile, as `nodus sim` does (session 39's device log printed 7182 for two-stack runs of 8421-8865
-    on the profile without a two-engine rate). On an H100 80GB (``gpu_total_gib`` at most
-    ``H100_MAX_TOTAL_GIB``) a graphed arm takes the H100's own profiles: the stacks one for stacks
-    under MPS, else the one-stack one (session 73's H100 log printed the H200 stacks profile's 7915
-    against 8150 for two-stack continuous against shared-sync, which measured 7669 against 7511
-    mean; the H100 stacks profile replays them in that order)."""
-    from nodus.config import (DEFAULT_PROFILES, GRAPHED_NORMAL_PRIORITY_PROFILE, H100_ONESTACK_PROFILE,
-                              H100_STACKS_PROFILE, STACKS_PROFILE)
+    """The profile an arm's simulated figure uses: the one asked for, else the shipped one that
+    describes the arm (``nodus.config.shipped_profile``: by its trainer, its trainer's priority
+    where it co-runs under MPS, stacks under MPS, and the GPU's total memory), as `nodus validate`
+    picks for a recorded run (``calibration.run_settings.run_profile``)."""
+    from nodus.config import shipped_profile
 
-    if given:
-        return given
-    if trainer_graphs and gpu_total_gib is not None and gpu_total_gib <= H100_MAX_TOTAL_GIB:
-        return H100_STACKS_PROFILE if stacks_mps else H100_ONESTACK_PROFILE
-    if trainer_graphs and stacks_mps:
-        return STACKS_PROFILE
-    if trainer_graphs and corun_priority == "normal":
-        return GRAPHED_NORMAL_PRIORITY_PROFILE
-    return DEFAULT_PROFILES["graphed" if trainer_graphs else "eager"]
+    return given or shipped_profile(trainer_graphs, corun_priority, stacks_mps, gpu_total_gib)
 
 
 def dedicated_key(name: str, keys) -> str | None:

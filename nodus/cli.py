@@ -292,6 +292,32 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return 0
 
 
+def runs_profile(runs: list[str]) -> str:
+    """The shipped profile that describes every one of ``runs`` (recorded run folders;
+    ``calibration.run_settings.run_profile``); refused, naming each profile's runs, where they
+    differ (runs of an H200 and an H100, or an H100's one-stack and two-stack runs, which the H100
+    stacks profile priced 14-46% high). An H200 day's graphed runs of one stack (its dedicated runs)
+    beside its stacks under MPS all take the stacks profile: it grew from the one-stack profile
+    (session 16's runs, its engine's scale refitted on sessions 31-38's dedicated runs) and prices
+    one stack by the engine-and-trainer pair's rates, as #5's report scores them. On the 25 held-out
+    dedicated runs of sessions 39-71 it was 13.2% per run and 3.1% per configuration (3), against
+    the one-stack profile's 14.0% and 7.4%."""
+    from calibration.run_settings import run_profile
+    from calibration.validate import load_recorded
+
+    by: dict[str, list[str]] = {}
+    for rd in runs:
+        cfg, summary, _ = load_recorded(Path(rd))
+        by.setdefault(run_profile(cfg, summary), []).append(str(rd))
+    if set(by) == {DEFAULT_PROFILES["graphed"], STACKS_PROFILE}:
+        return STACKS_PROFILE
+    if len(by) > 1:
+        raise ConfigError("these runs take different shipped profiles: validate each set on its own or name one for "
+                          "all with --profile (" + "; ".join(f"--profile {p}: {', '.join(r)}" for p, r in by.items())
+                          + ")")
+    return next(iter(by))
+
+
 def cmd_validate(a: argparse.Namespace) -> int:
     from calibration.validate import plot_validation, render_markdown, validate
     from nodus.outdir import make_out_dir, write_json
@@ -300,6 +326,10 @@ def cmd_validate(a: argparse.Namespace) -> int:
     if not runs:
         raise ValueError("validate needs at least one run folder (written by nodus run --out), named before the "
                          "options or after --runs")
+    if a.profile is None:
+        a.profile = runs_profile(runs)
+        print(f"nodus: profile {a.profile}, the shipped one for these runs (their GPU, trainer and stacks; "
+              "--profile to choose another)", file=sys.stderr)
     rep = validate(runs, profile=a.profile, fit_max_jobs=a.fit_max_jobs)
     if a.out:
         out = make_out_dir(a.out)
@@ -807,7 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="*", help="run folders written by nodus run --out")
     p.add_argument("--runs", dest="more_runs", nargs="+", action="extend", default=[], metavar="RUN",
                    help="run folders too (the same as naming them before the options)")
-    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--profile", help="shipped profile name or profile JSON path (default: the shipped profile that "
+                                     "describes the runs, by their GPU, trainer and stacks: `nodus profiles`)")
     p.add_argument("--fit-max-jobs", type=int, default=4, help="runs with more jobs per GPU are held out")
     p.add_argument("--annotate", metavar="PROFILE_OUT",
                    help="write the profile with this validation's held-out error (every sim report prints it)")

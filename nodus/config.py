@@ -517,6 +517,33 @@ H100_STACKS_PROFILE = "h100-xeon16-graphed-stacks-tied-session67-qwen3-0.6b"
 # It has no two-stack rates (nodus fit-stacks) and no packed-row attention term: sp4 runs are flagged.
 H100_ONESTACK_PROFILE = "h100-xeon16-graphed-calibrated-onestack-floor-session70-qwen3-0.6b"
 
+# A GPU of at most this much memory (GiB) is priced as the H100 80GB (79.2-79.6 GiB total; an H200
+# reads 140.4): the device lends both, and each has its own shipped profiles.
+H100_MAX_TOTAL_GIB = 100.0
+
+
+def shipped_profile(trainer_graphs: bool, corun_priority: str | None = None, stacks_mps: bool = False,
+                    gpu_total_gib: float | None = None) -> str:
+    """The shipped profile that describes an arm: by its trainer (``trainer_graphs``: the graphed
+    trainer's profiles; a graphed run against the eager trainer's profile read 4672 for a measured
+    6459 in session 15's log), and for a graphed arm that co-runs engine and trainer under MPS, the
+    one fitted at its trainer's priority (``corun_priority``; None: nothing co-runs). A graphed arm
+    of several stacks under MPS (``stacks_mps``, not timeslice) takes the stacks profile (session
+    39's device log printed 7182 for two-stack runs of 8421-8865 on the profile without a two-engine
+    rate). On an H100 80GB (``gpu_total_gib`` at most ``H100_MAX_TOTAL_GIB``; None: the H200) a
+    graphed arm takes the H100's own profiles: the stacks one for stacks under MPS, else the
+    one-stack one (session 73's H100 log printed the H200 stacks profile's 7915 against 8150 for
+    two-stack continuous against shared-sync, which measured 7669 against 7511 mean; the H100
+    stacks profile replays them in that order). `gpu_arms` prices its arms by it and `nodus
+    validate` / `nodus sim RUN_DIR` a recorded run (``calibration.run_settings.run_profile``)."""
+    if trainer_graphs and gpu_total_gib is not None and gpu_total_gib <= H100_MAX_TOTAL_GIB:
+        return H100_STACKS_PROFILE if stacks_mps else H100_ONESTACK_PROFILE
+    if trainer_graphs and stacks_mps:
+        return STACKS_PROFILE
+    if trainer_graphs and corun_priority == "normal":
+        return GRAPHED_NORMAL_PRIORITY_PROFILE
+    return DEFAULT_PROFILES["graphed" if trainer_graphs else "eager"]
+
 
 class RunConfig(_Model):
     """Everything one run needs; `resolved()` fills defaults that depend on other fields."""

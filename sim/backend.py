@@ -12,8 +12,8 @@ from collections import deque
 import numpy as np
 import simpy
 
-from nodus.config import (STACKS_PROFILE, STACKS_PROTOCOL_PROFILE, STACKS_TRAINER_PROFILE, ConfigError, JobSpec, RunConfig,
-                          engine_graph_max_tokens)
+from nodus.config import (DEFAULT_PROFILES, STACKS_PROFILE, STACKS_PROTOCOL_PROFILE, STACKS_TRAINER_PROFILE, ConfigError,
+                          JobSpec, RunConfig, engine_graph_max_tokens)
 from nodus.lengths import prompt_tokens, sample_response_tokens
 from nodus.microbatch import microbatch_costs, packed_pairs_per_microbatch, step_rows
 from nodus.messages import (
@@ -41,7 +41,8 @@ class SimBackend:
             # The real backend runs it with the graphed trainer only (real.backend.check_run_settings).
             raise ConfigError(f"trainer.share_prompts={cfg.trainer.share_prompts} runs on the graphed trainer only, "
                               f"and this profile's train terms describe the eager one (train.step_mode): simulate it "
-                              f"on a graphed profile (nodus profiles)")
+                              f"on a graphed profile, e.g. --profile {DEFAULT_PROFILES['graphed']} (one stack) or "
+                              f"{STACKS_PROFILE} (stacks under MPS); `nodus profiles` lists them, the H100's too")
         self.cfg, self.cost = cfg, cost
         self.env = simpy.Environment()
         sharing = cost.profile.sharing

@@ -1280,3 +1280,58 @@ def test_a_configurations_arm_is_read_back_from_its_label():
     # An annotation written before per-arm errors: its arms come from its configurations' labels.
     assert set(heldout_arms({"configurations": ["16 jobs shared-sync g=1 mps stacks=2 mb=4096 sp4"]})) == {
         "shared-sync g=1 mps stacks=2"}
+
+
+def _recorded_as(run: Path, *, gpu_gib: float | None, step_mode: str = "graphed",
+                 priority: str = "below-normal") -> Path:
+    """A simulated run folder made to read as a real run's: its diagnostics name the GPU's total
+    memory, its trainer's step mode and its MPS priority, as the real backend records them."""
+    summary = json.loads((run / "summary.json").read_text())
+    summary["diagnostics"] = [{"gpu": {"name": "GPU", "total_gib": gpu_gib} if gpu_gib else None,
+                               "sharing_controls": {"trainer_priority": priority},
+                               "workers": {"trainer0": {"step_mode": step_mode}}}]
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_validate_without_a_profile_takes_the_shipped_one_that_describes_the_runs(tmp_path, capsys):
+    """`nodus validate RUN...` without --profile: each run's shipped profile by its GPU (an H100
+    80GB has its own), its trainer, its trainer's priority where it co-runs under MPS, and its
+    stacks; an H200 day's one-stack graphed runs beside its stacks take the stacks profile; sets
+    that need different profiles are refused by name (session 74: a day's folder on the eager
+    default was refused for its packed rows)."""
+    from calibration.run_settings import run_profile
+    from nodus.cli import runs_profile
+    from nodus.config import (DEFAULT_PROFILES, GRAPHED_NORMAL_PRIORITY_PROFILE, H100_ONESTACK_PROFILE,
+                              H100_STACKS_PROFILE, STACKS_PROFILE)
+
+    def run(name, **kw):
+        out = tmp_path / name
+        simulate(config_from_args(jobs=kw.pop("jobs", 2), steps=2, **kw), out)
+        return out
+
+    eager = run("eager")  # a simulated run records no trainer: the eager default
+    ded = _recorded_as(run("ded", policy="dedicated"), gpu_gib=140.4)
+    k2 = _recorded_as(run("k2", jobs=4, policy="shared-sync", sharing="mps", stacks=2), gpu_gib=140.4)
+    k2_h100 = _recorded_as(run("k2-h100", jobs=4, policy="shared-sync", sharing="mps", stacks=2), gpu_gib=79.6)
+    ovl = run("ovl", policy="overlap", sharing="mps")
+    ovl_low, ovl_normal = (_recorded_as(ovl, gpu_gib=140.4), _recorded_as(run("ovl-n", policy="overlap", sharing="mps"),
+                                                                          gpu_gib=None, priority="normal"))
+
+    def profile(rd):
+        return run_profile(json.loads((rd / "config.json").read_text()), json.loads((rd / "summary.json").read_text()))
+
+    assert profile(eager) == DEFAULT_PROFILES["eager"]
+    assert profile(ded) == DEFAULT_PROFILES["graphed"]
+    assert profile(k2) == STACKS_PROFILE and profile(k2_h100) == H100_STACKS_PROFILE
+    assert profile(_recorded_as(run("ded-h100", policy="dedicated"), gpu_gib=79.6)) == H100_ONESTACK_PROFILE
+    assert profile(ovl_low) == DEFAULT_PROFILES["graphed"] and profile(ovl_normal) == GRAPHED_NORMAL_PRIORITY_PROFILE
+    assert runs_profile([str(ded), str(k2)]) == STACKS_PROFILE  # an H200 day: the stacks profile
+    with pytest.raises(ConfigError, match=f"--profile {STACKS_PROFILE}: {k2}; --profile {H100_STACKS_PROFILE}"):
+        runs_profile([str(k2), str(k2_h100)])
+    capsys.readouterr()
+    assert main(["validate", str(k2_h100), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["profile"] == H100_STACKS_PROFILE and "the shipped one for these runs" in out.err
+    assert main(["validate", str(k2), str(k2_h100)]) == 2
+    assert "take different shipped profiles" in capsys.readouterr().err
