@@ -144,7 +144,7 @@ def run_profile(config: dict, summary: dict) -> str:
         priority = next((d["sharing_controls"]["trainer_priority"] for d in summary.get("diagnostics", [])
                          if (d.get("sharing_controls") or {}).get("trainer_priority")), "normal")
     return shipped_profile(graphed, priority, stacks > 1 and sharing == "mps" and policy != "timeslice",
-                           run_gpu_total_gib(summary))
+                           run_gpu_total_gib(summary), dedicated=policy == "dedicated")
 
 
 # Run settings the profile's terms were not measured with: such a run is simulated with them

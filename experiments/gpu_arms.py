@@ -383,14 +383,14 @@ def check_share_prompts(specs: list, share: int, trainer_graphs: bool) -> None:
 
 
 def sim_profile(given: str | None, trainer_graphs: bool, corun_priority: str | None = None,
-                stacks_mps: bool = False, gpu_total_gib: float | None = None) -> str:
+                stacks_mps: bool = False, gpu_total_gib: float | None = None, dedicated: bool = False) -> str:
     """The profile an arm's simulated figure uses: the one asked for, else the shipped one that
     describes the arm (``nodus.config.shipped_profile``: by its trainer, its trainer's priority
-    where it co-runs under MPS, stacks under MPS, and the GPU's total memory), as `nodus validate`
-    picks for a recorded run (``calibration.run_settings.run_profile``)."""
+    where it co-runs under MPS, stacks under MPS, a dedicated arm, and the GPU's total memory), as
+    `nodus validate` picks for a recorded run (``calibration.run_settings.run_profile``)."""
     from nodus.config import shipped_profile
 
-    return given or shipped_profile(trainer_graphs, corun_priority, stacks_mps, gpu_total_gib)
+    return given or shipped_profile(trainer_graphs, corun_priority, stacks_mps, gpu_total_gib, dedicated)
 
 
 def dedicated_key(name: str, keys) -> str | None:
@@ -892,7 +892,7 @@ def main() -> None:
                 profile = sim_profile(args.profile, arm_opts.trainer_graphs,
                                       arm_opts.trainer_priority if corun else None,
                                       stacks > 1 and sharing == "mps" and policy != "timeslice",
-                                      gpu_mem[1] if gpu_mem else None)
+                                      gpu_mem[1] if gpu_mem else None, policy == "dedicated")
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,
                     steps=arm_steps, stacks=stacks if stacks > 1 else None,

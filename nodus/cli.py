@@ -296,12 +296,10 @@ def runs_profile(runs: list[str]) -> str:
     """The shipped profile that describes every one of ``runs`` (recorded run folders;
     ``calibration.run_settings.run_profile``); refused, naming each profile's runs, where they
     differ (runs of an H200 and an H100, or an H100's one-stack and two-stack runs, which the H100
-    stacks profile priced 14-46% high). An H200 day's graphed runs of one stack (its dedicated runs)
-    beside its stacks under MPS all take the stacks profile: it grew from the one-stack profile
-    (session 16's runs, its engine's scale refitted on sessions 31-38's dedicated runs) and prices
-    one stack by the engine-and-trainer pair's rates, as #5's report scores them. On the 25 held-out
-    dedicated runs of sessions 39-71 it was 13.2% per run and 3.1% per configuration (3), against
-    the one-stack profile's 14.0% and 7.4%."""
+    stacks profile priced 14-46% high). An H200 day's graphed one-stack runs beside its stacks under
+    MPS all take the stacks profile (its dedicated runs do anyway, ``shipped_profile``): it grew
+    from the one-stack profile and prices one stack by the engine-and-trainer pair's rates, as #5's
+    report scores them."""
     from calibration.run_settings import run_profile
     from calibration.validate import load_recorded
 

@@ -523,7 +523,7 @@ H100_MAX_TOTAL_GIB = 100.0
 
 
 def shipped_profile(trainer_graphs: bool, corun_priority: str | None = None, stacks_mps: bool = False,
-                    gpu_total_gib: float | None = None) -> str:
+                    gpu_total_gib: float | None = None, dedicated: bool = False) -> str:
     """The shipped profile that describes an arm: by its trainer (``trainer_graphs``: the graphed
     trainer's profiles; a graphed run against the eager trainer's profile read 4672 for a measured
     6459 in session 15's log), and for a graphed arm that co-runs engine and trainer under MPS, the
@@ -534,11 +534,15 @@ def shipped_profile(trainer_graphs: bool, corun_priority: str | None = None, sta
     graphed arm takes the H100's own profiles: the stacks one for stacks under MPS, else the
     one-stack one (session 73's H100 log printed the H200 stacks profile's 7915 against 8150 for
     two-stack continuous against shared-sync, which measured 7669 against 7511 mean; the H100
-    stacks profile replays them in that order). `gpu_arms` prices its arms by it and `nodus
-    validate` / `nodus sim RUN_DIR` a recorded run (``calibration.run_settings.run_profile``)."""
+    stacks profile replays them in that order). A graphed ``dedicated`` arm on the H200 takes the
+    stacks profile too: it grew from the one-stack profile (session 16's runs) with the engine's
+    scale refitted on sessions 31-38's dedicated runs, and on the 25 held-out dedicated runs of
+    sessions 39-71 it was 3.1% per configuration (13.2% per run, contended hosts among them)
+    against the one-stack profile's 7.4% (14.0%); session 71's seven: 5.5% against 11.4%. `gpu_arms`
+    prices its arms by it and `nodus validate` recorded runs (``calibration.run_settings.run_profile``)."""
     if trainer_graphs and gpu_total_gib is not None and gpu_total_gib <= H100_MAX_TOTAL_GIB:
         return H100_STACKS_PROFILE if stacks_mps else H100_ONESTACK_PROFILE
-    if trainer_graphs and stacks_mps:
+    if trainer_graphs and (stacks_mps or dedicated):
         return STACKS_PROFILE
     if trainer_graphs and corun_priority == "normal":
         return GRAPHED_NORMAL_PRIORITY_PROFILE

@@ -186,6 +186,9 @@ def test_each_arm_is_simulated_on_the_shipped_profile_of_its_trainer():
     from nodus.config import STACKS_PROFILE
 
     assert sim_profile(None, True, "below-normal", stacks_mps=True) == STACKS_PROFILE
+    # A graphed dedicated arm on the H200: the stacks profile, whose engine scale is the newer one.
+    assert sim_profile(None, True, dedicated=True) == STACKS_PROFILE
+    assert sim_profile(None, False, dedicated=True) == DEFAULT_PROFILES["eager"]
     assert sim_profile("mine.json", True, "below-normal", stacks_mps=True) == "mine.json"
 
 

@@ -1322,11 +1322,12 @@ def test_validate_without_a_profile_takes_the_shipped_one_that_describes_the_run
         return run_profile(json.loads((rd / "config.json").read_text()), json.loads((rd / "summary.json").read_text()))
 
     assert profile(eager) == DEFAULT_PROFILES["eager"]
-    assert profile(ded) == DEFAULT_PROFILES["graphed"]
+    assert profile(ded) == STACKS_PROFILE  # an H200's graphed dedicated run: the stacks profile's newer engine
     assert profile(k2) == STACKS_PROFILE and profile(k2_h100) == H100_STACKS_PROFILE
     assert profile(_recorded_as(run("ded-h100", policy="dedicated"), gpu_gib=79.6)) == H100_ONESTACK_PROFILE
     assert profile(ovl_low) == DEFAULT_PROFILES["graphed"] and profile(ovl_normal) == GRAPHED_NORMAL_PRIORITY_PROFILE
     assert runs_profile([str(ded), str(k2)]) == STACKS_PROFILE  # an H200 day: the stacks profile
+    assert runs_profile([str(ovl_low), str(k2)]) == STACKS_PROFILE  # one stack beside stacks too
     with pytest.raises(ConfigError, match=f"--profile {STACKS_PROFILE}: {k2}; --profile {H100_STACKS_PROFILE}"):
         runs_profile([str(k2), str(k2_h100)])
     capsys.readouterr()
