@@ -59,7 +59,9 @@ def _add_arm_flags(p: argparse.ArgumentParser) -> None:
 
 
 # The shipped profiles a planner picks by the question, marked so in `nodus profiles`.
-SHIPPED_ROLES = (("default", DEFAULT_PROFILE), ("stacks on an H200", STACKS_PROFILE),
+# (nodus.config.shipped_profile picks among them by an arm's trainer, stacks and GPU.)
+SHIPPED_ROLES = (("default", DEFAULT_PROFILE), ("stacks or graphed dedicated on an H200", STACKS_PROFILE),
+                 ("graphed, one stack sharing on an H200", DEFAULT_PROFILES["graphed"]),
                  ("stacks on an H100 80GB", H100_STACKS_PROFILE), ("one stack on an H100 80GB", H100_ONESTACK_PROFILE))
 
 
