@@ -1,7 +1,7 @@
 """The measured arms table from real-backend run folders, with the simulator's prediction beside
 each point.
 
-    python experiments/gpu_table.py RUN_DIR... --out experiments/results/paper_table_gpu [--profile PROFILE (default: nodus.config.DEFAULT_PROFILE)]
+    python experiments/gpu_table.py RUN_DIR... --out experiments/results/paper_table_gpu [--profile PROFILE (default: each run's shipped profile)]
 
 Groups runs by arm (policy, groups, sharing), job count and seed; the dedicated runs of a
 (jobs, seed) are the baseline (their mean: the order runs are named in never decides it), two of
@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from nodus.config import (DEFAULT_MICROBATCH_TOKENS, DEFAULT_PROFILE, NO_CORUN_POLICIES, drop_idle_priority,
+from nodus.config import (DEFAULT_MICROBATCH_TOKENS, NO_CORUN_POLICIES, drop_idle_priority,
                           corun_key, packed_rows, stacks_of, trainer_freed)
 from nodus.accounting import own_pace_steps_per_gpu_hour, pace_of, projected_steps_per_gpu_hour, runs_by_gpu
 from nodus.microbatch import mb_tag
@@ -231,22 +231,32 @@ def arm_label(arm: dict, summary: dict | None = None, trainer: dict | None = Non
     return label
 
 
-def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = None,
+def build(runs: list[Path], profile: str | None, run_profiles: dict[str, str] | None = None,
           notes: list[str] | None = None) -> dict:
     """`run_profiles`: run-folder path prefix -> profile for the runs under it (runs made on
-    another host are simulated on that host's profile); the rest use `profile`."""
+    another host are simulated on that host's profile); the rest use `profile`, or where it is None
+    each its shipped profile (``calibration.run_settings.run_profile``: by its GPU, trainer and
+    stacks; the table's ``shipped_profiles`` counts the runs on each)."""
     from calibration.validate import _phase_means, _simulate, corun_phase_means, load_recorded, recorded_configs
     from calibration.run_health import (gpu_flags, host_flags, host_monitor_flags, jit_flags, run_gpu_monitor,
                                         run_host_monitor, run_host_probe, run_jit_compiles, minutes_apart, run_machine,
                                         run_started)
     from nodus.stats import aa_spread
 
+    from calibration.run_settings import run_profile
+
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
                    "arms": {}, "aa": {}}
+    shipped: dict[str, str] = {}  # run -> its shipped profile, where no profile was named for it
 
     def profile_of(rd: Path) -> str:
         hits = [p for prefix, p in (run_profiles or {}).items() if str(rd).startswith(prefix)]
-        return hits[0] if hits else profile
+        if hits or profile:
+            return hits[0] if hits else profile
+        if str(rd) not in shipped:
+            cfg, summary, _ = load_recorded(rd)
+            shipped[str(rd)] = run_profile(cfg, summary)
+        return shipped[str(rd)]
 
     # Runs from several day folders (``.../DAY/arms/RUN``) keep to their day: each label carries the
     # day as a setting ("+@session35"), so a run is never a repeat of another day's run and divides
@@ -462,6 +472,8 @@ def build(runs: list[Path], profile: str, run_profiles: dict[str, str] | None = 
     # not model): named, never dropped.
     table["jit"] = jit_flags([{"run": str(rd), "jit_compiles": run_jit_compiles(summary)}
                               for rd, _, summary, *_ in rows])
+    if shipped:
+        table["shipped_profiles"] = {p: sum(v == p for v in shipped.values()) for p in sorted(set(shipped.values()))}
     return table
 
 
@@ -627,7 +639,12 @@ def _merge_corun(a: dict, b: dict) -> dict:
 
 def render(table: dict) -> str:
     others = "".join(f"; runs under `{k}` on `{v}`" for k, v in (table.get("run_profiles") or {}).items())
-    lines = [f"Measured on the GPU; simulator on profile `{table['profile']}`{others}, replaying each run's lengths.", ""]
+    if table.get("profile"):
+        on = f"profile `{table['profile']}`"
+    else:  # each run on its shipped profile (by its GPU, trainer and stacks)
+        on = "each run's shipped profile (" + ", ".join(f"`{p}`: {n} run{'s' * (n != 1)}" for p, n in
+                                                        (table.get("shipped_profiles") or {}).items()) + ")"
+    lines = [f"Measured on the GPU; simulator on {on}{others}, replaying each run's lengths.", ""]
     lines += [f"- {n}" for n in table.get("notes") or []] + ([""] if table.get("notes") else [])
     if table.get("days"):
         lines += [f"Runs of {len(table['days'])} days ({', '.join(table['days'])}; a day: the folder holding a run's "
@@ -898,7 +915,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", required=True, help="path prefix: writes <out>.json, <out>.md, <out>.png")
-    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--profile", help="simulate every run on this profile (default: each run on its shipped one, by "
+                                      "its GPU, trainer and stacks: nodus.config.shipped_profile)")
     ap.add_argument("--run-profile", action="append", default=[], metavar="PREFIX=PROFILE",
                     help="simulate the runs whose folder path starts with PREFIX on PROFILE (e.g. runs made "
                          "on another host, on that host's profile); repeatable")

@@ -198,6 +198,27 @@ def test_runs_under_a_prefix_are_simulated_on_their_own_profile(tmp_path):
         main(runs + ["--out", str(tmp_path / "t3"), "--run-profile", "no-equals-sign"])
 
 
+def test_without_a_profile_each_run_is_simulated_on_its_shipped_profile(tmp_path):
+    """No --profile: each run on the shipped profile its recorded GPU, trainer and stacks call for
+    (``run_profile``), the header naming each; --profile still prices every run on one."""
+    from experiments.gpu_table import main
+    from nodus.config import DEFAULT_PROFILE, H100_ONESTACK_PROFILE, H100_STACKS_PROFILE
+
+    h100 = [{"gpu": {"name": "NVIDIA H100 80GB HBM3", "total_gib": 79.6},
+             "sharing_controls": {"trainer_priority": "below-normal"}, "workers": {"trainer0": {"step_mode": "graphed"}}}]
+    runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),
+                                 ("k2", dict(policy="shared-sync", sharing="mps", stacks=2))),
+                      diagnostics=h100, jobs=4, steps=2, seed=1, profile=H100_STACKS_PROFILE)
+    table = main(runs + ["--out", str(tmp_path / "t")])
+    by_policy = {label.split("/")[0]: seeds["1"] for label, seeds in table["arms"].items()}
+    assert by_policy["shared-sync"]["sim_profile"] == H100_STACKS_PROFILE
+    assert by_policy["dedicated"]["sim_profile"] == H100_ONESTACK_PROFILE
+    assert table["shipped_profiles"] == {H100_ONESTACK_PROFILE: 1, H100_STACKS_PROFILE: 1}
+    assert f"each run's shipped profile (`{H100_ONESTACK_PROFILE}`: 1 run, " in (tmp_path / "t.md").read_text()
+    one = main(runs + ["--out", str(tmp_path / "t2"), "--profile", DEFAULT_PROFILE])
+    assert {r["1"]["sim_profile"] for r in one["arms"].values()} == {DEFAULT_PROFILE} and "shipped_profiles" not in one
+
+
 def test_a_run_at_another_micro_batch_size_is_its_own_row():
     from experiments.gpu_table import arm_label
 
