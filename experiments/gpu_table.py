@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from nodus.config import (DEFAULT_MICROBATCH_TOKENS, NO_CORUN_POLICIES, drop_idle_priority,
+from nodus.config import (DEFAULT_MICROBATCH_TOKENS, NO_CORUN_POLICIES, ConfigError, drop_idle_priority,
                           corun_key, packed_rows, stacks_of, trainer_freed)
 from nodus.accounting import own_pace_steps_per_gpu_hour, pace_of, projected_steps_per_gpu_hour, runs_by_gpu
 from nodus.microbatch import mb_tag
@@ -936,7 +936,10 @@ def main(argv: list[str] | None = None) -> dict:
         if not sep or not prefix or not prof:
             ap.error(f"--run-profile {item!r}: expected PREFIX=PROFILE")
         run_profiles[prefix] = prof
-    table = build(a.runs, a.profile, run_profiles, a.note)
+    try:
+        table = build(a.runs, a.profile, run_profiles, a.note)
+    except ConfigError as err:  # a folder that is no recorded run, a profile that does not load
+        ap.error(str(err))
     if a.learning:
         table["learning"] = learning_guard(json.loads(a.learning.read_text()), str(a.learning))
     out = Path(a.out)

@@ -219,6 +219,14 @@ def test_without_a_profile_each_run_is_simulated_on_its_shipped_profile(tmp_path
     assert {r["1"]["sim_profile"] for r in one["arms"].values()} == {DEFAULT_PROFILE} and "shipped_profiles" not in one
 
 
+def test_a_folder_that_is_no_run_is_refused_by_name(tmp_path, capsys):
+    from experiments.gpu_table import main
+
+    with pytest.raises(SystemExit) as err:
+        main([str(tmp_path), "--out", str(tmp_path / "t")])
+    assert err.value.code == 2 and f"'{tmp_path}' is not a recorded run" in capsys.readouterr().err
+
+
 def test_a_run_at_another_micro_batch_size_is_its_own_row():
     from experiments.gpu_table import arm_label
 
