@@ -8,9 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, H100_ONESTACK_PROFILE, H100_STACKS_PROFILE, POLICIES,
-                          SHARINGS, STACKS_PROFILE, ConfigError, RunConfig,
-                          load_config)
+from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, GPUS, H100_ONESTACK_PROFILE, H100_STACKS_PROFILE,
+                          POLICIES, SHARINGS, STACKS_PROFILE, ConfigError, RunConfig, load_config, planning_profile)
 from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
 from calibration.fit_runs import TERM_SELECTIONS
 from sim.profile import ADAPTER_FORMATS, LORA_KERNELS, RATE_MAX, STEP_MODES
@@ -18,6 +17,11 @@ from sim.profile import ADAPTER_FORMATS, LORA_KERNELS, RATE_MAX, STEP_MODES
 
 ARRIVE_EVERY_HELP = ("job i arrives i x S seconds after the start (jobs[].arrive_s) and joins its group's next "
                      "generation; each dedicated job has its GPU from its arrival")
+
+
+GPU_HELP = ("the GPU the plan is for, where no profile is chosen: h200 (default: the default profile, the "
+            "stacks profile for stacks under MPS) or h100 (an H100 80GB: its own profiles, the graphed trainer's, "
+            "the only one measured there: its stacks profile for stacks under MPS, else its one-stack profile)")
 
 
 def _add_arm_flags(p: argparse.ArgumentParser) -> None:
@@ -152,12 +156,19 @@ def cmd_sim(a: argparse.Namespace) -> int:
                            offset_stacks=a.offset_stacks, hold_apart=a.hold_apart,
                            arrive_every=a.arrive_every, max_active=a.max_active,
                            max_lead=a.max_lead)
-    if a.profile is None and "profile" not in (data or {}) and (cfg.arm.stacks or 1) > 1 \
-            and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice":
-        # No profile chosen: stacks under MPS get the shipped profile with a two-engine rate.
-        cfg = cfg.model_copy(update={"profile": STACKS_PROFILE})
-        print(f"nodus: {cfg.arm.stacks} stacks under MPS: profile {STACKS_PROFILE}, the shipped one with a "
-              "two-engine rate (sharing.mps_engines); --profile to choose another", file=sys.stderr)
+    if a.profile is None and "profile" not in (data or {}):
+        # No profile chosen: the GPU's shipped one for the arm (stacks under MPS: the one with the
+        # stacks' rates).
+        stacks_mps = (cfg.arm.stacks or 1) > 1 and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice"
+        chosen = planning_profile(a.gpu, stacks_mps)
+        if a.gpu != "h200":
+            print(f"nodus: --gpu {a.gpu}: profile {chosen}, the shipped one for "
+                  + ("stacks under MPS" if stacks_mps else "one stack") + " there; --profile to choose another",
+                  file=sys.stderr)
+        elif stacks_mps:
+            print(f"nodus: {cfg.arm.stacks} stacks under MPS: profile {chosen}, the shipped one with a "
+                  "two-engine rate (sharing.mps_engines); --profile to choose another", file=sys.stderr)
+        cfg = cfg.model_copy(update={"profile": chosen})
     profile = None
     if a.what_if:
         import tempfile
@@ -191,8 +202,11 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
     result = sweep(jobs=a.jobs, groups=a.groups, policies=a.policies, sharing=a.sharing, seeds=a.seeds,
                    steps=a.steps, profile=a.profile, workers=a.workers, out=a.out, share_prompts=a.share_prompts,
-                   stacks=a.stacks, audit=audit_spec_from_args(a), arrive_every=a.arrive_every)
-    if a.profile is None and result["profile"] == STACKS_PROFILE:
+                   stacks=a.stacks, audit=audit_spec_from_args(a), arrive_every=a.arrive_every, gpu=a.gpu)
+    if a.profile is None and a.gpu != "h200":
+        print(f"nodus: --gpu {a.gpu}: every run on profile {result['profile']}, the shipped one there "
+              "(--profile to choose)", file=sys.stderr)
+    elif a.profile is None and result["profile"] == STACKS_PROFILE:
         print(f"nodus: stacks under MPS: every run on profile {STACKS_PROFILE}, the shipped one with the "
               "stacks' rates (--profile to choose)", file=sys.stderr)
     print(json.dumps(result, default=str) if a.json
@@ -212,7 +226,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
     result = plan(load_config(a.config) if a.config else None, total_jobs=a.total_jobs, steps=a.steps,
                   per_gpu=a.per_gpu, policies=a.policies, groups=a.groups, sharing=a.sharing, stacks=a.stacks,
-                  profile=a.profile, seed=a.seed, deadline_h=a.deadline_h, max_gpus=a.max_gpus,
+                  profile=a.profile, gpu=a.gpu, seed=a.seed, deadline_h=a.deadline_h, max_gpus=a.max_gpus,
                   price_per_gpu_hour=a.price, arrive_every=a.arrive_every, gpus=a.gpus, max_wait_h=a.max_wait_h,
                   sim_steps=a.sim_steps, workers=a.workers, out=a.out, progress=not a.json and sys.stderr.isatty())
     print(json.dumps(result, default=str) if a.json else plan_table(result))
@@ -698,7 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sim", help="simulate one arm (and its dedicated baseline) on a profile")
     _add_arm_flags(p)
     _add_audit_flags(p)
-    p.add_argument("--profile", help="shipped profile name or profile JSON path (default " + DEFAULT_PROFILE + ")")
+    p.add_argument("--profile", help="shipped profile name or profile JSON path (default " + DEFAULT_PROFILE + "; "
+                                     "--gpu picks another)")
+    p.add_argument("--gpu", choices=GPUS, default="h200", help=GPU_HELP)
     p.add_argument("--what-if", action="append", default=[], metavar="PHASE=FACTOR",
                    help="scale a phase's costs on the profile, hypothetically (train, decode, prefill, "
                         "publish; 0.5: twice as fast); repeatable; the report lists it as an assumption")
@@ -732,7 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arrive-every", type=float, metavar="S", default=None, help=ARRIVE_EVERY_HELP)
     p.add_argument("--profile", help=f"shipped profile name or profile JSON path (default {DEFAULT_PROFILE}; with "
                                      f"--stacks past 1 under MPS, {STACKS_PROFILE} for every run, as nodus sim and "
-                                     "nodus plan pick it)")
+                                     "nodus plan pick it; --gpu picks another)")
+    p.add_argument("--gpu", choices=GPUS, default="h200", help=GPU_HELP)
     p.add_argument("--workers", type=int, help="processes (default: CPU count)")
     p.add_argument("--out", help="write sweep.csv, sweep.json, sweep.png into this new folder")
     p.add_argument("--json", action="store_true")
@@ -755,7 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine + trainer stacks a GPU (arm.stacks; default 1); with more than one under MPS and "
                         f"no profile chosen, every option is priced on {STACKS_PROFILE}")
     p.add_argument("--profile", help="shipped profile name or profile JSON path (default: the config's, else "
-                                     + DEFAULT_PROFILE + ")")
+                                     + DEFAULT_PROFILE + "; --gpu picks another)")
+    p.add_argument("--gpu", choices=GPUS, default="h200", help=GPU_HELP)
     p.add_argument("--seed", type=int, default=1, help="run seed (default 1)")
     p.add_argument("--deadline-h", type=float, metavar="H", help="every job done within H hours")
     p.add_argument("--max-gpus", type=int, metavar="G", help="at most G GPUs")

@@ -549,6 +549,23 @@ def shipped_profile(trainer_graphs: bool, corun_priority: str | None = None, sta
     return DEFAULT_PROFILES["graphed" if trainer_graphs else "eager"]
 
 
+GPUS: tuple[str, ...] = ("h200", "h100")  # the GPUs with shipped profiles (--gpu)
+
+
+def planning_profile(gpu: str, stacks_mps: bool) -> str:
+    """The shipped profile `nodus sim`, `nodus sweep` and `nodus plan` take unless told (--profile,
+    or a config's ``profile``) for the GPU the plan is for (--gpu): on the H200 the default profile
+    (the eager trainer's), or the stacks profile for stacks under MPS (``stacks_mps``); on an H100
+    80GB the H100's own, the graphed trainer's (the only trainer measured there): its stacks profile
+    for stacks under MPS, else its one-stack profile (``shipped_profile``)."""
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu {gpu!r}: choose from {', '.join(GPUS)} (the GPUs with shipped profiles; "
+                          "--profile names any other)")
+    if gpu == "h100":
+        return shipped_profile(True, None, stacks_mps, H100_MAX_TOTAL_GIB)
+    return STACKS_PROFILE if stacks_mps else DEFAULT_PROFILE
+
+
 class RunConfig(_Model):
     """Everything one run needs; `resolved()` fills defaults that depend on other fields."""
 

@@ -27,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from nodus.accounting import summarize
-from nodus.config import DEFAULT_PROFILE, SHARINGS, STACKS_PROFILE, ConfigError, default_jobs, with_default_packing
+from nodus.config import SHARINGS, ConfigError, default_jobs, planning_profile, with_default_packing
 from nodus.outdir import make_out_dir, write_json
 from nodus.runner import run_spans
 from nodus.simulate import config_from_args, error_bar_line, parse_list
@@ -115,7 +115,7 @@ def _one_at_a_time(alone: list[dict], arrivals: tuple) -> dict:
 
 def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = None, per_gpu: str = "1,2,4,8,16",
          policies: str = ",".join(PLAN_POLICIES), groups: str = "2", sharing: str = "mps", stacks: str = "1",
-         profile: str | None = None, seed: int = 1, deadline_h: float | None = None,
+         profile: str | None = None, gpu: str = "h200", seed: int = 1, deadline_h: float | None = None,
          price_per_gpu_hour: float | None = None, arrive_every: float | None = None,
          max_gpus: int | None = None, gpus: int | None = None, max_wait_h: float | None = None,
          sim_steps: int | None = None, workers: int | None = None,
@@ -182,9 +182,9 @@ def plan(config: dict | None = None, *, total_jobs: int, steps: int | None = Non
     base["seed"] = seed
     if profile is not None:
         base["profile"] = profile
-    if "profile" not in base and max(stk) > 1 and "mps" in shr:
-        base["profile"] = STACKS_PROFILE  # as nodus sim: the shipped profile with a two-engine rate
-    base.setdefault("profile", DEFAULT_PROFILE)
+    if "profile" not in base:
+        # As nodus sim: the GPU's shipped profile (stacks under MPS: the one with the stacks' rates).
+        base["profile"] = planning_profile(gpu, max(stk) > 1 and "mps" in shr)
     templates = (config or {}).get("jobs") or [j.model_dump(exclude_none=True) for j in default_jobs(8)]
     # A plan deals the jobs itself: a template's group or stack pin (a recorded run's) is dropped.
     templates = [{k: v for k, v in t.items() if k not in ("group", "stack")} if isinstance(t, dict) else t

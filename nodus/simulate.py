@@ -13,8 +13,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from nodus.config import (AUTO_SHARE_PROMPTS, DEFAULT_PROFILE, POLICIES, SHARINGS, STACKS_PROFILE, AuditSpec,
-                          ConfigError, RunConfig, build_config, default_jobs, packed_rows, size_engine_graphs, stacks_of)
+from nodus.config import (AUTO_SHARE_PROMPTS, POLICIES, SHARINGS, AuditSpec, ConfigError, RunConfig, build_config,
+                          default_jobs, packed_rows, planning_profile, size_engine_graphs, stacks_of)
 from nodus.outdir import git_commit, make_out_dir, write_json
 from nodus.runner import late_arrivals, run_arm, run_spans, size_engine_slots
 from nodus.accounting import summarize
@@ -338,7 +338,8 @@ def parse_list(text: str, cast, name: str, choices=None) -> list:
 def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", sharing: str = "none,mps",
           seeds: str = "1,2,3", steps: int = 20, profile: str | None = None, workers: int | None = None,
           out: str | Path | None = None, progress: bool = True, share_prompts: str | None = None,
-          stacks: str = "1", audit: AuditSpec | None = None, arrive_every: float | None = None) -> dict:
+          stacks: str = "1", audit: AuditSpec | None = None, arrive_every: float | None = None,
+          gpu: str = "h200") -> dict:
     """Every arm for every job count, seed and ``share_prompts`` (the trainer's responses a packed
     row, ``trainer.share_prompts``; 0: plain rows; None: ``AUTO_SHARE_PROMPTS`` on a graphed profile,
     0 on an eager one, as ``nodus sim``); ratios are against the dedicated arm of the same job count,
@@ -347,8 +348,9 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     arm runs on, where its jobs fill them (``stacked_arms``). ``audit``: every run's audit
     (RunConfig.audit, the dedicated baseline's too; None: the full audit). ``arrive_every``: job i
     of every shared run arrives i x that many seconds after the start (``config_from_args``).
-    ``profile`` None: ``STACKS_PROFILE`` where several stacks run under MPS (as ``nodus sim`` and
-    ``nodus plan`` pick it: the shipped profile with the stacks' rates), else ``DEFAULT_PROFILE``."""
+    ``profile`` None: the shipped profile for ``gpu`` (``planning_profile``: on the H200
+    ``STACKS_PROFILE`` where several stacks run under MPS, as ``nodus sim`` and ``nodus plan`` pick
+    it, else ``DEFAULT_PROFILE``; on the H100 its own stacks or one-stack profile)."""
     job_list = parse_list(jobs, int, "jobs")
     if min(job_list) < 1:
         raise ConfigError(f"--jobs {jobs}: every job count must be >= 1")
@@ -362,7 +364,7 @@ def sweep(jobs: str = "2,4,8,16", groups: str = "1,2,4", policies: str = "all", 
     if min(stack_list) < 1:
         raise ConfigError(f"--stacks {stacks}: every stack count must be >= 1")
     if profile is None:
-        profile = STACKS_PROFILE if max(stack_list) > 1 and "mps" in shr else DEFAULT_PROFILE
+        profile = planning_profile(gpu, max(stack_list) > 1 and "mps" in shr)
     from sim.profile import load_profile
 
     cost = load_profile(profile)  # fails fast on a bad profile, before forking workers

@@ -306,6 +306,37 @@ def test_sim_of_stacks_under_mps_takes_the_shipped_stacks_profile_unless_told(tm
     assert json.loads((out / "what_if_profile.json").read_text())["sharing"]["mps_engines"] is not None
 
 
+def test_gpu_h100_takes_the_h100s_shipped_profiles_in_sim_sweep_and_plan(capsys):
+    """--gpu h100 with no profile chosen: the H100 80GB's own profiles (the graphed trainer's, the
+    only one measured there), its stacks profile for stacks under MPS, else its one-stack one, said
+    on stderr; --profile still wins, and a GPU without shipped profiles is refused."""
+    import json
+
+    from nodus.cli import main
+    from nodus.config import DEFAULT_PROFILE, H100_ONESTACK_PROFILE, H100_STACKS_PROFILE, ConfigError, planning_profile
+
+    def sim(*extra):
+        assert main(["sim", "--jobs", "4", "--policy", "shared-sync", "--steps", "2", "--json", *extra]) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out)["profile"]["source"], out.err
+
+    source, err = sim("--gpu", "h100")
+    assert H100_ONESTACK_PROFILE in source and f"--gpu h100: profile {H100_ONESTACK_PROFILE}" in err
+    assert H100_STACKS_PROFILE in sim("--gpu", "h100", "--stacks", "2", "--sharing", "mps")[0]
+    assert DEFAULT_PROFILE in sim("--gpu", "h100", "--profile", DEFAULT_PROFILE)[0]
+    assert main(["sweep", "--jobs", "4", "--groups", "1", "--policies", "shared-sync", "--seeds", "1", "--steps", "1",
+                 "--workers", "1", "--sharing", "mps", "--stacks", "1,2", "--gpu", "h100", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["profile"] == H100_STACKS_PROFILE and "--gpu h100: every run on profile" in out.err
+    assert main(["plan", "--total-jobs", "4", "--per-gpu", "1,2", "--steps", "2", "--gpu", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["profile"] == H100_ONESTACK_PROFILE
+    with pytest.raises(SystemExit):
+        main(["sim", "--gpu", "a100"])
+    assert "invalid choice: 'a100'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--gpu 'a100': choose from h200, h100"):
+        planning_profile("a100", False)
+
+
 def test_run_hands_the_flat_adapter_format_by_default_and_peft_folders_beside_a_core_process(monkeypatch, capsys):
     """nodus run --backend real without --adapter-format: flat files (session 65's default), PEFT
     folders where vLLM's core runs in a process of its own (no flat loader there), either when asked."""
