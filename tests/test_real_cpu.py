@@ -563,12 +563,17 @@ def test_stacks_held_apart_on_the_real_backend_stay_on_policy_and_apart(timeslic
     # Whether the rule has to hold depends on the loaded CPU's timing: stacks that drift apart on
     # their own need no hold (a fresh clone's run in session 43 held none, where `any(held)` was
     # asserted). Where a generation became ready well inside the rule's gap (half its own cycle) of
-    # the other stack's latest release, the backend must have held it (slack: a fifth of the gap).
+    # the other stack's latest start as the rule knew it when it decided (released_s less the hold),
+    # the backend must have held it (slack: a fifth of the gap). That start may lie ahead, set by the
+    # other stack's own hold (Scheduler._hold_until compares with each stack's latest start, not with
+    # its latest past one: session 74's fresh clone failed a check that took the latest past one).
     # A stack whose last step has ended holds no one (Scheduler._hold_until: only live stacks count).
     ended = {k: max(x.end_s for x in runs[0] if x.stack == k) for k in (0, 1)}
     for (stack, step), (t, h) in rel.items():
-        past = [u for (o, _), (u, _) in rel.items() if o != stack and u <= t - h and ended[o] > t - h]
-        if step >= 2 and past and (t - h) - max(past) < 0.8 * 0.5 * own_cycle(stack, step, rel):
+        decided = t - h
+        known = [(u - hu, u) for (o, _), (u, hu) in rel.items()
+                 if o != stack and u - hu < decided - 1e-9 and ended[o] > decided]
+        if step >= 2 and known and abs(decided - max(known)[1]) < 0.8 * 0.5 * own_cycle(stack, step, rel):
             assert h > 0, (stack, step, ended, sorted(rel.items()))
     for (stack, step), (t, _) in gens.items():
         if step < 2:
