@@ -24,8 +24,9 @@ GPU_HELP = ("the GPU the plan is for, where no profile is chosen: h200 (default:
             "the only one measured there: its stacks profile for stacks under MPS, else its one-stack profile)")
 
 
-def _add_arm_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML/JSON config file (default: the embedded 8-job workload)")
+def _add_arm_flags(p: argparse.ArgumentParser, config_help: str = "") -> None:
+    p.add_argument("config", nargs="?",
+                   help="YAML/JSON config file (default: the embedded 8-job workload)" + config_help)
     p.add_argument("--jobs", type=int, help="number of jobs (cycling through the task families)")
     p.add_argument("--policy", choices=POLICIES, help="arm policy (default overlap)")
     p.add_argument("--groups", type=int, help="overlap: phase-offset groups; timeslice: stacks (default 2)")
@@ -146,10 +147,36 @@ def default_packing(cfg, graphed: bool):
     return out
 
 
+def recorded_run(path: str) -> tuple[dict, dict | None]:
+    """A run folder given as ``nodus sim``'s CONFIG: its config.json, and its summary.json where the
+    real backend wrote it (None for a simulated run's folder, whose config names the profile it was
+    simulated on)."""
+    rd = Path(path)
+    if not (rd / "config.json").is_file():
+        raise ConfigError(f"{path!r} is a folder without config.json: give a config file, or a run folder written by "
+                          "nodus run --out or nodus sim --out")
+    summary = json.loads((rd / "summary.json").read_text()) if (rd / "summary.json").is_file() else None
+    return load_config(rd / "config.json"), (summary if summary and summary.get("backend") != "sim" else None)
+
+
 def cmd_sim(a: argparse.Namespace) -> int:
     from nodus.simulate import config_from_args, render_table, simulate
 
-    data = load_config(a.config) if a.config else None
+    measured = None  # a real run's summary, where CONFIG is its folder
+    if a.config and Path(a.config).is_dir():
+        data, measured = recorded_run(a.config)
+        if measured is not None:
+            # The real backend records the default profile in its config, which priced nothing: the
+            # run's own shipped profile (its GPU, trainer and stacks) unless one is named.
+            from calibration.run_settings import run_profile
+
+            data.pop("profile", None)
+            if a.profile is None:
+                a.profile = run_profile(data, measured)
+                print(f"nodus: {a.config}: profile {a.profile}, the shipped one for the run (its GPU, trainer and "
+                      "stacks; --profile to choose another)", file=sys.stderr)
+    else:
+        data = load_config(a.config) if a.config else None
     cfg = config_from_args(data, jobs=a.jobs, policy=a.policy,
                            groups=a.groups, sharing=a.sharing, steps=a.steps, seed=a.seed, profile=a.profile,
                            share_prompts=a.share_prompts, stacks=a.stacks, lockstep=a.lockstep,
@@ -192,6 +219,16 @@ def cmd_sim(a: argparse.Namespace) -> int:
         print(json.dumps(summary, sort_keys=True, default=str))
     else:
         print(render_table(summary, cfg.trainer.share_prompts))
+        if measured is not None and measured.get("steps_per_gpu_hour"):
+            m = measured["steps_per_gpu_hour"]
+            recorded = config_from_args(data)
+            own = (not a.what_if and cfg.arm == recorded.arm and cfg.seed == recorded.seed
+                   and [j.steps for j in cfg.jobs] == [j.steps for j in recorded.jobs]
+                   and cfg.trainer == recorded.trainer and cfg.audit == recorded.audit)
+            print(f"\nmeasured in {a.config}: {m:.1f} steps per GPU-hour"
+                  + (f" (this simulation {summary['steps_per_gpu_hour'] / m - 1:+.1%}, its lengths sampled; "
+                     "`nodus validate` replays the run's own)" if own else
+                     " (its own configuration: the options above changed what is simulated)"))
         if a.out:
             print(f"\nwrote {a.out}/ (summary.json, spans.jsonl, trace.json for Perfetto, gantt.png)")
     return 0
@@ -710,7 +747,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("sim", help="simulate one arm (and its dedicated baseline) on a profile")
-    _add_arm_flags(p)
+    _add_arm_flags(p, "; or a run folder: a real run's configuration on its shipped profile (by its GPU, trainer "
+                      "and stacks), its measured steps per GPU-hour printed beside")
     _add_audit_flags(p)
     p.add_argument("--profile", help="shipped profile name or profile JSON path (default " + DEFAULT_PROFILE + "; "
                                      "--gpu picks another)")

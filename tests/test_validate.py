@@ -1336,3 +1336,31 @@ def test_validate_without_a_profile_takes_the_shipped_one_that_describes_the_run
     assert json.loads(out.out)["profile"] == H100_STACKS_PROFILE and "the shipped one for these runs" in out.err
     assert main(["validate", str(k2), str(k2_h100)]) == 2
     assert "take different shipped profiles" in capsys.readouterr().err
+
+
+def test_sim_of_a_run_folder_simulates_its_configuration_on_its_shipped_profile(tmp_path, capsys):
+    """`nodus sim RUN_DIR`: a real run's recorded configuration (whose config names the default
+    profile, which priced nothing) on the run's shipped profile, the measured figure beside; with an
+    option that changes the arm, the measured figure is its own run's; a simulated run's folder
+    keeps the profile it was simulated on; a folder without a config is refused by name."""
+    from nodus.config import H100_STACKS_PROFILE
+
+    run = tmp_path / "k2"
+    simulate(config_from_args(jobs=4, steps=2, policy="shared-sync", sharing="mps", stacks=2), run)
+    assert main(["sim", str(run), "--json"]) == 0  # a simulated run's folder: its own profile, no note
+    out = capsys.readouterr()
+    assert "the shipped one for the run" not in out.err
+    summary = json.loads((run / "summary.json").read_text())
+    summary.pop("backend")  # as the real backend writes it
+    (run / "summary.json").write_text(json.dumps(summary))
+    _recorded_as(run, gpu_gib=79.6)
+    assert main(["sim", str(run), "--json"]) == 0
+    out = capsys.readouterr()
+    assert H100_STACKS_PROFILE in json.loads(out.out)["profile"]["source"] and "the shipped one for the run" in out.err
+    assert main(["sim", str(run)]) == 0
+    assert f"measured in {run}: {summary['steps_per_gpu_hour']:.1f} steps per GPU-hour (this simulation " in \
+        capsys.readouterr().out
+    assert main(["sim", str(run), "--policy", "continuous"]) == 0
+    assert "(its own configuration: the options above changed what is simulated)" in capsys.readouterr().out
+    assert main(["sim", str(tmp_path)]) == 2
+    assert "is a folder without config.json" in capsys.readouterr().err
