@@ -241,9 +241,8 @@ def build(runs: list[Path], profile: str | None, run_profiles: dict[str, str] | 
     from calibration.run_health import (gpu_flags, host_flags, host_monitor_flags, jit_flags, run_gpu_monitor,
                                         run_host_monitor, run_host_probe, run_jit_compiles, minutes_apart, run_machine,
                                         run_started)
-    from nodus.stats import aa_spread
-
     from calibration.run_settings import run_profile
+    from nodus.stats import aa_spread
 
     table: dict = {"profile": profile, "run_profiles": dict(run_profiles or {}), "notes": list(notes or []),
                    "arms": {}, "aa": {}}
