@@ -348,8 +348,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
 def runs_profile(runs: list[str]) -> str:
     """The shipped profile that describes every one of ``runs`` (recorded run folders;
     ``calibration.run_settings.run_profile``); refused, naming each profile's runs, where they
-    differ (runs of an H200 and an H100, or an H100's one-stack and two-stack runs, which the H100
-    stacks profile priced 14-46% high). An H200 day's graphed one-stack runs beside its stacks under
+    differ (runs of an H200 and an H100, or an H100's one-stack shared runs and its stacks, which the
+    H100 stacks profile priced 14-46% high). An H200 day's graphed one-stack runs beside its stacks under
     MPS all take the stacks profile (its dedicated runs do anyway, ``shipped_profile``): it grew
     from the one-stack profile and prices one stack by the engine-and-trainer pair's rates, as #5's
     report scores them."""

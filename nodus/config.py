@@ -534,14 +534,17 @@ def shipped_profile(trainer_graphs: bool, corun_priority: str | None = None, sta
     graphed arm takes the H100's own profiles: the stacks one for stacks under MPS, else the
     one-stack one (session 73's H100 log printed the H200 stacks profile's 7915 against 8150 for
     two-stack continuous against shared-sync, which measured 7669 against 7511 mean; the H100
-    stacks profile replays them in that order). A graphed ``dedicated`` arm on the H200 takes the
-    stacks profile too: it grew from the one-stack profile (session 16's runs) with the engine's
-    scale refitted on sessions 31-38's dedicated runs, and on the 25 held-out dedicated runs of
-    sessions 39-71 it was 3.1% per configuration (13.2% per run, contended hosts among them)
-    against the one-stack profile's 7.4% (14.0%); session 71's seven: 5.5% against 11.4%. `gpu_arms`
-    prices its arms by it and `nodus validate` recorded runs (``calibration.run_settings.run_profile``)."""
+    stacks profile replays them in that order). A graphed ``dedicated`` arm takes the stacks
+    profile too, so that a stacked arm's ratio is over a dedicated figure of the same profile. On
+    the H200 that profile grew from the one-stack profile (session 16's runs) with the engine's
+    scale refitted on sessions 31-38's dedicated runs; on the 25 held-out dedicated runs of sessions
+    39-71 it was 3.1% per configuration (13.2% per run, contended hosts among them) against the
+    one-stack profile's 7.4% (14.0%); session 71's seven: 5.5% against 11.4%. On the H100's 18
+    dedicated runs of sessions 51-72, 5.4% per configuration (10.8% per run) against the one-stack
+    profile's 6.4% (11.4%). `gpu_arms` prices its arms by it and `nodus validate` recorded runs
+    (``calibration.run_settings.run_profile``)."""
     if trainer_graphs and gpu_total_gib is not None and gpu_total_gib <= H100_MAX_TOTAL_GIB:
-        return H100_STACKS_PROFILE if stacks_mps else H100_ONESTACK_PROFILE
+        return H100_STACKS_PROFILE if stacks_mps or dedicated else H100_ONESTACK_PROFILE
     if trainer_graphs and (stacks_mps or dedicated):
         return STACKS_PROFILE
     if trainer_graphs and corun_priority == "normal":

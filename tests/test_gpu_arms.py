@@ -204,7 +204,9 @@ def test_an_arm_on_an_h100_is_simulated_on_the_h100s_profiles():
     h100, h200 = 79.6, 140.4
     assert sim_profile(None, True, "below-normal", stacks_mps=True, gpu_total_gib=h100) == H100_STACKS_PROFILE
     assert sim_profile(None, True, "below-normal", gpu_total_gib=h100) == H100_ONESTACK_PROFILE
-    assert sim_profile(None, True, gpu_total_gib=h100) == H100_ONESTACK_PROFILE  # dedicated, no MPS
+    assert sim_profile(None, True, gpu_total_gib=h100) == H100_ONESTACK_PROFILE  # one stack, no MPS
+    # A dedicated arm: the stacks profile, so a stacked arm's ratio is over one of the same profile.
+    assert sim_profile(None, True, gpu_total_gib=h100, dedicated=True) == H100_STACKS_PROFILE
     assert sim_profile(None, True, "below-normal", stacks_mps=True, gpu_total_gib=h200) == STACKS_PROFILE
     assert sim_profile(None, True, gpu_total_gib=h200) == DEFAULT_PROFILES["graphed"]
     assert sim_profile(None, False, gpu_total_gib=h100) == DEFAULT_PROFILES["eager"]

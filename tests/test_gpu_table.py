@@ -207,13 +207,14 @@ def test_without_a_profile_each_run_is_simulated_on_its_shipped_profile(tmp_path
     h100 = [{"gpu": {"name": "NVIDIA H100 80GB HBM3", "total_gib": 79.6},
              "sharing_controls": {"trainer_priority": "below-normal"}, "workers": {"trainer0": {"step_mode": "graphed"}}}]
     runs = _simulated(tmp_path, (("ded", dict(policy="dedicated", sharing="none")),
-                                 ("k2", dict(policy="shared-sync", sharing="mps", stacks=2))),
+                                 ("k2", dict(policy="shared-sync", sharing="mps", stacks=2)),
+                                 ("ovl", dict(policy="overlap", groups=2, sharing="mps"))),
                       diagnostics=h100, jobs=4, steps=2, seed=1, profile=H100_STACKS_PROFILE)
     table = main(runs + ["--out", str(tmp_path / "t")])
     by_policy = {label.split("/")[0]: seeds["1"] for label, seeds in table["arms"].items()}
-    assert by_policy["shared-sync"]["sim_profile"] == H100_STACKS_PROFILE
-    assert by_policy["dedicated"]["sim_profile"] == H100_ONESTACK_PROFILE
-    assert table["shipped_profiles"] == {H100_ONESTACK_PROFILE: 1, H100_STACKS_PROFILE: 1}
+    assert by_policy["shared-sync"]["sim_profile"] == H100_STACKS_PROFILE == by_policy["dedicated"]["sim_profile"]
+    assert by_policy["overlap"]["sim_profile"] == H100_ONESTACK_PROFILE
+    assert table["shipped_profiles"] == {H100_ONESTACK_PROFILE: 1, H100_STACKS_PROFILE: 2}
     assert f"each run's shipped profile (`{H100_ONESTACK_PROFILE}`: 1 run, " in (tmp_path / "t.md").read_text()
     one = main(runs + ["--out", str(tmp_path / "t2"), "--profile", DEFAULT_PROFILE])
     assert {r["1"]["sim_profile"] for r in one["arms"].values()} == {DEFAULT_PROFILE} and "shipped_profiles" not in one

@@ -1324,7 +1324,8 @@ def test_validate_without_a_profile_takes_the_shipped_one_that_describes_the_run
     assert profile(eager) == DEFAULT_PROFILES["eager"]
     assert profile(ded) == STACKS_PROFILE  # an H200's graphed dedicated run: the stacks profile's newer engine
     assert profile(k2) == STACKS_PROFILE and profile(k2_h100) == H100_STACKS_PROFILE
-    assert profile(_recorded_as(run("ded-h100", policy="dedicated"), gpu_gib=79.6)) == H100_ONESTACK_PROFILE
+    assert profile(_recorded_as(run("ded-h100", policy="dedicated"), gpu_gib=79.6)) == H100_STACKS_PROFILE
+    assert profile(_recorded_as(run("ovl-h100", policy="overlap", sharing="mps"), gpu_gib=79.6)) == H100_ONESTACK_PROFILE
     assert profile(ovl_low) == DEFAULT_PROFILES["graphed"] and profile(ovl_normal) == GRAPHED_NORMAL_PRIORITY_PROFILE
     assert runs_profile([str(ded), str(k2)]) == STACKS_PROFILE  # an H200 day: the stacks profile
     assert runs_profile([str(ovl_low), str(k2)]) == STACKS_PROFILE  # one stack beside stacks too
