@@ -67,7 +67,8 @@ def _add_arm_flags(p: argparse.ArgumentParser, config_help: str = "") -> None:
 # (nodus.config.shipped_profile picks among them by an arm's trainer, stacks and GPU.)
 SHIPPED_ROLES = (("default", DEFAULT_PROFILE), ("stacks or graphed dedicated on an H200", STACKS_PROFILE),
                  ("graphed, one stack sharing on an H200", DEFAULT_PROFILES["graphed"]),
-                 ("stacks on an H100 80GB", H100_STACKS_PROFILE), ("one stack on an H100 80GB", H100_ONESTACK_PROFILE))
+                 ("stacks or graphed dedicated on an H100 80GB", H100_STACKS_PROFILE),
+                 ("one stack sharing on an H100 80GB", H100_ONESTACK_PROFILE))
 
 
 def cmd_profiles(a: argparse.Namespace) -> int:

@@ -147,7 +147,7 @@ def test_profiles_lists_each_shipped_profile_with_its_error_bar(capsys):
     from nodus.config import DEFAULT_PROFILE, H100_STACKS_PROFILE
 
     assert f"| {DEFAULT_PROFILE} (default) |" in out and f"| {STACKS_PROFILE} (stacks or graphed dedicated on an H200) |" in out
-    assert f"| {H100_STACKS_PROFILE} (stacks on an H100 80GB) |" in out
+    assert f"| {H100_STACKS_PROFILE} (stacks or graphed dedicated on an H100 80GB) |" in out
     # The arms behind each error bar: counted where the annotation has them, named from its
     # configurations where it predates that.
     # (Sessions 51-73: sessions 69 and 72 ran overlap + MPS on one stack, 2 runs and 1.)
