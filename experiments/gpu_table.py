@@ -248,14 +248,12 @@ def build(runs: list[Path], profile: str | None, run_profiles: dict[str, str] | 
                    "arms": {}, "aa": {}}
     shipped: dict[str, str] = {}  # run -> its shipped profile, where no profile was named for it
 
-    def profile_of(rd: Path) -> str:
+    def named(rd: Path) -> str | None:
         hits = [p for prefix, p in (run_profiles or {}).items() if str(rd).startswith(prefix)]
-        if hits or profile:
-            return hits[0] if hits else profile
-        if str(rd) not in shipped:
-            cfg, summary, _ = load_recorded(rd)
-            shipped[str(rd)] = run_profile(cfg, summary)
-        return shipped[str(rd)]
+        return hits[0] if hits else profile
+
+    def profile_of(rd: Path) -> str:
+        return named(rd) or shipped[str(rd)]
 
     # Runs from several day folders (``.../DAY/arms/RUN``) keep to their day: each label carries the
     # day as a setting ("+@session35"), so a run is never a repeat of another day's run and divides
@@ -283,6 +281,8 @@ def build(runs: list[Path], profile: str | None, run_profiles: dict[str, str] | 
     paces: dict[str, dict] = {}  # run -> its pace_of
     for rd in runs:
         cfg, summary, spans = load_recorded(rd)
+        if named(rd) is None:
+            shipped[str(rd)] = run_profile(cfg, summary)
         jobs, seed = len(cfg["jobs"]), int(cfg.get("seed", summary.get("seed", 0)))
         sim = _simulate(recorded_configs(rd, cfg, spans, profile_of(rd))[0], f"{rd}/config.json")
         plain = arm_label(cfg["arm"], summary, cfg.get("trainer")) + (f"+@{days[str(rd)]}"
