@@ -267,14 +267,16 @@ def beside_engines_table(rows: list[dict], key: str = "beside_engines") -> list[
             if t["n"] and t["m"] > 0]
 
 
-def load_recorded(run_dir: Path) -> tuple[dict, dict, list[dict]]:
+def load_recorded(run_dir: Path, spans: bool = True) -> tuple[dict, dict, list[dict]]:
+    """A recorded run's config, summary and spans (``spans`` False: [] for them, unread; the
+    folder must still hold them)."""
     for f in ("config.json", "summary.json", "spans.jsonl"):
         if not stored(run_dir / f).is_file():  # spans.jsonl may be kept as spans.jsonl.gz
             raise ConfigError(f"{str(run_dir)!r} is not a recorded run: {f} is missing")
     cfg = json.loads((run_dir / "config.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
-    spans = [json.loads(x) for x in read_text(run_dir / "spans.jsonl").splitlines() if x.strip()]
-    return cfg, summary, spans
+    rows = [json.loads(x) for x in read_text(run_dir / "spans.jsonl").splitlines() if x.strip()] if spans else []
+    return cfg, summary, rows
 
 
 def jobs_per_gpu(cfg: dict) -> int:

@@ -359,7 +359,7 @@ def runs_profile(runs: list[str]) -> str:
 
     by: dict[str, list[str]] = {}
     for rd in runs:
-        cfg, summary, _ = load_recorded(Path(rd))
+        cfg, summary, _ = load_recorded(Path(rd), spans=False)  # validate reads the spans
         by.setdefault(run_profile(cfg, summary), []).append(str(rd))
     if set(by) == {DEFAULT_PROFILES["graphed"], STACKS_PROFILE}:
         return STACKS_PROFILE
