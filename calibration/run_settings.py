@@ -8,7 +8,7 @@ and the GPU table can name what a run's error may come from.
 from __future__ import annotations
 
 from nodus.config import (NO_CORUN_POLICIES, AuditSpec, corun_key, drop_idle_priority, shipped_profile,
-                          stacks_of)
+                          stacks_of, stacks_under_mps)
 
 
 def run_audit(summary: dict) -> dict:
@@ -143,8 +143,8 @@ def run_profile(config: dict, summary: dict) -> str:
     if sharing == "mps" and corun_key(policy, stacks) not in NO_CORUN_POLICIES:
         priority = next((d["sharing_controls"]["trainer_priority"] for d in summary.get("diagnostics", [])
                          if (d.get("sharing_controls") or {}).get("trainer_priority")), "normal")
-    return shipped_profile(graphed, priority, stacks > 1 and sharing == "mps" and policy != "timeslice",
-                           run_gpu_total_gib(summary), dedicated=policy == "dedicated")
+    return shipped_profile(graphed, priority, stacks_under_mps(policy, sharing, stacks), run_gpu_total_gib(summary),
+                           dedicated=policy == "dedicated")
 
 
 # Run settings the profile's terms were not measured with: such a run is simulated with them

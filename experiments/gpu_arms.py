@@ -659,7 +659,7 @@ def main() -> None:
     from calibration.run_health import run_jit_compiles
     from nodus.cli import engine_arg_pairs, env_pairs
     from nodus.config import (NO_CORUN_POLICIES, ConfigError, corun_key, drop_idle_priority, engine_args_size_graphs,
-                              graph_sizes_given)
+                              graph_sizes_given, stacks_under_mps)
     from nodus.microbatch import mb_tag
     from nodus.realrun import ClusterPool
     from nodus.runner import n_stacks, run_arm, size_engine_slots, stack_jobs
@@ -891,7 +891,7 @@ def main() -> None:
                 corun = sharing == "mps" and corun_key(policy, stacks) not in NO_CORUN_POLICIES
                 profile = sim_profile(args.profile, arm_opts.trainer_graphs,
                                       arm_opts.trainer_priority if corun else None,
-                                      stacks > 1 and sharing == "mps" and policy != "timeslice",
+                                      stacks_under_mps(policy, sharing, stacks),
                                       gpu_mem[1] if gpu_mem else None, policy == "dedicated")
                 pred = simulate(engine_args_size_graphs(config_from_args(
                     workload(n, arm_mb, arm_wait, arm_share), policy=policy, groups=g, sharing=sharing,

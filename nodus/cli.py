@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from nodus.config import (DEFAULT_PROFILE, DEFAULT_PROFILES, GPUS, H100_ONESTACK_PROFILE, H100_STACKS_PROFILE,
-                          POLICIES, SHARINGS, STACKS_PROFILE, ConfigError, RunConfig, load_config, planning_profile)
+                          POLICIES, SHARINGS, STACKS_PROFILE, ConfigError, RunConfig, load_config, planning_profile,
+                          stacks_under_mps)
 from calibration.measure import DECODE_MODELS, DECODE_OUTLIER
 from calibration.fit_runs import TERM_SELECTIONS
 from sim.profile import ADAPTER_FORMATS, LORA_KERNELS, RATE_MAX, STEP_MODES
@@ -187,7 +188,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     if a.profile is None and "profile" not in (data or {}):
         # No profile chosen: the GPU's shipped one for the arm (stacks under MPS: the one with the
         # stacks' rates).
-        stacks_mps = (cfg.arm.stacks or 1) > 1 and cfg.arm.sharing == "mps" and cfg.arm.policy != "timeslice"
+        stacks_mps = stacks_under_mps(cfg.arm.policy, cfg.arm.sharing, cfg.arm.stacks)
         chosen = planning_profile(a.gpu, stacks_mps)
         if a.gpu != "h200":
             print(f"nodus: --gpu {a.gpu}: profile {chosen}, the shipped one for "

@@ -522,6 +522,12 @@ H100_ONESTACK_PROFILE = "h100-xeon16-graphed-calibrated-onestack-floor-session70
 H100_MAX_TOTAL_GIB = 100.0
 
 
+def stacks_under_mps(policy: str | None, sharing: str | None, stacks: int | None) -> bool:
+    """Whether an arm runs several engine + trainer stacks under MPS (arm.stacks > 1, not
+    timeslice, whose stacks are its groups): the arms the stacks profiles price."""
+    return (stacks or 1) > 1 and sharing == "mps" and policy != "timeslice"
+
+
 def shipped_profile(trainer_graphs: bool, corun_priority: str | None = None, stacks_mps: bool = False,
                     gpu_total_gib: float | None = None, dedicated: bool = False) -> str:
     """The shipped profile that describes an arm: by its trainer (``trainer_graphs``: the graphed
