@@ -172,12 +172,6 @@ def runs_by_gpu(spans: list[dict]) -> list[list[Span]]:
     return [runs[g] for g in sorted(runs)]
 
 
-def recorded_pace(spans: list[dict]) -> dict:
-    """``pace_of`` for a recorded run's spans (spans.jsonl rows; each row's ``gpu`` is its run's:
-    a dedicated run holds one GPU a job)."""
-    return pace_of(runs_by_gpu(spans))
-
-
 def projected_steps_per_gpu_hour(summary: dict, steps_per_job: int) -> float | None:
     """Steps per GPU-hour of the same jobs run for ``steps_per_job`` steps each: the summary's ramp
     (start and drain, paid once) plus every step at the steady pace. None without a pace."""

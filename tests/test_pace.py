@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nodus.accounting import (own_pace_steps_per_gpu_hour, pace_of, projected_steps_per_gpu_hour, recorded_pace,
+from nodus.accounting import (own_pace_steps_per_gpu_hour, pace_of, projected_steps_per_gpu_hour,
                               runs_by_gpu, summarize)
 from nodus.messages import Span
 from nodus.simulate import config_from_args, simulate
@@ -64,7 +64,7 @@ def test_no_pace_without_two_generations_a_job():
 def test_recorded_spans_split_by_gpu():
     rows = [dict(sp.to_dict(), gpu=0) for sp in _cycle("a", 4, 1.0)]
     rows += [dict(sp.to_dict(), gpu=1) for sp in _cycle("b", 4, 2.0, gen=1.2, train=0.6)]
-    p = recorded_pace(json.loads(json.dumps(rows)))
+    p = pace_of(runs_by_gpu(json.loads(json.dumps(rows))))
     assert p["jobs"] == 2 and p["pace_steps_per_gpu_hour"] == pytest.approx(2 / 3.0 * 3600)
 
 
